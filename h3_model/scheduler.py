@@ -68,7 +68,7 @@ class Schedule:
         # x0 uses the sigma recovered from the timestep the model saw, while the blend ratio uses
         # the grid: below sigma 0.5 the fp32 round trip 1 - (1 - sigma) is not exact.
         t = self.timesteps[index].to(sample.device, sample.dtype)
-        x0 = sample + (1 - t) * velocity.to(sample.dtype)
+        x0 = sample + (1 - t) * velocity
         compute = torch.float32 if sample.dtype in (torch.float16, torch.bfloat16) else sample.dtype
         sigma = self.sigmas[index].to(sample.device, compute)
         sigma_next = self.sigmas[index + 1].to(sample.device, compute)

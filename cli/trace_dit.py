@@ -1,0 +1,42 @@
+"""`h3-spark trace-dit`: one DiT forward on stored inputs, velocities written for the oracle."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub, name: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help="run one DiT forward on stored inputs (parity debugging)",
+                       description="One DiT forward on inputs stored under diffusers' forward argument names; "
+                                   "writes `sample` and `audio_sample` (all video and audio rows).")
+    p.add_argument("--checkpoint", required=True, help="DiT checkpoint: diffusers folder or single file")
+    p.add_argument("--inputs", required=True, help="safetensors file with the forward inputs")
+    p.add_argument("--out", required=True, help="safetensors file to write the velocities to")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--partition", choices=["t2va", "ref2va"], default=None,
+                   help="which DiT when the checkpoint folder holds both")
+    return p
+
+
+def run(args) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    from ..h3_model.checkpoint import load_dit
+    from ..h3_model.errors import InputError
+    from ..h3_model.trace import DTYPES, read_inputs, run_trace
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"--device {args.device} asked for, but this machine has no CUDA GPU")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise InputError(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    inputs = read_inputs(args.inputs)
+    model = load_dit(args.checkpoint, dtype=DTYPES[args.dtype], device=args.device, partition=args.partition)
+    outputs, seconds = run_trace(model, inputs, args.device)
+    save_file(outputs, args.out, metadata={"dtype": args.dtype, "device": args.device})
+    print(json.dumps({"out": str(args.out), "sample": list(outputs["sample"].shape),
+                      "audio_sample": list(outputs["audio_sample"].shape), "dtype": args.dtype,
+                      "device": args.device, "seconds": round(seconds, 4)}))
+    return 0
