@@ -88,16 +88,32 @@ class Attention(nn.Module):
         self.norm_k = nn.RMSNorm(head_dim, eps=eps)
         self.to_out = nn.ModuleList([nn.Linear(inner, hidden_size, bias=False)])
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                attention: AttentionFn) -> torch.Tensor:
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Raw q, k, v as (B, S, H, D). Fast linear formats replace the three modules, not this method."""
         b, s, _ = x.shape
-        q = self.norm_q(self.to_q(x).view(b, s, self.heads, self.head_dim))
-        k = self.norm_k(self.to_k(x).view(b, s, self.heads, self.head_dim))
-        v = self.to_v(x).view(b, s, self.heads, self.head_dim)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        shape = (b, s, self.heads, self.head_dim)
+        return self.to_q(x).view(shape), self.to_k(x).view(shape), self.to_v(x).view(shape)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                attention: AttentionFn, qk_prep: "QKPrep | None" = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.project_qkv(x)
+        q, k = (qk_prep or reference_qk_prep)(self, q, k, rope)
         out = attention(q, k, v).reshape(b, s, self.heads * self.head_dim).to(q.dtype)
         return self.to_out[0](out)
+
+
+def reference_qk_prep(attn: Attention, q: torch.Tensor, k: torch.Tensor,
+                      rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head QK RMSNorm then partial RoPE; fused kernels (kernels/) replace this as a whole."""
+    q, k = attn.norm_q(q), attn.norm_k(k)
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    return q, k
+
+
+QKPrep = Callable[[Attention, torch.Tensor, torch.Tensor, "tuple[torch.Tensor, torch.Tensor] | None"],
+                  "tuple[torch.Tensor, torch.Tensor]"]
 
 
 class _UpProjection(nn.Module):
@@ -148,6 +164,11 @@ class RowModulation:
     def __init__(self, rows: torch.Tensor, use_segments: bool):
         self.rows = rows
         self.segs = segments(rows) if use_segments else None
+
+    def norm_modulate(self, norm: nn.RMSNorm, x: torch.Tensor, shift: torch.Tensor,
+                      scale: torch.Tensor) -> torch.Tensor:
+        """RMSNorm then shift/scale; a fused kernel overrides this pair as one."""
+        return self.modulate(norm(x), shift, scale)
 
     def modulate(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if self.segs is None:
@@ -203,10 +224,13 @@ class Block(nn.Module):
         self.adaln_proj = AdaLNProjection(c.time_embed_dim, c.hidden_size)
 
     def forward(self, x: torch.Tensor, table: torch.Tensor, mod: RowModulation,
-                rope: tuple[torch.Tensor, torch.Tensor], attention: AttentionFn, mlp_chunks: int = 1) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor], attention: AttentionFn, mlp_chunks: int = 1,
+                qk_prep: QKPrep | None = None) -> torch.Tensor:
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = table.chunk(ADALN_VECTORS, dim=-1)
-        x = mod.gated_add(x, gate_a, self.attn(mod.modulate(self.norm1(x), shift_a, scale_a), rope, attention))
-        return mod.gated_add(x, gate_m, self.ff(mod.modulate(self.norm2(x), shift_m, scale_m), mlp_chunks))
+        h = mod.norm_modulate(self.norm1, x, shift_a, scale_a)
+        x = mod.gated_add(x, gate_a, self.attn(h, rope, attention, qk_prep))
+        h = mod.norm_modulate(self.norm2, x, shift_m, scale_m)
+        return mod.gated_add(x, gate_m, self.ff(h, mlp_chunks))
 
 
 class TimeEmbedding(nn.Module):
@@ -260,7 +284,10 @@ class H3DiT(nn.Module):
         for name, param in self.named_parameters():
             param.data = param.data.to(torch.float32 if keeps_fp32(name, c) else dtype)
         self.dtype_ = dtype
+        # Swappable compute (kernels/ provides fast versions; the defaults are the references).
         self.attention: AttentionFn = sdpa
+        self.qk_prep: QKPrep | None = None
+        self.modulation_cls: type[RowModulation] = RowModulation
         self.use_segments = True
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._modulation_cache: dict[float, tuple[list[torch.Tensor], torch.Tensor]] = {}
@@ -411,9 +438,9 @@ class H3DiT(nn.Module):
         x = x.index_copy(1, video_indices, video.to(x.dtype))
         x = x.index_copy(1, audio_indices, audio.to(x.dtype))
 
-        mod = RowModulation(adaln_rows(timestep_indices, token_tags), self.use_segments)
+        mod = self.modulation_cls(adaln_rows(timestep_indices, token_tags), self.use_segments)
         for i, blk in enumerate(self.transformer_blocks):
-            x = blk(x, tables.blocks[i], mod, rope, self.attention, mlp_chunks)
+            x = blk(x, tables.blocks[i], mod, rope, self.attention, mlp_chunks, self.qk_prep)
             if step_callback is not None:
                 step_callback(i)
 
