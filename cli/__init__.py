@@ -14,6 +14,7 @@ import sys
 # they can, so `h3-spark --help` stays fast.
 COMMANDS = {
     "trace-dit": "trace_dit",
+    "bench": "bench",
 }
 
 

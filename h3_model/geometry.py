@@ -106,3 +106,31 @@ def audio_latent_frames(num_frames: int, fps: float = FPS) -> int:
 
 def latent_size(height: int, width: int) -> tuple[int, int]:
     return height // VAE_SPATIAL, width // VAE_SPATIAL
+
+
+REFERENCE_MAX_SHORT_EDGE = 2048
+REFERENCE_POLICIES = ("match", "max", "diffusers")
+
+
+def reference_size(policy: str, src_width: int, src_height: int, canvas_width: int, canvas_height: int,
+                   *, multiple: int = CANVAS_MULTIPLE) -> tuple[int, int]:
+    """(height, width) an image reference is resized to.
+
+    `match` (ComfyUI's default): scaled down to the generation's pixel area, never up.
+    `max`: scaled down to a 2048 px short edge, never up.
+    `diffusers`: resized to a 2048 px short edge, upscaling included (diffusers' behaviour).
+    The aspect ratio is kept and both sides are rounded to the canvas multiple.
+    """
+    if src_width <= 0 or src_height <= 0:
+        raise InputError(f"reference image size must be positive, got {src_width}x{src_height}")
+    if policy == "match":
+        scale = min(1.0, math.sqrt(canvas_width * canvas_height / (src_width * src_height)))
+    elif policy == "max":
+        scale = min(1.0, REFERENCE_MAX_SHORT_EDGE / min(src_width, src_height))
+    elif policy == "diffusers":
+        scale = REFERENCE_MAX_SHORT_EDGE / min(src_width, src_height)
+    else:
+        raise InputError(f"reference size policy must be one of {', '.join(REFERENCE_POLICIES)}, got {policy!r}")
+    height = max(multiple, round(src_height * scale / multiple) * multiple)
+    width = max(multiple, round(src_width * scale / multiple) * multiple)
+    return height, width

@@ -1,0 +1,1 @@
+"""Benchmark runner: contracts in benchmarks/, measured results in receipts/."""

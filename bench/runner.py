@@ -1,0 +1,188 @@
+"""Measure one contract: DiT forward speed, memory and, optionally, diffusers side by side.
+
+Every number comes from this process on this device: medians of warm repeats timed with CUDA
+events (host clock on the CPU), warm-up excluded; ratios compare runs made here, one after the
+other, on the same weights and inputs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from ..h3_model.config import DiTConfig
+from ..h3_model.scheduler import CONDITION_AUDIO_T, CONDITION_VIDEO_T, JointSchedule
+from ..h3_model.sampler import schedule_timestep_values
+from .contract import BenchShape, Contract, check_limits, contract_shape
+
+
+def time_call(fn: Callable[[], object], device: str, warmup: int, repeats: int) -> list[float]:
+    """Seconds per call for `repeats` warm calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(shape: BenchShape, config: DiTConfig, device: str, seed: int, step: int,
+                schedule: JointSchedule) -> dict:
+    """Random latents and prompt embeddings for one step of the contract's schedule."""
+    lay = shape.layout
+    gen = torch.Generator().manual_seed(seed)
+    tv, ta = schedule.step_timesteps(step)
+    ts, tidx = lay.row_timesteps(tv, ta, max(tv, CONDITION_VIDEO_T), CONDITION_AUDIO_T)
+    host = dict(
+        hidden_states=torch.randn(1, lay.video_indices.numel(), config.video_patch_dim, generator=gen),
+        audio_hidden_states=torch.randn(1, lay.audio_indices.numel(), config.audio_in_channels, generator=gen),
+        encoder_hidden_states=torch.randn(1, lay.num_text, config.text_dim, generator=gen).to(torch.bfloat16),
+        timestep=ts, timestep_indices=tidx, token_tags=lay.token_tags, position_ids=lay.position_ids.float(),
+        video_indices=lay.video_indices, audio_indices=lay.audio_indices, text_indices=lay.text_indices)
+    return {k: v.to(device) for k, v in host.items()}
+
+
+def _peak(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else None
+
+
+def _reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+@torch.inference_mode()
+def bench_ours(model, shape: BenchShape, inputs: dict, contract: Contract, device: str) -> dict:
+    lay = shape.layout
+    schedule = JointSchedule.create(contract["steps"])
+    model.precompute_modulation(schedule_timestep_values(lay, schedule))
+    text = model.encode_text(inputs["encoder_hidden_states"])
+    target_v = torch.arange(lay.num_condition_video_rows, lay.video_indices.numel(), device=device)
+    target_a = torch.arange(lay.num_condition_audio_rows, lay.audio_indices.numel(), device=device)
+    step_kwargs = {**inputs, "encoder_hidden_states": None}
+
+    def sampled():
+        return model(**step_kwargs, text_embeds=text, output_video_rows=target_v, output_audio_rows=target_a)
+
+    def full():
+        return model(**inputs)
+
+    warmup, repeats = contract["warmup"], contract["repeats"]
+    _reset_peak(device)
+    sampled_times = time_call(sampled, device, warmup, repeats)
+    peak = _peak(device)
+    full_times = time_call(full, device, 1, max(1, repeats // 2))
+    return {
+        "dit_forward_s_median": statistics.median(sampled_times),
+        "dit_forward_s_all": sampled_times,
+        "dit_forward_full_s_median": statistics.median(full_times),
+        "peak_gpu_memory_gb": peak,
+    }
+
+
+@torch.inference_mode()
+def bench_diffusers(model, inputs: dict, contract: Contract, device: str, backends: list[str],
+                    compile_blocks: bool) -> dict:
+    from .diffusers_ref import diffusers_twin, forward_kwargs, set_backend
+
+    twin = diffusers_twin(model)
+    kwargs = forward_kwargs(inputs)
+    ours_v, ours_a = model(**inputs)
+    out: dict = {"configs": {}}
+    reference = None
+    for backend in backends:
+        set_backend(twin, backend)
+        name = backend
+        if compile_blocks and backend == backends[-1]:
+            twin.compile_repeated_blocks(fullgraph=True)
+            name = f"{backend}+compile"
+        res = twin(**kwargs)
+        times = time_call(lambda: twin(**kwargs), device, contract["warmup"] + (2 if "compile" in name else 0),
+                          contract["repeats"])
+        entry = {"forward_s_median": statistics.median(times), "forward_s_all": times}
+        if reference is None:
+            reference = (res.sample.float(), res.audio_sample.float())
+            entry["role"] = "reference for velocity parity"
+        else:
+            entry["rel_l2_vs_reference_backend"] = rel_l2(torch.cat([res.sample.flatten(), res.audio_sample.flatten()]),
+                                                          torch.cat([reference[0].flatten(), reference[1].flatten()]))
+        out["configs"][name] = entry
+    ref_all = torch.cat([reference[0].flatten(), reference[1].flatten()])
+    out["velocity_rel_l2_vs_diffusers"] = rel_l2(torch.cat([ours_v.flatten(), ours_a.flatten()]), ref_all)
+    out["velocity_rel_l2_video"] = rel_l2(ours_v, reference[0])
+    out["velocity_rel_l2_audio"] = rel_l2(ours_a, reference[1])
+    floors = [e["rel_l2_vs_reference_backend"] for e in out["configs"].values() if "rel_l2_vs_reference_backend" in e]
+    out["noise_floor_rel_l2"] = min(floors) if floors else None
+    set_backend(twin, backends[0])
+    out["blockwise_rel_l2"] = blockwise(model, twin, inputs)
+    best = min(e["forward_s_median"] for e in out["configs"].values())
+    out["diffusers_best_forward_s"] = best
+    out["diffusers_default_forward_s"] = out["configs"][backends[0]]["forward_s_median"]
+    return out
+
+
+def blockwise(model, twin, inputs: dict) -> list[float]:
+    """rel L2 of every block's output, ours vs diffusers, on the same inputs (cumulative)."""
+    ours_out: list[torch.Tensor] = []
+    hooks = [blk.register_forward_hook(lambda m, a, o: ours_out.append(o.detach())) for blk in model.transformer_blocks]
+    try:
+        model(**inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    errors: list[float] = []
+
+    def compare(module, args, output):
+        errors.append(rel_l2(output.float(), ours_out[len(errors)].float()))
+        ours_out[len(errors) - 1] = None  # free as we go
+
+    hooks = [blk.register_forward_hook(compare) for blk in twin.transformer_blocks]
+    try:
+        from .diffusers_ref import forward_kwargs
+
+        twin(**forward_kwargs(inputs))
+    finally:
+        for h in hooks:
+            h.remove()
+    return errors
+
+
+def run(contract: Contract, model, device: str, *, vs_diffusers: bool, diffusers_backends: list[str],
+        diffusers_compile: bool, weights: str, backends_used: dict) -> dict:
+    shape = contract_shape(contract, model.config)
+    schedule = JointSchedule.create(contract["steps"])
+    inputs = make_inputs(shape, model.config, device, contract["seed"], len(schedule) // 2, schedule)
+    result = {"contract": contract["name"], "sequence_length": shape.layout.sequence_length,
+              "contract_sequence_length": contract["sequence_length"], "weights": weights,
+              "backends": backends_used, "device": device, "steps_evaluations": len(schedule),
+              "measured_step": len(schedule) // 2}
+    result.update(bench_ours(model, shape, inputs, contract, device))
+    if vs_diffusers:
+        d = bench_diffusers(model, inputs, contract, device, diffusers_backends, diffusers_compile)
+        result["diffusers"] = d
+        for key in ("velocity_rel_l2_vs_diffusers", "noise_floor_rel_l2"):
+            result[key] = d[key]
+        result["speedup_vs_diffusers"] = d["diffusers_best_forward_s"] / result["dit_forward_s_median"]
+        result["speedup_vs_diffusers_default"] = d["diffusers_default_forward_s"] / result["dit_forward_s_median"]
+        result["speedup_full_work_vs_diffusers"] = d["diffusers_best_forward_s"] / result["dit_forward_full_s_median"]
+    result["limits"] = check_limits(contract, result)
+    return result

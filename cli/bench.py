@@ -1,0 +1,78 @@
+"""`h3-spark bench`: measure a benchmark contract and write a stamped result (a receipt)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(sub, name: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help="measure a benchmark contract (GPU) and write a stamped result",
+                       description="Measure the DiT of a benchmark contract; optionally diffusers side by side.")
+    p.add_argument("--contract", required=True, help="benchmarks/<name>.json")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="DiT checkpoint (any format the engine reads)")
+    src.add_argument("--synthetic", action="store_true",
+                     help="random full-size weights built on the device (timing is weight-independent; "
+                          "the result says so)")
+    p.add_argument("--preset", choices=["full", "tiny"], default="full", help="model size for --synthetic")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    p.add_argument("--vs", choices=["diffusers"], default=None, help="also run diffusers on the same weights")
+    p.add_argument("--diffusers-backends", default="native",
+                   help="comma-separated diffusers attention backends; the first is the parity reference, "
+                        "another exact one gives the noise floor (default: native plus a second exact backend)")
+    p.add_argument("--diffusers-compile", action="store_true",
+                   help="regional torch.compile on the last diffusers backend (diffusers' best set-up)")
+    p.add_argument("--repeats", type=int, default=None, help="override the contract's repeat count")
+    p.add_argument("--out", required=True, help="result JSON path")
+    return p
+
+
+def run(args) -> int:
+    import torch
+
+    from ..bench import runner, stamp
+    from ..bench.contract import load_contract
+    from ..bench.synthetic import synthetic_dit
+    from ..h3_model.config import preset
+    from ..h3_model.errors import InputError
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("--device cuda asked for, but this machine has no CUDA GPU")
+    contract = load_contract(args.contract)
+    if args.repeats is not None:
+        if args.repeats < 1:
+            raise InputError(f"--repeats must be at least 1, got {args.repeats}")
+        contract.data["repeats"] = args.repeats
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    record = stamp.stamp_before()
+    if args.synthetic:
+        model = synthetic_dit(preset(args.preset), dtype, device, seed=contract["seed"])
+        weights = f"synthetic random N(0, 0.02) weights, preset {args.preset}, built on the device " \
+                  "(real H3 weights are not available here; timing does not depend on weight values)"
+    else:
+        from ..h3_model.checkpoint import load_dit
+
+        model = load_dit(args.checkpoint, dtype=dtype, device=device)
+        weights = f"checkpoint {args.checkpoint}"
+    backends = {"attention": "sdpa", "linear": str(dtype).replace("torch.", "")}
+    diff_backends = [b for b in args.diffusers_backends.split(",") if b]
+    if args.vs and len(diff_backends) == 1:
+        diff_backends.append("_native_flash" if device.startswith("cuda") else "_native_math")
+    result = runner.run(contract, model, device, vs_diffusers=args.vs == "diffusers",
+                        diffusers_backends=diff_backends, diffusers_compile=args.diffusers_compile,
+                        weights=weights, backends_used=backends)
+    result["dtype"] = args.dtype
+    result["stamp"] = stamp.stamp_after(record)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    summary = {k: result.get(k) for k in ("contract", "sequence_length", "dit_forward_s_median",
+                                          "dit_forward_full_s_median", "peak_gpu_memory_gb", "speedup_vs_diffusers",
+                                          "velocity_rel_l2_vs_diffusers", "noise_floor_rel_l2")}
+    summary["out"] = str(out)
+    print(json.dumps(summary))
+    return 0

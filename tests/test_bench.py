@@ -1,0 +1,75 @@
+"""The bench runner end to end on the CPU (tiny synthetic model, tiny contract), and contract checks."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from h3_spark.bench.contract import check_limits, contract_shape, load_contract
+from h3_spark.cli import main
+from h3_spark.h3_model.config import FULL
+from h3_spark.h3_model.errors import InputError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["t2va-960x544-124f", "ref2va-960x544-124f"])
+def test_contract_sequence_length_is_what_the_layout_builds(name):
+    contract = load_contract(ROOT / "benchmarks" / f"{name}.json")
+    shape = contract_shape(contract, FULL)
+    assert shape.layout.sequence_length == contract["sequence_length"]
+    assert contract["limits"]["sequence_length"]["equals"] == contract["sequence_length"]
+
+
+def test_t2va_contract_matches_the_spec_count():
+    # Spec §2.3 (a): S = 19,540 = 256 text + 414 audio + 18,870 video.
+    shape = contract_shape(load_contract(ROOT / "benchmarks" / "t2va-960x544-124f.json"), FULL)
+    assert (shape.layout.num_text, shape.layout.audio_indices.numel(), shape.layout.video_indices.numel()) == \
+        (256, 414, 18870)
+
+
+def test_bench_cpu_vs_diffusers(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    code = main(["bench", "--contract", str(ROOT / "tests" / "data" / "tiny-ref2va.json"), "--synthetic",
+                 "--preset", "tiny", "--dtype", "float32", "--device", "cpu", "--vs", "diffusers",
+                 "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["sequence_length"] == 178
+    assert result["velocity_rel_l2_vs_diffusers"] <= 1e-5  # same fp32 numerics as the oracle
+    assert len(result["diffusers"]["blockwise_rel_l2"]) == 2 and max(result["diffusers"]["blockwise_rel_l2"]) <= 1e-5
+    assert result["dit_forward_s_median"] > 0 and len(result["dit_forward_s_all"]) == 2
+    assert "synthetic" in result["weights"]
+    assert result["stamp"]["software"]["torch"]
+    assert all(v["ok"] for v in result["limits"].values())
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["out"] == str(out)
+
+
+def test_limits_verdicts():
+    contract = load_contract(ROOT / "benchmarks" / "t2va-960x544-124f.json")
+    verdicts = check_limits(contract, {"sequence_length": 19540, "peak_gpu_memory_gb": 99.0,
+                                       "velocity_rel_l2_vs_diffusers": 0.05, "noise_floor_rel_l2": 0.04})
+    assert verdicts["sequence_length"]["ok"] is True
+    assert verdicts["peak_gpu_memory_gb"]["ok"] is False
+    assert verdicts["velocity_rel_l2_vs_diffusers"]["ok"] is True
+    assert verdicts["speedup_vs_diffusers"]["ok"] is None
+
+
+def test_bad_contracts(tmp_path):
+    with pytest.raises(InputError, match="no such contract file"):
+        load_contract(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(InputError, match="not valid JSON"):
+        load_contract(bad)
+    bad.write_text(json.dumps({"name": "x"}))
+    with pytest.raises(InputError, match="contract lacks mode"):
+        load_contract(bad)
+
+
+def test_bench_cli_errors(tmp_path, capsys):
+    code = main(["bench", "--contract", str(tmp_path / "nope.json"), "--synthetic", "--out", str(tmp_path / "o.json"),
+                 "--device", "cpu"])
+    assert code == 2
+    assert "no such contract file" in capsys.readouterr().err
