@@ -359,6 +359,11 @@ class H3DiT(nn.Module):
             rows = slice(i * NUM_MODALITIES, (i + 1) * NUM_MODALITIES)
             self._modulation_cache[v] = ([t[rows].clone() for t in tables.blocks], tables.final[i:i + 1].clone())
 
+    def clear_modulation_cache(self) -> None:
+        if self.adaln_released:
+            raise H3Error("the AdaLN weights were released; the precomputed tables are all that is left")
+        self._modulation_cache.clear()
+
     def release_adaln(self) -> int:
         """Drop the AdaLN weights (39 % of the DiT) once every needed table is cached; returns bytes freed."""
         if not self._modulation_cache:
