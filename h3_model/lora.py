@@ -1,0 +1,219 @@
+"""LoRA adapters merged into the DiT weights at load.
+
+Accepted key styles (all map to our diffusers-named parameters):
+- original / ComfyUI names (`blocks.N.attn.qkv_proj`, `token_refiner.blocks.N...`, `final_layer...`),
+  optionally prefixed `diffusion_model.` or `model.diffusion_model.` (ai-toolkit, ComfyUI);
+- diffusers names (`transformer_blocks.N.attn.to_q`), optionally prefixed `transformer.`;
+- musubi-tuner flattened names (`lora_unet_blocks_0_attn_qkv_proj`);
+- pairs named `lora_A`/`lora_B` (peft, with or without a `.default` infix) or `lora_down`/`lora_up`
+  (kohya, with an optional per-layer `.alpha`; a `__metadata__` "alpha" is the network alpha);
+- full deltas `.diff` (weight) / `.diff_b` (bias);
+- full replacement tensors for pruned checkpoints (`adaln_proj.linear.weight|bias`, `adaln_t_table`,
+  also written `.set_weight`), merged as base + strength * (new - base).
+
+A fused qkv LoRA shares lora_A and splits lora_B into q, k, v (stacked, or per-head interleaved
+for DiffSynth's peft dumps); an fc1 LoRA swaps lora_B's halves ([gate; value] -> [value; gate]).
+Keys that map to nothing are an error: a half-applied LoRA is worse than none.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint.keymap import original_layer_to_diffusers, split_qkv, swap_halves
+from .errors import CheckpointError, InputError
+
+_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", "base_model.model.")
+_PAIR = re.compile(r"^(?P<layer>.+?)\.(?:(?P<peft>lora_[AB])(?:\.default)?|(?P<kohya>lora_down|lora_up))\.weight$")
+_REPLACEMENT = re.compile(r"^(?P<layer>.+?)\.(?:set_)?(?P<param>weight|bias)$")
+
+
+@dataclass
+class LoraSpec:
+    path: Path
+    strength: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> "LoraSpec":
+        """`PATH` or `PATH:STRENGTH` (the last colon splits, so Windows drive letters survive)."""
+        path, strength = text, 1.0
+        head, sep, tail = text.rpartition(":")
+        if sep and head:
+            try:
+                strength = float(tail)
+                path = head
+            except ValueError:
+                pass
+        return cls(Path(path), strength)
+
+
+def _strip(key: str) -> str:
+    for prefix in _PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+class _LayerResolver:
+    """Maps a LoRA layer name in any accepted style to (diffusers layer, kind)."""
+
+    def __init__(self, model):
+        self.diffusers_layers = {name.rpartition(".")[0] for name, _ in model.named_parameters()}
+        self.flat: dict[str, str] = {}
+        for layer in self.diffusers_layers:
+            self.flat[layer.replace(".", "_")] = layer
+        for block in range(model.config.num_layers):
+            for name in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2", "adaln_proj.linear"):
+                self.flat[f"blocks.{block}.{name}".replace(".", "_")] = f"blocks.{block}.{name}"
+        for block in range(model.config.num_refiner_layers):
+            for name in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"):
+                original = f"token_refiner.blocks.{block}.{name}"
+                self.flat[original.replace(".", "_")] = original
+        for original in ("video_patch_proj", "audio_patch_proj", "condition_proj", "final_layer.adaln_proj.linear",
+                         "final_layer.video_out", "final_layer.audio_out", "time_embedder.proj_in",
+                         "time_embedder.proj_out"):
+            self.flat[original.replace(".", "_")] = original
+
+    def resolve(self, layer: str) -> str | None:
+        layer = _strip(layer)
+        if layer.startswith("lora_unet_"):
+            layer = self.flat.get(layer[len("lora_unet_"):], "")
+        if layer in self.diffusers_layers:
+            return layer
+        mapped = original_layer_to_diffusers(layer)
+        if mapped is not None and (mapped in self.diffusers_layers or mapped.endswith(".attn.to_qkv")):
+            return mapped
+        return None
+
+
+def read_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise InputError(f"{path}: no such LoRA file")
+    if path.suffix != ".safetensors":
+        raise InputError(f"{path}: LoRAs load from .safetensors only (pickle files are refused)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+    return tensors, metadata
+
+
+def _network_alpha(metadata: dict[str, str]) -> float | None:
+    for key in ("alpha", "ss_network_alpha", "lora_alpha"):
+        if key in metadata:
+            try:
+                return float(metadata[key])
+            except ValueError:
+                raise CheckpointError(f"LoRA metadata {key}={metadata[key]!r} is not a number") from None
+    return None
+
+
+def lora_deltas(model, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                interleaved_qkv: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
+    """(deltas, replacements, unmatched): fp32 weight deltas and full replacement tensors by parameter name."""
+    resolver = _LayerResolver(model)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    deltas: dict[str, torch.Tensor] = {}
+    replacements: dict[str, torch.Tensor] = {}
+    unmatched: list[str] = []
+    alphas = {k[: -len(".alpha")]: v for k, v in tensors.items() if k.endswith(".alpha")}
+    for key, value in tensors.items():
+        if key.endswith(".alpha"):
+            continue
+        m = _PAIR.match(key)
+        if m:
+            part = {"lora_A": "down", "lora_down": "down", "lora_B": "up", "lora_up": "up"}[m["peft"] or m["kohya"]]
+            pairs.setdefault(m["layer"], {})[part] = value
+            continue
+        if key.endswith((".diff", ".diff_b")):
+            layer = resolver.resolve(key.rsplit(".", 1)[0])
+            param = "weight" if key.endswith(".diff") else "bias"
+            if layer is None or layer.endswith("to_qkv"):
+                unmatched.append(key)
+            else:
+                deltas[f"{layer}.{param}"] = deltas.get(f"{layer}.{param}", 0) + value.float()
+            continue
+        if _strip(key) == "adaln_t_table":
+            replacements["adaln_t_table"] = value
+            continue
+        r = _REPLACEMENT.match(key)
+        layer = resolver.resolve(r["layer"]) if r else None
+        if r and layer is not None and (".adaln_proj.linear" in layer or layer == "norm_out.linear"):
+            replacements[f"{layer}.{r['param']}"] = value
+            continue
+        unmatched.append(key)
+
+    network_alpha = _network_alpha(metadata)
+    config = model.config
+    for raw_layer, parts in pairs.items():
+        layer = resolver.resolve(raw_layer)
+        if layer is None or set(parts) != {"down", "up"}:
+            unmatched.append(raw_layer)
+            continue
+        down, up = parts["down"].float(), parts["up"].float()
+        rank = down.shape[0]
+        alpha = alphas.get(raw_layer)
+        alpha = float(alpha) if alpha is not None else (network_alpha if network_alpha is not None else rank)
+        scale = alpha / rank
+        if layer.endswith(".attn.to_qkv"):
+            base = layer[: -len(".to_qkv")]
+            ups = split_qkv(up, config.num_attention_heads, config.attention_head_dim,
+                            "interleaved" if interleaved_qkv else "stacked")
+            for name, u in zip(("to_q", "to_k", "to_v"), ups):
+                deltas[f"{base}.{name}.weight"] = scale * (u @ down)
+            continue
+        if raw_layer.endswith("mlp.fc1") or raw_layer.endswith("mlp_fc1"):
+            up = swap_halves(up)
+        deltas[f"{layer}.weight"] = scale * (up @ down)
+    return deltas, replacements, unmatched
+
+
+@torch.no_grad()
+def apply_loras(model, specs: list[LoraSpec], *, base: dict[str, torch.Tensor] | None = None) -> list[dict]:
+    """Merge each LoRA into the model's weights; returns one report per LoRA."""
+    params = dict(model.named_parameters())
+    reports = []
+    originals: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        tensors, metadata = read_lora(spec.path)
+        interleaved = any(".default." in k for k in tensors)
+        deltas, replacements, unmatched = lora_deltas(model, tensors, metadata, interleaved_qkv=interleaved)
+        if unmatched:
+            raise CheckpointError(
+                f"{spec.path}: {len(unmatched)} LoRA tensors match no H3 layer, e.g. {', '.join(sorted(unmatched)[:3])}"
+            )
+        if not deltas and not replacements:
+            raise CheckpointError(f"{spec.path}: holds no LoRA tensors")
+        for name, delta in deltas.items():
+            param = params.get(name)
+            if param is None:
+                raise CheckpointError(f"{spec.path}: {name} is not a parameter of this model")
+            if tuple(delta.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"{spec.path}: {name} delta {tuple(delta.shape)} does not fit the weight {tuple(param.shape)}"
+                    + (" (a LoRA for full checkpoints on a pruned one?)" if "adaln" in name else "")
+                )
+            param.copy_((param.float() + spec.strength * delta.to(param.device)).to(param.dtype))
+        for name, new in replacements.items():
+            param = params.get(name)
+            if param is None or tuple(new.shape) != tuple(param.shape):
+                want = None if param is None else tuple(param.shape)
+                raise CheckpointError(
+                    f"{spec.path}: replacement {name} {tuple(new.shape)} does not fit this model ({want}); "
+                    "pruned-checkpoint LoRAs need a pruned checkpoint"
+                )
+            # Relative to the loaded base, so two pruned LoRAs add up instead of overwriting each other.
+            start = originals.setdefault(name, (base or {}).get(name, param.detach().float().clone()))
+            param.copy_((param.float() + spec.strength * (new.float().to(param.device) - start.to(param.device)))
+                        .to(param.dtype))
+        reports.append({"path": str(spec.path), "strength": spec.strength, "merged": len(deltas),
+                        "replaced": len(replacements)})
+    return reports
