@@ -2,13 +2,12 @@
 
 ComfyUI imports this folder as a custom-node package and reads NODE_CLASS_MAPPINGS /
 NODE_DISPLAY_NAME_MAPPINGS. Outside ComfyUI (pip install, CLI, tests) importing it must stay
-cheap and must not need ComfyUI, so nothing here imports torch or comfy.
+cheap and must not need ComfyUI, so nothing imported here imports torch or comfy: the node classes
+only describe themselves and import the engine when they run.
 """
 
-__version__ = "0.1.0"
+from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
-# The ComfyUI nodes arrive with the node pack (nodes/); until then the pack registers no node.
-NODE_CLASS_MAPPINGS: dict = {}
-NODE_DISPLAY_NAME_MAPPINGS: dict = {}
+__version__ = "0.1.0"
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "__version__"]

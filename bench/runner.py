@@ -100,11 +100,10 @@ def bench_ours(model, shape: BenchShape, inputs: dict, contract: Contract, devic
 
 
 @torch.inference_mode()
-def bench_diffusers(model, inputs: dict, contract: Contract, device: str, backends: list[str],
+def bench_diffusers(model, twin, inputs: dict, contract: Contract, device: str, backends: list[str],
                     compile_blocks: bool) -> dict:
-    from .diffusers_ref import diffusers_twin, forward_kwargs, set_backend
+    from .diffusers_ref import forward_kwargs, set_backend
 
-    twin = diffusers_twin(model)
     kwargs = forward_kwargs(inputs)
     # Parity runs the reference's work: AdaLN tables computed for this step alone, not from the
     # schedule-wide batched precompute (a different GEMM shape rounds differently in bf16).
@@ -125,6 +124,8 @@ def bench_diffusers(model, inputs: dict, contract: Contract, device: str, backen
         if reference is None:
             reference = (res.sample.float(), res.audio_sample.float())
             entry["role"] = "reference for velocity parity"
+            # Before any compile: forward hooks and compiled blocks do not mix.
+            out["blockwise_rel_l2"] = blockwise(model, twin, inputs)
         else:
             entry["rel_l2_vs_reference_backend"] = rel_l2(torch.cat([res.sample.flatten(), res.audio_sample.flatten()]),
                                                           torch.cat([reference[0].flatten(), reference[1].flatten()]))
@@ -135,8 +136,6 @@ def bench_diffusers(model, inputs: dict, contract: Contract, device: str, backen
     out["velocity_rel_l2_audio"] = rel_l2(ours_a, reference[1])
     floors = [e["rel_l2_vs_reference_backend"] for e in out["configs"].values() if "rel_l2_vs_reference_backend" in e]
     out["noise_floor_rel_l2"] = min(floors) if floors else None
-    set_backend(twin, backends[0])
-    out["blockwise_rel_l2"] = blockwise(model, twin, inputs)
     best = min(e["forward_s_median"] for e in out["configs"].values())
     out["diffusers_best_forward_s"] = best
     out["diffusers_default_forward_s"] = out["configs"][backends[0]]["forward_s_median"]
@@ -144,6 +143,7 @@ def bench_diffusers(model, inputs: dict, contract: Contract, device: str, backen
 
 
 def blockwise(model, twin, inputs: dict) -> list[float]:
+    # Hooks on our Block modules: a fast-linear or fused-modulation swap keeps the Block objects.
     """rel L2 of every block's output, ours vs diffusers, on the same inputs (cumulative)."""
     ours_out: list[torch.Tensor] = []
     hooks = [blk.register_forward_hook(lambda m, a, o: ours_out.append(o.detach())) for blk in model.transformer_blocks]
@@ -169,8 +169,9 @@ def blockwise(model, twin, inputs: dict) -> list[float]:
     return errors
 
 
-def run(contract: Contract, model, device: str, *, vs_diffusers: bool, diffusers_backends: list[str],
+def run(contract: Contract, model, device: str, *, twin, diffusers_backends: list[str],
         diffusers_compile: bool, weights: str, backends_used: dict) -> dict:
+    """`twin`: diffusers' model on the same weights (bench_diffusers), or None for ours alone."""
     shape = contract_shape(contract, model.config)
     schedule = JointSchedule.create(contract["steps"])
     inputs = make_inputs(shape, model.config, device, contract["seed"], len(schedule) // 2, schedule)
@@ -179,8 +180,8 @@ def run(contract: Contract, model, device: str, *, vs_diffusers: bool, diffusers
               "backends": backends_used, "device": device, "steps_evaluations": len(schedule),
               "measured_step": len(schedule) // 2}
     result.update(bench_ours(model, shape, inputs, contract, device))
-    if vs_diffusers:
-        d = bench_diffusers(model, inputs, contract, device, diffusers_backends, diffusers_compile)
+    if twin is not None:
+        d = bench_diffusers(model, twin, inputs, contract, device, diffusers_backends, diffusers_compile)
         result["diffusers"] = d
         for key in ("velocity_rel_l2_vs_diffusers", "noise_floor_rel_l2"):
             result[key] = d[key]

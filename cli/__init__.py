@@ -13,8 +13,13 @@ import sys
 # Sub-command name -> module in this package. Modules import torch lazily inside `run` where
 # they can, so `h3-spark --help` stays fast.
 COMMANDS = {
+    "generate": "generate",
     "trace-dit": "trace_dit",
     "bench": "bench",
+    "inspect": "inspect",
+    "make-checkpoint": "make_checkpoint",
+    "decode": "decode",
+    "serve": "serve",
 }
 
 

@@ -25,6 +25,8 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "another exact one gives the noise floor (default: native plus a second exact backend)")
     p.add_argument("--diffusers-compile", action="store_true",
                    help="regional torch.compile on the last diffusers backend (diffusers' best set-up)")
+    p.add_argument("--attention", default=None, help="attention backend (default: $H3_ATTENTION or auto)")
+    p.add_argument("--linear", default=None, help="block linear format (default: $H3_LINEAR or auto)")
     p.add_argument("--repeats", type=int, default=None, help="override the contract's repeat count")
     p.add_argument("--out", required=True, help="result JSON path")
     return p
@@ -58,13 +60,26 @@ def run(args) -> int:
 
         model = load_dit(args.checkpoint, dtype=dtype, device=device)
         weights = f"checkpoint {args.checkpoint}"
-    backends = {"attention": "sdpa", "linear": str(dtype).replace("torch.", "")}
+    import dataclasses
+
+    from ..kernels.dispatch import apply_kernels
+    from ..kernels.settings import KernelSettings
+
+    settings = KernelSettings.from_env()
+    overrides = {k: v for k, v in (("attention", args.attention), ("linear", args.linear)) if v is not None}
+    settings = dataclasses.replace(settings, **overrides)
+    twin = None
+    if args.vs == "diffusers":
+        from ..bench.diffusers_ref import diffusers_twin
+
+        # Built on our bf16 parameters before any fast linear replaces the modules that hold them.
+        twin = diffusers_twin(model)
+    backends = apply_kernels(model, settings)
     diff_backends = [b for b in args.diffusers_backends.split(",") if b]
     if args.vs and len(diff_backends) == 1:
         diff_backends.append("_native_flash" if device.startswith("cuda") else "_native_math")
-    result = runner.run(contract, model, device, vs_diffusers=args.vs == "diffusers",
-                        diffusers_backends=diff_backends, diffusers_compile=args.diffusers_compile,
-                        weights=weights, backends_used=backends)
+    result = runner.run(contract, model, device, twin=twin, diffusers_backends=diff_backends,
+                        diffusers_compile=args.diffusers_compile, weights=weights, backends_used=backends)
     result["dtype"] = args.dtype
     result["stamp"] = stamp.stamp_after(record)
     out = Path(args.out)

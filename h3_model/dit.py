@@ -99,7 +99,8 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.project_qkv(x)
         q, k = (qk_prep or reference_qk_prep)(self, q, k, rope)
-        out = attention(q, k, v).reshape(b, s, self.heads * self.head_dim).to(q.dtype)
+        # v's dtype, not q's: a low-bit Q/K preparation may hand the backend quantized q and k.
+        out = attention(q, k, v).reshape(b, s, self.heads * self.head_dim).to(v.dtype)
         return self.to_out[0](out)
 
 

@@ -116,13 +116,22 @@ def _network_alpha(metadata: dict[str, str]) -> float | None:
     return None
 
 
-def lora_deltas(model, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
-                interleaved_qkv: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
-    """(deltas, replacements, unmatched): fp32 weight deltas and full replacement tensors by parameter name."""
+@dataclass
+class _Op:
+    """One change to one parameter, resolved (names, shapes) before any arithmetic."""
+
+    kind: str  # "delta" (lora pair or diff) or "replace"
+    param: str
+    shape: tuple[int, ...]
+    compute: object  # () -> fp32 tensor: the delta, or the replacement value
+
+
+def plan_lora(model, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+              interleaved_qkv: bool = False) -> tuple[list[_Op], list[str]]:
+    """(operations, unmatched keys). Products are deferred so merging holds one delta at a time."""
     resolver = _LayerResolver(model)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    deltas: dict[str, torch.Tensor] = {}
-    replacements: dict[str, torch.Tensor] = {}
+    ops: list[_Op] = []
     unmatched: list[str] = []
     alphas = {k[: -len(".alpha")]: v for k, v in tensors.items() if k.endswith(".alpha")}
     for key, value in tensors.items():
@@ -135,19 +144,19 @@ def lora_deltas(model, tensors: dict[str, torch.Tensor], metadata: dict[str, str
             continue
         if key.endswith((".diff", ".diff_b")):
             layer = resolver.resolve(key.rsplit(".", 1)[0])
-            param = "weight" if key.endswith(".diff") else "bias"
             if layer is None or layer.endswith("to_qkv"):
                 unmatched.append(key)
             else:
-                deltas[f"{layer}.{param}"] = deltas.get(f"{layer}.{param}", 0) + value.float()
+                param = "weight" if key.endswith(".diff") else "bias"
+                ops.append(_Op("delta", f"{layer}.{param}", tuple(value.shape), lambda v=value: v.float()))
             continue
         if _strip(key) == "adaln_t_table":
-            replacements["adaln_t_table"] = value
+            ops.append(_Op("replace", "adaln_t_table", tuple(value.shape), lambda v=value: v.float()))
             continue
         r = _REPLACEMENT.match(key)
         layer = resolver.resolve(r["layer"]) if r else None
         if r and layer is not None and (".adaln_proj.linear" in layer or layer == "norm_out.linear"):
-            replacements[f"{layer}.{r['param']}"] = value
+            ops.append(_Op("replace", f"{layer}.{r['param']}", tuple(value.shape), lambda v=value: v.float()))
             continue
         unmatched.append(key)
 
@@ -158,8 +167,10 @@ def lora_deltas(model, tensors: dict[str, torch.Tensor], metadata: dict[str, str
         if layer is None or set(parts) != {"down", "up"}:
             unmatched.append(raw_layer)
             continue
-        down, up = parts["down"].float(), parts["up"].float()
+        down, up = parts["down"], parts["up"]
         rank = down.shape[0]
+        if down.ndim != 2 or up.ndim != 2 or up.shape[1] != rank:
+            raise CheckpointError(f"{raw_layer}: LoRA down {tuple(down.shape)} and up {tuple(up.shape)} do not pair")
         alpha = alphas.get(raw_layer)
         alpha = float(alpha) if alpha is not None else (network_alpha if network_alpha is not None else rank)
         scale = alpha / rank
@@ -168,52 +179,61 @@ def lora_deltas(model, tensors: dict[str, torch.Tensor], metadata: dict[str, str
             ups = split_qkv(up, config.num_attention_heads, config.attention_head_dim,
                             "interleaved" if interleaved_qkv else "stacked")
             for name, u in zip(("to_q", "to_k", "to_v"), ups):
-                deltas[f"{base}.{name}.weight"] = scale * (u @ down)
+                ops.append(_Op("delta", f"{base}.{name}.weight", (u.shape[0], down.shape[1]),
+                               lambda u=u, d=down, s=scale: s * (u.float() @ d.float())))
             continue
         if raw_layer.endswith("mlp.fc1") or raw_layer.endswith("mlp_fc1"):
             up = swap_halves(up)
-        deltas[f"{layer}.weight"] = scale * (up @ down)
-    return deltas, replacements, unmatched
+        ops.append(_Op("delta", f"{layer}.weight", (up.shape[0], down.shape[1]),
+                       lambda u=up, d=down, s=scale: s * (u.float() @ d.float())))
+    return ops, unmatched
 
 
 @torch.no_grad()
 def apply_loras(model, specs: list[LoraSpec], *, base: dict[str, torch.Tensor] | None = None) -> list[dict]:
-    """Merge each LoRA into the model's weights; returns one report per LoRA."""
+    """Merge each LoRA into the model's weights; returns one report per LoRA.
+
+    Every key is resolved and every shape checked before the first weight changes, so a bad
+    file leaves the model untouched; then each delta is made and added on its own, so a LoRA
+    over the whole 33 B model never needs more than one layer's fp32 delta at a time.
+    """
     params = dict(model.named_parameters())
     reports = []
     originals: dict[str, torch.Tensor] = {}
     for spec in specs:
         tensors, metadata = read_lora(spec.path)
         interleaved = any(".default." in k for k in tensors)
-        deltas, replacements, unmatched = lora_deltas(model, tensors, metadata, interleaved_qkv=interleaved)
+        ops, unmatched = plan_lora(model, tensors, metadata, interleaved_qkv=interleaved)
         if unmatched:
             raise CheckpointError(
                 f"{spec.path}: {len(unmatched)} LoRA tensors match no H3 layer, e.g. {', '.join(sorted(unmatched)[:3])}"
             )
-        if not deltas and not replacements:
+        if not ops:
             raise CheckpointError(f"{spec.path}: holds no LoRA tensors")
-        for name, delta in deltas.items():
-            param = params.get(name)
-            if param is None:
-                raise CheckpointError(f"{spec.path}: {name} is not a parameter of this model")
-            if tuple(delta.shape) != tuple(param.shape):
+        for op in ops:
+            if op.param not in params:
+                raise CheckpointError(f"{spec.path}: {op.param} is not a parameter of this model")
+        for op in ops:
+            param = params[op.param]
+            if op.shape != tuple(param.shape):
+                if op.kind == "replace":
+                    raise CheckpointError(
+                        f"{spec.path}: replacement {op.param} {op.shape} does not fit this model "
+                        f"({tuple(param.shape)}); pruned-checkpoint LoRAs need a pruned checkpoint")
                 raise CheckpointError(
-                    f"{spec.path}: {name} delta {tuple(delta.shape)} does not fit the weight {tuple(param.shape)}"
-                    + (" (a LoRA for full checkpoints on a pruned one?)" if "adaln" in name else "")
-                )
-            param.copy_((param.float() + spec.strength * delta.to(param.device)).to(param.dtype))
-        for name, new in replacements.items():
-            param = params.get(name)
-            if param is None or tuple(new.shape) != tuple(param.shape):
-                want = None if param is None else tuple(param.shape)
-                raise CheckpointError(
-                    f"{spec.path}: replacement {name} {tuple(new.shape)} does not fit this model ({want}); "
-                    "pruned-checkpoint LoRAs need a pruned checkpoint"
-                )
-            # Relative to the loaded base, so two pruned LoRAs add up instead of overwriting each other.
-            start = originals.setdefault(name, (base or {}).get(name, param.detach().float().clone()))
-            param.copy_((param.float() + spec.strength * (new.float().to(param.device) - start.to(param.device)))
-                        .to(param.dtype))
-        reports.append({"path": str(spec.path), "strength": spec.strength, "merged": len(deltas),
-                        "replaced": len(replacements)})
+                    f"{spec.path}: {op.param} delta {op.shape} does not fit the weight {tuple(param.shape)}"
+                    + (" (a LoRA for full checkpoints on a pruned one?)" if "adaln" in op.param else ""))
+        for op in ops:
+            param = params[op.param]
+            value = op.compute().to(param.device)
+            if op.kind == "delta":
+                param.copy_((param.float() + spec.strength * value).to(param.dtype))
+            else:
+                # Relative to the loaded base, so two pruned LoRAs add up instead of overwriting each other.
+                start = originals.setdefault(op.param, (base or {}).get(op.param, param.detach().float().clone()))
+                param.copy_((param.float() + spec.strength * (value - start.to(param.device))).to(param.dtype))
+            del value
+        reports.append({"path": str(spec.path), "strength": spec.strength,
+                        "merged": sum(op.kind == "delta" for op in ops),
+                        "replaced": sum(op.kind == "replace" for op in ops)})
     return reports

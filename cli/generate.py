@@ -1,0 +1,246 @@
+"""`h3-spark generate`: prompt (+ references or keyframes) -> mp4 with sound."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+REF_KINDS = ("image", "video", "audio")
+
+
+def add_parser(sub, name: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help="generate a video with sound (T2VA, FL2VA, Ref2VA)",
+                       description="Generate a video with sound from a prompt, references or keyframes.")
+    p.add_argument("--mode", choices=["t2va", "fl2va", "ref2va"], default=None,
+                   help="default: ref2va with --ref, fl2va with keyframes, else t2va")
+    p.add_argument("--prompt", help="the prompt (required unless --demo)")
+    p.add_argument("--ref", action="append", default=[], metavar="KIND:PATH",
+                   help="a reference, in order: image:PATH, video:PATH (its soundtrack is used when present) "
+                        "or audio:PATH; repeatable (9 images, 3 videos, 3 audio, 12 in all)")
+    p.add_argument("--first-frame", type=Path, help="FL2VA first keyframe image")
+    p.add_argument("--last-frame", type=Path, help="FL2VA last keyframe image")
+    p.add_argument("--width", type=int)
+    p.add_argument("--height", type=int)
+    p.add_argument("--frames", type=int, default=124, help="snapped up to 17n+5, 124..345 (5-15 s at 24 fps)")
+    p.add_argument("--steps", type=int, default=50, help="sigma grid points incl. the final 0 (steps-1 DiT forwards)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--video-shift", type=float, default=12.0)
+    p.add_argument("--audio-shift", type=float, default=3.0)
+    p.add_argument("--image-ref-size", choices=["match", "max", "diffusers"], default="match",
+                   help="image references: scaled down to the canvas area (match, ComfyUI's default), to a 2048 px "
+                        "short edge (max), or resized to 2048 px like diffusers")
+    models = p.add_argument_group("models (a released-layout folder, or each component)")
+    models.add_argument("--models", type=Path, help="folder with transformer/, transformer_ref/, text_encoder/, vae/, "
+                                                    "audio_vae/")
+    for flag in ("dit", "dit-ref", "text-encoder", "tokenizer", "vae", "audio-vae"):
+        models.add_argument(f"--{flag}", type=Path)
+    models.add_argument("--text-encoder-layer", type=int, default=None,
+                        help="Qwen3-VL hidden state the DiT reads (released model: 50)")
+    models.add_argument("--qkv-layout", choices=["stacked", "interleaved"], default="stacked",
+                        help="fused qkv order of original-named single files (MiniMaxAI shards: interleaved)")
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]", help="merged at load; repeatable")
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="DiT/text dtype (cuda: bfloat16)")
+    p.add_argument("--vae-dtype", choices=["float16", "float32"], default=None,
+                   help="video VAE decode dtype (default: $H3_VAE_DTYPE or float16)")
+    p.add_argument("--vae-tile-size", type=int, default=None, help="decode tile in pixels (default: $H3_VAE_TILE_SIZE "
+                                                                   "or 256; 0 = untiled)")
+    p.add_argument("--mlp-chunks", type=int, default=1, help="run the SwiGLU in N row chunks (exact; less memory)")
+    p.add_argument("--attention", default=None, help="attention backend (default: $H3_ATTENTION or auto)")
+    p.add_argument("--linear", default=None, help="block linear format: auto, bf16, fp8, nvfp4 (default: $H3_LINEAR "
+                                                  "or auto)")
+    cache = p.add_argument_group("step cache (opt-in, approximate)")
+    cache.add_argument("--cache-mode", choices=["off", "easycache", "h3_cache"], default="off")
+    cache.add_argument("--cache-threshold", type=float, default=None, help="default: the mode's own")
+    cache.add_argument("--cache-start-percent", type=float, default=0.2)
+    cache.add_argument("--cache-end-percent", type=float, default=0.9)
+    cache.add_argument("--cache-subsample-factor", type=int, default=1)
+    p.add_argument("--gpus", type=int, default=1, help="split each DiT forward over N GPUs (Ulysses sequence "
+                                                       "parallel, via torchrun; N must divide 56 heads)")
+    p.add_argument("--demo", action="store_true", help="tiny synthetic models made on the spot (the output is noise): "
+                                                      "checks an install end to end on any machine")
+    p.add_argument("--demo-dir", type=Path, default=None, help="where --demo keeps its models")
+    p.add_argument("--offload-text-encoder", action="store_true", help="move Qwen to the CPU after encoding")
+    p.add_argument("--save-latents", type=Path, help="also save the final latents (for `h3-spark decode`)")
+    p.add_argument("--ffmpeg-loglevel", default=None)
+    p.add_argument("--out", type=Path, default=None, help="mp4 to write (required; --demo defaults to h3-spark-demo.mp4)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return p
+
+
+def _env_choice(value, env: str, default: str) -> str:
+    return value if value is not None else os.environ.get(env, default)
+
+
+def parse_refs(items: list[str]):
+    from ..h3_model import media
+    from ..h3_model.errors import InputError
+    from ..h3_model.refs import AudioReference, ImageReference, VideoReference
+
+    refs = []
+    for item in items:
+        kind, sep, path = item.partition(":")
+        if not sep or kind not in REF_KINDS or not path:
+            raise InputError(f"--ref must be KIND:PATH with KIND in {', '.join(REF_KINDS)}, got {item!r}")
+        if kind == "image":
+            refs.append(ImageReference(media.read_image(path)))
+        elif kind == "audio":
+            refs.append(AudioReference(media.read_audio(path)))
+        else:
+            clip = media.read_video(path)
+            refs.append(VideoReference(clip.frames, fps=float(clip.fps), audio=clip.audio,
+                                       sample_rate=clip.sample_rate))
+    return refs
+
+
+def _relaunch_with_torchrun(args) -> int:
+    """Re-run this command under torchrun with N processes (one per GPU)."""
+    import subprocess
+
+    argv = [a for a in sys.argv[1:]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
+           "-m", "h3_spark.cli", *argv]
+    return subprocess.call(cmd)
+
+
+def _distributed(args):
+    """(rank, world, device) under torchrun; initialises the process group."""
+    import torch
+    import torch.distributed as dist
+
+    from ..h3_model.errors import InputError
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world != args.gpus:
+        raise InputError(f"--gpus {args.gpus} but torchrun started {world} processes")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl")
+        return dist.get_rank(), world, f"cuda:{local}"
+    dist.init_process_group("gloo")
+    return dist.get_rank(), world, "cpu"
+
+
+def run(args) -> int:
+    import time
+
+    import torch
+
+    from ..h3_model import media
+    from ..h3_model.components import ComponentPaths, LoadOptions, load_components
+    from ..h3_model.errors import InputError
+    from ..h3_model.lora import LoraSpec
+    from ..h3_model.pipeline import GenerationRequest, Pipeline
+    from ..h3_model.step_cache import make_step_cache
+    from ..kernels.dispatch import apply_kernels
+    from ..kernels.settings import KernelSettings
+
+    if args.gpus < 1:
+        raise InputError(f"--gpus must be at least 1, got {args.gpus}")
+    if args.gpus > 1 and "WORLD_SIZE" not in os.environ:
+        return _relaunch_with_torchrun(args)
+    rank, world, device = 0, 1, args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.gpus > 1:
+        rank, world, device = _distributed(args)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"--device {device} asked for, but this machine has no CUDA GPU")
+    log = (lambda m: None) if args.quiet or rank else (lambda m: print(f"h3-spark: {m}", file=sys.stderr, flush=True))
+    if args.demo:
+        from ..h3_model.demo import DEMO_PROMPT, TEXT_READ_LAYER, build_demo_models, default_demo_dir
+
+        args.models = build_demo_models(args.demo_dir or default_demo_dir(), log=log)
+        args.prompt = args.prompt or DEMO_PROMPT
+        args.out = args.out or Path("h3-spark-demo.mp4")
+        if args.width is None:
+            args.width, args.height = 128, 64
+        if args.steps == 50:
+            args.steps = 9
+        if args.text_encoder_layer is None:
+            args.text_encoder_layer = TEXT_READ_LAYER
+    if args.out is None:
+        raise InputError("--out is required")
+    dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    vae_dtype = _env_choice(args.vae_dtype, "H3_VAE_DTYPE", "float16" if device.startswith("cuda") else "float32")
+    if vae_dtype not in ("float16", "float32"):
+        raise InputError(f"H3_VAE_DTYPE must be float16 or float32, got {vae_dtype!r}")
+    try:
+        tile = args.vae_tile_size if args.vae_tile_size is not None else int(os.environ.get("H3_VAE_TILE_SIZE", "256"))
+    except ValueError:
+        raise InputError(f"H3_VAE_TILE_SIZE must be a number of pixels, got {os.environ['H3_VAE_TILE_SIZE']!r}") from None
+    if not args.prompt:
+        raise InputError("--prompt is required")
+    if args.out.suffix.lower() != ".mp4":
+        raise InputError(f"--out must end in .mp4, got {args.out}")
+    settings = KernelSettings.from_env()
+    settings = dataclasses.replace(settings, **{k: v for k, v in (("attention", args.attention),
+                                                                  ("linear", args.linear)) if v is not None})
+
+    refs = parse_refs(args.ref)
+    first = media.read_image(args.first_frame) if args.first_frame else None
+    last = media.read_image(args.last_frame) if args.last_frame else None
+    mode = args.mode or ("ref2va" if refs else "fl2va" if (first is not None or last is not None) else "t2va")
+    req = GenerationRequest(mode=mode, prompt=args.prompt, references=refs, first_frame=first, last_frame=last,
+                            width=args.width, height=args.height, frames=args.frames, steps=args.steps,
+                            seed=args.seed, video_shift=args.video_shift, audio_shift=args.audio_shift,
+                            reference_policy=args.image_ref_size, mlp_chunks=args.mlp_chunks,
+                            vae_tile_size=tile or None)
+    req.validate()
+    if args.cache_mode != "off":
+        req.step_cache = make_step_cache(args.cache_mode, args.cache_threshold, args.cache_start_percent,
+                                         args.cache_end_percent, args.cache_subsample_factor,
+                                         evaluations=args.steps - 1)
+    paths = ComponentPaths(args.models, args.dit, args.dit_ref, args.text_encoder, args.tokenizer, args.vae,
+                           args.audio_vae)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
+    opts = LoadOptions(device=device, dtype=dtype, vae_dtype={"float16": torch.float16, "float32": torch.float32}[
+        vae_dtype], loras=[LoraSpec.parse(x) for x in args.lora], qkv_layout=args.qkv_layout,
+        text_layer=args.text_encoder_layer if args.text_encoder_layer is not None else 50)
+    comps, load_seconds = load_components(paths, [mode], opts, log)
+    kernels = {}
+    for key in ("dit", "dit_ref"):
+        if getattr(comps, key) is not None:
+            kernels = apply_kernels(getattr(comps, key), settings)
+            if world > 1:
+                from ..h3_model.parallel import SequenceParallelDiT
+
+                setattr(comps, key, SequenceParallelDiT(getattr(comps, key)))
+    pipe = Pipeline(comps, offload_text_encoder=args.offload_text_encoder, decode=rank == 0)
+
+    def progress(p):
+        if p.stage == "sampling" and p.total:
+            log(f"step {p.step}/{p.total}" + (f" ({p.seconds:.2f} s)" if p.step else ""))
+        else:
+            log(p.stage.replace("_", " "))
+
+    result = pipe.generate(req, on_progress=progress)
+    if rank:
+        return 0
+    if args.save_latents:
+        from safetensors.torch import save_file
+
+        save_file({"video_latents": result.video_latents.contiguous(), "audio_latents": result.audio_latents},
+                  str(args.save_latents), metadata={"latents": "normalized", "mode": mode})
+    start = time.perf_counter()
+    media.write_mp4(args.out, result.video, result.audio, loglevel=args.ffmpeg_loglevel)
+    result.timings["mux"] = time.perf_counter() - start
+    summary = {"out": str(args.out), "mode": mode, "device": device, "gpus": world, "dtype": dtype_name,
+               "width": result.info["width"], "height": result.info["height"], "frames": int(result.video.shape[0]),
+               "audio_samples": int(result.audio.shape[1]), "sequence_length": result.info["sequence_length"],
+               "evaluations": result.info["evaluations"],
+               "timings_s": {k: round(v, 4) for k, v in result.timings.items()},
+               "load_s": {k: round(v, 3) for k, v in load_seconds.items()},
+               "attention": kernels.get("attention", {}).get("chosen"),
+               "linear": kernels.get("linear", {}).get("format"), "exact": kernels.get("exact"),
+               "approximate_paths": kernels.get("approximate_paths", []) + (
+                   ["step_cache"] if req.step_cache is not None else [])}
+    if "step_cache" in result.info:
+        summary["step_cache"] = result.info["step_cache"]
+    if args.demo:
+        summary["note"] = "demo: tiny synthetic random weights, the video and sound are noise"
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,44 @@
+"""`h3-spark inspect`: what a checkpoint holds, from its headers alone (seconds on a 60 GB file)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(sub, name: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help="report a checkpoint's layout, formats and completeness (headers only)",
+                       description="Read safetensors headers and metadata (never the weights) and report the "
+                                   "model, layout, per-layer quantization, packed vs logical shapes, scales, "
+                                   "dtype histogram, parameter count and what is missing or left over. "
+                                   "Writes artifacts/checkpoints/<name>.inspect.json and prints a summary.")
+    p.add_argument("checkpoint", help=".safetensors file or diffusers folder")
+    p.add_argument("--out", default=None, help="folder for the JSON report (default: artifacts/checkpoints)")
+    p.add_argument("--partition", choices=["t2va", "fl2va", "ref2va"], default=None,
+                   help="which DiT when the folder holds transformer/ and transformer_ref/")
+    p.add_argument("--qkv-layout", choices=["stacked", "interleaved"], default="stacked",
+                   help="how an original-named file's fused QKV is ordered (the file cannot tell)")
+    return p
+
+
+def report_name(path: Path) -> str:
+    name = path.name
+    for suffix in (".safetensors",):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return name or "checkpoint"
+
+
+def run(args) -> int:
+    from ..h3_model.checkpoint.inspect import inspect_checkpoint, summary_lines
+
+    report = inspect_checkpoint(args.checkpoint, partition=args.partition, qkv_layout=args.qkv_layout)
+    out_dir = Path(args.out) if args.out else Path("artifacts") / "checkpoints"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"{report_name(Path(args.checkpoint).resolve())}.inspect.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    for line in summary_lines(report):
+        print(line)
+    print(f"  report: {out}")
+    return 0

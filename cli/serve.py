@@ -1,0 +1,115 @@
+"""`h3-spark serve`: load the models once, keep them resident, and serve generations over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+DEFAULT_HOST = "127.0.0.1"  # local only unless --host says otherwise: the API has no authentication
+DEFAULT_PORT = 8000
+
+
+def add_parser(sub, name: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help="run the hot runtime HTTP service (models stay resident)",
+                       description="Load the text encoder, DiT partition(s) and VAEs once and serve /ready, "
+                                   "/generate and /jobs over HTTP, one GPU job at a time.")
+    models = p.add_argument_group("models (a released-layout folder, or each component)")
+    models.add_argument("--models", type=Path, help="folder with transformer/, transformer_ref/, text_encoder/, "
+                                                    "vae/, audio_vae/")
+    for flag in ("dit", "dit-ref", "text-encoder", "tokenizer", "vae", "audio-vae"):
+        models.add_argument(f"--{flag}", type=Path)
+    models.add_argument("--qkv-layout", choices=["stacked", "interleaved"], default="stacked",
+                        help="fused qkv order of original-named single files (MiniMaxAI shards: interleaved)")
+    models.add_argument("--text-encoder-layer", type=int, default=50,
+                        help="Qwen3-VL hidden state the DiT reads (50 for the released model)")
+    p.add_argument("--output-dir", type=Path, required=True, help="every output is written inside this folder")
+    p.add_argument("--input-dir", type=Path, help="references and keyframes are read from inside this folder "
+                                                  "(without it, only t2va requests are accepted)")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}, this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--queue-size", type=int, default=4, help="jobs that may wait behind the running one")
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="DiT/text dtype (cuda: bfloat16)")
+    p.add_argument("--vae-dtype", choices=["float16", "float32"], default=None,
+                   help="video VAE decode dtype (default: $H3_VAE_DTYPE, else float16 on cuda, float32 on cpu)")
+    p.add_argument("--attention", default=None, help="attention backend (default: $H3_ATTENTION or auto); "
+                                                     "requests may pick another per job")
+    p.add_argument("--linear", default=None, help="block linear format: auto, bf16, fp8, nvfp4 (default: "
+                                                  "$H3_LINEAR or auto); fixed at load")
+    p.add_argument("--vae-tile-size", type=int, default=None,
+                   help="video VAE decode tile in pixels (default: $H3_VAE_TILE_SIZE or 256; 0 = untiled)")
+    p.add_argument("--mlp-chunks", type=int, default=1, help="run the SwiGLU in N row chunks (exact; less memory)")
+    p.add_argument("--max-steps", type=int, default=100, help="largest `steps` a request may ask for")
+    p.add_argument("--max-input-mb", type=int, default=256, help="largest reference/keyframe file, MiB")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def build_service(args):
+    import torch
+
+    from ..h3_model.components import ComponentPaths
+    from ..h3_model.errors import InputError
+    from ..kernels.settings import KernelSettings
+    from ..serve.models import ModelSpec, load_models
+    from ..serve.service import Service, ServiceConfig
+    from ..serve.validation import Limits
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype or ("bfloat16" if cuda else "float32")]
+    vae_name = args.vae_dtype or os.environ.get("H3_VAE_DTYPE") or ("float16" if cuda else "float32")
+    if vae_name not in ("float16", "float32"):
+        raise InputError(f"H3_VAE_DTYPE must be float16 or float32, got {vae_name!r}")
+    settings = KernelSettings.from_env()
+    settings = settings.replace(attention=args.attention or settings.attention, linear=args.linear or settings.linear)
+    if not 0 < args.port < 65536:
+        raise InputError(f"--port must be 1..65535, got {args.port}")
+    try:
+        tile = args.vae_tile_size if args.vae_tile_size is not None else int(os.environ.get("H3_VAE_TILE_SIZE", "256"))
+    except ValueError:
+        raise InputError(f"H3_VAE_TILE_SIZE must be an integer, got {os.environ.get('H3_VAE_TILE_SIZE')!r}") from None
+    if args.max_input_mb < 1:
+        raise InputError(f"--max-input-mb must be positive, got {args.max_input_mb}")
+    spec = ModelSpec(
+        paths=ComponentPaths(args.models, args.dit, args.dit_ref, args.text_encoder, args.tokenizer, args.vae,
+                             args.audio_vae),
+        device=device, dtype=dtype, vae_dtype=getattr(torch, vae_name), text_layer=args.text_encoder_layer,
+        qkv_layout=args.qkv_layout, kernels=settings)
+    config = ServiceConfig(output_dir=args.output_dir, input_dir=args.input_dir, queue_size=args.queue_size,
+                           limits=Limits(max_steps=args.max_steps, max_input_file_bytes=args.max_input_mb << 20),
+                           vae_tile_size=tile or None, mlp_chunks=args.mlp_chunks)
+    return Service(config, lambda tracker: load_models(spec, tracker))
+
+
+def server_config(args, app):
+    import uvicorn
+
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+                          timeout_graceful_shutdown=30)
+
+
+def run(args) -> int:
+    from ..h3_model.errors import H3Error
+
+    try:
+        import uvicorn
+        from ..serve.app import create_app
+    except ImportError as exc:
+        raise H3Error(f"`h3-spark serve` needs starlette and uvicorn ({exc}); install them with "
+                      f"pip install 'h3-spark[serve]'") from None
+    service = build_service(args)
+    server = uvicorn.Server(server_config(args, create_app(service)))
+    failures: list[str] = []
+
+    def stop(message: str) -> None:
+        # A service that cannot load its models has nothing to serve: exit so a supervisor sees it.
+        failures.append(message)
+        server.should_exit = True
+
+    service.on_load_failed = stop
+    server.run()
+    if failures:
+        raise H3Error(f"the models could not be loaded: {failures[0]}")
+    return 0

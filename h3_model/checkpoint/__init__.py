@@ -1,0 +1,51 @@
+"""H3 checkpoints: read any published DiT layout and format, inspect headers, write test files.
+
+Entry points:
+- `load_dit(path, ...)`: an `H3DiT` from a diffusers folder or file, a ComfyUI file (full or
+  pruned, bf16 / fp8_scaled / NVFP4 / int8_convrot), streamed tensor by tensor;
+- `read_dit_config(path)`: the `DiTConfig` such a checkpoint describes, from headers only;
+- `open_dit(path)`: the `DitReader` behind both, for tools that want the plan or the stream.
+safetensors only: pickle files are refused, data is memory-mapped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import DiTConfig
+from .dit_reader import DitReader
+from .source import CheckpointSource, open_source
+
+__all__ = ["load_dit", "read_dit_config", "open_dit", "DitReader", "CheckpointSource", "open_source"]
+
+
+def open_dit(path: str | Path, *, partition: str | None = None, qkv_layout: str = "stacked") -> DitReader:
+    """Headers of a DiT checkpoint, its config and its tensor plan (no weights read yet)."""
+    return DitReader(open_source(path, partition=partition), qkv_layout=qkv_layout)
+
+
+def read_dit_config(path: str | Path, *, partition: str | None = None) -> DiTConfig:
+    return open_dit(path, partition=partition).config
+
+
+def load_dit(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+             partition: str | None = None, qkv_layout: str = "stacked"):
+    """Build the H3DiT a checkpoint describes and stream its weights in.
+
+    `qkv_layout` matters only for original-named files: "stacked" (Comfy-Org files, the default)
+    or "interleaved" (MiniMaxAI's original shards); the file itself cannot tell them apart.
+    Quantized layers are dequantized to the dtype their parameter has (`dtype`, or fp32 for the
+    fp32 islands).
+    """
+    from ..dit import H3DiT
+
+    reader = open_dit(path, partition=partition, qkv_layout=qkv_layout)
+    reader.check()
+    model = H3DiT(reader.config, dtype=dtype, device="meta")
+    try:
+        model.load_state(reader.tensors(dtype), device=torch.device(device))
+    finally:
+        reader.source.close()
+    return model.eval()

@@ -1,0 +1,209 @@
+"""DiT config from a checkpoint: diffusers config.json, or tensor shapes (+ a metadata override).
+
+ComfyUI files carry no config.json. ComfyUI reads the sizes from tensor shapes and lets a
+safetensors metadata entry `config` (JSON, `{"transformer": {...}}`, ComfyUI's constructor
+argument names) override them; we do the same, so a file ComfyUI reads one way reads the same here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Callable
+
+import torch
+
+from ..config import DiTConfig
+from ..errors import CheckpointError
+
+# ComfyUI's MiniMaxH3Model argument names -> DiTConfig (diffusers) field names.
+COMFY_TO_DIFFUSERS = {
+    "hidden_size": "hidden_size",
+    "num_layers": "num_layers",
+    "token_refiner_num_layers": "num_refiner_layers",
+    "num_attention_heads": "num_attention_heads",
+    "attention_head_dim": "attention_head_dim",
+    "ffn_hidden_size": "ffn_dim",
+    "latents_dim": "in_channels",
+    "audio_latents_dim": "audio_in_channels",
+    "patch_size": "patch_size",
+    "text_dim": "text_dim",
+    "timestep_input_dim": "freq_dim",
+    "time_embed_hidden_size": "time_embed_hidden_dim",
+    "time_embed_dim": "time_embed_dim",
+    "rope_inv_freq_len": "rope_freq_dim",
+    "norm_eps": "norm_eps",
+    "qk_norm_eps": "qk_norm_eps",
+    "final_norm_eps": "final_norm_eps",
+    "adaln_curve_grid": "adaln_curve_grid",
+}
+DIFFUSERS_TO_COMFY = {v: k for k, v in COMFY_TO_DIFFUSERS.items()}
+# ComfyUI arguments that do not change the tensors we load (sampling shifts, the unused VSA gate).
+COMFY_IGNORED = {"sigma_shift_video", "sigma_shift_audio", "gate_compress", "image_model", "rope_theta"}
+
+ShapeFn = Callable[[str], "tuple[int, ...] | None"]
+
+
+def _count(keys, pattern: str) -> int:
+    rx = re.compile(pattern)
+    found = {int(m.group(1)) for k in keys if (m := rx.match(k))}
+    if found and found != set(range(len(found))):
+        missing = sorted(set(range(max(found) + 1)) - found)
+        raise CheckpointError(f"block indices are not contiguous: missing {missing[:5]}")
+    return len(found)
+
+
+def _need(shape: ShapeFn, name: str) -> tuple[int, ...]:
+    s = shape(name)
+    if s is None:
+        raise CheckpointError(f"cannot size the DiT: tensor {name} is missing")
+    return s
+
+
+def config_from_comfy(keys: list[str], shape: ShapeFn, metadata: dict[str, str],
+                      inv_freq: Callable[[], torch.Tensor] | None) -> DiTConfig:
+    """Sizes from original-named tensors (prefix already stripped), then the metadata override."""
+    hidden, patch_dim = _need(shape, "video_patch_proj.weight")
+    head_dim = _need(shape, "blocks.0.attn.q_norm.weight")[0]
+    qkv_rows = _need(shape, "blocks.0.attn.qkv_proj.weight")[0]
+    fields: dict = {
+        "hidden_size": hidden,
+        "num_layers": _count(keys, r"^blocks\.(\d+)\."),
+        "num_refiner_layers": _count(keys, r"^token_refiner\.blocks\.(\d+)\."),
+        "attention_head_dim": head_dim,
+        "num_attention_heads": qkv_rows // (3 * head_dim),
+        "ffn_dim": _need(shape, "blocks.0.mlp.fc1.weight")[0] // 2,
+        "in_channels": patch_dim // 4,
+        "patch_size": (1, 2, 2),
+        "audio_in_channels": _need(shape, "audio_patch_proj.weight")[1],
+        "text_dim": _need(shape, "condition_proj.weight")[1],
+    }
+    table = shape("adaln_t_table")
+    if table is not None:
+        if len(table) != 2 or table[0] < 2:
+            raise CheckpointError(f"adaln_t_table must be [grid >= 2, k], got {list(table)}")
+        fields["adaln_curve_grid"], fields["time_embed_dim"] = table
+        # The time MLP is gone; its sizes do not matter to the curve form. ComfyUI assumes the same.
+        fields["time_embed_hidden_dim"] = hidden
+    else:
+        t_in = _need(shape, "time_embedder.proj_in.weight")
+        fields["time_embed_hidden_dim"], fields["freq_dim"] = t_in
+        fields["time_embed_dim"] = _need(shape, "time_embedder.proj_out.weight")[0]
+    rope = shape("rope.inv_freq")
+    if rope is not None:
+        fields["rope_freq_dim"] = rope[0]
+    override = comfy_metadata_config(metadata)
+    fields.update(override)
+    if "rope_freq_dim" not in fields:
+        if head_dim != 128:
+            raise CheckpointError("cannot tell rope_freq_dim: no rope.inv_freq tensor and no `config` metadata, "
+                                  f"and head_dim {head_dim} is not the released 128")
+        fields["rope_freq_dim"] = 16
+    config = _build(fields)
+    if rope is not None and inv_freq is not None:
+        config = _check_rope(config, inv_freq(), "rope_theta" in override)
+    return config
+
+
+def comfy_metadata_config(metadata: dict[str, str]) -> dict:
+    """The `config` metadata override, translated to DiTConfig field names."""
+    raw = metadata.get("config")
+    if raw is None:
+        return {}
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"safetensors metadata `config` is not JSON ({exc.msg})") from None
+    section = data.get("transformer", {}) if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        raise CheckpointError("safetensors metadata `config` has no `transformer` object")
+    out = {}
+    for key, value in section.items():
+        if key in COMFY_TO_DIFFUSERS:
+            out[COMFY_TO_DIFFUSERS[key]] = value
+        elif key in DiTConfig.__dataclass_fields__:
+            out[key] = value
+        elif key not in COMFY_IGNORED:
+            raise CheckpointError(f"safetensors metadata `config` has an unknown transformer field {key!r}")
+    if section.get("rope_theta") is not None:
+        out["rope_theta"] = float(section["rope_theta"])
+    return out
+
+
+def comfy_metadata_for(config: DiTConfig) -> str:
+    """The `config` metadata entry describing `config` in ComfyUI's argument names."""
+    section = {}
+    for field, value in config.to_dict().items():
+        if field in DIFFUSERS_TO_COMFY:
+            section[DIFFUSERS_TO_COMFY[field]] = value
+    section["rope_theta"] = config.rope_theta
+    return json.dumps({"transformer": section}, sort_keys=True)
+
+
+def config_from_diffusers_shapes(keys: list[str], shape: ShapeFn) -> DiTConfig:
+    """Sizes of a diffusers-named file without config.json (e.g. a bare state-dict dump)."""
+    hidden, patch_dim = _need(shape, "proj_in.weight")
+    head_dim = _need(shape, "transformer_blocks.0.attn.norm_q.weight")[0]
+    fields: dict = {
+        "hidden_size": hidden,
+        "num_layers": _count(keys, r"^transformer_blocks\.(\d+)\."),
+        "num_refiner_layers": _count(keys, r"^token_refiner\.refiner_blocks\.(\d+)\."),
+        "attention_head_dim": head_dim,
+        "num_attention_heads": _need(shape, "transformer_blocks.0.attn.to_q.weight")[0] // head_dim,
+        "ffn_dim": _need(shape, "transformer_blocks.0.ff.net.0.proj.weight")[0] // 2,
+        "in_channels": patch_dim // 4,
+        "patch_size": (1, 2, 2),
+        "audio_in_channels": _need(shape, "audio_proj_in.weight")[1],
+        "text_dim": _need(shape, "context_embedder.weight")[1],
+    }
+    table = shape("adaln_t_table")
+    if table is not None:
+        fields["adaln_curve_grid"], fields["time_embed_dim"] = table
+        fields["time_embed_hidden_dim"] = hidden
+    else:
+        fields["time_embed_hidden_dim"], fields["freq_dim"] = _need(shape, "time_embedder.linear_1.weight")
+        fields["time_embed_dim"] = _need(shape, "time_embedder.linear_2.weight")[0]
+    if head_dim != 128:
+        raise CheckpointError("a diffusers-named file without config.json can only be sized for the released "
+                              f"head_dim 128 (rope_freq_dim is not stored), got head_dim {head_dim}")
+    fields["rope_freq_dim"] = 16
+    return _build(fields)
+
+
+def _build(fields: dict) -> DiTConfig:
+    try:
+        return DiTConfig(**fields)
+    except TypeError as exc:
+        raise CheckpointError(f"cannot build the DiT config: {exc}") from None
+
+
+def expected_inv_freq(config: DiTConfig) -> torch.Tensor:
+    """theta^(-k / F) for k = 0..F-1: what a ComfyUI file stores as rope.inv_freq."""
+    f = config.rope_freq_dim
+    return 1.0 / (config.rope_theta ** (torch.arange(0, 2 * f, 2, dtype=torch.float32) / (2 * f)))
+
+
+def _check_rope(config: DiTConfig, stored: torch.Tensor, theta_given: bool) -> DiTConfig:
+    """We recompute RoPE from rope_theta, so the stored frequencies must be that series."""
+    stored = stored.float().flatten()
+    if torch.allclose(stored, expected_inv_freq(config), rtol=1e-5, atol=0):
+        return config
+    if not theta_given and stored.numel() > 1 and float(stored[1]) > 0:
+        theta = float(stored[1]) ** (-config.rope_freq_dim)
+        if abs(theta - round(theta)) < 1e-3 * theta:
+            theta = float(round(theta))
+        candidate = DiTConfig(**{**config.to_dict(), "rope_theta": theta})
+        if torch.allclose(stored, expected_inv_freq(candidate), rtol=1e-5, atol=0):
+            return candidate
+    raise CheckpointError(f"rope.inv_freq is not theta^(-k/{config.rope_freq_dim}) for theta "
+                          f"{config.rope_theta:g}; this RoPE is not the H3 one")
+
+
+def logical_param_count(config: DiTConfig) -> int:
+    """Parameters of the model this config describes (33,122,992,896 for the released DiT)."""
+    from ..dit import H3DiT
+
+    with torch.device("meta"):
+        model = H3DiT(config, dtype=torch.bfloat16, device="meta")
+    return sum(math.prod(p.shape) for p in model.parameters())

@@ -1,0 +1,264 @@
+"""Read any H3 DiT checkpoint as a stream of diffusers-named tensors for `H3DiT.load_state`.
+
+One reader covers every layout (diffusers folders and files, ComfyUI files with or without the
+`model.diffusion_model.` prefix, pruned curve-form files) and every stored format (bf16/fp16/fp32,
+fp8_scaled, NVFP4, int8 / int8_convrot). It works in two phases:
+1. `plan()` from headers only: which diffusers tensor comes from which stored layer, with its
+   logical shape, checked against the model the config describes. A wrong or incomplete file fails
+   here, in a second, before any weight is read.
+2. `tensors(dtype)`: layer by layer in on-disk order, read through the memory map, dequantize
+   (to the dtype the parameter will have), split the fused QKV, swap the fc1 halves, yield.
+   RAM holds one layer at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..config import DiTConfig
+from ..errors import CheckpointError
+from . import keymap
+from .detect import Detected, detect
+from .dit_config import config_from_comfy, config_from_diffusers_shapes
+from .quant import LEGACY_MARKER, QuantSpec, declare_layers, dequantize, fold_pre_quant_scale, split_param
+from .source import CheckpointSource
+
+_LEGACY_RENAME = {"scale_weight": "weight_scale", "scale_input": "input_scale"}
+# Stored non-layer tensors by naming: kept (same name in diffusers) or dropped (recomputed by us).
+_SINGLES_KEPT = ("adaln_t_table",)
+_SINGLES_DROPPED = {"original": ("rope.inv_freq",), "diffusers": ()}
+
+
+@dataclass
+class Layer:
+    name: str  # stored name without the model prefix
+    keys: dict[str, str] = field(default_factory=dict)  # suffix (weight, bias, weight_scale, ...) -> stored key
+    spec: QuantSpec | None = None
+    target: str | None = None  # diffusers layer name (attn.to_qkv for the fused QKV)
+
+
+@dataclass(frozen=True)
+class Output:
+    name: str  # diffusers parameter name
+    shape: tuple[int, ...]
+    layer: str  # stored layer (or single tensor) it comes from
+
+
+def expected_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the H3DiT this config builds, with its shape (meta device, no memory)."""
+    from ..dit import H3DiT
+
+    model = H3DiT(config, dtype=torch.bfloat16, device="meta")
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def target_dtype(name: str, config: DiTConfig, dtype: torch.dtype) -> torch.dtype:
+    from ..dit import keeps_fp32
+
+    return torch.float32 if keeps_fp32(name, config) else dtype
+
+
+class DitReader:
+    def __init__(self, source: CheckpointSource, *, qkv_layout: str = "stacked", config: DiTConfig | None = None):
+        if qkv_layout not in keymap.QKV_LAYOUTS:
+            raise CheckpointError(f"unknown qkv_layout {qkv_layout!r}; choose 'stacked' or 'interleaved'")
+        self.source = source
+        self.qkv_layout = qkv_layout
+        self.detected: Detected = detect(source.keys, str(source.path))
+        if self.detected.model != "dit":
+            what = {"video_vae": "video VAE", "audio_vae": "audio VAE", "text_encoder": "text encoder"}[self.detected.model]
+            raise CheckpointError(f"{source.path}: holds the {what}, not the DiT")
+        p = self.detected.prefix
+        self.stored = {k[len(p):]: k for k in source.keys if k.startswith(p)}
+        # Other components of a full ComfyUI checkpoint (vae., text_encoders.) are not ours to load.
+        self.other_components = [k for k in source.keys if not k.startswith(p)]
+        self.layers: dict[str, Layer] = {}
+        self.singles: list[str] = []
+        self.dropped: list[str] = []
+        self.ignored: list[str] = []
+        self.unmapped: list[str] = []
+        self._group()
+        self._declare_quant()
+        self.config = config if config is not None else self._read_config()
+        self._expected = expected_shapes(self.config)
+
+    # ----------------------------------------------------------------- phase 0: names
+    def _group(self) -> None:
+        names = self.detected.names
+        for key in self.stored:
+            if key in _SINGLES_KEPT:
+                self.singles.append(key)
+                continue
+            if key in _SINGLES_DROPPED[names] or key == LEGACY_MARKER:
+                self.dropped.append(key)
+                continue
+            split = split_param(key)
+            if split is None:
+                self.unmapped.append(key)
+                continue
+            layer, suffix = split
+            if names == "original" and keymap.IGNORED_ORIGINAL.match(layer):
+                self.ignored.append(key)
+                continue
+            entry = self.layers.setdefault(layer, Layer(layer))
+            entry.keys[_LEGACY_RENAME.get(suffix, suffix)] = self.stored[key]
+            if suffix in _LEGACY_RENAME:
+                entry.keys.setdefault("_legacy", key)
+        for layer in list(self.layers.values()):
+            layer.target = layer.name if names == "diffusers" else keymap.original_layer_to_diffusers(layer.name)
+            if layer.target is None or "weight" not in layer.keys:
+                self.unmapped.extend(sorted(k[len(self.detected.prefix):] for s, k in layer.keys.items()
+                                            if s != "_legacy"))
+                del self.layers[layer.name]
+
+    def _declare_quant(self) -> None:
+        marker = self.stored.get(LEGACY_MARKER)
+        specs = declare_layers({l.name: l.keys for l in self.layers.values()}, self.source.read_small,
+                               self.source.metadata, self.detected.prefix, marker,
+                               self.source.entry(marker).numel if marker else 0)
+        for name, spec in specs.items():
+            self.layers[name].spec = spec
+
+    def _read_config(self) -> DiTConfig:
+        if self.detected.names == "diffusers":
+            if self.source.config_path is not None:
+                config = DiTConfig.from_json(self.source.config_path)
+                table = self._shape("adaln_t_table")
+                if table is not None and config.adaln_curve_grid is None:
+                    config = DiTConfig(**{**config.to_dict(), "adaln_curve_grid": table[0], "time_embed_dim": table[1]})
+                return config
+            return config_from_diffusers_shapes(list(self.stored), self._shape)
+        inv = self.stored.get("rope.inv_freq")
+        return config_from_comfy(list(self.stored), self._shape, self.source.metadata,
+                                 (lambda: self.source.read_small(inv)) if inv else None)
+
+    def _shape(self, name: str) -> tuple[int, ...] | None:
+        """Stored shape by prefix-free name; an NVFP4 weight reports its padded logical size."""
+        key = self.stored.get(name)
+        if key is None:
+            return None
+        shape = self.source.entry(key).shape
+        split = split_param(name)
+        if split and split[1] == "weight":
+            layer = self.layers.get(split[0])
+            if layer is not None and layer.spec is not None and layer.spec.format == "nvfp4" and len(shape) == 2:
+                shape = (shape[0], shape[1] * 2)
+        return shape
+
+    # ----------------------------------------------------------------- phase 1: plan
+    def _weight_outputs(self, layer: Layer, suffix: str) -> list[tuple[str, tuple[int, ...] | None]]:
+        """Diffusers names produced by one stored tensor of a layer, with their expected shapes."""
+        target = layer.target
+        if target.endswith(".attn.to_qkv"):
+            base = target[: -len("to_qkv")]
+            return [(f"{base}{p}.{suffix}", self._expected.get(f"{base}{p}.{suffix}")) for p in ("to_q", "to_k", "to_v")]
+        name = f"{target}.{suffix}"
+        return [(name, self._expected.get(name))]
+
+    def logical_shape(self, layer: Layer, suffix: str) -> tuple[int, ...]:
+        """The stored tensor's logical shape (fused for QKV); NVFP4 weights take it from the model."""
+        stored = self.source.entry(layer.keys[suffix]).shape
+        outs = self._weight_outputs(layer, suffix)
+        if suffix == "weight" and layer.spec is not None and layer.spec.format == "nvfp4":
+            shapes = [s for _, s in outs]
+            if any(s is None for s in shapes):
+                return (stored[0], stored[1] * 2)
+            return (sum(s[0] for s in shapes), *shapes[0][1:])
+        return stored
+
+    def plan(self) -> list[Output]:
+        outputs: list[Output] = []
+        for layer in self.layers.values():
+            for suffix in ("weight", "bias"):
+                if suffix not in layer.keys:
+                    continue
+                shape = self.logical_shape(layer, suffix)
+                outs = self._weight_outputs(layer, suffix)
+                if len(outs) == 3:
+                    if shape[0] % 3:
+                        raise CheckpointError(f"{layer.name}.{suffix}: {shape[0]} rows do not split into q, k, v")
+                    each = (shape[0] // 3, *shape[1:])
+                    outputs.extend(Output(n, each, layer.name) for n, _ in outs)
+                else:
+                    outputs.append(Output(outs[0][0], tuple(shape), layer.name))
+        for single in self.singles:
+            outputs.append(Output(single, self.source.entry(self.stored[single]).shape, single))
+        return outputs
+
+    def diff(self) -> tuple[list[str], list[str], list[tuple[str, tuple, tuple]]]:
+        """(missing, unexpected, wrong shapes) of the plan against the model the config builds."""
+        planned = {o.name: o for o in self.plan()}
+        unexpected = sorted(set(planned) - set(self._expected))
+        missing = sorted(set(self._expected) - set(planned))
+        bad = [(n, tuple(o.shape), self._expected[n]) for n, o in planned.items()
+               if n in self._expected and tuple(o.shape) != self._expected[n]]
+        return missing, unexpected, bad
+
+    def check(self) -> None:
+        """Verify the plan against the model: names, shapes, nothing missing or left over."""
+        where = self.source.path
+        if self.unmapped:
+            raise CheckpointError(f"{where}: {len(self.unmapped)} tensors fit no DiT name, "
+                                  f"e.g. {', '.join(sorted(self.unmapped)[:3])}")
+        missing, unexpected, bad = self.diff()
+        if unexpected:
+            raise CheckpointError(f"{where}: {len(unexpected)} unexpected tensors for this DiT config, "
+                                  f"e.g. {', '.join(unexpected[:3])}")
+        if missing:
+            raise CheckpointError(f"{where}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
+        if bad:
+            detail = "; ".join(f"{n} is {list(s)}, expected {list(e)}" for n, s, e in bad[:3])
+            raise CheckpointError(f"{where}: {len(bad)} tensors have the wrong shape: {detail}")
+
+    # ----------------------------------------------------------------- phase 2: tensors
+    def _order(self) -> list[tuple[str, str]]:
+        """(kind, name) in on-disk order: kind 'layer' or 'single'."""
+        rank = {k: i for i, k in enumerate(self.source.file_order())}
+        items = [("layer", l.name, rank[l.keys["weight"]]) for l in self.layers.values()]
+        items += [("single", s, rank[self.stored[s]]) for s in self.singles]
+        return [(kind, name) for kind, name, _ in sorted(items, key=lambda x: x[2])]
+
+    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        for kind, name in self._order():
+            if kind == "single":
+                yield name, self.source.get(self.stored[name])
+                continue
+            yield from self._layer_tensors(self.layers[name], dtype)
+
+    def _layer_tensors(self, layer: Layer, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        outs = self._weight_outputs(layer, "weight")
+        want = target_dtype(outs[0][0], self.config, dtype)
+        if layer.spec is None:
+            weight = self.source.get(layer.keys["weight"])
+        else:
+            stored = {s: self.source.get(k) for s, k in layer.keys.items() if s not in ("comfy_quant", "_legacy", "bias")}
+            weight = dequantize(layer.spec, stored, self.logical_shape(layer, "weight"), want, layer.name)
+            if "pre_quant_scale" in stored:
+                weight = fold_pre_quant_scale(weight, stored["pre_quant_scale"])
+        yield from self._finish(layer, "weight", weight)
+        if "bias" in layer.keys:
+            yield from self._finish(layer, "bias", self.source.get(layer.keys["bias"]))
+
+    def _finish(self, layer: Layer, suffix: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        outs = self._weight_outputs(layer, suffix)
+        if len(outs) == 3:
+            c = self.config
+            parts = keymap.split_qkv(tensor, c.num_attention_heads, c.attention_head_dim, self.qkv_layout)
+            for (name, _), part in zip(outs, parts):
+                yield name, part
+            return
+        name = outs[0][0]
+        if self.detected.names == "original" and layer.target.endswith(".ff.net.0.proj"):
+            tensor = keymap.swap_halves(tensor)
+        yield name, tensor
+
+    # ----------------------------------------------------------------- facts for reports
+    def quantized_layers(self) -> dict[str, QuantSpec]:
+        return {l.name: l.spec for l in self.layers.values() if l.spec is not None}
+
+    def logical_param_count(self) -> int:
+        return sum(math.prod(s) for s in self._expected.values())

@@ -1,0 +1,330 @@
+"""What is in a checkpoint, from its headers: layout, formats, shapes, scales, completeness.
+
+Reads safetensors headers and metadata only; the only tensor bytes touched are `.comfy_quant`
+markers, scalar scales and the 16-value RoPE buffer, so it takes a second on a 60 GB file.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from pathlib import Path
+
+from . import nvfp4
+from .detect import Detected, detect
+from .dit_reader import DitReader
+from .quant import LEGACY_MARKER, QUANT_SUFFIXES, QuantSpec, declare_layers, split_param
+from .safetensors_header import DTYPES
+from .source import CheckpointSource, open_source
+
+_LEGACY_RENAME = {"scale_weight": "weight_scale", "scale_input": "input_scale"}
+_META_PREVIEW = 300
+
+
+def inspect_checkpoint(path: str | Path, *, partition: str | None = None, qkv_layout: str = "stacked") -> dict:
+    source = open_source(path, partition=partition)
+    try:
+        detected = detect(source.keys, str(source.path))
+        report = _common(source, detected)
+        if detected.model == "dit":
+            report.update(_dit(source, detected, qkv_layout))
+        else:
+            report.update(_other(source, detected))
+        return report
+    finally:
+        source.close()
+
+
+# ------------------------------------------------------------------------------- shared
+def _common(source: CheckpointSource, detected: Detected) -> dict:
+    hist: dict[str, dict[str, int]] = {}
+    for h in source.headers:
+        for e in h.tensors.values():
+            slot = hist.setdefault(e.dtype, {"tensors": 0, "bytes": 0})
+            slot["tensors"] += 1
+            slot["bytes"] += e.nbytes
+    metadata = {k: (v if len(v) <= _META_PREVIEW else v[:_META_PREVIEW] + f"... ({len(v)} chars)")
+                for k, v in source.metadata.items()}
+    return {
+        "path": str(source.path),
+        "files": [{"name": h.path.name, "bytes": h.file_size, "header_bytes": h.header_size,
+                   "tensors": len(h.tensors)} for h in source.headers],
+        "model": detected.model,
+        "layout": detected.layout,
+        "prefix": detected.prefix,
+        "tensors": len(source.keys),
+        "bytes": source.total_bytes,
+        "dtype_histogram": dict(sorted(hist.items())),
+        "metadata": metadata,
+    }
+
+
+def _scale_layout(spec: QuantSpec, suffix: str, shape: tuple[int, ...], n: int) -> str:
+    if suffix == "weight_scale" and spec.format == "nvfp4":
+        return "nvfp4 block scales, 1 per 16 inputs, cuBLAS 128x4 blocked (swizzled)"
+    if suffix == "weight_scale" and spec.format == "int8_tensorwise":
+        return "per-row" if math.prod(shape) == n and n > 1 else "per-tensor"
+    if suffix == "pre_quant_scale":
+        return "per-input-channel (AWQ smoothing, multiplies the input)"
+    if suffix == "input_scale":
+        return "per-tensor static activation scale (used only by low-precision activation GEMMs)"
+    return "per-tensor"
+
+
+def _quant_layer(source: CheckpointSource, name: str, keys: dict[str, str], spec: QuantSpec,
+                 logical: tuple[int, ...] | None) -> dict:
+    w = source.entry(keys["weight"])
+    info: dict = {"format": spec.label, "declared_by": spec.source,
+                  "stored": {"dtype": w.dtype, "shape": list(w.shape)}}
+    if spec.format == "nvfp4":
+        info["nibble_order"] = "even element in the high nibble (comfy-kitchen hi_first)"
+        if logical is None:
+            info["logical_shape_padded"] = [w.shape[0], w.shape[1] * 2]
+        else:
+            info["logical_shape"] = list(logical)
+            ok = tuple(w.shape) == nvfp4.packed_shape(*logical)
+            if "weight_scale" in keys:
+                ok = ok and math.prod(source.entry(keys["weight_scale"]).shape) == math.prod(nvfp4.scale_shape(*logical))
+            info["packed_shapes_consistent"] = ok
+    else:
+        info["logical_shape"] = list(logical) if logical is not None else list(w.shape)
+    if spec.convrot:
+        info["convrot_groupsize"] = spec.convrot_groupsize
+    if spec.full_precision_mm:
+        info["full_precision_matrix_mult"] = True
+    scales = []
+    rows = (logical or w.shape)[0]
+    for suffix in ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"):
+        if suffix not in keys:
+            continue
+        e = source.entry(keys[suffix])
+        entry = {"name": suffix, "dtype": e.dtype, "shape": list(e.shape),
+                 "layout": "global (fp32 decode multiplier)" if suffix == "weight_scale_2"
+                 else _scale_layout(spec, suffix, e.shape, rows)}
+        if e.numel == 1 and DTYPES[e.dtype][0] is not None:
+            entry["value"] = float(source.read_small(keys[suffix]).float().reshape(()))
+        scales.append(entry)
+    info["scales"] = scales
+    return info
+
+
+def _quant_summary(specs: dict[str, QuantSpec], total_layers: int) -> dict:
+    counts = Counter(s.label for s in specs.values())
+    return {"formats": dict(sorted(counts.items())), "unquantized_layers": total_layers - len(specs),
+            "declared_by": sorted({s.source for s in specs.values()})}
+
+
+def _plain_format(dtype: str) -> str:
+    return {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F8_E4M3": "fp8_e4m3 (unscaled)",
+            "F8_E5M2": "fp8_e5m2 (unscaled)"}.get(dtype, dtype.lower())
+
+
+# ------------------------------------------------------------------------------- DiT
+def _dit(source: CheckpointSource, detected: Detected, qkv_layout: str) -> dict:
+    reader = DitReader(source, qkv_layout=qkv_layout)
+    c = reader.config
+    layers = {}
+    specs = reader.quantized_layers()
+    for layer in reader.layers.values():
+        if layer.spec is not None:
+            logical = tuple(reader.logical_shape(layer, "weight"))
+            info = _quant_layer(source, layer.name, layer.keys, layer.spec, logical)
+        else:
+            e = source.entry(layer.keys["weight"])
+            info = {"format": _plain_format(e.dtype), "shape": list(e.shape)}
+        info["maps_to"] = layer.target if not layer.target.endswith("to_qkv") else \
+            layer.target[: -len("to_qkv")] + "to_{q,k,v}"
+        layers[layer.name] = info
+    missing, unexpected, bad = reader.diff()
+    plan = reader.plan()
+    out = {
+        "config": c.to_dict(),
+        "qkv_layout_assumed": qkv_layout if detected.names == "original" else None,
+        "curve_form": c.curve_form,
+        "logical_parameters": sum(math.prod(o.shape) for o in plan),
+        "model_parameters": reader.logical_param_count(),
+        "quantization": _quant_summary(specs, len(reader.layers)),
+        "layers": layers,
+        "unmapped": sorted(reader.unmapped),
+        "missing": missing,
+        "unexpected": unexpected,
+        "wrong_shapes": [{"name": n, "shape": list(s), "expected": list(e)} for n, s, e in bad],
+        "ignored": sorted(reader.ignored),
+        "dropped": sorted(reader.dropped),
+        "other_components": len(reader.other_components),
+    }
+    if c.curve_form:
+        e = source.entry(reader.stored["adaln_t_table"])
+        out["curve_table"] = {"shape": list(e.shape), "dtype": e.dtype,
+                              "interpolation": "pos = clamp(t, 0, 1) * (grid - 1); linear between rows "
+                                               "floor(pos) (at most grid - 2) and the next"}
+    out["complete"] = not (missing or unexpected or bad or reader.unmapped)
+    return out
+
+
+# ------------------------------------------------------------------------------- other models
+def _group_layers(keys: list[str]) -> tuple[dict[str, dict[str, str]], list[str]]:
+    layers: dict[str, dict[str, str]] = {}
+    singles = []
+    for key in keys:
+        split = split_param(key)
+        if split is None:
+            singles.append(key)
+            continue
+        layer, suffix = split
+        slot = layers.setdefault(layer, {})
+        slot[_LEGACY_RENAME.get(suffix, suffix)] = key
+        if suffix in _LEGACY_RENAME:
+            slot.setdefault("_legacy", key)
+    return layers, singles
+
+
+def _other(source: CheckpointSource, detected: Detected) -> dict:
+    p = detected.prefix
+    own = [k for k in source.keys if k.startswith(p)]
+    stripped = [k[len(p):] for k in own]
+    layers, _ = _group_layers(stripped)
+    full = {n: {s: p + k for s, k in keys.items()} for n, keys in layers.items()}
+    marker = p + LEGACY_MARKER if p + LEGACY_MARKER in source else None
+    specs = declare_layers(full, source.read_small, source.metadata, p, marker,
+                           source.entry(marker).numel if marker else 0)
+    aux = {p + f"{n}.{s}" for n, keys in layers.items() for s in keys if s in QUANT_SUFFIXES}
+    params = 0
+    for k in own:
+        if k in aux or k.endswith("." + LEGACY_MARKER) or k == marker:
+            continue
+        e = source.entry(k)
+        split = split_param(k[len(p):])
+        if split and split[1] == "weight" and split[0] in specs and specs[split[0]].format == "nvfp4":
+            params += e.numel * 2
+        else:
+            params += e.numel
+    quant_layers = {n: _quant_layer(source, n, full[n], s, None) for n, s in specs.items()}
+    check = {"video_vae": _video_vae_missing, "audio_vae": _audio_vae_missing,
+             "text_encoder": _text_encoder_missing}[detected.model]
+    missing, facts = check(set(stripped))
+    return {
+        "logical_parameters": params,
+        "quantization": _quant_summary(specs, len(layers)),
+        "layers": quant_layers,
+        "missing": missing,
+        "structure": facts,
+        "other_components": len(source.keys) - len(own),
+        "complete": not missing,
+    }
+
+
+def _indices(keys: set[str], pattern: str) -> list[int]:
+    rx = re.compile(pattern)
+    return sorted({int(m.group(1)) for k in keys if (m := rx.match(k))})
+
+
+def _gaps(found: list[int], what: str) -> list[str]:
+    if not found:
+        return [f"{what} 0"]
+    return [f"{what} {i}" for i in range(found[-1] + 1) if i not in set(found)]
+
+
+def _has_conv(keys: set[str], name: str) -> bool:
+    # ComfyUI may store weight-normed convs folded (`weight`) or split (`weight_g` + `weight_v`).
+    return f"{name}.weight" in keys or {f"{name}.weight_g", f"{name}.weight_v"} <= keys
+
+
+def _video_vae_missing(keys: set[str]) -> tuple[list[str], dict]:
+    required = ["decoder.register_tokens", "decoder.proj_in.weight", "decoder.proj_in.bias", "decoder.norm_out.weight",
+                "decoder.norm_out.bias", "decoder.proj_out.weight", "decoder.proj_out.bias", "quant_conv.weight",
+                "quant_conv.bias", "post_quant_conv.weight", "post_quant_conv.bias"]
+    missing = [k for k in required if k not in keys]
+    blocks = _indices(keys, r"^decoder\.transformer_blocks\.(\d+)\.")
+    missing += _gaps(blocks, "decoder.transformer_blocks")
+    per_block = ["scale1", "scale2", "norm1.weight", "norm2.weight", "ff.net.0.proj.weight", "ff.net.0.proj.bias",
+                 "ff.net.2.weight", "ff.net.2.bias"] + [f"attn.{p}.{s}" for p in ("to_q", "to_k", "to_v", "to_out.0")
+                                                        for s in ("weight", "bias")]
+    for i in blocks:
+        missing += [f"decoder.transformer_blocks.{i}.{s}" for s in per_block
+                    if f"decoder.transformer_blocks.{i}.{s}" not in keys]
+    comfy_encoder = any(k.startswith("encoder.down.") for k in keys)
+    if not comfy_encoder:
+        missing += [k for k in ("encoder.conv_in.weight", "encoder.conv_out.weight", "encoder.norm_out.weight")
+                    if k not in keys]
+    encoder = [k for k in keys if k.startswith("encoder.")]
+    if not encoder:
+        missing.append("encoder.*")
+    return missing, {"decoder_blocks": len(blocks), "encoder_tensors": len(encoder),
+                     "encoder_names": "comfy (encoder.down.L.block.J)" if comfy_encoder
+                     else "diffusers (encoder.down_blocks.I.resnets.J)"}
+
+
+def _audio_vae_missing(keys: set[str]) -> tuple[list[str], dict]:
+    required = ["pre_block.attn.qkv.weight", "pre_block.attn.q_bias", "pre_block.attn.v_bias",
+                "pre_block.attn.zero_k_bias", "pre_block.attn.proj.weight", "pre_block.attn.proj.bias",
+                "pre_block.proj.weight", "pre_block.proj.bias"]
+    required += [f"pre_block.{n}.{s}" for n in ("norm1", "norm2", "norm3", "mlp.norm", "mlp.w0", "mlp.w1", "mlp.w2")
+                 for s in ("weight", "bias")]
+    required += [f"{n}.{s}" for n in ("mean_proj", "logs_proj", "dec_in_proj") for s in ("weight", "bias")]
+    required += ["decoder.conv_pre.bias", "decoder.activation_post.act.alpha", "decoder.activation_post.act.beta"]
+    missing = [k for k in required if k not in keys]
+    missing += [f"{n}.weight" for n in ("decoder.conv_pre", "decoder.conv_post") if not _has_conv(keys, n)]
+    enc = _indices(keys, r"^encoder\.block\.(\d+)\.")
+    ups = _indices(keys, r"^decoder\.ups\.(\d+)\.")
+    res = _indices(keys, r"^decoder\.resblocks\.(\d+)\.")
+    missing += _gaps(enc, "encoder.block") + _gaps(ups, "decoder.ups") + _gaps(res, "decoder.resblocks")
+    folded = "decoder.conv_pre.weight" in keys
+    return missing, {"encoder_blocks": len(enc), "decoder_upsamples": len(ups), "decoder_resblocks": len(res),
+                     "weight_norm": "folded" if folded else "split (weight_g, weight_v)"}
+
+
+_TE_LAYER_KEYS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                  "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                  "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight",
+                  "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def _text_encoder_missing(keys: set[str]) -> tuple[list[str], dict]:
+    layer_keys = [k for k in keys if re.search(r"(^|\.)layers\.\d+\.self_attn\.q_norm\.weight$", k)]
+    lm = min((k.split("layers.")[0] for k in layer_keys), key=len)
+    layers = _indices(keys, rf"^{re.escape(lm)}layers\.(\d+)\.")
+    missing = _gaps(layers, f"{lm}layers")
+    for i in layers:
+        missing += [f"{lm}layers.{i}.{s}" for s in _TE_LAYER_KEYS
+                    if f"{lm}layers.{i}.{s}" not in keys]
+    if not any(k.endswith("embed_tokens.weight") for k in keys):
+        missing.append(f"{lm}embed_tokens.weight")
+    vision = [k for k in keys if ".visual." in f".{k}" or k.startswith("visual.")]
+    return missing, {"language_layers": len(layers), "language_prefix": lm, "vision_tensors": len(vision),
+                     "note": "ComfyUI's H3 text encoder keeps 50 layers (hidden state after layer 50)"}
+
+
+def summary_lines(report: dict) -> list[str]:
+    """A compact human summary of an inspect report."""
+    gib = report["bytes"] / 2 ** 30
+    lines = [f"{report['path']}: {report['model'].replace('_', ' ')}, layout {report['layout']}"
+             + (f" (prefix {report['prefix']!r})" if report["prefix"] else "")
+             + f", {report['tensors']} tensors in {len(report['files'])} file(s), {gib:.2f} GiB"]
+    if report["model"] == "dit":
+        c = report["config"]
+        shape = (f"  {c['num_layers']} blocks, hidden {c['hidden_size']}, {c['num_attention_heads']}x"
+                 f"{c['attention_head_dim']} heads, ffn {c['ffn_dim']}")
+        if report["curve_form"]:
+            shape += f", curve AdaLN table {report['curve_table']['shape']}"
+        lines.append(shape)
+    lines.append(f"  logical parameters {report['logical_parameters']:,}")
+    hist = ", ".join(f"{k} {v['tensors']}" for k, v in report["dtype_histogram"].items())
+    lines.append(f"  dtypes: {hist}")
+    q = report["quantization"]
+    if q["formats"]:
+        fmts = ", ".join(f"{k} x{v}" for k, v in q["formats"].items())
+        lines.append(f"  quantized layers: {fmts} (declared by {', '.join(q['declared_by'])}); "
+                     f"{q['unquantized_layers']} layers unquantized")
+    else:
+        lines.append("  no quantized layers")
+    problems = []
+    for key in ("missing", "unexpected", "unmapped"):
+        items = report.get(key) or []
+        if items:
+            problems.append(f"{len(items)} {key} (e.g. {', '.join(items[:3])})")
+    if report.get("wrong_shapes"):
+        problems.append(f"{len(report['wrong_shapes'])} wrong shapes (e.g. {report['wrong_shapes'][0]['name']})")
+    lines.append("  complete" if report["complete"] else "  INCOMPLETE: " + "; ".join(problems))
+    return lines

@@ -1,0 +1,88 @@
+"""Make a random-weight DiT checkpoint in any published layout and format (streamed to disk).
+
+The weights are those of `synthetic.random_state(config, seed)`; the pruned layout stores the
+curve fit of that same model (pruned.py), so the files one seed makes all describe one model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..config import DiTConfig
+from ..errors import InputError
+from .comfy_layout import FORMATS, comfy_groups, comfy_metadata, diffusers_config_json, diffusers_groups
+from .dit_reader import expected_shapes
+from .pruned import CurveFit, fit_curve
+from .synthetic import random_param
+from .writer import write_groups
+
+LAYOUTS = ("comfy", "comfy-pruned", "diffusers")
+# Curve table size per preset: the published files use [1025, 8]; the tiny one keeps 33 points.
+CURVE_DEFAULTS = {"full": (1025, 8), "tiny": (33, 4)}
+
+
+@dataclass
+class MadeCheckpoint:
+    path: Path  # the .safetensors file
+    config: DiTConfig  # of the stored model (curve form for comfy-pruned)
+    bytes: int
+    curve_residual: float | None
+
+
+def curve_fit_for(config: DiTConfig, seed: int, grid: int, rank: int) -> CurveFit:
+    shapes = expected_shapes(config)
+    te = {n: random_param(n, s, seed) for n, s in shapes.items() if n.startswith("time_embedder.")}
+    return fit_curve(te, config, grid, rank)
+
+
+def pruned_config(config: DiTConfig, grid: int, rank: int) -> DiTConfig:
+    return DiTConfig(**{**config.to_dict(), "adaln_curve_grid": grid, "time_embed_dim": rank})
+
+
+def make_dit_checkpoint(out: str | Path, config: DiTConfig, fmt: str, layout: str, *, seed: int = 0,
+                        quantize_refiner: bool = False, curve: tuple[int, int] | None = None,
+                        progress: Callable[[int, int], None] | None = None) -> MadeCheckpoint:
+    """Write the checkpoint. `config` is the full-AdaLN model; `curve` = (grid, rank) for comfy-pruned."""
+    if fmt not in FORMATS:
+        raise InputError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if layout not in LAYOUTS:
+        raise InputError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if config.curve_form:
+        raise InputError("make-checkpoint starts from a full-AdaLN config; ask for --layout comfy-pruned instead")
+    out = Path(out)
+    shapes = expected_shapes(config)
+
+    def get(name: str) -> torch.Tensor:
+        return random_param(name, shapes[name], seed)
+
+    info = {"maker": "h3-spark make-checkpoint", "seed": str(seed), "format": fmt, "layout": layout}
+    if layout == "diffusers":
+        if fmt != "bf16":
+            raise InputError(f"the diffusers layout holds bf16 weights only (diffusers reads no comfy_quant); "
+                             f"use --layout comfy for {fmt}")
+        if out.suffix == ".safetensors":
+            raise InputError(f"{out}: the diffusers layout is a folder (config.json + weights); give a folder path")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(diffusers_config_json(config))
+        path = out / "diffusion_pytorch_model.safetensors"
+        size = write_groups(path, diffusers_groups(config, get), {"format": "pt", "h3_spark": json.dumps(info)},
+                            progress)
+        return MadeCheckpoint(path, config, size, None)
+
+    if out.suffix != ".safetensors":
+        raise InputError(f"{out}: a ComfyUI checkpoint is one file; give a path ending in .safetensors")
+    fit = None
+    stored = config
+    if layout == "comfy-pruned":
+        grid, rank = curve
+        fit = curve_fit_for(config, seed, grid, rank)
+        stored = pruned_config(config, grid, rank)
+        info["curve_residual"] = f"{fit.residual:.3e}"
+    groups = comfy_groups(stored, get, fmt, fit=fit, quantize_refiner=quantize_refiner)
+    size = write_groups(out, groups, comfy_metadata(stored, {"h3_spark": json.dumps(info)}), progress)
+    return MadeCheckpoint(out, stored, size, None if fit is None else fit.residual)

@@ -1,0 +1,301 @@
+"""ComfyUI's per-layer quantization (`comfy_quant`): how a layer declares it, and how we undo it.
+
+A layer is quantized when one of these says so (h3-model-spec.md §10.1):
+- a `<layer>.comfy_quant` uint8 tensor whose bytes are JSON (`{"format": "nvfp4", ...}`);
+- the header metadata `_quantization_metadata` = `{"layers": {"<layer>": {...}}}`;
+- legacy "scaled fp8" files: a `scaled_fp8` marker tensor, and `<layer>.scale_weight`
+  (-> weight_scale) / `<layer>.scale_input` (-> input_scale) on each fp8 layer.
+Formats we read (everything else is refused by name, never guessed):
+- `float8_e4m3fn` / `float8_e5m2` ("fp8_scaled"): fp8 weight x fp32 per-tensor `weight_scale`;
+- `nvfp4`: see nvfp4.py;
+- `int8_tensorwise` ("int8", and "int8_convrot" with `convrot: true`): int8 weight x fp32 scale
+  (scalar or per row). With ConvRot the stored weight is W @ H^T per group of `convrot_groupsize`
+  input columns, H the normalised regular Hadamard matrix comfy-kitchen builds (Kronecker powers
+  of a symmetric 4x4 block); dequantizing multiplies by H^T again (H is symmetric and orthogonal).
+Dequantization runs in the dtype and operation order comfy-kitchen's eager kernels use, so the
+CPU result equals what ComfyUI computes when it dequantizes the same layer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import CheckpointError
+from . import nvfp4
+
+# comfy_quant format -> tensors a layer of that format may carry besides `weight` (and `bias`).
+FORMAT_TENSORS = {
+    "float8_e4m3fn": {"weight_scale", "input_scale"},
+    "float8_e5m2": {"weight_scale", "input_scale"},
+    "nvfp4": {"weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"},
+    "int8_tensorwise": {"weight_scale"},
+}
+# Formats ComfyUI knows that we do not load; named in the error so the user knows what they have.
+KNOWN_UNSUPPORTED = ("mxfp8", "convrot_w4a4", "asym_w4a8_int8")
+# Per-layer tensor suffixes that belong to quantization (a layer's name is the key minus these).
+QUANT_SUFFIXES = ("weight_scale_2", "weight_scale", "input_scale", "pre_quant_scale", "comfy_quant",
+                  "scale_weight", "scale_input")
+PARAM_SUFFIXES = ("weight", "bias") + QUANT_SUFFIXES
+LEGACY_MARKER = "scaled_fp8"
+METADATA_KEY = "_quantization_metadata"
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    format: str
+    convrot: bool = False
+    convrot_groupsize: int = 256
+    full_precision_mm: bool = False
+    source: str = "comfy_quant"  # where it was declared: comfy_quant | metadata | scaled_fp8
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def label(self) -> str:
+        """The user-facing name of the format (what make-checkpoint --format takes)."""
+        if self.format in ("float8_e4m3fn", "float8_e5m2"):
+            return "fp8_scaled" if self.format == "float8_e4m3fn" else "fp8_e5m2_scaled"
+        if self.format == "int8_tensorwise":
+            return "int8_convrot" if self.convrot else "int8"
+        return self.format
+
+
+def parse_layer_conf(conf: object, layer: str, source: str) -> QuantSpec:
+    if not isinstance(conf, dict):
+        if isinstance(conf, str):
+            conf = {"format": conf}
+        else:
+            raise CheckpointError(f"{layer}: quantization config must be a JSON object, got {type(conf).__name__}")
+    fmt = conf.get("format")
+    if fmt in KNOWN_UNSUPPORTED:
+        raise CheckpointError(f"{layer}: quantization format {fmt!r} is not supported by h3-spark "
+                              f"(supported: {', '.join(FORMAT_TENSORS)})")
+    if fmt not in FORMAT_TENSORS:
+        raise CheckpointError(f"{layer}: unknown quantization format {fmt!r} (supported: {', '.join(FORMAT_TENSORS)})")
+    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+    convrot = bool(conf.get("convrot", params.get("convrot", False)))
+    group = int(conf.get("convrot_groupsize", params.get("convrot_groupsize", 256)))
+    if convrot and fmt != "int8_tensorwise":
+        raise CheckpointError(f"{layer}: convrot is only defined for int8_tensorwise, not {fmt}")
+    if convrot:
+        hadamard(group)  # validates the size
+    extra = {k: v for k, v in conf.items() if k not in ("format", "convrot", "convrot_groupsize",
+                                                         "full_precision_matrix_mult", "params")}
+    return QuantSpec(fmt, convrot, group, bool(conf.get("full_precision_matrix_mult", False)), source, extra)
+
+
+def decode_marker(tensor: torch.Tensor, layer: str) -> dict:
+    """A `.comfy_quant` uint8 tensor -> its JSON object."""
+    if tensor.dtype not in (torch.uint8, torch.int8) or tensor.ndim != 1:
+        raise CheckpointError(f"{layer}.comfy_quant must be a 1-D uint8 tensor, got {tensor.dtype} {list(tensor.shape)}")
+    try:
+        return json.loads(tensor.contiguous().view(torch.uint8).numpy().tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{layer}.comfy_quant does not hold JSON") from None
+
+
+def encode_marker(conf: dict) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(conf).encode("utf-8")), dtype=torch.uint8)
+
+
+def metadata_layers(metadata: dict[str, str]) -> dict[str, object] | None:
+    raw = metadata.get(METADATA_KEY)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"safetensors metadata {METADATA_KEY} is not JSON ({exc.msg})") from None
+    layers = data.get("layers") if isinstance(data, dict) else None
+    if not isinstance(layers, dict):
+        raise CheckpointError(f"safetensors metadata {METADATA_KEY} has no `layers` object")
+    return layers
+
+
+def split_param(key: str) -> tuple[str, str] | None:
+    """'blocks.0.attn.qkv_proj.weight_scale' -> ('blocks.0.attn.qkv_proj', 'weight_scale')."""
+    for suffix in PARAM_SUFFIXES:
+        if key.endswith("." + suffix):
+            return key[: -len(suffix) - 1], suffix
+    return None
+
+
+def declare_layers(layers: dict[str, dict[str, str]], read: Callable[[str], torch.Tensor], metadata: dict[str, str], prefix: str,
+                   legacy_marker_key: str | None, legacy_marker_numel: int = 0) -> dict[str, QuantSpec]:
+    """QuantSpec of every quantized layer, from markers, header metadata or the legacy fp8 form.
+
+    `layers` maps a prefix-free layer name to {suffix: stored key}, legacy suffixes already renamed
+    (scale_weight -> weight_scale, with `_legacy` set); `read(key)` returns a small tensor.
+    A layer with scale tensors but no declaration is an error: guessing its format could load
+    garbage silently.
+    """
+    meta_layers = metadata_layers(metadata)
+    declared: dict[str, QuantSpec] = {}
+    if meta_layers is not None:
+        for name, conf in meta_layers.items():
+            stripped = name[len(prefix):] if prefix and name.startswith(prefix) else name
+            declared[stripped] = parse_layer_conf(conf, stripped, "metadata")
+    legacy = legacy_marker_key is not None and meta_layers is None
+    specs: dict[str, QuantSpec] = {}
+    for name, keys in layers.items():
+        spec = declared.pop(name, None)
+        if "comfy_quant" in keys:
+            marked = parse_layer_conf(decode_marker(read(keys["comfy_quant"]), name), name, "comfy_quant")
+            if spec is not None and spec != marked:
+                raise CheckpointError(f"{name}: .comfy_quant ({marked.label}) and {METADATA_KEY} ({spec.label}) disagree")
+            spec = marked
+        if spec is None and legacy and "_legacy" in keys and "weight_scale" in keys:
+            spec = QuantSpec("float8_e4m3fn", full_precision_mm=legacy_marker_numel == 2, source="scaled_fp8")
+        if spec is None:
+            stray = sorted(s for s in keys if s in QUANT_SUFFIXES)
+            if stray:
+                raise CheckpointError(f"{name}: has {', '.join(stray)} but no quantization declaration "
+                                      f"(.comfy_quant, {METADATA_KEY} or scaled_fp8)")
+            continue
+        allowed = FORMAT_TENSORS[spec.format] | {"weight", "bias", "comfy_quant", "_legacy"}
+        extra = sorted(set(keys) - allowed)
+        if extra:
+            raise CheckpointError(f"{name}: {spec.label} layer has unexpected tensors {', '.join(extra)}")
+        if "weight" not in keys:
+            raise CheckpointError(f"{name}: declared {spec.label} but has no weight")
+        specs[name] = spec
+    if declared:
+        names = sorted(declared)
+        raise CheckpointError(f"{METADATA_KEY} declares {len(names)} layers with no weight, e.g. {', '.join(names[:3])}")
+    return specs
+
+
+# --------------------------------------------------------------------- Hadamard (ConvRot)
+_H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
+_HADAMARD: dict[int, torch.Tensor] = {}
+
+
+def hadamard(size: int) -> torch.Tensor:
+    """The normalised regular Hadamard matrix of a power-of-4 size, fp32 (symmetric, orthogonal)."""
+    if size < 4 or 4 ** round(math.log(size, 4)) != size:
+        raise CheckpointError(f"ConvRot group size must be a power of 4 (4, 16, 64, 256, ...), got {size}")
+    h = _HADAMARD.get(size)
+    if h is None:
+        base = torch.tensor(_H4, dtype=torch.float32)
+        h = base
+        while h.shape[0] < size:
+            h = torch.kron(h, base)
+        h = h / math.sqrt(size)
+        _HADAMARD[size] = h
+    return h
+
+
+def rotate_groups(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """W -> W @ H^T applied to each group of `group` input columns (fp32). It is its own inverse."""
+    n, k = weight.shape
+    if k % group:
+        raise CheckpointError(f"ConvRot group size {group} does not divide the {k} input columns")
+    h = hadamard(group).to(weight.device)
+    return torch.matmul(weight.reshape(n, k // group, group), h.T).reshape(n, k)
+
+
+def convrot_group_for(k: int, preferred: int = 256) -> int | None:
+    """The group size a writer uses: 256 as released, else the largest power of 4 dividing K."""
+    if k % preferred == 0:
+        return preferred
+    g = 4
+    best = None
+    while g <= preferred and g <= k:
+        if k % g == 0:
+            best = g
+        g *= 4
+    return best
+
+
+# --------------------------------------------------------------------- dequantize
+def dequantize(spec: QuantSpec, tensors: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype,
+               layer: str) -> torch.Tensor:
+    """A quantized layer's stored tensors -> its logical weight [N, K] in `dtype`."""
+    weight = tensors["weight"]
+    if spec.format in ("float8_e4m3fn", "float8_e5m2"):
+        fp8 = torch.float8_e4m3fn if spec.format == "float8_e4m3fn" else torch.float8_e5m2
+        if weight.dtype == torch.uint8:
+            weight = weight.view(fp8)
+        if weight.dtype != fp8:
+            raise CheckpointError(f"{layer}: {spec.format} layer stores its weight as {weight.dtype}")
+        scale = _scale(tensors, "weight_scale", layer)
+        _check_shape(layer, weight, shape)
+        return weight.to(dtype) * scale.to(dtype)
+    if spec.format == "nvfp4":
+        g = _scale(tensors, "weight_scale_2", layer)
+        if "weight_scale" not in tensors:
+            raise CheckpointError(f"{layer}: NVFP4 layer lacks weight_scale (block scales)")
+        return nvfp4.dequantize(weight, tensors["weight_scale"], g, shape, dtype)
+    if spec.format == "int8_tensorwise":
+        if weight.dtype != torch.int8:
+            raise CheckpointError(f"{layer}: int8 layer stores its weight as {weight.dtype}")
+        _check_shape(layer, weight, shape)
+        scale = tensors.get("weight_scale")
+        if scale is None:
+            raise CheckpointError(f"{layer}: int8 layer lacks weight_scale")
+        if scale.numel() not in (1, shape[0]):
+            raise CheckpointError(f"{layer}: int8 weight_scale has {scale.numel()} values; expected 1 or {shape[0]}")
+        scale = scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float().reshape(())
+        w = weight.float() * scale
+        if spec.convrot:
+            w = rotate_groups(w, spec.convrot_groupsize)
+        return w.to(dtype)
+    raise CheckpointError(f"{layer}: quantization format {spec.format!r} is not supported")
+
+
+def _scale(tensors: dict[str, torch.Tensor], name: str, layer: str) -> torch.Tensor:
+    t = tensors.get(name)
+    if t is None:
+        raise CheckpointError(f"{layer}: missing {name}")
+    if t.numel() != 1:
+        raise CheckpointError(f"{layer}.{name} must be a single value, got shape {list(t.shape)}")
+    return t.float().reshape(())
+
+
+def _check_shape(layer: str, weight: torch.Tensor, shape: tuple[int, int]) -> None:
+    if tuple(weight.shape) != tuple(shape):
+        raise CheckpointError(f"{layer}: stored weight is {list(weight.shape)}, the model needs {list(shape)}")
+
+
+def fold_pre_quant_scale(weight: torch.Tensor, pre_quant_scale: torch.Tensor) -> torch.Tensor:
+    """AWQ smoothing multiplies the input by s before the GEMM; x (W s)^T is the same product."""
+    if pre_quant_scale.numel() != weight.shape[1]:
+        raise CheckpointError(f"pre_quant_scale has {pre_quant_scale.numel()} values for {weight.shape[1]} inputs")
+    return (weight.float() * pre_quant_scale.float().reshape(1, -1)).to(weight.dtype)
+
+
+# --------------------------------------------------------------------- quantize (writers)
+def quantize_fp8(weight: torch.Tensor, fp8: torch.dtype = torch.float8_e4m3fn,
+                 rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor fp8: scale = amax / fp8 max, q = clamp(w / scale) (as ComfyUI quantizes)."""
+    top = torch.finfo(fp8).max
+    scale = (weight.abs().amax().to(torch.float32) / top).clamp(min=torch.finfo(torch.float32).tiny).reshape(())
+    inv = (1.0 / scale).to(weight.dtype)
+    q = torch.empty(weight.shape, dtype=fp8)
+    for start in range(0, weight.shape[0], rows_per_chunk):
+        q[start:start + rows_per_chunk] = (weight[start:start + rows_per_chunk] * inv).clamp(-top, top).to(fp8)
+    return q, scale
+
+
+def quantize_int8_rows(weight: torch.Tensor, convrot_group: int | None,
+                       rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 (scale [N, 1] = row amax / 127), optionally after the ConvRot rotation.
+
+    Rows are independent, so they are done `rows_per_chunk` at a time to bound temporaries.
+    """
+    n = weight.shape[0]
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(n, 1, dtype=torch.float32)
+    for start in range(0, n, rows_per_chunk):
+        w = weight[start:start + rows_per_chunk].float()
+        if convrot_group:
+            w = rotate_groups(w, convrot_group)
+        s = (w.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-30)
+        safe = torch.where(s == 0, torch.full_like(s, torch.finfo(torch.float32).tiny), s)
+        q[start:start + rows_per_chunk] = (w / safe).round().clamp(-128, 127).to(torch.int8)
+        scale[start:start + rows_per_chunk] = s
+    return q, scale

@@ -1,0 +1,207 @@
+"""Where a checkpoint's tensors live: one .safetensors file, or a diffusers folder of shards.
+
+`CheckpointSource` knows every tensor's header entry (cheap) and reads tensor data on demand
+through safetensors' memory map, one tensor at a time, so a 60 GB checkpoint never needs its size
+in RAM. Accepted paths:
+- a `.safetensors` file;
+- a diffusers component folder (`transformer/`, `transformer_ref/`): `config.json` plus
+  `diffusion_pytorch_model.safetensors` or shards listed in `...safetensors.index.json`;
+- the parent of those folders, with `partition` choosing `transformer/` (t2va, fl2va) or
+  `transformer_ref/` (ref2va).
+Pickle checkpoints (.bin, .pt, .ckpt) are refused: loading them can run code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..errors import CheckpointError
+from .safetensors_header import Header, TensorEntry, read_header, read_small
+
+PARTITION_FOLDERS = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class CheckpointSource:
+    """The headers of one checkpoint (one or more files) and lazy, memory-mapped tensor reads."""
+
+    def __init__(self, path: Path, headers: list[Header], config_path: Path | None):
+        self.path = path
+        self.headers = headers
+        self.config_path = config_path
+        self._where: dict[str, Header] = {}
+        for h in headers:
+            for name in h.tensors:
+                if name in self._where:
+                    raise CheckpointError(f"{path}: tensor {name} appears in both {self._where[name].path.name} "
+                                          f"and {h.path.name}")
+                self._where[name] = h
+        self._handles: dict[Path, object] = {}
+
+    # -- header-level facts (no tensor data)
+    @property
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self._where[name].tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: tensor {name} not found") from None
+
+    def header_of(self, name: str) -> Header:
+        return self._where[name]
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """Metadata of the first file (shards of one checkpoint carry the same)."""
+        return dict(self.headers[0].metadata) if self.headers else {}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(h.file_size for h in self.headers)
+
+    def file_order(self) -> list[str]:
+        """Tensor names in on-disk order (file by file, by offset): sequential reads on a disk."""
+        out = []
+        for h in self.headers:
+            out.extend(sorted(h.tensors, key=lambda n: h.tensors[n].begin))
+        return out
+
+    # -- tensor data
+    def read_small(self, name: str) -> torch.Tensor:
+        """A marker, scalar or other tiny tensor, read with plain file I/O (no memory map of the file)."""
+        header = self._where.get(name)
+        if header is None:
+            raise CheckpointError(f"{self.path}: tensor {name} not found")
+        return read_small(header, name)
+
+    def get(self, name: str) -> torch.Tensor:
+        header = self._where.get(name)
+        if header is None:
+            raise CheckpointError(f"{self.path}: tensor {name} not found")
+        handle = self._handles.get(header.path)
+        try:
+            if handle is None:
+                handle = self._handles[header.path] = self._open(header.path, "mmap")
+            return handle.get_tensor(name)
+        except RuntimeError as exc:
+            # safetensors maps the whole file copy-on-write; a kernel that will not commit a file
+            # larger than RAM refuses that. pread(2) reads the same bytes, tensor by tensor.
+            if "mmap" not in str(exc):
+                raise
+            handle = self._handles[header.path] = self._open(header.path, "pread")
+            return handle.get_tensor(name)
+
+    @staticmethod
+    def _open(path: Path, backend: str):
+        from safetensors import safe_open
+
+        if backend == "mmap":
+            return safe_open(str(path), framework="pt", device="cpu")
+        try:
+            return safe_open(str(path), framework="pt", device="cpu", backend=backend)
+        except TypeError:
+            raise CheckpointError(f"{path}: cannot memory-map this {path.stat().st_size}-byte file and this "
+                                  "safetensors has no pread backend; install safetensors>=0.8") from None
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.file_order():
+            yield name, self.get(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "CheckpointSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def resolve_dit_folder(path: Path, partition: str | None) -> Path:
+    """Pick the DiT component folder for a folder path (the folder itself, or a partition child)."""
+    if partition is not None and partition not in PARTITION_FOLDERS:
+        raise CheckpointError(f"unknown partition {partition!r}; choose one of {', '.join(PARTITION_FOLDERS)}")
+    if _looks_like_component(path):
+        if partition is not None and path.name in PARTITION_FOLDERS.values() and path.name != PARTITION_FOLDERS[partition]:
+            raise CheckpointError(f"{path}: is the {path.name}/ folder but partition={partition!r} asks for "
+                                  f"{PARTITION_FOLDERS[partition]}/")
+        return path
+    present = [name for name in ("transformer", "transformer_ref") if _looks_like_component(path / name)]
+    if not present:
+        raise CheckpointError(f"{path}: no safetensors weights here and no transformer/ or transformer_ref/ folder")
+    if partition is None:
+        if len(present) > 1:
+            raise CheckpointError(f"{path}: holds both transformer/ and transformer_ref/; pass partition='t2va' "
+                                  "(or 'fl2va') for transformer/ or partition='ref2va' for transformer_ref/")
+        return path / present[0]
+    wanted = PARTITION_FOLDERS[partition]
+    if wanted not in present:
+        raise CheckpointError(f"{path}: partition {partition!r} needs {wanted}/, which is not there "
+                              f"(found {', '.join(p + '/' for p in present)})")
+    return path / wanted
+
+
+def _looks_like_component(path: Path) -> bool:
+    return path.is_dir() and ((path / INDEX_NAME).exists() or any(path.glob("*.safetensors")))
+
+
+def open_source(path: str | Path, *, partition: str | None = None) -> CheckpointSource:
+    """Open a checkpoint file or folder (headers only; tensor data is read lazily)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder")
+    if path.is_file():
+        if path.suffix.lower() in _PICKLE_SUFFIXES:
+            raise CheckpointError(f"{path}: pickle checkpoints are not loaded (they can run code); "
+                                  "convert it to .safetensors")
+        return CheckpointSource(path, [read_header(path)], None)
+    folder = resolve_dit_folder(path, partition)
+    config = folder / "config.json"
+    config_path = config if config.exists() else None
+    index = folder / INDEX_NAME
+    if index.exists():
+        try:
+            data = json.loads(index.read_text())
+            weight_map = data["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index}: not a valid safetensors index (needs a weight_map object)") from None
+        shard_names = list(dict.fromkeys(weight_map.values()))
+        headers = []
+        for shard in shard_names:
+            shard_path = folder / shard
+            if not shard_path.exists():
+                raise CheckpointError(f"{index}: lists shard {shard}, which is missing")
+            headers.append(read_header(shard_path))
+        source = CheckpointSource(folder, headers, config_path)
+        listed, actual = set(weight_map), set(source.keys)
+        if listed != actual:
+            diff = sorted(listed ^ actual)
+            raise CheckpointError(f"{index}: weight_map and the shards disagree on {len(diff)} tensors, "
+                                  f"e.g. {', '.join(diff[:3])}")
+        for name, shard in weight_map.items():
+            if source.header_of(name).path.name != shard:
+                raise CheckpointError(f"{index}: {name} is listed in {shard} but stored in "
+                                      f"{source.header_of(name).path.name}")
+        return source
+    single = folder / WEIGHTS_NAME
+    files = [single] if single.exists() else sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in folder.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES]
+        hint = f" (found {', '.join(pickles[:3])}: pickle files are not loaded)" if pickles else ""
+        raise CheckpointError(f"{folder}: no .safetensors weights{hint}")
+    if len(files) > 1:
+        raise CheckpointError(f"{folder}: {len(files)} .safetensors files but no {INDEX_NAME} to say how they fit")
+    return CheckpointSource(folder, [read_header(files[0])], config_path)

@@ -1,0 +1,281 @@
+"""Media I/O on PyAV: images, videos and audio in; H.264 + AAC mp4 out.
+
+Everything comes out on H3's clocks: video at 24 fps (frames dropped or held, never blended),
+audio at 32 kHz stereo float32 (mono is duplicated onto both channels, more than two channels are
+downmixed by libswresample). Frames are uint8 (F, H, W, 3) RGB tensors.
+
+FFmpeg's log is silenced unless a loglevel (ffmpeg's names: quiet ... trace) is given, in which
+case FFmpeg prints to stderr at that level for the duration of the call.
+
+Resampling note: the reference pipeline resamples reference soundtracks with torchaudio's sinc
+resampler; here libswresample does it, which differs by a fraction of a dB near Nyquist.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .errors import InputError
+
+FPS = 24
+SAMPLE_RATE = 32000
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+VIDEO_SUFFIXES = (".mp4", ".mov", ".webm")
+AUDIO_SUFFIXES = (".wav", ".flac", ".mp3", ".m4a")
+LOGLEVELS = ("quiet", "panic", "fatal", "error", "warning", "info", "verbose", "debug", "trace")
+
+
+def _av():
+    try:
+        import av
+    except ImportError:
+        raise InputError("media I/O needs PyAV: pip install av") from None
+    return av
+
+
+@contextmanager
+def ffmpeg_log(loglevel: str | None) -> Iterator[None]:
+    """Silence FFmpeg, or let it print to stderr at `loglevel`, for the duration of a call."""
+    av = _av()
+    if loglevel is None:
+        av.logging.set_level(None)
+        yield
+        return
+    if loglevel not in LOGLEVELS:
+        raise InputError(f"unknown ffmpeg loglevel {loglevel!r}; choose one of {', '.join(LOGLEVELS)}")
+    level = -8 if loglevel == "quiet" else getattr(av.logging, loglevel.upper())
+    av.logging.restore_default_callback()
+    av.logging.set_libav_level(level)
+    try:
+        yield
+    finally:
+        av.logging.set_level(None)
+
+
+def _check_input(path: str | os.PathLike, suffixes: tuple[str, ...], kind: str) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such {kind} file")
+    if not path.is_file():
+        raise InputError(f"{path}: not a file")
+    if path.suffix.lower() not in suffixes:
+        raise InputError(f"{path}: unsupported {kind} type {path.suffix or '(none)'}; use {', '.join(suffixes)}")
+    return path
+
+
+@contextmanager
+def _open(path: Path, kind: str, loglevel: str | None) -> Iterator[Any]:
+    av = _av()
+    with ffmpeg_log(loglevel):
+        try:
+            container = av.open(str(path))
+        except (av.error.FFmpegError, OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"{path}: cannot read as {kind} ({exc})") from None
+        with container:
+            try:
+                yield container
+            except av.error.FFmpegError as exc:
+                raise InputError(f"{path}: cannot decode {kind} ({exc})") from None
+
+
+def _upright(frame: Any) -> np.ndarray:
+    """RGB array of a frame, turned the way players display it (the stream's display matrix
+    rotation, counterclockwise, snapped to quarter turns)."""
+    array = frame.to_ndarray(format="rgb24")
+    turns = round(getattr(frame, "rotation", 0) / 90.0) % 4
+    return np.ascontiguousarray(np.rot90(array, k=-turns)) if turns else array
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+
+
+def read_image(path: str | os.PathLike, *, loglevel: str | None = None) -> torch.Tensor:
+    """png / jpg / webp -> uint8 (H, W, 3) RGB (alpha dropped)."""
+    path = _check_input(path, IMAGE_SUFFIXES, "image")
+    with _open(path, "image", loglevel) as container:
+        if not container.streams.video:
+            raise InputError(f"{path}: no image in the file")
+        for frame in container.decode(video=0):
+            return torch.from_numpy(_upright(frame).copy())
+    raise InputError(f"{path}: no image in the file")
+
+
+def resample_frame_indices(num_frames: int, source_fps: float, target_fps: float = FPS) -> torch.Tensor:
+    """Source frame shown at each target frame: every frame holds from its own slot,
+    round(i * target / source), to the next frame's, the last one to the slot the stream's end
+    rounds to (what ffmpeg's fps filter does)."""
+    if source_fps <= 0:
+        raise InputError(f"a video needs a positive frame rate, got {source_fps}")
+    scale = target_fps / source_fps
+    slots = torch.floor(torch.arange(num_frames + 1, dtype=torch.float64) * scale + 0.5).long()
+    return torch.repeat_interleave(torch.arange(num_frames), slots.diff())
+
+
+@dataclass
+class VideoClip:
+    frames: torch.Tensor          # uint8 (F, H, W, 3) at `fps`
+    fps: float
+    source_fps: float
+    audio: torch.Tensor | None    # float32 (2, N) at `sample_rate`, or None without a soundtrack
+    sample_rate: int
+
+
+def read_video(path: str | os.PathLike, *, fps: float = FPS, max_frames: int | None = None,
+               sample_rate: int = SAMPLE_RATE, with_audio: bool = True,
+               loglevel: str | None = None) -> VideoClip:
+    """mp4 / mov / webm -> frames at `fps` (dropped or held) and, if present, the soundtrack at
+    `sample_rate` stereo, truncated to the returned frames' duration."""
+    path = _check_input(path, VIDEO_SUFFIXES, "video")
+    with _open(path, "video", loglevel) as container:
+        if not container.streams.video:
+            raise InputError(f"{path}: no video stream")
+        stream = container.streams.video[0]
+        source_fps = float(stream.average_rate or stream.guessed_rate or 0)
+        if source_fps <= 0:
+            raise InputError(f"{path}: the video stream has no frame rate")
+        needed = None if max_frames is None else math.ceil((max_frames + 1) * source_fps / fps) + 1
+        frames = []
+        for frame in container.decode(stream):
+            frames.append(_upright(frame))
+            if needed is not None and len(frames) >= needed:
+                break
+        if not frames:
+            raise InputError(f"{path}: the video stream has no frames")
+        audio = None
+        if with_audio and container.streams.audio:
+            container.seek(0)
+            audio = _decode_audio(container, container.streams.audio[0], sample_rate)
+    index = resample_frame_indices(len(frames), source_fps, fps)
+    if max_frames is not None:
+        index = index[:max_frames]
+    video = torch.from_numpy(np.stack(frames))[index]
+    if audio is not None:
+        audio = audio[:, : round(video.shape[0] / fps * sample_rate)]
+    return VideoClip(video, float(fps), source_fps, audio, sample_rate)
+
+
+def read_audio(path: str | os.PathLike, *, sample_rate: int = SAMPLE_RATE, max_seconds: float | None = None,
+               loglevel: str | None = None) -> torch.Tensor:
+    """wav / flac / mp3 / m4a -> float32 stereo (2, N) at `sample_rate`; mono is duplicated."""
+    path = _check_input(path, AUDIO_SUFFIXES, "audio")
+    with _open(path, "audio", loglevel) as container:
+        if not container.streams.audio:
+            raise InputError(f"{path}: no audio stream")
+        audio = _decode_audio(container, container.streams.audio[0], sample_rate)
+    if audio.shape[1] == 0:
+        raise InputError(f"{path}: the audio stream has no samples")
+    if max_seconds is not None:
+        audio = audio[:, : int(max_seconds * sample_rate)]
+    return audio
+
+
+def _decode_audio(container: Any, stream: Any, sample_rate: int) -> torch.Tensor:
+    av = _av()
+    channels = stream.codec_context.channels or stream.layout.nb_channels
+    # Mono stays mono through the resampler (its mono->stereo upmix would attenuate by 3 dB);
+    # we duplicate it afterwards.
+    layout = "mono" if channels == 1 else "stereo"
+    resampler = av.AudioResampler(format="fltp", layout=layout, rate=sample_rate)
+    chunks = []
+    for frame in container.decode(stream):
+        chunks += [out.to_ndarray() for out in resampler.resample(frame)]
+    chunks += [out.to_ndarray() for out in resampler.resample(None)]
+    audio = torch.from_numpy(np.concatenate(chunks, axis=1)) if chunks else torch.zeros(1 if channels == 1 else 2, 0)
+    audio = audio.to(torch.float32)
+    return audio.expand(2, -1).contiguous() if audio.shape[0] == 1 else audio
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def _as_frames(frames: torch.Tensor | np.ndarray) -> np.ndarray:
+    array = frames.numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames)
+    if array.dtype != np.uint8 or array.ndim != 4 or array.shape[-1] != 3 or array.shape[0] < 1:
+        raise InputError(f"video frames must be uint8 (F, H, W, 3) with F >= 1, got {tuple(array.shape)} {array.dtype}")
+    if array.shape[1] % 2 or array.shape[2] % 2:
+        raise InputError(f"H.264 (yuv420p) needs an even width and height, got {array.shape[2]}x{array.shape[1]}")
+    return array
+
+
+def _as_audio(audio: torch.Tensor | np.ndarray) -> np.ndarray:
+    array = audio.float().numpy() if isinstance(audio, torch.Tensor) else np.asarray(audio, dtype=np.float32)
+    if array.ndim != 2 or array.shape[0] != 2 or array.shape[1] < 1:
+        raise InputError(f"audio must be float (2, samples), got {tuple(array.shape)}")
+    return np.ascontiguousarray(np.clip(array, -1.0, 1.0), dtype=np.float32)
+
+
+def write_mp4(path: str | os.PathLike, frames: torch.Tensor | np.ndarray,
+              audio: torch.Tensor | np.ndarray | None = None, *, fps: int = FPS, sample_rate: int = SAMPLE_RATE,
+              crf: int = 18, preset: str = "medium", loglevel: str | None = None) -> Path:
+    """Write H.264 (yuv420p, `crf`) at `fps` plus stereo AAC, moov atom first (faststart).
+
+    The audio is trimmed to the video's duration, round(F / fps * sample_rate) samples. The file
+    appears only when complete.
+    """
+    av = _av()
+    path = Path(path)
+    video = _as_frames(frames)
+    sound = None if audio is None else _as_audio(audio)[:, : round(video.shape[0] / fps * sample_rate)]
+    if path.parent and not path.parent.is_dir():
+        raise InputError(f"{path.parent}: no such folder for the output")
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        with ffmpeg_log(loglevel), av.open(str(tmp), "w", format="mp4", options={"movflags": "+faststart"}) as out:
+            _mux(out, video, sound, fps, sample_rate, crf, preset)
+        os.replace(tmp, path)
+    except av.error.FFmpegError as exc:
+        raise InputError(f"{path}: cannot write mp4 ({exc})") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def _mux(out: Any, video: np.ndarray, sound: np.ndarray | None, fps: int, sample_rate: int, crf: int,
+         preset: str) -> None:
+    av = _av()
+    vstream = out.add_stream("libx264", rate=Fraction(fps).limit_denominator())
+    vstream.width, vstream.height, vstream.pix_fmt = video.shape[2], video.shape[1], "yuv420p"
+    vstream.options = {"crf": str(crf), "preset": preset}
+    astream = out.add_stream("aac", rate=sample_rate, layout="stereo") if sound is not None else None
+    for array in video:
+        out.mux(vstream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")))
+    out.mux(vstream.encode())
+    if astream is not None:
+        frame = av.AudioFrame.from_ndarray(sound, format="fltp", layout="stereo")
+        frame.sample_rate = sample_rate
+        frame.pts = 0
+        out.mux(astream.encode(frame))
+        out.mux(astream.encode())
+
+
+def probe(path: str | os.PathLike) -> dict[str, Any]:
+    """Codecs, geometry and durations of a media file (for summaries and tests)."""
+    path = _check_input(path, VIDEO_SUFFIXES + AUDIO_SUFFIXES + IMAGE_SUFFIXES, "media")
+    info: dict[str, Any] = {}
+    with _open(path, "media", None) as container:
+        info["format"] = container.format.name
+        info["duration"] = container.duration / 1_000_000 if container.duration else None
+        if container.streams.video:
+            v = container.streams.video[0]
+            info.update(video_codec=v.codec_context.name, width=v.codec_context.width, height=v.codec_context.height,
+                        fps=float(v.average_rate) if v.average_rate else None, frames=v.frames)
+        if container.streams.audio:
+            a = container.streams.audio[0]
+            duration = float(a.duration * a.time_base) if a.duration is not None else None
+            info.update(audio_codec=a.codec_context.name, channels=a.codec_context.channels,
+                        sample_rate=a.codec_context.sample_rate, audio_duration=duration)
+    return info

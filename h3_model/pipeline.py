@@ -1,0 +1,323 @@
+"""The generation pipeline: prompt + references -> video frames + stereo audio.
+
+Stages, each timed: text encode (Qwen3-VL), reference encode (video/audio VAE), sampling (DiT +
+flow-matching schedule), video decode, audio decode. Muxing to mp4 is the front door's job
+(media.write_mp4). Models are held by `Components` and stay resident between requests; a stage
+never reloads weights. Identical references are VAE-encoded once per `Pipeline` (content hash);
+identical presentations are text-encoded once (the text encoder's token-hash cache).
+
+Noise: a request's seed drives one CPU generator; draws happen in the order sampler.py documents.
+Visual conditions use their own fresh generator seeded 42 (the released recipe), so a reference
+encodes to the same latents in every request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import geometry
+from .errors import H3Error, InputError
+from .layout import AudioBlock, ImageBlock, VideoBlock, build_ref2va, build_t2va
+from .refs import PreparedReference, Reference, prepare_keyframes, prepare_references
+from .sampler import SamplingRequest, StepInfo, sample
+from .scheduler import AUDIO_SHIFT, VIDEO_SHIFT, JointSchedule, Schedule, custom_sigmas
+
+MODES = ("t2va", "fl2va", "ref2va")
+CONDITION_ENCODE_SEED = 42
+MAX_STEPS = 1000
+
+
+@dataclass
+class Components:
+    """Resident models. `dit` runs T2VA/FL2VA, `dit_ref` runs Ref2VA (the two released partitions)."""
+
+    text_encoder: object | None = None
+    dit: object | None = None
+    dit_ref: object | None = None
+    vae: object | None = None
+    audio_vae: object | None = None
+    device: str = "cpu"
+
+    def dit_for(self, mode: str):
+        model = self.dit_ref if mode == "ref2va" else self.dit
+        if model is None:
+            which = "the ref2va partition (transformer_ref)" if mode == "ref2va" else "the t2va/fl2va partition"
+            raise H3Error(f"{mode} needs {which}, which is not loaded")
+        return model
+
+
+@dataclass
+class GenerationRequest:
+    mode: str
+    prompt: str
+    references: list[Reference] = field(default_factory=list)
+    first_frame: torch.Tensor | None = None  # uint8 (H, W, 3), FL2VA
+    last_frame: torch.Tensor | None = None
+    width: int | None = None
+    height: int | None = None
+    frames: int = geometry.DEFAULT_FRAMES
+    steps: int = 50  # sigma grid points including the final 0: steps - 1 model evaluations
+    seed: int = 0
+    video_shift: float = VIDEO_SHIFT
+    audio_shift: float = AUDIO_SHIFT
+    sigmas: list[float] | None = None
+    audio_sigmas: list[float] | None = None
+    reference_policy: str = "match"
+    mlp_chunks: int = 1
+    vae_tile_size: int | None = 256
+    step_cache: object | None = None
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise InputError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            raise InputError("the prompt is empty")
+        if self.sigmas is None and not 2 <= self.steps <= MAX_STEPS:
+            raise InputError(f"steps must be between 2 and {MAX_STEPS}, got {self.steps}")
+        if self.mode == "ref2va" and not self.references:
+            raise InputError("ref2va needs at least one reference")
+        if self.mode != "ref2va" and self.references:
+            raise InputError(f"{self.mode} takes no references; use ref2va")
+        if self.mode == "fl2va" and self.first_frame is None and self.last_frame is None:
+            raise InputError("fl2va needs a first and/or a last keyframe")
+        if self.mode != "fl2va" and (self.first_frame is not None or self.last_frame is not None):
+            raise InputError(f"{self.mode} takes no keyframes; use fl2va")
+        if (self.width is None) != (self.height is None):
+            raise InputError("width and height go together, or neither")
+        if self.width is not None:
+            geometry.check_canvas(self.width, self.height)
+        if self.mlp_chunks < 1:
+            raise InputError(f"mlp_chunks must be at least 1, got {self.mlp_chunks}")
+        if not 0 <= self.seed < 2 ** 63:
+            raise InputError(f"seed must be in [0, 2^63), got {self.seed}")
+
+
+@dataclass
+class Progress:
+    stage: str
+    step: int = 0
+    total: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class GenerationResult:
+    video: torch.Tensor  # uint8 (F, H, W, 3)
+    audio: torch.Tensor  # float32 (2, samples) at 32 kHz
+    video_latents: torch.Tensor  # normalised (1, C, T, h, w)
+    audio_latents: torch.Tensor  # normalised (2, C, T_audio)
+    timings: dict[str, float]
+    info: dict
+
+    @property
+    def fps(self) -> int:
+        return geometry.FPS
+
+    @property
+    def sample_rate(self) -> int:
+        return geometry.AUDIO_SAMPLE_RATE
+
+
+class _LRU(OrderedDict):
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def get_or(self, key, make):
+        if key in self:
+            self.move_to_end(key)
+            return self[key], True
+        value = make()
+        self[key] = value
+        if len(self) > self.size:
+            self.popitem(last=False)
+        return value, False
+
+
+class Pipeline:
+    def __init__(self, components: Components, *, cache_size: int = 32, offload_text_encoder: bool = False,
+                 decode: bool = True):
+        self.c = components
+        # Sequence-parallel ranks other than 0 sample in lockstep but leave decoding to rank 0.
+        self.decode = decode
+        self._reference_cache = _LRU(cache_size)
+        self._lock = threading.Lock()
+        # Offloading frees the GPU for the DiT when both do not fit; resident is faster for a service.
+        self.offload_text_encoder = offload_text_encoder
+
+    # ------------------------------------------------------------------ public
+    def generate(self, req: GenerationRequest, *, on_progress: Callable[[Progress], None] | None = None,
+                 cancel: threading.Event | None = None) -> GenerationResult:
+        req.validate()
+        with self._lock:  # one GPU job at a time per pipeline
+            return self._generate(req, on_progress or (lambda p: None), cancel)
+
+    # ------------------------------------------------------------------ stages
+    def _generate(self, req: GenerationRequest, report, cancel) -> GenerationResult:
+        timings: dict[str, float] = {}
+        info: dict = {"mode": req.mode, "seed": req.seed}
+        dit = self.c.dit_for(req.mode)
+        frames = geometry.snap_frames(req.frames)
+        keyframes, anchors, prepared = [], (), []
+        width, height = req.width, req.height
+        if req.mode == "fl2va":
+            keyframes, anchors, width, height = prepare_keyframes(req.first_frame, req.last_frame, width, height)
+        elif width is None:
+            height, width = geometry.resolve_canvas(16, 9)
+        if req.mode == "ref2va":
+            prepared = prepare_references(req.references, width=width, height=height, frames=frames,
+                                          policy=req.reference_policy)
+        info.update(width=width, height=height, frames=frames)
+
+        t0 = time.perf_counter()
+        report(Progress("text_encode"))
+        embeds, tags, cached = self._encode_text(req, keyframes, prepared)
+        timings["text_encode"] = time.perf_counter() - t0
+        info["text_tokens"], info["prompt_cache_hit"] = int(tags.numel()), cached
+
+        t0 = time.perf_counter()
+        report(Progress("reference_encode", 0, len(keyframes) + len(prepared)))
+        conditions, audio_rows, blocks, hits = self._encode_conditions(keyframes, prepared)
+        timings["reference_encode"] = time.perf_counter() - t0
+        info["reference_cache_hits"] = hits
+
+        lf = geometry.video_latent_frames(frames)
+        ratio = self.c.vae.config.spatial_ratio if self.c.vae is not None else geometry.VAE_SPATIAL
+        lh, lw = height // ratio, width // ratio
+        na = geometry.audio_latent_frames(frames)
+        patch = dit.config.patch_size
+        if req.mode == "ref2va":
+            lay = build_ref2va(tags, blocks, lf, lh, lw, na, patch)
+        else:
+            lay = build_t2va(tags, lf, lh, lw, na, patch, keyframes=anchors)
+        info["sequence_length"] = lay.sequence_length
+        schedule = self._schedule(req)
+        info["evaluations"] = len(schedule)
+
+        t0 = time.perf_counter()
+        report(Progress("sampling", 0, len(schedule)))
+
+        def on_step(s: StepInfo) -> None:
+            report(Progress("sampling", s.index + 1, s.total, s.seconds))
+
+        result = sample(dit, SamplingRequest(lay, embeds, lf, lh, lw, na, conditions, audio_rows), schedule,
+                        torch.Generator().manual_seed(req.seed), device=self.c.device, on_step=on_step,
+                        cancel=cancel, mlp_chunks=req.mlp_chunks, step_cache=req.step_cache)
+        timings["sampling"] = time.perf_counter() - t0
+        info["step_seconds"] = result.step_seconds
+        if req.step_cache is not None and hasattr(req.step_cache, "report"):
+            info["step_cache"] = req.step_cache.report()
+
+        _check_cancel(cancel, "before decoding")
+        if not self.decode:
+            empty = torch.empty(0, 0, 0, 3, dtype=torch.uint8)
+            return GenerationResult(empty, torch.empty(2, 0), result.video_latents, result.audio_latents, timings, info)
+        t0 = time.perf_counter()
+        report(Progress("video_decode"))
+        vae = self._need(self.c.vae, "the video VAE")
+        video = vae.decode_to_buffer(vae.denormalize(result.video_latents), tile_size=req.vae_tile_size)[0]
+        timings["video_decode"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        report(Progress("audio_decode"))
+        audio_vae = self._need(self.c.audio_vae, "the audio VAE")
+        audio = audio_vae.decode_stereo(result.audio_latents).float().cpu()
+        timings["audio_decode"] = time.perf_counter() - t0
+        return GenerationResult(video, audio, result.video_latents, result.audio_latents, timings, info)
+
+    def _schedule(self, req: GenerationRequest) -> JointSchedule:
+        if req.sigmas is None:
+            if req.audio_sigmas is not None:
+                raise InputError("audio_sigmas needs sigmas too")
+            return JointSchedule.create(req.steps, req.video_shift, req.audio_shift)
+        video = Schedule(custom_sigmas(req.sigmas))
+        audio = Schedule(custom_sigmas(req.audio_sigmas if req.audio_sigmas is not None else req.sigmas))
+        if len(video) != len(audio):
+            raise InputError(f"sigmas give {len(video)} video and {len(audio)} audio evaluations; they must match")
+        return JointSchedule(video, audio)
+
+    def _encode_text(self, req, keyframes, prepared) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        from .prompt import AudioRef, ImageRef, VideoRef
+
+        te = self._need(self.c.text_encoder, "the text encoder")
+        builder = te.prompts
+        if req.mode == "t2va":
+            presentation = builder.t2va(req.prompt)
+        elif req.mode == "fl2va":
+            presentation = builder.fl2va(req.prompt, keyframes)
+        else:
+            refs = []
+            for p in prepared:
+                if p.kind == "image":
+                    refs.append(ImageRef(p.pixels))
+                elif p.kind == "video":
+                    refs.append(VideoRef(p.pixels, has_soundtrack=p.audio is not None))
+                else:
+                    refs.append(AudioRef())
+            presentation = builder.ref2va(req.prompt, refs)
+        hits = te.cache_hits
+        encoded = te.encode(presentation)  # the encoder caches by token hash
+        if self.offload_text_encoder:
+            te.offload()
+        return encoded.embeds, encoded.tags, te.cache_hits > hits
+
+    def _encode_conditions(self, keyframes: list[torch.Tensor], prepared: list[PreparedReference]):
+        """Visual conditions (normalised latents) and reference audio rows in packed order, plus layout blocks."""
+        from .video_vae import encode_condition
+
+        conditions, audio_rows, blocks, hits = [], [], [], 0
+        needs_vae = bool(keyframes) or any(p.pixels is not None for p in prepared)
+        vae = self._need(self.c.vae, "the video VAE") if needs_vae else None
+        for frame in keyframes:
+            latent, hit = self._reference_cache.get_or(
+                ("keyframe", PreparedReference("image", pixels=frame).content_hash()),
+                lambda frame=frame: encode_condition(vae, frame, seed=CONDITION_ENCODE_SEED))
+            conditions.append(latent)
+            hits += hit
+        for p in prepared:
+            if p.pixels is not None:
+                latent, hit = self._reference_cache.get_or(
+                    ("video", PreparedReference(p.kind, pixels=p.pixels).content_hash()),
+                    lambda p=p: encode_condition(vae, p.pixels, seed=CONDITION_ENCODE_SEED))
+                conditions.append(latent)
+                hits += hit
+            audio_latents = 0
+            if p.audio is not None:
+                audio_vae = self._need(self.c.audio_vae, "the audio VAE")
+                rows, hit = self._reference_cache.get_or(
+                    ("audio", PreparedReference("audio", audio=p.audio).content_hash()),
+                    lambda p=p: _audio_rows(audio_vae, p.audio))
+                audio_rows.append(rows)
+                audio_latents = rows.shape[0] // 2
+                hits += hit
+            if p.kind == "image":
+                blocks.append(ImageBlock(*conditions[-1].shape[-2:]))
+            elif p.kind == "video":
+                blocks.append(VideoBlock(conditions[-1].shape[2], *conditions[-1].shape[-2:], audio_latents))
+            else:
+                blocks.append(AudioBlock(audio_latents))
+        return conditions, audio_rows, blocks, hits
+
+    @staticmethod
+    def _need(component, what: str):
+        if component is None:
+            raise H3Error(f"{what} is not loaded")
+        return component
+
+
+def _audio_rows(audio_vae, audio: torch.Tensor) -> torch.Tensor:
+    """Stereo 32 kHz -> normalised posterior-mean rows (2 * T, C), channel-major."""
+    latents = audio_vae.encode_stereo(audio).float().cpu()  # (2, C, T)
+    return latents.transpose(1, 2).reshape(-1, latents.shape[1]).contiguous()
+
+
+def _check_cancel(cancel: threading.Event | None, where: str) -> None:
+    from .sampler import Cancelled
+
+    if cancel is not None and cancel.is_set():
+        raise Cancelled(f"cancelled {where}")

@@ -1,0 +1,73 @@
+"""Triton, when installed, and the small device helpers our kernels share.
+
+Kernels are defined at module level (Triton resolves helper functions through module globals), under
+`if triton is not None`, so that a CPU-only install without Triton still imports every module.
+TRITON_INTERPRET=1 (the CPU tests) must be set before the first kernel module is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch references still work
+    triton = None
+    tl = None
+
+rnd = rint = round_bf16 = round_e4m3 = None  # device helpers, defined below when Triton is installed
+
+
+def require_kernels(what: str = "this fused kernel") -> None:
+    if triton is None:
+        from .capability import KernelUnavailable
+
+        raise KernelUnavailable(f"{what} needs Triton, which is not installed; `pip install triton` (Linux), "
+                                f"or switch the fusion off to use the PyTorch reference")
+
+# Which dtype a kernel rounds its intermediate results to, mirroring eager PyTorch: 0 = none (fp32).
+ROUND_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def round_code(dtype: torch.dtype) -> int:
+    if dtype not in ROUND_CODES:
+        raise ValueError(f"fused kernels take float32, bfloat16 or float16 activations, got {dtype}")
+    return ROUND_CODES[dtype]
+
+
+if triton is not None:
+
+    @triton.jit
+    def round_bf16(v):
+        """fp32 -> nearest-even bf16 value, kept in fp32. Done on the bits because Triton's CPU interpreter
+        truncates fp32 -> bf16 casts; on the GPU this is the same result as cvt.rn."""
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def rnd(v, RND: tl.constexpr):
+        """Round fp32 values to the activation dtype (nearest even) and back, as an eager op's output would be."""
+        if RND == 1:
+            return round_bf16(v)
+        elif RND == 2:
+            return v.to(tl.float16).to(tl.float32)
+        else:
+            return v
+
+    @triton.jit
+    def round_e4m3(v):
+        """fp32 (already within +-448) -> nearest-even float8 e4m3fn value, kept in fp32; the final cast
+        to tl.float8e4nv is then exact on the GPU and in the interpreter alike."""
+        bits = v.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        # below 2^-6 e4m3 is subnormal with a fixed spacing of 2^-9
+        sub = rint(v * 512.0) / 512.0
+        sub = tl.where(sub == 0.0, v * 0.0, sub)  # keep the sign of zero, as a cast does
+        return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+    @triton.jit
+    def rint(v):
+        """Round half to even for |v| < 2^22: adding 1.5 * 2^23 leaves the integer part in the mantissa."""
+        return (v + 12582912.0) - 12582912.0

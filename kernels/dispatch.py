@@ -1,0 +1,214 @@
+"""`apply_kernels`: configure a loaded H3DiT from one KernelSettings and report what really runs.
+
+Front doors (CLI, bench, serve, nodes) parse the settings once, call this after loading, and print or
+store the returned report: every approximate path and every `auto` decision is named there.
+
+Rules (ARCHITECTURE.md): a requested backend or format that cannot run here raises KernelUnavailable;
+`auto` may choose and says what it chose and why; approximate paths (FP8/NVFP4 linears, low-bit or sparse
+attention) are opt-in. H3_LINEAR=auto is bf16 (exact) except on Blackwell with an NVFP4 checkpoint,
+where the checkpoint's own FP4 weights run natively.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..h3_model.dit import RowModulation
+from .attention import resolve_attention
+from .capability import (KernelUnavailable, as_device, capability, describe_device, is_blackwell, require_cuda,
+                         require_module, require_triton, triton_interpreting)
+from .settings import KernelSettings, SettingsError
+
+# The four GEMMs of every block, as the six modules that hold them (q, k, v are one GEMM's three slices).
+BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
+WeightSource = Callable[[str], "dict[str, torch.Tensor] | None"]
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return model.transformer_blocks[0].attn.to_out[0].weight.device
+
+
+def _triton_ready(device) -> bool:
+    try:
+        require_triton("probe", device)
+        return True
+    except KernelUnavailable:
+        return False
+
+
+# ------------------------------------------------------------------------------------------ Q/K preparation
+def resolve_qk_prep(settings: KernelSettings, backend_name: str, device):
+    """(hook or None, report) for the Q/K preparation that goes with an attention backend."""
+    from .qk_prep import FusedQKPrep
+
+    mode = settings.q_rms_rope_int8_fusion
+    if backend_name == "fa3_fp8" and settings.qk_granularity != "per_head":
+        raise SettingsError("H3_QK_GRANULARITY=per_block cannot feed fa3_fp8: FlashAttention-3 takes one descale per "
+                            "(batch, head); use per_head")
+    if mode == "off":
+        note = ("reference norm + RoPE; fa3_fp8 quantizes Q/K per head itself (no smoothing, no rotation)"
+                if backend_name == "fa3_fp8" else "reference norm + RoPE")
+        return None, {"impl": "pytorch-reference", "exact": True, "note": note}
+    if backend_name == "fa3_fp8":
+        hook = FusedQKPrep("fp8", settings.qk_smooth_k, settings.qk_hadamard, "per_head", _triton_ready(device))
+    elif backend_name in ("sage2", "sage2-quality"):
+        # Sage quantizes Q/K itself and smooths K itself; it does not rotate, so the rotation happens here.
+        hook = FusedQKPrep(None, False, settings.qk_hadamard, "per_head", _triton_ready(device))
+    else:
+        if not _triton_ready(device):
+            return None, {"impl": "pytorch-reference", "exact": True,
+                          "note": f"auto: no Triton GPU kernel on {describe_device(device)}"}
+        hook = FusedQKPrep(None, False, 0, "per_head", True)
+    report = hook.describe()
+    if not hook.use_triton:
+        report["note"] = f"auto: Triton unavailable on {describe_device(device)}, same math in PyTorch"
+    return hook, report
+
+
+# ------------------------------------------------------------------------------------------ modulation
+def resolve_modulation(settings: KernelSettings, device, nvfp4_linears: bool):
+    mode = settings.modulation_fusion
+    if mode == "off":
+        return RowModulation, {"impl": "pytorch-reference", "exact": True}
+    ready = _triton_ready(device)
+    if mode == "exact" and not ready:
+        require_triton("H3_MODULATION_FUSION=exact", device)  # raises with the reason
+    if not ready:
+        return RowModulation, {"impl": "pytorch-reference", "exact": True,
+                               "note": f"auto: no Triton GPU kernel on {describe_device(device)}"}
+    if nvfp4_linears and settings.rms_adaln_nvfp4_fusion == "auto":
+        from .nvfp4 import Nvfp4RowModulation
+
+        return Nvfp4RowModulation, {"impl": "triton", "exact": False,
+                                    "note": "RMSNorm + AdaLN written as NVFP4 for the q/k/v and fc1 GEMMs "
+                                            "(H3_RMS_ADALN_NVFP4_FUSION); gated residual fused, exact"}
+    from .modulation import FusedRowModulation
+
+    return FusedRowModulation, {"impl": "triton", "exact": True,
+                                "tolerance": "modulate and gated_add bit-identical; norm_modulate within 1 ulp"}
+
+
+# ------------------------------------------------------------------------------------------ linears
+def resolve_linear(settings: KernelSettings, device, checkpoint_format: str) -> tuple[str, str]:
+    """(format, why) for H3_LINEAR; raises when the requested format cannot run here."""
+    fmt = settings.linear
+    if fmt == "auto":
+        if checkpoint_format == "nvfp4" and is_blackwell(device):
+            try:
+                _require_nvfp4(device)
+                return "nvfp4", "auto: Blackwell GPU and an NVFP4 checkpoint run FP4 x FP4 natively"
+            except KernelUnavailable as exc:
+                return "bf16", f"auto: NVFP4 GEMM unavailable ({exc}); exact bf16"
+        return "bf16", "auto: exact bf16 (FP8 and NVFP4 linears are opt-in via H3_LINEAR)"
+    if fmt == "fp8":
+        require_cuda("H3_LINEAR=fp8", device, minimum=(9, 0),
+                     why="rowwise-scaled FP8 GEMMs (torch._scaled_mm) need Hopper or newer")
+        return "fp8", "requested: FP8 e4m3 weights (per-channel scales) x per-token FP8 activations"
+    if fmt == "nvfp4":
+        _require_nvfp4(device)
+        return "nvfp4", "requested: NVFP4 weights x NVFP4 activations (comfy-kitchen scaled_mm_nvfp4)"
+    return "bf16", "requested: exact, model dtype"
+
+
+def _require_nvfp4(device) -> None:
+    require_cuda("H3_LINEAR=nvfp4", device, minimum=(10, 0),
+                 why="FP4 tensor cores (comfy-kitchen scaled_mm_nvfp4 uses cuBLASLt block-scaled FP4); on Hopper "
+                     "use H3_LINEAR=fp8 or bf16, NVFP4 checkpoints are converted at load")
+    ck = require_module("H3_LINEAR=nvfp4", "comfy_kitchen", "install it with `pip install comfy-kitchen`")
+    if not hasattr(ck, "scaled_mm_nvfp4"):
+        raise KernelUnavailable("H3_LINEAR=nvfp4: the installed comfy-kitchen has no scaled_mm_nvfp4; upgrade it")
+    require_triton("the NVFP4 activation quantizer", device)
+
+
+def _make_linear(fmt: str, linear: nn.Module, stored: dict | None, use_triton: bool) -> nn.Module:
+    from .linear_fp8 import Fp8Linear
+    from .nvfp4 import Nvfp4Linear
+
+    if not isinstance(linear, nn.Linear):
+        raise KernelUnavailable(f"the block linears were already converted ({type(linear).__name__}); reload the "
+                                f"model to change H3_LINEAR")
+    dtype = linear.weight.dtype
+    shape = tuple(linear.weight.shape)
+    kind = (stored or {}).get("format")
+    if fmt == "fp8":
+        if kind == "nvfp4":
+            return Fp8Linear.from_nvfp4(stored["weight"], stored["weight_scale"], stored["weight_scale_2"], shape,
+                                        dtype, use_triton)
+        if kind == "fp8_scaled":
+            return Fp8Linear.from_fp8_scaled(stored["weight"], stored["weight_scale"], dtype, use_triton)
+        return Fp8Linear.from_linear(linear, use_triton)
+    if kind == "nvfp4":
+        return Nvfp4Linear.from_nvfp4(stored["weight"], stored["weight_scale"], stored["weight_scale_2"], shape,
+                                      dtype)
+    return Nvfp4Linear.from_linear(linear)
+
+
+def convert_linears(model: nn.Module, fmt: str, weight_source: WeightSource | None = None,
+                    use_triton: bool = True) -> dict:
+    """Replace the block linears by `fmt` modules; returns counts by weight source."""
+    sources: dict[str, int] = {}
+    for i, blk in enumerate(model.transformer_blocks):
+        for name in BLOCK_LINEARS:
+            parent_name, _, attr = name.rpartition(".")
+            parent = blk.get_submodule(parent_name)
+            old = getattr(parent, attr) if not attr.isdigit() else parent[int(attr)]
+            stored = weight_source(f"transformer_blocks.{i}.{name}") if weight_source else None
+            new = _make_linear(fmt, old, stored, use_triton)
+            if attr.isdigit():
+                parent[int(attr)] = new
+            else:
+                setattr(parent, attr, new)
+            sources[new.source] = sources.get(new.source, 0) + 1
+    return sources
+
+
+# ------------------------------------------------------------------------------------------ the entry point
+def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
+                  weight_source: WeightSource | None = None, checkpoint_format: str = "bf16") -> dict:
+    """Configure attention, Q/K preparation, modulation and linears of a loaded H3DiT; return the report.
+
+    weight_source(name) may return a layer's stored quantized tensors ({"format": "nvfp4" | "fp8_scaled",
+    "weight", "weight_scale", ["weight_scale_2"]}) so FP8/NVFP4 linears start from the checkpoint's codes
+    rather than from the dequantized bf16 weight. checkpoint_format feeds H3_LINEAR=auto.
+    """
+    settings = settings or KernelSettings()
+    device = as_device(model_device(model))
+    report: dict = {"device": describe_device(device), "settings": settings.to_dict()}
+
+    backend, chosen = resolve_attention(settings.attention, device, settings)
+    inner = getattr(backend, "inner", backend)
+    linear_fmt, linear_why = resolve_linear(settings, device, checkpoint_format)
+    qk_hook, qk_report = resolve_qk_prep(settings, inner.name, device)
+    mod_cls, mod_report = resolve_modulation(settings, device, linear_fmt == "nvfp4")
+
+    weight_dtype = str(model.transformer_blocks[0].attn.to_out[0].weight.dtype)
+    # Everything is resolved: only now change the model, so a failure above leaves it untouched.
+    model.set_attention(backend)
+    model.qk_prep = qk_hook
+    model.modulation_cls = mod_cls
+    linear_report = {"format": linear_fmt, "why": linear_why, "exact": linear_fmt == "bf16",
+                     "weight_dtype": weight_dtype}
+    if linear_fmt != "bf16":
+        use_triton = _triton_ready(device)
+        linear_report["sources"] = convert_linears(model, linear_fmt, weight_source, use_triton)
+        linear_report["activation_quantizer"] = "triton" if use_triton else "pytorch-reference"
+        if linear_fmt == "nvfp4" and settings.swiglu_nvfp4_fusion == "auto":
+            from .nvfp4 import Nvfp4SwiGLU
+
+            for blk in model.transformer_blocks:
+                blk.ff = Nvfp4SwiGLU.wrap(blk.ff)
+            linear_report["swiglu_nvfp4_fusion"] = True
+    report["attention"] = {"requested": settings.attention, "chosen": chosen, **backend.describe()}
+    report["qk_prep"] = qk_report
+    report["modulation"] = mod_report
+    report["linear"] = linear_report
+    approx = [k for k, v in (("attention", backend.exact), ("qk_prep", qk_report.get("exact", True)),
+                             ("modulation", mod_report["exact"]), ("linear", linear_report["exact"])) if not v]
+    report["exact"] = not approx
+    report["approximate_paths"] = approx
+    report["triton_interpreter"] = triton_interpreting()
+    report["capability"] = capability(device)
+    return report

@@ -1,0 +1,343 @@
+"""Q/K preparation for attention: per-head RMSNorm + split-half RoPE, optionally K smoothing, a block
+Hadamard rotation and FP8/INT8 quantization, in one Triton kernel per tensor (plus its reference).
+
+Why each step:
+- RMSNorm + RoPE are H3's own math (`dit.reference_qk_prep`). Unquantized, the kernel rounds after every
+  operation exactly where the eager reference does, so the bf16 output matches it (up to the order of
+  the fp32 sum of squares) and it can replace the reference for every exact backend.
+- K smoothing subtracts the per-head mean key (over the sequence) from every key. Each score row then
+  shifts by one constant, which softmax ignores, and the keys' quantization range shrinks.
+- A block Hadamard H (orthonormal, H H^T = I) applied to both Q and K leaves Q K^T unchanged and
+  spreads per-channel outliers across the block before quantization (H3's late blocks need it:
+  kernels.md §0.5).
+- Quantization: FP8 e4m3 (for FlashAttention-3 FP8, which takes one descale per batch and head) or
+  INT8, with one scale per head (over the whole sequence) or per block of `BLOCK_TOKENS` tokens.
+
+`prepare_heads` is the Triton kernel, `reference_prepare_heads` the plain-PyTorch reference with the
+same signature; `FusedQKPrep` plugs either into `H3DiT.qk_prep`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._triton import require_kernels, rint, rnd, round_code, round_e4m3, tl, triton  # noqa: F401  (rint/rnd: used in kernels)
+
+BLOCK_TOKENS = 64
+QMAX = {"fp8": 448.0, "int8": 127.0}
+QDTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+FORMATS = (None, "fp8", "int8")
+# An all-zero head still needs a finite scale; its codes are zero whatever the scale.
+_MIN_AMAX = 1e-20
+
+
+@dataclass(frozen=True)
+class QuantizedHeads:
+    """Quantized (B, S, H, D) heads; value = data * scale.
+
+    scale is fp32, (B, H) for per-head scales or (B, H, ceil(S / block)) for per-block scales.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: int = 0
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        x = self.data.float()
+        if self.block:
+            s = self.scale.repeat_interleave(self.block, dim=-1)[..., : x.shape[1]]  # (B, H, S)
+            x = x * s.permute(0, 2, 1)[..., None]
+        else:
+            x = x * self.scale[:, None, :, None]
+        return x.to(dtype)
+
+    def slice_heads(self, start: int, end: int) -> "QuantizedHeads":
+        return QuantizedHeads(self.data[:, :, start:end], self.scale[:, start:end], self.block)
+
+
+def hadamard_matrix(dim: int, block: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Block-diagonal orthonormal Sylvester Hadamard: `block` x `block` blocks along a `dim` axis."""
+    if block <= 0 or block & (block - 1) or dim % block:
+        raise ValueError(f"Hadamard block {block} must be a power of two dividing the head size {dim}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = h / math.sqrt(block)
+    return torch.block_diag(*([h] * (dim // block))).to(device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_hadamard(dim: int, block: int, device: str) -> torch.Tensor:
+    return hadamard_matrix(dim, block, device=device).contiguous()
+
+
+def _check(x: torch.Tensor, fmt, granularity: str, hadamard: int) -> None:
+    if x.ndim != 4:
+        raise ValueError(f"expected (batch, seq, heads, head_dim), got {list(x.shape)}")
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if granularity not in ("per_head", "per_block"):
+        raise ValueError(f"granularity must be per_head or per_block, got {granularity!r}")
+    if hadamard:
+        hadamard_matrix(x.shape[-1], hadamard)  # validates
+
+
+def norm_eps(norm: torch.nn.RMSNorm, dtype: torch.dtype) -> float:
+    """The eps nn.RMSNorm uses (None means the dtype's machine epsilon)."""
+    return float(norm.eps) if norm.eps is not None else float(torch.finfo(dtype).eps)
+
+
+# ----------------------------------------------------------------------------------------- reference
+def reference_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                        rope: tuple[torch.Tensor, torch.Tensor] | None, norm: bool = True) -> torch.Tensor:
+    """Per-head RMSNorm (fp32 math, one rounding) then split-half RoPE on the first R channels, rounding to
+    x's dtype after every product and sum as eager PyTorch does."""
+    dt = x.dtype
+    y = x
+    if norm:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        if weight is not None:
+            y = y * weight.float()
+        y = y.to(dt)
+    if rope is None:
+        return y
+    cos, sin = (t.to(dt)[None, :, None, :] for t in rope)
+    r = cos.shape[-1]
+    half = r // 2
+    rot = y[..., :r]
+    partner = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + partner * sin, y[..., r:]], dim=-1)
+
+
+def _quantize_reference(y: torch.Tensor, fmt: str, granularity: str) -> QuantizedHeads:
+    b, s, h, d = y.shape
+    qmax = QMAX[fmt]
+    if granularity == "per_head":
+        amax = y.abs().amax(dim=(1, 3))  # (B, H)
+        scale = amax.clamp_min(_MIN_AMAX) / qmax
+        q = y / scale[:, None, :, None]
+        block = 0
+    else:
+        n = -(-s // BLOCK_TOKENS)
+        pad = n * BLOCK_TOKENS - s
+        yp = torch.nn.functional.pad(y, (0, 0, 0, 0, 0, pad)).view(b, n, BLOCK_TOKENS, h, d)
+        amax = yp.abs().amax(dim=(2, 4)).permute(0, 2, 1)  # (B, H, n)
+        scale = amax.clamp_min(_MIN_AMAX) / qmax
+        q = (yp / scale.permute(0, 2, 1)[:, :, None, :, None]).reshape(b, n * BLOCK_TOKENS, h, d)[:, :s]
+        block = BLOCK_TOKENS
+    if fmt == "fp8":
+        data = q.clamp(-qmax, qmax).to(torch.float8_e4m3fn)
+    else:
+        data = torch.round(q).clamp(-qmax, qmax).to(torch.int8)  # round half to even, like the kernel
+    return QuantizedHeads(data, scale.float().contiguous(), block)
+
+
+def reference_prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                            rope: tuple[torch.Tensor, torch.Tensor] | None, *, norm: bool = True,
+                            smooth: bool = False, hadamard: int = 0, fmt: str | None = None,
+                            granularity: str = "per_head") -> torch.Tensor | QuantizedHeads:
+    """Plain-PyTorch reference of `prepare_heads` (same arguments, same result up to fp32 summation order)."""
+    _check(x, fmt, granularity, hadamard)
+    y = reference_norm_rope(x, weight, eps, rope, norm)
+    if not (smooth or hadamard or fmt):
+        return y
+    yf = y.float()
+    if smooth:
+        yf = yf - yf.mean(dim=1, keepdim=True)
+    if hadamard:
+        yf = yf @ hadamard_matrix(x.shape[-1], hadamard, device=x.device)
+    if fmt is None:
+        return yf.to(x.dtype)
+    return _quantize_reference(yf, fmt, granularity)
+
+
+# ----------------------------------------------------------------------------------------- Triton kernel
+if triton is not None:
+
+    @triton.jit
+    def _qk_prep_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, mean_ptr, had_ptr, scale_ptr, out_ptr, part_ptr,
+                        S, H, D, R, N_TILES, eps, sxb, sxs, sxh, sob, sos, soh, scs,
+                        STAGE: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, SMOOTH: tl.constexpr,
+                        HADAMARD: tl.constexpr, FMT: tl.constexpr, PER_BLOCK: tl.constexpr, RND: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        # One program = BLOCK_S tokens of one (batch, head); STAGE 0 = partial key sums (for the mean),
+        # 1 = partial absmax (for per-head scales), 2 = write the output. Each stage recomputes the
+        # norm + RoPE from the raw input: re-reading bf16 costs what storing an intermediate would.
+        pid_s = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        rmask = rows < S
+        dmask = d < D
+        m = rmask[:, None] & dmask[None, :]
+        base = x_ptr + b * sxb + h * sxh
+        x = tl.load(base + rows[:, None] * sxs + d[None, :], mask=m, other=0.0).to(tl.float32)
+        if NORM:
+            ms = tl.sum(x * x, axis=1) / D
+            rstd = 1.0 / tl.sqrt_rn(ms + eps)
+            w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+            y = rnd(x * rstd[:, None] * w[None, :], RND)
+        else:
+            y = x
+        if ROPE:
+            half = R // 2
+            partner = tl.where(d < half, d + half, tl.where(d < R, d - half, d))
+            xp = tl.load(base + rows[:, None] * sxs + partner[None, :], mask=m, other=0.0).to(tl.float32)
+            if NORM:
+                wp = tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
+                yp = rnd(xp * rstd[:, None] * wp[None, :], RND)
+            else:
+                yp = xp
+            rot = d < R
+            tmask = rmask[:, None] & rot[None, :]
+            c = rnd(tl.load(cos_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=1.0), RND)
+            sn = rnd(tl.load(sin_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=0.0), RND)
+            sign = tl.where(d < half, -1.0, 1.0)
+            # eager: rot * cos + cat(-x2, x1) * sin, each product and the sum rounded to x's dtype
+            a = rnd(y * c, RND)
+            p = rnd((yp * sign[None, :]) * sn, RND)
+            y = tl.where(rot[None, :], rnd(a + p, RND), y)
+        if SMOOTH:
+            mu = tl.load(mean_ptr + pid_bh * BLOCK_D + d, mask=dmask, other=0.0)
+            y = y - mu[None, :]
+        y = tl.where(m, y, 0.0)
+        if STAGE == 0:
+            tl.store(part_ptr + (pid_bh * N_TILES + pid_s) * BLOCK_D + d, tl.sum(y, axis=0))
+        else:
+            if HADAMARD:
+                hm = tl.load(had_ptr + d[:, None] * BLOCK_D + d[None, :])
+                y = tl.dot(y, hm)
+            optr = out_ptr + b * sob + h * soh + rows[:, None] * sos + d[None, :]
+            if FMT == 0:
+                if STAGE == 2:
+                    tl.store(optr, rnd(y, RND).to(out_ptr.dtype.element_ty), mask=m)
+            else:
+                amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
+                if STAGE == 1:
+                    tl.store(part_ptr + pid_bh * N_TILES + pid_s, amax)
+                else:
+                    if FMT == 1:
+                        qmax = 448.0
+                    else:
+                        qmax = 127.0
+                    if PER_BLOCK:
+                        scale = tl.maximum(amax, 1e-20) / qmax
+                        tl.store(scale_ptr + pid_bh * N_TILES + pid_s, scale)
+                    else:
+                        scale = tl.load(scale_ptr + pid_bh)
+                    q = tl.math.div_rn(y, scale)
+                    q = tl.minimum(tl.maximum(q, -qmax), qmax)
+                    if FMT == 1:
+                        tl.store(optr, round_e4m3(q).to(tl.float8e4nv), mask=m)
+                    else:
+                        tl.store(optr, rint(q).to(tl.int8), mask=m)
+
+
+def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None, *, norm: bool = True, smooth: bool = False,
+                  hadamard: int = 0, fmt: str | None = None,
+                  granularity: str = "per_head") -> torch.Tensor | QuantizedHeads:
+    """The fused kernel; see `reference_prepare_heads` for the math. x is (B, S, H, D) with unit last stride."""
+    require_kernels("the fused Q/K preparation")
+    _check(x, fmt, granularity, hadamard)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    b, s, h, d = x.shape
+    block_d = triton.next_power_of_2(d)
+    if hadamard and block_d != d:
+        raise ValueError(f"the Hadamard rotation needs a power-of-two head size, got {d}")
+    n_tiles = triton.cdiv(s, BLOCK_TOKENS)
+    dev = x.device
+    kernel = _qk_prep_kernel
+    dummy = torch.empty(1, device=dev, dtype=torch.float32)
+    w = weight if (norm and weight is not None) else torch.ones(d, device=dev, dtype=torch.float32)
+    if rope is not None:
+        cos, sin = (t.float().contiguous() for t in rope)
+        r = cos.shape[-1]
+        if cos.shape[0] != s or r > d or r % 2:
+            raise ValueError(f"RoPE tables {list(cos.shape)} do not fit {s} tokens of head size {d}")
+    else:
+        cos = sin = dummy
+        r = 0
+    had = _cached_hadamard(d, hadamard, str(dev)) if hadamard else dummy
+    grid = (n_tiles, b * h)
+
+    def launch(stage, out, part, mean, scale, fmt_code, per_block):
+        so = out.stride() if out.ndim == 4 else (0, 0, 0, 1)
+        kernel[grid](x, w, cos, sin, mean, had, scale, out, part, s, h, d, r, n_tiles, float(eps),
+                     x.stride(0), x.stride(1), x.stride(2), so[0], so[1], so[2], r,
+                     STAGE=stage, NORM=norm, ROPE=rope is not None, SMOOTH=smooth and mean is not dummy,
+                     HADAMARD=bool(hadamard), FMT=fmt_code, PER_BLOCK=per_block, BLOCK_S=BLOCK_TOKENS,
+                     RND=round_code(x.dtype), BLOCK_D=block_d, num_warps=8)
+
+    mean = dummy
+    if smooth:
+        part = torch.empty(b * h, n_tiles, block_d, device=dev, dtype=torch.float32)
+        launch(0, dummy, part, dummy, dummy, 0, False)
+        mean = (part.sum(dim=1) / s).contiguous()
+    if fmt is None:
+        out = torch.empty(b, s, h, d, device=dev, dtype=x.dtype)
+        launch(2, out, dummy, mean, dummy, 0, False)
+        return out
+    fmt_code = 1 if fmt == "fp8" else 2
+    out = torch.empty(b, s, h, d, device=dev, dtype=QDTYPE[fmt])
+    if granularity == "per_head":
+        part = torch.empty(b * h, n_tiles, device=dev, dtype=torch.float32)
+        launch(1, out, part, mean, dummy, fmt_code, False)
+        scale = (part.amax(dim=1).clamp_min(_MIN_AMAX) / QMAX[fmt]).contiguous()
+        launch(2, out, dummy, mean, scale, fmt_code, False)
+        return QuantizedHeads(out, scale.view(b, h), 0)
+    scale = torch.empty(b * h, n_tiles, device=dev, dtype=torch.float32)
+    launch(2, out, dummy, mean, scale, fmt_code, True)
+    return QuantizedHeads(out, scale.view(b, h, n_tiles), BLOCK_TOKENS)
+
+
+# ----------------------------------------------------------------------------------------- the hook
+class FusedQKPrep:
+    """`H3DiT.qk_prep` hook: Q and K each prepared in one pass (Triton) or by the reference.
+
+    fmt None returns tensors in the model dtype (for exact backends, and for Sage with `hadamard`);
+    "fp8"/"int8" return `QuantizedHeads` for a backend that takes pre-quantized Q/K (fa3_fp8).
+    """
+
+    def __init__(self, fmt: str | None = None, smooth_k: bool = False, hadamard: int = 0,
+                 granularity: str = "per_head", use_triton: bool = True):
+        if fmt not in FORMATS:
+            raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+        self.fmt, self.smooth_k, self.hadamard = fmt, smooth_k, hadamard
+        self.granularity, self.use_triton = granularity, use_triton
+
+    def __call__(self, attn, q: torch.Tensor, k: torch.Tensor, rope):
+        fn = prepare_heads if self.use_triton else reference_prepare_heads
+        opts = dict(hadamard=self.hadamard, fmt=self.fmt, granularity=self.granularity)
+        qp = fn(q, attn.norm_q.weight, norm_eps(attn.norm_q, q.dtype), rope, **opts)
+        kp = fn(k, attn.norm_k.weight, norm_eps(attn.norm_k, k.dtype), rope, smooth=self.smooth_k, **opts)
+        return qp, kp
+
+    @property
+    def exact(self) -> bool:
+        return self.fmt is None and not self.smooth_k and not self.hadamard
+
+    def describe(self) -> dict:
+        return {"impl": "triton" if self.use_triton else "pytorch-reference", "format": self.fmt or "model dtype",
+                "k_smoothing": self.smooth_k, "hadamard_block": self.hadamard,
+                "scales": self.granularity if self.fmt else None, "exact": self.exact}

@@ -1,0 +1,171 @@
+"""Kernel settings: one typed object, parsed once from the environment at the front door.
+
+Blocks and kernels never read `os.environ`; a front door calls `KernelSettings.from_env()` (or builds
+the dataclass itself) and hands the object to `kernels.dispatch.apply_kernels`. A bad value is an
+`H3Error` that names the variable, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ..h3_model.errors import H3Error
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "sage2", "sage2-quality", "ck_int8",
+                      "sol_attn", "kj_head_sliced")
+LINEAR_FORMATS = ("auto", "bf16", "fp8", "nvfp4")
+AUTO_OFF = ("auto", "off")
+MODULATION_FUSION = ("auto", "exact", "off")
+SOL_THRESH_TYPES = ("diag", "topk")
+SOL_INT8 = ("auto", "on", "off")
+QK_QUANT_GRANULARITY = ("per_head", "per_block")
+QK_HADAMARD = (0, 16, 32, 64, 128)
+
+
+class SettingsError(H3Error):
+    """An H3_* kernel variable holds a value we do not accept."""
+
+
+@dataclass(frozen=True)
+class SolSettings:
+    """comfy-kitchen Sol-Attn (sparse attention) knobs; see kernels/README.md for their meaning."""
+
+    tau: float = 1.3
+    min_tokens: int = 4096
+    thresh_type: str = "diag"
+    topk_ratio: float = 0.1
+    int8_qk: str = "auto"
+    int8_pv: str = "auto"
+    fallback: str = "sage2"
+    strict: bool = True
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    attention: str = "auto"
+    head_slice_backend: str = "auto"
+    head_slice_size: int = 8
+    sol: SolSettings = field(default_factory=SolSettings)
+    linear: str = "auto"
+    swiglu_nvfp4_fusion: str = "auto"
+    rms_adaln_nvfp4_fusion: str = "auto"
+    modulation_fusion: str = "auto"
+    q_rms_rope_int8_fusion: str = "auto"
+    # Low-bit QK preparation details (H3_QK_*): K smoothing, block Hadamard size (0 = none), scale granularity.
+    qk_smooth_k: bool = True
+    qk_hadamard: int = 128
+    qk_granularity: str = "per_head"
+
+    def __post_init__(self) -> None:
+        _check_choice("H3_ATTENTION", self.attention, ATTENTION_BACKENDS)
+        _check_choice("H3_HEAD_SLICE_BACKEND", self.head_slice_backend,
+                      tuple(b for b in ATTENTION_BACKENDS if b != "kj_head_sliced"))
+        if self.head_slice_size < 1:
+            raise SettingsError(f"H3_HEAD_SLICE_SIZE must be a positive number of heads, got {self.head_slice_size}")
+        _check_choice("H3_LINEAR", self.linear, LINEAR_FORMATS)
+        _check_choice("H3_SWIGLU_NVFP4_FUSION", self.swiglu_nvfp4_fusion, AUTO_OFF)
+        _check_choice("H3_RMS_ADALN_NVFP4_FUSION", self.rms_adaln_nvfp4_fusion, AUTO_OFF)
+        _check_choice("H3_MODULATION_FUSION", self.modulation_fusion, MODULATION_FUSION)
+        _check_choice("H3_Q_RMS_ROPE_INT8_FUSION", self.q_rms_rope_int8_fusion, AUTO_OFF)
+        _check_choice("H3_QK_GRANULARITY", self.qk_granularity, QK_QUANT_GRANULARITY)
+        if self.qk_hadamard not in QK_HADAMARD:
+            raise SettingsError(f"H3_QK_HADAMARD must be one of {', '.join(map(str, QK_HADAMARD))} "
+                                f"(0 = no rotation), got {self.qk_hadamard}")
+        s = self.sol
+        if not s.tau > 0:
+            raise SettingsError(f"H3_SOL_TAU must be > 0, got {s.tau}")
+        if s.min_tokens < 0:
+            raise SettingsError(f"H3_SOL_MIN_TOKENS must be >= 0, got {s.min_tokens}")
+        _check_choice("H3_SOL_THRESH_TYPE", s.thresh_type, SOL_THRESH_TYPES)
+        if not 0 < s.topk_ratio < 1:
+            raise SettingsError(f"H3_SOL_TOPK_RATIO must lie in (0, 1), got {s.topk_ratio}")
+        _check_choice("H3_SOL_INT8_QK", s.int8_qk, SOL_INT8)
+        _check_choice("H3_SOL_INT8_PV", s.int8_pv, SOL_INT8)
+        _check_choice("H3_SOL_FALLBACK", s.fallback,
+                      tuple(b for b in ATTENTION_BACKENDS if b not in ("sol_attn", "kj_head_sliced")))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "KernelSettings":
+        """Parse every H3_* kernel variable once; unset variables keep the defaults above."""
+        env = os.environ if environ is None else environ
+        d = cls()
+        sd = d.sol
+        sol = SolSettings(
+            tau=_float(env, "H3_SOL_TAU", sd.tau),
+            min_tokens=_int(env, "H3_SOL_MIN_TOKENS", sd.min_tokens),
+            thresh_type=_str(env, "H3_SOL_THRESH_TYPE", sd.thresh_type),
+            topk_ratio=_float(env, "H3_SOL_TOPK_RATIO", sd.topk_ratio),
+            int8_qk=_str(env, "H3_SOL_INT8_QK", sd.int8_qk),
+            int8_pv=_str(env, "H3_SOL_INT8_PV", sd.int8_pv),
+            fallback=_str(env, "H3_SOL_FALLBACK", sd.fallback),
+            strict=_bool(env, "H3_SOL_STRICT", sd.strict),
+        )
+        return cls(
+            attention=_str(env, "H3_ATTENTION", d.attention),
+            head_slice_backend=_str(env, "H3_HEAD_SLICE_BACKEND", d.head_slice_backend),
+            head_slice_size=_int(env, "H3_HEAD_SLICE_SIZE", d.head_slice_size),
+            sol=sol,
+            linear=_str(env, "H3_LINEAR", d.linear),
+            swiglu_nvfp4_fusion=_str(env, "H3_SWIGLU_NVFP4_FUSION", d.swiglu_nvfp4_fusion),
+            rms_adaln_nvfp4_fusion=_str(env, "H3_RMS_ADALN_NVFP4_FUSION", d.rms_adaln_nvfp4_fusion),
+            modulation_fusion=_str(env, "H3_MODULATION_FUSION", d.modulation_fusion),
+            q_rms_rope_int8_fusion=_str(env, "H3_Q_RMS_ROPE_INT8_FUSION", d.q_rms_rope_int8_fusion),
+            qk_smooth_k=_bool(env, "H3_QK_SMOOTH_K", d.qk_smooth_k),
+            qk_hadamard=_int(env, "H3_QK_HADAMARD", d.qk_hadamard),
+            qk_granularity=_str(env, "H3_QK_GRANULARITY", d.qk_granularity),
+        )
+
+    def replace(self, **changes) -> "KernelSettings":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise SettingsError(f"{name}={value!r} is not accepted; use one of: {', '.join(map(str, choices))}")
+
+
+def _str(env: Mapping[str, str], name: str, default: str) -> str:
+    raw = env.get(name)
+    return default if raw is None or raw.strip() == "" else raw.strip().lower()
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not an integer") from None
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a number") from None
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise SettingsError(f"{name}={raw!r} is not a yes/no value; use one of: {', '.join(_TRUE + _FALSE)}")

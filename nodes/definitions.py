@@ -1,0 +1,343 @@
+"""The h3-spark nodes (ComfyUI's V1 node API): loaders, conditioning, sampler, decode, save, patches.
+
+Importing this module must stay cheap and must not need torch or ComfyUI (ComfyUI imports the pack at
+start-up; tests introspect it): the classes only describe inputs and outputs, and each FUNCTION
+imports the engine when it runs. Custom wire types: H3_TEXT_ENCODER and H3_VAE (our encoders are not
+ComfyUI's CLIP/VAE objects); MODEL, CONDITIONING, LATENT, IMAGE and AUDIO are ComfyUI's own, in the
+native MiniMax H3 formats (payload.py), so native and h3-spark nodes mix.
+"""
+
+from __future__ import annotations
+
+from ..h3_model import geometry
+from ..kernels.settings import ATTENTION_BACKENDS, LINEAR_FORMATS
+
+CATEGORY = "h3-spark"
+MAX_SEED = 2 ** 63 - 1  # the engine's generator takes seeds below 2^63
+LENGTH = ("INT", {"default": geometry.DEFAULT_FRAMES, "min": 5, "max": 360, "step": 17,
+                  "tooltip": "Frames at 24 fps, snapped up to 17n+5; H3 generates 5 to 15 seconds (124..356)."})
+WIDTH = ("INT", {"default": 1344, "min": 32, "max": 4096, "step": 32})
+HEIGHT = ("INT", {"default": 768, "min": 32, "max": 4096, "step": 32})
+PROMPT = ("STRING", {"multiline": True, "dynamicPrompts": True,
+                     "tooltip": "Refer to references as <Picture i>, <Video k>, <Audio j> (1-based per type)."})
+
+
+def _engine():
+    from . import engine
+
+    return engine
+
+
+def _host():
+    from . import host
+
+    return host
+
+
+def _step_cache():
+    from ..h3_model import step_cache
+
+    return step_cache
+
+
+# ------------------------------------------------------------------------------------------ loaders
+class H3ModelLoader:
+    """The H3 DiT from models/diffusion_models (ComfyUI single file, any published format, or a diffusers
+    folder), under ComfyUI's model management."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "dit_name": (_host().model_choices("diffusion_models", folders=True),),
+            "partition": (["auto", "ref2va", "t2va/fl2va"], {
+                "tooltip": "Which released DiT this is; auto reads the folder layout or the file name."}),
+            "weight_dtype": (["bfloat16", "float32"],),
+            "linear": (list(LINEAR_FORMATS), {
+                "tooltip": "auto = exact bf16 (NVFP4 natively on Blackwell with an NVFP4 file); fp8/nvfp4 are "
+                           "faster and approximate."}),
+            "attention": (list(ATTENTION_BACKENDS), {"tooltip": "auto = the fastest exact backend on this GPU."}),
+        }}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+    CATEGORY = f"{CATEGORY}/loaders"
+    TITLE = "H3 Model Loader"
+
+    def load(self, dit_name, partition, weight_dtype, linear, attention):
+        path = _host().resolve_model("diffusion_models", dit_name)
+        return (_engine().load_model(path, partition, weight_dtype, linear, attention),)
+
+
+class H3LoraLoader:
+    """A LoRA for an h3-spark MODEL (any published H3 LoRA key style), merged when the sampler runs and
+    taken out again when a later run asks for another set."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL",),
+            "lora_name": (_host().model_choices("loras"),),
+            "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01}),
+        }}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+    CATEGORY = f"{CATEGORY}/loaders"
+    TITLE = "H3 LoRA Loader"
+
+    def load(self, model, lora_name, strength):
+        return (_engine().add_lora(model, _host().resolve_model("loras", lora_name), strength),)
+
+
+class H3TextEncoderLoader:
+    """The Qwen3-VL text encoder from models/text_encoders: a transformers/diffusers folder, or a ComfyUI
+    single file plus a folder with the Qwen3-VL tokenizer and processor files."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        folders = [n for n in _host().model_choices("text_encoders", folders=True) if n.endswith("/")]
+        return {"required": {
+            "text_encoder_name": (_host().model_choices("text_encoders", folders=True),),
+            "tokenizer": (["(inside the text encoder folder)", *folders], {
+                "tooltip": "A single-file text encoder has no tokenizer: pick the folder holding tokenizer.json "
+                           "and the processor config."}),
+            "dtype": (["bfloat16", "float32"],),
+        }}
+
+    RETURN_TYPES = ("H3_TEXT_ENCODER",)
+    FUNCTION = "load"
+    CATEGORY = f"{CATEGORY}/loaders"
+    TITLE = "H3 Text Encoder Loader"
+
+    def load(self, text_encoder_name, tokenizer, dtype):
+        host = _host()
+        path = host.resolve_model("text_encoders", text_encoder_name)
+        tok = None if tokenizer.startswith("(") else host.resolve_model("text_encoders", tokenizer)
+        return (_engine().load_text_encoder(path, tok, dtype),)
+
+
+class H3VAELoader:
+    """The video VAE and the audio VAE from models/vae (ComfyUI single files or diffusers folders)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        names = _host().model_choices("vae", folders=True)
+        return {"required": {
+            "vae_name": (names,),
+            "audio_vae_name": (names,),
+            "decode_dtype": (["float16", "float32"], {"tooltip": "float32 is the exact video decode."}),
+            "tile_size": ("INT", {"default": 256, "min": 0, "max": 4096, "step": 16,
+                                  "tooltip": "Spatial tile of the video VAE in pixels (0 = whole frames)."}),
+        }}
+
+    RETURN_TYPES = ("H3_VAE",)
+    FUNCTION = "load"
+    CATEGORY = f"{CATEGORY}/loaders"
+    TITLE = "H3 VAE Loader"
+
+    def load(self, vae_name, audio_vae_name, decode_dtype, tile_size):
+        host = _host()
+        return (_engine().load_vaes(host.resolve_model("vae", vae_name), host.resolve_model("vae", audio_vae_name),
+                                    decode_dtype, tile_size),)
+
+
+# ------------------------------------------------------------------------------------------ conditioning
+class H3TextToVideo:
+    """T2VA: prompt -> CONDITIONING + the empty audio-video LATENT of the canvas."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"text_encoder": ("H3_TEXT_ENCODER",), "prompt": PROMPT, "width": WIDTH,
+                             "height": HEIGHT, "length": LENGTH}}
+
+    RETURN_TYPES = ("CONDITIONING", "LATENT")
+    RETURN_NAMES = ("positive", "latent")
+    FUNCTION = "encode"
+    CATEGORY = f"{CATEGORY}/conditioning"
+    TITLE = "H3 Text to Video"
+
+    def encode(self, text_encoder, prompt, width, height, length):
+        return _engine().t2va(text_encoder, prompt, width, height, length)
+
+
+class H3FirstLastFrameToVideo:
+    """FL2VA: prompt + a first and/or a last frame -> CONDITIONING + LATENT. The first frame is stretched onto
+    the canvas, the last one cover-cropped, as the released model saw them."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"text_encoder": ("H3_TEXT_ENCODER",), "vae": ("H3_VAE",), "prompt": PROMPT,
+                             "width": WIDTH, "height": HEIGHT, "length": LENGTH},
+                "optional": {"first_frame": ("IMAGE",), "last_frame": ("IMAGE",)}}
+
+    RETURN_TYPES = ("CONDITIONING", "LATENT")
+    RETURN_NAMES = ("positive", "latent")
+    FUNCTION = "encode"
+    CATEGORY = f"{CATEGORY}/conditioning"
+    TITLE = "H3 First-Last Frame to Video"
+
+    def encode(self, text_encoder, vae, prompt, width, height, length, first_frame=None, last_frame=None):
+        return _engine().fl2va(text_encoder, vae, prompt, width, height, length, first_frame, last_frame)
+
+
+class H3ReferenceToVideo:
+    """Ref2VA: prompt + reference images, videos (with optional soundtracks) and audio -> CONDITIONING + LATENT.
+
+    References enter in the order images, videos, audio; the prompt names them <Picture i>, <Video k>,
+    <Audio j>. Reference videos are frames at `video_fps` (default 24)."""
+
+    IMAGES, VIDEOS, AUDIOS = 4, 3, 3
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        optional = {f"image_{i}": ("IMAGE",) for i in range(1, cls.IMAGES + 1)}
+        for i in range(1, cls.VIDEOS + 1):
+            optional[f"video_{i}"] = ("IMAGE",)
+            optional[f"video_{i}_audio"] = ("AUDIO",)
+        optional.update({f"audio_{i}": ("AUDIO",) for i in range(1, cls.AUDIOS + 1)})
+        return {"required": {
+            "text_encoder": ("H3_TEXT_ENCODER",), "vae": ("H3_VAE",), "prompt": PROMPT, "width": WIDTH,
+            "height": HEIGHT, "length": LENGTH,
+            "reference_size": (list(geometry.REFERENCE_POLICIES), {
+                "tooltip": "match: shrink images to the canvas area (ComfyUI's default); max: shrink to a 2048 px "
+                           "short edge; diffusers: resize to 2048 px, upscaling included."}),
+            "video_fps": ("FLOAT", {"default": 24.0, "min": 1.0, "max": 240.0, "step": 0.001}),
+        }, "optional": optional}
+
+    RETURN_TYPES = ("CONDITIONING", "LATENT")
+    RETURN_NAMES = ("positive", "latent")
+    FUNCTION = "encode"
+    CATEGORY = f"{CATEGORY}/conditioning"
+    TITLE = "H3 Reference to Video"
+
+    def encode(self, text_encoder, vae, prompt, width, height, length, reference_size, video_fps, **refs):
+        known = set(self.INPUT_TYPES()["optional"])
+        unknown = sorted(set(refs) - known)
+        if unknown:
+            raise TypeError(f"unknown inputs {unknown}")
+        images = [refs[f"image_{i}"] for i in range(1, self.IMAGES + 1) if refs.get(f"image_{i}") is not None]
+        videos = []
+        for i in range(1, self.VIDEOS + 1):
+            if refs.get(f"video_{i}") is not None:
+                videos.append((refs[f"video_{i}"], refs.get(f"video_{i}_audio")))
+            elif refs.get(f"video_{i}_audio") is not None:
+                from ..h3_model.errors import InputError
+
+                raise InputError(f"video_{i}_audio is the soundtrack of video_{i}, which is not connected; connect "
+                                 f"standalone audio to an audio_N input")
+        audios = [refs[f"audio_{i}"] for i in range(1, self.AUDIOS + 1) if refs.get(f"audio_{i}") is not None]
+        return _engine().ref2va(text_encoder, vae, prompt, width, height, length, reference_size, images, videos,
+                                audios, video_fps)
+
+
+# ------------------------------------------------------------------------------------------ sampling
+class H3Sampler:
+    """Denoises an H3 LATENT under one CONDITIONING (from h3-spark or ComfyUI's native MiniMax H3 nodes).
+
+    Seeded exactly like the h3-spark CLI: the same seed and settings give the same video. Shows ComfyUI's
+    progress bar and stops at the next transformer block when the run is cancelled."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        types = {"required": {
+            "model": ("MODEL",),
+            "positive": ("CONDITIONING",),
+            "latent_image": ("LATENT",),
+            "seed": ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "control_after_generate": True}),
+            "steps": ("INT", {"default": 49, "min": 1, "max": 1000,
+                              "tooltip": "Model evaluations (the released recipe: 50 grid points = 49)."}),
+            "shift_video": ("FLOAT", {"default": 12.0, "min": 0.01, "max": 100.0, "step": 0.01}),
+            "shift_audio": ("FLOAT", {"default": 3.0, "min": 0.01, "max": 100.0, "step": 0.01}),
+        }}
+        cache = _step_cache()
+        types["optional"] = {
+            "cache": (list(cache.MODES), {"tooltip": "Step cache: reuses DiT outputs between steps (approximate; "
+                                                     "off is exact). The run's log lists the reused steps."}),
+            "cache_threshold": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 10.0, "step": 0.001, "tooltip":
+                                          "0 = the mode's default " + ", ".join(
+                                              f"{m} {t}" for m, t in cache.DEFAULT_THRESHOLD.items() if m != "off")}),
+            "cache_start": ("FLOAT", {"default": cache.DEFAULT_START_PERCENT, "min": 0.0, "max": 1.0, "step": 0.01}),
+            "cache_end": ("FLOAT", {"default": cache.DEFAULT_END_PERCENT, "min": 0.0, "max": 1.0, "step": 0.01}),
+            "cache_subsample": ("INT", {"default": cache.DEFAULT_SUBSAMPLE, "min": 1, "max": cache.MAX_SUBSAMPLE}),
+        }
+        return types
+
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "sample"
+    CATEGORY = f"{CATEGORY}/sampling"
+    TITLE = "H3 Sampler"
+
+    def sample(self, model, positive, latent_image, seed, steps, shift_video, shift_audio, cache="off",
+               cache_threshold=0.0, cache_start=0.2, cache_end=0.9, cache_subsample=1):
+        step_cache = None
+        if cache != "off":
+            step_cache = (cache, cache_threshold or None, cache_start, cache_end, cache_subsample)
+        return (_engine().sample(model, positive, latent_image, seed, steps, shift_video, shift_audio,
+                                 step_cache=step_cache),)
+
+
+# ------------------------------------------------------------------------------------------ output
+class H3Decode:
+    """LATENT -> IMAGE frames and AUDIO (stereo, 32 kHz), ready for ComfyUI's CreateVideo / SaveVideo or
+    H3 Save Video."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"vae": ("H3_VAE",), "samples": ("LATENT",)}}
+
+    RETURN_TYPES = ("IMAGE", "AUDIO")
+    RETURN_NAMES = ("images", "audio")
+    FUNCTION = "decode"
+    CATEGORY = f"{CATEGORY}/output"
+    TITLE = "H3 Decode"
+
+    def decode(self, vae, samples):
+        return _engine().decode(vae, samples)
+
+
+class H3SaveVideo:
+    """Frames (+ audio) -> an H.264/AAC mp4 in ComfyUI's output folder (and nowhere else)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "images": ("IMAGE",),
+            "filename_prefix": ("STRING", {"default": "h3-spark/H3"}),
+            "fps": ("INT", {"default": geometry.FPS, "min": 1, "max": 120}),
+            "crf": ("INT", {"default": 18, "min": 0, "max": 51, "tooltip": "H.264 quality (lower is better)."}),
+        }, "optional": {"audio": ("AUDIO",)}}
+
+    RETURN_TYPES = ()
+    OUTPUT_NODE = True
+    FUNCTION = "save"
+    CATEGORY = f"{CATEGORY}/output"
+    TITLE = "H3 Save Video"
+
+    def save(self, images, filename_prefix, fps, crf, audio=None):
+        saved = _engine().save_video(images, audio, filename_prefix, fps, crf)
+        return {"ui": {"images": [saved], "animated": (True,)}}
+
+
+# ------------------------------------------------------------------------------------------ patches
+class H3AttentionPatch:
+    """MODEL -> MODEL running the chosen attention backend: an h3-spark MODEL, or ComfyUI's native MiniMax H3
+    MODEL (through transformer_options["optimized_attention_override"]). An unavailable backend is an error
+    here, never a silent fallback."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "backend": (list(ATTENTION_BACKENDS),)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = f"{CATEGORY}/patches"
+    TITLE = "H3 Attention Patch"
+
+    def patch(self, model, backend):
+        return (_engine().patch_attention(model, backend),)
+
+
+NODES = (H3ModelLoader, H3LoraLoader, H3TextEncoderLoader, H3VAELoader, H3TextToVideo, H3FirstLastFrameToVideo,
+         H3ReferenceToVideo, H3Sampler, H3Decode, H3SaveVideo, H3AttentionPatch)
+NODE_CLASS_MAPPINGS = {f"H3Spark{cls.__name__[2:]}": cls for cls in NODES}
+NODE_DISPLAY_NAME_MAPPINGS = {key: cls.TITLE for key, cls in NODE_CLASS_MAPPINGS.items()}

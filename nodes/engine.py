@@ -1,0 +1,520 @@
+"""The work behind the nodes: thin calls into h3_model, in the order the pipeline runs its stages.
+
+Each stage is the pipeline's own (h3_model/pipeline.py): prompt presentation and Qwen3-VL encoding,
+references/keyframes normalised by h3_model.refs and VAE-encoded with the released recipe
+(posterior sample, generator seeded 42), the seeded sampler, then the VAE decodes. The nodes split
+those stages over the graph; a test checks the node graph against `Pipeline.generate` bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..h3_model import geometry
+from ..h3_model.errors import H3Error, InputError
+from . import host, payload
+
+log = logging.getLogger("h3_spark")
+OPTIONS = "h3_spark"  # key of our settings in model_options["transformer_options"]
+CONDITION_ENCODE_SEED = 42  # pipeline.CONDITION_ENCODE_SEED: conditions encode the same in every request
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+VAE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+PARTITIONS = {"auto": None, "ref2va": "ref2va", "t2va/fl2va": "t2va"}
+
+
+# ------------------------------------------------------------------------------------------ handles
+@dataclass
+class TextEncoderHandle:
+    """H3_TEXT_ENCODER: our TextEncoder and the ModelPatcher that moves its weights."""
+
+    encoder: object
+    patcher: object
+
+    def ready(self):
+        device = torch.device(host.load_for_compute(self.patcher))
+        # The encoder sends its inputs to `.device`; ComfyUI just put the weights there.
+        self.encoder.device = device
+        return self.encoder
+
+
+@dataclass
+class VAEHandle:
+    """H3_VAE: the video and audio VAEs, each under its own ModelPatcher."""
+
+    video: object
+    audio: object
+    video_patcher: object
+    audio_patcher: object
+    tile_size: int | None = 256
+
+    def video_ready(self):
+        host.load_for_compute(self.video_patcher)
+        return self.video
+
+    def audio_ready(self):
+        host.load_for_compute(self.audio_patcher)
+        return self.audio
+
+
+# ------------------------------------------------------------------------------------------ loaders
+def detect_partition(path: Path, choice: str) -> str:
+    """"ref2va" or "t2va" (which also runs FL2VA): the choice, or what the path's layout or name says."""
+    if choice not in PARTITIONS:
+        raise InputError(f"partition must be one of {', '.join(PARTITIONS)}, got {choice!r}")
+    if PARTITIONS[choice] is not None:
+        return PARTITIONS[choice]
+    if path.is_dir():
+        has_ref, has_t2va = (path / "transformer_ref").is_dir(), (path / "transformer").is_dir()
+        if has_ref and has_t2va:
+            raise InputError(f"{path.name} holds both transformer/ (t2va/fl2va) and transformer_ref/ (ref2va); "
+                             "choose the partition")
+        if has_ref or path.name == "transformer_ref":
+            return "ref2va"
+        if has_t2va or path.name == "transformer":
+            return "t2va"
+    name = path.name.lower()
+    if "ref2va" in name or "r2v" in name or "_ref" in name:
+        return "ref2va"
+    if "t2va" in name or "fl2va" in name or "i2v" in name or "t2v" in name:
+        return "t2va"
+    # Both partitions have the same architecture: guessing would run the wrong weights silently.
+    raise InputError(f"cannot tell whether {path.name} is the ref2va or the t2va/fl2va partition; choose it")
+
+
+def load_model(path: Path, partition: str, weight_dtype: str, linear: str, attention: str):
+    """MODEL: the DiT under ComfyUI's model management, with our kernel choices in its options."""
+    from ..h3_model.checkpoint import load_dit, open_dit
+    from ..kernels.attention import resolve_attention
+    from ..kernels.dispatch import resolve_linear
+    from ..kernels.settings import KernelSettings
+
+    part = detect_partition(path, partition)
+    if weight_dtype not in DTYPES:
+        raise InputError(f"weight_dtype must be one of {', '.join(DTYPES)}, got {weight_dtype!r}")
+    settings = KernelSettings.from_env().replace(attention=attention, linear=linear)
+    reader = open_dit(path, partition=part)
+    try:
+        formats = {spec.format for spec in reader.quantized_layers().values() if spec is not None}
+    finally:
+        reader.source.close()
+    fmt = "nvfp4" if "nvfp4" in formats else "bf16"
+    # Fail here, before reading 60 GB, when this GPU cannot run the asked-for linears or attention.
+    device = host.compute_device()
+    resolve_linear(settings, device, fmt)
+    resolve_attention(settings.attention, device, settings)
+    dit = load_dit(path, dtype=DTYPES[weight_dtype], device=host.offload_device(), partition=part)
+    model = host.make_held("dit", dit)
+    model.model_options.setdefault("transformer_options", {})[OPTIONS] = {
+        "partition": part, "attention": attention, "linear": linear, "checkpoint_format": fmt, "loras": [],
+        "source": str(path)}
+    return model
+
+
+def load_text_encoder(path: Path, tokenizer: Path | None, dtype: str) -> TextEncoderHandle:
+    from ..h3_model.text_encoder import TextEncoder
+
+    if dtype not in DTYPES:
+        raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    encoder = TextEncoder.from_pretrained(path, dtype=DTYPES[dtype], device=host.offload_device(),
+                                          tokenizer=tokenizer)
+    return TextEncoderHandle(encoder, host.make_held("text_encoder", encoder.model))
+
+
+def load_vaes(video_path: Path, audio_path: Path, decode_dtype: str, tile_size: int) -> VAEHandle:
+    from ..h3_model.vae_loading import load_audio_vae, load_video_vae
+
+    if decode_dtype not in VAE_DTYPES:
+        raise InputError(f"decode_dtype must be one of {', '.join(VAE_DTYPES)}, got {decode_dtype!r}")
+    video = load_video_vae(video_path, device=host.offload_device(), decode_dtype=VAE_DTYPES[decode_dtype])
+    audio = load_audio_vae(audio_path, device=host.offload_device())
+    return VAEHandle(video, audio, host.make_held("vae", video), host.make_held("audio_vae", audio),
+                     tile_size or None)
+
+
+# ------------------------------------------------------------------------------------------ ComfyUI media
+def image_u8(image: torch.Tensor, what: str) -> torch.Tensor:
+    """ComfyUI IMAGE (B, H, W, C) float [0, 1] -> uint8 (H, W, 3) of its first frame."""
+    return frames_u8(image, what)[0]
+
+
+def frames_u8(image: torch.Tensor, what: str) -> torch.Tensor:
+    """ComfyUI IMAGE (B, H, W, C) float [0, 1] -> uint8 (B, H, W, 3)."""
+    if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] < 3 or image.shape[0] < 1:
+        raise InputError(f"{what} must be a ComfyUI IMAGE (frames, height, width, channels)")
+    return (image[..., :3].float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+
+
+def waveform(audio, what: str) -> tuple[torch.Tensor, int]:
+    """ComfyUI AUDIO {"waveform": (B, C, N), "sample_rate"} -> ((C, N) float, rate) of its first item."""
+    if not isinstance(audio, dict) or "waveform" not in audio or "sample_rate" not in audio:
+        raise InputError(f"{what} must be a ComfyUI AUDIO ({{'waveform', 'sample_rate'}})")
+    wave = audio["waveform"]
+    if wave.ndim != 3 or wave.shape[0] < 1:
+        raise InputError(f"{what}: the waveform must be (batch, channels, samples), got {tuple(wave.shape)}")
+    return wave[0].float().cpu(), int(audio["sample_rate"])
+
+
+# ------------------------------------------------------------------------------------------ conditioning
+def _canvas(width: int, height: int, length: int) -> int:
+    geometry.check_canvas(width, height)
+    return geometry.snap_frames(length)
+
+
+def _text(te: TextEncoderHandle, presentation_of) -> tuple[torch.Tensor, torch.Tensor]:
+    encoder = te.ready()
+    encoded = encoder.encode(presentation_of(encoder.prompts))
+    return encoded.embeds.cpu(), encoded.tags.cpu()
+
+
+def _empty(vae: VAEHandle | None, width: int, height: int, frames: int) -> dict:
+    if vae is not None:
+        video_c, audio_c = vae.video.config.latent_channels, vae.audio.config.latent_channels
+    else:
+        # No VAE on a T2VA node: the released model's latent widths (ComfyUI's empty latent uses them too).
+        video_c, audio_c = 24, 32
+    return payload.empty_latent(width, height, frames, video_c, audio_c)
+
+
+def t2va(te: TextEncoderHandle, prompt: str, width: int, height: int, length: int):
+    _check_prompt(prompt)
+    frames = _canvas(width, height, length)
+    embeds, tags = _text(te, lambda b: b.t2va(prompt))
+    return payload.make_conditioning(embeds, tags), _empty(None, width, height, frames)
+
+
+def fl2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, height: int, length: int,
+          first_frame=None, last_frame=None):
+    from ..h3_model.refs import prepare_keyframes
+    from ..h3_model.video_vae import encode_condition
+
+    _check_prompt(prompt)
+    frames = _canvas(width, height, length)
+    first = None if first_frame is None else image_u8(first_frame, "first_frame")
+    last = None if last_frame is None else image_u8(last_frame, "last_frame")
+    keyframes, anchors, width, height = prepare_keyframes(first, last, width, height)
+    embeds, tags = _text(te, lambda b: b.fl2va(prompt, keyframes))
+    video_vae = vae.video_ready()
+    blocks = [{"resolved_frame_index": 0 if anchor == "first" else frames - 1,
+               "latent": encode_condition(video_vae, frame, seed=CONDITION_ENCODE_SEED, tile_size=vae.tile_size)}
+              for anchor, frame in zip(anchors, keyframes)]
+    return (payload.make_conditioning(embeds, tags, keyframes=blocks),
+            _empty(vae, width, height, frames))
+
+
+def ref2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, height: int, length: int,
+           reference_size: str, images: list, videos: list, audios: list, video_fps: float):
+    """`images`: IMAGE list; `videos`: (IMAGE frames, AUDIO soundtrack or None) list; `audios`: AUDIO list.
+
+    References enter in that order (images, then videos, then audio), as ComfyUI's native node orders them.
+    """
+    from ..h3_model.prompt import AudioRef, ImageRef, VideoRef
+    from ..h3_model.refs import AudioReference, ImageReference, VideoReference, prepare_references
+    from ..h3_model.video_vae import encode_condition
+
+    _check_prompt(prompt)
+    frames = _canvas(width, height, length)
+    refs = [ImageReference(image_u8(img, f"reference image {i + 1}")) for i, img in enumerate(images)]
+    for i, (clip, sound) in enumerate(videos):
+        wave, rate = waveform(sound, f"soundtrack of reference video {i + 1}") if sound is not None else (None, 32000)
+        refs.append(VideoReference(frames_u8(clip, f"reference video {i + 1}"), fps=float(video_fps), audio=wave,
+                                   sample_rate=rate))
+    for i, sound in enumerate(audios):
+        wave, rate = waveform(sound, f"reference audio {i + 1}")
+        refs.append(AudioReference(wave, sample_rate=rate))
+    prepared = prepare_references(refs, width=width, height=height, frames=frames, policy=reference_size)
+
+    def presentation(builder):
+        return builder.ref2va(prompt, [ImageRef(p.pixels) if p.kind == "image"
+                                       else VideoRef(p.pixels, has_soundtrack=p.audio is not None)
+                                       if p.kind == "video" else AudioRef() for p in prepared])
+
+    embeds, tags = _text(te, presentation)
+    blocks = []
+    for p in prepared:
+        block: dict = {"kind": p.kind}
+        if p.pixels is not None:
+            z = encode_condition(vae.video_ready(), p.pixels, seed=CONDITION_ENCODE_SEED, tile_size=vae.tile_size)
+            block.update(latent=z, latent_t=int(z.shape[2]), latent_h=int(z.shape[3]), latent_w=int(z.shape[4]))
+        if p.audio is not None:
+            a = payload.audio_to_comfy(vae.audio_ready().encode_stereo(p.audio).float().cpu())
+            block.update(audio_latent=a, ref_audio_t=int(a.shape[3]))
+            if p.kind == "video":
+                block["kind"] = "video_audio"
+        blocks.append(block)
+    return payload.make_conditioning(embeds, tags, refs=blocks), _empty(vae, width, height, frames)
+
+
+def _check_prompt(prompt: str) -> None:
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise InputError("the prompt is empty")
+
+
+# ------------------------------------------------------------------------------------------ model options
+def options(model) -> dict:
+    opts = model.model_options.get("transformer_options", {}).get(OPTIONS)
+    if opts is None:
+        raise InputError("this MODEL was not loaded by H3 Model Loader")
+    return opts
+
+
+def dit_of(model):
+    dit = host.held_inner(model, "dit")
+    if dit is None:
+        raise InputError("the H3 sampler runs models from H3 Model Loader; for ComfyUI's native MiniMax H3 model "
+                         "use SamplerCustomAdvanced (H3 Attention Patch works on both)")
+    return dit
+
+
+def with_options(model, **changes):
+    """A clone of MODEL whose h3-spark options carry `changes` (the original stays as it was)."""
+    clone = model.clone()
+    to = dict(clone.model_options.get("transformer_options", {}))
+    to[OPTIONS] = {**options(model), **changes}
+    clone.model_options["transformer_options"] = to
+    return clone
+
+
+def add_lora(model, path: Path, strength: float):
+    dit_of(model)
+    if not path.is_file():
+        raise InputError(f"{path}: no such LoRA file")
+    return with_options(model, loras=[*options(model)["loras"], (str(path), float(strength))])
+
+
+def _ensure_loras(dit, loras: list) -> None:
+    """Merge exactly `loras` into the DiT, restoring the weights a previous set changed.
+
+    Several MODEL clones share one DiT (ComfyUI caches the loader's output), so the merged set is
+    tracked on the DiT itself; only the parameters a LoRA touches are backed up (on the CPU).
+    """
+    from ..h3_model.lora import LoraSpec, apply_loras, lora_deltas, read_lora
+
+    want = tuple((str(p), float(s)) for p, s in loras)
+    state = dit.__dict__.setdefault("_h3_spark_loras", {"applied": (), "backup": {}})
+    if state["applied"] == want:
+        return
+    params = dict(dit.named_parameters())
+    _restore(params, state)
+    if not want:
+        return
+    specs = [LoraSpec(Path(p), s) for p, s in want]
+    names: set[str] = set()
+    for spec in specs:
+        tensors, metadata = read_lora(spec.path)
+        deltas, replacements, _ = lora_deltas(dit, tensors, metadata,
+                                              interleaved_qkv=any(".default." in k for k in tensors))
+        names |= set(deltas) | set(replacements)
+        del deltas, replacements, tensors
+    state["backup"] = {n: params[n].detach().to("cpu", copy=True) for n in names if n in params}
+    try:
+        apply_loras(dit, specs, base={n: t.float() for n, t in state["backup"].items()})
+    except Exception:
+        _restore(params, state)
+        raise
+    state["applied"] = want
+
+
+@torch.no_grad()
+def _restore(params: dict, state: dict) -> None:
+    for name, saved in state["backup"].items():
+        params[name].copy_(saved.to(params[name].device))
+    state["applied"], state["backup"] = (), {}
+
+
+def _prepare_kernels(dit, opts: dict, device) -> dict:
+    """Linears once per loaded DiT (they are converted in place), attention and Q/K preparation per run."""
+    from ..kernels.attention import resolve_attention
+    from ..kernels.dispatch import apply_kernels, resolve_qk_prep
+    from ..kernels.settings import KernelSettings
+
+    settings = KernelSettings.from_env().replace(attention=opts["attention"], linear=opts["linear"])
+    state = dit.__dict__.get("_h3_spark_kernels")
+    if state is None:
+        report = apply_kernels(dit, settings, checkpoint_format=opts["checkpoint_format"])
+        dit.__dict__["_h3_spark_kernels"] = state = {"attention": opts["attention"], "report": report}
+    elif state["attention"] != opts["attention"]:
+        backend, chosen = resolve_attention(settings.attention, device, settings)
+        qk_prep, qk_report = resolve_qk_prep(settings, getattr(backend, "inner", backend).name, device)
+        dit.set_attention(backend)
+        dit.qk_prep = qk_prep
+        state["attention"] = opts["attention"]
+        state["report"] = {**state["report"], "attention": {"requested": settings.attention, "chosen": chosen,
+                                                            **backend.describe()}, "qk_prep": qk_report}
+    return state["report"]
+
+
+# ------------------------------------------------------------------------------------------ sampling
+def sample(model, conditioning, latent, seed: int, steps: int, shift_video: float, shift_audio: float,
+           step_cache=None) -> dict:
+    """LATENT (video + audio) from a MODEL, one CONDITIONING and an H3 LATENT; `steps` model evaluations.
+
+    The input latent gives the canvas and the length only (its shape); generation always starts from the
+    seed's noise, as the released pipeline does, so an empty latent of any channel width will do.
+    `step_cache` is None or (mode, threshold or None, start, end, subsample) for h3_model.step_cache.
+    """
+    from ..h3_model.layout import build_ref2va, build_t2va
+    from ..h3_model.sampler import Cancelled, SamplingRequest
+    from ..h3_model.sampler import sample as run
+    from ..h3_model.scheduler import JointSchedule
+
+    dit = dit_of(model)
+    opts = options(model)
+    cond = payload.read_conditions(conditioning, latent)
+    need = "ref2va" if cond.mode == "ref2va" else "t2va"
+    if opts["partition"] != need:
+        have = "ref2va" if opts["partition"] == "ref2va" else "t2va/fl2va"
+        raise InputError(f"this conditioning is {cond.mode} but the model is the {have} partition; load the "
+                         f"{'ref2va' if need == 'ref2va' else 't2va/fl2va'} checkpoint for it")
+    c = dit.config
+    if cond.embeds.shape[-1] != c.text_dim:
+        raise InputError(f"the text embeddings are {cond.embeds.shape[-1]} wide but this DiT reads {c.text_dim}: "
+                         "text encoder and model do not belong together")
+    if not 1 <= steps <= 1000 or not 0 <= seed < 2 ** 63:
+        raise InputError(f"steps must be 1..1000 and seed 0..2^63-1, got {steps} and {seed}")
+    dims = (cond.latent_frames, cond.latent_height, cond.latent_width, cond.audio_latents, c.patch_size)
+    if cond.mode == "ref2va":
+        lay = build_ref2va(cond.tags, cond.blocks, *dims)
+    else:
+        lay = build_t2va(cond.tags, *dims, keyframes=cond.anchors)
+    # `steps` counts model evaluations, as ComfyUI's samplers do; the grid has one more point (the final 0).
+    schedule = JointSchedule.create(steps + 1, shift_video, shift_audio)
+
+    cache = None
+    if step_cache is not None:
+        from ..h3_model.step_cache import make_step_cache
+
+        cache = make_step_cache(*step_cache, evaluations=len(schedule))
+
+    _ensure_loras(dit, opts["loras"])
+    device = host.load_for_compute(model)
+    _prepare_kernels(dit, opts, device)
+    progress = host.Progress(len(schedule))
+    interrupt = host.InterruptFlag()
+    request = SamplingRequest(lay, cond.embeds, cond.latent_frames, cond.latent_height, cond.latent_width,
+                              cond.audio_latents, cond.condition_latents, cond.audio_condition_rows)
+    try:
+        result = run(dit, request, schedule, torch.Generator().manual_seed(int(seed)), device=device,
+                     on_step=lambda s: progress.update(s.index + 1), cancel=interrupt, step_cache=cache)
+    except Cancelled as exc:
+        interrupt.raise_interrupted(exc)
+    if cache is not None:
+        # An approximate run says so: which steps were computed and which reused.
+        log.info("h3-spark step cache: %s", cache.report())
+    return payload.pack_latent(result.video_latents, payload.audio_to_comfy(result.audio_latents))
+
+
+# ------------------------------------------------------------------------------------------ decode, save
+def decode(vae: VAEHandle, latent) -> tuple[torch.Tensor, dict]:
+    """LATENT -> (IMAGE (F, H, W, 3) float [0, 1], AUDIO {"waveform": (1, 2, N), "sample_rate": 32000})."""
+    video, audio = payload.unpack_latent(latent)
+    video_vae = vae.video_ready()
+    if video.shape[1] != video_vae.config.latent_channels:
+        raise InputError(f"the latent has {video.shape[1]} channels, the video VAE {video_vae.config.latent_channels}")
+    # uint8 like the pipeline and the CLI, so a saved video holds the same frames whichever front door made it.
+    frames = video_vae.decode_to_buffer(video_vae.denormalize(video.float()), tile_size=vae.tile_size)[0]
+    wave = vae.audio_ready().decode_stereo(payload.audio_from_comfy(audio.float())).float().cpu()
+    return frames.float() / 255.0, {"waveform": wave[None], "sample_rate": geometry.AUDIO_SAMPLE_RATE}
+
+
+def output_path(prefix: str, suffix: str = ".mp4") -> tuple[Path, str]:
+    """A new file for `prefix` inside ComfyUI's output folder, and its subfolder; refuses to leave the folder."""
+    root = host.output_directory().resolve()
+    if not prefix or Path(prefix).is_absolute():
+        raise InputError(f"filename_prefix must be a relative name inside the output folder, got {prefix!r}")
+    folder = (root / Path(prefix).parent).resolve()
+    if folder != root and root not in folder.parents:
+        raise InputError(f"filename_prefix {prefix!r} points outside the output folder")
+    base = Path(prefix).name
+    if not base or base in (".", ".."):
+        raise InputError(f"filename_prefix {prefix!r} has no file name")
+    folder.mkdir(parents=True, exist_ok=True)
+    taken = {p.name for p in folder.glob(f"{base}_*{suffix}")}
+    counter = 1
+    while f"{base}_{counter:05d}_{suffix}" in taken:
+        counter += 1
+    return folder / f"{base}_{counter:05d}_{suffix}", str(folder.relative_to(root)) if folder != root else ""
+
+
+def save_video(images: torch.Tensor, audio, prefix: str, fps: int, crf: int) -> dict:
+    from ..h3_model.media import write_mp4
+    from ..h3_model.refs import stereo
+
+    frames = frames_u8(images, "images")
+    sound = None
+    if audio is not None:
+        wave, rate = waveform(audio, "audio")
+        sound = stereo(wave, rate, frames.shape[0] / fps, "audio")
+    path, subfolder = output_path(prefix)
+    write_mp4(path, frames, sound, fps=int(fps), crf=int(crf))
+    return {"filename": path.name, "subfolder": subfolder, "type": "output"}
+
+
+# ------------------------------------------------------------------------------------------ attention patch
+class ComfyAttentionOverride:
+    """`transformer_options["optimized_attention_override"]` running one of our backends.
+
+    ComfyUI calls it as `override(func, q, k, v, heads, mask=None, ..., skip_reshape=...,
+    skip_output_reshape=..., transformer_options=..., _inside_attn_wrapper=True)` (attention.py's
+    `wrap_attn`). H3 passes q/k/v as (B, heads, S, D) with skip_reshape=True and wants (B, S, heads*D);
+    our backends take and return (B, S, heads, D). The backend is resolved per device on first use.
+    """
+
+    def __init__(self, name: str, settings):
+        self.name = name
+        self.settings = settings
+        self._backends: dict = {}
+
+    def __deepcopy__(self, memo):
+        # ComfyUI deep-copies model_options on every clone; resolved backends hold modules, so start afresh.
+        return ComfyAttentionOverride(self.name, self.settings)
+
+    def backend(self, device):
+        from ..kernels.attention import resolve_attention
+
+        key = str(device)
+        if key not in self._backends:
+            self._backends[key] = resolve_attention(self.name, device, self.settings)[0]
+        return self._backends[key]
+
+    def __call__(self, func, q, k, v, heads, mask=None, *args, skip_reshape=False, skip_output_reshape=False,
+                 **kwargs):
+        if mask is not None:
+            # H3 never masks; a masked call means another model, which our unmasked kernels would get wrong.
+            raise H3Error(f"the h3-spark attention patch ({self.name}) takes unmasked attention only; this model "
+                          "passes a mask, so leave it unpatched")
+        if skip_reshape:
+            b, _, s, d = q.shape
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        else:
+            b, s, inner = q.shape
+            d = inner // heads
+            q, k, v = (t.reshape(t.shape[0], t.shape[1], heads, d) for t in (q, k, v))
+        out = self.backend(q.device)(q, k, v)
+        if skip_output_reshape:
+            return out.transpose(1, 2)
+        return out.reshape(b, out.shape[1], heads * d)
+
+
+def patch_attention(model, backend: str):
+    """MODEL -> MODEL running `backend`: ours through the model options, ComfyUI's native H3 through the
+    attention override. The backend is resolved now, on the compute device, so an unavailable one fails here."""
+    from ..kernels.attention import resolve_attention
+    from ..kernels.settings import KernelSettings
+
+    settings = KernelSettings.from_env().replace(attention=backend)
+    device = getattr(model, "load_device", None) or host.compute_device()
+    resolve_attention(backend, device, settings)
+    if host.held_inner(model, "dit") is not None:
+        return with_options(model, attention=backend)
+    diffusion = getattr(getattr(model, "model", None), "diffusion_model", None)
+    if diffusion is None or type(diffusion).__module__.split(".")[:3] != ["comfy", "ldm", "minimax"]:
+        raise InputError("H3 Attention Patch takes an h3-spark MODEL or ComfyUI's native MiniMax H3 MODEL")
+    clone = model.clone()
+    to = dict(clone.model_options.get("transformer_options", {}))
+    to["optimized_attention_override"] = ComfyAttentionOverride(backend, settings)
+    clone.model_options["transformer_options"] = to
+    return clone

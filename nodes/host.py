@@ -1,0 +1,196 @@
+"""What the nodes take from ComfyUI, imported lazily and only when present.
+
+ComfyUI is optional: the package (and its tests) import without it. This module imports torch, so
+node classes import it inside their methods, never at module import. Each ComfyUI service
+is looked up where it is used, so a missing one is either not needed (model management outside
+ComfyUI: the nodes then hold plain modules) or a clear error (model folders).
+
+- Model management: our DiT, text encoder and VAEs are wrapped in `comfy.model_patcher.ModelPatcher`
+  (inside a `Held` container) so ComfyUI loads them onto the GPU, offloads them when another model
+  needs the memory, and frees them with its "free memory" button like any native model.
+- Progress: `comfy.utils.ProgressBar` feeds the websocket `progress` messages.
+- Interruption: `comfy.model_management.processing_interrupted()` is polled by the engine's cancel
+  checks (between steps and between blocks); the node then raises ComfyUI's own interrupt exception.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from ..h3_model.errors import H3Error, InputError
+
+
+def optional_module(name: str):
+    """The module, or None when it is not importable (ComfyUI absent)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+# ------------------------------------------------------------------------------------------ model folders
+def folder_paths():
+    module = optional_module("folder_paths")
+    if module is None:
+        raise H3Error("ComfyUI's folder_paths module is not importable: the h3-spark loader nodes run inside "
+                      "ComfyUI (outside it, use the h3-spark CLI)")
+    return module
+
+
+def model_choices(folder: str, *, folders: bool = False) -> list[str]:
+    """Files ComfyUI lists for a model folder key, plus (if asked) sub-folders holding a diffusers component.
+
+    Called from INPUT_TYPES at run time; outside ComfyUI the list is empty rather than an error so the
+    node classes can still be introspected (tests, workflow validation).
+    """
+    module = optional_module("folder_paths")
+    if module is None:
+        return []
+    names = [n for n in module.get_filename_list(folder) if n.lower().endswith(".safetensors")]
+    if folders:
+        for root in module.get_folder_paths(folder):
+            base = Path(root)
+            if base.is_dir():
+                names += sorted(p.name + "/" for p in base.iterdir()
+                                if p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*/*.safetensors"))
+                                                   or (p / "config.json").exists() or (p / "tokenizer.json").exists()))
+    return sorted(set(names))
+
+
+def resolve_model(folder: str, name: str) -> Path:
+    """Full path of a file or sub-folder chosen from `model_choices`, confined to that model folder."""
+    module = folder_paths()
+    if name.endswith("/"):
+        for root in module.get_folder_paths(folder):
+            candidate = (Path(root) / name.rstrip("/")).resolve()
+            if candidate.is_dir() and Path(root).resolve() in candidate.parents:
+                return candidate
+        raise InputError(f"{name}: no such folder under models/{folder}")
+    return Path(module.get_full_path_or_raise(folder, name))
+
+
+def output_directory() -> Path:
+    return Path(folder_paths().get_output_directory())
+
+
+# ------------------------------------------------------------------------------------------ devices and memory
+def compute_device():
+    """ComfyUI's compute device, or CUDA / CPU outside ComfyUI."""
+    mm = optional_module("comfy.model_management")
+    if mm is not None and hasattr(mm, "get_torch_device"):
+        return torch.device(mm.get_torch_device())
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def offload_device():
+    mm = optional_module("comfy.model_management")
+    if mm is not None and hasattr(mm, "unet_offload_device"):
+        return torch.device(mm.unet_offload_device())
+    return compute_device()
+
+
+def _model_patcher_cls():
+    module = optional_module("comfy.model_patcher")
+    return None if module is None else module.ModelPatcher
+
+
+class Held(torch.nn.Module):
+    """A container ComfyUI's ModelPatcher can own: the patcher sets `.device` and load counters on the module
+    it wraps, which our VAEs (a read-only `device` property) cannot take, and moves it with `.to()`."""
+
+    def __init__(self, kind: str, inner: torch.nn.Module):
+        super().__init__()
+        self.kind = kind
+        self.inner = inner
+
+
+def make_held(kind: str, inner):
+    """Wrap an engine module for ComfyUI's model management (or hold it as is outside ComfyUI)."""
+    class_ = _model_patcher_cls()
+    held = Held(kind, inner)
+    if class_ is None:
+        return LocalModel(held, compute_device())
+    return class_(held, load_device=compute_device(), offload_device=offload_device())
+
+
+class LocalModel:
+    """Outside ComfyUI: the three members of a ModelPatcher the nodes use (`model`, `model_options`, `clone`)."""
+
+    def __init__(self, model, load_device, model_options: dict | None = None):
+        self.model = model
+        self.load_device = load_device
+        self.model_options = model_options if model_options is not None else {"transformer_options": {}}
+
+    def clone(self) -> "LocalModel":
+        import copy
+
+        return LocalModel(self.model, self.load_device, copy.deepcopy(self.model_options))
+
+
+def held_inner(patcher, kind: str):
+    """The engine module inside a MODEL-like object, or None when it is not an h3-spark one of `kind`."""
+    model = getattr(patcher, "model", None)
+    if isinstance(model, Held) and model.kind == kind:
+        return model.inner
+    return None
+
+
+def load_for_compute(patcher):
+    """Have ComfyUI put the module on its compute device (fully: our modules have no per-layer casting,
+    so a partial load would leave some layers on the CPU); returns the device to run on."""
+    mm = optional_module("comfy.model_management")
+    if isinstance(patcher, LocalModel) or mm is None:
+        device = patcher.load_device
+        patcher.model.to(device)
+        return device
+    mm.load_models_gpu([patcher], force_full_load=True)
+    return patcher.load_device
+
+
+# ------------------------------------------------------------------------------------------ progress, interruption
+class Progress:
+    """comfy.utils.ProgressBar when ComfyUI is there; otherwise nothing to report to."""
+
+    def __init__(self, total: int):
+        utils = optional_module("comfy.utils")
+        self.bar = utils.ProgressBar(total) if utils is not None and hasattr(utils, "ProgressBar") else None
+        self.total = total
+
+    def update(self, value: int) -> None:
+        if self.bar is not None:
+            self.bar.update_absolute(value, self.total)
+
+
+class InterruptFlag:
+    """Duck-types the `threading.Event` the engine's cancel checks poll: set when ComfyUI's user presses
+    Cancel (or POST /interrupt), or when `set()` is called."""
+
+    def __init__(self):
+        self._local = threading.Event()
+        self._mm = optional_module("comfy.model_management")
+
+    def set(self) -> None:
+        self._local.set()
+
+    def is_set(self) -> bool:
+        if self._local.is_set():
+            return True
+        check = getattr(self._mm, "processing_interrupted", None)
+        return bool(check()) if check is not None else False
+
+    def raise_interrupted(self, cancelled: Exception) -> None:
+        """Re-raise an engine cancellation as ComfyUI's interrupt (shown as "interrupted", not an error)."""
+        throw = getattr(self._mm, "throw_exception_if_processing_interrupted", None)
+        if throw is not None:
+            throw()
+        raise cancelled
+
+
+def env_flag(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value.strip() if value and value.strip() else None

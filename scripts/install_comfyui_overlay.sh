@@ -1,0 +1,214 @@
+#!/usr/bin/env bash
+# Install h3-spark into a ComfyUI checkout as the custom-node pack custom_nodes/h3-spark.
+#
+#   scripts/install_comfyui_overlay.sh [--dry-run] [--uninstall] [--copy] [--python PATH] /path/to/ComfyUI
+#
+# What it does, in order (re-running is safe: finished steps are reported and skipped):
+#   1. checks ComfyUI: comfyui_version.py and MiniMax H3 support (comfy/ldm/minimax/model.py);
+#   2. checks ComfyUI's Python: >= 3.10, torch importable (never installed or upgraded here: ComfyUI's
+#      torch build is the user's choice), and reports the GPU and its sm capability (H3 runs bf16: sm_80+);
+#   3. links (or, with --copy, copies) this repository to custom_nodes/h3-spark;
+#   4. pip-installs the runtime dependencies into that Python (never torch).
+# --dry-run runs the read-only checks and prints every action without changing anything.
+# --uninstall removes custom_nodes/h3-spark when it is ours (our link, or a copy carrying our marker);
+# shared Python packages stay, since other nodes may use them.
+# ComfyUI's own files are never edited: the only path written is custom_nodes/h3-spark.
+set -euo pipefail
+
+readonly NODE_DIR_NAME="h3-spark"
+readonly MARKER=".h3-spark-overlay"
+# Runtime needs of the node pack besides torch: checkpoints, media I/O (PyAV), image resizing, Qwen3-VL.
+readonly RUNTIME_DEPS=("numpy>=1.24" "safetensors>=0.4" "av>=12" "pillow>=10" "transformers>=4.57")
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+readonly REPO_ROOT
+
+dry_run=0
+uninstall=0
+copy=0
+python=""
+comfy=""
+
+die() {
+    echo "error: $*" >&2
+    exit 1
+}
+
+say() {
+    echo "h3-spark: $*"
+}
+
+# Run a command that changes something, or only print it under --dry-run.
+act() {
+    if ((dry_run)); then
+        echo "[dry-run] $*"
+    else
+        echo "+ $*"
+        "$@"
+    fi
+}
+
+usage() {
+    sed -n '2,4p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+}
+
+while (($#)); do
+    case "$1" in
+        --dry-run) dry_run=1 ;;
+        --uninstall) uninstall=1 ;;
+        --copy) copy=1 ;;
+        --python)
+            (($# >= 2)) || die "--python needs a path"
+            python="$2"
+            shift
+            ;;
+        --python=*) python="${1#--python=}" ;;
+        -h | --help)
+            usage
+            exit 0
+            ;;
+        -*) die "unknown option $1 (see --help)" ;;
+        *)
+            [[ -z "$comfy" ]] || die "one ComfyUI path only (got '$comfy' and '$1')"
+            comfy="$1"
+            ;;
+    esac
+    shift
+done
+
+[[ -n "$comfy" ]] || {
+    usage >&2
+    die "give the path of the ComfyUI checkout"
+}
+[[ -d "$comfy" ]] || die "$comfy: no such folder"
+comfy="$(cd "$comfy" && pwd)"
+target="$comfy/custom_nodes/$NODE_DIR_NAME"
+
+# True when custom_nodes/h3-spark is something this script made: a link to this repository, or a copy
+# that carries our marker. Anything else there is the user's and is never touched.
+is_ours() {
+    if [[ -L "$target" ]]; then
+        [[ "$(cd "$target" && pwd -P)" == "$(cd "$REPO_ROOT" && pwd -P)" ]]
+    else
+        [[ -f "$target/$MARKER" ]]
+    fi
+}
+
+if ((uninstall)); then
+    if [[ ! -e "$target" && ! -L "$target" ]]; then
+        say "nothing to remove: $target does not exist"
+        exit 0
+    fi
+    is_ours || die "$target is not an h3-spark overlay made by this script (no link to $REPO_ROOT, no $MARKER); \
+remove it by hand if you mean to"
+    if [[ -L "$target" ]]; then
+        act rm "$target"
+    else
+        act rm -rf "$target"
+    fi
+    say "removed $target (Python packages stay installed: other nodes may use them)"
+    exit 0
+fi
+
+# ---------------------------------------------------------------------------------------------- ComfyUI
+[[ -f "$comfy/comfyui_version.py" && -d "$comfy/custom_nodes" ]] \
+    || die "$comfy is not a ComfyUI checkout (no comfyui_version.py or custom_nodes/)"
+version="$(sed -n 's/^__version__ *= *["'\'']\([^"'\'']*\)["'\''].*/\1/p' "$comfy/comfyui_version.py" | head -n 1)"
+[[ -n "$version" ]] || die "$comfy/comfyui_version.py has no __version__"
+say "ComfyUI $version at $comfy"
+[[ -f "$comfy/comfy/ldm/minimax/model.py" ]] \
+    || die "ComfyUI $version has no MiniMax H3 support (comfy/ldm/minimax/model.py is missing; it arrived with \
+Comfy-Org/ComfyUI PR #15224): update ComfyUI first"
+
+# ---------------------------------------------------------------------------------------------- Python
+if [[ -z "$python" ]]; then
+    for candidate in "$comfy/venv/bin/python" "$comfy/.venv/bin/python" "$comfy/../python_embeded/python.exe" \
+        "$comfy/python_embeded/python.exe" "$comfy/venv/Scripts/python.exe" "$comfy/.venv/Scripts/python.exe"; do
+        if [[ -x "$candidate" ]]; then
+            python="$candidate"
+            break
+        fi
+    done
+fi
+[[ -n "$python" ]] || die "cannot find ComfyUI's Python (looked for venv/, .venv/ and python_embeded/); pass \
+--python /path/to/python"
+[[ -x "$python" ]] || die "$python: not an executable Python"
+
+probe="$("$python" - <<'PY'
+import sys
+print("python=%d.%d.%d" % sys.version_info[:3])
+try:
+    import torch
+except Exception as exc:  # a broken torch install fails here too
+    print("torch=")
+    print("torch_error=%s" % (str(exc).splitlines() or [type(exc).__name__])[0])
+else:
+    print("torch=%s" % torch.__version__)
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        print("gpu=%s" % torch.cuda.get_device_name(0))
+        print("sm=%d.%d" % (major, minor))
+    else:
+        print("gpu=")
+        print("sm=")
+PY
+)" || die "$python does not run"
+
+field() {
+    sed -n "s/^$1=//p" <<<"$probe" | head -n 1
+}
+
+py_version="$(field python)"
+[[ -n "$py_version" ]] || die "$python did not report its version"
+IFS=. read -r py_major py_minor _ <<<"$py_version"
+if ((py_major < 3 || (py_major == 3 && py_minor < 10))); then
+    die "ComfyUI's Python is $py_version; h3-spark needs Python >= 3.10"
+fi
+say "Python $py_version ($python)"
+
+torch_version="$(field torch)"
+[[ -n "$torch_version" ]] || die "torch is not importable in $python ($(field torch_error)); install ComfyUI's \
+requirements (with the torch build for your GPU) first: h3-spark never installs torch"
+say "torch $torch_version"
+
+sm="$(field sm)"
+if [[ -z "$sm" ]]; then
+    say "no CUDA GPU visible to torch: the nodes will run on the CPU (tiny models only)"
+else
+    IFS=. read -r sm_major sm_minor <<<"$sm"
+    say "GPU $(field gpu), sm_${sm_major}${sm_minor}"
+    ((sm_major >= 8)) || die "sm_${sm_major}${sm_minor} has no bf16 tensor cores; H3 runs in bf16 and needs \
+sm_80 or newer (Ampere, Ada, Hopper, Blackwell)"
+fi
+
+# ---------------------------------------------------------------------------------------------- install
+if [[ -e "$target" || -L "$target" ]]; then
+    is_ours || die "$target exists and is not an h3-spark overlay made by this script; move it away first"
+    # A link that already points here stays; a copy is made afresh (the tree may have changed), and
+    # switching between link and copy replaces the old one.
+    if ((copy)) && [[ -L "$target" ]]; then
+        act rm "$target"
+    elif [[ ! -L "$target" ]]; then
+        act rm -rf "$target"
+    fi
+fi
+
+if ((copy)); then
+    act mkdir -p "$target"
+    act cp -R "$REPO_ROOT/__init__.py" "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/h3_model" "$REPO_ROOT/kernels" \
+        "$REPO_ROOT/nodes" "$target/"
+    for extra in config workflows; do
+        if [[ -d "$REPO_ROOT/$extra" ]]; then
+            act cp -R "$REPO_ROOT/$extra" "$target/"
+        fi
+    done
+    act touch "$target/$MARKER"
+    say "copied to $target"
+elif [[ -L "$target" ]]; then
+    say "already linked: $target -> $REPO_ROOT"
+else
+    act ln -s "$REPO_ROOT" "$target"
+    say "linked $target -> $REPO_ROOT"
+fi
+
+act "$python" -m pip install --upgrade-strategy only-if-needed "${RUNTIME_DEPS[@]}"
+say "done; restart ComfyUI. Recommended launch flags and engine defaults: config/h3_spark_serving.env"

@@ -1,0 +1,113 @@
+"""The HTTP API (Starlette, served by uvicorn): a thin translation onto `Service`.
+
+  GET    /ready       200 when every model is resident (models, dtypes, device, memory, supported kernels),
+                      503 with what is still loading (or why loading failed)
+  POST   /generate    JSON (serve/validation.py lists the fields) -> 202 {"id", "state", "url"}
+                      400 bad field or JSON, 409 output exists / taken, 413 too large, 429 queue full
+                      (Retry-After), 503 not ready
+  GET    /jobs        queue state and the jobs on record
+  GET    /jobs/{id}   state (queued | running | done | failed | cancelled), progress, timings, output,
+                      backends, step-cache report, error
+  DELETE /jobs/{id}   cancel: a queued job at once (200), a running one within a DiT block (202)
+Errors are JSON: {"error": "..."}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .service import Service
+from .validation import RequestError
+
+
+def _error(exc: RequestError) -> JSONResponse:
+    return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=exc.headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing (413) past `limit` bytes without reading the rest."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise RequestError(400, f"Content-Length {declared!r} is not a number") from None
+        if size > limit:
+            raise RequestError(413, f"the request body is {size} bytes; the limit is {limit}")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise RequestError(413, f"the request body exceeds the {limit} byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str):
+    # NaN and Infinity are not JSON; Python's parser would accept them.
+    raise RequestError(400, f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes) -> object:
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise RequestError(400, "the request body is not UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise RequestError(400, f"the request body is not valid JSON ({exc.msg} at line {exc.lineno} "
+                                f"column {exc.colno})") from None
+
+
+def create_app(service: Service) -> Starlette:
+    async def ready(request: Request) -> JSONResponse:
+        ok, body = await run_in_threadpool(service.ready)
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def generate(request: Request) -> JSONResponse:
+        try:
+            body = parse_json(await read_body(request, service.limits.max_body_bytes))
+            job = await run_in_threadpool(service.submit, body)
+        except RequestError as exc:
+            return _error(exc)
+        url = f"/jobs/{job.id}"
+        return JSONResponse({"id": job.id, "state": "queued", "url": url}, status_code=202,
+                            headers={"Location": url})
+
+    async def jobs(request: Request) -> JSONResponse:
+        return JSONResponse({"queue": service.queue.stats(), "jobs": service.queue.list()})
+
+    async def job(request: Request) -> JSONResponse:
+        job_id = request.path_params["job_id"]
+        if request.method == "DELETE":
+            try:
+                record = service.queue.cancel(job_id)
+            except KeyError:
+                return JSONResponse({"error": f"no job {job_id}"}, status_code=404)
+            except RequestError as exc:
+                return _error(exc)
+            return JSONResponse(record, status_code=202 if record["state"] == "running" else 200)
+        record = service.queue.snapshot(job_id)
+        if record is None:
+            return JSONResponse({"error": f"no job {job_id}"}, status_code=404)
+        return JSONResponse(record)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(service.stop)
+
+    routes = [Route("/ready", ready, methods=["GET"]), Route("/generate", generate, methods=["POST"]),
+              Route("/jobs", jobs, methods=["GET"]), Route("/jobs/{job_id}", job, methods=["GET", "DELETE"])]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.service = service
+    return app

@@ -1,0 +1,127 @@
+"""Run one job on the resident models: read its media, generate, write the mp4, classify the outcome.
+
+Out-of-memory (torch.cuda.OutOfMemoryError, MemoryError) fails the job and then frees what the failed
+job held (the exception's frames keep its tensors alive, so the cache is emptied only after the
+exception is gone); the models stay resident and the next job runs.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import traceback
+from typing import Callable
+
+import torch
+
+from ..h3_model import media
+from ..h3_model.errors import H3Error
+from ..h3_model.pipeline import GenerationRequest, Pipeline, Progress
+from ..h3_model.refs import AudioReference, ImageReference, VideoReference
+from ..h3_model.sampler import Cancelled
+from ..h3_model.step_cache import make_step_cache
+from .jobs import Job
+from .models import AttentionSwitch, ResidentModels
+from .outputs import OutputFolder
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _read_references(paths) -> list:
+    refs = []
+    for kind, path in paths:
+        if kind == "image":
+            refs.append(ImageReference(media.read_image(path)))
+        elif kind == "audio":
+            refs.append(AudioReference(media.read_audio(path)))
+        else:
+            clip = media.read_video(path)
+            refs.append(VideoReference(clip.frames, fps=float(clip.fps), audio=clip.audio,
+                                       sample_rate=clip.sample_rate))
+    return refs
+
+
+class JobRunner:
+    def __init__(self, models: ResidentModels, pipeline: Pipeline, outputs: OutputFolder,
+                 log: Callable[[str], None] = lambda message: None, *, vae_tile_size: int | None = 256,
+                 mlp_chunks: int = 1):
+        self.models, self.pipeline, self.outputs, self.log = models, pipeline, outputs, log
+        self.vae_tile_size, self.mlp_chunks = vae_tile_size, mlp_chunks
+
+    def __call__(self, job: Job) -> tuple[str, str | None]:
+        out_of_memory = None
+        try:
+            self._run(job)
+            return "done", None
+        except Cancelled as exc:
+            return "cancelled", str(exc)
+        except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+            out_of_memory = f"out of memory during {job.progress.get('stage', '?')}: {type(exc).__name__}: {exc}"
+        except H3Error as exc:
+            return "failed", str(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug, but one job's bug must not stop the service
+            self.log("job %s failed:\n%s" % (job.id, traceback.format_exc()))
+            return "failed", f"internal error: {type(exc).__name__}: {exc}"
+        # Outside the except block: the exception and its frames (holding the job's tensors) are gone.
+        free_memory()
+        self.log(f"job {job.id}: {out_of_memory}; memory freed, the service goes on")
+        return "failed", out_of_memory
+
+    def _run(self, job: Job) -> None:
+        req = job.request
+        p = job.payload
+        t0 = time.perf_counter()
+        job.progress = {"stage": "read_inputs", "step": 0, "total": 0}
+        generation = GenerationRequest(
+            mode=req.mode, prompt=req.prompt, references=_read_references(p.get("references", [])),
+            first_frame=media.read_image(p["first_frame"]) if p.get("first_frame") else None,
+            last_frame=media.read_image(p["last_frame"]) if p.get("last_frame") else None,
+            width=req.width, height=req.height, frames=req.frames, steps=req.steps, seed=req.seed,
+            mlp_chunks=self.mlp_chunks, vae_tile_size=self.vae_tile_size)
+        cache = None
+        if req.cache.mode != "off":
+            c = req.cache
+            cache = make_step_cache(c.mode, c.threshold, c.start_percent, c.end_percent, c.subsample_factor,
+                                    evaluations=req.evaluations)
+        generation.step_cache = cache
+        read_inputs = time.perf_counter() - t0
+
+        def progress(p: Progress) -> None:
+            job.progress = {"stage": p.stage, "step": p.step, "total": p.total}
+
+        key = "dit_ref" if req.mode == "ref2va" else "dit"
+        with AttentionSwitch(self.models, key, req.attention) as used:
+            kernels = self.models.kernel_reports[key]
+            job.backends = {**used, "linear": kernels["linear"], "modulation": kernels["modulation"]}
+            result = self.pipeline.generate(generation, on_progress=progress, cancel=job.cancel)
+
+        job.progress = {"stage": "write_output", "step": 0, "total": 0}
+        t1 = time.perf_counter()
+        path = self.outputs.write_mp4(p["output_path"], job.id, result.video, result.audio,
+                                      overwrite=req.overwrite)
+        timings = {"read_inputs": read_inputs, **result.timings, "mux": time.perf_counter() - t1}
+        info = {k: v for k, v in result.info.items() if k not in ("step_cache", "step_seconds")}
+        info["step_seconds"] = [round(s, 4) for s in result.info.get("step_seconds", [])]
+        # Everything that is not the exact path, as apply_kernels reports it, plus this job's own choices.
+        approximate = [k for k in ("attention", "qk_prep", "modulation", "linear")
+                       if not job.backends[k].get("exact", True)]
+        if cache is not None and cache.reused:
+            approximate.append("step_cache")
+        job.backends["exact"] = not approximate
+        job.backends["approximate_paths"] = approximate
+        job.step_cache = result.info.get("step_cache", {"mode": "off"})
+        job.timings, job.info, job.output = timings, info, str(path)
+        job.progress = {"stage": "done", "step": 0, "total": 0}
+        self.log(f"[perf] job {job.id} mode={req.mode} {info.get('width')}x{info.get('height')}x{info.get('frames')} "
+                 f"steps={req.steps} attention={job.backends['attention'].get('backend')} "
+                 f"linear={kernels['linear']['format']} cache={req.cache.mode} "
+                 + " ".join(f"{k}={v:.2f}s" for k, v in timings.items()))
+
+
+def stderr_log(message: str) -> None:
+    print(f"h3-spark serve: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,169 @@
+"""The service without HTTP: load the models in the background, accept jobs, report readiness.
+
+`Service.start()` returns at once; a loader thread builds the resident models while `/ready` answers
+503 with what is still loading. Jobs are refused (503) until every model is resident. The HTTP layer
+(app.py) only translates between requests and these methods.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..h3_model.errors import H3Error
+from ..h3_model.pipeline import Pipeline
+from .execute import JobRunner, stderr_log
+from .jobs import Job, JobQueue, QueueFull
+from .models import (LoadTracker, ResidentModels, describe_models, memory_report, supported_kernels)
+from .outputs import InputFolder, OutputFolder
+from .validation import JobRequest, Limits, RequestError, parse_request
+
+Loader = Callable[[LoadTracker], ResidentModels]
+NOT_READY_RETRY_S = 5
+
+
+@dataclass
+class ServiceConfig:
+    output_dir: Path
+    input_dir: Path | None = None
+    queue_size: int = 4
+    limits: Limits = field(default_factory=Limits)
+    keep_finished: int = 1000
+    vae_tile_size: int | None = 256  # None: untiled decode
+    mlp_chunks: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.queue_size <= 10_000:
+            raise H3Error(f"--queue-size must be 1..10000, got {self.queue_size}")
+        if self.vae_tile_size is not None and self.vae_tile_size < 1:
+            raise H3Error(f"the VAE tile size must be positive (or none for untiled), got {self.vae_tile_size}")
+        if self.mlp_chunks < 1:
+            raise H3Error(f"--mlp-chunks must be at least 1, got {self.mlp_chunks}")
+
+
+class Service:
+    def __init__(self, config: ServiceConfig, loader: Loader, *, log: Callable[[str], None] = stderr_log):
+        self.config = config
+        self.limits = config.limits
+        self.outputs = OutputFolder(config.output_dir)
+        self.inputs = InputFolder(config.input_dir, config.limits.max_input_file_bytes) if config.input_dir else None
+        self.tracker = LoadTracker()
+        self.models: ResidentModels | None = None
+        self.pipeline: Pipeline | None = None
+        self.supported: dict | None = None
+        self.log = log
+        self._loader = loader
+        self._thread: threading.Thread | None = None
+        self.queue = JobQueue(config.queue_size, self._run_job, on_finish=self._release,
+                              keep_finished=config.keep_finished)
+        self._runner: JobRunner | None = None
+        # Called with the error message when loading fails (the CLI stops the server then).
+        self.on_load_failed: Callable[[str], None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._load, name="h3-spark-loader", daemon=True)
+            self._thread.start()
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.tracker.state == "ready"
+
+    def stop(self) -> None:
+        self.queue.stop()
+
+    def _load(self) -> None:
+        try:
+            models = self._loader(self.tracker)
+            fmt = "nvfp4" if "nvfp4" in models.checkpoint_formats.values() else "bf16"
+            self.supported = supported_kernels(models.spec_device, models.settings, fmt)
+            self.models = models
+            self.pipeline = Pipeline(models.components)
+            self._runner = JobRunner(models, self.pipeline, self.outputs, self.log,
+                                     vae_tile_size=self.config.vae_tile_size, mlp_chunks=self.config.mlp_chunks)
+            self.queue.start()
+            self.tracker.ready()
+            self.log(f"ready: {', '.join(models.modes)} on {models.spec_device}; loaded in "
+                     + ", ".join(f"{k} {v:.1f} s" for k, v in models.load_seconds.items()))
+        except Exception as exc:  # noqa: BLE001 - recorded for /ready and the CLI; nothing to serve
+            message = str(exc) if isinstance(exc, H3Error) else f"{type(exc).__name__}: {exc}"
+            if self.tracker.state != "failed":
+                self.tracker.fail(message)
+            if not isinstance(exc, H3Error):
+                self.log(traceback.format_exc())
+            self.log(f"loading failed: {message}")
+            if self.on_load_failed is not None:
+                self.on_load_failed(message)
+
+    # ------------------------------------------------------------------ readiness
+    def ready(self) -> tuple[bool, dict]:
+        load = self.tracker.snapshot()
+        ready = load["state"] == "ready"
+        body: dict = {"ready": ready, "loading": load, "queue": self.queue.stats()}
+        if ready:
+            m = self.models
+            body.update(device=m.spec_device, modes=m.modes, models=describe_models(m),
+                        memory=memory_report(m.spec_device), supported=self.supported,
+                        limits=vars(self.limits), input_dir=str(self.inputs.root) if self.inputs else None,
+                        output_dir=str(self.outputs.root))
+        return ready, body
+
+    # ------------------------------------------------------------------ jobs
+    def submit(self, body: object) -> Job:
+        if self.tracker.state != "ready":
+            still = self.tracker.snapshot()
+            what = ("loading failed: " + still.get("error", "")) if still["state"] == "failed" else \
+                "models still loading: " + ", ".join(still["still_loading"] or ["(starting)"])
+            raise RequestError(503, f"not ready ({what})", {"Retry-After": str(NOT_READY_RETRY_S)})
+        req = parse_request(body, self.limits)
+        if req.mode not in self.models.modes:
+            raise RequestError(400, f"{req.mode} needs a DiT partition this service did not load; it serves "
+                                    f"{', '.join(self.models.modes)}")
+        if req.attention is not None:
+            self._check_attention(req.attention)
+        # Checked before any file work so a full queue answers 429 whatever else the request holds.
+        if self.queue.stats()["queued"] >= self.queue.capacity:
+            raise QueueFull(self.queue.capacity, self.queue.retry_after())
+        payload = self._input_paths(req)
+        job = Job(req, payload)
+        job.payload["output_path"] = self.outputs.reserve(req.output, req.overwrite, job.id)
+        try:
+            return self.queue.submit(job)
+        except Exception:
+            self.outputs.release(job.payload["output_path"])
+            raise
+
+    def _check_attention(self, name: str) -> None:
+        """Fail the request now, not in the worker, when its backend cannot run here."""
+        from ..kernels.attention import resolve_attention
+
+        try:
+            resolve_attention(name, self.models.spec_device, self.models.settings)
+        except H3Error as exc:
+            raise RequestError(400, f"attention {name!r} cannot run here: {exc}") from None
+
+    def _input_paths(self, req: JobRequest) -> dict:
+        named = [k for k in ("first_frame", "last_frame") if getattr(req, k)] + (["references"] if req.references
+                                                                                   else [])
+        if not named:
+            return {}
+        if self.inputs is None:
+            raise RequestError(400, f"{', '.join(named)} name input files, but this service was started without "
+                                    f"--input-dir")
+        payload: dict = {"references": [(kind, self.inputs.media(path, kind)) for kind, path in req.references]}
+        for key in ("first_frame", "last_frame"):
+            if getattr(req, key):
+                payload[key] = self.inputs.media(getattr(req, key), "image")
+        return payload
+
+    def _run_job(self, job: Job) -> tuple[str, str | None]:
+        return self._runner(job)
+
+    def _release(self, job: Job) -> None:
+        self.outputs.release(job.payload.get("output_path"))
+

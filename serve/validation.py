@@ -1,0 +1,230 @@
+"""The /generate request body: field types, ranges and limits, checked before a job is queued.
+
+A request is JSON (an object). Media are never sent inline: references and keyframes name files inside
+the service's --input-dir (relative paths), which keeps request bodies small and lets the service check
+each file's size before any decoding. Unknown fields are refused, so a misspelt option cannot be
+silently ignored.
+
+Fields (defaults in brackets):
+  mode               t2va | fl2va | ref2va  [ref2va with references, fl2va with keyframes, else t2va]
+  prompt             string, 1..limits.max_prompt_chars characters (required)
+  references         [{"kind": "image" | "video" | "audio", "path": "<file in --input-dir>"}]  (ref2va)
+  first_frame        "<image in --input-dir>"  (fl2va)
+  last_frame         "<image in --input-dir>"  (fl2va)
+  output             "<name>.mp4" inside --output-dir (required; sub-folders must exist)
+  overwrite          bool [false]; without it an existing output is a 409
+  width, height      ints, multiples of 32, together or not at all [the 16:9 768p canvas]
+  frames             int, 124..345 (5-15 s at 24 fps; snapped up to 17n+5) [124]
+  steps              int, 2..limits.max_steps (sigma grid points: steps - 1 DiT forwards) [50]
+  seed               int, 0..2^63-1 [0]
+  attention          an H3_ATTENTION backend name, for this job only [the service's]
+  cache_mode         off | easycache | h3_cache [off]
+  cache_threshold, cache_start_percent, cache_end_percent, cache_subsample_factor  (see h3_model.step_cache)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..h3_model import geometry
+from ..h3_model.errors import H3Error
+from ..h3_model.layout import check_references
+from ..h3_model.pipeline import MAX_STEPS, MODES
+from ..h3_model.step_cache import (DEFAULT_END_PERCENT, DEFAULT_START_PERCENT, DEFAULT_SUBSAMPLE, DEFAULT_THRESHOLD,
+                                   CacheOptions)
+from ..h3_model.step_cache import MODES as CACHE_MODES
+from ..kernels.settings import ATTENTION_BACKENDS
+
+REFERENCE_KINDS = ("image", "video", "audio")
+FIELDS = ("mode", "prompt", "references", "first_frame", "last_frame", "output", "overwrite", "width", "height",
+          "frames", "steps", "seed", "attention", "cache_mode", "cache_threshold", "cache_start_percent",
+          "cache_end_percent", "cache_subsample_factor")
+
+
+class RequestError(H3Error):
+    """A request the service refuses; `status` is the HTTP status it answers with."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or {}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 64 * 1024
+    max_prompt_chars: int = 4000
+    max_steps: int = 100
+    max_frames: int = 345
+    max_pixels: int = geometry.CANVAS_MAX_PIXELS
+    max_input_file_bytes: int = 256 * 1024 * 1024
+    max_path_chars: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.max_steps <= MAX_STEPS:
+            raise H3Error(f"max steps must be 2..{MAX_STEPS}, got {self.max_steps}")
+        for name in ("max_body_bytes", "max_prompt_chars", "max_frames", "max_pixels", "max_input_file_bytes",
+                     "max_path_chars"):
+            if getattr(self, name) < 1:
+                raise H3Error(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class JobRequest:
+    """A validated request; paths are still the client's relative names (outputs.py confines them)."""
+
+    mode: str
+    prompt: str
+    output: str
+    references: list[tuple[str, str]] = field(default_factory=list)
+    first_frame: str | None = None
+    last_frame: str | None = None
+    overwrite: bool = False
+    width: int | None = None
+    height: int | None = None
+    frames: int = geometry.DEFAULT_FRAMES
+    steps: int = 50
+    seed: int = 0
+    attention: str | None = None
+    cache: CacheOptions = field(default_factory=CacheOptions)
+
+    @property
+    def evaluations(self) -> int:
+        return self.steps - 1
+
+    def public(self) -> dict:
+        """What the job record shows of its request."""
+        out = {k: getattr(self, k) for k in ("mode", "prompt", "output", "overwrite", "width", "height", "frames",
+                                             "steps", "seed", "attention", "first_frame", "last_frame")}
+        out["references"] = [{"kind": k, "path": p} for k, p in self.references]
+        c = self.cache
+        out["cache"] = {"mode": c.mode, "threshold": c.threshold, "start_percent": c.start_percent,
+                        "end_percent": c.end_percent, "subsample_factor": c.subsample_factor}
+        return out
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError(400, message)
+
+
+def _int(body: dict, name: str, default, lo: int, hi: int):
+    value = body.get(name, default)
+    if value is None:
+        return None
+    # JSON true/false are bools, and Python's bool is an int: refuse them explicitly.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise _bad(f"{name} must be in {lo}..{hi}, got {value}")
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _string(body: dict, name: str, max_chars: int, *, required: bool = False) -> str | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise _bad(f"{name} is required")
+        return None
+    if not isinstance(value, str) or not value:
+        raise _bad(f"{name} must be a non-empty string, got {value!r}")
+    if len(value) > max_chars:
+        raise _bad(f"{name} is {len(value)} characters; the limit is {max_chars}")
+    return value
+
+
+def _choice(body: dict, name: str, choices, default):
+    value = body.get(name, default)
+    if value is not None and value not in choices:
+        raise _bad(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def parse_request(body: object, limits: Limits) -> JobRequest:
+    if not isinstance(body, dict):
+        raise _bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise _bad(f"unknown field(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(FIELDS)}")
+
+    prompt = _string(body, "prompt", limits.max_prompt_chars, required=True)
+    if not prompt.strip():
+        raise _bad("prompt is blank")
+    output = _string(body, "output", limits.max_path_chars, required=True)
+    references = _references(body.get("references"), limits)
+    first = _string(body, "first_frame", limits.max_path_chars)
+    last = _string(body, "last_frame", limits.max_path_chars)
+    default_mode = "ref2va" if references else "fl2va" if (first or last) else "t2va"
+    mode = _choice(body, "mode", MODES, default_mode)
+    if mode == "ref2va" and not references:
+        raise _bad("ref2va needs at least one reference")
+    if mode != "ref2va" and references:
+        raise _bad(f"{mode} takes no references; use ref2va")
+    if mode == "fl2va" and not (first or last):
+        raise _bad("fl2va needs first_frame and/or last_frame")
+    if mode != "fl2va" and (first or last):
+        raise _bad(f"{mode} takes no keyframes; use fl2va")
+
+    overwrite = body.get("overwrite", False)
+    if not isinstance(overwrite, bool):
+        raise _bad(f"overwrite must be true or false, got {overwrite!r}")
+    width = _int(body, "width", None, geometry.CANVAS_MULTIPLE, 16384)
+    height = _int(body, "height", None, geometry.CANVAS_MULTIPLE, 16384)
+    if (width is None) != (height is None):
+        raise _bad("width and height go together, or neither")
+    frames = _int(body, "frames", geometry.DEFAULT_FRAMES, 1, limits.max_frames)
+    steps = _int(body, "steps", 50, 2, limits.max_steps)
+    seed = _int(body, "seed", 0, 0, 2 ** 63 - 1)
+    try:
+        if width is not None:
+            geometry.check_canvas(width, height, max_pixels=limits.max_pixels)
+        geometry.snap_frames(frames)
+    except H3Error as exc:
+        raise _bad(str(exc)) from None
+    attention = _choice(body, "attention", ATTENTION_BACKENDS, None)
+
+    cache_mode = _choice(body, "cache_mode", CACHE_MODES, "off")
+    try:
+        cache = CacheOptions(
+            cache_mode,
+            _number(body, "cache_threshold", DEFAULT_THRESHOLD[cache_mode]),
+            _number(body, "cache_start_percent", DEFAULT_START_PERCENT),
+            _number(body, "cache_end_percent", DEFAULT_END_PERCENT),
+            _int(body, "cache_subsample_factor", DEFAULT_SUBSAMPLE, 1, 1 << 30))
+    except H3Error as exc:
+        raise _bad(str(exc)) from None
+    return JobRequest(mode, prompt, output, references, first, last, overwrite, width, height, frames, steps, seed,
+                      attention, cache)
+
+
+def _references(value: object, limits: Limits) -> list[tuple[str, str]]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _bad(f"references must be a list of {{kind, path}} objects, got {type(value).__name__}")
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or set(item) != {"kind", "path"}:
+            raise _bad(f"references[{i}] must be an object with exactly 'kind' and 'path', got {item!r}")
+        kind = item["kind"]
+        if kind not in REFERENCE_KINDS:
+            raise _bad(f"references[{i}].kind must be one of {', '.join(REFERENCE_KINDS)}, got {kind!r}")
+        path = _string(item, "path", limits.max_path_chars, required=True)
+        out.append((kind, path))
+
+    class _Kind:
+        def __init__(self, kind: str):
+            self.kind = kind
+
+    try:
+        # The model's own reference limits (9 images, 3 videos, 3 audio, 12 in all; not audio alone).
+        check_references([_Kind(k) for k, _ in out])
+    except H3Error as exc:
+        raise _bad(str(exc)) from None
+    return out

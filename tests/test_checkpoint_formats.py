@@ -1,0 +1,176 @@
+"""Quantized layers against comfy-kitchen, the library ComfyUI itself dequantizes with.
+
+Oracle: comfy-kitchen 0.2.40 (test extra), through the same QuantizedTensor path ComfyUI takes
+(`QuantizedTensor(qdata, layout, Params(..., orig_dtype=compute dtype)).dequantize()`), on its
+eager CPU backend. Budget: bit-exact, in fp32 and bf16, for every quantized layer of the tiny
+checkpoints make-checkpoint writes, and for our quantizers against comfy-kitchen's on odd shapes.
+"""
+
+import pytest
+import torch
+from comfy_kitchen.backends.eager import quantization as ck_eager
+from comfy_kitchen.tensor import QuantizedTensor, TensorCoreFP8Layout, TensorCoreNVFP4Layout, TensorWiseINT8Layout
+from safetensors import safe_open
+
+from h3_spark.h3_model.checkpoint import keymap, load_dit, nvfp4
+from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+from h3_spark.h3_model.checkpoint.quant import (QuantSpec, decode_marker, dequantize, hadamard,
+                                                  quantize_fp8, quantize_int8_rows, rotate_groups)
+from h3_spark.h3_model.config import TINY
+
+SHAPES = [(96, 24), (24, 32), (128, 64), (300, 80), (21, 17)]
+
+
+def _ck_dequantize(conf: dict, tensors: dict, shape, dtype) -> torch.Tensor:
+    """Dequantize one stored layer exactly as ComfyUI's mixed-precision Linear does."""
+    fmt = conf["format"]
+    if fmt == "nvfp4":
+        params = TensorCoreNVFP4Layout.Params(scale=tensors["weight_scale_2"], orig_dtype=dtype, orig_shape=tuple(shape),
+                                              block_scale=tensors["weight_scale"].view(torch.float8_e4m3fn))
+        return QuantizedTensor(tensors["weight"], "TensorCoreNVFP4Layout", params).dequantize()
+    if fmt == "float8_e4m3fn":
+        params = TensorCoreFP8Layout.Params(scale=tensors["weight_scale"], orig_dtype=dtype, orig_shape=tuple(shape))
+        return QuantizedTensor(tensors["weight"], "TensorCoreFP8Layout", params).dequantize()
+    if fmt == "int8_tensorwise":
+        params = TensorWiseINT8Layout.Params(scale=tensors["weight_scale"], orig_dtype=dtype, orig_shape=tuple(shape),
+                                             convrot=conf.get("convrot", False),
+                                             convrot_groupsize=conf.get("convrot_groupsize", 256))
+        return QuantizedTensor(tensors["weight"], "TensorWiseINT8Layout", params).dequantize()
+    raise AssertionError(fmt)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    out = {}
+    for fmt in ("fp8_scaled", "nvfp4", "int8_convrot"):
+        out[fmt] = root / f"tiny-{fmt}.safetensors"
+        make_dit_checkpoint(out[fmt], TINY, fmt, "comfy", seed=3, quantize_refiner=True)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp8_scaled", "nvfp4", "int8_convrot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_loaded_weights_equal_comfy_kitchen_dequantization(files, fmt, dtype):
+    model = load_dit(files[fmt], dtype=dtype)
+    params = dict(model.named_parameters())
+    c = TINY
+    checked = 0
+    with safe_open(str(files[fmt]), "pt") as f:
+        keys = set(f.keys())
+        for marker in sorted(k for k in keys if k.endswith(".comfy_quant")):
+            layer = marker[: -len(".comfy_quant")]
+            conf = decode_marker(f.get_tensor(marker), layer)
+            stored = {s: f.get_tensor(f"{layer}.{s}") for s in ("weight", "weight_scale", "weight_scale_2")
+                      if f"{layer}.{s}" in keys}
+            target = keymap.original_layer_to_diffusers(layer)
+            if target.endswith("to_qkv"):
+                base = target[: -len("to_qkv")]
+                ours = keymap.fuse_qkv(*(params[f"{base}{p}.weight"] for p in ("to_q", "to_k", "to_v")),
+                                       c.num_attention_heads, c.attention_head_dim, "stacked")
+            elif target.endswith("ff.net.0.proj"):
+                ours = keymap.swap_halves(params[f"{target}.weight"])
+            else:
+                ours = params[f"{target}.weight"]
+            expected = _ck_dequantize(conf, stored, ours.shape, dtype)
+            assert expected.dtype == ours.dtype == dtype
+            assert torch.equal(ours, expected), layer
+            checked += 1
+    assert checked == 4 * (c.num_layers + c.num_refiner_layers)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_nvfp4_quantizer_and_dequantizer_match_comfy_kitchen(shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    w = torch.randn(shape, generator=gen) * 0.05
+    w[1] = 0.0  # an all-zero row: zero blocks must give zero codes, not NaN
+    packed, scales, g = nvfp4.quantize(w)
+    padded = nvfp4.roundup(shape[0], 16), nvfp4.roundup(shape[1], 16)
+    ck_packed, ck_scales = ck_eager.quantize_nvfp4(w, g, pad_16x=padded != tuple(shape))
+    assert g.item() == (w.abs().amax() / (448 * 6)).item()
+    assert torch.equal(packed, ck_packed)
+    assert torch.equal(scales.view(torch.uint8), ck_scales.view(torch.uint8))
+    assert tuple(packed.shape) == nvfp4.packed_shape(*shape) and tuple(scales.shape) == nvfp4.scale_shape(*shape)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ours = nvfp4.dequantize(packed, scales, g, shape, dtype)
+        theirs = ck_eager.dequantize_nvfp4(ck_packed, g, ck_scales, dtype)[: shape[0], : shape[1]]
+        assert torch.equal(ours, theirs)
+
+
+def test_nvfp4_layout_facts():
+    # Even element in the high nibble: codes (1, 2) pack to 0x12.
+    codes = torch.tensor([[1, 2, 15, 8]], dtype=torch.uint8)
+    assert nvfp4.pack_codes(codes).tolist() == [[0x12, 0xF8]]
+    assert torch.equal(nvfp4.unpack_codes(nvfp4.pack_codes(codes)), codes)
+    # Blocked layout: scale (r, c) sits at tile * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4.
+    rows, cols = 256, 8
+    plain = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+    flat = nvfp4.swizzle_scales(plain).reshape(-1)
+    for r, c in [(0, 0), (1, 0), (33, 2), (127, 3), (128, 0), (200, 5), (255, 7)]:
+        tile = (r // 128) * (cols // 4) + c // 4
+        assert flat[tile * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4] == plain[r, c]
+    assert torch.equal(nvfp4.unswizzle_scales(nvfp4.swizzle_scales(plain), rows, cols), plain)
+    # E2M1 rounding: nearest, ties to the even code.
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.3, 0.26])
+    values = nvfp4.e2m1_values(torch.float32)[nvfp4.round_to_e2m1(x).long()]
+    assert values.tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.5, 0.5]
+
+
+@pytest.mark.parametrize("shape,group", [((96, 24), 4), ((24, 32), 16), ((24, 64), 64), ((40, 512), 256)])
+def test_int8_convrot_matches_comfy_kitchen(shape, group):
+    gen = torch.Generator().manual_seed(shape[1])
+    w = torch.randn(shape, generator=gen) * 0.05
+    q, s = quantize_int8_rows(w, group)
+    ck_q, ck_s = ck_eager.quantize_int8_convrot_weight(w, group)
+    assert torch.equal(q, ck_q) and torch.equal(s, ck_s) and s.shape == (shape[0], 1)
+    spec = QuantSpec("int8_tensorwise", convrot=True, convrot_groupsize=group)
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = dequantize(spec, {"weight": q, "weight_scale": s}, shape, dtype, "layer")
+        assert torch.equal(ours, _ck_dequantize({"format": "int8_tensorwise", "convrot": True,
+                                                 "convrot_groupsize": group}, {"weight": q, "weight_scale": s},
+                                                shape, dtype))
+    # The stored weight is the rotated one: un-rotating the dequantized rows recovers W closely.
+    rotated = q.float() * s
+    assert torch.allclose(rotate_groups(rotated, group), dequantize(spec, {"weight": q, "weight_scale": s}, shape,
+                                                                      torch.float32, "layer"))
+    assert ((rotate_groups(rotated, group) - w).norm() / w.norm()) < 1e-2
+
+
+def test_hadamard_is_comfy_kitchens_and_orthogonal():
+    from comfy_kitchen.tensor.int8_utils import _build_hadamard
+
+    for size in (4, 16, 64, 256):
+        h = hadamard(size)
+        assert torch.equal(h, _build_hadamard(size, dtype=torch.float32))
+        assert torch.allclose(h @ h.T, torch.eye(size), atol=1e-6) and torch.equal(h, h.T)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_fp8_matches_comfy_kitchen(shape):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 0.05
+    q, s = quantize_fp8(w)
+    ck_q = ck_eager.quantize_per_tensor_fp8(w, s)
+    assert torch.equal(q.view(torch.uint8), ck_q.view(torch.uint8))
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = dequantize(QuantSpec("float8_e4m3fn"), {"weight": q, "weight_scale": s}, shape, dtype, "layer")
+        assert torch.equal(ours, _ck_dequantize({"format": "float8_e4m3fn"}, {"weight": q, "weight_scale": s},
+                                                shape, dtype))
+
+
+def test_nvfp4_awq_pre_quant_scale_is_folded_and_input_scale_ignored(files, tmp_path):
+    """AWQ layers multiply the input by pre_quant_scale; x (W diag(s))^T is the same product, so the
+    loaded weight is the dequantized weight times s per input column (computed in fp32)."""
+    from safetensors.torch import save_file
+
+    with safe_open(str(files["nvfp4"]), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    layer = "blocks.1.mlp.fc2"
+    s = torch.rand(TINY.ffn_dim, generator=torch.Generator().manual_seed(5)) + 0.5
+    tensors[f"{layer}.pre_quant_scale"] = s
+    tensors[f"{layer}.input_scale"] = torch.tensor(0.01)
+    save_file(tensors, tmp_path / "awq.safetensors", metadata=meta)
+    loaded = load_dit(tmp_path / "awq.safetensors").transformer_blocks[1].ff.net[2].weight
+    stored = {k: tensors[f"{layer}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2")}
+    expected = _ck_dequantize({"format": "nvfp4"}, stored, loaded.shape, torch.float32) * s[None, :]
+    assert torch.equal(loaded, expected)

@@ -1,0 +1,273 @@
+"""load_dit on every layout: diffusers folders (single, sharded, partitions), ComfyUI files and
+their variants (prefix, interleaved QKV, metadata-declared and legacy fp8), and clear errors.
+
+Layout changes are exact: the loaded state must be bit-identical to the source state.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from h3_spark.h3_model.checkpoint import keymap, load_dit, open_dit, read_dit_config
+from h3_spark.h3_model.checkpoint.dit_reader import expected_shapes
+from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+from h3_spark.h3_model.checkpoint.quant import encode_marker
+from h3_spark.h3_model.checkpoint.synthetic import random_state
+from h3_spark.h3_model.config import FULL, TINY
+from h3_spark.h3_model.errors import CheckpointError
+
+
+def _read_all(path) -> tuple[dict, dict]:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+
+
+def _state(model) -> dict:
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _assert_same_state(a: dict, b: dict):
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+# ------------------------------------------------------------------------------- diffusers folders
+@pytest.fixture(scope="module")
+def diffusers_model():
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    torch.manual_seed(0)
+    model = MiniMaxH3Transformer3DModel(**TINY.to_dict()).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # diffusers initialises some to 0/1; make every value distinct
+            p.copy_(torch.randn(p.shape) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"], ids=["single", "sharded"])
+def test_diffusers_save_pretrained_loads_identically(tmp_path, diffusers_model, shard):
+    folder = tmp_path / "transformer"
+    kwargs = {"max_shard_size": shard} if shard else {}
+    diffusers_model.save_pretrained(folder, **kwargs)
+    if shard:
+        assert (folder / "diffusion_pytorch_model.safetensors.index.json").exists()
+        assert len(list(folder.glob("*.safetensors"))) > 3
+    assert read_dit_config(folder) == TINY
+    ours = load_dit(folder)
+    _assert_same_state(_state(ours), {k: v for k, v in diffusers_model.state_dict().items()})
+    # the parent folder works too when it is unambiguous
+    _assert_same_state(_state(load_dit(tmp_path)), _state(ours))
+
+
+def test_diffusers_bf16_keeps_fp32_islands(tmp_path, diffusers_model):
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    diffusers_model.save_pretrained(tmp_path / "fp32")
+    bf16 = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "fp32", torch_dtype=torch.bfloat16)
+    bf16.save_pretrained(tmp_path / "transformer")
+    ours = load_dit(tmp_path / "transformer", dtype=torch.bfloat16)
+    _assert_same_state(_state(ours), dict(bf16.state_dict()))
+    assert ours.proj_in.weight.dtype == torch.float32 and ours.context_embedder.weight.dtype == torch.bfloat16
+
+
+def test_partitions(tmp_path, diffusers_model):
+    diffusers_model.save_pretrained(tmp_path / "transformer")
+    make_dit_checkpoint(tmp_path / "transformer_ref", TINY, "bf16", "diffusers", seed=5)
+    with pytest.raises(CheckpointError, match="both transformer/ and transformer_ref/.*partition"):
+        load_dit(tmp_path)
+    t2va = load_dit(tmp_path, partition="t2va")
+    ref2va = load_dit(tmp_path, partition="ref2va")
+    assert torch.equal(t2va.proj_in.weight, diffusers_model.proj_in.weight)
+    assert not torch.equal(ref2va.proj_in.weight, t2va.proj_in.weight)
+    with pytest.raises(CheckpointError, match="is the transformer/ folder but partition='ref2va'"):
+        load_dit(tmp_path / "transformer", partition="ref2va")
+    with pytest.raises(CheckpointError, match="unknown partition"):
+        load_dit(tmp_path, partition="t2v")
+
+
+# ------------------------------------------------------------------------------- ComfyUI files
+@pytest.fixture(scope="module")
+def comfy_bf16(tmp_path_factory):
+    root = tmp_path_factory.mktemp("comfy")
+    make_dit_checkpoint(root / "comfy.safetensors", TINY, "bf16", "comfy", seed=1)
+    make_dit_checkpoint(root / "diffusers", TINY, "bf16", "diffusers", seed=1)
+    return root
+
+
+def test_comfy_and_diffusers_layouts_hold_the_same_model(comfy_bf16):
+    comfy = load_dit(comfy_bf16 / "comfy.safetensors")
+    diff = load_dit(comfy_bf16 / "diffusers")
+    _assert_same_state(_state(comfy), _state(diff))
+    assert read_dit_config(comfy_bf16 / "comfy.safetensors") == TINY
+
+
+def test_prefix_and_other_components(comfy_bf16, tmp_path):
+    tensors, meta = _read_all(comfy_bf16 / "comfy.safetensors")
+    full = {keymap.COMFY_PREFIX + k: v for k, v in tensors.items()}
+    full["vae.decoder.proj_in.weight"] = torch.randn(4, 4)
+    full["text_encoders.qwen3vl_32b.transformer.model.norm.weight"] = torch.randn(4)
+    save_file(full, tmp_path / "full.safetensors", metadata=meta)
+    reader = open_dit(tmp_path / "full.safetensors")
+    assert reader.detected.prefix == keymap.COMFY_PREFIX and len(reader.other_components) == 2
+    _assert_same_state(_state(load_dit(tmp_path / "full.safetensors")), _state(load_dit(comfy_bf16 / "comfy.safetensors")))
+
+
+def test_interleaved_qkv(comfy_bf16, tmp_path):
+    tensors, meta = _read_all(comfy_bf16 / "comfy.safetensors")
+    c = TINY
+    for k in list(tensors):
+        if k.endswith("attn.qkv_proj.weight"):
+            q, kk, v = keymap.split_qkv(tensors[k], c.num_attention_heads, c.attention_head_dim, "stacked")
+            tensors[k] = keymap.fuse_qkv(q, kk, v, c.num_attention_heads, c.attention_head_dim, "interleaved")
+    save_file(tensors, tmp_path / "interleaved.safetensors", metadata=meta)
+    stacked = _state(load_dit(comfy_bf16 / "comfy.safetensors"))
+    _assert_same_state(_state(load_dit(tmp_path / "interleaved.safetensors", qkv_layout="interleaved")), stacked)
+    wrong = _state(load_dit(tmp_path / "interleaved.safetensors"))
+    assert not torch.equal(wrong["transformer_blocks.0.attn.to_q.weight"], stacked["transformer_blocks.0.attn.to_q.weight"])
+
+
+def test_config_from_shapes_without_metadata(comfy_bf16, tmp_path):
+    tensors, _ = _read_all(comfy_bf16 / "comfy.safetensors")
+    save_file(tensors, tmp_path / "bare.safetensors")  # rope.inv_freq still sizes the RoPE
+    assert read_dit_config(tmp_path / "bare.safetensors") == TINY
+    del tensors["rope.inv_freq"]
+    save_file(tensors, tmp_path / "no_rope.safetensors")
+    with pytest.raises(CheckpointError, match="cannot tell rope_freq_dim"):
+        read_dit_config(tmp_path / "no_rope.safetensors")
+
+
+def test_fp8_declared_three_ways_loads_identically(tmp_path):
+    path = tmp_path / "fp8.safetensors"
+    make_dit_checkpoint(path, TINY, "fp8_scaled", "comfy", seed=2)
+    reference = _state(load_dit(path))
+    tensors, meta = _read_all(path)
+    markers = {k[: -len(".comfy_quant")]: json.loads(bytes(v.tolist())) for k, v in tensors.items()
+               if k.endswith(".comfy_quant")}
+    assert len(markers) == 4 * TINY.num_layers
+    plain = {k: v for k, v in tensors.items() if not k.endswith(".comfy_quant")}
+    # 1. _quantization_metadata in the header instead of marker tensors
+    save_file(plain, tmp_path / "meta.safetensors",
+              metadata={**meta, "_quantization_metadata": json.dumps({"format_version": "1.0", "layers": markers})})
+    _assert_same_state(_state(load_dit(tmp_path / "meta.safetensors")), reference)
+    # 2. legacy scaled_fp8: scale_weight names and a `scaled_fp8` marker tensor
+    legacy = {k.replace(".weight_scale", ".scale_weight"): v for k, v in plain.items()}
+    legacy["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    save_file(legacy, tmp_path / "legacy.safetensors", metadata=meta)
+    reader = open_dit(tmp_path / "legacy.safetensors")
+    assert {s.source for s in reader.quantized_layers().values()} == {"scaled_fp8"}
+    _assert_same_state(_state(load_dit(tmp_path / "legacy.safetensors")), reference)
+
+
+def test_declaration_errors(tmp_path):
+    path = tmp_path / "fp8.safetensors"
+    make_dit_checkpoint(path, TINY, "fp8_scaled", "comfy", seed=2)
+    tensors, meta = _read_all(path)
+    layer = "blocks.0.attn.qkv_proj"
+    for conf, message in [({"format": "mxfp8"}, "'mxfp8' is not supported"),
+                          ({"format": "int3_magic"}, "unknown quantization format 'int3_magic'"),
+                          ({"format": "float8_e4m3fn", "convrot": True}, "convrot is only defined")]:
+        broken = dict(tensors)
+        broken[f"{layer}.comfy_quant"] = encode_marker(conf)
+        save_file(broken, tmp_path / "bad.safetensors", metadata=meta)
+        with pytest.raises(CheckpointError, match=message):
+            load_dit(tmp_path / "bad.safetensors")
+    undeclared = {k: v for k, v in tensors.items() if k != f"{layer}.comfy_quant"}
+    save_file(undeclared, tmp_path / "undeclared.safetensors", metadata=meta)
+    with pytest.raises(CheckpointError, match=f"{layer}: has weight_scale but no quantization declaration"):
+        load_dit(tmp_path / "undeclared.safetensors")
+
+
+def test_missing_unexpected_and_wrong_shapes_name_the_keys(comfy_bf16, tmp_path):
+    tensors, meta = _read_all(comfy_bf16 / "comfy.safetensors")
+    missing = {k: v for k, v in tensors.items() if not k.startswith("blocks.1.mlp.fc2")}
+    save_file(missing, tmp_path / "missing.safetensors", metadata=meta)
+    with pytest.raises(CheckpointError, match=r"1 tensors missing, e\.g\. transformer_blocks\.1\.ff\.net\.2\.weight"):
+        load_dit(tmp_path / "missing.safetensors")
+    extra = dict(tensors, **{"blocks.0.attn.mystery.weight": torch.zeros(2, 2)})
+    save_file(extra, tmp_path / "extra.safetensors", metadata=meta)
+    with pytest.raises(CheckpointError, match=r"1 tensors fit no DiT name, e\.g\. blocks\.0\.attn\.mystery\.weight"):
+        load_dit(tmp_path / "extra.safetensors")
+    wrong = dict(tensors)
+    wrong["blocks.0.mlp.fc2.weight"] = torch.zeros(24, 60, dtype=torch.bfloat16)
+    save_file(wrong, tmp_path / "wrong.safetensors", metadata=meta)
+    with pytest.raises(CheckpointError, match=r"transformer_blocks\.0\.ff\.net\.2\.weight is \[24, 60\], expected \[24, 64\]"):
+        load_dit(tmp_path / "wrong.safetensors")
+
+
+def test_refuses_pickle_and_non_dit(tmp_path):
+    (tmp_path / "model.bin").write_bytes(b"\x80\x04not really")
+    with pytest.raises(CheckpointError, match="pickle checkpoints are not loaded"):
+        load_dit(tmp_path / "model.bin")
+    save_file({"pre_block.attn.zero_k_bias": torch.zeros(3)}, tmp_path / "audio.safetensors")
+    with pytest.raises(CheckpointError, match="holds the audio VAE, not the DiT"):
+        load_dit(tmp_path / "audio.safetensors")
+
+
+def test_ignored_vsa_gate(comfy_bf16, tmp_path):
+    tensors, meta = _read_all(comfy_bf16 / "comfy.safetensors")
+    tensors["blocks.0.attn.to_gate_compress.weight"] = torch.zeros(2, 24, dtype=torch.bfloat16)
+    save_file(tensors, tmp_path / "vsa.safetensors", metadata=meta)
+    reader = open_dit(tmp_path / "vsa.safetensors")
+    assert reader.ignored == ["blocks.0.attn.to_gate_compress.weight"]
+    load_dit(tmp_path / "vsa.safetensors")
+
+
+# ------------------------------------------------------------------------------- key mapping
+@pytest.mark.parametrize("config", [TINY, FULL], ids=["tiny", "full"])
+def test_key_mapping_round_trips(config):
+    names = expected_shapes(config)
+    originals = {keymap.diffusers_param_to_original(n) for n in names}
+    assert None not in originals
+    back = set()
+    for o in originals:
+        layer, _, param = o.rpartition(".")
+        target = keymap.original_layer_to_diffusers(layer)
+        assert keymap.diffusers_layer_to_original(target) == layer
+        if target.endswith("to_qkv"):
+            back |= {target[: -len("to_qkv")] + f"{p}.{param}" for p in ("to_q", "to_k", "to_v")}
+        else:
+            back.add(f"{target}.{param}")
+    assert back == set(names)
+    # 3 fused QKV per block + refiner block: the original file has 2 fewer names per block
+    assert len(originals) == len(names) - 2 * (config.num_layers + config.num_refiner_layers)
+    assert keymap.original_layer_to_diffusers("token_refiner.blocks.0.adaln_proj.linear") is None
+    assert keymap.original_layer_to_diffusers("blocks.0.attn.qkv") is None
+
+
+@pytest.mark.parametrize("layout", ["stacked", "interleaved"])
+def test_qkv_and_fc1_transforms_round_trip(layout):
+    heads, dim = 3, 4
+    q, k, v = (torch.randn(heads * dim, 5) for _ in range(3))
+    fused = keymap.fuse_qkv(q, k, v, heads, dim, layout)
+    assert all(torch.equal(a, b) for a, b in zip(keymap.split_qkv(fused, heads, dim, layout), (q, k, v)))
+    if layout == "interleaved":
+        assert torch.equal(fused[dim:2 * dim], k[:dim])  # head 0: q, k, v
+    gate, value = torch.randn(6, 5), torch.randn(6, 5)
+    assert torch.equal(keymap.swap_halves(torch.cat([gate, value])), torch.cat([value, gate]))
+
+
+def test_loads_in_bfloat16_and_random_state_matches(comfy_bf16):
+    model = load_dit(comfy_bf16 / "diffusers", dtype=torch.bfloat16)
+    assert model.transformer_blocks[0].attn.to_q.weight.dtype == torch.bfloat16
+    assert model.time_embedder.linear_1.weight.dtype == torch.float32
+    original = dict(random_state(TINY, 1))
+    assert torch.equal(model.proj_in.weight, original["proj_in.weight"])  # fp32 island stored exactly
+    assert torch.equal(model.context_embedder.weight, original["context_embedder.weight"].bfloat16())
+
+
+def test_diffusers_file_without_config(comfy_bf16, tmp_path):
+    weights = comfy_bf16 / "diffusers" / "diffusion_pytorch_model.safetensors"
+    tensors, _ = _read_all(weights)
+    save_file(tensors, tmp_path / "bare_diffusers.safetensors")
+    # Tiny head_dim 16: the RoPE size is not in the tensors, so sizing must refuse rather than guess.
+    with pytest.raises(CheckpointError, match="only be sized for the released head_dim 128"):
+        read_dit_config(tmp_path / "bare_diffusers.safetensors")
+    # With a config.json next to it (a component folder), it loads.
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text((comfy_bf16 / "diffusers" / "config.json").read_text())
+    save_file(tensors, tmp_path / "folder" / "diffusion_pytorch_model.safetensors")
+    _assert_same_state(_state(load_dit(tmp_path / "folder")), _state(load_dit(comfy_bf16 / "diffusers")))

@@ -1,0 +1,139 @@
+"""scripts/install_comfyui_overlay.sh against a fake ComfyUI tree and a fake Python that prints versions.
+
+The fake Python answers the script's probe with the versions the test sets in its environment and
+logs `-m pip ...` calls instead of installing anything.
+"""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "install_comfyui_overlay.sh"
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ]; then
+    echo "$*" >> "$FAKE_PIP_LOG"
+    exit 0
+fi
+cat > /dev/null  # the probe script on stdin
+echo "python=${FAKE_PYTHON_VERSION:-3.12.3}"
+if [ -n "${FAKE_NO_TORCH:-}" ]; then
+    echo "torch="
+    echo "torch_error=No module named 'torch'"
+    exit 0
+fi
+echo "torch=${FAKE_TORCH:-2.11.0+cu130}"
+echo "gpu=${FAKE_GPU-NVIDIA H200}"
+echo "sm=${FAKE_SM-9.0}"
+"""
+
+
+@pytest.fixture
+def comfy(tmp_path):
+    root = tmp_path / "ComfyUI"
+    (root / "custom_nodes").mkdir(parents=True)
+    (root / "comfy" / "ldm" / "minimax").mkdir(parents=True)
+    (root / "comfy" / "ldm" / "minimax" / "model.py").write_text("# H3\n")
+    (root / "comfyui_version.py").write_text('__version__ = "0.4.2"\n')
+    (root / "venv" / "bin").mkdir(parents=True)
+    py = root / "venv" / "bin" / "python"
+    py.write_text(FAKE_PYTHON)
+    py.chmod(0o755)
+    return root
+
+
+def run(comfy, *args, **env):
+    full = {**os.environ, "FAKE_PIP_LOG": str(comfy.parent / "pip.log"), **env}
+    return subprocess.run(["bash", str(SCRIPT), *args, str(comfy)], capture_output=True, text=True, env=full)
+
+
+def snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.is_symlink(), p.stat().st_mtime_ns if not p.is_symlink() else 0)
+            for p in sorted(root.rglob("*"))}
+
+
+def test_dry_run_prints_every_action_and_changes_nothing(comfy):
+    before = snapshot(comfy)
+    out = run(comfy, "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "ComfyUI 0.4.2" in out.stdout and "Python 3.12.3" in out.stdout and "sm_90" in out.stdout
+    assert f"[dry-run] ln -s {ROOT} {comfy}/custom_nodes/h3-spark" in out.stdout
+    assert "[dry-run] " + str(comfy / "venv/bin/python") + " -m pip install" in out.stdout
+    assert "torch" not in out.stdout.split("pip install", 1)[1].split("\n")[0]  # never installs torch
+    assert snapshot(comfy) == before and not (comfy.parent / "pip.log").exists()
+
+
+def test_install_is_idempotent_and_uninstall_removes_only_ours(comfy):
+    first = run(comfy)
+    assert first.returncode == 0, first.stderr
+    link = comfy / "custom_nodes" / "h3-spark"
+    assert link.is_symlink() and link.resolve() == ROOT.resolve()
+    assert (link / "nodes" / "definitions.py").is_file()
+    again = run(comfy)
+    assert again.returncode == 0 and "already linked" in again.stdout
+    pip = (comfy.parent / "pip.log").read_text().splitlines()
+    assert len(pip) == 2 and all(line.startswith("-m pip install") and "safetensors" in line for line in pip)
+    gone = run(comfy, "--uninstall")
+    assert gone.returncode == 0 and not link.exists() and not link.is_symlink()
+    assert ROOT.is_dir() and (ROOT / "nodes").is_dir()  # the link went, not the repository
+    assert "nothing to remove" in run(comfy, "--uninstall").stdout
+
+
+def test_copy_mode_and_its_marker(comfy):
+    out = run(comfy, "--copy")
+    assert out.returncode == 0, out.stderr
+    target = comfy / "custom_nodes" / "h3-spark"
+    assert not target.is_symlink() and (target / ".h3-spark-overlay").is_file()
+    assert (target / "nodes" / "engine.py").is_file() and not (target / "tests").exists()
+    assert run(comfy, "--copy").returncode == 0  # made afresh
+    assert run(comfy, "--uninstall").returncode == 0 and not target.exists()
+
+
+def test_refuses_what_it_did_not_make(comfy):
+    theirs = comfy / "custom_nodes" / "h3-spark"
+    theirs.mkdir()
+    (theirs / "keep.txt").write_text("mine")
+    for args in ((), ("--uninstall",)):
+        out = run(comfy, *args)
+        assert out.returncode != 0 and "not an h3-spark overlay" in out.stderr
+    assert (theirs / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("env, change, message", [
+    ({}, "no_minimax", "no MiniMax H3 support"),
+    ({}, "no_version", "not a ComfyUI checkout"),
+    ({"FAKE_PYTHON_VERSION": "3.9.18"}, None, "needs Python >= 3.10"),
+    ({"FAKE_NO_TORCH": "1"}, None, "torch is not importable"),
+    ({"FAKE_SM": "7.5", "FAKE_GPU": "Tesla T4"}, None, "sm_75 has no bf16"),
+    ({}, "no_python", "cannot find ComfyUI's Python"),
+])
+def test_refusals_name_the_problem(comfy, env, change, message):
+    if change == "no_minimax":
+        shutil.rmtree(comfy / "comfy" / "ldm" / "minimax")
+    elif change == "no_version":
+        (comfy / "comfyui_version.py").unlink()
+    elif change == "no_python":
+        shutil.rmtree(comfy / "venv")
+    out = run(comfy, **env)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+    assert not (comfy / "custom_nodes" / "h3-spark").exists() and not (comfy.parent / "pip.log").exists()
+
+
+def test_cpu_only_and_explicit_python(comfy, tmp_path):
+    py = tmp_path / "elsewhere" / "python3"
+    py.parent.mkdir()
+    shutil.copy(comfy / "venv" / "bin" / "python", py)
+    shutil.rmtree(comfy / "venv")
+    out = run(comfy, "--dry-run", "--python", str(py), FAKE_SM="", FAKE_GPU="")
+    assert out.returncode == 0, out.stderr
+    assert "no CUDA GPU" in out.stdout and f"[dry-run] {py} -m pip install" in out.stdout
+
+
+def test_script_is_shellcheck_clean():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed")
+    subprocess.run(["shellcheck", str(SCRIPT)], check=True)

@@ -1,0 +1,218 @@
+"""Attention backends: references against a plain computation, and resolution + error messages for every
+backend on a CPU-only machine (real) and on a pretend Hopper GPU (capability patched; packages faked).
+
+Error budgets: sdpa vs the fp64 formula rel L2 <= 1e-5 (fp32); head slicing is bit-identical to its inner
+backend on CPU; fa3_fp8's quantization plumbing (per-(batch, head) descales) with a stand-in kernel that
+dequantizes exactly: rel L2 <= 0.08 (three e4m3 roundings of random data).
+"""
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+import h3_spark.kernels.attention as att
+import h3_spark.kernels.capability as cap
+from h3_spark.h3_model.errors import H3Error
+from h3_spark.kernels.attention import BACKENDS, math_reference, resolve_attention, sdpa
+from h3_spark.kernels.capability import KernelUnavailable
+from h3_spark.kernels.settings import ATTENTION_BACKENDS, KernelSettings, SettingsError, SolSettings
+from oracle import rel_l2
+
+
+def qkv(b=1, s=37, h=3, d=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, h, d, generator=g).to(dtype) for _ in range(3)]
+
+
+def plain_attention(q, k, v):
+    """Loops over batch and heads in fp64: softmax(q k^T / sqrt(d)) v."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[2]):
+            qq, kk, vv = (t[b, :, h].double() for t in (q, k, v))
+            w = torch.exp(qq @ kk.T / math.sqrt(q.shape[-1]))
+            out[b, :, h] = (w / w.sum(-1, keepdim=True)) @ vv
+    return out
+
+
+def test_references_against_plain_computation():
+    q, k, v = qkv(b=2)
+    expected = plain_attention(q, k, v)
+    assert rel_l2(sdpa(q, k, v), expected) <= 1e-5
+    assert rel_l2(math_reference(q, k, v), expected) <= 1e-5
+    assert BACKENDS["sdpa"] is sdpa and "cudnn_sdpa" in BACKENDS
+
+
+def test_cpu_resolution_sdpa_and_auto():
+    fn, name = resolve_attention("sdpa", "cpu")
+    assert name == "sdpa" and fn.exact
+    fn, name = resolve_attention("auto", "cpu")
+    assert name == "sdpa"
+    assert fn.describe() == {"backend": "sdpa", "exact": True, "chosen_by_auto": "cpu (no CUDA GPU): PyTorch SDPA"}
+    q, k, v = qkv()
+    assert torch.equal(fn(q, k, v), sdpa(q, k, v))
+
+
+def test_head_sliced_runs_on_cpu_and_matches_inner():
+    s = KernelSettings(attention="kj_head_sliced", head_slice_backend="sdpa", head_slice_size=2)
+    fn, name = resolve_attention("kj_head_sliced", "cpu", s)
+    assert name == "kj_head_sliced(sdpa)"
+    q, k, v = qkv(h=5)
+    assert torch.allclose(fn(q, k, v), sdpa(q, k, v), rtol=0, atol=1e-6)
+    assert fn.describe()["heads_per_slice"] == 2 and fn.describe()["inner"]["backend"] == "sdpa"
+
+
+NO_GPU = r"this run is on cpu \(no CUDA GPU\)"
+
+
+@pytest.mark.parametrize("name, message", [
+    ("cudnn_sdpa", f"cudnn_sdpa needs sm_80 or newer \\(cuDNN fused attention\\); {NO_GPU}"),
+    ("fa3", f"fa3 needs sm_90 \\(FlashAttention-3 kernels are built for Hopper only\\); {NO_GPU}"),
+    ("fa3_fp8", f"fa3_fp8 needs sm_90 \\(FlashAttention-3 kernels are built for Hopper only\\); {NO_GPU}"),
+    ("sage2", f"sage2 needs sm_80 or newer \\(SageAttention's CUDA kernels\\); {NO_GPU}"),
+    ("sage2-quality", f"sage2-quality needs sm_80 or newer \\(SageAttention's CUDA kernels\\); {NO_GPU}"),
+    ("ck_int8", f"ck_int8 needs sm_75 or newer \\(comfy-kitchen's INT8 attention kernel\\); {NO_GPU}"),
+    ("sol_attn", f"sol_attn needs sm_80 or newer \\(comfy-kitchen's Sol-Attn CUDA kernels\\); {NO_GPU}"),
+])
+def test_cpu_errors_name_the_gpu_needed(name, message):
+    with pytest.raises(KernelUnavailable, match=message) as info:
+        resolve_attention(name, "cpu")
+    assert isinstance(info.value, H3Error)
+
+
+def test_cpu_head_sliced_error_comes_from_its_inner_backend():
+    s = KernelSettings(head_slice_backend="fa3")
+    with pytest.raises(KernelUnavailable, match=f"fa3 needs sm_90 .*{NO_GPU}"):
+        resolve_attention("kj_head_sliced", "cpu", s)
+
+
+def test_unknown_name():
+    with pytest.raises(SettingsError, match="unknown attention backend 'flash'; use one of: auto, sdpa"):
+        resolve_attention("flash", "cpu")
+    assert len(ATTENTION_BACKENDS) == 10
+
+
+# ----------------------------------------------------------------------------- a pretend Hopper GPU
+@pytest.fixture
+def hopper(monkeypatch):
+    monkeypatch.setattr(cap, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(att, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(cap, "describe_device", lambda device: "NVIDIA H200 (sm_90)")
+    monkeypatch.setattr(att, "describe_device", lambda device: "NVIDIA H200 (sm_90)")
+    for name in att.FA3_MODULES + ("sageattention",):
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules makes the import fail
+    return monkeypatch
+
+
+def test_hopper_without_fa3(hopper):
+    with pytest.raises(KernelUnavailable, match=r"FlashAttention-3 is not installed \(fa3_fwd_interface: .*"
+                                                r"`pip install fa3-fwd`"):
+        resolve_attention("fa3", "cpu")
+    with pytest.raises(KernelUnavailable, match="`pip install fa3-fwd`"):
+        resolve_attention("fa3_fp8", "cpu")
+
+
+def test_hopper_auto_prefers_fa3_then_cudnn(hopper):
+    hopper.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    fn, name = resolve_attention("auto", "cpu")
+    assert name == "cudnn_sdpa" and "no FlashAttention-3 installed" in fn.describe()["chosen_by_auto"]
+    fake = types.ModuleType("fa3_fwd_interface")
+    fake.flash_attn_func = lambda q, k, v, **kw: q
+    hopper.setitem(sys.modules, "fa3_fwd_interface", fake)
+    fn, name = resolve_attention("auto", "cpu")
+    assert name == "fa3" and fn.describe()["module"] == "fa3_fwd_interface"
+    assert "fastest exact kernel measured" in fn.describe()["chosen_by_auto"]
+
+
+def test_hopper_sage_missing_and_too_old(hopper):
+    with pytest.raises(KernelUnavailable, match=r"sage2 needs the Python module `sageattention`.*SageAttention 2 is "
+                                                r"not on PyPI \(the latest there is 1.0.6"):
+        resolve_attention("sage2", "cpu")
+    hopper.setitem(sys.modules, "sageattention", types.ModuleType("sageattention"))
+    hopper.setattr(att, "package_version", lambda dist: "1.0.6")
+    with pytest.raises(KernelUnavailable, match="sage2-quality needs sageattention >= 2, found 1.0.6"):
+        resolve_attention("sage2-quality", "cpu")
+
+
+def test_hopper_comfy_kitchen_reports_unavailable(hopper):
+    pytest.importorskip("comfy_kitchen")
+    with pytest.raises(KernelUnavailable, match=r"ck_int8: comfy-kitchen .* reports int8_attention unavailable on "
+                                                r"NVIDIA H200 \(sm_90\)"):
+        resolve_attention("ck_int8", "cpu")
+    with pytest.raises(KernelUnavailable, match="sol_attn: comfy-kitchen .* reports its Sol-Attn kernels unavailable"):
+        resolve_attention("sol_attn", "cpu", KernelSettings(sol=SolSettings(fallback="sdpa")))
+
+
+def test_hopper_comfy_kitchen_missing(hopper):
+    hopper.setitem(sys.modules, "comfy_kitchen", None)
+    with pytest.raises(KernelUnavailable, match="ck_int8 needs the Python module `comfy_kitchen`.*"
+                                                "`pip install comfy-kitchen`"):
+        resolve_attention("ck_int8", "cpu")
+
+
+def fake_comfy_kitchen(calls):
+    ck = types.ModuleType("comfy_kitchen")
+    ck.sol_attn_is_available = lambda device: True
+
+    def sol_attn(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=None, key_bias=None, topk_ratio=0.0,
+                 tail=True, block_len=None, coarse_gate=None, token_aug=0):
+        calls.append((q.shape[1], tau, topk_ratio))
+        return sdpa(q, k, v)
+
+    ck.sol_attn = sol_attn
+    return ck
+
+
+def test_hopper_sol_settings_and_routing(hopper):
+    calls = []
+    hopper.setitem(sys.modules, "comfy_kitchen", fake_comfy_kitchen(calls))
+    with pytest.raises(KernelUnavailable, match="H3_SOL_INT8_QK=on: the installed comfy-kitchen .* sol_attn has no "
+                                                "`int8_qk` switch .*leave H3_SOL_INT8_QK unset"):
+        resolve_attention("sol_attn", "cpu", KernelSettings(sol=SolSettings(int8_qk="on", fallback="sdpa")))
+    # the default fallback (sage2) must itself be resolvable: fail closed, naming it
+    with pytest.raises(KernelUnavailable, match="sage2 needs the Python module `sageattention`"):
+        resolve_attention("sol_attn", "cpu")
+    settings = KernelSettings(sol=SolSettings(min_tokens=40, thresh_type="topk", topk_ratio=0.25, fallback="sdpa"))
+    fn, name = resolve_attention("sol_attn", "cpu", settings)
+    short = qkv(s=30, d=128, dtype=torch.bfloat16)
+    long = qkv(s=50, d=128, dtype=torch.bfloat16)
+    fn(*short)
+    fn(*long)
+    assert calls == [(50, 1.3, 0.25)]
+    d = fn.describe()
+    assert (d["sparse_calls"], d["short_calls_on_fallback"], d["fallback"]["backend"]) == (1, 1, "sdpa")
+    with pytest.raises(KernelUnavailable, match=r"sol_attn takes bf16/fp16 heads of 128 channels, got torch.float32 "
+                                                r".*H3_SOL_STRICT=0 would route"):
+        fn(*qkv(s=50, d=16))
+    lax, _ = resolve_attention("sol_attn", "cpu", settings.replace(sol=SolSettings(min_tokens=40, strict=False,
+                                                                                    fallback="sdpa")))
+    lax(*qkv(s=50, d=16))
+    assert lax.describe()["unsupported_calls_on_fallback"] == 1
+
+
+def test_hopper_fa3_fp8_descales(hopper):
+    """fa3_fp8 hands FA3 e4m3 heads and per-(batch, head) descales: a stand-in kernel that dequantizes with them
+    must reproduce attention to FP8 accuracy."""
+    seen = {}
+
+    def flash_attn_func(q, k, v, causal=False, q_descale=None, k_descale=None, v_descale=None, **kw):
+        seen.update(dtype=q.dtype, shape=tuple(q_descale.shape))
+        deq = [t.float() * s[:, None, :, None] for t, s in ((q, q_descale), (k, k_descale), (v, v_descale))]
+        return math_reference(*deq).to(torch.bfloat16)
+
+    fake = types.ModuleType("fa3_fwd_interface")
+    fake.flash_attn_func = flash_attn_func
+    hopper.setitem(sys.modules, "fa3_fwd_interface", fake)
+    fn, name = resolve_attention("fa3_fp8", "cpu")
+    assert name == "fa3_fp8" and not fn.exact
+    q, k, v = qkv(b=2, s=40, h=3, d=32, dtype=torch.bfloat16)
+    out = fn(q, k, v)
+    assert seen == {"dtype": torch.float8_e4m3fn, "shape": (2, 3)}
+    assert out.dtype == torch.bfloat16
+    assert rel_l2(out, math_reference(q, k, v)) <= 0.08
+    assert fn.describe()["calls_quantizing_qk_here"] == 1
+    with pytest.raises(KernelUnavailable, match="fa3_fp8 runs bf16 models"):
+        fn(*qkv(s=40, d=32))

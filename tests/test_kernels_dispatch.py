@@ -1,0 +1,108 @@
+"""apply_kernels on a CPU model: the report, exactness of the auto choices (fused Triton kernels run in the
+CPU interpreter here), and fail-closed errors that leave the model untouched."""
+
+import sys
+
+import pytest
+import torch
+
+import h3_spark.kernels.capability as cap
+import h3_spark.kernels.dispatch as dispatch
+from h3_spark.h3_model import layout
+from h3_spark.h3_model.config import TINY
+from h3_spark.h3_model.dit import H3DiT, RowModulation
+from h3_spark.kernels.capability import KernelUnavailable
+from h3_spark.kernels.dispatch import apply_kernels
+from h3_spark.kernels.settings import KernelSettings, SettingsError
+from oracle import EQUAL_WIDTH, diffusers_dit, ours_from, rel_l2, text_tags
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    ref = diffusers_dit(TINY, seed=3)
+    lay = layout.build_t2va(text_tags(6), 2, 4, 4, 5)
+    gen = torch.Generator().manual_seed(5)
+    ts, idx = lay.row_timesteps(0.4, 0.6, 0.4)
+    args = dict(hidden_states=torch.randn(1, lay.video_indices.numel(), TINY.video_patch_dim, generator=gen),
+                audio_hidden_states=torch.randn(1, lay.audio_indices.numel(), TINY.audio_in_channels, generator=gen),
+                encoder_hidden_states=torch.randn(1, lay.num_text, TINY.text_dim, generator=gen),
+                token_tags=lay.token_tags, position_ids=lay.position_ids.float(), video_indices=lay.video_indices,
+                audio_indices=lay.audio_indices, text_indices=lay.text_indices, timestep=ts, timestep_indices=idx)
+    return ref, args
+
+
+def model_bf16(ref):
+    return ours_from(ref, TINY, dtype=torch.bfloat16)
+
+
+def test_default_report_and_exactness(setup):
+    ref, args = setup
+    plain, fast = model_bf16(ref), model_bf16(ref)
+    report = apply_kernels(fast, KernelSettings.from_env({}))
+    assert report["attention"]["chosen"] == "sdpa" and report["attention"]["requested"] == "auto"
+    assert report["qk_prep"]["impl"] == "triton" and report["qk_prep"]["exact"]
+    assert report["modulation"]["impl"] == "triton" and report["linear"]["format"] == "bf16"
+    assert report["exact"] and report["approximate_paths"] == [] and report["triton_interpreter"]
+    with torch.no_grad():
+        a, b = plain(**args), fast(**args)
+    # fused norm/RoPE/modulation differ from eager only by rare 1-ulp bf16 roundings
+    assert rel_l2(b[0], a[0]) <= 2e-2 and rel_l2(b[1], a[1]) <= 2e-2
+
+
+def test_everything_off_is_the_reference(setup):
+    ref, args = setup
+    plain, model = model_bf16(ref), model_bf16(ref)
+    report = apply_kernels(model, KernelSettings(attention="sdpa", modulation_fusion="off",
+                                                 q_rms_rope_int8_fusion="off", linear="bf16"))
+    assert model.qk_prep is None and model.modulation_cls is RowModulation
+    assert report["qk_prep"]["impl"] == "pytorch-reference" and report["exact"]
+    with torch.no_grad():
+        a, b = plain(**args), model(**args)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("settings, message", [
+    (KernelSettings(linear="fp8"), r"H3_LINEAR=fp8 needs sm_90 or newer \(rowwise-scaled FP8 GEMMs"),
+    (KernelSettings(linear="nvfp4"), r"H3_LINEAR=nvfp4 needs sm_100 or newer \(FP4 tensor cores"),
+    (KernelSettings(attention="fa3"), r"fa3 needs sm_90"),
+    (KernelSettings(attention="cudnn_sdpa"), r"cudnn_sdpa needs sm_80 or newer"),
+])
+def test_cpu_errors_leave_the_model_untouched(setup, settings, message):
+    ref, _ = setup
+    model = model_bf16(ref)
+    before = type(model.transformer_blocks[0].attn.to_q)
+    with pytest.raises(KernelUnavailable, match=message):
+        apply_kernels(model, settings)
+    assert model.qk_prep is None and model.modulation_cls is RowModulation
+    assert type(model.transformer_blocks[0].attn.to_q) is before
+
+
+def test_modulation_exact_needs_triton(setup, monkeypatch):
+    ref, _ = setup
+    monkeypatch.setattr(cap, "triton_interpreting", lambda: False)
+    with pytest.raises(KernelUnavailable, match=r"H3_MODULATION_FUSION=exact is a Triton GPU kernel and needs a "
+                                                r"CUDA GPU; this run is on cpu \(no CUDA GPU\)"):
+        apply_kernels(model_bf16(ref), KernelSettings(modulation_fusion="exact"))
+    report = apply_kernels(model_bf16(ref), KernelSettings())
+    assert report["modulation"]["impl"] == "pytorch-reference" and "auto: no Triton GPU kernel" in \
+        report["modulation"]["note"]
+
+
+def test_fa3_fp8_needs_per_head_scales(setup, monkeypatch):
+    ref, _ = setup
+    for module in (cap, dispatch):
+        monkeypatch.setattr(module, "capability", lambda device: (9, 0))
+        monkeypatch.setattr(module, "describe_device", lambda device: "NVIDIA H200 (sm_90)")
+    monkeypatch.setitem(sys.modules, "fa3_fwd_interface", type(sys)("fa3_fwd_interface"))
+    sys.modules["fa3_fwd_interface"].flash_attn_func = lambda *a, **k: None
+    with pytest.raises(SettingsError, match="H3_QK_GRANULARITY=per_block cannot feed fa3_fp8"):
+        apply_kernels(model_bf16(ref), KernelSettings(attention="fa3_fp8", qk_granularity="per_block"))
+    torch.manual_seed(0)
+    sixteen = H3DiT(EQUAL_WIDTH, dtype=torch.bfloat16)  # FP8 GEMMs need widths divisible by 16
+    report = apply_kernels(sixteen, KernelSettings(attention="fa3_fp8", linear="fp8"))
+    assert report["qk_prep"]["format"] == "fp8" and report["qk_prep"]["hadamard_block"] == 128
+    assert report["approximate_paths"] == ["attention", "qk_prep", "linear"] and not report["exact"]
+    assert report["linear"]["sources"] == {"bf16 weight quantized per output channel": 6 * EQUAL_WIDTH.num_layers}
+    assert type(sixteen.transformer_blocks[0].ff.net[2]).__name__ == "Fp8Linear"

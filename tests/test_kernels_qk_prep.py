@@ -1,0 +1,129 @@
+"""Fused Q/K preparation (Triton, run by its CPU interpreter here) against its reference, and the reference
+against H3's own math and plain computations.
+
+Error budgets: unquantized bf16 output equals reference_qk_prep except where the fp32 sum of squares rounds
+differently (>= 99.9 % identical, max 1 bf16 ulp); quantized codes equal the reference's for >= 99.9 % of
+elements (the rest: one step, from the mean / Hadamard summation order), scales within 1e-5 relative.
+"""
+
+import pytest
+import torch
+
+from h3_spark.h3_model.dit import Attention, reference_qk_prep, rope_tables
+from h3_spark.kernels.attention import math_reference
+from h3_spark.kernels.qk_prep import (FusedQKPrep, QuantizedHeads, hadamard_matrix, prepare_heads,
+                                     reference_norm_rope, reference_prepare_heads)
+from oracle import rel_l2
+
+pytest.importorskip("triton")
+
+
+def make(b=1, s=70, h=2, d=32, dtype=torch.bfloat16, seed=0, rope_freq=4):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(b, s, h, d, generator=g) * 2 + 0.3).to(dtype)
+    w = (torch.randn(d, generator=g) * 0.3 + 1).to(dtype)
+    pos = torch.randint(0, 40, (s, 3), generator=g).float()
+    return x, w, rope_tables(pos, rope_freq, 10000.0)
+
+
+def attn_module(w, d, dtype):
+    a = Attention(8, 1, d, 1e-5).to(dtype)
+    with torch.no_grad():
+        a.norm_q.weight.copy_(w)
+        a.norm_k.weight.copy_(w.flip(0))
+    return a
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_reference_equals_dit_reference(dtype):
+    x, w, rope = make(dtype=dtype)
+    a = attn_module(w, x.shape[-1], dtype)
+    with torch.no_grad():
+        q_ref, k_ref = reference_qk_prep(a, x, x * 0.5, rope)
+        q, k = FusedQKPrep(use_triton=False)(a, x, x * 0.5, rope)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+
+
+def test_reference_against_plain_formula():
+    x, w, (cos, sin) = make(dtype=torch.float64)
+    y = reference_norm_rope(x, w, 1e-5, (cos.double(), sin.double()))
+    r = cos.shape[-1]
+    n = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * w
+    expected = n.clone()
+    for i in range(r // 2):  # channel i pairs with i + r/2 (split half)
+        a, b = n[..., i], n[..., i + r // 2]
+        expected[..., i] = a * cos[:, i, None] - b * sin[:, i, None]
+        expected[..., i + r // 2] = b * cos[:, i + r // 2, None] + a * sin[:, i + r // 2, None]
+    assert rel_l2(y, expected) <= 1e-6  # the reference computes the norm in fp32, as nn.RMSNorm does for bf16
+
+
+def test_hadamard_is_orthonormal_and_keeps_scores():
+    h = hadamard_matrix(32, 16, dtype=torch.float64)
+    assert torch.allclose(h @ h.T, torch.eye(32, dtype=torch.float64))
+    q, k = torch.randn(5, 32, dtype=torch.float64), torch.randn(7, 32, dtype=torch.float64)
+    assert torch.allclose((q @ h) @ (k @ h).T, q @ k.T)
+    with pytest.raises(ValueError, match="must be a power of two dividing the head size 32"):
+        hadamard_matrix(32, 24)
+
+
+def test_smoothing_and_rotation_leave_attention_unchanged():
+    x, w, rope = make(dtype=torch.float64)
+    q = reference_prepare_heads(x, w, 1e-5, rope)
+    k = reference_prepare_heads(x.flip(1), w, 1e-5, rope)
+    v = torch.randn_like(q)
+    k2 = reference_prepare_heads(x.flip(1), w, 1e-5, rope, smooth=True, hadamard=16)
+    q2 = reference_prepare_heads(x, w, 1e-5, rope, hadamard=16)
+    assert rel_l2(math_reference(q2, k2, v), math_reference(q, k, v)) <= 1e-6  # fp32 smoothing / rotation
+
+
+def test_reference_quantization_against_plain_computation():
+    x, w, rope = make(dtype=torch.float32)
+    y = reference_prepare_heads(x, w, 1e-5, rope)
+    q8 = reference_prepare_heads(x, w, 1e-5, rope, fmt="int8", granularity="per_head")
+    amax = y.abs().amax(dim=(1, 3))
+    assert torch.allclose(q8.scale, amax / 127)
+    assert torch.equal(q8.data, torch.round(y / (amax / 127)[:, None, :, None]).to(torch.int8))
+    f8 = reference_prepare_heads(x, w, 1e-5, rope, fmt="fp8", granularity="per_block")
+    assert f8.scale.shape == (1, 2, 2) and f8.block == 64
+    assert torch.allclose(f8.scale[0, :, 1], y[0, 64:].abs().amax(dim=(0, 2)) / 448)
+    assert rel_l2(f8.dequantize(), y) <= 0.04 and rel_l2(q8.dequantize(), y) <= 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_unquantized_matches_reference(dtype):
+    x, w, rope = make(dtype=dtype)
+    a, b = prepare_heads(x, w, 1e-5, rope), reference_prepare_heads(x, w, 1e-5, rope)
+    if dtype == torch.bfloat16:  # in fp32 every element may differ in the last bits (summation order)
+        assert (a == b).float().mean().item() >= 0.999
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -20
+    assert ((a.float() - b.float()).abs() <= b.float().abs() * ulp + 1e-6).all()
+
+
+@pytest.mark.parametrize("fmt, granularity, smooth, hadamard", [
+    ("fp8", "per_head", False, 0), ("fp8", "per_head", True, 32), ("fp8", "per_block", True, 16),
+    ("int8", "per_head", True, 32), ("int8", "per_block", False, 0), (None, "per_head", True, 32)])
+def test_triton_quantized_matches_reference(fmt, granularity, smooth, hadamard):
+    x, w, rope = make(s=90)
+    kw = dict(smooth=smooth, hadamard=hadamard, fmt=fmt, granularity=granularity)
+    a, b = prepare_heads(x, w, 1e-5, rope, **kw), reference_prepare_heads(x, w, 1e-5, rope, **kw)
+    if fmt is None:
+        assert rel_l2(a, b) <= 1e-2
+        return
+    assert isinstance(a, QuantizedHeads) and a.scale.shape == b.scale.shape and a.block == b.block
+    as_int = (lambda t: t.view(torch.uint8).int()) if fmt == "fp8" else (lambda t: t.int())
+    assert (as_int(a.data) == as_int(b.data)).float().mean().item() >= 0.999
+    assert torch.allclose(a.scale, b.scale, rtol=1e-5)
+    assert rel_l2(a.dequantize(), b.dequantize()) <= 1e-3
+
+
+def test_hook_shapes_and_report():
+    x, w, rope = make()
+    a = attn_module(w, x.shape[-1], torch.bfloat16)
+    hook = FusedQKPrep("fp8", smooth_k=True, hadamard=32)
+    with torch.no_grad():
+        q, k = hook(a, x, x, rope)
+    assert isinstance(q, QuantizedHeads) and q.shape == x.shape and q.scale.shape == (1, 2)
+    assert hook.describe() == {"impl": "triton", "format": "fp8", "k_smoothing": True, "hadamard_block": 32,
+                               "scales": "per_head", "exact": False}
+    assert q.slice_heads(1, 2).data.shape == (1, 70, 1, 32)
+    assert FusedQKPrep().exact

@@ -1,0 +1,131 @@
+"""`h3-spark make-checkpoint`: deterministic random weights, real names, every layout and format."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from h3_spark.cli import main
+from h3_spark.h3_model.checkpoint import read_dit_config
+from h3_spark.h3_model.checkpoint.comfy_layout import comfy_groups
+from h3_spark.h3_model.checkpoint.make import pruned_config
+from h3_spark.h3_model.config import FULL, TINY
+
+
+def _make(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["make-checkpoint", *map(str, argv)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("layout", ["comfy", "comfy-pruned"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_scaled", "nvfp4", "int8_convrot"])
+def test_comfy_files_are_deterministic_and_named_like_comfyui(tmp_path, capsys, layout, fmt):
+    a, b, c = (tmp_path / f"{n}.safetensors" for n in "abc")
+    for path, seed in ((a, 0), (b, 0), (c, 1)):
+        code, out, err = _make(capsys, path, "--format", fmt, "--layout", layout, "--seed", seed)
+        assert code == 0, err
+    summary = json.loads(out)
+    assert summary["format"] == fmt and summary["layout"] == layout and summary["bytes"] == c.stat().st_size
+    assert _digest(a) == _digest(b) != _digest(c)
+    with safe_open(str(a), "pt") as f:
+        keys = set(f.keys())
+        meta = f.metadata()
+        assert "video_patch_proj.weight" in keys and "blocks.1.attn.qkv_proj.weight" in keys
+        assert "blocks.0.mlp.fc1.weight" in keys and "final_layer.adaln_proj.linear.weight" in keys
+        assert ("adaln_t_table" in keys) == (layout == "comfy-pruned")
+        assert ("time_embedder.proj_in.weight" in keys) == (layout == "comfy")
+        assert f.get_tensor("video_patch_proj.weight").dtype == torch.float32
+        assert f.get_tensor("condition_proj.weight").dtype == torch.bfloat16
+        markers = sorted(k for k in keys if k.endswith(".comfy_quant"))
+        assert len(markers) == (0 if fmt == "bf16" else 4 * TINY.num_layers)
+        assert all(k.startswith("blocks.") for k in markers)  # the refiner stays bf16 by default
+        for k in keys:  # random, never zeros (markers and NVFP4 padding aside)
+            t = f.get_tensor(k)
+            if t.is_floating_point() and t.numel():
+                assert t.float().abs().sum() > 0, k
+        norm = f.get_tensor("blocks.0.norm1.weight").float()
+        assert 0.7 < norm.mean() < 1.3
+    assert json.loads(meta["h3_spark"])["seed"] == "0"
+    expected = pruned_config(TINY, 33, 4) if layout == "comfy-pruned" else TINY
+    assert read_dit_config(a) == expected
+
+
+def test_quantize_refiner_and_curve_options(tmp_path, capsys):
+    path = tmp_path / "r.safetensors"
+    assert _make(capsys, path, "--format", "int8_convrot", "--layout", "comfy-pruned", "--quantize-refiner",
+                 "--curve-grid", 17, "--curve-rank", 3)[0] == 0
+    with safe_open(str(path), "pt") as f:
+        assert sum(k.endswith(".comfy_quant") for k in f.keys()) == 4 * (TINY.num_layers + TINY.num_refiner_layers)
+        assert list(f.get_tensor("adaln_t_table").shape) == [17, 3]
+        assert list(f.get_tensor("blocks.0.adaln_proj.linear.weight").shape) == [6 * 3 * TINY.hidden_size, 3]
+
+
+def test_diffusers_layout_is_a_folder(tmp_path, capsys):
+    code, out, _ = _make(capsys, tmp_path / "transformer", "--layout", "diffusers")
+    assert code == 0
+    config = json.loads((tmp_path / "transformer" / "config.json").read_text())
+    assert config["_class_name"] == "MiniMaxH3Transformer3DModel" and config["hidden_size"] == TINY.hidden_size
+    assert read_dit_config(tmp_path / "transformer") == TINY
+
+    from diffusers import MiniMaxH3Transformer3DModel  # the oracle reads it too
+
+    model = MiniMaxH3Transformer3DModel.from_pretrained(tmp_path / "transformer")
+    assert model.proj_in.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--layout", "diffusers", "--format", "nvfp4"], "the diffusers layout holds bf16 weights only"),
+    (["--layout", "comfy", "--curve-grid", "9"], "only apply to --layout comfy-pruned"),
+    (["--layout", "comfy-pruned", "--curve-rank", "40"], "curve rank must lie in"),
+])
+def test_user_errors_are_one_line(tmp_path, capsys, argv, message):
+    code, _, err = _make(capsys, tmp_path / "x.safetensors", *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and message in err and err.startswith("h3-spark make-checkpoint: error: ")
+
+
+def test_comfy_layout_needs_a_file_name(tmp_path, capsys):
+    code, _, err = _make(capsys, tmp_path / "folder", "--layout", "comfy")
+    assert code == 2 and "ending in .safetensors" in err
+
+
+def test_component_choice_is_parsed(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["make-checkpoint", str(tmp_path / "x.safetensors"), "--component", "vae"])
+    assert "invalid choice: 'vae'" in capsys.readouterr().err
+
+
+def test_full_preset_streams_one_layer_at_a_time():
+    """The full plan holds 33,122,992,896 parameters; producing one block linear needs only that layer."""
+    from h3_spark.h3_model.checkpoint.make import curve_fit_for
+    from h3_spark.h3_model.checkpoint.synthetic import random_param
+    from h3_spark.h3_model.checkpoint.dit_reader import expected_shapes
+
+    shapes = expected_shapes(FULL)
+    requested = []
+
+    def get(name):
+        requested.append(name)
+        return random_param(name, shapes[name], 0)
+
+    groups = comfy_groups(FULL, get, "int8_convrot")
+    planned = sum(torch.Size(s).numel() for g in groups for n, _, s in g.entries
+                  if not n.endswith((".comfy_quant", ".weight_scale", "rope.inv_freq")))
+    assert planned == 33_122_992_896
+    assert requested == []  # planning reads nothing
+    fc2 = next(g for g in groups if g.entries[0][0] == "blocks.7.mlp.fc2.weight")
+    tensors = fc2.make()
+    assert requested == ["transformer_blocks.7.ff.net.2.weight"]
+    assert tensors["blocks.7.mlp.fc2.weight"].dtype == torch.int8
+    assert list(tensors["blocks.7.mlp.fc2.weight_scale"].shape) == [5376, 1]
+    assert json.loads(bytes(tensors["blocks.7.mlp.fc2.comfy_quant"].tolist())) == \
+        {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
+    fit = curve_fit_for(FULL, 0, 1025, 8)
+    assert fit.table.shape == (1025, 8) and fit.residual < 1e-3

@@ -1,0 +1,386 @@
+"""The ComfyUI nodes on CPU, without ComfyUI: node FUNCTIONs called in graph order on tiny synthetic models.
+
+ComfyUI's own modules are replaced by minimal fakes in sys.modules (folder_paths, comfy.utils.ProgressBar,
+comfy.model_management's interruption calls). Qwen3-VL needs torchvision, which CI does not have, so a
+stand-in encoder keeps the real prompt presentation (tiny tokenizer, PIL image processor) and maps
+token ids through a fixed random table; everything else is the real engine. The reference for the
+graph is `Pipeline.generate` on the same components: latents, frames and audio must be identical.
+"""
+
+import dataclasses
+import sys
+import types
+
+import pytest
+import torch
+
+from fixtures import qwen_tiny as Q
+from h3_spark import NODE_CLASS_MAPPINGS
+from h3_spark.h3_model.config import TINY
+from h3_spark.h3_model.errors import H3Error, InputError
+
+W = H = 64  # multiples of 32; latent 4 x 4 with the 16x test VAE
+FRAMES = 124  # the shortest generation (5 s)
+STEPS = 2  # sampler node steps = model evaluations (pipeline steps = grid points = STEPS + 1)
+
+
+def node(name):
+    return NODE_CLASS_MAPPINGS[name]()
+
+
+# ------------------------------------------------------------------------------------------ fake ComfyUI
+class FakeFolders(types.ModuleType):
+    def __init__(self, root):
+        super().__init__("folder_paths")
+        self.root = root
+
+    def get_folder_paths(self, folder):
+        return [str(self.root / "models" / folder)]
+
+    def get_filename_list(self, folder):
+        base = self.root / "models" / folder
+        return sorted(str(p.relative_to(base)) for p in base.rglob("*") if p.is_file())
+
+    def get_full_path_or_raise(self, folder, name):
+        path = self.root / "models" / folder / name
+        if not path.is_file():
+            raise FileNotFoundError(name)
+        return str(path)
+
+    def get_output_directory(self):
+        return str(self.root / "output")
+
+
+class Interrupted(Exception):
+    pass
+
+
+def fake_comfy(monkeypatch, root, interrupt_after=None):
+    """Install fake folder_paths / comfy.utils / comfy.model_management; returns the progress log."""
+    log = []
+    utils = types.ModuleType("comfy.utils")
+
+    class ProgressBar:
+        def __init__(self, total):
+            self.total = total
+
+        def update_absolute(self, value, total=None, preview=None):
+            log.append((value, total))
+
+    utils.ProgressBar = ProgressBar
+    mm = types.ModuleType("comfy.model_management")
+    mm.get_torch_device = lambda: torch.device("cpu")
+    mm.unet_offload_device = lambda: torch.device("cpu")
+    mm.processing_interrupted = lambda: interrupt_after is not None and len(log) >= interrupt_after
+
+    def throw():
+        if mm.processing_interrupted():
+            raise Interrupted("Processing interrupted")
+
+    mm.throw_exception_if_processing_interrupted = throw
+    comfy = types.ModuleType("comfy")
+    comfy.utils, comfy.model_management = utils, mm
+    for name, module in (("comfy", comfy), ("comfy.utils", utils), ("comfy.model_management", mm),
+                         ("folder_paths", FakeFolders(root))):
+        monkeypatch.setitem(sys.modules, name, module)
+    # The exact reference kernels, so the graph and the pipeline compute the same numbers.
+    monkeypatch.setenv("H3_MODULATION_FUSION", "off")
+    monkeypatch.setenv("H3_Q_RMS_ROPE_INT8_FUSION", "off")
+    return log
+
+
+# ------------------------------------------------------------------------------------------ tiny models
+class StandInQwen:
+    """Qwen3-VL's interface (prompts, encode, model, device, cache_hits) without torchvision."""
+
+    def __init__(self, width):
+        from transformers import Qwen2VLImageProcessor
+
+        from h3_spark.h3_model.prompt import PresentationBuilder
+
+        tok = Q.make_tokenizer()
+        images = Qwen2VLImageProcessor(size={"shortest_edge": 64, "longest_edge": 64 * 64}, patch_size=4,
+                                       temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        self.prompts = PresentationBuilder(tok, types.SimpleNamespace(image_processor=images))
+        self.model = torch.nn.Embedding(len(tok), width)
+        torch.nn.init.normal_(self.model.weight, generator=torch.Generator().manual_seed(5))
+        self.device = torch.device("cpu")
+        self.cache_hits = 0
+
+    @torch.no_grad()
+    def encode(self, presentation):
+        from h3_spark.h3_model.text_encoder import EncodedPrompt
+
+        embeds = self.model(presentation.token_ids.to(self.device))[None].to(torch.bfloat16)
+        if "pixel_values" in presentation.vision:  # let the pictures reach the embeddings too
+            embeds = embeds + presentation.vision["pixel_values"].float().mean().to(embeds)
+        return EncodedPrompt(embeds, presentation.tags.clone(), presentation.token_hash)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from h3_spark.h3_model import video_vae, vae_loading
+    from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+
+    root = tmp_path_factory.mktemp("comfyui")
+    m = root / "models"
+    for sub in ("diffusion_models", "vae", "loras", "text_encoders"):
+        (m / sub).mkdir(parents=True)
+    (root / "output").mkdir()
+    make_dit_checkpoint(m / "diffusion_models" / "tiny-t2va.safetensors", TINY, "bf16", "comfy", seed=3)
+    make_dit_checkpoint(m / "diffusion_models" / "tiny-ref2va.safetensors", TINY, "bf16", "comfy", seed=4)
+    # The engine's geometry is 16x spatial (the released VAE), so the test VAE is 16x too.
+    vae16 = dataclasses.replace(video_vae.TINY, block_out_channels=(8, 8, 16, 16), spatial_downsample_factors=(2,) * 4,
+                                temporal_downsample_factors=(2, 2, 1, 1))
+    vae_loading.write_vae_checkpoint(m / "vae" / "tiny-video-vae.safetensors", vae16, layout="comfy", seed=1)
+    vae_loading.write_audio_vae_checkpoint(m / "vae" / "tiny-audio-vae.safetensors", "tiny", layout="comfy", seed=2)
+    return root
+
+
+def load_all(models, partition="auto", dit="tiny-t2va.safetensors"):
+    from h3_spark.nodes import engine, host
+
+    model = node("H3SparkModelLoader").load(dit, partition, "float32", "auto", "sdpa")[0]
+    vae = node("H3SparkVAELoader").load("tiny-video-vae.safetensors", "tiny-audio-vae.safetensors", "float32", 256)[0]
+    qwen = StandInQwen(TINY.text_dim)
+    te = engine.TextEncoderHandle(qwen, host.make_held("text_encoder", qwen.model))
+    return model, te, vae
+
+
+def pipeline_for(model, te, vae, mode):
+    from h3_spark.h3_model.pipeline import Components, Pipeline
+    from h3_spark.nodes import engine
+
+    dit = engine.dit_of(model)
+    c = Components(text_encoder=te.encoder, vae=vae.video, audio_vae=vae.audio,
+                   **({"dit_ref": dit} if mode == "ref2va" else {"dit": dit}))
+    return Pipeline(c)
+
+
+def image(seed, h=64, w=64):
+    """ComfyUI IMAGE (1, H, W, 3) in [0, 1] on the uint8 grid (so the u8 round trip is exact)."""
+    return Q.image(h, w, seed)[None].float() / 255
+
+
+def sound(seconds, rate=32000, channels=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"waveform": 0.1 * torch.randn(1, channels, int(seconds * rate), generator=g), "sample_rate": rate}
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_every_node_describes_itself():
+    assert len(NODE_CLASS_MAPPINGS) == 11
+    for key, cls in NODE_CLASS_MAPPINGS.items():
+        spec = cls.INPUT_TYPES()
+        assert set(spec) <= {"required", "optional", "hidden"}, key
+        assert callable(getattr(cls, cls.FUNCTION)), key
+        assert key.startswith("H3Spark") and cls.TITLE.startswith("H3 ") and cls.CATEGORY.startswith("h3-spark")
+
+
+def test_t2va_graph_to_mp4(models, monkeypatch):
+    pytest.importorskip("av")  # PyAV writes the mp4
+    progress = fake_comfy(monkeypatch, models)
+    model, te, vae = load_all(models)
+    cond, latent = node("H3SparkTextToVideo").encode(te, "the cat says hello", W, H, FRAMES)
+    video, audio = latent["samples"]
+    # Without a VAE the empty latent has the released widths (as ComfyUI's); only its shape is read.
+    assert video.shape == (1, 24, 37, 4, 4) and audio.shape == (1, 32, 2, 207)
+    assert cond[0][1]["minimax_token_tags"].numel() == cond[0][0].shape[1]
+    out = node("H3SparkSampler").sample(model, cond, latent, 7, STEPS, 12.0, 3.0)[0]
+    assert progress == [(1, STEPS), (2, STEPS)]
+    images, sound_out = node("H3SparkDecode").decode(vae, out)
+    assert images.shape == (FRAMES, H, W, 3) and images.dtype == torch.float32
+    assert images.min() >= 0 and images.max() <= 1
+    assert sound_out["sample_rate"] == 32000 and sound_out["waveform"].shape == (1, 2, 207 * 800)
+    ui = node("H3SparkSaveVideo").save(images, "clips/t2va", 24, 23, audio=sound_out)["ui"]
+    saved = ui["images"][0]
+    assert saved["subfolder"] == "clips" and saved["type"] == "output" and saved["filename"].endswith(".mp4")
+    from h3_spark.h3_model.media import probe
+
+    info = probe(models / "output" / "clips" / saved["filename"])
+    assert (info["width"], info["height"], info["audio_codec"], info["channels"]) == (W, H, "aac", 2)
+    second = node("H3SparkSaveVideo").save(images, "clips/t2va", 24, 23)["ui"]["images"][0]
+    assert second["filename"] != saved["filename"]  # never overwrites
+
+
+@pytest.mark.parametrize("mode", ["fl2va", "ref2va"])
+def test_graph_equals_pipeline(models, monkeypatch, mode):
+    from h3_spark.h3_model.pipeline import GenerationRequest
+    from h3_spark.h3_model.refs import AudioReference, ImageReference
+
+    fake_comfy(monkeypatch, models)
+    model, te, vae = load_all(models, dit=f"tiny-{'ref2va' if mode == 'ref2va' else 't2va'}.safetensors")
+    prompt = "<Picture 1> the cat <d>says</d> the end"
+    first, last = image(1), image(2, 96, 64)  # the last keyframe is cover-cropped
+    ref_image, ref_audio = image(3, 80, 48), sound(2.0, rate=32000, seed=4)
+    if mode == "fl2va":
+        cond, latent = node("H3SparkFirstLastFrameToVideo").encode(te, vae, prompt, W, H, FRAMES, first, last)
+        req = GenerationRequest("fl2va", prompt, first_frame=Q.image(64, 64, 1), last_frame=Q.image(96, 64, 2),
+                                width=W, height=H)
+    else:
+        cond, latent = node("H3SparkReferenceToVideo").encode(te, vae, prompt, W, H, FRAMES, "match", 24.0,
+                                                              image_1=ref_image, audio_1=ref_audio)
+        req = GenerationRequest("ref2va", prompt, references=[ImageReference(Q.image(80, 48, 3)),
+                                                               AudioReference(ref_audio["waveform"][0])],
+                                width=W, height=H)
+    out = node("H3SparkSampler").sample(model, cond, latent, 11, STEPS, 12.0, 3.0)[0]
+    images, audio = node("H3SparkDecode").decode(vae, out)
+
+    req.frames, req.steps, req.seed = FRAMES, STEPS + 1, 11
+    theirs = pipeline_for(model, te, vae, mode).generate(req)
+    video, audio_latents = out["samples"]
+    assert torch.equal(video, theirs.video_latents)
+    assert torch.equal(audio_latents[0].permute(1, 0, 2), theirs.audio_latents)
+    assert torch.equal((images * 255).round().to(torch.uint8), theirs.video)
+    assert torch.equal(audio["waveform"][0], theirs.audio)
+
+
+def test_native_payload_interop(models, monkeypatch):
+    """ComfyUI's native nodes' CONDITIONING and NestedTensor LATENT run on the h3-spark sampler."""
+    fake_comfy(monkeypatch, models)
+
+    class NestedTensor:  # comfy.nested_tensor.NestedTensor's interface the nodes use
+        def __init__(self, tensors):
+            self.tensors = list(tensors)
+            self.is_nested = True
+
+    nested = types.ModuleType("comfy.nested_tensor")
+    nested.NestedTensor = NestedTensor
+    monkeypatch.setitem(sys.modules, "comfy.nested_tensor", nested)
+    model, te, vae = load_all(models)
+    cond, latent = node("H3SparkFirstLastFrameToVideo").encode(te, vae, "a cat", W, H, FRAMES, image(1), image(2))
+    assert isinstance(latent["samples"], NestedTensor)
+    ours = node("H3SparkSampler").sample(model, cond, latent, 3, STEPS, 12.0, 3.0)[0]
+    assert isinstance(ours["samples"], NestedTensor)
+    # What MiniMaxH3ImageToVideo builds: plain dict copies, keyframes listed last-first, a zero latent.
+    embeds, extras = cond[0]
+    kfs = [dict(k) for k in reversed(extras["minimax_keyframes"])]
+    native = [[embeds.clone(), {"minimax_token_tags": extras["minimax_token_tags"][None], "minimax_keyframes": kfs,
+                                "pooled_output": None}]]
+    video, audio = latent["samples"].tensors
+    theirs = node("H3SparkSampler").sample(model, native, {"samples": NestedTensor((video.clone(), audio.clone()))},
+                                           3, STEPS, 12.0, 3.0)[0]
+    assert all(torch.equal(a, b) for a, b in zip(ours["samples"].tensors, theirs["samples"].tensors))
+    # Guides the released FL2VA model never saw fail closed, naming the frame.
+    kfs[0] = {**kfs[0], "resolved_frame_index": 40}
+    with pytest.raises(InputError, match="frame 40"):
+        node("H3SparkSampler").sample(model, native, latent, 3, STEPS, 12.0, 3.0)
+
+
+def test_interrupt_stops_sampling(models, monkeypatch):
+    progress = fake_comfy(monkeypatch, models, interrupt_after=1)
+    model, te, vae = load_all(models)
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+    with pytest.raises(Interrupted):
+        node("H3SparkSampler").sample(model, cond, latent, 1, 5, 12.0, 3.0)
+    assert progress == [(1, 5)]
+
+
+def test_wrong_partition_and_unknown_partition(models, monkeypatch):
+    fake_comfy(monkeypatch, models)
+    model, te, vae = load_all(models, dit="tiny-ref2va.safetensors")
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+    with pytest.raises(InputError, match="ref2va partition"):
+        node("H3SparkSampler").sample(model, cond, latent, 1, STEPS, 12.0, 3.0)
+    (models / "models" / "diffusion_models" / "mystery.safetensors").symlink_to(
+        models / "models" / "diffusion_models" / "tiny-t2va.safetensors")
+    with pytest.raises(InputError, match="cannot tell"):
+        node("H3SparkModelLoader").load("mystery.safetensors", "auto", "float32", "auto", "sdpa")
+    assert node("H3SparkModelLoader").load("mystery.safetensors", "t2va/fl2va", "float32", "auto", "sdpa")
+
+
+def test_lora_is_merged_per_run_and_taken_out(models, monkeypatch):
+    from safetensors.torch import save_file
+
+    fake_comfy(monkeypatch, models)
+    g = torch.Generator().manual_seed(9)
+    c = TINY
+    save_file({"blocks.0.attn.out_proj.lora_A.weight": torch.randn(2, c.inner_dim, generator=g),
+               "blocks.0.attn.out_proj.lora_B.weight": torch.randn(c.hidden_size, 2, generator=g),
+               "blocks.1.mlp.fc2.lora_A.weight": torch.randn(2, c.ffn_dim, generator=g),
+               "blocks.1.mlp.fc2.lora_B.weight": torch.randn(c.hidden_size, 2, generator=g)},
+              str(models / "models" / "loras" / "tiny-lora.safetensors"))
+    model, te, vae = load_all(models)
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+    sampler = node("H3SparkSampler")
+    base = sampler.sample(model, cond, latent, 5, STEPS, 12.0, 3.0)[0]["samples"][0]
+    weights = {n: p.clone() for n, p in model.model.inner.named_parameters()}
+    lora = node("H3SparkLoraLoader").load(model, "tiny-lora.safetensors", 0.5)[0]
+    with_lora = sampler.sample(lora, cond, latent, 5, STEPS, 12.0, 3.0)[0]["samples"][0]
+    assert not torch.equal(with_lora, base)
+    again = sampler.sample(model, cond, latent, 5, STEPS, 12.0, 3.0)[0]["samples"][0]
+    assert torch.equal(again, base)  # the base MODEL gets its weights back
+    assert all(torch.equal(p, weights[n]) for n, p in model.model.inner.named_parameters())
+
+
+def test_attention_patch(models, monkeypatch):
+    from h3_spark.kernels.attention import math_reference
+    from h3_spark.nodes import engine
+
+    fake_comfy(monkeypatch, models)
+    model, te, vae = load_all(models)
+    patched = node("H3SparkAttentionPatch").patch(model, "auto")[0]
+    assert engine.options(patched)["attention"] == "auto" and engine.options(model)["attention"] == "sdpa"
+    with pytest.raises(H3Error, match="fa3"):
+        node("H3SparkAttentionPatch").patch(model, "fa3")  # Hopper only: refused, not swapped for another
+
+    # ComfyUI's native H3 model: a ModelPatcher whose diffusion_model lives in comfy.ldm.minimax.
+    native_cls = type("MiniMaxH3Model", (), {"__module__": "comfy.ldm.minimax.model"})
+    native = engine.host.LocalModel(types.SimpleNamespace(diffusion_model=native_cls()), torch.device("cpu"))
+    override = node("H3SparkAttentionPatch").patch(native, "sdpa")[0].model_options["transformer_options"][
+        "optimized_attention_override"]
+    assert "optimized_attention_override" not in native.model_options["transformer_options"]
+    q, k, v = (torch.randn(1, 2, 10, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    out = override(None, q, k, v, 2, skip_reshape=True, transformer_options={}, _inside_attn_wrapper=True)
+    want = math_reference(*(t.transpose(1, 2) for t in (q, k, v))).reshape(1, 10, 32)
+    assert out.shape == (1, 10, 32) and torch.allclose(out, want, atol=1e-5)
+    flat = [t.transpose(1, 2).reshape(1, 10, 32) for t in (q, k, v)]
+    assert torch.allclose(override(None, *flat, 2), want, atol=1e-5)
+    with pytest.raises(H3Error, match="mask"):
+        override(None, q, k, v, 2, torch.zeros(10, 10), skip_reshape=True)
+    import copy
+
+    assert isinstance(copy.deepcopy(override), engine.ComfyAttentionOverride)  # ComfyUI clones deep-copy options
+
+
+def test_step_cache_options_reach_the_engine(models, monkeypatch, caplog):
+    fake_comfy(monkeypatch, models)
+    optional = NODE_CLASS_MAPPINGS["H3SparkSampler"].INPUT_TYPES()["optional"]
+    assert optional["cache"][0][0] == "off" and "h3_cache" in optional["cache"][0]
+    model, te, vae = load_all(models)
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+    sampler = node("H3SparkSampler")
+    exact = sampler.sample(model, cond, latent, 1, 6, 12.0, 3.0)[0]["samples"][0]
+    assert torch.equal(sampler.sample(model, cond, latent, 1, 6, 12.0, 3.0, "off")[0]["samples"][0], exact)
+    with caplog.at_level("INFO", logger="h3_spark"):
+        cached = sampler.sample(model, cond, latent, 1, 6, 12.0, 3.0, "h3_cache", 10.0, 0.0, 1.0, 1)[0]
+    assert "'reused': [1, 2, 3, 4, 5]" in caplog.text  # threshold 10 reuses every step after the first
+    assert not torch.equal(cached["samples"][0], exact)
+    with pytest.raises(InputError):
+        sampler.sample(model, cond, latent, 1, 6, 12.0, 3.0, "h3_cache", 0.1, 0.9, 0.1, 1)
+
+
+def test_bad_inputs_fail_with_clear_messages(models, monkeypatch):
+    fake_comfy(monkeypatch, models)
+    model, te, vae = load_all(models)
+    t2v = node("H3SparkTextToVideo")
+    with pytest.raises(InputError, match="multiples of 32"):
+        t2v.encode(te, "a cat", 70, 64, FRAMES)
+    with pytest.raises(InputError, match="5-15 s"):
+        t2v.encode(te, "a cat", W, H, 40)
+    with pytest.raises(InputError, match="empty"):
+        t2v.encode(te, "  ", W, H, FRAMES)
+    with pytest.raises(InputError, match="needs a first and/or a last"):
+        node("H3SparkFirstLastFrameToVideo").encode(te, vae, "a cat", W, H, FRAMES)
+    with pytest.raises(InputError, match="soundtrack of video_1"):
+        node("H3SparkReferenceToVideo").encode(te, vae, "a cat", W, H, FRAMES, "match", 24.0,
+                                               video_1_audio=sound(1.0))
+    cond, latent = t2v.encode(te, "a cat", W, H, FRAMES)
+    with pytest.raises(InputError, match="one conditioning entry"):
+        node("H3SparkSampler").sample(model, cond + cond, latent, 1, STEPS, 12.0, 3.0)
+    with pytest.raises(InputError, match="not a MiniMax H3 audio-video latent"):
+        node("H3SparkSampler").sample(model, cond, {"samples": torch.zeros(1, 4, 8, 8)}, 1, STEPS, 12.0, 3.0)
+    save = node("H3SparkSaveVideo")
+    for prefix in ("../escape", "/abs/path", "a/../../escape"):
+        with pytest.raises(InputError, match="output folder"):
+            save.save(torch.zeros(1, 32, 32, 3), prefix, 24, 18)

@@ -1,0 +1,73 @@
+"""config/h3_spark_serving.env: sourced by bash, parsed by the engine's settings parser, every flag
+documented, every value valid, and the receipt it cites really ran those settings."""
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from h3_spark.h3_model.video_vae import DECODE_DTYPES, check_tiling
+from h3_spark.kernels.settings import KernelSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = ROOT / "config" / "h3_spark_serving.env"
+REQUIRED = {"H3_ATTENTION", "H3_LINEAR", "H3_MODULATION_FUSION", "H3_Q_RMS_ROPE_INT8_FUSION", "H3_SWIGLU_NVFP4_FUSION",
+            "H3_RMS_ADALN_NVFP4_FUSION", "H3_VAE_DTYPE", "H3_VAE_TILE_SIZE", "H3_HEAD_SLICE_BACKEND",
+            "H3_HEAD_SLICE_SIZE", "H3_SOL_TAU", "H3_SOL_MIN_TOKENS", "H3_SOL_THRESH_TYPE", "H3_SOL_INT8_QK",
+            "H3_SOL_INT8_PV", "H3_SOL_FALLBACK", "H3_SOL_STRICT"}
+
+
+def sourced() -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("H3_")}
+    out = subprocess.run(["bash", "-c", f"set -euo pipefail; set -a; . '{ENV}'; set +a; env -0"],
+                         capture_output=True, env=clean, check=True).stdout.decode()
+    pairs = (item.split("=", 1) for item in out.split("\0") if "=" in item)
+    return {k: v for k, v in pairs if k.startswith("H3_")}
+
+
+def test_sourcing_sets_every_flag_and_changes_the_parsed_settings():
+    env = sourced()
+    assert set(env) == REQUIRED
+    parsed, default = KernelSettings.from_env(env), KernelSettings()
+    # What the file documents as its choices, against the code's defaults.
+    assert (parsed.attention, default.attention) == ("sdpa", "auto")
+    assert (parsed.linear, default.linear) == ("bf16", "auto")
+    assert parsed.modulation_fusion == parsed.q_rms_rope_int8_fusion == "off" != default.modulation_fusion
+    assert parsed.swiglu_nvfp4_fusion == parsed.rms_adaln_nvfp4_fusion == "off"
+    assert parsed.sol == default.sol and parsed.head_slice_size == default.head_slice_size == 8
+    assert env["H3_VAE_DTYPE"] in DECODE_DTYPES
+    check_tiling(int(env["H3_VAE_TILE_SIZE"]), 64, 16)
+
+
+def test_every_flag_is_documented_before_it_is_set():
+    text = ENV.read_text()
+    seen_comments = ""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            seen_comments += line + "\n"
+            continue
+        m = re.match(r"export (H3_[A-Z0-9_]+)=(\S+)$", line)
+        if m:
+            assert m.group(1) in seen_comments, f"{m.group(1)} is set before it is documented"
+        else:
+            assert not line.strip(), f"unexpected line: {line!r}"
+    # The launch flags are a comment, not something sourcing runs.
+    assert re.search(r"^# COMFYUI_ARGS=\".*--listen 127\.0\.0\.1", text, re.M)
+
+
+def test_the_cited_receipt_ran_these_settings():
+    text = ENV.read_text()
+    cited = set(re.findall(r"receipts/[\w.\-]+\.json", text))
+    assert cited
+    env = sourced()
+    for path in cited:
+        receipt = json.loads((ROOT / path).read_text())
+        assert receipt["backends"]["attention"] == env["H3_ATTENTION"]
+        assert receipt["backends"]["linear"] in ("bfloat16", env["H3_LINEAR"])
+        assert receipt["limits"]["velocity_rel_l2_vs_diffusers"]["ok"] is True
+    # A fast path that is not the receipted exact one must say so.
+    for name in ("H3_MODULATION_FUSION", "H3_Q_RMS_ROPE_INT8_FUSION", "H3_SWIGLU_NVFP4_FUSION",
+                 "H3_RMS_ADALN_NVFP4_FUSION", "H3_VAE_DTYPE"):
+        block = text.split(f"# {name}:", 1)[1].split("export", 1)[0]
+        assert "no receipt yet" in block, name

@@ -1,0 +1,154 @@
+"""Prompt presentation (h3_model/prompt.py) against diffusers 0.42.1's own text-encoder steps.
+
+The oracle is diffusers' MiniMaxH3{,FL2VA,Ref2VA}TextEncoderStep run standalone on the tiny
+tokenizer and processor (tests/fixtures/qwen_tiny.py): token ids, tags and vision inputs must be
+identical, not merely close. Label text and numbering are also checked by hand.
+"""
+
+import pytest
+import torch
+
+from fixtures import qwen_tiny as Q
+from h3_spark.h3_model.errors import InputError
+from h3_spark.h3_model.prompt import (AudioRef, ImageRef, PresentationBuilder, VideoRef, presentation_hash)
+
+pytestmark = pytest.mark.skipif(not Q.HAS_TORCHVISION, reason="transformers' Qwen3-VL processor needs torchvision")
+
+KEYFRAMES = [Q.image(40, 56, 1), Q.image(40, 56, 2)]
+# Image, video with a soundtrack (30 frames: 3 sampled, padded to 2 blocks), audio, image, silent
+# video of the minimum length (13 frames: 2 sampled, 1 block).
+REFERENCES = [("image", Q.image(32, 48, 3)), ("video", Q.video(30, 32, 40, 4), True), ("audio",),
+              ("image", Q.image(48, 32, 5)), ("video", Q.video(13, 24, 40, 6), False)]
+PROMPT = "the cat <d>says</d> the end"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = Q.make_tokenizer()
+    proc = Q.make_processor(tok)
+    model = Q.make_reference_model(tok)
+    return tok, proc, model, PresentationBuilder(tok, proc)
+
+
+def _ours(builder, mode):
+    if mode == "t2va":
+        return builder.t2va(PROMPT)
+    if mode == "fl2va":
+        return builder.fl2va(PROMPT, KEYFRAMES)
+    return builder.ref2va(PROMPT, [Q.ours_reference(r) for r in REFERENCES])
+
+
+@pytest.mark.parametrize("mode", ["t2va", "fl2va", "ref2va"])
+def test_presentation_equals_diffusers(tiny, mode):
+    tok, proc, model, builder = tiny
+    theirs = Q.diffusers_run(mode, model, tok, proc, PROMPT, keyframes=KEYFRAMES, references=REFERENCES)
+    ours = _ours(builder, mode)
+    assert ours.token_ids.tolist() == theirs["token_ids"]
+    assert torch.equal(ours.tags, theirs["tags"])
+    assert sorted(ours.vision) == sorted(theirs["vision"])
+    for key, value in theirs["vision"].items():
+        assert torch.equal(ours.vision[key], value), key
+
+
+def test_t2va_is_the_prompt_verbatim_with_dialogue_tokens_kept(tiny):
+    tok, _, _, builder = tiny
+    p = builder.t2va(PROMPT)
+    assert p.token_ids.tolist() == tok(PROMPT, add_special_tokens=False)["input_ids"]
+    assert p.tags.tolist() == [1] * len(p)
+    assert p.vision == {}
+    # <d> is one added token in the MiniMax tokenizer; it stays in the stream, and nothing is added.
+    assert tok.convert_tokens_to_ids("<d>") in p.token_ids.tolist()
+    assert tok.decode(p.token_ids.tolist()) == PROMPT
+
+
+def _segments(tok, p):
+    """The presentation as (text, tag) runs with vision blocks summarised as [pad x N]."""
+    out, ids, tags = [], p.token_ids.tolist(), p.tags.tolist()
+    i = 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and tags[j] == tags[i]:
+            j += 1
+        if tags[i] == 0:
+            run = tok.convert_ids_to_tokens(ids[i:j])
+            blocks = "".join(f"[{run[k + 1]} x {run.index('<|vision_end|>', k) - k - 1}]"
+                             for k in range(len(run)) if run[k] == "<|vision_start|>")
+            out.append(blocks)
+        else:
+            out.append(tok.decode(ids[i:j]))
+        i = j
+    return out
+
+
+def test_ref2va_labels_by_hand(tiny):
+    tok, _, _, builder = tiny
+    p = builder.ref2va("go", [Q.ours_reference(r) for r in REFERENCES])
+    # 32x48 -> 8x12 patches -> 24 tokens; 48x32 likewise; video frames 32x40 -> 20 tokens per block,
+    # 24x40 -> 15. Timestamps: 2 fps frames 0, .5, 1 (+1 repeated) -> blocks at .25 and 1.0; ".1f"
+    # rounds .25 to "0.2".
+    assert _segments(tok, p) == [
+        "<Picture 1>: ", "[<|image_pad|> x 24]",
+        "<Audio 1>: <Video 1>: <0.2 seconds>", "[<|video_pad|> x 20]", "<1.0 seconds>", "[<|video_pad|> x 20]",
+        "<Audio 2>: <Picture 2>: ", "[<|image_pad|> x 24]",
+        "<Video 2>: <0.2 seconds>", "[<|video_pad|> x 15]",
+        "go"]
+    assert p.vision["image_grid_thw"].tolist() == [[1, 8, 12], [1, 12, 8]]
+    assert p.vision["video_grid_thw"].tolist() == [[2, 8, 10], [1, 6, 10]]
+
+
+def test_fl2va_labels_by_hand(tiny):
+    tok, proc, _, builder = tiny
+    p = builder.fl2va("x", KEYFRAMES)
+    # A 40x56 keyframe fits the processor's pixel budget, so it keeps its size: 10x14 patches, 35 tokens.
+    assert _segments(tok, p) == ["<Picture 1>: ", "[<|image_pad|> x 35]", "<Picture 2>: ", "[<|image_pad|> x 35]",
+                                 "x"]
+    assert p.vision["image_grid_thw"].tolist() == [[1, 10, 14]] * 2
+    assert _segments(tok, builder.fl2va("x", KEYFRAMES[:1])) == ["<Picture 1>: ", "[<|image_pad|> x 35]", "x"]
+
+
+def test_video_sampling_at_2_fps(tiny):
+    builder = tiny[3]
+    frames = Q.video(49, 8, 8, 7)
+    picked, times = builder.sample_video(frames)
+    assert torch.equal(picked, frames[[0, 12, 24, 36, 48]])
+    assert times == [0.25, 1.25, 2.0]  # pairs (0, .5), (1, 1.5), (2, 2 repeated)
+    assert builder.sample_video(Q.video(13, 8, 8, 7))[1] == [0.25]
+    with pytest.raises(InputError, match="needs at least 13 frames at 24 fps; got 12"):
+        builder.sample_video(Q.video(12, 8, 8, 7))
+
+
+def test_token_hash_identifies_ids_tags_and_pixels(tiny):
+    builder = tiny[3]
+    a = builder.fl2va("x", KEYFRAMES)
+    assert builder.fl2va("x", [k.clone() for k in KEYFRAMES]).token_hash == a.token_hash
+    changed = KEYFRAMES[1].clone()
+    changed[0, 0, 0] ^= 1
+    assert builder.fl2va("x", [KEYFRAMES[0], changed]).token_hash != a.token_hash
+    assert builder.fl2va("y", KEYFRAMES).token_hash != a.token_hash
+    assert presentation_hash(a.token_ids, a.tags, a.vision) == a.token_hash
+    assert presentation_hash(a.token_ids, 1 - a.tags, a.vision) != a.token_hash
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda b: b.ref2va("x", ["a string"]), r"reference 1: unsupported reference kind str; use ImageRef"),
+    (lambda b: b.ref2va("x", [AudioRef(), {"kind": "image"}]), r"reference 2: unsupported reference kind dict"),
+    (lambda b: b.ref2va("x", [ImageRef(Q.image(8, 8, 0).float())]), r"reference 1 \(image\) must be a uint8 tensor"),
+    (lambda b: b.ref2va("x", [ImageRef(Q.image(8, 8, 0).permute(2, 0, 1))]), r"\(H, W, 3\) \(channels last\)"),
+    (lambda b: b.ref2va("x", [VideoRef(Q.image(8, 8, 0))]),
+     r"reference 1 \(video\) must be a uint8 tensor \(T, H, W, 3\)"),
+    (lambda b: b.ref2va("x", [VideoRef(Q.video(5, 8, 8, 0))]), r"needs at least 13 frames"),
+    (lambda b: b.fl2va("x", KEYFRAMES * 2), r"at most 2 keyframes \(first, last\), got 4"),
+    (lambda b: b.fl2va("x", [KEYFRAMES[0].numpy()]), r"keyframe 1 must be a uint8 torch tensor"),
+    (lambda b: b.t2va(None), r"the prompt must be a string, got NoneType"),
+    (lambda b: b.t2va(""), r"the presentation is empty"),
+])
+def test_bad_inputs(tiny, call, message):
+    with pytest.raises(InputError, match=message):
+        call(tiny[3])
+
+
+def test_audio_only_and_empty_prompt_is_labels_only(tiny):
+    tok, _, _, builder = tiny
+    p = builder.ref2va("", [AudioRef(), AudioRef()])
+    assert tok.decode(p.token_ids.tolist()) == "<Audio 1>: <Audio 2>: "
+    assert p.vision == {}

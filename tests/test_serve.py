@@ -1,0 +1,460 @@
+"""The HTTP service end to end on a tiny synthetic model set (CPU, seconds).
+
+Models: the TINY DiT (text_dim widened to the tiny Qwen3-VL's 32) written as a diffusers folder, the
+tiny video and audio VAEs written by vae_loading, all loaded from disk by serve.models.load_models.
+The text encoder is the tiny random Qwen3-VL of tests/fixtures/qwen_tiny.py: loaded from a saved
+folder when torchvision is importable (transformers' Qwen3-VL processor needs it); otherwise the same
+tiny model and tokenizer are built in memory, wrapped in the real TextEncoder, and handed to
+load_models as a component override, with a processor stand-in that only marks token types (the
+requests here are text-only t2va, whose token types are all text).
+"""
+
+import dataclasses
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from fixtures import qwen_tiny as Q
+from h3_spark.h3_model.components import ComponentPaths
+from h3_spark.h3_model.config import TINY
+from h3_spark.h3_model.text_encoder import TextEncoder
+from h3_spark.kernels.settings import KernelSettings
+
+starlette = pytest.importorskip("starlette")
+pytest.importorskip("httpx")
+from starlette.testclient import TestClient  # noqa: E402
+
+from h3_spark.serve import execute  # noqa: E402
+from h3_spark.serve.app import create_app  # noqa: E402
+from h3_spark.serve.models import LoadTracker, ModelSpec, load_models  # noqa: E402
+from h3_spark.serve.service import Service, ServiceConfig  # noqa: E402
+from h3_spark.serve.validation import Limits  # noqa: E402
+
+TEXT_LAYER = 2
+CANVAS = {"width": 64, "height": 64, "frames": 124}
+
+
+class _TokenTypes:
+    """create_mm_token_type_ids of Qwen3VLProcessor: 1 on image pads, 2 on video pads, 0 elsewhere."""
+
+    def __init__(self, tokenizer):
+        self.image, self.video = tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"])
+
+    def create_mm_token_type_ids(self, batch):
+        return [[1 if t == self.image else 2 if t == self.video else 0 for t in row] for row in batch]
+
+
+def tiny_text_encoder():
+    from transformers import Qwen3VLModel
+
+    tok = Q.make_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen3VLModel(Q.tiny_config(tok, layers=TEXT_LAYER)).eval()
+    Q.randomize(model, 0)
+    return TextEncoder(model, tok, _TokenTypes(tok), layer=TEXT_LAYER, dtype=torch.float32, device=torch.device("cpu"),
+                       source="tests: tiny Qwen3-VL in memory")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+    from h3_spark.h3_model.vae_loading import write_audio_vae_checkpoint, write_vae_checkpoint
+
+    root = tmp_path_factory.mktemp("models")
+    make_dit_checkpoint(root / "transformer", dataclasses.replace(TINY, text_dim=32), "bf16", "diffusers", seed=1)
+    write_vae_checkpoint(root / "vae")
+    write_audio_vae_checkpoint(root / "audio_vae")
+    if Q.HAS_TORCHVISION:
+        tok = Q.make_tokenizer()
+        Q.save_hf_folder(root / "text_encoder", Q.make_reference_model(tok), Q.make_processor(tok))
+    return root
+
+
+def model_spec(model_dir) -> ModelSpec:
+    # The PyTorch references for the fused ops: conftest turns on Triton's CPU interpreter, where `auto`
+    # would pick the Triton kernels and spend seconds per step interpreting them.
+    kernels = KernelSettings(modulation_fusion="off", q_rms_rope_int8_fusion="off")
+    return ModelSpec(ComponentPaths(models=model_dir), device="cpu", dtype=torch.float32, vae_dtype=torch.float32,
+                     text_layer=TEXT_LAYER, kernels=kernels)
+
+
+def text_override(model_dir, gate: threading.Event | None = None):
+    """None (read the saved folder) when possible, else the in-memory encoder; `gate` holds it back."""
+    if Q.HAS_TORCHVISION and gate is None:
+        return {}
+
+    def build():
+        if gate is not None:
+            assert gate.wait(60)
+        if Q.HAS_TORCHVISION:
+            return TextEncoder.from_pretrained(model_dir / "text_encoder", dtype=torch.float32, device="cpu",
+                                               layer=TEXT_LAYER)
+        return tiny_text_encoder()
+
+    return {"text_encoder": build}
+
+
+@pytest.fixture(scope="module")
+def resident(model_dir):
+    return load_models(model_spec(model_dir), LoadTracker(), text_override(model_dir))
+
+
+@pytest.fixture
+def serve(resident, tmp_path):
+    """serve(**config) -> a started TestClient over a Service that shares the resident models."""
+    clients = []
+
+    def start(**config):
+        out = tmp_path / "out"
+        out.mkdir(exist_ok=True)
+        config.setdefault("output_dir", out)
+        service = Service(ServiceConfig(**config), lambda tracker: resident, log=lambda m: None)
+        client = TestClient(create_app(service))
+        client.__enter__()
+        clients.append(client)
+        wait_ready(client)
+        client.service = service
+        return client
+
+    yield start
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+def wait_ready(client, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = client.get("/ready")
+        if r.status_code == 200:
+            return r.json()
+        time.sleep(0.05)
+    raise AssertionError(f"not ready: {r.json()}")
+
+
+def wait_job(client, job_id, states=("done", "failed", "cancelled"), timeout=60, check=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        body = client.get(f"/jobs/{job_id}").json()
+        if body["state"] in states and (check is None or check(body)):
+            return body
+        time.sleep(0.02)
+    raise AssertionError(f"job {job_id} did not reach {states}: {body}")
+
+
+def request(output, **extra):
+    return {"prompt": "the cat", "output": output, "steps": 3, **CANVAS, **extra}
+
+
+# ------------------------------------------------------------------ readiness
+def test_ready_is_503_while_loading_then_lists_the_models(model_dir, tmp_path):
+    gate = threading.Event()
+    spec = model_spec(model_dir)
+    service = Service(ServiceConfig(output_dir=tmp_path),
+                      lambda tracker: load_models(spec, tracker, text_override(model_dir, gate)), log=lambda m: None)
+    with TestClient(create_app(service)) as client:
+        deadline = time.monotonic() + 60
+        while True:
+            r = client.get("/ready")
+            body = r.json()
+            if body["loading"]["components"].get("text_encoder", {}).get("state") == "loading":
+                break
+            assert time.monotonic() < deadline, body
+            time.sleep(0.02)
+        assert r.status_code == 503 and body["ready"] is False
+        comps = body["loading"]["components"]
+        assert comps["dit"]["state"] == "resident" and comps["vae"]["state"] == "pending"
+        assert body["loading"]["still_loading"] == ["text_encoder", "vae", "audio_vae"]
+        refused = client.post("/generate", json=request("early.mp4"))
+        assert refused.status_code == 503 and "still loading" in refused.json()["error"]
+        assert refused.headers["Retry-After"]
+
+        gate.set()
+        ready = wait_ready(client)
+    assert ready["ready"] is True and ready["device"] == "cpu" and ready["modes"] == ["t2va", "fl2va"]
+    assert set(ready["models"]) == {"dit", "text_encoder", "vae", "audio_vae"}
+    assert ready["models"]["dit"]["dtypes"] == ["float32"] and ready["models"]["dit"]["parameter_bytes"] > 0
+    assert ready["models"]["dit"]["attention"]["backend"] == "sdpa"
+    assert ready["models"]["dit"]["linear"]["format"] == "bf16"
+    assert ready["loading"]["state"] == "ready" and ready["loading"]["still_loading"] == []
+    assert "process_rss_bytes" in ready["memory"]
+    attention, linear = ready["supported"]["attention"], ready["supported"]["linear"]
+    assert attention["sdpa"]["supported"] and attention["auto"]["runs"] == "sdpa"
+    assert not attention["fa3"]["supported"] and "fa3" in attention["fa3"]["why"]
+    assert linear["bf16"]["supported"] and not linear["fp8"]["supported"]
+
+
+def test_a_failed_load_is_reported_and_nothing_is_accepted(tmp_path):
+    def broken(tracker):
+        tracker.plan(["dit"])
+        tracker.begin("dit")
+        raise OSError("disk gone")
+
+    failures = []
+    service = Service(ServiceConfig(output_dir=tmp_path), broken, log=lambda m: None)
+    service.on_load_failed = failures.append
+    with TestClient(create_app(service)) as client:
+        service.wait_loaded(30)
+        r = client.get("/ready")
+        assert r.status_code == 503 and r.json()["loading"]["state"] == "failed"
+        assert "disk gone" in r.json()["loading"]["error"]
+        assert client.post("/generate", json=request("x.mp4")).status_code == 503
+    assert failures == ["OSError: disk gone"]
+
+
+# ------------------------------------------------------------------ a generation
+def test_generate_poll_done_with_a_per_request_attention_switch(serve, resident, monkeypatch):
+    from h3_spark.h3_model import media
+    from h3_spark.kernels import attention as attention_module
+
+    client = serve()
+    dit = resident.components.dit
+    default_attention, weights = dit.attention, {n: (p, p.data_ptr()) for n, p in dit.named_parameters()}
+    calls = []
+    original = attention_module.HeadSlicedBackend.__call__
+    monkeypatch.setattr(attention_module.HeadSlicedBackend, "__call__",
+                        lambda self, q, k, v: calls.append(1) or original(self, q, k, v))
+
+    r = client.post("/generate", json=request("clip.mp4", steps=5, seed=3, attention="kj_head_sliced",
+                                              cache_mode="h3_cache", cache_threshold=1e9))
+    assert r.status_code == 202, r.text
+    job_id = r.json()["id"]
+    assert r.headers["Location"] == f"/jobs/{job_id}"
+    job = wait_job(client, job_id)
+    assert job["state"] == "done", job["error"]
+
+    out = client.service.outputs.root / "clip.mp4"
+    assert job["output"] == str(out) and out.is_file()
+    assert sorted(os.listdir(out.parent)) == ["clip.mp4"]  # no temporary file left behind
+    info = media.probe(out)
+    assert info["video_codec"] == "h264" and info["audio_codec"] == "aac" and info["width"] == 16
+    assert job["progress"]["stage"] == "done"
+    assert {"text_encode", "sampling", "video_decode", "audio_decode", "mux"} <= set(job["timings"])
+    assert job["info"]["frames"] == 124 and job["request"]["seed"] == 3
+
+    # The switched backend ran, the job says so, and the load-time one is back on the same weights.
+    assert calls and job["backends"]["attention"]["requested"] == "kj_head_sliced"
+    assert job["backends"]["attention"]["backend"] == "kj_head_sliced"
+    assert dit.attention is default_attention and resident.components.dit is dit
+    assert all(p is weights[n][0] and p.data_ptr() == weights[n][1] for n, p in dit.named_parameters())
+
+    cache = job["step_cache"]
+    assert cache["mode"] == "h3_cache" and cache["evaluations"] == 4
+    assert cache["computed"] == [0] and cache["reused"] == [1, 2, 3]  # window 0.2..0.9 of 4 evaluations
+    assert job["backends"]["exact"] is False and "step_cache" in job["backends"]["approximate_paths"]
+
+    again = client.post("/generate", json=request("clip.mp4"))
+    assert again.status_code == 409 and "overwrite" in again.json()["error"]
+
+
+# ------------------------------------------------------------------ queue and cancellation
+def test_queue_full_then_cancel_queued_and_running(serve, resident, monkeypatch):
+    # Each DiT step takes at least 50 ms here, so the 99-step job is surely still running when cancelled.
+    dit = resident.components.dit
+    forward = dit.forward
+    monkeypatch.setattr(dit, "forward", lambda *a, **k: time.sleep(0.05) or forward(*a, **k))
+    client = serve(queue_size=1)
+    running = client.post("/generate", json=request("long.mp4", steps=100)).json()["id"]
+    wait_job(client, running, ("running",), check=lambda b: b["progress"]["stage"] == "sampling"
+             and b["progress"]["step"] >= 1)
+    queued = client.post("/generate", json=request("next.mp4"))
+    assert queued.status_code == 202
+    queued = queued.json()["id"]
+    assert client.get(f"/jobs/{queued}").json()["state"] == "queued"
+
+    full = client.post("/generate", json=request("third.mp4"))
+    assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1
+    assert "queue is full" in full.json()["error"]
+
+    cancelled = client.delete(f"/jobs/{queued}")
+    assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+    assert client.delete(f"/jobs/{queued}").status_code == 200  # idempotent
+
+    start = time.monotonic()
+    stopping = client.delete(f"/jobs/{running}")
+    assert stopping.status_code == 202 and stopping.json()["cancel_requested"] is True
+    ended = wait_job(client, running, timeout=30)
+    assert ended["state"] == "cancelled" and "cancelled" in ended["error"]
+    assert time.monotonic() - start < 10
+    assert ended["progress"]["step"] < 99
+    assert not any(client.service.outputs.root.iterdir())
+    assert client.delete("/jobs/nope").status_code == 404
+    assert client.get("/jobs/nope").status_code == 404
+    listed = client.get("/jobs").json()
+    assert {j["id"]: j["state"] for j in listed["jobs"]} == {running: "cancelled", queued: "cancelled"}
+
+
+# ------------------------------------------------------------------ out of memory
+class _Exploding:
+    def __init__(self, inner, exc):
+        self.inner, self.exc = inner, exc
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, presentation):
+        raise self.exc
+
+
+def test_out_of_memory_fails_the_job_frees_memory_and_the_service_goes_on(serve, resident, monkeypatch):
+    client = serve()
+    freed = []
+    monkeypatch.setattr(execute, "free_memory", lambda: freed.append(1))
+    comps = resident.components
+    real = comps.text_encoder
+    for i, exc in enumerate([torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB"),
+                             MemoryError("host allocation failed")]):
+        comps.text_encoder = _Exploding(real, exc)
+        try:
+            job = wait_job(client, client.post("/generate", json=request(f"oom{i}.mp4")).json()["id"])
+        finally:
+            comps.text_encoder = real
+        assert job["state"] == "failed" and "out of memory during text_encode" in job["error"]
+        assert type(exc).__name__ in job["error"]
+        assert len(freed) == i + 1
+    assert client.get("/ready").status_code == 200
+    (client.service.outputs.root / "after.mp4").write_bytes(b"old")
+    job = wait_job(client, client.post("/generate", json=request("after.mp4", overwrite=True)).json()["id"])
+    assert job["state"] == "done", job["error"]
+    assert (client.service.outputs.root / "after.mp4").read_bytes()[4:8] == b"ftyp"
+
+
+# ------------------------------------------------------------------ paths
+def test_paths_are_confined_to_their_folders(serve, tmp_path):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "big.png").write_bytes(b"\x89PNG" + b"0" * 4096)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    client = serve(input_dir=inputs, limits=Limits(max_input_file_bytes=1024))
+    out = client.service.outputs.root
+    (out / "escape").symlink_to(outside)
+    (out / "link.mp4").symlink_to(outside / "x.mp4")
+    (out / "taken.mp4").write_bytes(b"x")
+    (out / "inner.mp4").symlink_to(out / "taken.mp4")
+
+    def status(**body):
+        r = client.post("/generate", json=request(**body))
+        return r.status_code, r.json().get("error", "")
+
+    for name in ("../x.mp4", "/tmp/x.mp4", "a/../../x.mp4", "escape/x.mp4", "./x.mp4", "a\\b.mp4", "~/x.mp4"):
+        code, error = status(output=name)
+        assert code == 400, (name, error)
+    assert status(output="link.mp4") == (400, "'link.mp4' leads outside the output folder")
+    assert status(output="inner.mp4") == (400, "'inner.mp4' is a symlink; name a plain file")
+    assert status(output=".hidden.mp4")[0] == 400
+    assert status(output="clip.mov")[0] == 400
+    assert status(output="nofolder/clip.mp4")[0] == 400
+    code, error = status(output="taken.mp4")
+    assert code == 409 and "overwrite" in error
+    frames = dict(mode="fl2va", output="k.mp4")
+    assert status(first_frame="../secret.png", **frames)[0] == 400
+    assert status(first_frame="missing.png", **frames)[0] == 400
+    code, error = status(first_frame="big.png", **frames)
+    assert code == 413 and "limit" in error
+    assert not any(outside.iterdir())
+
+
+def test_inputs_need_an_input_folder(serve):
+    client = serve()
+    r = client.post("/generate", json=request("k.mp4", first_frame="a.png"))
+    assert r.status_code == 400 and "--input-dir" in r.json()["error"]
+
+
+# ------------------------------------------------------------------ bad requests
+@pytest.mark.parametrize("body, code, fragment", [
+    (b"{not json", 400, "not valid JSON"),
+    (b'{"prompt": NaN}', 400, "NaN"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b"\xff\xfe", 400, "UTF-8"),
+])
+def test_malformed_bodies(serve, body, code, fragment):
+    client = serve()
+    r = client.post("/generate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == code and fragment in r.json()["error"]
+
+
+@pytest.mark.parametrize("change, code, fragment", [
+    ({"stepz": 4}, 400, "unknown field"),
+    ({"prompt": None}, 400, "prompt is required"),
+    ({"prompt": "   "}, 400, "blank"),
+    ({"prompt": "x" * 5000}, 400, "limit is 4000"),
+    ({"steps": True}, 400, "integer"),
+    ({"steps": 101}, 400, "2..100"),
+    ({"frames": 2000}, 400, "frames"),
+    ({"frames": 60}, 400, "5-15 s"),
+    ({"width": None, "height": 64}, 400, "together"),
+    ({"width": 70, "height": 64}, 400, "multiples of 32"),
+    ({"width": 4096, "height": 4096}, 400, "pixel limit"),
+    ({"seed": -1}, 400, "seed"),
+    ({"mode": "ref2va", "references": [{"kind": "image", "path": "a.png"}]}, 400, "did not load"),
+    ({"mode": "x2va"}, 400, "mode must be one of"),
+    ({"references": [{"kind": "smell", "path": "a"}]}, 400, "kind"),
+    ({"attention": "warp"}, 400, "attention must be one of"),
+    ({"attention": "fa3"}, 400, "cannot run here"),
+    ({"cache_mode": "teacache"}, 400, "cache_mode"),
+    ({"cache_mode": "easycache", "cache_start_percent": 0.9, "cache_end_percent": 0.1}, 400, "after end"),
+    ({"cache_mode": "easycache", "cache_threshold": "big"}, 400, "number"),
+    ({"overwrite": "yes"}, 400, "true or false"),
+])
+def test_bad_fields_are_refused_with_a_clear_message(serve, change, code, fragment):
+    client = serve()
+    r = client.post("/generate", json={**request("x.mp4"), **change})
+    assert r.status_code == code, r.text
+    assert fragment in r.json()["error"]
+
+
+def test_too_large_bodies_are_refused_before_reading(serve):
+    client = serve(limits=Limits(max_body_bytes=2048))
+    r = client.post("/generate", content=b'{"prompt": "' + b"x" * 4096 + b'"}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "2048" in r.json()["error"]
+
+
+# ------------------------------------------------------------------ the command and a real server
+def test_serve_command_binds_loopback_by_default(model_dir, resident, tmp_path):
+    import httpx
+    import uvicorn
+
+    from h3_spark.cli import build_parser
+    from h3_spark.cli import serve as serve_cli
+
+    args = build_parser().parse_args(["serve", "--models", str(model_dir), "--output-dir", str(tmp_path)])
+    assert args.host == "127.0.0.1" and args._run is serve_cli.run
+    service = Service(ServiceConfig(output_dir=tmp_path), lambda tracker: resident, log=lambda m: None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        args.port = s.getsockname()[1]
+    config = serve_cli.server_config(args, create_app(service))
+    config.log_level = "warning"
+    assert config.host == "127.0.0.1"
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.02)
+        bound = [sock.getsockname() for srv in server.servers for sock in srv.sockets]
+        assert bound and all(addr[0] == "127.0.0.1" for addr in bound)
+        with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=10) as http:
+            deadline = time.monotonic() + 30
+            while http.get("/ready").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert http.get("/ready").json()["modes"] == ["t2va", "fl2va"]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_serve_command_refuses_a_missing_output_folder(model_dir, tmp_path):
+    from h3_spark.cli import main
+
+    code = main(["serve", "--models", str(model_dir), "--output-dir", str(tmp_path / "nope"), "--device", "cpu"])
+    assert code == 2

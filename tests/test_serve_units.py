@@ -1,0 +1,231 @@
+"""The service's parts without HTTP or models: request parsing, folders and atomic outputs, the job queue."""
+
+import threading
+import time
+
+import pytest
+
+from h3_spark.h3_model.errors import H3Error, InputError
+from h3_spark.h3_model.step_cache import CacheOptions
+from h3_spark.serve import outputs as outputs_module
+from h3_spark.serve.jobs import Job, JobQueue, QueueFull
+from h3_spark.serve.outputs import InputFolder, OutputExists, OutputFolder
+from h3_spark.serve.validation import Limits, RequestError, parse_request
+
+LIMITS = Limits()
+
+
+# ------------------------------------------------------------------ request parsing
+def test_defaults_and_mode_inference():
+    req = parse_request({"prompt": "a cat", "output": "a.mp4"}, LIMITS)
+    assert (req.mode, req.frames, req.steps, req.seed, req.width, req.height) == ("t2va", 124, 50, 0, None, None)
+    assert req.cache == CacheOptions() and req.attention is None and req.overwrite is False
+    assert req.evaluations == 49
+    assert parse_request({"prompt": "p", "output": "a.mp4", "last_frame": "k.png"}, LIMITS).mode == "fl2va"
+    ref = parse_request({"prompt": "p", "output": "a.mp4", "references": [{"kind": "video", "path": "v.mp4"},
+                                                                         {"kind": "audio", "path": "s.wav"}]}, LIMITS)
+    assert ref.mode == "ref2va" and ref.references == [("video", "v.mp4"), ("audio", "s.wav")]
+    public = ref.public()
+    assert public["references"][0] == {"kind": "video", "path": "v.mp4"} and public["cache"]["mode"] == "off"
+
+
+def test_cache_fields_take_the_mode_defaults():
+    req = parse_request({"prompt": "p", "output": "a.mp4", "cache_mode": "easycache", "cache_subsample_factor": 4},
+                        LIMITS)
+    assert req.cache == CacheOptions("easycache", 0.1, 0.2, 0.9, 4)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"prompt": "p", "output": "a.mp4", "references": [{"kind": "audio", "path": "s.wav"}]}, "audio-only"),
+    ({"prompt": "p", "output": "a.mp4", "references": [{"kind": "image", "path": f"{i}.png"} for i in range(10)]},
+     "at most 9 image"),
+    ({"prompt": "p", "output": "a.mp4", "references": [{"kind": "image"}]}, "exactly 'kind' and 'path'"),
+    ({"prompt": "p", "output": "a.mp4", "references": "a.png"}, "must be a list"),
+    ({"prompt": "p", "output": "a.mp4", "mode": "t2va", "first_frame": "k.png"}, "takes no keyframes"),
+    ({"prompt": "p", "output": "a.mp4", "mode": "fl2va"}, "first_frame and/or last_frame"),
+    ({"prompt": "p", "output": "a.mp4", "mode": "t2va", "references": [{"kind": "image", "path": "a.png"}]},
+     "takes no references"),
+    ({"prompt": 5, "output": "a.mp4"}, "non-empty string"),
+    ({"prompt": "p"}, "output is required"),
+])
+def test_refusals(body, fragment):
+    with pytest.raises(RequestError, match=fragment) as err:
+        parse_request(body, LIMITS)
+    assert err.value.status == 400
+
+
+def test_limits_are_checked():
+    with pytest.raises(H3Error, match="max steps"):
+        Limits(max_steps=1)
+    with pytest.raises(H3Error, match="positive"):
+        Limits(max_body_bytes=0)
+    with pytest.raises(RequestError, match="2..8"):
+        parse_request({"prompt": "p", "output": "a.mp4", "steps": 9}, Limits(max_steps=8))
+
+
+# ------------------------------------------------------------------ folders
+def test_a_missing_folder_is_an_input_error(tmp_path):
+    with pytest.raises(InputError, match="does not exist"):
+        OutputFolder(tmp_path / "nope")
+
+
+def test_input_files_are_checked_for_type_existence_and_size(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"x" * 10)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.wav").write_bytes(b"x" * 100)
+    folder = InputFolder(tmp_path, max_file_bytes=50)
+    assert folder.media("a.png", "image") == tmp_path / "a.png"
+    with pytest.raises(RequestError, match="must be one of"):
+        folder.media("a.png", "audio")
+    with pytest.raises(RequestError, match="no such file") as err:
+        folder.media("c.png", "image")
+    assert err.value.status == 400
+    with pytest.raises(RequestError, match="limit") as err:
+        folder.media("sub/b.wav", "audio")
+    assert err.value.status == 413
+
+
+def test_outputs_are_reserved_per_job_until_released(tmp_path):
+    folder = OutputFolder(tmp_path)
+    path = folder.reserve("a.mp4", False, "job1")
+    with pytest.raises(OutputExists, match="job1"):
+        folder.reserve("a.mp4", True, "job2")
+    folder.release(path)
+    assert folder.reserve("a.mp4", False, "job2") == path
+
+
+def _fake_mux(calls):
+    def write(path, video, audio):
+        calls.append(path)
+        path.write_bytes(b"mp4 bytes")
+        return path
+
+    return write
+
+
+def test_outputs_are_written_under_a_temporary_name_then_moved(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(outputs_module.media, "write_mp4", _fake_mux(calls))
+    folder = OutputFolder(tmp_path)
+    final = folder.write_mp4(tmp_path / "clip.mp4", "j1", None, None, overwrite=False)
+    assert final.read_bytes() == b"mp4 bytes"
+    assert calls[0].parent == tmp_path and calls[0].name.startswith(".clip.mp4.j1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
+
+    # A file that appeared while the job ran is not replaced without overwrite; nothing is left over.
+    with pytest.raises(OutputExists, match="already exists"):
+        folder.write_mp4(tmp_path / "clip.mp4", "j2", None, None, overwrite=False)
+    assert folder.write_mp4(tmp_path / "clip.mp4", "j3", None, None, overwrite=True) == tmp_path / "clip.mp4"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
+
+
+def test_a_symlink_planted_after_acceptance_is_refused_at_write_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(outputs_module.media, "write_mp4", _fake_mux([]))
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "sub").mkdir()
+    folder = OutputFolder(out)
+    path = folder.reserve("sub/clip.mp4", False, "j1")
+    (out / "sub").rmdir()
+    (out / "sub").symlink_to(elsewhere)
+    with pytest.raises(RequestError, match="leads outside"):
+        folder.write_mp4(path, "j1", None, None, overwrite=False)
+    assert not any(elsewhere.iterdir())
+
+
+def test_the_temporary_file_is_removed_when_muxing_fails(tmp_path, monkeypatch):
+    def broken(path, video, audio):
+        path.write_bytes(b"half")
+        raise InputError("encoder died")
+
+    monkeypatch.setattr(outputs_module.media, "write_mp4", broken)
+    with pytest.raises(InputError, match="encoder died"):
+        OutputFolder(tmp_path).write_mp4(tmp_path / "clip.mp4", "j1", None, None, overwrite=False)
+    assert not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------ the queue
+class Gate:
+    """A runner whose jobs wait for the test to let them finish."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def __call__(self, job):
+        self.started.set()
+        assert self.release.wait(30)
+        if job.request == "boom":
+            raise RuntimeError("boom")
+        return ("bogus", None) if job.request == "bogus" else ("done", None)
+
+
+def _wait(queue, job, states=("done", "failed", "cancelled")):
+    deadline = time.monotonic() + 30
+    while queue.snapshot(job.id)["state"] not in states:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return queue.snapshot(job.id)
+
+
+def test_queue_bounds_cancels_and_survives_a_bad_runner():
+    gate = Gate()
+    finished = []
+    queue = JobQueue(2, gate, on_finish=finished.append)
+    queue.start()
+    try:
+        first = queue.submit(Job("boom"))
+        assert gate.started.wait(30)
+        second, third = queue.submit(Job("bogus")), queue.submit(Job("ok"))
+        with pytest.raises(QueueFull) as err:
+            queue.submit(Job("too many"))
+        assert err.value.status == 429 and err.value.headers == {"Retry-After": "10"}
+        assert queue.stats() == {"capacity": 2, "queued": 2, "running": first.id}
+
+        assert queue.cancel(third.id)["state"] == "cancelled"
+        assert finished == [third]
+        gate.release.set()
+        assert _wait(queue, first)["error"] == "internal error: RuntimeError: boom"
+        assert "runner ended the job in state 'bogus'" in _wait(queue, second)["error"]
+        with pytest.raises(RequestError, match="already ended") as err:
+            queue.cancel(first.id)
+        assert err.value.status == 409
+        with pytest.raises(KeyError):
+            queue.cancel("nope")
+        after = queue.submit(Job("ok"))
+        assert _wait(queue, after)["state"] == "done"
+        assert int(queue.retry_after()) >= 1
+    finally:
+        queue.stop()
+
+
+def test_finished_records_are_bounded():
+    queue = JobQueue(8, lambda job: ("done", None), keep_finished=2)
+    queue.start()
+    try:
+        jobs = [queue.submit(Job(str(i))) for i in range(4)]
+        _wait(queue, jobs[-1])
+        assert [j["id"] for j in queue.list()] == [j.id for j in jobs[2:]]
+    finally:
+        queue.stop()
+
+
+def test_stop_cancels_what_waits_and_asks_the_running_job_to_stop():
+    seen = threading.Event()
+
+    def runner(job):
+        seen.set()
+        assert job.cancel.wait(30)
+        return "cancelled", "stopped"
+
+    queue = JobQueue(4, runner)
+    queue.start()
+    running = queue.submit(Job("a"))
+    assert seen.wait(30)
+    waiting = queue.submit(Job("b"))
+    queue.stop()
+    assert queue.snapshot(running.id)["state"] == "cancelled"
+    assert queue.snapshot(waiting.id)["error"] == "the service is shutting down"
+    with pytest.raises(RequestError, match="shutting down"):
+        queue.submit(Job("c"))

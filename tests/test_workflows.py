@@ -1,0 +1,122 @@
+"""workflows/*.json against the node pack: every node exists, every required input is given with the right
+type, every link joins an output to an input of the same type (API format and UI graph format)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from h3_spark import NODE_CLASS_MAPPINGS
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("t2va", "fl2va", "ref2va")
+# The ComfyUI core nodes the workflows use to bring media in: inputs and outputs.
+CORE = {"LoadImage": ({"image": "STRING"}, ("IMAGE", "MASK")), "LoadAudio": ({"audio": "STRING"}, ("AUDIO",))}
+WIRE_TYPES = {"MODEL", "CONDITIONING", "LATENT", "IMAGE", "AUDIO", "MASK", "H3_TEXT_ENCODER", "H3_VAE"}
+
+
+def is_wire(kind) -> bool:
+    return isinstance(kind, str) and kind in WIRE_TYPES
+
+
+def signature(class_type):
+    """({input: (type, required)}, output types) of a node class."""
+    if class_type in CORE:
+        inputs, outputs = CORE[class_type]
+        return {k: (v, True) for k, v in inputs.items()}, outputs
+    assert class_type in NODE_CLASS_MAPPINGS, f"unknown node {class_type}"
+    cls = NODE_CLASS_MAPPINGS[class_type]
+    spec = cls.INPUT_TYPES()
+    inputs = {k: (v[0], True) for k, v in spec["required"].items()}
+    inputs.update({k: (v[0], False) for k, v in spec.get("optional", {}).items()})
+    return inputs, tuple(cls.RETURN_TYPES)
+
+
+# Combos that list model files on disk (none here): only the value's shape is checked.
+MODEL_COMBOS = {"dit_name", "text_encoder_name", "tokenizer", "vae_name", "audio_vae_name", "lora_name"}
+
+
+def value_ok(kind, options, value, name="") -> bool:
+    if isinstance(kind, list):
+        return (isinstance(value, str) and bool(value)) if name in MODEL_COMBOS else value in kind
+    if kind == "INT":
+        return isinstance(value, int) and options.get("min", value) <= value <= options.get("max", value)
+    if kind == "FLOAT":
+        return isinstance(value, (int, float)) and options.get("min", value) <= value <= options.get("max", value)
+    if kind == "STRING":
+        return isinstance(value, str)
+    return False
+
+
+def options_of(class_type, name):
+    if class_type in CORE:
+        return {}
+    spec = NODE_CLASS_MAPPINGS[class_type].INPUT_TYPES()
+    entry = spec["required"].get(name) or spec.get("optional", {})[name]
+    return entry[1] if len(entry) > 1 else {}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_api_workflow(mode):
+    prompt = json.loads((ROOT / "workflows" / f"h3-spark-{mode}.api.json").read_text())
+    for node_id, node in prompt.items():
+        inputs, _ = signature(node["class_type"])
+        given = node["inputs"]
+        assert set(given) <= set(inputs), (node_id, set(given) - set(inputs))
+        for name, (kind, required) in inputs.items():
+            if name not in given:
+                assert not required, f"{node_id}.{name} is required"
+                continue
+            value = given[name]
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
+                src = prompt[value[0]]
+                _, outputs = signature(src["class_type"])
+                assert outputs[value[1]] == kind, f"{node_id}.{name}: {outputs[value[1]]} into {kind}"
+            else:
+                assert not is_wire(kind), f"{node_id}.{name} needs a {kind} link"
+                assert value_ok(kind, options_of(node["class_type"], name), value, name), (node_id, name, value)
+    assert any(n["class_type"] == "H3SparkSaveVideo" for n in prompt.values())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ui_workflow(mode):
+    graph = json.loads((ROOT / "workflows" / f"h3-spark-{mode}.json").read_text())
+    nodes = {n["id"]: n for n in graph["nodes"]}
+    links = {link[0]: link for link in graph["links"]}
+    assert graph["last_link_id"] == max(links) and graph["last_node_id"] == max(nodes)
+    for node in nodes.values():
+        inputs, outputs = signature(node["type"])
+        wired = [(k, v) for k, v in inputs.items() if is_wire(v[0])]
+        assert [i["name"] for i in node["inputs"]] == [k for k, _ in wired], node["type"]
+        for slot, (item, (name, (kind, required))) in enumerate(zip(node["inputs"], wired)):
+            assert item["type"] == kind
+            if item["link"] is None:
+                assert not required, f"{node['type']}.{name} is required"
+                continue
+            link_id, src, src_slot, dst, dst_slot, link_type = links[item["link"]]
+            assert (dst, dst_slot) == (node["id"], slot) and link_type == kind
+            src_outputs = signature(nodes[src]["type"])[1]
+            assert src_outputs[src_slot] == kind
+            assert item["link"] in nodes[src]["outputs"][src_slot]["links"]
+        assert [o["type"] for o in node["outputs"]] == list(outputs)
+        widgets = [(k, v) for k, v in inputs.items() if not is_wire(v[0])]
+        values = list(node["widgets_values"])
+        for name, (kind, _) in widgets:
+            value = values.pop(0)
+            assert value_ok(kind, options_of(node["type"], name), value, name), (node["type"], name, value)
+            if options_of(node["type"], name).get("control_after_generate"):
+                assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
+        assert not values, f"{node['type']}: extra widget values {values}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_both_formats_describe_the_same_graph(mode):
+    api = json.loads((ROOT / "workflows" / f"h3-spark-{mode}.api.json").read_text())
+    ui = json.loads((ROOT / "workflows" / f"h3-spark-{mode}.json").read_text())
+    assert {int(k): v["class_type"] for k, v in api.items()} == {n["id"]: n["type"] for n in ui["nodes"]}
+    api_links = {(int(v[0]), v[1], int(k), name) for k, node in api.items() for name, v in node["inputs"].items()
+                 if isinstance(v, list)}
+    ui_nodes = {n["id"]: n for n in ui["nodes"]}
+    ui_links = {(src, slot, dst, ui_nodes[dst]["inputs"][dst_slot]["name"])
+                for _, src, slot, dst, dst_slot, _ in ui["links"]}
+    assert api_links == ui_links
