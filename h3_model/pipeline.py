@@ -92,6 +92,7 @@ class GenerationRequest:
             raise InputError("width and height go together, or neither")
         if self.width is not None:
             geometry.check_canvas(self.width, self.height)
+        geometry.snap_frames(self.frames)
         if self.mlp_chunks < 1:
             raise InputError(f"mlp_chunks must be at least 1, got {self.mlp_chunks}")
         if not 0 <= self.seed < 2 ** 63:
