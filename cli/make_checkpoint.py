@@ -7,8 +7,8 @@ import json
 import sys
 import time
 
-# Which model a checkpoint is made for. Only the DiT for now; the VAEs get writers of their own.
-COMPONENTS = ("dit",)
+# Which model a checkpoint is made for.
+COMPONENTS = ("dit", "vae", "audio_vae")
 
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
@@ -20,7 +20,8 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--component", choices=COMPONENTS, default="dit", help="which model to write")
     p.add_argument("--preset", choices=["tiny", "full"], default="tiny")
     p.add_argument("--format", choices=["bf16", "fp8_scaled", "nvfp4", "int8_convrot"], default="bf16",
-                   help="storage of the 4 linears of every DiT block; everything else stays bf16/fp32")
+                   help="DiT: storage of the 4 linears of every block; everything else stays bf16/fp32. "
+                        "VAEs are written as published (video fp16 comfy / fp32 diffusers, audio fp32)")
     p.add_argument("--layout", choices=["comfy", "comfy-pruned", "diffusers"], default="comfy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantize-refiner", action="store_true",
@@ -32,10 +33,30 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     return p
 
 
+def _run_vae(args) -> int:
+    from ..h3_model.errors import InputError
+    from ..h3_model.vae_loading import write_audio_vae_checkpoint, write_vae_checkpoint
+
+    if args.format != "bf16" or args.layout == "comfy-pruned" or args.quantize_refiner or args.curve_grid \
+            or args.curve_rank:
+        raise InputError(f"--component {args.component} takes only --preset, --layout comfy|diffusers and --seed "
+                         "(the published VAE files are not quantized)")
+    start = time.perf_counter()
+    writer = write_vae_checkpoint if args.component == "vae" else write_audio_vae_checkpoint
+    path = writer(args.out, args.preset, args.layout, args.seed)
+    size = sum(f.stat().st_size for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())
+    print(json.dumps({"out": str(path), "component": args.component, "preset": args.preset, "layout": args.layout,
+                      "seed": args.seed, "bytes": size, "seconds": round(time.perf_counter() - start, 3)}))
+    return 0
+
+
 def run(args) -> int:
     from ..h3_model.checkpoint.make import CURVE_DEFAULTS, make_dit_checkpoint
     from ..h3_model.config import preset
     from ..h3_model.errors import InputError
+
+    if args.component != "dit":
+        return _run_vae(args)
 
     if args.layout != "comfy-pruned" and (args.curve_grid is not None or args.curve_rank is not None):
         raise InputError("--curve-grid/--curve-rank only apply to --layout comfy-pruned")

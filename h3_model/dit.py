@@ -344,8 +344,9 @@ class H3DiT(nn.Module):
         blocks = [blk.adaln_proj.table(a) for blk in self.transformer_blocks]
         final = self.norm_out.table(a)
         if self.config.curve_form:
+            # Curve-form AdaLN runs in fp32 (as ComfyUI does); block tables meet the residual stream in
+            # its dtype, the final shift/scale stay fp32 and promote the head input to fp32.
             blocks = [t.to(self.dtype_) for t in blocks]
-            final = final.to(self.dtype_)
         return ModulationTables(blocks, final)
 
     @torch.no_grad()
@@ -502,10 +503,9 @@ def curve_basis(table: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
     """Linear interpolation of a pruned checkpoint's [grid, k] AdaLN table at t in [0, 1], fp32."""
     grid = table.shape[0]
     pos = timestep.float().clamp(0.0, 1.0) * (grid - 1)
-    lo = pos.floor().long().clamp(max=grid - 2)
-    frac = (pos - lo.float())[:, None]
+    lo = pos.floor().long().clamp(max=grid - 2)  # t = 1 interpolates inside the last interval
     t = table.float()
-    return t[lo] * (1.0 - frac) + t[lo + 1] * frac
+    return torch.lerp(t[lo], t[lo + 1], (pos - lo.float())[:, None])
 
 
 def _assign_parameter(module: nn.Module, name: str, value: nn.Parameter) -> None:

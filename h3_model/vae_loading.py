@@ -275,6 +275,21 @@ def comfy_to_diffusers_video(name: str, tensor: torch.Tensor, heads: int) -> lis
     return [(_comfy_video_name(name), tensor)]
 
 
+def comfy_video_names_to_diffusers(names: Iterable[str]) -> set[str]:
+    """The diffusers names a ComfyUI video-VAE file's tensors become (names only, for header checks)."""
+    out: set[str] = set()
+    for name in names:
+        if name in _COMFY_ONLY:
+            continue
+        if ".attn.to_qkv." in name:
+            out.update(name.replace(".to_qkv.", f".to_{part}.") for part in "qkv")
+        elif ".ff.w1." in name:
+            out.add(name.replace(".ff.w1.", ".ff.net.0.proj."))
+        else:
+            out.add(_comfy_video_name(name))
+    return out
+
+
 def diffusers_to_comfy_video(items: Iterable[tuple[str, torch.Tensor]],
                              heads: int) -> Iterator[tuple[str, torch.Tensor]]:
     """diffusers video-VAE tensors -> ComfyUI tensors; q/k/v are fused once all three are seen."""

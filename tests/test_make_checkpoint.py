@@ -129,3 +129,30 @@ def test_full_preset_streams_one_layer_at_a_time():
         {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
     fit = curve_fit_for(FULL, 0, 1025, 8)
     assert fit.table.shape == (1025, 8) and fit.residual < 1e-3
+
+
+@pytest.mark.parametrize("component,layout", [("vae", "comfy"), ("vae", "diffusers"), ("audio_vae", "comfy"),
+                                              ("audio_vae", "diffusers")])
+def test_make_vae_components_inspect_complete_and_load(tmp_path, capsys, component, layout):
+    import json as _json
+
+    from h3_spark.cli import main as cli_main
+    from h3_spark.h3_model.vae_loading import load_audio_vae, load_video_vae
+
+    out = tmp_path / (f"{component}.safetensors" if layout == "comfy" else component)
+    assert cli_main(["make-checkpoint", "--component", component, "--layout", layout, str(out)]) == 0
+    made = _json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert made["component"] == component and made["bytes"] > 0
+    assert cli_main(["inspect", str(out), "--out", str(tmp_path)]) == 0
+    report = _json.loads(next(tmp_path.glob("*.inspect.json")).read_text())
+    assert report["complete"] is True, report.get("missing")
+    loader = load_video_vae if component == "vae" else load_audio_vae
+    model = loader(out)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_make_vae_refuses_dit_options(tmp_path, capsys):
+    from h3_spark.cli import main as cli_main
+
+    assert cli_main(["make-checkpoint", "--component", "vae", "--format", "nvfp4", str(tmp_path / "v.safetensors")]) == 2
+    assert "published VAE files are not quantized" in capsys.readouterr().err

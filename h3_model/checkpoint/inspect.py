@@ -232,6 +232,12 @@ def _has_conv(keys: set[str], name: str) -> bool:
 
 
 def _video_vae_missing(keys: set[str]) -> tuple[list[str], dict]:
+    comfy_encoder = any(k.startswith("encoder.down.") for k in keys)
+    if comfy_encoder:
+        from ..vae_loading import comfy_video_names_to_diffusers
+
+        # ComfyUI renames the decoder too (x_embedder, fused to_qkv, ff.w1/w2): check under diffusers names.
+        keys = comfy_video_names_to_diffusers(keys)
     required = ["decoder.register_tokens", "decoder.proj_in.weight", "decoder.proj_in.bias", "decoder.norm_out.weight",
                 "decoder.norm_out.bias", "decoder.proj_out.weight", "decoder.proj_out.bias", "quant_conv.weight",
                 "quant_conv.bias", "post_quant_conv.weight", "post_quant_conv.bias"]
@@ -244,7 +250,6 @@ def _video_vae_missing(keys: set[str]) -> tuple[list[str], dict]:
     for i in blocks:
         missing += [f"decoder.transformer_blocks.{i}.{s}" for s in per_block
                     if f"decoder.transformer_blocks.{i}.{s}" not in keys]
-    comfy_encoder = any(k.startswith("encoder.down.") for k in keys)
     if not comfy_encoder:
         missing += [k for k in ("encoder.conv_in.weight", "encoder.conv_out.weight", "encoder.norm_out.weight")
                     if k not in keys]
