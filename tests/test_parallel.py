@@ -111,3 +111,32 @@ def test_needs_initialised_process_group():
 
     with pytest.raises(H3Error, match="needs torch.distributed to be initialised"):
         SequenceParallelDiT(_model())
+
+
+def test_generate_gpus_2_equals_one_process(tmp_path):
+    """`h3-spark generate --gpus 2` (torchrun + gloo on CPU) gives the one-process latents."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from h3_spark.h3_model.demo import build_demo_models
+    from h3_spark.h3_model.torchvision_compat import ensure_importable
+
+    if not ensure_importable():
+        pytest.skip("the Qwen3-VL processors need torchvision")
+    models = build_demo_models(tmp_path / "demo")
+    env = {**os.environ, "H3_MODULATION_FUSION": "off", "H3_Q_RMS_ROPE_INT8_FUSION": "off", "OMP_NUM_THREADS": "1"}
+    latents = []
+    for gpus in (1, 2):
+        out = tmp_path / f"g{gpus}.mp4"
+        cmd = [sys.executable, "-m", "h3_spark.cli", "generate", "--demo", "--demo-dir", str(models), "--quiet",
+               "--device", "cpu", "--steps", "3", "--width", "64", "--height", "64", "--gpus", str(gpus),
+               "--out", str(out), "--save-latents", str(tmp_path / f"g{gpus}.safetensors")]
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert out.is_file()
+        latents.append(load_file(str(tmp_path / f"g{gpus}.safetensors")))
+    for key in ("video_latents", "audio_latents"):
+        a, b = latents[1][key], latents[0][key]
+        assert ((a - b).norm() / b.norm()).item() <= 1e-5, key
