@@ -209,7 +209,12 @@ def run(args) -> int:
                 from ..h3_model.parallel import SequenceParallelDiT
 
                 setattr(comps, key, SequenceParallelDiT(getattr(comps, key)))
-    pipe = Pipeline(comps, offload_text_encoder=args.offload_text_encoder, decode=rank == 0)
+    group = None
+    if world > 1:
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+    pipe = Pipeline(comps, offload_text_encoder=args.offload_text_encoder, decode_group=group)
 
     def progress(p):
         if p.stage == "sampling" and p.total:

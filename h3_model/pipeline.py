@@ -143,10 +143,12 @@ class _LRU(OrderedDict):
 
 class Pipeline:
     def __init__(self, components: Components, *, cache_size: int = 32, offload_text_encoder: bool = False,
-                 decode: bool = True):
+                 decode: bool = True, decode_group=None):
         self.c = components
-        # Sequence-parallel ranks other than 0 sample in lockstep but leave decoding to rank 0.
         self.decode = decode
+        # Under sequence parallelism every rank samples in lockstep; the video decode's windows are then
+        # shared out over the ranks (bit-identical to one process).
+        self.decode_group = decode_group
         self._reference_cache = _LRU(cache_size)
         self._lock = threading.Lock()
         # Offloading frees the GPU for the DiT when both do not fit; resident is faster for a service.
@@ -222,7 +224,8 @@ class Pipeline:
         t0 = time.perf_counter()
         report(Progress("video_decode"))
         vae = self._need(self.c.vae, "the video VAE")
-        video = vae.decode_to_buffer(vae.denormalize(result.video_latents), tile_size=req.vae_tile_size)[0]
+        video = vae.decode_to_buffer(vae.denormalize(result.video_latents), tile_size=req.vae_tile_size,
+                                     group=self.decode_group)[0]
         timings["video_decode"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         report(Progress("audio_decode"))

@@ -808,10 +808,16 @@ class VideoVAE(nn.Module):
     # Deliberately not decorated with no_grad: torch's generator wrapper would hold the last
     # yielded chunk, and with it the whole previous window canvas, while the next one decodes.
     def iter_decode(self, z: torch.Tensor, *, tile_size: int | None = DEFAULT_TILE_SIZE,
-                    tile_min_overlap: int = DEFAULT_TILE_MIN_OVERLAP) -> Iterator[tuple[int, torch.Tensor]]:
+                    tile_min_overlap: int = DEFAULT_TILE_MIN_OVERLAP,
+                    group: Any = None) -> Iterator[tuple[int, torch.Tensor]]:
         """Raw latents (B, C, T, h, w) -> (first frame, fp32 ImageNet-space chunk (B, 3, n, H, W))
         in frame order; the chunks tile [0, decoded_num_frames(T)) exactly. Each chunk is fresh
-        memory the caller may overwrite in place."""
+        memory the caller may overwrite in place.
+
+        With a torch.distributed `group`, the decoder windows are shared out among its ranks
+        (window i on rank i % world) and broadcast, so every rank yields the same chunks as a
+        one-process decode, bit for bit: the windows are independent and the cross-fades run
+        in the same order everywhere."""
         self._check_latents(z)
         check_tiling(tile_size, tile_min_overlap, self.config.spatial_ratio)
         cfg = self.config
@@ -823,10 +829,18 @@ class VideoVAE(nn.Module):
         if plan.tail is not None:
             frames += list(range(plan.tail.start, plan.tail.stop))
         main_len = plan.main.stop - plan.main.start
+
+        def window(i: int) -> torch.Tensor:
+            start = i * cfg.tokens_chunk_size
+            return self._decode_window(z[:, :, start:start + plan.window], frames, tile_size, tile_min_overlap)
+
+        if group is not None:
+            r = cfg.spatial_ratio
+            shape = (z.shape[0], cfg.out_channels, len(frames), z.shape[-2] * r, z.shape[-1] * r)
+            window = _shared_windows(window, plan.num_chunks, shape, self.device, group)
         written, tail = 0, None
         for i in range(plan.num_chunks):
-            start = i * cfg.tokens_chunk_size
-            pixels = self._decode_window(z[:, :, start:start + plan.window], frames, tile_size, tile_min_overlap)
+            pixels = window(i)
             chunk = pixels[:, :, :main_len]
             if tail is not None:
                 blend_edge_(tail, chunk, cfg.frame_overlap, dim=2)
@@ -877,6 +891,31 @@ def _store_rgb(out: torch.Tensor, start: int, chunk: torch.Tensor) -> None:
     rgb = _to_unit_(chunk)
     rgb = rgb.mul_(255.0).round_().to(torch.uint8) if out.dtype == torch.uint8 else rgb.to(out.dtype)
     out[:, start:start + rgb.shape[2]].copy_(rgb.permute(0, 2, 3, 4, 1))
+
+
+def _shared_windows(window: Callable[[int], torch.Tensor], count: int, shape: tuple[int, ...], device,
+                    group) -> Callable[[int], torch.Tensor]:
+    """Window i is decoded on rank i % world and broadcast; rounds of `world` windows keep at most
+    one round in memory. Every rank must ask for the windows in order 0, 1, 2, ..."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    held: dict[int, torch.Tensor] = {}
+
+    def get(i: int) -> torch.Tensor:
+        if i not in held:
+            first = i - i % world
+            mine = first + rank
+            own = window(mine) if mine < count else None
+            for j in range(first, min(first + world, count)):
+                owner = j % world
+                buf = own.contiguous() if owner == rank else torch.empty(shape, dtype=torch.float32, device=device)
+                dist.broadcast(buf, src=dist.get_global_rank(group, owner) if group is not dist.group.WORLD
+                               else owner, group=group)
+                held[j] = buf
+        return held.pop(i)
+
+    return get
 
 
 def _emit(chunk: torch.Tensor, written: int, total: int) -> Iterator[tuple[int, torch.Tensor]]:

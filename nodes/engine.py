@@ -291,7 +291,7 @@ def _ensure_loras(dit, loras: list) -> None:
     Several MODEL clones share one DiT (ComfyUI caches the loader's output), so the merged set is
     tracked on the DiT itself; only the parameters a LoRA touches are backed up (on the CPU).
     """
-    from ..h3_model.lora import LoraSpec, apply_loras, lora_deltas, read_lora
+    from ..h3_model.lora import LoraSpec, apply_loras, plan_lora, read_lora
 
     want = tuple((str(p), float(s)) for p, s in loras)
     state = dit.__dict__.setdefault("_h3_spark_loras", {"applied": (), "backup": {}})
@@ -305,10 +305,9 @@ def _ensure_loras(dit, loras: list) -> None:
     names: set[str] = set()
     for spec in specs:
         tensors, metadata = read_lora(spec.path)
-        deltas, replacements, _ = lora_deltas(dit, tensors, metadata,
-                                              interleaved_qkv=any(".default." in k for k in tensors))
-        names |= set(deltas) | set(replacements)
-        del deltas, replacements, tensors
+        ops, _ = plan_lora(dit, tensors, metadata, interleaved_qkv=any(".default." in k for k in tensors))
+        names |= {op.param for op in ops}
+        del ops, tensors
     state["backup"] = {n: params[n].detach().to("cpu", copy=True) for n in names if n in params}
     try:
         apply_loras(dit, specs, base={n: t.float() for n, t in state["backup"].items()})

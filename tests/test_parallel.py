@@ -140,3 +140,44 @@ def test_generate_gpus_2_equals_one_process(tmp_path):
     for key in ("video_latents", "audio_latents"):
         a, b = latents[1][key], latents[0][key]
         assert ((a - b).norm() / b.norm()).item() <= 1e-5, key
+
+
+def _vae():
+    from h3_spark.h3_model import video_vae
+
+    torch.manual_seed(0)
+    vae = video_vae.VideoVAE(video_vae.TINY).eval()
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.normal_(0, 0.2)
+    return vae
+
+
+def _vae_worker(rank, world, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        z = torch.randn(1, 4, 17, 4, 6, generator=torch.Generator().manual_seed(3))
+        out = _vae().decode_to_buffer(z, group=dist.group.WORLD, tile_size=16, tile_min_overlap=4)
+        queue.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vae_decode_split_over_ranks_is_bit_identical(world):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_vae_worker, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    outs = dict(queue.get(timeout=240) for _ in range(world))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    z = torch.randn(1, 4, 17, 4, 6, generator=torch.Generator().manual_seed(3))
+    expected = _vae().decode_to_buffer(z, tile_size=16, tile_min_overlap=4)
+    for rank in range(world):
+        assert torch.equal(outs[rank], expected), rank

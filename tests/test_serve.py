@@ -230,7 +230,8 @@ def test_generate_poll_done_with_a_per_request_attention_switch(serve, resident,
     assert job["output"] == str(out) and out.is_file()
     assert sorted(os.listdir(out.parent)) == ["clip.mp4"]  # no temporary file left behind
     info = media.probe(out)
-    assert info["video_codec"] == "h264" and info["audio_codec"] == "aac" and info["width"] == 16
+    assert info["video_codec"] == "h264" and info["audio_codec"] == "aac"
+    assert (info["width"], info["height"]) == (CANVAS["width"], CANVAS["height"])  # the canvas asked for
     assert job["progress"]["stage"] == "done"
     assert {"text_encode", "sampling", "video_decode", "audio_decode", "mux"} <= set(job["timings"])
     assert job["info"]["frames"] == 124 and job["request"]["seed"] == 3
