@@ -77,23 +77,15 @@ def _env_choice(value, env: str, default: str) -> str:
 
 
 def parse_refs(items: list[str]):
-    from ..h3_model import media
     from ..h3_model.errors import InputError
-    from ..h3_model.refs import AudioReference, ImageReference, VideoReference
+    from ..h3_model.refs import load_reference
 
     refs = []
     for item in items:
         kind, sep, path = item.partition(":")
         if not sep or kind not in REF_KINDS or not path:
             raise InputError(f"--ref must be KIND:PATH with KIND in {', '.join(REF_KINDS)}, got {item!r}")
-        if kind == "image":
-            refs.append(ImageReference(media.read_image(path)))
-        elif kind == "audio":
-            refs.append(AudioReference(media.read_audio(path)))
-        else:
-            clip = media.read_video(path)
-            refs.append(VideoReference(clip.frames, fps=float(clip.fps), audio=clip.audio,
-                                       sample_rate=clip.sample_rate))
+        refs.append(load_reference(kind, path))
     return refs
 
 

@@ -427,7 +427,6 @@ class H3DiT(nn.Module):
         `output_video_rows` / `output_audio_rows` select positions within those (e.g. the target
         rows) so the heads only run where needed.
         """
-        c = self.config
         if text_embeds is None:
             if encoder_hidden_states is None:
                 raise InputError("either encoder_hidden_states or text_embeds is needed")
@@ -437,24 +436,36 @@ class H3DiT(nn.Module):
         rope = self.rope(position_ids)
         tables = self.modulation(timestep)
 
-        b, s = text_embeds.shape[0], position_ids.shape[0]
-        video = self.proj_in(hidden_states.to(self.proj_in.weight.dtype))
-        audio = self.audio_proj_in(audio_hidden_states.to(self.audio_proj_in.weight.dtype))
-        x = text_embeds.new_zeros(b, s, c.hidden_size)
-        x = x.index_copy(1, text_indices, text_embeds)
-        x = x.index_copy(1, video_indices, video.to(x.dtype))
-        x = x.index_copy(1, audio_indices, audio.to(x.dtype))
-
+        x = self.embed_rows(hidden_states, audio_hidden_states, text_embeds, video_indices, audio_indices,
+                            text_indices, position_ids.shape[0])
         mod = self.modulation_cls(adaln_rows(timestep_indices, token_tags), self.use_segments)
         for i, blk in enumerate(self.transformer_blocks):
             x = blk(x, tables.blocks[i], mod, rope, self.attention, mlp_chunks, self.qk_prep)
             if step_callback is not None:
                 step_callback(i)
 
+        return self.heads(x, timestep_indices, tables.final, video_indices, audio_indices, output_video_rows,
+                          output_audio_rows)
+
+    def embed_rows(self, hidden_states: torch.Tensor, audio_hidden_states: torch.Tensor, text_embeds: torch.Tensor,
+                   video_indices: torch.Tensor, audio_indices: torch.Tensor, text_indices: torch.Tensor,
+                   sequence_length: int) -> torch.Tensor:
+        """Project each modality and scatter its rows into the packed sequence (the text dtype's)."""
+        video = self.proj_in(hidden_states.to(self.proj_in.weight.dtype))
+        audio = self.audio_proj_in(audio_hidden_states.to(self.audio_proj_in.weight.dtype))
+        x = text_embeds.new_zeros(text_embeds.shape[0], sequence_length, self.config.hidden_size)
+        x = x.index_copy(1, text_indices, text_embeds)
+        x = x.index_copy(1, video_indices, video.to(x.dtype))
+        return x.index_copy(1, audio_indices, audio.to(x.dtype))
+
+    def heads(self, x: torch.Tensor, timestep_indices: torch.Tensor, final: torch.Tensor, video_indices: torch.Tensor,
+              audio_indices: torch.Tensor, output_video_rows: torch.Tensor | None,
+              output_audio_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output norm and the two fp32 heads over the requested video/audio rows."""
         video_rows = video_indices if output_video_rows is None else video_indices[output_video_rows]
         audio_rows = audio_indices if output_audio_rows is None else audio_indices[output_audio_rows]
-        return (self._head(x, video_rows, timestep_indices, tables.final, self.proj_out),
-                self._head(x, audio_rows, timestep_indices, tables.final, self.audio_proj_out))
+        return (self._head(x, video_rows, timestep_indices, final, self.proj_out),
+                self._head(x, audio_rows, timestep_indices, final, self.audio_proj_out))
 
     def _head(self, x: torch.Tensor, rows: torch.Tensor, timestep_indices: torch.Tensor, final: torch.Tensor,
               proj: nn.Linear) -> torch.Tensor:
@@ -493,7 +504,7 @@ class H3DiT(nn.Module):
         if s and (int(timestep_indices.min()) < 0 or int(timestep_indices.max()) >= timestep.numel()):
             raise InputError(f"timestep_indices must lie in [0, {timestep.numel()})")
         if s and (int(token_tags.min()) < 0 or int(token_tags.max()) >= NUM_MODALITIES):
-            raise InputError(f"token_tags must be 0 (video), 1 (text) or 2 (audio)")
+            raise InputError("token_tags must be 0 (video), 1 (text) or 2 (audio)")
         covered = torch.cat([video_indices, audio_indices, text_indices])
         if covered.numel() and (int(covered.min()) < 0 or int(covered.max()) >= s or covered.unique().numel() != s):
             raise InputError("video_indices, audio_indices and text_indices must cover every row exactly once")

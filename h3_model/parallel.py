@@ -121,14 +121,8 @@ class SequenceParallelDiT:
         cos, sin = m.rope(position_ids)
         tables = m.modulation(timestep)
 
-        b, d = text_embeds.shape[0], m.config.hidden_size
-        video = m.proj_in(hidden_states.to(m.proj_in.weight.dtype))
-        audio = m.audio_proj_in(audio_hidden_states.to(m.audio_proj_in.weight.dtype))
-        x = text_embeds.new_zeros(b, s, d)
-        x = x.index_copy(1, text_indices, text_embeds)
-        x = x.index_copy(1, video_indices, video.to(x.dtype))
-        x = x.index_copy(1, audio_indices, audio.to(x.dtype))
-        x = x[:, lo:hi].contiguous()
+        x = m.embed_rows(hidden_states, audio_hidden_states, text_embeds, video_indices, audio_indices, text_indices,
+                         s)[:, lo:hi].contiguous()
 
         mod = m.modulation_cls(adaln_rows(timestep_indices, token_tags)[lo:hi], m.use_segments)
         attention = ulysses_attention(m.attention, shards, self.group)
@@ -138,7 +132,5 @@ class SequenceParallelDiT:
             if step_callback is not None:
                 step_callback(i)
         x = gather_rows(x, shards, self.group)
-        video_rows = video_indices if output_video_rows is None else video_indices[output_video_rows]
-        audio_rows = audio_indices if output_audio_rows is None else audio_indices[output_audio_rows]
-        return (m._head(x, video_rows, timestep_indices, tables.final, m.proj_out),
-                m._head(x, audio_rows, timestep_indices, tables.final, m.audio_proj_out))
+        return m.heads(x, timestep_indices, tables.final, video_indices, audio_indices, output_video_rows,
+                       output_audio_rows)

@@ -68,6 +68,23 @@ class PreparedReference:
         return h.hexdigest()
 
 
+REFERENCE_KINDS = ("image", "video", "audio")
+
+
+def load_reference(kind: str, path) -> Reference:
+    """A reference read from a file: image, video (with its soundtrack when it has one) or audio."""
+    from . import media
+
+    if kind == "image":
+        return ImageReference(media.read_image(path))
+    if kind == "audio":
+        return AudioReference(media.read_audio(path))
+    if kind == "video":
+        clip = media.read_video(path)
+        return VideoReference(clip.frames, fps=float(clip.fps), audio=clip.audio, sample_rate=clip.sample_rate)
+    raise InputError(f"a reference kind must be one of {', '.join(REFERENCE_KINDS)}, got {kind!r}")
+
+
 def check_image(image: torch.Tensor, what: str) -> torch.Tensor:
     if not isinstance(image, torch.Tensor) or image.dtype != torch.uint8 or image.ndim != 3 or image.shape[-1] != 3:
         raise InputError(f"{what} must be a uint8 (H, W, 3) RGB tensor")

@@ -18,7 +18,7 @@ import torch
 from ..h3_model import media
 from ..h3_model.errors import H3Error
 from ..h3_model.pipeline import GenerationRequest, Pipeline, Progress
-from ..h3_model.refs import AudioReference, ImageReference, VideoReference
+from ..h3_model.refs import load_reference
 from ..h3_model.sampler import Cancelled
 from ..h3_model.step_cache import make_step_cache
 from .jobs import Job
@@ -33,17 +33,7 @@ def free_memory() -> None:
 
 
 def _read_references(paths) -> list:
-    refs = []
-    for kind, path in paths:
-        if kind == "image":
-            refs.append(ImageReference(media.read_image(path)))
-        elif kind == "audio":
-            refs.append(AudioReference(media.read_audio(path)))
-        else:
-            clip = media.read_video(path)
-            refs.append(VideoReference(clip.frames, fps=float(clip.fps), audio=clip.audio,
-                                       sample_rate=clip.sample_rate))
-    return refs
+    return [load_reference(kind, path) for kind, path in paths]
 
 
 class JobRunner:

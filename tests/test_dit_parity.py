@@ -5,10 +5,6 @@ Tolerance: rel L2 <= 1e-5 in fp32 (the brief's bound; in practice the two agree 
 
 import pytest
 import torch
-from diffusers.modular_pipelines.minimax_h3.before_denoise import (
-    MiniMaxH3PrepareLayoutStep,
-    MiniMaxH3Ref2VAPrepareLayoutStep,
-)
 
 from h3_spark.h3_model import layout
 from oracle import CONFIGS, diffusers_dit, ours_from, ref_blocks, rel_l2, text_tags

@@ -5,7 +5,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from h3_spark.cli import main
 from h3_spark.h3_model import media
