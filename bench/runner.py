@@ -170,9 +170,10 @@ def blockwise(model, twin, inputs: dict) -> list[float]:
 
 
 def run(contract: Contract, model, device: str, *, twin, diffusers_backends: list[str],
-        diffusers_compile: bool, weights: str, backends_used: dict) -> dict:
-    """`twin`: diffusers' model on the same weights (bench_diffusers), or None for ours alone."""
-    shape = contract_shape(contract, model.config)
+        diffusers_compile: bool, weights: str, backends_used: dict, spatial: int = 16) -> dict:
+    """`twin`: diffusers' model on the same weights (bench_diffusers), or None for ours alone.
+    `spatial`: the video VAE's compression (16 when released) that turns the canvas into latents."""
+    shape = contract_shape(contract, model.config, spatial)
     schedule = JointSchedule.create(contract["steps"])
     inputs = make_inputs(shape, model.config, device, contract["seed"], len(schedule) // 2, schedule)
     result = {"contract": contract["name"], "sequence_length": shape.layout.sequence_length,
@@ -190,3 +191,46 @@ def run(contract: Contract, model, device: str, *, twin, diffusers_backends: lis
         result["speedup_full_work_vs_diffusers"] = d["diffusers_best_forward_s"] / result["dit_forward_full_s_median"]
     result["limits"] = check_limits(contract, result)
     return result
+
+
+def contract_request(contract: Contract):
+    """The contract's request for the real pipeline; image references are seeded random pictures of the
+    contract's source sizes (the timing depends on their size, not their content)."""
+    from ..h3_model.pipeline import GenerationRequest
+    from ..h3_model.refs import ImageReference
+
+    refs = []
+    for i, ref in enumerate(contract.get("references", [])):
+        gen = torch.Generator().manual_seed(contract["seed"] + i)
+        refs.append(ImageReference(torch.randint(0, 256, (ref["source_height"], ref["source_width"], 3),
+                                                 generator=gen, dtype=torch.uint8)))
+    return GenerationRequest(mode=contract["mode"], prompt=contract.get("prompt", "benchmark"), references=refs,
+                             width=contract["width"], height=contract["height"], frames=contract["frames"],
+                             steps=contract["steps"], seed=contract["seed"],
+                             reference_policy=(contract.get("references") or [{}])[0].get("policy", "match"))
+
+
+def bench_generation(components, contract: Contract, device: str) -> dict:
+    """One warm full generation (after a 2-step warm-up of every stage): seconds per stage, mux included."""
+    import dataclasses
+    import tempfile
+
+    from ..h3_model import media
+    from ..h3_model.pipeline import Pipeline
+
+    pipe = Pipeline(components)
+    req = contract_request(contract)
+    pipe.generate(dataclasses.replace(req, steps=2))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    result = pipe.generate(req)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        media.write_mp4(f"{tmp}/bench.mp4", result.video, result.audio)
+        result.timings["mux"] = time.perf_counter() - t0
+    total = time.perf_counter() - start
+    return {"stage_s": result.timings, "total_s": total, "sequence_length": result.info["sequence_length"],
+            "evaluations": result.info["evaluations"], "frames": int(result.video.shape[0]),
+            "peak_gpu_memory_gb": _peak(device), "note": "warm: every stage ran once before (2 steps)"}

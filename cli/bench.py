@@ -13,6 +13,8 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--contract", required=True, help="benchmarks/<name>.json")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="DiT checkpoint (any format the engine reads)")
+    src.add_argument("--models", type=Path,
+                     help="a released-layout model folder: also measures a full warm generation per stage")
     src.add_argument("--synthetic", action="store_true",
                      help="random full-size weights built on the device (timing is weight-independent; "
                           "the result says so)")
@@ -28,6 +30,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--attention", default=None, help="attention backend (default: $H3_ATTENTION or auto)")
     p.add_argument("--linear", default=None, help="block linear format (default: $H3_LINEAR or auto)")
     p.add_argument("--repeats", type=int, default=None, help="override the contract's repeat count")
+    p.add_argument("--text-encoder-layer", type=int, default=50, help="with --models: the Qwen3-VL layer read")
     p.add_argument("--out", required=True, help="result JSON path")
     return p
 
@@ -55,6 +58,13 @@ def run(args) -> int:
         model = synthetic_dit(preset(args.preset), dtype, device, seed=contract["seed"])
         weights = f"synthetic random N(0, 0.02) weights, preset {args.preset}, built on the device " \
                   "(real H3 weights are not available here; timing does not depend on weight values)"
+    elif args.models:
+        from ..h3_model.components import ComponentPaths, LoadOptions, load_components
+
+        comps, _ = load_components(ComponentPaths(models=args.models), [contract["mode"]],
+                                   LoadOptions(device=device, dtype=dtype, text_layer=args.text_encoder_layer))
+        model = comps.dit_for(contract["mode"])
+        weights = f"model folder {args.models}"
     else:
         from ..h3_model.checkpoint import load_dit
 
@@ -79,7 +89,10 @@ def run(args) -> int:
     if args.vs and len(diff_backends) == 1:
         diff_backends.append("_native_flash" if device.startswith("cuda") else "_native_math")
     result = runner.run(contract, model, device, twin=twin, diffusers_backends=diff_backends,
-                        diffusers_compile=args.diffusers_compile, weights=weights, backends_used=backends)
+                        diffusers_compile=args.diffusers_compile, weights=weights, backends_used=backends,
+                        spatial=comps.vae.config.spatial_ratio if args.models else 16)
+    if args.models:
+        result["generation"] = runner.bench_generation(comps, contract, device)
     result["dtype"] = args.dtype
     result["stamp"] = stamp.stamp_after(record)
     out = Path(args.out)

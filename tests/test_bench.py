@@ -76,3 +76,25 @@ def test_bench_cli_errors(tmp_path, capsys):
                  "--device", "cpu"])
     assert code == 2
     assert "no such contract file" in capsys.readouterr().err
+
+
+def test_bench_with_a_model_folder_measures_every_stage(tmp_path, capsys, monkeypatch):
+    from h3_spark.h3_model.demo import TEXT_READ_LAYER, build_demo_models
+    from h3_spark.h3_model.torchvision_compat import ensure_importable
+
+    if not ensure_importable():
+        pytest.skip("the Qwen3-VL processors need torchvision")
+    monkeypatch.setenv("H3_MODULATION_FUSION", "off")
+    monkeypatch.setenv("H3_Q_RMS_ROPE_INT8_FUSION", "off")
+    models = build_demo_models(tmp_path / "demo")
+    out = tmp_path / "r.json"
+    code = main(["bench", "--contract", str(ROOT / "tests" / "data" / "tiny-t2va.json"), "--models", str(models),
+                 "--text-encoder-layer", str(TEXT_READ_LAYER), "--dtype", "float32", "--device", "cpu",
+                 "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["limits"]["sequence_length"]["ok"] is True
+    stages = result["generation"]["stage_s"]
+    assert set(stages) == {"text_encode", "reference_encode", "sampling", "video_decode", "audio_decode", "mux"}
+    assert all(v >= 0 for v in stages.values()) and stages["sampling"] > 0
+    assert result["generation"]["frames"] == 124 and result["generation"]["evaluations"] == 2
