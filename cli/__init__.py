@@ -16,6 +16,7 @@ COMMANDS = {
     "generate": "generate",
     "trace-dit": "trace_dit",
     "bench": "bench",
+    "compare": "compare",
     "inspect": "inspect",
     "make-checkpoint": "make_checkpoint",
     "decode": "decode",

@@ -29,7 +29,7 @@ def test_attention_backends(name):
     q, k, v = (rand(1, 4096, 4, 128, seed=i).bfloat16() for i in range(3))
     if name == "sol_attn":
         # Block-sparse attention only promises accuracy where attention is concentrated; on unstructured
-        # random Q/K it dropped 77 % of the output (receipts/kernels-h200.json). Peaky attention: every
+        # random Q/K it dropped 77 % of the output (receipts/h200/kernels-h200.json). Peaky attention: every
         # query's own key dominates, which the always-kept diagonal blocks cover.
         k = (q.float() * 4).bfloat16()
     err = rel_l2(fn(q, k, v), sdpa(q, k, v))

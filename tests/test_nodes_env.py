@@ -59,7 +59,7 @@ def test_every_flag_is_documented_before_it_is_set():
 
 def test_the_cited_receipt_ran_these_settings():
     text = ENV.read_text()
-    cited = set(re.findall(r"receipts/[\w.\-]+\.json", text))
+    cited = set(re.findall(r"receipts/[\w./\-]+\.json", text))
     assert cited
     env = sourced()
     for path in cited:

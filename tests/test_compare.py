@@ -1,0 +1,102 @@
+"""`h3-spark compare` and the schema of the receipts in receipts/h200/."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from h3_spark.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+RECEIPTS = ROOT / "receipts" / "h200"
+BENCH = sorted(p for p in RECEIPTS.glob("*-960x544-124f.*.json") if ".sp2." not in p.name)
+
+
+def _result(name="t2va-960x544-124f.auto.json"):
+    return json.loads((RECEIPTS / name).read_text())
+
+
+def _compare(tmp_path, capsys, result, *extra):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    code = main(["compare", "--result", str(path), *extra])
+    return code, capsys.readouterr()
+
+
+def test_exact_receipt_misses_only_the_speed_target(tmp_path, capsys):
+    code, out = _compare(tmp_path, capsys, _result())
+    assert code == 1
+    lines = {line.split()[0]: line for line in out.out.splitlines()[2:-1]}
+    assert lines["dit_forward_s_median"].endswith("FAIL")  # 2.07 s against the 1.95 s target
+    for metric in ("sequence_length", "peak_gpu_memory_gb", "velocity_rel_l2_vs_diffusers", "speedup_vs_diffusers"):
+        assert lines[metric].endswith("ok"), lines[metric]
+
+
+def test_passes_when_every_limit_holds(tmp_path, capsys):
+    result = _result()
+    result["dit_forward_s_median"] = 1.9
+    code, out = _compare(tmp_path, capsys, result)
+    assert code == 0 and out.out.strip().endswith("PASS")
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda r: r.pop("stamp"), "required"),
+    (lambda r: r.pop("noise_floor_rel_l2"), "no noise floor measured"),
+    (lambda r: r.update(peak_gpu_memory_gb=99.0), "peak_gpu_memory_gb"),
+    (lambda r: r["backends"]["attention"].update(requested="fa3_fp8"), "asked for fa3_fp8, ran fa3"),
+    (lambda r: r["backends"]["settings"].update(linear="fp8"), "asked for fp8, ran bf16"),
+])
+def test_fails_closed(tmp_path, capsys, change, message):
+    result = copy.deepcopy(_result())
+    result["dit_forward_s_median"] = 1.9
+    change(result)
+    code, out = _compare(tmp_path, capsys, result)
+    assert code == 1 and message in out.out
+
+
+def test_compare_input_errors(tmp_path, capsys):
+    assert main(["compare", "--result", str(tmp_path / "none.json")]) == 2
+    assert "no such result file" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2")
+    assert main(["compare", "--result", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    bad.write_text(json.dumps({"dit_forward_s_median": 1.0}))
+    assert main(["compare", "--result", str(bad)]) == 2
+    assert "names no contract" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", BENCH, ids=lambda p: p.name)
+def test_bench_receipts_schema(path):
+    r = json.loads(path.read_text())
+    for key in ("contract", "sequence_length", "dit_forward_s_median", "dit_forward_s_all", "peak_gpu_memory_gb",
+                "weights", "backends", "stamp", "limits", "velocity_rel_l2_vs_diffusers", "noise_floor_rel_l2",
+                "diffusers"):
+        assert key in r, key
+    assert "synthetic" in r["weights"]
+    stamp = r["stamp"]
+    for when in ("gpu_before", "gpu_after"):
+        for field in ("name", "driver_version", "clocks.sm", "clocks.mem", "power.limit"):
+            assert stamp[when][field], (when, field)
+    assert stamp["gpu_before"]["name"] == "NVIDIA H200"
+    for field in ("torch", "cuda", "triton"):
+        assert stamp["software"][field], field
+    # The GPU machine gets the working tree without .git: the commit comes from H3_GIT_COMMIT when the
+    # run set it (the first runs did not; docs/perf-notes.md names their commits).
+    assert "h3_spark_commit" in stamp["software"]
+    assert len(r["diffusers"]["blockwise_rel_l2"]) == 50
+
+
+@pytest.mark.parametrize("path", sorted(RECEIPTS.glob("*.sp2.json")), ids=lambda p: p.name)
+def test_parallel_receipts_schema(path):
+    r = json.loads(path.read_text())
+    assert r["world_size"] == 2 and r["speedup"] == pytest.approx(r["one_gpu_forward_s_median"] /
+                                                                   r["split_forward_s_median"])
+    assert r["velocity_rel_l2_split_vs_one_gpu"] <= 1e-5 and r["stamp"]["gpu_before"]["name"] == "NVIDIA H200"
+
+
+def test_both_contracts_have_an_exact_receipt():
+    names = {json.loads(p.read_text())["contract"] for p in BENCH
+             if json.loads(p.read_text())["backends"].get("exact", True)}
+    assert {"t2va-960x544-124f", "ref2va-960x544-124f"} <= names
