@@ -34,7 +34,8 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                    help="image references: scaled down to the canvas area (match, ComfyUI's default), to a 2048 px "
                         "short edge (max), or resized to 2048 px like diffusers")
     models = p.add_argument_group("models (a released-layout folder, or each component)")
-    models.add_argument("--models", type=Path, help="folder with transformer/, transformer_ref/, text_encoder/, vae/, "
+    models.add_argument("--models", "--models-dir", dest="models", type=Path,
+                        help="folder with transformer/, transformer_ref/, text_encoder/, vae/, "
                                                     "audio_vae/")
     for flag in ("dit", "dit-ref", "text-encoder", "tokenizer", "vae", "audio-vae"):
         models.add_argument(f"--{flag}", type=Path)
@@ -61,14 +62,18 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     cache.add_argument("--cache-subsample-factor", type=int, default=1)
     p.add_argument("--gpus", type=int, default=1, help="split each DiT forward over N GPUs (Ulysses sequence "
                                                        "parallel, via torchrun; N must divide 56 heads)")
-    p.add_argument("--demo", action="store_true", help="tiny synthetic models made on the spot (the output is noise): "
-                                                      "checks an install end to end on any machine")
+    p.add_argument("--demo", action="store_true",
+                   help="tiny synthetic models made on the spot (the output is noise): checks an install end to end "
+                        "on any machine; the default when no model is given")
     p.add_argument("--demo-dir", type=Path, default=None, help="where --demo keeps its models")
     p.add_argument("--offload-text-encoder", action="store_true", help="move Qwen to the CPU after encoding")
     p.add_argument("--save-latents", type=Path, help="also save the final latents (for `h3-spark decode`)")
     p.add_argument("--ffmpeg-loglevel", default=None)
-    p.add_argument("--out", type=Path, default=None, help="mp4 to write (required; --demo defaults to h3-spark-demo.mp4)")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--out", "--output", dest="out", type=Path, default=None,
+                   help="mp4 to write (required with real models; the demo defaults to h3-spark-demo.mp4)")
+    p.add_argument("--progress", action="store_true", help="print stages and per-step sampler timing on stderr")
+    p.add_argument("--profile-memory", action="store_true", help="print memory checkpoints per stage on stderr")
+    p.add_argument("--quiet", action="store_true", help="print nothing, not even the JSON summary")
     return p
 
 
@@ -141,7 +146,13 @@ def run(args) -> int:
         rank, world, device = _distributed(args)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {device} asked for, but this machine has no CUDA GPU")
-    log = (lambda m: None) if args.quiet or rank else (lambda m: print(f"h3-spark: {m}", file=sys.stderr, flush=True))
+    verbose = (args.progress or args.profile_memory) and not args.quiet and not rank
+    log = (lambda m: print(f"h3-spark: {m}", file=sys.stderr, flush=True)) if verbose else (lambda m: None)
+    if not verbose:
+        _silence_library_progress()
+    given = [args.models, args.dit, args.dit_ref, args.text_encoder, args.vae, args.audio_vae]
+    if not args.demo and all(x is None for x in given):
+        args.demo = True  # no model given: the built-in tiny set
     if args.demo:
         from ..h3_model.demo import DEMO_PROMPT, TEXT_READ_LAYER, build_demo_models, default_demo_dir
 
@@ -209,10 +220,11 @@ def run(args) -> int:
     pipe = Pipeline(comps, offload_text_encoder=args.offload_text_encoder, decode_group=group)
 
     def progress(p):
+        memory = f" [{_memory(device)}]" if args.profile_memory else ""
         if p.stage == "sampling" and p.total:
-            log(f"step {p.step}/{p.total}" + (f" ({p.seconds:.2f} s)" if p.step else ""))
+            log(f"step {p.step}/{p.total}" + (f" ({p.seconds:.2f} s)" if p.step else "") + memory)
         else:
-            log(p.stage.replace("_", " "))
+            log(p.stage.replace("_", " ") + memory)
 
     result = pipe.generate(req, on_progress=progress)
     if rank:
@@ -237,7 +249,38 @@ def run(args) -> int:
                    ["step_cache"] if req.step_cache is not None else [])}
     if "step_cache" in result.info:
         summary["step_cache"] = result.info["step_cache"]
+    summary["peak_memory_gb"] = _peak_gb(device)
     if args.demo:
         summary["note"] = "demo: tiny synthetic random weights, the video and sound are noise"
-    print(json.dumps(summary))
+    if not args.quiet:
+        print(json.dumps(summary))
     return 0
+
+
+def _silence_library_progress() -> None:
+    """transformers draws its own progress bars while loading; quiet means quiet."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+
+
+def _peak_gb(device: str) -> float:
+    """Peak GPU memory on CUDA; the process's peak resident memory on the CPU."""
+    import resource
+
+    import torch
+
+    if device.startswith("cuda"):
+        return round(torch.cuda.max_memory_allocated() / 1e9, 3)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3)
+
+
+def _memory(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return (f"allocated {torch.cuda.memory_allocated() / 1e9:.2f} GB, "
+                f"peak {torch.cuda.max_memory_allocated() / 1e9:.2f} GB")
+    return f"peak RSS {_peak_gb(device):.2f} GB"

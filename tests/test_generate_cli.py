@@ -30,15 +30,25 @@ def _reference_kernels(monkeypatch):
 
 
 def _run(capsys, *argv):
-    code = main(["generate", "--quiet", *argv])
+    code = main(["generate", *argv])
     captured = capsys.readouterr()
     return code, captured
+
+
+def test_default_is_the_demo_and_quiet_prints_nothing(demo_models, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, cap = _run(capsys, "--demo-dir", str(demo_models), "--steps", "2", "--width", "64", "--height", "64",
+                     "--quiet")
+    assert code == 0 and cap.out == "" and cap.err == ""
+    assert (tmp_path / "h3-spark-demo.mp4").is_file()
 
 
 def test_demo_t2va_writes_an_mp4(demo_models, tmp_path, capsys):
     out = tmp_path / "t2va.mp4"
     code, cap = _run(capsys, "--demo", "--demo-dir", str(demo_models), "--steps", "3", "--width", "64",
-                     "--height", "64", "--out", str(out), "--save-latents", str(tmp_path / "lat.safetensors"))
+                     "--height", "64", "--out", str(out), "--save-latents", str(tmp_path / "lat.safetensors"),
+                     "--progress")
+    assert "step 2/2" in cap.err
     assert code == 0, cap.err
     summary = json.loads(cap.out.strip().splitlines()[-1])
     assert summary["mode"] == "t2va" and summary["frames"] == 124 and summary["evaluations"] == 2
@@ -88,9 +98,12 @@ def _write_wav(path, mono):
     (["--prompt", "p", "--out", "o.mp4", "--frames", "50"], "H3 generates 124..345 frames"),
     (["--prompt", "p", "--out", "o.mp4", "--models", "/nonexistent"], "no such model folder"),
     (["--prompt", "p", "--out", "o.mp4", "--ref", "image:/nonexistent.png"], "nonexistent.png"),
+    (["--prompt", "p", "--out", "o.mp4"], "needs the transformer/ DiT"),
 ])
 def test_generate_errors(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    if "--models" not in argv:
+        argv = [*argv, "--models", str(tmp_path)]  # an empty model folder: the real path, not the demo
     code, cap = _run(capsys, *argv)
     assert code == 2
     assert message in cap.err and "Traceback" not in cap.err
