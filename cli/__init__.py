@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..h3_model.errors import H3Error
 
     args = build_parser().parse_args(argv)
+    # Kept so a command can re-run itself with the same arguments (torchrun, cli/distributed.py).
+    args._argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args._run(args) or 0)
     except H3Error as exc:

@@ -94,35 +94,6 @@ def parse_refs(items: list[str]):
     return refs
 
 
-def _relaunch_with_torchrun(args) -> int:
-    """Re-run this command under torchrun with N processes (one per GPU)."""
-    import subprocess
-
-    argv = [a for a in sys.argv[1:]]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
-           "-m", "h3_spark.cli", *argv]
-    return subprocess.call(cmd)
-
-
-def _distributed(args):
-    """(rank, world, device) under torchrun; initialises the process group."""
-    import torch
-    import torch.distributed as dist
-
-    from ..h3_model.errors import InputError
-
-    world = int(os.environ["WORLD_SIZE"])
-    if world != args.gpus:
-        raise InputError(f"--gpus {args.gpus} but torchrun started {world} processes")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
-        return dist.get_rank(), world, f"cuda:{local}"
-    dist.init_process_group("gloo")
-    return dist.get_rank(), world, "cpu"
-
-
 def run(args) -> int:
     import time
 
@@ -136,14 +107,15 @@ def run(args) -> int:
     from ..h3_model.step_cache import make_step_cache
     from ..kernels.dispatch import apply_kernels
     from ..kernels.settings import KernelSettings
+    from .distributed import command_argv, init_distributed, relaunch_with_torchrun
 
     if args.gpus < 1:
         raise InputError(f"--gpus must be at least 1, got {args.gpus}")
     if args.gpus > 1 and "WORLD_SIZE" not in os.environ:
-        return _relaunch_with_torchrun(args)
+        return relaunch_with_torchrun(args.gpus, command_argv(args))
     rank, world, device = 0, 1, args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.gpus > 1:
-        rank, world, device = _distributed(args)
+        rank, world, device = init_distributed(args.gpus, args.device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {device} asked for, but this machine has no CUDA GPU")
     verbose = (args.progress or args.profile_memory) and not args.quiet and not rank

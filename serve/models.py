@@ -90,6 +90,18 @@ class ResidentModels:
     settings: KernelSettings
     load_seconds: dict[str, float]
     checkpoint_formats: dict[str, str] = field(default_factory=dict)
+    # Sequence parallel (serve --gpus N): every rank's device, rank 0 first, and the group the pipeline
+    # shares the video decode over. One process: [spec_device] and None.
+    devices: list[str] = field(default_factory=list)
+    decode_group: object = None
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            self.devices = [self.spec_device]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
 
     @property
     def modes(self) -> list[str]:
@@ -204,6 +216,17 @@ def _check_text_width(comps: Components) -> None:
                              f"{dit.config.text_dim}: they do not belong together")
 
 
+def unwrap(dit):
+    """The H3DiT itself, also when it is wrapped in a SequenceParallelDiT (serve --gpus N).
+
+    The wrapper forwards attribute reads to the model but not writes, and is not an nn.Module: code
+    that sets the DiT's attention or lists its parameters must reach the model.
+    """
+    from ..h3_model.parallel import SequenceParallelDiT
+
+    return dit.model if isinstance(dit, SequenceParallelDiT) else dit
+
+
 # ------------------------------------------------------------------------------------------ reporting
 def describe_models(models: ResidentModels) -> dict:
     """Per component: class, parameter dtype(s), device, parameter bytes."""
@@ -213,12 +236,15 @@ def describe_models(models: ResidentModels) -> dict:
         obj = getattr(c, name)
         if obj is None:
             continue
-        module = getattr(obj, "model", obj) if name == "text_encoder" else obj
+        module = getattr(obj, "model", obj) if name == "text_encoder" else unwrap(obj)
         params = list(module.parameters()) if isinstance(module, torch.nn.Module) else []
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
         devices = sorted({str(p.device) for p in params})
-        out[name] = {"class": type(obj).__name__, "dtypes": dtypes, "devices": devices,
-                     "parameter_bytes": sum(p.numel() * p.element_size() for p in params)}
+        out[name] = {"class": type(module if name != "text_encoder" else obj).__name__, "dtypes": dtypes,
+                     "devices": devices, "parameter_bytes": sum(p.numel() * p.element_size() for p in params)}
+        if module is not obj and name != "text_encoder":
+            # Per rank: every rank holds a full copy of the weights.
+            out[name]["sequence_parallel"] = models.world_size
         if name in models.kernel_reports:
             rep = models.kernel_reports[name]
             out[name]["attention"] = rep["attention"]
@@ -279,7 +305,7 @@ class AttentionSwitch:
         from ..kernels.attention import resolve_attention
         from ..kernels.dispatch import resolve_qk_prep
 
-        dit = getattr(self.models.components, self.key)
+        dit = unwrap(getattr(self.models.components, self.key))
         base = self.models.kernel_reports[self.key]
         if self.name is None:
             self.report = {"attention": base["attention"], "qk_prep": base["qk_prep"]}
@@ -295,7 +321,7 @@ class AttentionSwitch:
 
     def __exit__(self, *exc) -> None:
         if self.name is not None:
-            dit = getattr(self.models.components, self.key)
+            dit = unwrap(getattr(self.models.components, self.key))
             attention, qk_prep = self.models.default_attention[self.key]
             dit.set_attention(attention)
             dit.qk_prep = qk_prep

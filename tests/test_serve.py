@@ -459,3 +459,43 @@ def test_serve_command_refuses_a_missing_output_folder(model_dir, tmp_path):
 
     code = main(["serve", "--models", str(model_dir), "--output-dir", str(tmp_path / "nope"), "--device", "cpu"])
     assert code == 2
+
+
+def test_eight_concurrent_clients_over_http_nothing_lost(resident, tmp_path):
+    """8 clients against a queue of 4 over real HTTP on loopback: every request is answered (done or 429)."""
+    import importlib.util
+
+    import uvicorn
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("load_test", Path(__file__).resolve().parents[1] / "scripts" /
+                                                  "load_test.py")
+    load_test = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load_test)
+    service = Service(ServiceConfig(output_dir=tmp_path, queue_size=4), lambda tracker: resident, log=lambda m: None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.02)
+        import httpx
+
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            while http.get("/ready").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        report = load_test.run_load(f"http://127.0.0.1:{port}", {"prompt": "the cat", "steps": 2, **CANVAS},
+                                    clients=8, requests=8, timeout=120)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert report["submitted"] == 8 and report["errors"] == 0 and report["lost"] == 0
+    assert report["accepted"] + report["rejected"] == 8
+    assert report["done"] == report["accepted"] >= 5  # one running + four queued at least
+    assert report["requests_per_s"] > 0 and report["latency_s"]["p50"] is not None
