@@ -43,20 +43,24 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=100, help="largest `steps` a request may ask for")
     p.add_argument("--max-input-mb", type=int, default=256, help="largest reference/keyframe file, MiB")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--gpus", type=int, default=1,
+                   help="run each job over N GPUs (Ulysses sequence parallel, via torchrun; N must divide the 56 "
+                        "heads: 2, 4, 7 or 8); rank 0 serves HTTP, every rank holds the models")
     return p
 
 
-def build_service(args):
+def service_settings(args, device: str | None = None):
+    """(ModelSpec, ServiceConfig) from the flags, checked; `device` is this rank's under --gpus N."""
     import torch
 
     from ..h3_model.components import ComponentPaths
     from ..h3_model.errors import InputError
     from ..kernels.settings import KernelSettings
-    from ..serve.models import ModelSpec, load_models
-    from ..serve.service import Service, ServiceConfig
+    from ..serve.models import ModelSpec
+    from ..serve.service import ServiceConfig
     from ..serve.validation import Limits
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype or ("bfloat16" if cuda else "float32")]
     vae_name = args.vae_dtype or os.environ.get("H3_VAE_DTYPE") or ("float16" if cuda else "float32")
@@ -80,7 +84,23 @@ def build_service(args):
     config = ServiceConfig(output_dir=args.output_dir, input_dir=args.input_dir, queue_size=args.queue_size,
                            limits=Limits(max_steps=args.max_steps, max_input_file_bytes=args.max_input_mb << 20),
                            vae_tile_size=tile or None, mlp_chunks=args.mlp_chunks)
-    return Service(config, lambda tracker: load_models(spec, tracker))
+    return spec, config
+
+
+def build_service(args, lockstep=None):
+    """The service; under --gpus N (`lockstep`: rank 0's Lockstep) it loads in lockstep with the other ranks."""
+    from ..serve.lockstep import Leader, load_in_lockstep
+    from ..serve.models import load_models
+    from ..serve.service import Service
+
+    spec, config = service_settings(args, lockstep.device if lockstep else None)
+    if lockstep is None:
+        return Service(config, lambda tracker: load_models(spec, tracker))
+    from ..serve.execute import stderr_log
+
+    leader = Leader(lockstep, stderr_log)
+    return Service(config, lambda tracker: load_in_lockstep(lambda: load_models(spec, tracker), lockstep, leader),
+                   leader=leader)
 
 
 def server_config(args, app):
@@ -91,7 +111,7 @@ def server_config(args, app):
 
 
 def run(args) -> int:
-    from ..h3_model.errors import H3Error
+    from ..h3_model.errors import H3Error, InputError
 
     try:
         import uvicorn
@@ -99,7 +119,24 @@ def run(args) -> int:
     except ImportError as exc:
         raise H3Error(f"`h3-spark serve` needs starlette and uvicorn ({exc}); install them with "
                       f"pip install 'h3-spark[serve]'") from None
-    service = build_service(args)
+    if args.gpus < 1:
+        raise InputError(f"--gpus must be at least 1, got {args.gpus}")
+    lockstep = None
+    if args.gpus > 1:
+        from .distributed import command_argv, init_distributed, relaunch_with_torchrun
+
+        if "WORLD_SIZE" not in os.environ:
+            return relaunch_with_torchrun(args.gpus, command_argv(args))
+        from ..serve.lockstep import Lockstep, follow, rank_log
+
+        lockstep = Lockstep.join(*init_distributed(args.gpus, args.device))
+        if lockstep.rank > 0:
+            from ..serve.models import LoadTracker, load_models
+
+            # The same checks as rank 0 (a bad flag stops every rank before any loading).
+            spec, _ = service_settings(args, lockstep.device)
+            return follow(lockstep, lambda: load_models(spec, LoadTracker()), rank_log(lockstep.rank))
+    service = build_service(args, lockstep)
     server = uvicorn.Server(server_config(args, create_app(service)))
     failures: list[str] = []
 

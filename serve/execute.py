@@ -1,5 +1,8 @@
 """Run one job on the resident models: read its media, generate, write the mp4, classify the outcome.
 
+With several GPUs (serve --gpus N, lockstep.py) rank 0 first sends the job's message to the other
+ranks; every rank then builds the same request with `prepare_job` and runs the same generation.
+
 Out-of-memory (torch.cuda.OutOfMemoryError, MemoryError) fails the job and then frees what the failed
 job held (the exception's frames keep its tensors alive, so the cache is emptied only after the
 exception is gone); the models stay resident and the next job runs.
@@ -7,6 +10,7 @@ exception is gone); the models stay resident and the next job runs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import time
@@ -22,6 +26,7 @@ from ..h3_model.refs import load_reference
 from ..h3_model.sampler import Cancelled
 from ..h3_model.step_cache import make_step_cache
 from .jobs import Job
+from .lockstep import Leader, Lockstep, LockstepCancel, fingerprint
 from .models import AttentionSwitch, ResidentModels
 from .outputs import OutputFolder
 
@@ -36,12 +41,62 @@ def _read_references(paths) -> list:
     return [load_reference(kind, path) for kind, path in paths]
 
 
+def job_message(job: Job, *, mlp_chunks: int, vae_tile_size: int | None) -> dict:
+    """Everything a rank needs to build the job's GenerationRequest (picklable: it is broadcast)."""
+    p = job.payload
+    return {"id": job.id, "request": job.request, "references": list(p.get("references", [])),
+            "first_frame": p.get("first_frame"), "last_frame": p.get("last_frame"), "mlp_chunks": mlp_chunks,
+            "vae_tile_size": vae_tile_size}
+
+
+def build_generation(message: dict) -> GenerationRequest:
+    """The job's GenerationRequest, its inputs read and its step cache made; the same on every rank."""
+    req = message["request"]
+    generation = GenerationRequest(
+        mode=req.mode, prompt=req.prompt, references=_read_references(message["references"]),
+        first_frame=media.read_image(message["first_frame"]) if message["first_frame"] else None,
+        last_frame=media.read_image(message["last_frame"]) if message["last_frame"] else None,
+        width=req.width, height=req.height, frames=req.frames, steps=req.steps, seed=req.seed,
+        mlp_chunks=message["mlp_chunks"], vae_tile_size=message["vae_tile_size"])
+    if req.cache.mode != "off":
+        c = req.cache
+        generation.step_cache = make_step_cache(c.mode, c.threshold, c.start_percent, c.end_percent,
+                                                c.subsample_factor, evaluations=req.evaluations)
+    return generation
+
+
+def dit_key(mode: str) -> str:
+    return "dit_ref" if mode == "ref2va" else "dit"
+
+
+def prepare_job(models: ResidentModels, message: dict, lockstep: Lockstep | None,
+                stack: contextlib.ExitStack) -> tuple[GenerationRequest, dict]:
+    """Build the request and switch to the job's attention backend (switched back when `stack` closes).
+
+    Under lockstep every rank then agrees before generating: if any rank failed here, or read other
+    bytes, every rank raises, so none enters a collective that the others skip.
+    """
+    req = message["request"]
+    error, generation, used = None, None, None
+    try:
+        generation = build_generation(message)
+        used = stack.enter_context(AttentionSwitch(models, dit_key(req.mode), req.attention))
+    except Exception as exc:  # noqa: BLE001 - re-raised below (by agree under lockstep)
+        if lockstep is None:
+            raise
+        error = exc
+    if lockstep is not None:
+        lockstep.agree(error, None if error else fingerprint(generation), f"prepare job {message['id']}")
+    return generation, used
+
+
 class JobRunner:
     def __init__(self, models: ResidentModels, pipeline: Pipeline, outputs: OutputFolder,
                  log: Callable[[str], None] = lambda message: None, *, vae_tile_size: int | None = 256,
-                 mlp_chunks: int = 1):
+                 mlp_chunks: int = 1, leader: Leader | None = None):
         self.models, self.pipeline, self.outputs, self.log = models, pipeline, outputs, log
         self.vae_tile_size, self.mlp_chunks = vae_tile_size, mlp_chunks
+        self.leader = leader  # several GPUs: rank 0's side of lockstep.py
 
     def __call__(self, job: Job) -> tuple[str, str | None]:
         out_of_memory = None
@@ -63,36 +118,37 @@ class JobRunner:
         return "failed", out_of_memory
 
     def _run(self, job: Job) -> None:
+        message = job_message(job, mlp_chunks=self.mlp_chunks, vae_tile_size=self.vae_tile_size)
+        if self.leader is None:
+            return self._generate_and_write(job, message, None)
+        # The whole job under the leader's lock: its messages and collectives keep one order on every rank.
+        with self.leader.lock:
+            if self.leader.closed:
+                raise H3Error("the service is shutting down")
+            self.leader.lockstep.send(message)
+            return self._generate_and_write(job, message, self.leader.lockstep)
+
+    def _generate_and_write(self, job: Job, message: dict, lockstep: Lockstep | None) -> None:
         req = job.request
-        p = job.payload
         t0 = time.perf_counter()
         job.progress = {"stage": "read_inputs", "step": 0, "total": 0}
-        generation = GenerationRequest(
-            mode=req.mode, prompt=req.prompt, references=_read_references(p.get("references", [])),
-            first_frame=media.read_image(p["first_frame"]) if p.get("first_frame") else None,
-            last_frame=media.read_image(p["last_frame"]) if p.get("last_frame") else None,
-            width=req.width, height=req.height, frames=req.frames, steps=req.steps, seed=req.seed,
-            mlp_chunks=self.mlp_chunks, vae_tile_size=self.vae_tile_size)
-        cache = None
-        if req.cache.mode != "off":
-            c = req.cache
-            cache = make_step_cache(c.mode, c.threshold, c.start_percent, c.end_percent, c.subsample_factor,
-                                    evaluations=req.evaluations)
-        generation.step_cache = cache
-        read_inputs = time.perf_counter() - t0
 
         def progress(p: Progress) -> None:
             job.progress = {"stage": p.stage, "step": p.step, "total": p.total}
 
-        key = "dit_ref" if req.mode == "ref2va" else "dit"
-        with AttentionSwitch(self.models, key, req.attention) as used:
+        key = dit_key(req.mode)
+        with contextlib.ExitStack() as stack:
+            generation, used = prepare_job(self.models, message, lockstep, stack)
+            read_inputs = time.perf_counter() - t0
             kernels = self.models.kernel_reports[key]
             job.backends = {**used, "linear": kernels["linear"], "modulation": kernels["modulation"]}
-            result = self.pipeline.generate(generation, on_progress=progress, cancel=job.cancel)
+            cancel = job.cancel if lockstep is None else LockstepCancel(job.cancel)
+            result = self.pipeline.generate(generation, on_progress=progress, cancel=cancel)
+        cache = generation.step_cache
 
         job.progress = {"stage": "write_output", "step": 0, "total": 0}
         t1 = time.perf_counter()
-        path = self.outputs.write_mp4(p["output_path"], job.id, result.video, result.audio,
+        path = self.outputs.write_mp4(job.payload["output_path"], job.id, result.video, result.audio,
                                       overwrite=req.overwrite)
         timings = {"read_inputs": read_inputs, **result.timings, "mux": time.perf_counter() - t1}
         info = {k: v for k, v in result.info.items() if k not in ("step_cache", "step_seconds")}

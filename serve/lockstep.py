@@ -153,7 +153,7 @@ class Leader:
         try:
             if self.ready and not self.closed:
                 self.lockstep.send(None)
-                self.log(f"told ranks 1..{self.lockstep.world - 1} to shut down")
+                self.log(f"told the other {self.lockstep.world - 1} rank(s) to shut down")
             elif not self.ready:
                 self.log("the other ranks are still loading; they end when this process does")
             self.closed = True
@@ -206,7 +206,7 @@ def follow(lockstep: Lockstep, load: Callable[[], object], log: Callable[[str], 
         # A failure here (rank 0 is gone) ends the loop: there is nobody left to follow.
         message = lockstep.receive()
         if message is None:
-            log(f"rank {lockstep.rank}: rank 0 shut the service down")
+            log("rank 0 shut the service down")
             return 0
         job_id = message["id"]
         out_of_memory = False
@@ -214,16 +214,16 @@ def follow(lockstep: Lockstep, load: Callable[[], object], log: Callable[[str], 
             with contextlib.ExitStack() as stack:
                 generation, _ = prepare_job(models, message, lockstep, stack)
                 pipeline.generate(generation, cancel=LockstepCancel())  # rank 0 writes the output
-            log(f"rank {lockstep.rank}: job {job_id} done")
+            log(f"job {job_id} done")
         except Cancelled as exc:
-            log(f"rank {lockstep.rank}: job {job_id} {exc}")
+            log(f"job {job_id} {exc}")
         except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
             out_of_memory = True
-            log(f"rank {lockstep.rank}: job {job_id}: out of memory: {exc}")
+            log(f"job {job_id}: out of memory: {exc}")
         except H3Error as exc:
-            log(f"rank {lockstep.rank}: job {job_id} failed: {exc}")
+            log(f"job {job_id} failed: {exc}")
         except Exception:  # noqa: BLE001 - one job's failure must not end the follower
-            log(f"rank {lockstep.rank}: job {job_id} failed:\n{traceback.format_exc()}")
+            log(f"job {job_id} failed:\n{traceback.format_exc()}")
         if out_of_memory:
             free_memory()  # outside the except block, once the failed job's frames are gone
 

@@ -2,7 +2,8 @@
 
 `Service.start()` returns at once; a loader thread builds the resident models while `/ready` answers
 503 with what is still loading. Jobs are refused (503) until every model is resident. The HTTP layer
-(app.py) only translates between requests and these methods.
+(app.py) only translates between requests and these methods. With several GPUs this is rank 0's
+service, and `leader` (lockstep.py) hands each job to the other ranks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..h3_model.errors import H3Error
 from ..h3_model.pipeline import Pipeline
 from .execute import JobRunner, stderr_log
 from .jobs import Job, JobQueue, QueueFull
+from .lockstep import Leader
 from .models import (LoadTracker, ResidentModels, describe_models, memory_report, supported_kernels)
 from .outputs import InputFolder, OutputFolder
 from .validation import JobRequest, Limits, RequestError, parse_request
@@ -45,8 +47,10 @@ class ServiceConfig:
 
 
 class Service:
-    def __init__(self, config: ServiceConfig, loader: Loader, *, log: Callable[[str], None] = stderr_log):
+    def __init__(self, config: ServiceConfig, loader: Loader, *, log: Callable[[str], None] = stderr_log,
+                 leader: Leader | None = None):
         self.config = config
+        self.leader = leader
         self.limits = config.limits
         self.outputs = OutputFolder(config.output_dir)
         self.inputs = InputFolder(config.input_dir, config.limits.max_input_file_bytes) if config.input_dir else None
@@ -76,6 +80,9 @@ class Service:
 
     def stop(self) -> None:
         self.queue.stop()
+        if self.leader is not None:
+            # After the worker has stopped (a running job is cancelled on every rank first).
+            self.leader.close()
 
     def _load(self) -> None:
         try:
@@ -83,12 +90,13 @@ class Service:
             fmt = "nvfp4" if "nvfp4" in models.checkpoint_formats.values() else "bf16"
             self.supported = supported_kernels(models.spec_device, models.settings, fmt)
             self.models = models
-            self.pipeline = Pipeline(models.components)
+            self.pipeline = Pipeline(models.components, decode_group=models.decode_group)
             self._runner = JobRunner(models, self.pipeline, self.outputs, self.log,
-                                     vae_tile_size=self.config.vae_tile_size, mlp_chunks=self.config.mlp_chunks)
+                                     vae_tile_size=self.config.vae_tile_size, mlp_chunks=self.config.mlp_chunks,
+                                     leader=self.leader)
             self.queue.start()
             self.tracker.ready()
-            self.log(f"ready: {', '.join(models.modes)} on {models.spec_device}; loaded in "
+            self.log(f"ready: {', '.join(models.modes)} on {', '.join(models.devices)}; loaded in "
                      + ", ".join(f"{k} {v:.1f} s" for k, v in models.load_seconds.items()))
         except Exception as exc:  # noqa: BLE001 - recorded for /ready and the CLI; nothing to serve
             message = str(exc) if isinstance(exc, H3Error) else f"{type(exc).__name__}: {exc}"
@@ -107,7 +115,8 @@ class Service:
         body: dict = {"ready": ready, "loading": load, "queue": self.queue.stats()}
         if ready:
             m = self.models
-            body.update(device=m.spec_device, modes=m.modes, models=describe_models(m),
+            body.update(device=m.spec_device, world_size=m.world_size, devices=m.devices, modes=m.modes,
+                        models=describe_models(m),
                         memory=memory_report(m.spec_device), supported=self.supported,
                         limits=vars(self.limits), input_dir=str(self.inputs.root) if self.inputs else None,
                         output_dir=str(self.outputs.root))
