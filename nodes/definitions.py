@@ -9,10 +9,13 @@ native MiniMax H3 formats (payload.py), so native and h3-spark nodes mix.
 
 from __future__ import annotations
 
+import re
+
 from ..h3_model import geometry
 from ..kernels.settings import ATTENTION_BACKENDS, LINEAR_FORMATS
 
 CATEGORY = "h3-spark"
+TEXT_LAYER = 50  # h3_model.text_encoder.DEFAULT_LAYER (not imported: that module imports torch)
 MAX_SEED = 2 ** 63 - 1  # the engine's generator takes seeds below 2^63
 LENGTH = ("INT", {"default": geometry.DEFAULT_FRAMES, "min": 5, "max": 360, "step": 17,
                   "tooltip": "Frames at 24 fps, snapped up to 17n+5; H3 generates 5 to 15 seconds (124..356)."})
@@ -102,6 +105,11 @@ class H3TextEncoderLoader:
                 "tooltip": "A single-file text encoder has no tokenizer: pick the folder holding tokenizer.json "
                            "and the processor config."}),
             "dtype": (["bfloat16", "float32"],),
+        }, "optional": {
+            # Optional so graphs saved before it existed stay valid; only small test models change it.
+            "layer": ("INT", {"default": TEXT_LAYER, "min": 1, "max": 1000, "tooltip":
+                              f"The Qwen3-VL hidden state the DiT reads: {TEXT_LAYER} for the released model; "
+                              "tiny test/demo encoders have fewer layers."}),
         }}
 
     RETURN_TYPES = ("H3_TEXT_ENCODER",)
@@ -109,11 +117,11 @@ class H3TextEncoderLoader:
     CATEGORY = f"{CATEGORY}/loaders"
     TITLE = "H3 Text Encoder Loader"
 
-    def load(self, text_encoder_name, tokenizer, dtype):
+    def load(self, text_encoder_name, tokenizer, dtype, layer=None):
         host = _host()
         path = host.resolve_model("text_encoders", text_encoder_name)
         tok = None if tokenizer.startswith("(") else host.resolve_model("text_encoders", tokenizer)
-        return (_engine().load_text_encoder(path, tok, dtype),)
+        return (_engine().load_text_encoder(path, tok, dtype, TEXT_LAYER if layer is None else int(layer)),)
 
 
 class H3VAELoader:
@@ -214,7 +222,17 @@ class H3ReferenceToVideo:
         known = set(self.INPUT_TYPES()["optional"])
         unknown = sorted(set(refs) - known)
         if unknown:
-            raise TypeError(f"unknown inputs {unknown}")
+            # ComfyUI hands a node every linked input of the prompt, declared or not, so an API client that
+            # wires image_5 reaches this point: say what the node takes instead of dropping the reference.
+            from ..h3_model.errors import InputError
+
+            extra = [name for name in unknown if re.fullmatch(r"(image|video|audio)_\d+(_audio)?", name)]
+            if extra:
+                raise InputError(
+                    f"too many references: H3 Reference to Video takes image_1..image_{self.IMAGES}, "
+                    f"video_1..video_{self.VIDEOS} (each with video_N_audio) and audio_1..audio_{self.AUDIOS}; "
+                    f"got {', '.join(extra)}")
+            raise InputError(f"H3 Reference to Video has no input named {', '.join(unknown)}")
         images = [refs[f"image_{i}"] for i in range(1, self.IMAGES + 1) if refs.get(f"image_{i}") is not None]
         videos = []
         for i in range(1, self.VIDEOS + 1):

@@ -114,13 +114,13 @@ def load_model(path: Path, partition: str, weight_dtype: str, linear: str, atten
     return model
 
 
-def load_text_encoder(path: Path, tokenizer: Path | None, dtype: str) -> TextEncoderHandle:
-    from ..h3_model.text_encoder import TextEncoder
+def load_text_encoder(path: Path, tokenizer: Path | None, dtype: str, layer: int | None = None) -> TextEncoderHandle:
+    from ..h3_model.text_encoder import DEFAULT_LAYER, TextEncoder
 
     if dtype not in DTYPES:
         raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     encoder = TextEncoder.from_pretrained(path, dtype=DTYPES[dtype], device=host.offload_device(),
-                                          tokenizer=tokenizer)
+                                          tokenizer=tokenizer, layer=DEFAULT_LAYER if layer is None else layer)
     return TextEncoderHandle(encoder, host.make_held("text_encoder", encoder.model))
 
 

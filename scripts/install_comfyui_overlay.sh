@@ -4,7 +4,8 @@
 #   scripts/install_comfyui_overlay.sh [--dry-run] [--uninstall] [--copy] [--python PATH] /path/to/ComfyUI
 #
 # What it does, in order (re-running is safe: finished steps are reported and skipped):
-#   1. checks ComfyUI: comfyui_version.py and MiniMax H3 support (comfy/ldm/minimax/model.py);
+#   1. checks ComfyUI: comfyui_version.py; reports whether it has native MiniMax H3 support
+#      (comfy/ldm/minimax/model.py), which only graphs mixing native and h3-spark nodes need;
 #   2. checks ComfyUI's Python: >= 3.10, torch importable (never installed or upgraded here: ComfyUI's
 #      torch build is the user's choice), and reports the GPU and its sm capability (H3 runs bf16: sm_80+);
 #   3. links (or, with --copy, copies) this repository to custom_nodes/h3-spark;
@@ -18,7 +19,10 @@ set -euo pipefail
 readonly NODE_DIR_NAME="h3-spark"
 readonly MARKER=".h3-spark-overlay"
 # Runtime needs of the node pack besides torch: checkpoints, media I/O (PyAV), image resizing, Qwen3-VL.
-readonly RUNTIME_DEPS=("numpy>=1.24" "safetensors>=0.4" "av>=12" "pillow>=10" "transformers>=4.57")
+# transformers 5: the text encoder uses its Qwen3-VL classes and config layout (rope_parameters), as
+# pyproject.toml does; accelerate: transformers needs it for the device_map that loads a Qwen3-VL folder
+# straight onto its device (without it the Text Encoder Loader fails on a diffusers/transformers folder).
+readonly RUNTIME_DEPS=("numpy>=1.24" "safetensors>=0.4" "av>=12" "pillow>=10" "transformers>=5" "accelerate>=1.0")
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 readonly REPO_ROOT
 
@@ -115,9 +119,16 @@ fi
 version="$(sed -n 's/^__version__ *= *["'\'']\([^"'\'']*\)["'\''].*/\1/p' "$comfy/comfyui_version.py" | head -n 1)"
 [[ -n "$version" ]] || die "$comfy/comfyui_version.py has no __version__"
 say "ComfyUI $version at $comfy"
-[[ -f "$comfy/comfy/ldm/minimax/model.py" ]] \
-    || die "ComfyUI $version has no MiniMax H3 support (comfy/ldm/minimax/model.py is missing; it arrived with \
-Comfy-Org/ComfyUI PR #15224): update ComfyUI first"
+# The h3-spark nodes run on their own engine and need only ComfyUI's node API, folder_paths and model
+# management (ComfyUI 0.3.64, October 2025, runs them); the native MiniMax H3 nodes matter only for graphs
+# that mix the two, so their absence is reported, not refused.
+if [[ -f "$comfy/comfy/ldm/minimax/model.py" ]]; then
+    say "native MiniMax H3 support found (comfy/ldm/minimax/): h3-spark and native H3 nodes can be mixed"
+else
+    say "warning: ComfyUI $version has no native MiniMax H3 support (comfy/ldm/minimax/model.py, added by \
+Comfy-Org/ComfyUI PR #15224): the h3-spark nodes work, but graphs mixing them with native MiniMax H3 nodes need \
+a newer ComfyUI"
+fi
 
 # ---------------------------------------------------------------------------------------------- Python
 if [[ -z "$python" ]]; then

@@ -104,7 +104,6 @@ def test_refuses_what_it_did_not_make(comfy):
 
 
 @pytest.mark.parametrize("env, change, message", [
-    ({}, "no_minimax", "no MiniMax H3 support"),
     ({}, "no_version", "not a ComfyUI checkout"),
     ({"FAKE_PYTHON_VERSION": "3.9.18"}, None, "needs Python >= 3.10"),
     ({"FAKE_NO_TORCH": "1"}, None, "torch is not importable"),
@@ -112,15 +111,24 @@ def test_refuses_what_it_did_not_make(comfy):
     ({}, "no_python", "cannot find ComfyUI's Python"),
 ])
 def test_refusals_name_the_problem(comfy, env, change, message):
-    if change == "no_minimax":
-        shutil.rmtree(comfy / "comfy" / "ldm" / "minimax")
-    elif change == "no_version":
+    if change == "no_version":
         (comfy / "comfyui_version.py").unlink()
     elif change == "no_python":
         shutil.rmtree(comfy / "venv")
     out = run(comfy, **env)
     assert out.returncode != 0 and message in out.stderr, out.stderr
     assert not (comfy / "custom_nodes" / "h3-spark").exists() and not (comfy.parent / "pip.log").exists()
+
+
+def test_comfyui_without_native_h3_gets_a_warning_and_the_install(comfy):
+    # The h3-spark nodes run on their own engine (ComfyUI 0.3.64 runs them); only mixing with the native
+    # MiniMax H3 nodes needs comfy/ldm/minimax.
+    shutil.rmtree(comfy / "comfy" / "ldm" / "minimax")
+    out = run(comfy)
+    assert out.returncode == 0, out.stderr
+    assert "warning: ComfyUI 0.4.2 has no native MiniMax H3 support" in out.stdout
+    assert (comfy / "custom_nodes" / "h3-spark").is_symlink()
+    assert "transformers>=5" in (comfy.parent / "pip.log").read_text() and "accelerate" in (comfy.parent / "pip.log").read_text()
 
 
 def test_cpu_only_and_explicit_python(comfy, tmp_path):

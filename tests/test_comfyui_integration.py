@@ -1,0 +1,373 @@
+"""The node pack inside a real ComfyUI: headless server on 127.0.0.1 with --cpu, API workflows over HTTP.
+
+Opt-in: set COMFYUI_DIR (a ComfyUI checkout, e.g. 0.3.64) and COMFYUI_PYTHON (the Python of the venv
+ComfyUI runs in); docs/comfyui.md "Integration tests" has the setup. The pack goes in through our own
+installer (scripts/install_comfyui_overlay.sh, which links custom_nodes/h3-spark; the link is removed
+afterwards when this test made it). Everything else the server writes or reads lives in a temporary folder:
+models (the tiny synthetic demo set, through --extra-model-paths-config), input, output, temp, user
+and an in-memory database, so the checkout is left as it was.
+
+The shipped workflows/*.api.json are posted to /prompt with only the file names, the canvas (64x64, 124
+frames), the steps (2) and the demo text encoder's layer (2) changed. Completion is followed on
+/history/{prompt_id}, and on the websocket through a listener run by ComfyUI's own Python (aiohttp is a
+ComfyUI requirement; this test's venv has no websocket client). Bad graphs must come back as ComfyUI node
+errors with our message, and the server must still answer afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+import wave
+from pathlib import Path
+
+import pytest
+
+COMFY_DIR = os.environ.get("COMFYUI_DIR")
+COMFY_PYTHON = os.environ.get("COMFYUI_PYTHON")
+if not (COMFY_DIR and COMFY_PYTHON):
+    pytest.skip("set COMFYUI_DIR (a ComfyUI checkout) and COMFYUI_PYTHON (its venv's python) to run the ComfyUI "
+                "integration tests", allow_module_level=True)
+
+requests = pytest.importorskip("requests")
+
+ROOT = Path(__file__).resolve().parents[1]
+INSTALLER = ROOT / "scripts" / "install_comfyui_overlay.sh"
+WORKFLOWS = ROOT / "workflows"
+START_TIMEOUT = 300  # ComfyUI imports torch, its nodes and ours, on a 2-core machine
+RUN_TIMEOUT = 900
+SIZE, FRAMES, STEPS = 64, 124, 2
+# Names the graphs use, as they appear in ComfyUI's model lists (folders end with "/").
+REF2VA_DIT, T2VA_DIT = "h3-demo-ref2va/", "h3-demo-t2va/"
+TEXT_ENCODER, VIDEO_VAE, AUDIO_VAE = "h3-demo-qwen3vl/", "h3-demo-video-vae/", "h3-demo-audio-vae/"
+BROKEN_DIT = "h3-demo-broken-ref2va/"
+
+# Follows one client's websocket messages into a JSON-lines file until its prompt ends (or a deadline).
+# Run by ComfyUI's Python, which always has aiohttp; argv: url, out file, seconds.
+WS_LISTENER = r"""
+import asyncio, json, sys, aiohttp
+
+async def main(url, out, seconds):
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(url, heartbeat=30) as ws:
+            with open(out, "w") as f:
+                print("connected", flush=True)
+                loop = asyncio.get_running_loop()
+                end = loop.time() + seconds
+                prompt = None
+                while loop.time() < end:
+                    try:
+                        msg = await ws.receive(timeout=max(0.1, end - loop.time()))
+                    except asyncio.TimeoutError:
+                        break
+                    if msg.type != aiohttp.WSMsgType.TEXT:
+                        if msg.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                            break
+                        continue  # binary previews
+                    f.write(msg.data + "\n")
+                    f.flush()
+                    data = json.loads(msg.data)
+                    kind, body = data.get("type"), data.get("data") or {}
+                    if kind == "execution_start":
+                        prompt = body.get("prompt_id")
+                    if prompt and body.get("prompt_id") == prompt and (
+                            kind in ("execution_error", "execution_interrupted")
+                            or (kind == "executing" and body.get("node") is None)):
+                        break
+
+asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+def build_models(tmp: Path) -> Path:
+    """The tiny demo set copied into the model folders our loaders list (copies, not links: the loaders
+    refuse a folder that resolves outside its model folder)."""
+    from h3_spark.h3_model.demo import build_demo_models
+
+    demo = build_demo_models(tmp / "demo")
+    models = tmp / "models"
+    for sub, name, folder in (("transformer_ref", REF2VA_DIT, "diffusion_models"),
+                              ("transformer", T2VA_DIT, "diffusion_models"),
+                              ("text_encoder", TEXT_ENCODER, "text_encoders"),
+                              ("vae", VIDEO_VAE, "vae"), ("audio_vae", AUDIO_VAE, "vae")):
+        shutil.copytree(demo / sub, models / folder / name.rstrip("/"))
+    # A listed model whose weights are gone: the config is there (so ComfyUI offers it), the safetensors not.
+    broken = models / "diffusion_models" / BROKEN_DIT.rstrip("/")
+    broken.mkdir()
+    shutil.copy(demo / "transformer_ref" / "config.json", broken / "config.json")
+    (tmp / "extra_model_paths.yaml").write_text(
+        "h3_spark_integration:\n"
+        f"  base_path: {models}\n"
+        "  diffusion_models: diffusion_models\n"
+        "  text_encoders: text_encoders\n"
+        "  vae: vae\n")
+    return models
+
+
+def write_inputs(folder: Path) -> None:
+    """The reference image and song the ref2va workflow loads (LoadImage / LoadAudio)."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    y, x = np.mgrid[0:SIZE, 0:SIZE]
+    pixels = np.stack([x * 4, y * 4, (x + y) * 2], axis=-1).clip(0, 255).astype(np.uint8)
+    Image.fromarray(pixels).save(folder / "singer.png")
+    rate = 32000
+    t = np.arange(rate * 2) / rate
+    tone = (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype(np.int16)
+    with wave.open(str(folder / "song.wav"), "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.repeat(tone[:, None], 2, axis=1).tobytes())
+
+
+class Server:
+    def __init__(self, url: str, process: subprocess.Popen, log: Path, output: Path, frame_size: int):
+        self.url, self.process, self.log, self.output = url, process, log, output
+        self.frame_size = frame_size
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        try:
+            return self.process.poll() is None and requests.get(f"{self.url}/system_stats", timeout=10).ok
+        except requests.RequestException:
+            return False
+
+
+@pytest.fixture(scope="module")
+def installed():
+    """Our installer puts the pack into the checkout; removed afterwards only if this test linked it."""
+    target = Path(COMFY_DIR) / "custom_nodes" / "h3-spark"
+    existed = target.exists() or target.is_symlink()
+    out = subprocess.run(["bash", str(INSTALLER), "--python", COMFY_PYTHON, COMFY_DIR], capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, f"installer failed:\n{out.stdout}\n{out.stderr}"
+    yield out.stdout
+    if not existed:
+        subprocess.run(["bash", str(INSTALLER), "--uninstall", COMFY_DIR], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def server(installed, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("comfyui")
+    build_models(tmp)
+    write_inputs(tmp / "input")
+    for sub in ("output", "temp", "user"):
+        (tmp / sub).mkdir()
+    port = free_port()
+    log = tmp / "comfyui.log"
+    cmd = [COMFY_PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
+           "--extra-model-paths-config", str(tmp / "extra_model_paths.yaml"),
+           "--input-directory", str(tmp / "input"), "--output-directory", str(tmp / "output"),
+           "--temp-directory", str(tmp / "temp"), "--user-directory", str(tmp / "user"),
+           "--database-url", "sqlite:///:memory:"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "wb") as sink:
+        # Its own process group, so the teardown ends ComfyUI and anything it started, and nothing else.
+        process = subprocess.Popen(cmd, cwd=COMFY_DIR, stdout=sink, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
+    # The engine's latent grid is the released 16x (64 px -> 4 latents); the demo's tiny video VAE upsamples
+    # by its own factor (4x), so the saved frames are smaller than the canvas.
+    vae = json.loads((tmp / "demo" / "vae" / "config.json").read_text())
+    factor = 1
+    for f in vae["spatial_downsample_factors"]:
+        factor *= f
+    srv = Server(f"http://127.0.0.1:{port}", process, log, tmp / "output", SIZE // 16 * factor)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not srv.alive():
+            if process.poll() is not None:
+                pytest.fail(f"ComfyUI exited with {process.returncode} while starting:\n{srv.log_tail()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"ComfyUI did not answer /system_stats within {START_TIMEOUT} s:\n{srv.log_tail()}")
+            time.sleep(1)
+        info = requests.get(f"{srv.url}/object_info/H3SparkSampler", timeout=30).json()
+        assert "H3SparkSampler" in info, f"ComfyUI did not load the h3-spark nodes:\n{srv.log_tail(120)}"
+        yield srv
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def workflow(name: str) -> dict:
+    """A shipped API workflow with the demo models, a tiny canvas and few steps."""
+    graph = json.loads((WORKFLOWS / f"h3-spark-{name}.api.json").read_text())
+    for node in graph.values():
+        inputs, kind = node["inputs"], node["class_type"]
+        if kind == "H3SparkModelLoader":
+            inputs.update(dit_name=REF2VA_DIT if name == "ref2va" else T2VA_DIT,
+                          partition="ref2va" if name == "ref2va" else "t2va/fl2va", weight_dtype="float32")
+        elif kind == "H3SparkTextEncoderLoader":
+            inputs.update(text_encoder_name=TEXT_ENCODER, tokenizer="(inside the text encoder folder)",
+                          dtype="float32", layer=2)  # h3_model.demo.TEXT_READ_LAYER
+        elif kind == "H3SparkVAELoader":
+            inputs.update(vae_name=VIDEO_VAE, audio_vae_name=AUDIO_VAE, decode_dtype="float32", tile_size=0)
+        elif kind in ("H3SparkTextToVideo", "H3SparkReferenceToVideo", "H3SparkFirstLastFrameToVideo"):
+            inputs.update(width=SIZE, height=SIZE, length=FRAMES)
+        elif kind == "H3SparkSampler":
+            inputs.update(steps=STEPS)
+    return graph
+
+
+def node_of(graph: dict, class_type: str) -> str:
+    return next(key for key, node in graph.items() if node["class_type"] == class_type)
+
+
+def listen(srv: Server, client_id: str, out: Path) -> subprocess.Popen:
+    url = srv.url.replace("http://", "ws://") + f"/ws?clientId={client_id}"
+    listener = subprocess.Popen([COMFY_PYTHON, "-c", WS_LISTENER, url, str(out), str(RUN_TIMEOUT)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # Connected before the prompt goes in, so no message is missed.
+    line = listener.stdout.readline()
+    assert line.strip() == "connected", f"websocket listener failed: {line}{listener.stderr.read()}"
+    return listener
+
+
+def post(srv: Server, graph: dict, client_id: str) -> requests.Response:
+    return requests.post(f"{srv.url}/prompt", json={"prompt": graph, "client_id": client_id}, timeout=60)
+
+
+def wait_history(srv: Server, prompt_id: str) -> dict:
+    """The prompt's /history entry once ComfyUI has finished it (success or error)."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while time.monotonic() < deadline:
+        entry = requests.get(f"{srv.url}/history/{prompt_id}", timeout=30).json().get(prompt_id)
+        if entry and entry.get("status", {}).get("completed") is not None and (
+                entry["status"].get("completed") or entry["status"].get("status_str") == "error"):
+            return entry
+        assert srv.process.poll() is None, f"ComfyUI died running {prompt_id}:\n{srv.log_tail()}"
+        time.sleep(1)
+    pytest.fail(f"{prompt_id} did not finish within {RUN_TIMEOUT} s:\n{srv.log_tail()}")
+
+
+def messages(out: Path) -> list[dict]:
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.exists() else []
+
+
+def run_graph(srv: Server, graph: dict, tmp_path: Path) -> tuple[dict, list[dict]]:
+    client_id = uuid.uuid4().hex
+    ws_file = tmp_path / "ws.jsonl"
+    listener = listen(srv, client_id, ws_file)
+    try:
+        reply = post(srv, graph, client_id)
+        assert reply.status_code == 200, f"/prompt refused the graph: {reply.text}"
+        body = reply.json()
+        assert body["node_errors"] == {}, body
+        entry = wait_history(srv, body["prompt_id"])
+        listener.wait(timeout=60)
+    finally:
+        if listener.poll() is None:
+            os.killpg(listener.pid, signal.SIGTERM)
+            listener.wait(timeout=10)
+    return entry, [m for m in messages(ws_file) if (m.get("data") or {}).get("prompt_id") in (None, body["prompt_id"])]
+
+
+def execution_error(entry: dict) -> dict:
+    errors = [data for event, data in entry["status"]["messages"] if event == "execution_error"]
+    assert entry["status"]["status_str"] == "error" and errors, entry["status"]
+    return errors[0]
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_installer_took_this_comfyui(installed):
+    assert "linked" in installed or "already linked" in installed
+
+
+@pytest.mark.parametrize("name", ["ref2va", "t2va"])
+def test_api_workflow_writes_the_mp4(server, name, tmp_path):
+    graph = workflow(name)
+    started = time.monotonic()
+    entry, ws = run_graph(server, graph, tmp_path)
+    elapsed = time.monotonic() - started
+    assert entry["status"]["status_str"] == "success", f"{entry['status']}\n{server.log_tail()}"
+
+    save = node_of(graph, "H3SparkSaveVideo")
+    saved = entry["outputs"][save]["images"]
+    assert len(saved) == 1 and saved[0]["type"] == "output" and saved[0]["filename"].endswith(".mp4"), saved
+    path = server.output / saved[0]["subfolder"] / saved[0]["filename"]
+    assert path.is_file(), path
+
+    from h3_spark.h3_model.media import probe
+
+    info = probe(path)
+    side = server.frame_size
+    assert (info["video_codec"], info["width"], info["height"], info["frames"]) == ("h264", side, side, FRAMES), info
+    assert info["fps"] == pytest.approx(24.0)
+    assert info["audio_codec"] == "aac" and info["channels"] == 2 and info["sample_rate"] == 32000, info
+    assert info["audio_duration"] == pytest.approx(FRAMES / 24, abs=0.1), info
+
+    # The websocket saw the run: our sampler's progress bar (STEPS + 1 grid points) and the save node's output.
+    sampler = node_of(graph, "H3SparkSampler")
+    kinds = [m["type"] for m in ws]
+    assert "execution_start" in kinds and "execution_success" in kinds, kinds
+    progress = [m["data"] for m in ws if m["type"] == "progress" and m["data"].get("node") == sampler]
+    assert progress and progress[-1]["value"] == progress[-1]["max"], progress
+    executed = [m["data"] for m in ws if m["type"] == "executed" and m["data"].get("node") == save]
+    assert executed and executed[0]["output"]["images"] == saved, executed
+    print(f"{name}: {elapsed:.1f} s on ComfyUI at {server.url}, {path.name}: {info}")
+
+
+def test_a_value_not_on_disk_is_refused_by_prompt_validation(server):
+    graph = workflow("ref2va")
+    loader = node_of(graph, "H3SparkModelLoader")
+    graph[loader]["inputs"]["dit_name"] = "no-such-h3-model.safetensors"
+    reply = post(server, graph, uuid.uuid4().hex)
+    assert reply.status_code == 400, reply.text
+    body = reply.json()
+    errors = body["node_errors"][loader]["errors"]
+    assert any("dit_name" in e["details"] and "no-such-h3-model.safetensors" in e["details"] for e in errors), body
+    assert server.alive()
+
+
+def test_a_listed_model_missing_its_weights_is_a_node_error(server, tmp_path):
+    graph = workflow("ref2va")
+    loader = node_of(graph, "H3SparkModelLoader")
+    graph[loader]["inputs"]["dit_name"] = BROKEN_DIT
+    entry, _ = run_graph(server, graph, tmp_path)
+    error = execution_error(entry)
+    assert error["node_id"] == loader and error["node_type"] == "H3SparkModelLoader", error
+    assert BROKEN_DIT.rstrip("/") in error["exception_message"], error
+    assert server.alive()
+
+
+def test_too_many_references_is_a_node_error(server, tmp_path):
+    graph = workflow("ref2va")
+    refs = node_of(graph, "H3SparkReferenceToVideo")
+    image = graph[refs]["inputs"]["image_1"]
+    # Five images: the node has image_1..image_4. ComfyUI passes a linked input the node does not declare.
+    graph[refs]["inputs"].update({f"image_{i}": copy.deepcopy(image) for i in range(2, 6)})
+    entry, _ = run_graph(server, graph, tmp_path)
+    error = execution_error(entry)
+    assert error["node_id"] == refs and error["node_type"] == "H3SparkReferenceToVideo", error
+    assert "too many references" in error["exception_message"] and "image_5" in error["exception_message"], error
+    assert error["exception_type"].endswith("InputError"), error
+    assert server.alive()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-s"]))
