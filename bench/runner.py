@@ -234,3 +234,80 @@ def bench_generation(components, contract: Contract, device: str) -> dict:
     return {"stage_s": result.timings, "total_s": total, "sequence_length": result.info["sequence_length"],
             "evaluations": result.info["evaluations"], "frames": int(result.video.shape[0]),
             "peak_gpu_memory_gb": _peak(device), "note": "warm: every stage ran once before (2 steps)"}
+
+
+def _capture(model, store: dict | None, errors: dict | None):
+    """Hooks on every block's attention, feed-forward and output: store them, or compare with stored ones."""
+    hooks = []
+    for i, blk in enumerate(model.transformer_blocks):
+        for part, module in (("attention", blk.attn), ("ffn", blk.ff), ("block", blk)):
+            def hook(mod, args, out, i=i, part=part):
+                if store is not None:
+                    store[(i, part)] = out.detach().clone()
+                else:
+                    errors.setdefault(i, {})[part] = rel_l2(out.float(), store_ref[(i, part)].float())
+            hooks.append(module.register_forward_hook(hook))
+    return hooks
+
+
+store_ref: dict = {}
+
+
+@torch.inference_mode()
+def bench_vs_exact(model, fast_settings, inputs: dict, contract: Contract, device: str, budget: dict) -> dict:
+    """Exact path first (on the model as loaded), then the requested fast path on the same weights and inputs:
+    per-block attention / feed-forward / block-output errors, the final velocity error and both speeds."""
+    import dataclasses
+
+    from ..kernels.dispatch import apply_kernels
+    from ..kernels.settings import KernelSettings
+
+    exact = dataclasses.replace(KernelSettings(), attention="sdpa", linear="bf16", modulation_fusion="off",
+                                q_rms_rope_int8_fusion="off")
+    apply_kernels(model, exact)
+    model.clear_modulation_cache()
+    exact_times = time_call(lambda: model(**inputs), device, contract["warmup"], contract["repeats"])
+    store_ref.clear()
+    hooks = _capture(model, store_ref, None)
+    try:
+        exact_out = torch.cat([t.flatten().float() for t in model(**inputs)])
+    finally:
+        for h in hooks:
+            h.remove()
+    report = apply_kernels(model, fast_settings)
+    fast_times = time_call(lambda: model(**inputs), device, contract["warmup"], contract["repeats"])
+    errors: dict = {}
+    hooks = _capture(model, None, errors)
+    try:
+        fast_out = torch.cat([t.flatten().float() for t in model(**inputs)])
+    finally:
+        for h in hooks:
+            h.remove()
+        store_ref.clear()
+    final = rel_l2(fast_out, exact_out)
+    worst_block = max(e["block"] for e in errors.values())
+    approximate = report.get("approximate_paths", [])
+    return {
+        "exact_forward_s_median": statistics.median(exact_times),
+        "fast_forward_s_median": statistics.median(fast_times),
+        "speedup_vs_exact": statistics.median(exact_times) / statistics.median(fast_times),
+        "final_velocity_rel_l2_vs_exact": final,
+        "per_block_rel_l2": [errors[i] for i in sorted(errors)],
+        "budget": budget,
+        "fast_path": report,
+        "verdict": promotion_verdict(final, worst_block, approximate, budget),
+        "approximate_paths": approximate,
+    }
+
+
+def promotion_verdict(final: float, worst_block: float, approximate: list[str], budget: dict) -> str:
+    """What `auto` may do with this fast path: exact paths are always usable; approximate ones only inside
+    the budget (and even then only when asked for: `auto` itself never picks an approximate path)."""
+    if not approximate:
+        return "exact path"
+    inside = final <= budget["final_velocity_rel_l2"] and worst_block <= budget["block_output_rel_l2"]
+    what = ", ".join(approximate)
+    if inside:
+        return f"eligible: {what} inside the budget"
+    return (f"refused: {what} outside the budget (final {final:.4f} vs {budget['final_velocity_rel_l2']}, "
+            f"worst block {worst_block:.4f} vs {budget['block_output_rel_l2']})")

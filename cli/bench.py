@@ -21,7 +21,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["full", "tiny"], default="full", help="model size for --synthetic")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
-    p.add_argument("--vs", choices=["diffusers"], default=None, help="also run diffusers on the same weights")
+    p.add_argument("--vs", choices=["diffusers", "exact"], default=None,
+                   help="diffusers: diffusers on the same weights; exact: our exact path against the requested fast "
+                        "path, with per-block errors and the budget of config/quality_budget.json")
     p.add_argument("--diffusers-backends", default="native",
                    help="comma-separated diffusers attention backends; the first is the parity reference, "
                         "another exact one gives the noise floor (default: native plus a second exact backend)")
@@ -33,6 +35,29 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--text-encoder-layer", type=int, default=50, help="with --models: the Qwen3-VL layer read")
     p.add_argument("--out", required=True, help="result JSON path")
     return p
+
+
+def _run_vs_exact(args, contract, model, settings, device, weights, record) -> int:
+    from ..bench import runner, stamp
+    from ..bench.contract import contract_shape
+    from ..h3_model.scheduler import JointSchedule
+
+    budget = json.loads((Path(__file__).resolve().parents[1] / "config" / "quality_budget.json").read_text())
+    shape = contract_shape(contract, model.config)
+    schedule = JointSchedule.create(contract["steps"])
+    inputs = runner.make_inputs(shape, model.config, device, contract["seed"], len(schedule) // 2, schedule)
+    result = {"contract": contract["name"], "sequence_length": shape.layout.sequence_length, "weights": weights,
+              "device": device, "dtype": args.dtype,
+              "vs_exact": runner.bench_vs_exact(model, settings, inputs, contract, device, budget)}
+    result["stamp"] = stamp.stamp_after(record)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    v = result["vs_exact"]
+    print(json.dumps({"contract": contract["name"], "speedup_vs_exact": v["speedup_vs_exact"],
+                      "final_velocity_rel_l2_vs_exact": v["final_velocity_rel_l2_vs_exact"], "verdict": v["verdict"],
+                      "out": str(out)}))
+    return 0
 
 
 def run(args) -> int:
@@ -84,6 +109,8 @@ def run(args) -> int:
 
         # Built on our bf16 parameters before any fast linear replaces the modules that hold them.
         twin = diffusers_twin(model)
+    if args.vs == "exact":
+        return _run_vs_exact(args, contract, model, settings, device, weights, record)
     backends = apply_kernels(model, settings)
     diff_backends = [b for b in args.diffusers_backends.split(",") if b]
     if args.vs and len(diff_backends) == 1:

@@ -98,3 +98,27 @@ def test_bench_with_a_model_folder_measures_every_stage(tmp_path, capsys, monkey
     assert set(stages) == {"text_encode", "reference_encode", "sampling", "video_decode", "audio_decode", "mux"}
     assert all(v >= 0 for v in stages.values()) and stages["sampling"] > 0
     assert result["generation"]["frames"] == 124 and result["generation"]["evaluations"] == 2
+
+
+def test_vs_exact_reports_per_block_errors(tmp_path, capsys, monkeypatch):
+    # The fused Triton kernels (exact to 1 ulp) run in Triton's CPU interpreter against the reference path.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "x.json"
+    code = main(["bench", "--contract", str(ROOT / "tests" / "data" / "tiny-ref2va.json"), "--synthetic",
+                 "--preset", "tiny", "--dtype", "float32", "--device", "cpu", "--vs", "exact",
+                 "--out", str(out)])
+    assert code == 0
+    v = json.loads(out.read_text())["vs_exact"]
+    assert len(v["per_block_rel_l2"]) == 2 and set(v["per_block_rel_l2"][0]) == {"attention", "ffn", "block"}
+    assert 0 <= v["final_velocity_rel_l2_vs_exact"] <= 1e-5  # fp32: the fusions change rounding only
+    assert v["verdict"] == "exact path" and v["exact_forward_s_median"] > 0
+
+
+def test_promotion_verdicts():
+    from h3_spark.bench.runner import promotion_verdict
+
+    budget = json.loads((ROOT / "config" / "quality_budget.json").read_text())
+    assert promotion_verdict(0.5, 0.5, [], budget) == "exact path"
+    assert promotion_verdict(0.01, 0.02, ["linear"], budget).startswith("eligible: linear")
+    refused = promotion_verdict(0.389, 0.39, ["linear"], budget)
+    assert refused.startswith("refused: linear outside the budget") and "0.3890" in refused
