@@ -1,0 +1,82 @@
+"""Loading streams: the anonymous memory a DiT load adds stays near the model's own size, never twice it.
+
+A mid-size synthetic checkpoint (~330 MB of bf16 weights) is written by our make-checkpoint and loaded by
+load_dit in a fresh process while a thread samples RssAnon (Linux). File pages of the memory-mapped
+checkpoint are page cache the kernel can drop, so only anonymous memory counts. Bound: 1.15x the loaded
+model's bytes + 32 MB (one layer's dequantization buffers, allocator slack). A control run that first reads
+the whole file into memory, as a non-streaming loader would, must exceed that bound, so the probe can fail.
+"""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+from h3_spark.h3_model.config import TINY
+
+if not Path("/proc/self/status").is_file():
+    pytest.skip("needs Linux /proc to read anonymous memory", allow_module_level=True)
+
+MID = dataclasses.replace(TINY, num_attention_heads=8, attention_head_dim=128, hidden_size=1024, num_layers=6,
+                          ffn_dim=4096, time_embed_dim=256, time_embed_hidden_dim=512, text_dim=512, freq_dim=256,
+                          rope_freq_dim=16)
+
+PROBE = r"""
+import json, sys, threading, time, torch
+import h3_spark.h3_model.checkpoint, h3_spark.h3_model.dit
+from h3_spark.h3_model.checkpoint import load_dit
+
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+
+peak, stop = [0], threading.Event()
+
+def sample():
+    while not stop.is_set():
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.002)
+
+before = anon()
+thread = threading.Thread(target=sample)
+thread.start()
+if sys.argv[2] == "read-whole-file-first":
+    from safetensors.torch import load_file
+    whole = {k: v.clone() for k, v in load_file(sys.argv[1]).items()}
+model = load_dit(sys.argv[1], dtype=torch.bfloat16)
+stop.set()
+thread.join()
+peak[0] = max(peak[0], anon())
+print(json.dumps({"added": peak[0] - before, "model": sum(p.numel() * p.element_size() for p in model.parameters())}))
+"""
+
+
+def _probe(path: Path, mode: str) -> dict:
+    run = subprocess.run([sys.executable, "-c", PROBE, str(path), mode], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _bound(model_bytes: int) -> float:
+    return 1.15 * model_bytes + 32e6
+
+
+@pytest.mark.parametrize("fmt,layout", [("bf16", "comfy"), ("nvfp4", "comfy"), ("bf16", "diffusers")])
+def test_load_adds_about_one_model_of_anonymous_memory(tmp_path, fmt, layout):
+    out = tmp_path / ("dit" if layout == "diffusers" else "dit.safetensors")
+    make_dit_checkpoint(out, MID, fmt, layout, seed=0)
+    probe = _probe(out, "stream")
+    assert probe["model"] > 300e6
+    assert probe["added"] <= _bound(probe["model"]), probe
+
+
+def test_the_probe_sees_a_non_streaming_load(tmp_path):
+    out = tmp_path / "dit.safetensors"
+    make_dit_checkpoint(out, MID, "bf16", "comfy", seed=0)
+    probe = _probe(out, "read-whole-file-first")
+    assert probe["added"] > _bound(probe["model"]), probe
