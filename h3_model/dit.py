@@ -130,9 +130,14 @@ class SwiGLU(nn.Module):
         # Index 1 is a parameterless slot in the checkpoint naming (`ff.net.2` is the down-projection).
         self.net = nn.ModuleList([_UpProjection(hidden_size, ffn_dim), nn.Identity(),
                                   nn.Linear(ffn_dim, hidden_size, bias=False)])
+        # value * silu(gate) of the fused up-projection; kernels/ swaps in a fused version.
+        self.activation: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        value, gate = self.net[0].proj(x).chunk(2, dim=-1)
+        up = self.net[0].proj(x)
+        if self.activation is not None:
+            return self.net[2](self.activation(up))
+        value, gate = up.chunk(2, dim=-1)
         return self.net[2](value * F.silu(gate))
 
     def forward(self, x: torch.Tensor, chunks: int = 1) -> torch.Tensor:

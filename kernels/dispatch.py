@@ -189,6 +189,13 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     model.set_attention(backend)
     model.qk_prep = qk_hook
     model.modulation_cls = mod_cls
+    # The SwiGLU activation is fused together with the modulation (same flag, same exactness).
+    from .swiglu import fused_swiglu
+
+    fused_act = fused_swiglu if mod_report.get("impl") == "triton" else None
+    for blk in [*model.transformer_blocks, *model.token_refiner.refiner_blocks]:
+        blk.ff.activation = fused_act
+    mod_report = {**mod_report, "swiglu": "triton" if fused_act is not None else "pytorch-reference"}
     linear_report = {"format": linear_fmt, "why": linear_why, "exact": linear_fmt == "bf16",
                      "weight_dtype": weight_dtype}
     if linear_fmt != "bf16":

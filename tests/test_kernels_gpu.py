@@ -77,3 +77,12 @@ def test_fp8_linear():
     f8 = Fp8Linear.from_linear(lin)
     assert rel_l2(f8(x), fp8_linear_reference(x, f8.weight, f8.weight_scale.flatten())) <= 1e-2
     assert rel_l2(f8(x), lin(x)) <= 0.06
+
+
+def test_swiglu_kernel():
+    from h3_spark.kernels.swiglu import fused_swiglu, reference_swiglu
+
+    up = rand(4096, 2 * 14336, scale=3).bfloat16()
+    got, want = fused_swiglu(up), reference_swiglu(up)
+    assert (got == want).float().mean().item() >= 0.999
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-30).all()
