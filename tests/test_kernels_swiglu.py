@@ -48,3 +48,19 @@ def test_fused_swiglu_in_the_dit_block():
 def test_odd_width_is_refused():
     with pytest.raises(ValueError, match="even width"):
         fused_swiglu(torch.randn(4, 7))
+
+
+@pytest.mark.parametrize("mode,expected", [("exact", "triton"), ("auto", "pytorch-reference"),
+                                           ("off", "pytorch-reference")])
+def test_dispatch_turns_it_on_with_exact_only(mode, expected):
+    import dataclasses
+
+    from h3_spark.h3_model.config import TINY
+    from h3_spark.h3_model.dit import H3DiT
+    from h3_spark.kernels.dispatch import apply_kernels
+    from h3_spark.kernels.settings import KernelSettings
+
+    model = H3DiT(TINY)
+    report = apply_kernels(model, dataclasses.replace(KernelSettings(), attention="sdpa", modulation_fusion=mode))
+    assert report["modulation"]["swiglu"] == expected
+    assert (model.transformer_blocks[0].ff.activation is fused_swiglu) == (expected == "triton")
