@@ -30,6 +30,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--video-shift", type=float, default=12.0)
     p.add_argument("--audio-shift", type=float, default=3.0)
+    p.add_argument("--sigmas", default=None,
+                   help="explicit sigma schedule for video and audio, comma-separated, strictly decreasing to 0 "
+                        "(e.g. 4-step Turbo LoRAs: 1,0.75,0.5,0.25,0); overrides --steps and the shifts")
     p.add_argument("--image-ref-size", choices=["match", "max", "diffusers"], default="match",
                    help="image references: scaled down to the canvas area (match, ComfyUI's default), to a 2048 px "
                         "short edge (max), or resized to 2048 px like diffusers")
@@ -163,8 +166,10 @@ def run(args) -> int:
                             width=args.width, height=args.height, frames=args.frames, steps=args.steps,
                             seed=args.seed, video_shift=args.video_shift, audio_shift=args.audio_shift,
                             reference_policy=args.image_ref_size, mlp_chunks=args.mlp_chunks,
-                            vae_tile_size=tile or None)
+                            vae_tile_size=tile or None, sigmas=_parse_sigmas(args.sigmas))
     req.validate()
+    if req.sigmas is not None:
+        args.steps = len(req.sigmas)  # grid points: the step cache counts len - 1 evaluations
     if args.cache_mode != "off":
         req.step_cache = make_step_cache(args.cache_mode, args.cache_threshold, args.cache_start_percent,
                                          args.cache_end_percent, args.cache_subsample_factor,
@@ -227,6 +232,19 @@ def run(args) -> int:
     if not args.quiet:
         print(json.dumps(summary))
     return 0
+
+
+def _parse_sigmas(text: str | None) -> list[float] | None:
+    from ..h3_model.errors import InputError
+    from ..h3_model.scheduler import custom_sigmas
+
+    if text is None:
+        return None
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--sigmas must be comma-separated numbers, got {text!r}") from None
+    return custom_sigmas(values).tolist()
 
 
 def _silence_library_progress() -> None:

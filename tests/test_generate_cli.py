@@ -99,6 +99,8 @@ def _write_wav(path, mono):
     (["--prompt", "p", "--out", "o.mp4", "--models", "/nonexistent"], "no such model folder"),
     (["--prompt", "p", "--out", "o.mp4", "--ref", "image:/nonexistent.png"], "nonexistent.png"),
     (["--prompt", "p", "--out", "o.mp4"], "needs the transformer/ DiT"),
+    (["--prompt", "p", "--out", "o.mp4", "--sigmas", "1,0.5,x"], "--sigmas must be comma-separated numbers"),
+    (["--prompt", "p", "--out", "o.mp4", "--sigmas", "1,0.5,0.7,0"], "strictly decreasing"),
 ])
 def test_generate_errors(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -107,3 +109,11 @@ def test_generate_errors(argv, message, capsys, tmp_path, monkeypatch):
     code, cap = _run(capsys, *argv)
     assert code == 2
     assert message in cap.err and "Traceback" not in cap.err
+
+
+def test_turbo_sigmas(demo_models, tmp_path, capsys):
+    out = tmp_path / "turbo.mp4"
+    code, cap = _run(capsys, "--demo-dir", str(demo_models), "--width", "64", "--height", "64", "--sigmas",
+                     "1,0.75,0.5,0.25,0", "--out", str(out))
+    assert code == 0, cap.err
+    assert json.loads(cap.out.strip().splitlines()[-1])["evaluations"] == 4
