@@ -70,6 +70,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "on any machine; the default when no model is given")
     p.add_argument("--demo-dir", type=Path, default=None, help="where --demo keeps its models")
     p.add_argument("--offload-text-encoder", action="store_true", help="move Qwen to the CPU after encoding")
+    p.add_argument("--keep-adaln", action="store_true",
+                   help="keep the DiT's AdaLN weights after precomputing this schedule's tables (by default they are "
+                        "released: exact, and 26 GB less at full size)")
     p.add_argument("--save-latents", type=Path, help="also save the final latents (for `h3-spark decode`)")
     p.add_argument("--ffmpeg-loglevel", default=None)
     p.add_argument("--out", "--output", dest="out", type=Path, default=None,
@@ -194,7 +197,8 @@ def run(args) -> int:
         import torch.distributed as dist
 
         group = dist.group.WORLD
-    pipe = Pipeline(comps, offload_text_encoder=args.offload_text_encoder, decode_group=group)
+    pipe = Pipeline(comps, offload_text_encoder=args.offload_text_encoder, decode_group=group,
+                    release_adaln=not args.keep_adaln)
 
     def progress(p):
         memory = f" [{_memory(device)}]" if args.profile_memory else ""

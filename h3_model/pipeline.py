@@ -143,8 +143,11 @@ class _LRU(OrderedDict):
 
 class Pipeline:
     def __init__(self, components: Components, *, cache_size: int = 32, offload_text_encoder: bool = False,
-                 decode: bool = True, decode_group=None):
+                 decode: bool = True, decode_group=None, release_adaln: bool = False):
         self.c = components
+        # One-shot front doors may drop the AdaLN weights once the schedule's tables exist (exact; frees 39 %
+        # of the DiT); a resident service must keep them for other step counts.
+        self.release_adaln = release_adaln
         self.decode = decode
         # Under sequence parallelism every rank samples in lockstep; the video decode's windows are then
         # shared out over the ranks (bit-identical to one process).
@@ -211,7 +214,8 @@ class Pipeline:
 
         result = sample(dit, SamplingRequest(lay, embeds, lf, lh, lw, na, conditions, audio_rows), schedule,
                         torch.Generator().manual_seed(req.seed), device=self.c.device, on_step=on_step,
-                        cancel=cancel, mlp_chunks=req.mlp_chunks, step_cache=req.step_cache)
+                        cancel=cancel, mlp_chunks=req.mlp_chunks, step_cache=req.step_cache,
+                        release_adaln=self.release_adaln)
         timings["sampling"] = time.perf_counter() - t0
         info["step_seconds"] = result.step_seconds
         if req.step_cache is not None and hasattr(req.step_cache, "report"):

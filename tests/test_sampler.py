@@ -142,3 +142,19 @@ def test_condition_mismatch_is_reported(models):
     req = SamplingRequest(lay, prompt, LF, LH, LW, NA, condition_latents=[torch.randn(1, 4, 1, LH * 2, LW)])
     with pytest.raises(Exception, match="canvas and conditioning disagree"):
         sample(ours, req, JointSchedule.create(STEPS), torch.Generator().manual_seed(0))
+
+
+def test_one_shot_release_keeps_latents_and_frees_the_adaln(models):
+    ref, _ = models
+    prompt, tags = torch.randn(1, 5, 24), torch.ones(5, dtype=torch.long)
+    lay = layout.build_t2va(tags, LF, LH, LW, NA)
+    kept, released = ours_from(ref, CONFIG), ours_from(ref, CONFIG)
+    before = sum(p.numel() for p in released.parameters())
+    req = SamplingRequest(lay, prompt, LF, LH, LW, NA)
+    a = sample(kept, req, JointSchedule.create(STEPS), torch.Generator().manual_seed(2))
+    b = sample(released, req, JointSchedule.create(STEPS), torch.Generator().manual_seed(2), release_adaln=True)
+    assert torch.equal(a.video_latents, b.video_latents) and torch.equal(a.audio_latents, b.audio_latents)
+    assert released.adaln_released and sum(p.numel() for p in released.parameters()) < before
+    # A resident model keeps one schedule's tables at a time, not every schedule it has served.
+    sample(kept, req, JointSchedule.create(STEPS + 2), torch.Generator().manual_seed(2))
+    assert set(kept._modulation_cache) == schedule_timestep_values(lay, JointSchedule.create(STEPS + 2))
