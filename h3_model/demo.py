@@ -15,15 +15,20 @@ from pathlib import Path
 
 import torch
 
+from . import video_vae
 from .config import TINY
 
-DEMO_VERSION = "1"
+DEMO_VERSION = "2"
 TEXT_HIDDEN = 32
 TEXT_LAYERS = 4
 TEXT_READ_LAYER = 2  # the demo reads hidden_states[2] the way the released model reads [50]
 SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<d>", "</d>"]
 MERGES = [("Ġ", "a"), ("t", "h"), ("th", "e"), ("Ġ", "the"), ("e", "r"), ("<", "P"), ("Ġ", "s"), ("e", "c")]
 DIT_CONFIG = dataclasses.replace(TINY, text_dim=TEXT_HIDDEN)
+# The released geometry: 16x spatial, 4x temporal (the stock tiny VAE is 4x spatial, which front doors that
+# assume the released 16x latent grid, like ComfyUI's, cannot take).
+DEMO_VAE = dataclasses.replace(video_vae.TINY, block_out_channels=(8, 8, 16, 16), spatial_downsample_factors=(2,) * 4,
+                               temporal_downsample_factors=(2, 2, 1, 1))
 DEMO_PROMPT = "A paper boat drifts down a rain gutter while thunder rolls in the distance."
 
 
@@ -105,7 +110,7 @@ def build_demo_models(root: Path, seed: int = 0, log=lambda message: None) -> Pa
     log(f"writing tiny synthetic demo models to {root}")
     make_dit_checkpoint(root / "transformer", DIT_CONFIG, "bf16", "diffusers", seed=seed)
     make_dit_checkpoint(root / "transformer_ref", DIT_CONFIG, "bf16", "diffusers", seed=seed + 1)
-    write_vae_checkpoint(root / "vae", "tiny", "diffusers", seed)
+    write_vae_checkpoint(root / "vae", DEMO_VAE, "diffusers", seed)
     write_audio_vae_checkpoint(root / "audio_vae", "tiny", "diffusers", seed)
     write_text_encoder(root / "text_encoder", seed)
     stamp.write_text(json.dumps({"version": DEMO_VERSION, "seed": seed,

@@ -120,7 +120,7 @@ def build_models(tmp: Path) -> Path:
 
 
 def write_inputs(folder: Path) -> None:
-    """The reference image and song the ref2va workflow loads (LoadImage / LoadAudio)."""
+    """The reference image and song the ref2va workflow loads, and the fl2va keyframes (LoadImage / LoadAudio)."""
     import numpy as np
     from PIL import Image
 
@@ -128,6 +128,8 @@ def write_inputs(folder: Path) -> None:
     y, x = np.mgrid[0:SIZE, 0:SIZE]
     pixels = np.stack([x * 4, y * 4, (x + y) * 2], axis=-1).clip(0, 255).astype(np.uint8)
     Image.fromarray(pixels).save(folder / "singer.png")
+    Image.fromarray(pixels).save(folder / "first_frame.png")
+    Image.fromarray(pixels[::-1].copy()).save(folder / "last_frame.png")
     rate = 32000
     t = np.arange(rate * 2) / rate
     tone = (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype(np.int16)
@@ -298,7 +300,7 @@ def test_installer_took_this_comfyui(installed):
     assert "linked" in installed or "already linked" in installed
 
 
-@pytest.mark.parametrize("name", ["ref2va", "t2va"])
+@pytest.mark.parametrize("name", ["ref2va", "t2va", "fl2va"])
 def test_api_workflow_writes_the_mp4(server, name, tmp_path):
     graph = workflow(name)
     started = time.monotonic()
