@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("float16", "float32")
+from .vae_options import DEFAULT_TILE_SIZE, DTYPES, vae_options
+
 LOGLEVELS = ("quiet", "panic", "fatal", "error", "warning", "info", "verbose", "debug", "trace")
 DEFAULT_DTYPE = "float16"
-DEFAULT_TILE_SIZE = 256
 
 
 def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
@@ -53,21 +53,7 @@ class Settings:
 
 def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
     """Flags win over the environment, the environment over the defaults."""
-    from ..h3_model.errors import InputError
-
-    environ = os.environ if environ is None else environ
-    dtype = args.vae_dtype or environ.get("H3_VAE_DTYPE") or DEFAULT_DTYPE
-    if dtype not in DTYPES:
-        raise InputError(f"H3_VAE_DTYPE={dtype!r}: choose one of {', '.join(DTYPES)}")
-    tile = args.vae_tile_size
-    if tile is None:
-        raw = environ.get("H3_VAE_TILE_SIZE")
-        try:
-            tile = int(raw) if raw not in (None, "") else DEFAULT_TILE_SIZE
-        except ValueError:
-            raise InputError(f"H3_VAE_TILE_SIZE={raw!r}: expected a whole number of pixels (0 = untiled)") from None
-    if tile < 0:
-        raise InputError(f"tile size must be >= 0 (0 = untiled), got {tile}")
+    dtype, tile = vae_options(args.vae_dtype, args.vae_tile_size, DEFAULT_DTYPE, environ)
     return Settings(dtype, tile, _device(args.device))
 
 

@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from .vae_options import vae_options
+
 REF_KINDS = ("image", "video", "audio")
 
 
@@ -83,10 +85,6 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     return p
 
 
-def _env_choice(value, env: str, default: str) -> str:
-    return value if value is not None else os.environ.get(env, default)
-
-
 def parse_refs(items: list[str]):
     from ..h3_model.errors import InputError
     from ..h3_model.refs import load_reference
@@ -146,13 +144,8 @@ def run(args) -> int:
     if args.out is None:
         raise InputError("--out is required")
     dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    vae_dtype = _env_choice(args.vae_dtype, "H3_VAE_DTYPE", "float16" if device.startswith("cuda") else "float32")
-    if vae_dtype not in ("float16", "float32"):
-        raise InputError(f"H3_VAE_DTYPE must be float16 or float32, got {vae_dtype!r}")
-    try:
-        tile = args.vae_tile_size if args.vae_tile_size is not None else int(os.environ.get("H3_VAE_TILE_SIZE", "256"))
-    except ValueError:
-        raise InputError(f"H3_VAE_TILE_SIZE must be a number of pixels, got {os.environ['H3_VAE_TILE_SIZE']!r}") from None
+    vae_dtype, tile = vae_options(args.vae_dtype, args.vae_tile_size,
+                                  "float16" if device.startswith("cuda") else "float32")
     if not args.prompt:
         raise InputError("--prompt is required")
     if args.out.suffix.lower() != ".mp4":

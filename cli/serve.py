@@ -6,6 +6,8 @@ import argparse
 import os
 from pathlib import Path
 
+from .vae_options import vae_options
+
 DEFAULT_HOST = "127.0.0.1"  # local only unless --host says otherwise: the API has no authentication
 DEFAULT_PORT = 8000
 
@@ -63,17 +65,11 @@ def service_settings(args, device: str | None = None):
     device = device or args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype or ("bfloat16" if cuda else "float32")]
-    vae_name = args.vae_dtype or os.environ.get("H3_VAE_DTYPE") or ("float16" if cuda else "float32")
-    if vae_name not in ("float16", "float32"):
-        raise InputError(f"H3_VAE_DTYPE must be float16 or float32, got {vae_name!r}")
+    vae_name, tile = vae_options(args.vae_dtype, args.vae_tile_size, "float16" if cuda else "float32")
     settings = KernelSettings.from_env()
     settings = settings.replace(attention=args.attention or settings.attention, linear=args.linear or settings.linear)
     if not 0 < args.port < 65536:
         raise InputError(f"--port must be 1..65535, got {args.port}")
-    try:
-        tile = args.vae_tile_size if args.vae_tile_size is not None else int(os.environ.get("H3_VAE_TILE_SIZE", "256"))
-    except ValueError:
-        raise InputError(f"H3_VAE_TILE_SIZE must be an integer, got {os.environ.get('H3_VAE_TILE_SIZE')!r}") from None
     if args.max_input_mb < 1:
         raise InputError(f"--max-input-mb must be positive, got {args.max_input_mb}")
     spec = ModelSpec(

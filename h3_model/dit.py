@@ -296,6 +296,7 @@ class H3DiT(nn.Module):
         self.modulation_cls: type[RowModulation] = RowModulation
         self.use_segments = True
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_last: tuple | None = None
         self._modulation_cache: dict[float, tuple[list[torch.Tensor], torch.Tensor]] = {}
         self.adaln_released = False
 
@@ -402,7 +403,14 @@ class H3DiT(nn.Module):
         return self.compute_modulation(timestep)
 
     def rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE tables for a layout, cached by content (a layout is reused for every step)."""
+        """RoPE tables for a layout, cached by content (a layout is reused for every step).
+
+        The sampler hands the same tensor every step: that is recognised without hashing it, which would
+        copy it to the host and synchronise the device once per step.
+        """
+        last = self._rope_last
+        if last is not None and last[0] is position_ids and last[1] == position_ids._version:
+            return last[2]
         key = (hashlib.blake2b(position_ids.detach().cpu().contiguous().numpy().tobytes(), digest_size=16).hexdigest(),
                tuple(position_ids.shape), str(position_ids.device))
         tables = self._rope_cache.get(key)
@@ -411,6 +419,7 @@ class H3DiT(nn.Module):
             if len(self._rope_cache) >= 4:
                 self._rope_cache.pop(next(iter(self._rope_cache)))
             self._rope_cache[key] = tables
+        self._rope_last = (position_ids, position_ids._version, tables)
         return tables
 
     def encode_text(self, encoder_hidden_states: torch.Tensor, mlp_chunks: int = 1) -> torch.Tensor:

@@ -24,12 +24,11 @@ import torch
 from . import geometry
 from .errors import H3Error, InputError
 from .layout import AudioBlock, ImageBlock, VideoBlock, build_ref2va, build_t2va
-from .refs import PreparedReference, Reference, prepare_keyframes, prepare_references
+from .refs import PreparedReference, Reference, prepare_keyframes, prepare_references, prompt_references
 from .sampler import SamplingRequest, StepInfo, sample
 from .scheduler import AUDIO_SHIFT, VIDEO_SHIFT, JointSchedule, Schedule, custom_sigmas
 
 MODES = ("t2va", "fl2va", "ref2va")
-CONDITION_ENCODE_SEED = 42
 MAX_STEPS = 1000
 
 
@@ -250,8 +249,6 @@ class Pipeline:
         return JointSchedule(video, audio)
 
     def _encode_text(self, req, keyframes, prepared) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        from .prompt import AudioRef, ImageRef, VideoRef
-
         te = self._need(self.c.text_encoder, "the text encoder")
         builder = te.prompts
         if req.mode == "t2va":
@@ -259,15 +256,7 @@ class Pipeline:
         elif req.mode == "fl2va":
             presentation = builder.fl2va(req.prompt, keyframes)
         else:
-            refs = []
-            for p in prepared:
-                if p.kind == "image":
-                    refs.append(ImageRef(p.pixels))
-                elif p.kind == "video":
-                    refs.append(VideoRef(p.pixels, has_soundtrack=p.audio is not None))
-                else:
-                    refs.append(AudioRef())
-            presentation = builder.ref2va(req.prompt, refs)
+            presentation = builder.ref2va(req.prompt, prompt_references(prepared))
         hits = te.cache_hits
         encoded = te.encode(presentation)  # the encoder caches by token hash
         if self.offload_text_encoder:
@@ -284,14 +273,14 @@ class Pipeline:
         for frame in keyframes:
             latent, hit = self._reference_cache.get_or(
                 ("keyframe", PreparedReference("image", pixels=frame).content_hash()),
-                lambda frame=frame: encode_condition(vae, frame, seed=CONDITION_ENCODE_SEED))
+                lambda frame=frame: encode_condition(vae, frame))
             conditions.append(latent)
             hits += hit
         for p in prepared:
             if p.pixels is not None:
                 latent, hit = self._reference_cache.get_or(
                     ("video", PreparedReference(p.kind, pixels=p.pixels).content_hash()),
-                    lambda p=p: encode_condition(vae, p.pixels, seed=CONDITION_ENCODE_SEED))
+                    lambda p=p: encode_condition(vae, p.pixels))
                 conditions.append(latent)
                 hits += hit
             audio_latents = 0

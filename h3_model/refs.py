@@ -204,6 +204,14 @@ def _prepare_video(ref: VideoReference, frames: int, seconds: float, what: str) 
     return PreparedReference("video", pixels=video, audio=audio)
 
 
+def prompt_references(prepared: list[PreparedReference]) -> list:
+    """What the prompt presentation needs of prepared references: pixels for images and videos, a label for audio."""
+    from .prompt import AudioRef, ImageRef, VideoRef
+
+    return [ImageRef(p.pixels) if p.kind == "image" else VideoRef(p.pixels, has_soundtrack=p.audio is not None)
+            if p.kind == "video" else AudioRef() for p in prepared]
+
+
 def _block_stub(ref) -> object:
     # Only the kinds matter for the limit checks; geometry comes later from the encoded latents.
     if isinstance(ref, ImageReference):

@@ -926,8 +926,13 @@ def _emit(chunk: torch.Tensor, written: int, total: int) -> Iterator[tuple[int, 
     return written + max(keep, 0)
 
 
+# The released recipe samples every visual condition under its own generator with this seed, so a reference
+# encodes to the same latents in every request.
+CONDITION_SEED = 42
+
+
 @torch.no_grad()
-def encode_condition(vae: VideoVAE, frames: torch.Tensor, *, seed: int = 42,
+def encode_condition(vae: VideoVAE, frames: torch.Tensor, *, seed: int = CONDITION_SEED,
                      tile_size: int | None = DEFAULT_TILE_SIZE) -> torch.Tensor:
     """Keyframes / image or video references -> normalised conditioning latents (1, C, T, h, w).
 

@@ -20,7 +20,6 @@ from . import host, payload
 
 log = logging.getLogger("h3_spark")
 OPTIONS = "h3_spark"  # key of our settings in model_options["transformer_options"]
-CONDITION_ENCODE_SEED = 42  # pipeline.CONDITION_ENCODE_SEED: conditions encode the same in every request
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 VAE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 PARTITIONS = {"auto": None, "ref2va": "ref2va", "t2va/fl2va": "t2va"}
@@ -199,7 +198,7 @@ def fl2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, height
     embeds, tags = _text(te, lambda b: b.fl2va(prompt, keyframes))
     video_vae = vae.video_ready()
     blocks = [{"resolved_frame_index": 0 if anchor == "first" else frames - 1,
-               "latent": encode_condition(video_vae, frame, seed=CONDITION_ENCODE_SEED, tile_size=vae.tile_size)}
+               "latent": encode_condition(video_vae, frame, tile_size=vae.tile_size)}
               for anchor, frame in zip(anchors, keyframes)]
     return (payload.make_conditioning(embeds, tags, keyframes=blocks),
             _empty(vae, width, height, frames))
@@ -211,8 +210,7 @@ def ref2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, heigh
 
     References enter in that order (images, then videos, then audio), as ComfyUI's native node orders them.
     """
-    from ..h3_model.prompt import AudioRef, ImageRef, VideoRef
-    from ..h3_model.refs import AudioReference, ImageReference, VideoReference, prepare_references
+    from ..h3_model.refs import AudioReference, ImageReference, VideoReference, prepare_references, prompt_references
     from ..h3_model.video_vae import encode_condition
 
     _check_prompt(prompt)
@@ -227,17 +225,12 @@ def ref2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, heigh
         refs.append(AudioReference(wave, sample_rate=rate))
     prepared = prepare_references(refs, width=width, height=height, frames=frames, policy=reference_size)
 
-    def presentation(builder):
-        return builder.ref2va(prompt, [ImageRef(p.pixels) if p.kind == "image"
-                                       else VideoRef(p.pixels, has_soundtrack=p.audio is not None)
-                                       if p.kind == "video" else AudioRef() for p in prepared])
-
-    embeds, tags = _text(te, presentation)
+    embeds, tags = _text(te, lambda b: b.ref2va(prompt, prompt_references(prepared)))
     blocks = []
     for p in prepared:
         block: dict = {"kind": p.kind}
         if p.pixels is not None:
-            z = encode_condition(vae.video_ready(), p.pixels, seed=CONDITION_ENCODE_SEED, tile_size=vae.tile_size)
+            z = encode_condition(vae.video_ready(), p.pixels, tile_size=vae.tile_size)
             block.update(latent=z, latent_t=int(z.shape[2]), latent_h=int(z.shape[3]), latent_w=int(z.shape[4]))
         if p.audio is not None:
             a = payload.audio_to_comfy(vae.audio_ready().encode_stereo(p.audio).float().cpu())

@@ -13,36 +13,24 @@ from pathlib import Path
 
 import pytest
 
+from memprobe import ANON_PEAK
+
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 HOST_BOUND = 4e9
 
-PROBE = r"""
-import json, sys, threading, time, torch
+PROBE = ANON_PEAK + r"""
+import json, sys, time, torch
 from h3_spark.h3_model.checkpoint import load_dit
-
-def anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-
-peak, stop = [0], threading.Event()
-
-def sample():
-    while not stop.is_set():
-        peak[0] = max(peak[0], anon())
-        time.sleep(0.005)
 
 torch.zeros(1, device="cuda")  # CUDA context first: its host memory is not the loader's
 before = anon()
-thread = threading.Thread(target=sample)
-thread.start()
+start_sampling()
 start = time.perf_counter()
 model = load_dit(sys.argv[1], dtype=torch.bfloat16, device="cuda")
 torch.cuda.synchronize()
 seconds = time.perf_counter() - start
-stop.set()
-thread.join()
-print(json.dumps({"host_added": max(peak[0], anon()) - before, "seconds": seconds,
+stop_sampling()
+print(json.dumps({"host_added": peak[0] - before, "seconds": seconds,
                   "gpu_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
 """
 

@@ -17,6 +17,7 @@ import pytest
 
 from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
 from h3_spark.h3_model.config import TINY
+from memprobe import ANON_PEAK
 
 if not Path("/proc/self/status").is_file():
     pytest.skip("needs Linux /proc to read anonymous memory", allow_module_level=True)
@@ -25,33 +26,18 @@ MID = dataclasses.replace(TINY, num_attention_heads=8, attention_head_dim=128, h
                           ffn_dim=4096, time_embed_dim=256, time_embed_hidden_dim=512, text_dim=512, freq_dim=256,
                           rope_freq_dim=16)
 
-PROBE = r"""
-import json, sys, threading, time, torch
+PROBE = ANON_PEAK + r"""
+import json, sys, torch
 import h3_spark.h3_model.checkpoint, h3_spark.h3_model.dit
 from h3_spark.h3_model.checkpoint import load_dit
 
-def anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-
-peak, stop = [0], threading.Event()
-
-def sample():
-    while not stop.is_set():
-        peak[0] = max(peak[0], anon())
-        time.sleep(0.002)
-
 before = anon()
-thread = threading.Thread(target=sample)
-thread.start()
+start_sampling()
 if sys.argv[2] == "read-whole-file-first":
     from safetensors.torch import load_file
     whole = {k: v.clone() for k, v in load_file(sys.argv[1]).items()}
 model = load_dit(sys.argv[1], dtype=torch.bfloat16)
-stop.set()
-thread.join()
-peak[0] = max(peak[0], anon())
+stop_sampling()
 print(json.dumps({"added": peak[0] - before, "model": sum(p.numel() * p.element_size() for p in model.parameters())}))
 """
 
