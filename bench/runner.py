@@ -71,7 +71,8 @@ def _reset_peak(device: str) -> None:
 
 
 @torch.inference_mode()
-def bench_ours(model, shape: BenchShape, inputs: dict, contract: Contract, device: str) -> dict:
+def bench_ours(model, shape: BenchShape, inputs: dict, contract: Contract, device: str,
+               profile: bool = False) -> dict:
     lay = shape.layout
     schedule = JointSchedule.create(contract["steps"])
     model.precompute_modulation(schedule_timestep_values(lay, schedule))
@@ -91,12 +92,17 @@ def bench_ours(model, shape: BenchShape, inputs: dict, contract: Contract, devic
     sampled_times = time_call(sampled, device, warmup, repeats)
     peak = _peak(device)
     full_times = time_call(full, device, 1, max(1, repeats // 2))
-    return {
+    out = {
         "dit_forward_s_median": statistics.median(sampled_times),
         "dit_forward_s_all": sampled_times,
         "dit_forward_full_s_median": statistics.median(full_times),
         "peak_gpu_memory_gb": peak,
     }
+    if profile:
+        from .profile import profile_call
+
+        out["profile"] = profile_call(sampled, device)
+    return out
 
 
 @torch.inference_mode()
@@ -170,9 +176,11 @@ def blockwise(model, twin, inputs: dict) -> list[float]:
 
 
 def run(contract: Contract, model, device: str, *, twin, diffusers_backends: list[str],
-        diffusers_compile: bool, weights: str, backends_used: dict, spatial: int = 16) -> dict:
+        diffusers_compile: bool, weights: str, backends_used: dict, spatial: int = 16,
+        profile: bool = False) -> dict:
     """`twin`: diffusers' model on the same weights (bench_diffusers), or None for ours alone.
-    `spatial`: the video VAE's compression (16 when released) that turns the canvas into latents."""
+    `spatial`: the video VAE's compression (16 when released) that turns the canvas into latents.
+    `profile`: also profile one sampled forward's CUDA kernels (bench/profile.py)."""
     shape = contract_shape(contract, model.config, spatial)
     schedule = JointSchedule.create(contract["steps"])
     inputs = make_inputs(shape, model.config, device, contract["seed"], len(schedule) // 2, schedule)
@@ -180,7 +188,7 @@ def run(contract: Contract, model, device: str, *, twin, diffusers_backends: lis
               "contract_sequence_length": contract["sequence_length"], "weights": weights,
               "backends": backends_used, "device": device, "steps_evaluations": len(schedule),
               "measured_step": len(schedule) // 2}
-    result.update(bench_ours(model, shape, inputs, contract, device))
+    result.update(bench_ours(model, shape, inputs, contract, device, profile))
     if twin is not None:
         d = bench_diffusers(model, twin, inputs, contract, device, diffusers_backends, diffusers_compile)
         result["diffusers"] = d

@@ -33,6 +33,8 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--linear", default=None, help="block linear format (default: $H3_LINEAR or auto)")
     p.add_argument("--repeats", type=int, default=None, help="override the contract's repeat count")
     p.add_argument("--text-encoder-layer", type=int, default=50, help="with --models: the Qwen3-VL layer read")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one warm forward: CUDA time per kernel group and the slowest kernels (GPU)")
     p.add_argument("--out", required=True, help="result JSON path")
     return p
 
@@ -117,7 +119,7 @@ def run(args) -> int:
         diff_backends.append("_native_flash" if device.startswith("cuda") else "_native_math")
     result = runner.run(contract, model, device, twin=twin, diffusers_backends=diff_backends,
                         diffusers_compile=args.diffusers_compile, weights=weights, backends_used=backends,
-                        spatial=comps.vae.config.spatial_ratio if args.models else 16)
+                        spatial=comps.vae.config.spatial_ratio if args.models else 16, profile=args.profile)
     if args.models:
         result["generation"] = runner.bench_generation(comps, contract, device)
     result["dtype"] = args.dtype

@@ -60,6 +60,9 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 DIFFUSERS_CLASS_NAME = "AutoencoderKLMiniMaxH3"
 DEFAULT_TILE_SIZE = 256
 DEFAULT_TILE_MIN_OVERLAP = 64
+# Spatial tiles decoded per decoder call (all tiles of a window have one size, so they stack along the
+# batch). One tile alone leaves an H200 mostly idle; H3_VAE_TILE_BATCH overrides.
+DEFAULT_TILE_BATCH = 1
 DECODE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 _PAD_MODES = ("reflect", "replicate", "circular", "constant")
 
@@ -608,6 +611,25 @@ def stitch_tiles(tile_fn: Callable[[int, int], torch.Tensor], ys: TileAxis, xs: 
     return out
 
 
+def resolve_tile_batch(tile_batch: int | None) -> int:
+    """The tiles per decoder call: the argument, else H3_VAE_TILE_BATCH, else DEFAULT_TILE_BATCH."""
+    import os
+
+    source = "tile_batch"
+    if tile_batch is None:
+        raw = os.environ.get("H3_VAE_TILE_BATCH", "")
+        if raw == "":
+            return DEFAULT_TILE_BATCH
+        source = "H3_VAE_TILE_BATCH"
+        try:
+            tile_batch = int(raw)
+        except ValueError:
+            raise InputError(f"H3_VAE_TILE_BATCH={raw!r}: expected a whole number of tiles (>= 1)") from None
+    if isinstance(tile_batch, bool) or not isinstance(tile_batch, int) or tile_batch < 1:
+        raise InputError(f"{source} must be a whole number of tiles >= 1, got {tile_batch!r}")
+    return tile_batch
+
+
 def check_tiling(tile_size: int | None, min_overlap: int, ratio: int) -> None:
     if not tile_size:
         return
@@ -783,8 +805,11 @@ class VideoVAE(nn.Module):
 
     @torch.no_grad()
     def _decode_window(self, z: torch.Tensor, frames: list[int], tile_size: int | None,
-                       min_overlap: int) -> torch.Tensor:
-        """One decoder window -> fp32 raw pixels of the requested frame indices only."""
+                       min_overlap: int, tile_batch: int = 1) -> torch.Tensor:
+        """One decoder window -> fp32 raw pixels of the requested frame indices only.
+
+        `tile_batch` tiles go through the decoder together (stacked on the batch axis); the samples
+        do not interact, so only the kernels' rounding can differ from one tile at a time."""
         cfg = self.config
         r = cfg.spatial_ratio
         index = torch.tensor(frames, device=z.device)
@@ -799,16 +824,29 @@ class VideoVAE(nn.Module):
         ys = split_tiles(height, tile_size, min_overlap, r)
         xs = split_tiles(width, tile_size, min_overlap, r)
 
-        def tile(i: int, j: int) -> torch.Tensor:
+        def crop(i: int, j: int) -> torch.Tensor:
             y0, x0 = ys.starts[i] // r, xs.starts[j] // r
-            return run(z[..., y0:y0 + ys.sizes[i] // r, x0:x0 + xs.sizes[j] // r])
+            return z[..., y0:y0 + ys.sizes[i] // r, x0:x0 + xs.sizes[j] // r]
+
+        # stitch_tiles asks for the tiles in row-major order: decode the next `tile_batch` at once.
+        order = [(i, j) for i in range(len(ys.starts)) for j in range(len(xs.starts))]
+        ready: dict[tuple[int, int], torch.Tensor] = {}
+
+        def tile(i: int, j: int) -> torch.Tensor:
+            if (i, j) not in ready:
+                first = order.index((i, j))
+                group = order[first:first + tile_batch]
+                pixels = run(torch.cat([crop(*cell) for cell in group]))
+                for cell, piece in zip(group, pixels.split(z.shape[0])):
+                    ready[cell] = piece
+            return ready.pop((i, j))
 
         return stitch_tiles(tile, ys, xs)
 
     # Deliberately not decorated with no_grad: torch's generator wrapper would hold the last
     # yielded chunk, and with it the whole previous window canvas, while the next one decodes.
     def iter_decode(self, z: torch.Tensor, *, tile_size: int | None = DEFAULT_TILE_SIZE,
-                    tile_min_overlap: int = DEFAULT_TILE_MIN_OVERLAP,
+                    tile_min_overlap: int = DEFAULT_TILE_MIN_OVERLAP, tile_batch: int | None = None,
                     group: Any = None) -> Iterator[tuple[int, torch.Tensor]]:
         """Raw latents (B, C, T, h, w) -> (first frame, fp32 ImageNet-space chunk (B, 3, n, H, W))
         in frame order; the chunks tile [0, decoded_num_frames(T)) exactly. Each chunk is fresh
@@ -820,6 +858,7 @@ class VideoVAE(nn.Module):
         in the same order everywhere."""
         self._check_latents(z)
         check_tiling(tile_size, tile_min_overlap, self.config.spatial_ratio)
+        tile_batch = resolve_tile_batch(tile_batch)
         cfg = self.config
         plan = temporal_plan(cfg, z.shape[2])
         z = z.to(device=self.device, dtype=torch.float32)
@@ -832,7 +871,8 @@ class VideoVAE(nn.Module):
 
         def window(i: int) -> torch.Tensor:
             start = i * cfg.tokens_chunk_size
-            return self._decode_window(z[:, :, start:start + plan.window], frames, tile_size, tile_min_overlap)
+            return self._decode_window(z[:, :, start:start + plan.window], frames, tile_size, tile_min_overlap,
+                                       tile_batch)
 
         if group is not None:
             r = cfg.spatial_ratio
@@ -959,7 +999,8 @@ def parameter_bytes(cfg: VideoVAEConfig, decode_dtype: torch.dtype) -> int:
 
 def decode_memory_estimate(cfg: VideoVAEConfig, num_latent_frames: int, latent_height: int, latent_width: int, *,
                            decode_dtype: torch.dtype = torch.float16, out_dtype: torch.dtype = torch.uint8,
-                           tile_size: int | None = DEFAULT_TILE_SIZE) -> dict[str, int]:
+                           tile_size: int | None = DEFAULT_TILE_SIZE,
+                           tile_batch: int = DEFAULT_TILE_BATCH) -> dict[str, int]:
     """Bytes held at the peak of `decode_to_buffer` for one video, by term.
 
     With S tokens per decoder call (window grid + registers + zero token), width D, FFN width I
@@ -968,7 +1009,8 @@ def decode_memory_estimate(cfg: VideoVAEConfig, num_latent_frames: int, latent_h
       FFN:       fp32 residual + normed input + fused up projection (S x 2I) + silu(gate) and product (S x I each)
       head:      fp32 residual + LayerNorm (fp32, c) + proj_out output and its unpatchified copy
                  (all window frames) + the kept frames in c and fp32
-    attention itself being O(S*D) with a flash or memory-efficient kernel. Alongside it live the
+    attention itself being O(S*D) with a flash or memory-efficient kernel, times the tiles decoded
+    together (`tile_batch`, at most the tiles of a window). Alongside it live the
     window's fp32 canvas of kept frames, the previous window's fp32 tail, the stitching state (a
     row of raw bottom strips, the left neighbour's raw strip, the last blended tile); a finished
     chunk is converted in place and only its uint8/fp16 copy is new.
@@ -996,7 +1038,11 @@ def decode_memory_estimate(cfg: VideoVAEConfig, num_latent_frames: int, latent_h
     stitching = kept * (columns * overlap_h * tile_w + tile_h * overlap_w + tile_h * tile_w)
     window = frame * (main + 2 * tail) * 4 + 2 * frame * main * out_item + stitching
     weights = parameter_bytes(cfg, decode_dtype)
-    transient = max(attention, ffn, head)
+    rows = len(split_tiles(height, tile_h, DEFAULT_TILE_MIN_OVERLAP, r).starts) if tile_size else 1
+    batch = min(tile_batch, rows * columns)
+    # The batch's other decoded tiles wait, fp32 and of the kept frames, until stitching takes them.
+    waiting = (batch - 1) * plane * (main + tail) * 4
+    transient = batch * max(attention, ffn, head) + waiting
     return {"weights": weights, "transient": transient, "window": window,
             "device_peak": weights + transient + window,
             "host_buffer": frame * plan.num_frames * out_item}

@@ -189,11 +189,11 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     model.set_attention(backend)
     model.qk_prep = qk_hook
     model.modulation_cls = mod_cls
-    # The fused SwiGLU activation comes with H3_MODULATION_FUSION=exact only: `auto` keeps what the H200
-    # receipts ran (fused modulation, eager SwiGLU) until the SwiGLU kernel has a receipt of its own.
+    # The fused SwiGLU travels with the fused modulation (auto on a Triton GPU, or exact): both are
+    # exact to bf16 rounding and both are Triton elementwise passes.
     from .swiglu import fused_swiglu
 
-    fused_act = fused_swiglu if mod_report.get("impl") == "triton" and settings.modulation_fusion == "exact" else None
+    fused_act = fused_swiglu if mod_report.get("impl") == "triton" else None
     for blk in [*model.transformer_blocks, *model.token_refiner.refiner_blocks]:
         blk.ff.activation = fused_act
     mod_report = {**mod_report, "swiglu": "triton" if fused_act is not None else "pytorch-reference"}

@@ -257,6 +257,47 @@ def test_small_tiles_match_oracle(tiny):
     assert rel_l2(ours.decode(z, tile_size=16, tile_min_overlap=8), expected) <= FP32_BUDGET
 
 
+@pytest.mark.parametrize("tile_batch", [2, 4, 100])
+def test_batched_tiles_match_one_tile_at_a_time(tiny, tile_batch):
+    # 9 x 13 latents with 16 px tiles: a grid of several rows and columns that batches split unevenly.
+    _, ours = tiny
+    z = randn(2, 4, 7, 9, 13, seed=19)
+    one = ours.decode(z, tile_size=16, tile_min_overlap=8, tile_batch=1)
+    many = ours.decode(z, tile_size=16, tile_min_overlap=8, tile_batch=tile_batch)
+    assert rel_l2(many, one) <= 1e-6
+    assert rel_l2(many[1:], one[1:]) <= 1e-6  # the second video is not mixed up with the first
+
+
+def test_tile_batch_comes_from_the_environment(tiny, monkeypatch):
+    _, ours = tiny
+    z = randn(1, 4, 7, 9, 13, seed=20)
+    calls = []
+    decoder = ours.decoder
+    original = decoder.forward
+    monkeypatch.setattr(decoder, "forward", lambda x, *a, **k: calls.append(x.shape[0]) or original(x, *a, **k))
+    monkeypatch.setenv("H3_VAE_TILE_BATCH", "5")
+    ours.decode(z, tile_size=16, tile_min_overlap=8)
+    r = ours.config.spatial_ratio
+    tiles = len(video_vae.split_tiles(9 * r, 16, 8, r).starts) * len(video_vae.split_tiles(13 * r, 16, 8, r).starts)
+    per_window = [5] * (tiles // 5) + ([tiles % 5] if tiles % 5 else [])
+    assert tiles > 5 and calls == per_window * (len(calls) // len(per_window))
+    monkeypatch.setenv("H3_VAE_TILE_BATCH", "many")
+    with pytest.raises(InputError, match="H3_VAE_TILE_BATCH='many': expected a whole number of tiles"):
+        ours.decode(z, tile_size=16, tile_min_overlap=8)
+    monkeypatch.delenv("H3_VAE_TILE_BATCH")
+    with pytest.raises(InputError, match="tile_batch must be a whole number of tiles >= 1, got 0"):
+        ours.decode(z, tile_size=16, tile_min_overlap=8, tile_batch=0)
+
+
+def test_batched_tiles_raise_the_memory_estimate_by_the_batch():
+    one = video_vae.decode_memory_estimate(video_vae.FULL, 37, 34, 60, tile_batch=1)
+    four = video_vae.decode_memory_estimate(video_vae.FULL, 37, 34, 60, tile_batch=4)
+    allt = video_vae.decode_memory_estimate(video_vae.FULL, 37, 34, 60, tile_batch=1000)
+    assert 4 * one["transient"] < four["transient"] < 5 * one["transient"]
+    assert allt["transient"] == video_vae.decode_memory_estimate(video_vae.FULL, 37, 34, 60, tile_batch=15)["transient"]
+    assert four["weights"] == one["weights"] and four["window"] == one["window"]
+
+
 def test_decode_to_buffer_writes_pipeline_pixels_into_one_host_buffer(tiny):
     ref, ours = tiny
     z = randn(1, 4, 12, 8, 12, seed=12)

@@ -1,0 +1,32 @@
+import pytest
+
+from h3_spark.bench.profile import kernel_group, profile_call, summarize
+
+
+@pytest.mark.parametrize("name,group", [
+    ("flash::FlashAttnFwdSm90<...>", "attention"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "gemm"),
+    ("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "gemm"),
+    ("_modulation_kernel", "triton (ours)"),
+    ("_swiglu_kernel", "triton (ours)"),
+    ("void at::native::vectorized_elementwise_kernel<4, ...>", "elementwise / reduce"),
+    ("void at::native::index_elementwise_kernel<...>", "copy / index"),
+    ("something_else", "other"),
+])
+def test_kernel_groups(name, group):
+    assert kernel_group(name) == group
+
+
+def test_summary_totals_shares_and_ranking():
+    kernels = {"sm90_xmma_gemm_a": [6.0, 3], "flash_fwd": [3.0, 1], "_swiglu_kernel": [1.0, 1]}
+    s = summarize(kernels, top=2)
+    assert s["cuda_ms_total"] == pytest.approx(10.0)
+    assert s["groups"]["gemm"] == {"ms": 6.0, "share": pytest.approx(0.6)}
+    assert list(s["groups"]) == ["gemm", "attention", "triton (ours)"]
+    assert [k["name"] for k in s["top_kernels"]] == ["sm90_xmma_gemm_a", "flash_fwd"]
+    assert s["top_kernels"][0]["calls"] == 3
+
+
+def test_profiling_needs_cuda():
+    with pytest.raises(ValueError, match="CUDA device"):
+        profile_call(lambda: None, "cpu")
