@@ -218,9 +218,14 @@ def contract_request(contract: Contract):
                              reference_policy=(contract.get("references") or [{}])[0].get("policy", "match"))
 
 
-def bench_generation(components, contract: Contract, device: str) -> dict:
-    """One warm full generation (after a 2-step warm-up of every stage): seconds per stage, mux included."""
+def bench_generation(components, contract: Contract, device: str, cache_modes: tuple[str, ...] = ()) -> dict:
+    """One warm full generation (after a 2-step warm-up of every stage): seconds per stage, mux included.
+
+    Each of `cache_modes` then samples the same request again with that step cache (its default
+    settings): steps computed and reused, sampling seconds, and the final latents' rel L2 against the
+    uncached run (decoding is skipped for those: the latents carry the whole difference)."""
     import dataclasses
+    import statistics as stats
     import tempfile
 
     from ..h3_model import media
@@ -239,9 +244,42 @@ def bench_generation(components, contract: Contract, device: str) -> dict:
         media.write_mp4(f"{tmp}/bench.mp4", result.video, result.audio)
         result.timings["mux"] = time.perf_counter() - t0
     total = time.perf_counter() - start
-    return {"stage_s": result.timings, "total_s": total, "sequence_length": result.info["sequence_length"],
-            "evaluations": result.info["evaluations"], "frames": int(result.video.shape[0]),
-            "peak_gpu_memory_gb": _peak(device), "note": "warm: every stage ran once before (2 steps)"}
+    steps = result.info.get("step_seconds") or []
+    out = {"stage_s": result.timings, "total_s": total, "sequence_length": result.info["sequence_length"],
+           "text_tokens": result.info.get("text_tokens"), "evaluations": result.info["evaluations"],
+           "step_s_median": stats.median(steps) if steps else None, "frames": int(result.video.shape[0]),
+           "peak_gpu_memory_gb": _peak(device), "latents_finite": bool(result.video_latents.isfinite().all()),
+           "note": "warm: every stage ran once before (2 steps)"}
+    if cache_modes:
+        out["step_caches"] = bench_step_caches(pipe, req, result, cache_modes)
+    return out
+
+
+def bench_step_caches(pipe, req, uncached, modes: tuple[str, ...]) -> dict:
+    import dataclasses
+
+    from ..h3_model.step_cache import make_step_cache
+
+    evaluations = uncached.info["evaluations"]
+    base_sampling = uncached.timings["sampling"]
+    report = {}
+    pipe.decode = False
+    try:
+        for mode in modes:
+            cache = make_step_cache(mode, evaluations=evaluations)
+            res = pipe.generate(dataclasses.replace(req, step_cache=cache))
+            info = cache.report()
+            report[mode] = {
+                "settings": {k: info[k] for k in ("threshold", "start_percent", "end_percent", "subsample_factor")},
+                "computed_steps": len(info["computed"]), "reused_steps": len(info["reused"]),
+                "reused": info["reused"], "sampling_s": res.timings["sampling"],
+                "sampling_speedup_vs_uncached": base_sampling / res.timings["sampling"],
+                "video_latents_rel_l2_vs_uncached": rel_l2(res.video_latents.float(), uncached.video_latents.float()),
+                "audio_latents_rel_l2_vs_uncached": rel_l2(res.audio_latents.float(), uncached.audio_latents.float()),
+            }
+    finally:
+        pipe.decode = True
+    return report
 
 
 def _capture(model, store: dict | None, errors: dict | None):

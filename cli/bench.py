@@ -33,6 +33,12 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--linear", default=None, help="block linear format (default: $H3_LINEAR or auto)")
     p.add_argument("--repeats", type=int, default=None, help="override the contract's repeat count")
     p.add_argument("--text-encoder-layer", type=int, default=50, help="with --models: the Qwen3-VL layer read")
+    p.add_argument("--generation", action="store_true",
+                   help="with --synthetic: also build the text encoder and both VAEs (random weights) and measure a "
+                        "full warm generation per stage (--models always does)")
+    p.add_argument("--cache-modes", default="",
+                   help="with a generation: comma-separated step caches (easycache,h3_cache) to measure against "
+                        "the uncached run: steps reused, sampling time, latent error")
     p.add_argument("--profile", action="store_true",
                    help="also profile one warm forward: CUDA time per kernel group and the slowest kernels (GPU)")
     p.add_argument("--out", required=True, help="result JSON path")
@@ -80,8 +86,32 @@ def run(args) -> int:
             raise InputError(f"--repeats must be at least 1, got {args.repeats}")
         contract.data["repeats"] = args.repeats
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    cache_modes = tuple(m for m in args.cache_modes.split(",") if m)
+    if args.generation and not args.synthetic:
+        raise InputError("--generation builds synthetic components: use it with --synthetic (--models measures a "
+                         "generation anyway)")
+    generation = args.generation or bool(args.models)
+    if cache_modes and not generation:
+        raise InputError("--cache-modes needs a generation: add --generation (with --synthetic) or use --models")
+    from ..h3_model.step_cache import MODES as CACHE_MODES
+
+    unknown = [m for m in cache_modes if m not in CACHE_MODES or m == "off"]
+    if unknown:
+        raise InputError(f"--cache-modes: unknown cache mode(s) {unknown}; choose from easycache, h3_cache")
+    if generation and args.vs:
+        raise InputError("--vs and a generation do not share one run (the reference needs the memory the text "
+                         "encoder holds): measure them separately")
     record = stamp.stamp_before()
-    if args.synthetic:
+    comps = None
+    if args.synthetic and args.generation:
+        from ..bench.synthetic import describe, synthetic_components
+
+        vae_dtype = torch.float16 if device.startswith("cuda") else torch.float32
+        comps, build_s = synthetic_components(args.preset, [contract["mode"]], device, dtype, vae_dtype,
+                                              seed=contract["seed"], text_layer=args.text_encoder_layer)
+        model = comps.dit_for(contract["mode"])
+        weights = describe(args.preset)
+    elif args.synthetic:
         model = synthetic_dit(preset(args.preset), dtype, device, seed=contract["seed"])
         weights = f"synthetic random N(0, 0.02) weights, preset {args.preset}, built on the device " \
                   "(real H3 weights are not available here; timing does not depend on weight values)"
@@ -119,9 +149,11 @@ def run(args) -> int:
         diff_backends.append("_native_flash" if device.startswith("cuda") else "_native_math")
     result = runner.run(contract, model, device, twin=twin, diffusers_backends=diff_backends,
                         diffusers_compile=args.diffusers_compile, weights=weights, backends_used=backends,
-                        spatial=comps.vae.config.spatial_ratio if args.models else 16, profile=args.profile)
-    if args.models:
-        result["generation"] = runner.bench_generation(comps, contract, device)
+                        spatial=comps.vae.config.spatial_ratio if comps is not None else 16, profile=args.profile)
+    if comps is not None:
+        result["generation"] = runner.bench_generation(comps, contract, device, cache_modes)
+        if args.synthetic:
+            result["generation"]["component_build_s"] = build_s
     result["dtype"] = args.dtype
     result["stamp"] = stamp.stamp_after(record)
     out = Path(args.out)

@@ -25,6 +25,12 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         help="fused qkv order of original-named single files (MiniMaxAI shards: interleaved)")
     models.add_argument("--text-encoder-layer", type=int, default=50,
                         help="Qwen3-VL hidden state the DiT reads (50 for the released model)")
+    models.add_argument("--synthetic", choices=["full", "tiny"], default=None,
+                        help="serve models with random weights built on the device instead of reading files: "
+                             "`full` has the released shapes (benchmarks: cold start, latency), `tiny` is the demo's")
+    models.add_argument("--synthetic-modes", default="ref2va",
+                        help="with --synthetic: the modes whose DiT partition to build (comma-separated; default "
+                             "ref2va: one full-size partition and the text encoder fill most of an H200)")
     p.add_argument("--output-dir", type=Path, required=True, help="every output is written inside this folder")
     p.add_argument("--input-dir", type=Path, help="references and keyframes are read from inside this folder "
                                                   "(without it, only t2va requests are accepted)")
@@ -80,7 +86,27 @@ def service_settings(args, device: str | None = None):
     config = ServiceConfig(output_dir=args.output_dir, input_dir=args.input_dir, queue_size=args.queue_size,
                            limits=Limits(max_steps=args.max_steps, max_input_file_bytes=args.max_input_mb << 20),
                            vae_tile_size=tile or None, mlp_chunks=args.mlp_chunks)
+    if args.synthetic:
+        from ..bench.synthetic import describe
+
+        config.weights = describe(args.synthetic)
     return spec, config
+
+
+def synthetic_overrides(args, spec):
+    """Component builders for --synthetic (None without it); refuses model paths given alongside."""
+    if not args.synthetic:
+        return None
+    from ..bench.synthetic import component_builders
+    from ..h3_model.errors import InputError
+
+    given = [f"--{f.replace('_', '-')}" for f in ("models", "dit", "dit_ref", "text_encoder", "tokenizer", "vae",
+                                                  "audio_vae") if getattr(args, f) is not None]
+    if given:
+        raise InputError(f"--synthetic builds every model: drop {', '.join(given)}")
+    modes = [m for m in args.synthetic_modes.split(",") if m]
+    return component_builders(args.synthetic, modes, spec.device, spec.dtype, spec.vae_dtype,
+                              text_layer=args.text_encoder_layer)
 
 
 def build_service(args, lockstep=None):
@@ -90,12 +116,14 @@ def build_service(args, lockstep=None):
     from ..serve.service import Service
 
     spec, config = service_settings(args, lockstep.device if lockstep else None)
+    overrides = synthetic_overrides(args, spec)
     if lockstep is None:
-        return Service(config, lambda tracker: load_models(spec, tracker))
+        return Service(config, lambda tracker: load_models(spec, tracker, overrides))
     from ..serve.execute import stderr_log
 
     leader = Leader(lockstep, stderr_log)
-    return Service(config, lambda tracker: load_in_lockstep(lambda: load_models(spec, tracker), lockstep, leader),
+    return Service(config, lambda tracker: load_in_lockstep(lambda: load_models(spec, tracker, overrides), lockstep,
+                                                            leader),
                    leader=leader)
 
 
@@ -131,7 +159,8 @@ def run(args) -> int:
 
             # The same checks as rank 0 (a bad flag stops every rank before any loading).
             spec, _ = service_settings(args, lockstep.device)
-            return follow(lockstep, lambda: load_models(spec, LoadTracker()), rank_log(lockstep.rank))
+            overrides = synthetic_overrides(args, spec)
+            return follow(lockstep, lambda: load_models(spec, LoadTracker(), overrides), rank_log(lockstep.rank))
     service = build_service(args, lockstep)
     server = uvicorn.Server(server_config(args, create_app(service)))
     failures: list[str] = []

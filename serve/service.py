@@ -36,6 +36,7 @@ class ServiceConfig:
     keep_finished: int = 1000
     vae_tile_size: int | None = 256  # None: untiled decode
     mlp_chunks: int = 1
+    weights: str = "checkpoint files"  # what /ready says the weights are (serve --synthetic: random ones)
 
     def __post_init__(self) -> None:
         if not 1 <= self.queue_size <= 10_000:
@@ -116,7 +117,7 @@ class Service:
         if ready:
             m = self.models
             body.update(device=m.spec_device, world_size=m.world_size, devices=m.devices, modes=m.modes,
-                        models=describe_models(m),
+                        models=describe_models(m), weights=self.config.weights,
                         memory=memory_report(m.spec_device), supported=self.supported,
                         limits=vars(self.limits), input_dir=str(self.inputs.root) if self.inputs else None,
                         output_dir=str(self.outputs.root))

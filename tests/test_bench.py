@@ -100,6 +100,52 @@ def test_bench_with_a_model_folder_measures_every_stage(tmp_path, capsys, monkey
     assert result["generation"]["frames"] == 124 and result["generation"]["evaluations"] == 2
 
 
+def test_synthetic_generation_with_step_caches(tmp_path, capsys, monkeypatch):
+    from h3_spark.h3_model.torchvision_compat import ensure_importable
+
+    if not ensure_importable():
+        pytest.skip("the Qwen3-VL processors need torchvision")
+    monkeypatch.setenv("H3_MODULATION_FUSION", "off")
+    monkeypatch.setenv("H3_Q_RMS_ROPE_INT8_FUSION", "off")
+    contract = json.loads((ROOT / "tests" / "data" / "tiny-ref2va.json").read_text())
+    contract.update(name="tiny-ref2va-124f", frames=124, steps=12, width=64, height=64)
+    contract["limits"] = {"peak_gpu_memory_gb": {"max": 1.0}}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(contract))
+    contract["sequence_length"] = contract_shape(load_contract(path), FULL).layout.sequence_length
+    path.write_text(json.dumps(contract))
+    out = tmp_path / "r.json"
+    code = main(["bench", "--contract", str(path), "--synthetic", "--preset", "tiny", "--generation",
+                 "--cache-modes", "easycache,h3_cache", "--dtype", "float32", "--device", "cpu", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    gen = json.loads(out.read_text())["generation"]
+    assert set(gen["component_build_s"]) == {"dit_ref", "text_encoder", "vae", "audio_vae"}
+    assert gen["frames"] == 124 and gen["evaluations"] == 11 and gen["latents_finite"]
+    assert set(gen["stage_s"]) == {"text_encode", "reference_encode", "sampling", "video_decode", "audio_decode", "mux"}
+    for mode in ("easycache", "h3_cache"):
+        c = gen["step_caches"][mode]
+        assert c["computed_steps"] + c["reused_steps"] == 11
+        # A reused step leaves a trace in the latents; none reused means the very same latents.
+        assert (c["video_latents_rel_l2_vs_uncached"] > 0) == (c["reused_steps"] > 0)
+        assert c["video_latents_rel_l2_vs_uncached"] < 1.0
+    assert gen["step_caches"]["easycache"]["reused_steps"] > 0
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--generation"], "--generation builds synthetic components"),
+    (["--synthetic", "--cache-modes", "easycache"], "--cache-modes needs a generation"),
+    (["--synthetic", "--generation", "--cache-modes", "fastest"], "unknown cache mode(s) ['fastest']"),
+    (["--synthetic", "--generation", "--vs", "diffusers"], "--vs and a generation do not share one run"),
+])
+def test_generation_flag_errors(tmp_path, capsys, extra, message):
+    argv = ["bench", "--contract", str(ROOT / "tests" / "data" / "tiny-ref2va.json"), "--device", "cpu",
+            "--out", str(tmp_path / "o.json"), *extra]
+    if "--synthetic" not in extra:
+        argv += ["--checkpoint", str(tmp_path / "none.safetensors")]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_vs_exact_reports_per_block_errors(tmp_path, capsys, monkeypatch):
     # The fused Triton kernels (exact to 1 ulp) run in Triton's CPU interpreter against the reference path.
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -10,10 +10,12 @@ requests here are text-only t2va, whose token types are all text).
 """
 
 import dataclasses
+import json
 import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -499,3 +501,39 @@ def test_eight_concurrent_clients_over_http_nothing_lost(resident, tmp_path):
     assert report["accepted"] + report["rejected"] == 8
     assert report["done"] == report["accepted"] >= 5  # one running + four queued at least
     assert report["requests_per_s"] > 0 and report["latency_s"]["p50"] is not None
+
+
+def test_serve_synthetic_refuses_model_paths(tmp_path, capsys):
+    from h3_spark.cli import main
+
+    code = main(["serve", "--synthetic", "tiny", "--vae", str(tmp_path), "--output-dir", str(tmp_path),
+                 "--device", "cpu"])
+    assert code == 2
+    assert "--synthetic builds every model: drop --vae" in capsys.readouterr().err
+
+
+def test_serve_synthetic_end_to_end_with_the_service_benchmark(tmp_path, monkeypatch):
+    """benchmarks/serve_gpu.py on the CPU: `serve --synthetic tiny` starts, /ready says the weights are
+    random, the contract's ref2va request completes warm and with both step caches."""
+    import importlib.util
+
+    monkeypatch.setenv("H3_MODULATION_FUSION", "off")
+    monkeypatch.setenv("H3_Q_RMS_ROPE_INT8_FUSION", "off")
+    root = Path(__file__).resolve().parents[1]
+    contract = json.loads((root / "tests" / "data" / "tiny-ref2va.json").read_text())
+    contract.update(name="tiny-ref2va-124f", frames=124, steps=6, width=64, height=64)
+    (tmp_path / "c.json").write_text(json.dumps(contract))
+    spec = importlib.util.spec_from_file_location("serve_gpu", root / "benchmarks" / "serve_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "serve.json"
+    assert bench.main(["--contract", str(tmp_path / "c.json"), "--out", str(out), "--synthetic", "tiny",
+                       "--device", "cpu", "--warm", "1", "--timeout", "120"]) == 0
+    r = json.loads(out.read_text())
+    assert r["cold_start_to_ready_s"] > 0 and "synthetic random weights" in r["ready"]["weights"]
+    assert set(r["ready"]["models"]) == {"dit_ref", "text_encoder", "vae", "audio_vae"}
+    assert r["first_request"]["state"] == "done" and [w["state"] for w in r["warm_requests"]] == ["done"]
+    assert r["warm_requests"][0]["info"]["reference_cache_hits"] == 2
+    for mode in ("easycache", "h3_cache"):
+        c = r["step_caches"][mode]
+        assert c["state"] == "done" and c["computed_steps"] + c["reused_steps"] == 5

@@ -1,0 +1,67 @@
+"""Synthetic models: the released geometry (checked on the meta device) and tiny ones that run here."""
+
+import pytest
+import torch
+
+from h3_spark.bench import synthetic
+from h3_spark.h3_model.errors import InputError
+
+
+@pytest.fixture(scope="module")
+def transformers_ready():
+    from h3_spark.h3_model.torchvision_compat import ensure_importable
+
+    if not ensure_importable():
+        pytest.skip("the Qwen3-VL processors need torchvision")
+
+
+def test_full_text_encoder_geometry_is_qwen3vl_32b_cut_at_layer_50(transformers_ready):
+    from transformers import Qwen3VLModel
+
+    from h3_spark.h3_model import demo
+
+    tok = demo.make_tokenizer()
+    config = demo.text_config(tok, layers=50, text=synthetic.QWEN3VL_32B_TEXT, vision=synthetic.QWEN3VL_32B_VISION,
+                              vocab_size=synthetic.QWEN3VL_VOCAB)
+    with torch.device("meta"):
+        model = Qwen3VLModel(config)
+    layers = sum(p.numel() for p in model.language_model.layers.parameters())
+    # 50 of Qwen3-VL-32B's 64 decoder layers (~488 M parameters each), its 0.78 B embedding, a ~0.6 B ViT.
+    assert len(model.language_model.layers) == 50
+    assert 50 * 480e6 < layers < 50 * 495e6
+    assert model.language_model.embed_tokens.weight.shape == (151936, 5120)
+    assert 0.5e9 < sum(p.numel() for p in model.visual.parameters()) < 0.7e9
+
+
+def test_full_processor_makes_510_vision_tokens_for_a_contract_reference(transformers_ready):
+    from h3_spark.h3_model import demo
+
+    proc = demo.make_processor(demo.make_tokenizer(), patch_size=16, image_pixels=synthetic.QWEN3VL_PIXELS,
+                               video_pixels=synthetic.QWEN3VL_PIXELS)
+    image = torch.randint(0, 256, (544, 960, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    grid = proc.image_processor(images=[image.numpy()], return_tensors="pt")["image_grid_thw"][0]
+    assert int(grid.prod()) // 4 == 510  # (544 / 32) * (960 / 32): one token per merged 2 x 2 patch of 16 px
+
+
+def test_tiny_components_are_random_deterministic_and_finite(transformers_ready):
+    a, _ = synthetic.synthetic_components("tiny", ["t2va"], "cpu", torch.float32, torch.float32, seed=3)
+    b, _ = synthetic.synthetic_components("tiny", ["t2va"], "cpu", torch.float32, torch.float32, seed=3)
+    c, _ = synthetic.synthetic_components("tiny", ["t2va"], "cpu", torch.float32, torch.float32, seed=4)
+    assert a.dit_ref is None and a.dit is not None
+    for name in ("vae", "audio_vae"):
+        pa, pb, pc = (dict(getattr(x, name).named_parameters()) for x in (a, b, c))
+        for key in list(pa)[:20]:
+            assert torch.equal(pa[key], pb[key]) and pa[key].abs().sum() > 0
+        assert any(not torch.equal(pa[k], pc[k]) for k in pa)
+    emb = a.text_encoder.encode("a paper boat").embeds
+    assert emb.shape[-1] == a.dit.config.text_dim and emb.isfinite().all() and emb.std() > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (("huge", ["t2va"]), "synthetic preset must be one of full, tiny, got 'huge'"),
+    (("tiny", ["t3va"]), "synthetic modes must be among t2va, fl2va, ref2va, got ['t3va']"),
+    (("tiny", []), "synthetic modes must be among"),
+])
+def test_bad_synthetic_requests(args, message):
+    with pytest.raises(InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        synthetic.component_builders(*args, device="cpu", dtype=torch.float32)
