@@ -74,6 +74,8 @@ def item(name: str):
 
     def wrap(fn):
         def run():
+            if ARGS.only and name not in ARGS.only.split(","):
+                return
             if time.time() - START > ARGS.budget:
                 RESULTS["items"][name] = {"status": "skipped: time budget"}
                 return
@@ -472,6 +474,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--budget", type=float, default=220.0, help="seconds after which remaining items are skipped")
     p.add_argument("--skip-pytest", action="store_true")
+    p.add_argument("--only", default="", help="comma-separated item names to run (default: all)")
     ARGS = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels_gpu.py needs a CUDA GPU", file=sys.stderr)
