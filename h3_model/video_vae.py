@@ -23,18 +23,22 @@ Conventions (the released model's, as in diffusers' `AutoencoderKLMiniMaxH3`):
 - The module's state_dict keys are diffusers' keys, so a diffusers `vae/` folder loads as is.
 
 Peak memory of a 124-frame 960x544 decode (37 latent frames, 34x60 latent grid, full config,
-fp16 decode, uint8 output, 256 px tiles, a flash/memory-efficient attention kernel), computed by
-`decode_memory_estimate` (a test keeps these figures equal to its output):
+fp16 decode, uint8 output, 256 px tiles, all 15 tiles of a window in one decoder call, a
+flash/memory-efficient attention kernel), computed by `decode_memory_estimate` (a test keeps these
+figures equal to its output):
 
     weights (fp32 encoder + 1x1 convs, fp16 decoder)        5,569,131,744 B  (5.19 GiB)
-    largest transient of one tile call (1797 tokens)          154,570,752 B  (0.14 GiB)
+    largest transient of one call (15 tiles of 1797 tokens,  2,560,782,336 B  (2.38 GiB)
+      and the decoded tiles waiting to be stitched)
     window: fp32 canvas (22 kept frames), previous tail,      283,029,504 B  (0.26 GiB)
       stitching strips, uint8 chunk
-    device peak                                             6,006,732,000 B  (5.59 GiB)
+    device peak                                             8,412,943,584 B  (7.84 GiB)
     host output buffer, uint8 (1, 124, 544, 960, 3)           194,273,280 B  (0.18 GiB)
 
-Measured once against that (random full-size weights, one H200, torch 2.11, 2026-11-29): peak
-6,036,039,168 B allocated (computed 6,006,732,000), 3.5 s per decode in fp16 (25.8 s in fp32);
+Measured against that (random full-size weights, one H200, torch 2.11, 2026-11-29,
+benchmarks/vae_decode_gpu.py): one tile per call peaked at 6,036,039,168 B allocated (computed
+6,006,732,000) and took 3.45 s in fp16 (25.8 s in fp32); 15 tiles per call peaked at 7.98 GB
+(computed 8.41) and took 3.17 s, the frames within one uint8 step of one tile per call;
 encoding the same 124 frames took 7.6 s at 6.4 GB above the weights, and one 2048x3648 image
 1.0 s through the 2-D shortcut against 1.45 s through the 3-D path.
 
@@ -62,7 +66,7 @@ DEFAULT_TILE_SIZE = 256
 DEFAULT_TILE_MIN_OVERLAP = 64
 # Spatial tiles decoded per decoder call (all tiles of a window have one size, so they stack along the
 # batch). One tile alone leaves an H200 mostly idle; H3_VAE_TILE_BATCH overrides.
-DEFAULT_TILE_BATCH = 1
+DEFAULT_TILE_BATCH = 16
 DECODE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 _PAD_MODES = ("reflect", "replicate", "circular", "constant")
 
