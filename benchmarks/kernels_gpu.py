@@ -220,32 +220,6 @@ def qk_prep():
     return out
 
 
-@item("qk_prep_pair_exact")
-def qk_prep_pair():
-    """The exact Q and K preparation in one launch against two per-tensor launches and the reference."""
-    from h3_spark.h3_model.dit import rope_tables
-    from h3_spark.kernels.qk_prep import prepare_heads, prepare_qk_pair, reference_prepare_heads
-
-    g = torch.Generator("cuda").manual_seed(2)
-    q, k = (torch.randn(1, ARGS.seq, ARGS.heads, ARGS.head_dim, generator=g, device="cuda").mul(2).bfloat16()
-            for _ in range(2))
-    w = torch.rand(ARGS.head_dim, generator=g, device="cuda").add(0.5).bfloat16()
-    rope = rope_tables(torch.randint(0, 64, (ARGS.seq, 3), device="cuda").float(), 16, 10000.0)
-    pq, pk = prepare_qk_pair(q, k, w, 1e-5, w, 1e-5, rope)
-    out = {"bit_identical_to_per_tensor": bool(torch.equal(pq, prepare_heads(q, w, 1e-5, rope))
-                                               and torch.equal(pk, prepare_heads(k, w, 1e-5, rope))),
-           "identical_fraction_vs_reference": (pq == reference_prepare_heads(q, w, 1e-5, rope)).float().mean().item()}
-    out["pair_ms"] = bench(lambda: prepare_qk_pair(q, k, w, 1e-5, w, 1e-5, rope), ARGS.iters)
-    out["per_tensor_x2_ms"] = bench(lambda: (prepare_heads(q, w, 1e-5, rope), prepare_heads(k, w, 1e-5, rope)),
-                                    ARGS.iters)
-    out["reference_x2_ms"] = bench(lambda: (reference_prepare_heads(q, w, 1e-5, rope),
-                                            reference_prepare_heads(k, w, 1e-5, rope)), ARGS.iters)
-    # Reads q and k, writes both (bf16): the memory-bound floor at 4.3 TB/s.
-    out["memory_floor_ms"] = 4 * q.numel() * 2 / 4.3e12 * 1e3
-    out["pair_vs_floor"] = out["pair_ms"] / out["memory_floor_ms"]
-    return out
-
-
 @item("int8_qk_attention_quality")
 def int8_qk_quality():
     """INT8 Q/K (per-block scales, K smoothing, Hadamard 128) dequantized into exact SDPA: the QK quantization

@@ -157,6 +157,13 @@ class Pipeline:
         self.offload_text_encoder = offload_text_encoder
 
     # ------------------------------------------------------------------ public
+    def clear_caches(self) -> None:
+        """Forget encoded prompts and references, so the next request pays for encoding them again."""
+        self._reference_cache.clear()
+        te = self.c.text_encoder
+        if te is not None and hasattr(te, "clear_cache"):
+            te.clear_cache()
+
     def generate(self, req: GenerationRequest, *, on_progress: Callable[[Progress], None] | None = None,
                  cancel: threading.Event | None = None) -> GenerationResult:
         req.validate()

@@ -180,8 +180,10 @@ if triton is not None:
         # One program = BLOCK_S tokens of one (batch, head); STAGE 0 = partial key sums (for the mean),
         # 1 = partial absmax (for per-head scales), 2 = write the output. Each stage recomputes the
         # norm + RoPE from the raw input: re-reading bf16 costs what storing an intermediate would.
-        pid_s = tl.program_id(0)
-        pid_bh = tl.program_id(1)
+        # Heads vary fastest across programs: programs in flight together share their tokens' RoPE
+        # rows (from cache) and read neighbouring memory.
+        pid_bh = tl.program_id(0)
+        pid_s = tl.program_id(1)
         b = pid_bh // H
         h = pid_bh % H
         rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -252,106 +254,6 @@ if triton is not None:
                         tl.store(optr, rint(q).to(tl.int8), mask=m)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _norm_rope_rows(x_ptr, o_ptr, sxs, sos, rows, d, m, w, wp, eps, D, c, sn, sign, partner, rot,
-                        ROPE: tl.constexpr, RND: tl.constexpr):
-        # The exact stage-2 math of _qk_prep_kernel for one head's rows, rounding where eager does.
-        x = tl.load(x_ptr + rows[:, None] * sxs + d[None, :], mask=m, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps)
-        y = rnd(x * rstd[:, None] * w[None, :], RND)
-        if ROPE:
-            # The partner channels were just read: this load hits the cache, not memory.
-            xp = tl.load(x_ptr + rows[:, None] * sxs + partner[None, :], mask=m, other=0.0).to(tl.float32)
-            yp = rnd(xp * rstd[:, None] * wp[None, :], RND)
-            a = rnd(y * c, RND)
-            p = rnd((yp * sign[None, :]) * sn, RND)
-            y = tl.where(rot[None, :], rnd(a + p, RND), y)
-        tl.store(o_ptr + rows[:, None] * sos + d[None, :], y.to(o_ptr.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _qk_pair_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, S, H, D, R, eps_q, eps_k,
-                        sqb, sqs, sqh, skb, sks, skh, sob, sos, soh, scs,
-                        ROPE: tl.constexpr, RND: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                        HEADS: tl.constexpr):
-        # One program = BLOCK_S tokens of HEADS heads of both Q and K: the RoPE tables and norm weights
-        # are read once per HEADS heads rather than once per head, and neighbouring heads of a token
-        # are neighbours in memory.
-        pid_s = tl.program_id(0)
-        groups = tl.cdiv(H, HEADS)
-        b = tl.program_id(1) // groups
-        h0 = (tl.program_id(1) % groups) * HEADS
-        rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-        d = tl.arange(0, BLOCK_D)
-        rmask = rows < S
-        dmask = d < D
-        m = rmask[:, None] & dmask[None, :]
-        half = R // 2
-        partner = tl.where(d < half, d + half, tl.where(d < R, d - half, d))
-        rot = d < R
-        sign = tl.where(d < half, -1.0, 1.0)
-        c = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
-        sn = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
-        if ROPE:
-            tmask = rmask[:, None] & rot[None, :]
-            c = rnd(tl.load(cos_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=1.0), RND)
-            sn = rnd(tl.load(sin_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=0.0), RND)
-        wq = tl.load(wq_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-        wqp = tl.load(wq_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-        wk = tl.load(wk_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-        wkp = tl.load(wk_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-        for j in tl.static_range(HEADS):
-            h = h0 + j
-            mh = m & (h < H)
-            _norm_rope_rows(q_ptr + b * sqb + h * sqh, oq_ptr + b * sob + h * soh, sqs, sos, rows, d, mh, wq, wqp,
-                            eps_q, D, c, sn, sign, partner, rot, ROPE, RND)
-            _norm_rope_rows(k_ptr + b * skb + h * skh, ok_ptr + b * sob + h * soh, sks, sos, rows, d, mh, wk, wkp,
-                            eps_k, D, c, sn, sign, partner, rot, ROPE, RND)
-
-
-PAIR_BLOCK_TOKENS = 16
-PAIR_HEADS = 8  # heads per program (56 = 7 x 8 when released)
-
-
-def prepare_qk_pair(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor | None, eps_q: float,
-                    wk: torch.Tensor | None, eps_k: float,
-                    rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact RMSNorm + RoPE of Q and K in one launch: equal, bit for bit, to `prepare_heads` on each."""
-    require_kernels("the fused Q/K preparation")
-    for x in (q, k):
-        _check(x, None, "per_head", 0)
-    if q.shape != k.shape or q.dtype != k.dtype:
-        raise ValueError(f"q {list(q.shape)} {q.dtype} and k {list(k.shape)} {k.dtype} must match")
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    b, s, h, d = q.shape
-    dev = q.device
-    ones = None
-    if wq is None or wk is None:
-        ones = torch.ones(d, device=dev, dtype=torch.float32)
-    wq = ones if wq is None else wq
-    wk = ones if wk is None else wk
-    if rope is not None:
-        cos, sin = (t.float().contiguous() for t in rope)
-        r = cos.shape[-1]
-        if cos.shape[0] != s or r > d or r % 2:
-            raise ValueError(f"RoPE tables {list(cos.shape)} do not fit {s} tokens of head size {d}")
-    else:
-        cos = sin = torch.empty(1, device=dev, dtype=torch.float32)
-        r = 0
-    oq = torch.empty(b, s, h, d, device=dev, dtype=q.dtype)
-    ok = torch.empty_like(oq)
-    so = oq.stride()
-    heads = min(PAIR_HEADS, triton.next_power_of_2(h))
-    grid = (triton.cdiv(s, PAIR_BLOCK_TOKENS), b * triton.cdiv(h, heads))
-    _qk_pair_kernel[grid](q, k, wq, wk, cos, sin, oq, ok, s, h, d, r, float(eps_q), float(eps_k),
-                          q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                          so[0], so[1], so[2], r, ROPE=rope is not None, RND=round_code(q.dtype),
-                          BLOCK_S=PAIR_BLOCK_TOKENS, BLOCK_D=triton.next_power_of_2(d), HEADS=heads, num_warps=4)
-    return oq, ok
-
-
 def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                   rope: tuple[torch.Tensor, torch.Tensor] | None, *, norm: bool = True, smooth: bool = False,
                   hadamard: int = 0, fmt: str | None = None,
@@ -379,7 +281,7 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         cos = sin = dummy
         r = 0
     had = _cached_hadamard(d, hadamard, str(dev)) if hadamard else dummy
-    grid = (n_tiles, b * h)
+    grid = (b * h, n_tiles)
 
     def launch(stage, out, part, mean, scale, fmt_code, per_block):
         so = out.stride() if out.ndim == 4 else (0, 0, 0, 1)
@@ -427,9 +329,6 @@ class FusedQKPrep:
         self.granularity, self.use_triton = granularity, use_triton
 
     def __call__(self, attn, q: torch.Tensor, k: torch.Tensor, rope):
-        if self.use_triton and self.exact:
-            return prepare_qk_pair(q, k, attn.norm_q.weight, norm_eps(attn.norm_q, q.dtype), attn.norm_k.weight,
-                                   norm_eps(attn.norm_k, k.dtype), rope)
         fn = prepare_heads if self.use_triton else reference_prepare_heads
         opts = dict(hadamard=self.hadamard, fmt=self.fmt, granularity=self.granularity)
         qp = fn(q, attn.norm_q.weight, norm_eps(attn.norm_q, q.dtype), rope, **opts)

@@ -121,6 +121,7 @@ def test_synthetic_generation_with_step_caches(tmp_path, capsys, monkeypatch):
     gen = json.loads(out.read_text())["generation"]
     assert set(gen["component_build_s"]) == {"dit_ref", "text_encoder", "vae", "audio_vae"}
     assert gen["frames"] == 124 and gen["evaluations"] == 11 and gen["latents_finite"]
+    assert gen["prompt_cache_hit"] is False and gen["reference_cache_hits"] == 0  # measured as a new request
     assert set(gen["stage_s"]) == {"text_encode", "reference_encode", "sampling", "video_decode", "audio_decode", "mux"}
     for mode in ("easycache", "h3_cache"):
         c = gen["step_caches"][mode]

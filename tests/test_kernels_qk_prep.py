@@ -11,7 +11,7 @@ import torch
 
 from h3_spark.h3_model.dit import Attention, reference_qk_prep, rope_tables
 from h3_spark.kernels.attention import math_reference
-from h3_spark.kernels.qk_prep import (FusedQKPrep, QuantizedHeads, hadamard_matrix, prepare_heads, prepare_qk_pair,
+from h3_spark.kernels.qk_prep import (FusedQKPrep, QuantizedHeads, hadamard_matrix, prepare_heads,
                                      reference_norm_rope, reference_prepare_heads)
 from oracle import rel_l2
 
@@ -114,41 +114,6 @@ def test_triton_quantized_matches_reference(fmt, granularity, smooth, hadamard):
     assert (as_int(a.data) == as_int(b.data)).float().mean().item() >= 0.999
     assert torch.allclose(a.scale, b.scale, rtol=1e-5)
     assert rel_l2(a.dequantize(), b.dequantize()) <= 1e-3
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("with_rope", [True, False])
-@pytest.mark.parametrize("b,s,h", [(1, 70, 3), (2, 17, 2), (1, 19, 10)])
-def test_pair_kernel_equals_the_per_tensor_kernel(dtype, with_rope, b, s, h):
-    # S not a multiple of the token block, several heads, batch 2: same bits as prepare_heads on each tensor.
-    q, wq, rope = make(b=b, s=s, h=h, dtype=dtype, seed=1)
-    k, wk, _ = make(b=b, s=s, h=h, dtype=dtype, seed=2)
-    rope = rope if with_rope else None
-    got_q, got_k = prepare_qk_pair(q, k, wq, 1e-5, wk, 1e-6, rope)
-    assert torch.equal(got_q, prepare_heads(q, wq, 1e-5, rope))
-    assert torch.equal(got_k, prepare_heads(k, wk, 1e-6, rope))
-
-
-def test_pair_kernel_takes_strided_heads_and_backs_the_exact_hook():
-    # q and k as views of one fused projection output (head stride and row stride not the dense ones).
-    x, w, rope = make(s=33, h=2)
-    fused = torch.cat([x, x.flip(1) * 0.5], dim=-2)  # (1, 33, 4, 32): q = heads 0-1, k = heads 2-3
-    q, k = fused[:, :, :2], fused[:, :, 2:]
-    a = attn_module(w, x.shape[-1], torch.bfloat16)
-    with torch.no_grad():
-        got_q, got_k = FusedQKPrep()(a, q, k, rope)
-        want_q, want_k = reference_qk_prep(a, q.contiguous(), k.contiguous(), rope)
-    for got, want in ((got_q, want_q), (got_k, want_k)):
-        assert got.is_contiguous() and (got == want).float().mean().item() >= 0.999
-        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-6).all()
-
-
-def test_pair_kernel_refuses_mismatched_tensors():
-    q, w, rope = make(s=20)
-    with pytest.raises(ValueError, match="must match"):
-        prepare_qk_pair(q, q[:, :10], w, 1e-5, w, 1e-5, None)
-    with pytest.raises(ValueError, match="do not fit 20 tokens"):
-        prepare_qk_pair(q, q, w, 1e-5, w, 1e-5, rope_tables(torch.zeros(7, 3), 4, 10000.0))
 
 
 def test_hook_shapes_and_report():
