@@ -20,17 +20,14 @@ from ..h3_model.dit import RowModulation
 from ._triton import require_kernels, rnd, round_code, tl, triton  # noqa: F401  (rnd: used in the kernel)
 
 BLOCK = 1024
-ONE_PASS_MAX = 8192  # widest row RMSNorm + modulate reads once (H3: 5376)
 
 if triton is not None:
 
     @triton.jit
     def _modulation_kernel(x_ptr, y_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride, D: tl.constexpr,
-                           MODE: tl.constexpr, HAS_W: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr,
-                           ONE_PASS: tl.constexpr):
+                           MODE: tl.constexpr, HAS_W: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr):
         # MODE 0: RMSNorm + modulate (a = shift, b = scale); 1: modulate only; 2: x + a * y (a = gate).
-        # D (the hidden size) is a compile-time constant: one compile per model width. ONE_PASS (BLOCK >= D):
-        # the row is read once and the norm taken from it, instead of a second read for the sum of squares.
+        # D (the hidden size) is a compile-time constant: one compile per model width.
         row = tl.program_id(0).to(tl.int64)
         r = tl.load(rows_ptr + row % S).to(tl.int64)
         xrow = x_ptr + row * D
@@ -38,7 +35,7 @@ if triton is not None:
         brow = b_ptr + r * tab_stride
         orow = out_ptr + row * D
         cols0 = tl.arange(0, BLOCK)
-        if MODE == 0 and not ONE_PASS:
+        if MODE == 0:
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for off in range(0, D, BLOCK):
                 c = off + cols0
@@ -49,8 +46,6 @@ if triton is not None:
             c = off + cols0
             m = c < D
             x = tl.load(xrow + c, mask=m, other=0.0).to(tl.float32)
-            if MODE == 0 and ONE_PASS:
-                rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
             if MODE == 2:
                 g = tl.load(arow + c, mask=m, other=0.0).to(tl.float32)
                 yv = tl.load(y_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
@@ -112,13 +107,10 @@ class FusedRowModulation(RowModulation):
         if norm is not None:
             eps = float(norm.eps) if norm.eps is not None else float(torch.finfo(x.dtype).eps)
         dummy = x
-        one_pass = mode == 0 and d <= ONE_PASS_MAX
-        block = triton.next_power_of_2(d) if one_pass else BLOCK
         _modulation_kernel[(bsz * s,)](
             x, y.contiguous() if y is not None else dummy, w if w is not None else dummy, a,
             b if b is not None else a, self._row_index(x.device), out, s, eps, tab_stride, D=d,
-            MODE=mode, HAS_W=w is not None, RND=round_code(x.dtype), BLOCK=block, ONE_PASS=one_pass,
-            num_warps=8 if one_pass else 4)
+            MODE=mode, HAS_W=w is not None, RND=round_code(x.dtype), BLOCK=BLOCK, num_warps=4)
         return out
 
     def norm_modulate(self, norm, x, shift, scale):

@@ -38,12 +38,10 @@ def test_reference_against_plain_formula():
         assert rel_l2(ref.gated_add(x, gate, y), x + gate[rows] * y) <= 1e-15
 
 
-# d = 160: the row read once; d = 8200 (wider than ONE_PASS_MAX): the two-pass loop.
-@pytest.mark.parametrize("dtype,use_segments,d", [
-    (torch.bfloat16, True, 160), (torch.bfloat16, False, 160), (torch.float32, True, 160),
-    (torch.float32, False, 160), (torch.bfloat16, True, 8200), (torch.float32, False, 8200)])
-def test_fused_matches_reference(dtype, use_segments, d):
-    rows, shift, scale, gate, x, y, norm = setup(dtype, d=d)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("use_segments", [True, False])
+def test_fused_matches_reference(dtype, use_segments):
+    rows, shift, scale, gate, x, y, norm = setup(dtype)
     ref, fused = RowModulation(rows, use_segments), FusedRowModulation(rows, use_segments)
     with torch.no_grad():
         assert torch.equal(fused.modulate(x, shift, scale), ref.modulate(x, shift, scale))
