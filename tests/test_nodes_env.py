@@ -13,7 +13,7 @@ from h3_spark.kernels.settings import KernelSettings
 ROOT = Path(__file__).resolve().parents[1]
 ENV = ROOT / "config" / "h3_spark_serving.env"
 REQUIRED = {"H3_ATTENTION", "H3_LINEAR", "H3_MODULATION_FUSION", "H3_Q_RMS_ROPE_INT8_FUSION", "H3_SWIGLU_NVFP4_FUSION",
-            "H3_RMS_ADALN_NVFP4_FUSION", "H3_VAE_DTYPE", "H3_VAE_TILE_SIZE", "H3_HEAD_SLICE_BACKEND",
+            "H3_RMS_ADALN_NVFP4_FUSION", "H3_VAE_DTYPE", "H3_VAE_TILE_SIZE", "H3_VAE_TILE_BATCH", "H3_HEAD_SLICE_BACKEND",
             "H3_HEAD_SLICE_SIZE", "H3_SOL_TAU", "H3_SOL_MIN_TOKENS", "H3_SOL_THRESH_TYPE", "H3_SOL_INT8_QK",
             "H3_SOL_INT8_PV", "H3_SOL_FALLBACK", "H3_SOL_STRICT"}
 
@@ -38,6 +38,9 @@ def test_sourcing_sets_every_flag_and_changes_the_parsed_settings():
     assert parsed.swiglu_nvfp4_fusion == parsed.rms_adaln_nvfp4_fusion == "off" != default.swiglu_nvfp4_fusion
     assert parsed.sol == default.sol and parsed.head_slice_size == default.head_slice_size == 8
     assert env["H3_VAE_DTYPE"] in DECODE_DTYPES
+    from h3_spark.h3_model.video_vae import DEFAULT_TILE_BATCH, resolve_tile_batch
+
+    assert resolve_tile_batch(int(env["H3_VAE_TILE_BATCH"])) == DEFAULT_TILE_BATCH
     check_tiling(int(env["H3_VAE_TILE_SIZE"]), 64, 16)
 
 
