@@ -134,10 +134,11 @@ def main(argv=None) -> int:
                 snap = run_job(http, {**body, "output": f"cache-{mode}.mp4", "cache_mode": mode}, args.timeout)
                 sc = snap.get("step_cache") or {}
                 caches[mode] = {"state": snap["state"], "latency_s": snap["latency_s"], "timings": snap.get("timings"),
-                                "computed_steps": len(sc.get("computed", [])), "reused_steps": len(sc.get("reused", [])),
-                                "reused": sc.get("reused"), "error": snap.get("error")}
-                print(json.dumps({"cache": mode, **{k: caches[mode][k] for k in ("state", "latency_s", "reused_steps")}}),
-                      flush=True)
+                                "computed_steps": len(sc.get("computed", [])),
+                                "reused_steps": len(sc.get("reused", [])), "reused": sc.get("reused"),
+                                "error": snap.get("error")}
+                brief = {k: caches[mode][k] for k in ("state", "latency_s", "reused_steps")}
+                print(json.dumps({"cache": mode, **brief}), flush=True)
             result["step_caches"] = caches
     finally:
         proc.terminate()

@@ -64,7 +64,8 @@ def main(argv=None) -> int:
         runs.append({"tile_batch": batch, "decode_s_median": statistics.median(times), "decode_s_all": times,
                      "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
                      "estimated_device_peak_gb": estimate["device_peak"] / 1e9,
-                     "frames_rel_l2_vs_tile_batch_1": err, "max_abs_diff_uint8": (frames - reference).abs().max().item()})
+                     "frames_rel_l2_vs_tile_batch_1": err,
+                     "max_abs_diff_uint8": (frames - reference).abs().max().item()})
         print(json.dumps(runs[-1]), flush=True)
     result = {"benchmark": "video VAE decode 960x544x124 (fp16, 256 px tiles, uint8 out)",
               "latent_shape": [1, vae.config.latent_channels, t, h, w], "frames": int(reference.shape[1]),
