@@ -57,13 +57,33 @@ class LoadOptions:
     text_layer: int = 50  # hidden_states[50] for the released Qwen3-VL; tiny test models read less
 
 
+def component_loader(name: str, path: Path, opts: LoadOptions, tokenizer: Path | None = None) -> Callable[[], object]:
+    """The function that loads component `name` ("dit", "dit_ref", "text_encoder", "vae", "audio_vae") from
+    `path` with `opts`: the one place the CLI, the bench and the service build a component from files."""
+    from .checkpoint import load_dit
+    from .text_encoder import TextEncoder
+    from .vae_loading import load_audio_vae, load_video_vae
+
+    loaders: dict[str, Callable[[], object]] = {
+        "dit": lambda: load_dit(path, dtype=opts.dtype, device=opts.device, partition="t2va",
+                                qkv_layout=opts.qkv_layout),
+        "dit_ref": lambda: load_dit(path, dtype=opts.dtype, device=opts.device, partition="ref2va",
+                                    qkv_layout=opts.qkv_layout),
+        "text_encoder": lambda: TextEncoder.from_pretrained(path, dtype=opts.text_dtype or opts.dtype,
+                                                            device=opts.device, tokenizer=tokenizer,
+                                                            layer=opts.text_layer),
+        "vae": lambda: load_video_vae(path, device=opts.device, decode_dtype=opts.vae_dtype),
+        "audio_vae": lambda: load_audio_vae(path, device=opts.device),
+    }
+    if name not in loaders:
+        raise InputError(f"unknown component {name!r}; components are {', '.join(loaders)}")
+    return loaders[name]
+
+
 def load_components(paths: ComponentPaths, modes: list[str], opts: LoadOptions,
                     log: Callable[[str], None] = lambda message: None) -> tuple[Components, dict[str, float]]:
     """Load what `modes` need; returns the components and seconds per component."""
-    from .checkpoint import load_dit
     from .lora import apply_loras
-    from .text_encoder import TextEncoder
-    from .vae_loading import load_audio_vae, load_video_vae
 
     if paths.models is not None and not Path(paths.models).is_dir():
         raise InputError(f"{paths.models}: no such model folder")
@@ -86,8 +106,7 @@ def load_components(paths: ComponentPaths, modes: list[str], opts: LoadOptions,
         if path is None:
             raise InputError(f"{'/'.join(m for m in modes if MODE_PARTITIONS[m] == partition)} needs the "
                              f"{PARTITION_FOLDERS[partition]}/ DiT: pass --models or --{key.replace('_', '-')}")
-        model = timed(key, lambda: load_dit(path, dtype=opts.dtype, device=opts.device, partition=partition,
-                                            qkv_layout=opts.qkv_layout))
+        model = timed(key, component_loader(key, path, opts))
         if opts.loras:
             timed(f"{key}_loras", lambda: apply_loras(model, opts.loras))
         setattr(comps, key, model)
@@ -95,13 +114,11 @@ def load_components(paths: ComponentPaths, modes: list[str], opts: LoadOptions,
     te_path = paths.resolve("text_encoder")
     if te_path is None:
         raise InputError("the text encoder is needed: pass --models or --text-encoder")
-    tokenizer = paths.resolve("tokenizer")
-    comps.text_encoder = timed("text_encoder", lambda: TextEncoder.from_pretrained(
-        te_path, dtype=opts.text_dtype or opts.dtype, device=opts.device, tokenizer=tokenizer, layer=opts.text_layer))
-    for key, loader in (("vae", lambda p: load_video_vae(p, device=opts.device, decode_dtype=opts.vae_dtype)),
-                        ("audio_vae", lambda p: load_audio_vae(p, device=opts.device))):
+    comps.text_encoder = timed("text_encoder", component_loader("text_encoder", te_path, opts,
+                                                                paths.resolve("tokenizer")))
+    for key in ("vae", "audio_vae"):
         path = paths.resolve(key)
         if path is None:
             raise InputError(f"the {key.replace('_', ' ')} is needed: pass --models or --{key.replace('_', '-')}")
-        setattr(comps, key, timed(key, lambda path=path, loader=loader: loader(path)))
+        setattr(comps, key, timed(key, component_loader(key, path, opts)))
     return comps, seconds

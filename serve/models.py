@@ -2,8 +2,7 @@
 
 `load_models` is the service's one way to build its `Components`: it resolves paths the way the CLI does
 (`ComponentPaths`), checks that the asked-for kernels can run here before reading any weights, loads
-each component with its own loader (`load_dit`, `TextEncoder.from_pretrained`, `load_video_vae`,
-`load_audio_vae`), configures each DiT once with `apply_kernels`, and records progress in a
+each component with the loader the CLI uses too (`components.component_loader`), configures each DiT once with `apply_kernels`, and records progress in a
 `LoadTracker` that `/ready` reads while loading is still going on.
 """
 
@@ -141,9 +140,7 @@ def load_models(spec: ModelSpec, tracker: LoadTracker,
     from a path (an embedding host that already holds the model, or a test's in-memory encoder).
     Raises H3Error naming what is missing or cannot run; the tracker records it too.
     """
-    from ..h3_model.checkpoint import load_dit
-    from ..h3_model.text_encoder import TextEncoder
-    from ..h3_model.vae_loading import load_audio_vae, load_video_vae
+    from ..h3_model.components import LoadOptions, component_loader
     from ..kernels.attention import resolve_attention
     from ..kernels.dispatch import apply_kernels, resolve_linear
 
@@ -175,17 +172,12 @@ def load_models(spec: ModelSpec, tracker: LoadTracker,
     reports: dict[str, dict] = {}
     defaults: dict[str, tuple[object, object]] = {}
     seconds: dict[str, float] = {}
+    opts = LoadOptions(device=spec.device, dtype=spec.dtype, text_dtype=spec.text_dtype, vae_dtype=spec.vae_dtype,
+                       qkv_layout=spec.qkv_layout, text_layer=spec.text_layer)
+    tokenizer = spec.paths.resolve("tokenizer")
     builders: dict[str, Callable[[], object]] = {
-        "dit": lambda: load_dit(paths["dit"], dtype=spec.dtype, device=spec.device, partition="t2va",
-                                qkv_layout=spec.qkv_layout),
-        "dit_ref": lambda: load_dit(paths["dit_ref"], dtype=spec.dtype, device=spec.device, partition="ref2va",
-                                    qkv_layout=spec.qkv_layout),
-        "text_encoder": lambda: TextEncoder.from_pretrained(
-            paths["text_encoder"], dtype=spec.text_dtype or spec.dtype, device=spec.device, layer=spec.text_layer,
-            tokenizer=spec.paths.resolve("tokenizer")),
-        "vae": lambda: load_video_vae(paths["vae"], device=spec.device, decode_dtype=spec.vae_dtype),
-        "audio_vae": lambda: load_audio_vae(paths["audio_vae"], device=spec.device),
-    }
+        name: component_loader(name, paths[name], opts, tokenizer) for name in COMPONENT_ORDER
+        if paths[name] is not None}
     builders.update(overrides)
     for name in names:
         start = tracker.begin(name)

@@ -7,6 +7,7 @@ does when both ranks stopped at the same block; then SIGTERM must end the servic
 """
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -220,7 +221,8 @@ def test_serve_gpus_2_runs_cancels_and_shuts_down(tmp_path):
         proc.wait(timeout=90)
         text = log_path.read_text()
         assert "rank 0 shut the service down" in text, text[-4000:]
-        assert "cancelled during step" in text  # the follower's own record of the cancel
+        # The follower's own record of the cancel (inside a step, or between two when it lands there).
+        assert re.search(r"cancelled (during|before) step", text), text[-4000:]
         assert len(ranks) >= 2, ranks
         deadline = time.monotonic() + 30
         while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:

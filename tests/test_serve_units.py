@@ -2,6 +2,7 @@
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -229,3 +230,11 @@ def test_stop_cancels_what_waits_and_asks_the_running_job_to_stop():
     assert queue.snapshot(waiting.id)["error"] == "the service is shutting down"
     with pytest.raises(RequestError, match="shutting down"):
         queue.submit(Job("c"))
+
+
+def test_component_loader_names_the_components():
+    from h3_spark.h3_model.components import LoadOptions, component_loader
+
+    with pytest.raises(InputError, match="unknown component 'unet'; components are dit, dit_ref, text_encoder"):
+        component_loader("unet", Path("."), LoadOptions())
+    assert callable(component_loader("vae", Path("nowhere"), LoadOptions()))  # nothing is read until called
