@@ -3,8 +3,8 @@
 The released H3 weights cannot be downloaded here. Random weights do not change the timing of these
 dense models (same shapes, same kernels), so benchmarks and the service's cold start use models built
 this way, and results made with them say so. Nothing is zero: linear and conv weights are random
-(N(0, 0.02) in the transformers, N(0, 1/fan_in) in the VAEs, whose deep conv stacks would overflow fp16
-otherwise), norm weights are near 1, biases small.
+(N(0, 1/fan_in) in the DiT and the VAEs, N(0, 0.02) in Qwen3-VL as its own initializer does), norm
+weights are near 1, biases small.
 
 `full` is the released geometry: the 50-block DiT, Qwen3-VL-32B cut after layer 50 with its 16-pixel
 vision patch (a byte-level tokenizer stands in for Qwen's vocabulary), the 16x video VAE and the audio
@@ -45,8 +45,25 @@ def _check_preset(preset: str) -> None:
         raise InputError(f"synthetic preset must be one of {', '.join(PRESETS)}, got {preset!r}")
 
 
+DIT_INITS = ("fan_in", "normal_0.02")
+
+
 @torch.no_grad()
-def synthetic_dit(config: DiTConfig, dtype: torch.dtype, device: str, seed: int = 0) -> H3DiT:
+def synthetic_dit(config: DiTConfig, dtype: torch.dtype, device: str, seed: int = 0,
+                  init: str = "fan_in") -> H3DiT:
+    """The DiT with random weights made on `device`.
+
+    init "fan_in" (default) draws every tensor by make-checkpoint's rule (checkpoint/synthetic.init_rule:
+    unit-gain linears, small AdaLN): like a trained network, 50 blocks of it do not amplify rounding
+    much, so quality comparisons on it mean something. "normal_0.02" is N(0, 0.02) everywhere (norm gains
+    N(1, 0.02)), what the first H200 receipts used: at 5376 wide that is a gain of ~1.5 per linear, and
+    the stack turns any rounding difference into several percent of the output."""
+    from ..h3_model.checkpoint.synthetic import init_rule
+
+    if init not in DIT_INITS:
+        from ..h3_model.errors import InputError
+
+        raise InputError(f"synthetic DiT init must be one of {', '.join(DIT_INITS)}, got {init!r}")
     model = H3DiT(config, dtype=dtype, device="meta")
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -54,8 +71,11 @@ def synthetic_dit(config: DiTConfig, dtype: torch.dtype, device: str, seed: int 
         for name, param in model.named_parameters():
             target = torch.float32 if keeps_fp32(name, config) else dtype
             value = torch.empty(param.shape, dtype=target, device=device)
-            value.normal_(1.0 if "norm" in name and name.endswith("weight") and param.ndim == 1 else 0.0, 0.02,
-                          generator=gen)
+            if init == "fan_in":
+                mean, std = init_rule(name, tuple(param.shape))
+            else:
+                mean, std = (1.0 if "norm" in name and name.endswith("weight") and param.ndim == 1 else 0.0), 0.02
+            value.normal_(mean, std, generator=gen)
             yield name, value
 
     model.load_state(tensors(), device=device)
@@ -150,8 +170,8 @@ def synthetic_text_encoder(preset: str, device: str, dtype: torch.dtype, seed: i
 
 
 def component_builders(preset: str, modes: list[str], device: str, dtype: torch.dtype,
-                       vae_dtype: torch.dtype = torch.float16, seed: int = 0,
-                       text_layer: int = 50) -> dict[str, Callable[[], object]]:
+                       vae_dtype: torch.dtype = torch.float16, seed: int = 0, text_layer: int = 50,
+                       dit_init: str = "fan_in") -> dict[str, Callable[[], object]]:
     """Component name -> a function that builds it (the service's load overrides take these)."""
     _check_preset(preset)
     from ..h3_model import audio_vae, demo, video_vae
@@ -164,7 +184,8 @@ def component_builders(preset: str, modes: list[str], device: str, dtype: torch.
     dit_config = dit_preset("full") if preset == "full" else demo.DIT_CONFIG
     builders: dict[str, Callable[[], object]] = {}
     for key in sorted({MODE_KEYS[m] for m in modes}):
-        builders[key] = lambda key=key: synthetic_dit(dit_config, dtype, device, seed=seed + (key == "dit_ref"))
+        builders[key] = lambda key=key: synthetic_dit(dit_config, dtype, device, seed=seed + (key == "dit_ref"),
+                                                      init=dit_init)
     builders["text_encoder"] = lambda: synthetic_text_encoder(preset, device, dtype, seed, text_layer)
     vae_config = video_vae.FULL if preset == "full" else demo.DEMO_VAE
     builders["vae"] = lambda: synthetic_video_vae(vae_config, device, vae_dtype, seed)
@@ -174,13 +195,14 @@ def component_builders(preset: str, modes: list[str], device: str, dtype: torch.
 
 def synthetic_components(preset: str, modes: list[str], device: str, dtype: torch.dtype,
                          vae_dtype: torch.dtype = torch.float16, seed: int = 0, text_layer: int = 50,
-                         log: Callable[[str], None] = lambda message: None):
+                         log: Callable[[str], None] = lambda message: None, dit_init: str = "fan_in"):
     """(Components, seconds per component) built on `device`."""
     from ..h3_model.pipeline import Components
 
     comps = Components(device=device)
     seconds: dict[str, float] = {}
-    for name, build in component_builders(preset, modes, device, dtype, vae_dtype, seed, text_layer).items():
+    builders = component_builders(preset, modes, device, dtype, vae_dtype, seed, text_layer, dit_init)
+    for name, build in builders.items():
         log(f"building synthetic {name} ({preset})")
         start = time.perf_counter()
         setattr(comps, name, build())
@@ -188,6 +210,7 @@ def synthetic_components(preset: str, modes: list[str], device: str, dtype: torc
     return comps, seconds
 
 
-def describe(preset: str) -> str:
-    return (f"synthetic random weights, preset {preset}, built on the device (real H3 weights are not available "
-            f"here; timing does not depend on weight values; the text encoder uses a byte-level stand-in tokenizer)")
+def describe(preset: str, dit_init: str = "fan_in") -> str:
+    return (f"synthetic random weights, preset {preset}, DiT init {dit_init}, built on the device (real H3 weights "
+            f"are not available here; timing does not depend on weight values; the text encoder uses a "
+            f"byte-level stand-in tokenizer)")

@@ -19,6 +19,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                      help="random full-size weights built on the device (timing is weight-independent; "
                           "the result says so)")
     p.add_argument("--preset", choices=["full", "tiny"], default="full", help="model size for --synthetic")
+    p.add_argument("--synthetic-init", choices=["fan_in", "normal_0.02"], default="fan_in",
+                   help="random DiT weights for --synthetic: fan_in (unit-gain linears, like make-checkpoint's and "
+                        "a trained network's) or normal_0.02 (the first receipts'; amplifies rounding differences)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--vs", choices=["diffusers", "exact"], default=None,
@@ -108,13 +111,14 @@ def run(args) -> int:
 
         vae_dtype = torch.float16 if device.startswith("cuda") else torch.float32
         comps, build_s = synthetic_components(args.preset, [contract["mode"]], device, dtype, vae_dtype,
-                                              seed=contract["seed"], text_layer=args.text_encoder_layer)
+                                              seed=contract["seed"], text_layer=args.text_encoder_layer,
+                                              dit_init=args.synthetic_init)
         model = comps.dit_for(contract["mode"])
-        weights = describe(args.preset)
+        weights = describe(args.preset, args.synthetic_init)
     elif args.synthetic:
-        model = synthetic_dit(preset(args.preset), dtype, device, seed=contract["seed"])
-        weights = f"synthetic random N(0, 0.02) weights, preset {args.preset}, built on the device " \
-                  "(real H3 weights are not available here; timing does not depend on weight values)"
+        model = synthetic_dit(preset(args.preset), dtype, device, seed=contract["seed"], init=args.synthetic_init)
+        weights = f"synthetic random weights (init {args.synthetic_init}), preset {args.preset}, built on the " \
+                  "device (real H3 weights are not available here; timing does not depend on weight values)"
     elif args.models:
         from ..h3_model.components import ComponentPaths, LoadOptions, load_components
 

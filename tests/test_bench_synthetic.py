@@ -65,3 +65,23 @@ def test_tiny_components_are_random_deterministic_and_finite(transformers_ready)
 def test_bad_synthetic_requests(args, message):
     with pytest.raises(InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
         synthetic.component_builders(*args, device="cpu", dtype=torch.float32)
+
+
+def test_synthetic_dit_fan_in_init_follows_make_checkpoints_rule():
+    import dataclasses
+
+    from h3_spark.h3_model.config import FULL
+
+    config = dataclasses.replace(FULL, num_attention_heads=2, attention_head_dim=128, hidden_size=512, ffn_dim=1024,
+                                 num_layers=2, text_dim=64, time_embed_hidden_dim=256, time_embed_dim=128)
+    model = synthetic.synthetic_dit(config, torch.float32, "cpu", seed=1)
+    blk = model.transformer_blocks[0]
+    # unit-gain linears: std 1/sqrt(fan_in); AdaLN projections five times smaller; RMSNorm gains around 1
+    assert blk.attn.to_q.weight.std().item() == pytest.approx(512 ** -0.5, rel=0.02)
+    assert blk.ff.net[2].weight.std().item() == pytest.approx(1024 ** -0.5, rel=0.02)
+    assert blk.adaln_proj.linear.weight.std().item() == pytest.approx(0.2 * 128 ** -0.5, rel=0.02)
+    assert blk.norm1.weight.mean().item() == pytest.approx(1.0, abs=0.02)
+    old = synthetic.synthetic_dit(config, torch.float32, "cpu", seed=1, init="normal_0.02")
+    assert old.transformer_blocks[0].attn.to_q.weight.std().item() == pytest.approx(0.02, rel=0.02)
+    with pytest.raises(InputError, match="synthetic DiT init must be one of fan_in, normal_0.02, got 'zeros'"):
+        synthetic.synthetic_dit(config, torch.float32, "cpu", init="zeros")

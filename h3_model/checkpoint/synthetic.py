@@ -22,19 +22,27 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def init_rule(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+    """(mean, std) of a DiT parameter in the random model: RMSNorm gains around 1, small biases, linear
+    weights N(0, 1/fan_in) (unit gain), AdaLN projections five times smaller."""
+    if len(shape) == 1 and name.endswith(".weight"):  # every 1-D weight of the DiT is an RMSNorm gain
+        return 1.0, 0.1
+    if name.endswith(".bias"):
+        return 0.0, 0.02
+    fan_in = shape[-1] if len(shape) > 1 else 1
+    std = 1.0 / math.sqrt(fan_in)
+    if ".adaln_proj." in name or name.startswith("norm_out.linear"):
+        std *= 0.2
+    return 0.0, std
+
+
 def random_param(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """One parameter of the random model, fp32."""
     gen = torch.Generator().manual_seed(tensor_seed(seed, name))
     noise = torch.randn(shape, generator=gen, dtype=torch.float32)
-    if len(shape) == 1 and name.endswith(".weight"):  # every 1-D weight of the DiT is an RMSNorm gain
-        return noise.mul_(0.1).add_(1.0)
-    if name.endswith(".bias"):
-        return noise.mul_(0.02)
-    fan_in = shape[-1] if len(shape) > 1 else 1
-    scale = 1.0 / math.sqrt(fan_in)
-    if ".adaln_proj." in name or name.startswith("norm_out.linear"):
-        scale *= 0.2
-    return noise.mul_(scale)  # in place: an AdaLN weight is 1 GB in fp32
+    mean, std = init_rule(name, shape)
+    noise.mul_(std)  # in place: an AdaLN weight is 1 GB in fp32
+    return noise.add_(mean) if mean else noise
 
 
 def random_state(config: DiTConfig, seed: int):
