@@ -101,9 +101,9 @@ def run(args) -> int:
     unknown = [m for m in cache_modes if m not in CACHE_MODES or m == "off"]
     if unknown:
         raise InputError(f"--cache-modes: unknown cache mode(s) {unknown}; choose from easycache, h3_cache")
-    if generation and args.vs:
-        raise InputError("--vs and a generation do not share one run (the reference needs the memory the text "
-                         "encoder holds): measure them separately")
+    if generation and args.vs == "exact":
+        raise InputError("--vs exact measures DiT forwards only: run the generation (--generation or --models) "
+                         "without it")
     record = stamp.stamp_before()
     comps = None
     if args.synthetic and args.generation:

@@ -136,7 +136,7 @@ def test_synthetic_generation_with_step_caches(tmp_path, capsys, monkeypatch):
     (["--generation"], "--generation builds synthetic components"),
     (["--synthetic", "--cache-modes", "easycache"], "--cache-modes needs a generation"),
     (["--synthetic", "--generation", "--cache-modes", "fastest"], "unknown cache mode(s) ['fastest']"),
-    (["--synthetic", "--generation", "--vs", "diffusers"], "--vs and a generation do not share one run"),
+    (["--synthetic", "--generation", "--vs", "exact"], "--vs exact measures DiT forwards only"),
 ])
 def test_generation_flag_errors(tmp_path, capsys, extra, message):
     argv = ["bench", "--contract", str(ROOT / "tests" / "data" / "tiny-ref2va.json"), "--device", "cpu",
