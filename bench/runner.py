@@ -267,7 +267,7 @@ def bench_step_caches(pipe, req, uncached, modes: tuple[str, ...]) -> dict:
     evaluations = uncached.info["evaluations"]
     base_sampling = uncached.timings["sampling"]
     report = {}
-    pipe.decode = False
+    decode, pipe.decode = pipe.decode, False
     try:
         for mode in modes:
             cache = make_step_cache(mode, evaluations=evaluations)
@@ -282,7 +282,7 @@ def bench_step_caches(pipe, req, uncached, modes: tuple[str, ...]) -> dict:
                 "audio_latents_rel_l2_vs_uncached": rel_l2(res.audio_latents.float(), uncached.audio_latents.float()),
             }
     finally:
-        pipe.decode = True
+        pipe.decode = decode
     return report
 
 

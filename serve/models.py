@@ -2,8 +2,9 @@
 
 `load_models` is the service's one way to build its `Components`: it resolves paths the way the CLI does
 (`ComponentPaths`), checks that the asked-for kernels can run here before reading any weights, loads
-each component with the loader the CLI uses too (`components.component_loader`), configures each DiT once with `apply_kernels`, and records progress in a
-`LoadTracker` that `/ready` reads while loading is still going on.
+each component with the loader the CLI uses too (`components.component_loader`), configures each
+DiT once with `apply_kernels`, and records progress in a `LoadTracker` that `/ready` reads while
+loading is still going on.
 """
 
 from __future__ import annotations
