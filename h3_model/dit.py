@@ -409,7 +409,10 @@ class H3DiT(nn.Module):
         copy it to the host and synchronise the device once per step.
         """
         last = self._rope_last
-        if last is not None and last[0] is position_ids and last[1] == position_ids._version:
+        # Inference tensors (ComfyUI samples under inference_mode) keep no version counter, so an
+        # in-place change would go unseen: they are always hashed.
+        version = None if position_ids.is_inference() else position_ids._version
+        if last is not None and version is not None and last[0] is position_ids and last[1] == version:
             return last[2]
         key = (hashlib.blake2b(position_ids.detach().cpu().contiguous().numpy().tobytes(), digest_size=16).hexdigest(),
                tuple(position_ids.shape), str(position_ids.device))
@@ -419,7 +422,7 @@ class H3DiT(nn.Module):
             if len(self._rope_cache) >= 4:
                 self._rope_cache.pop(next(iter(self._rope_cache)))
             self._rope_cache[key] = tables
-        self._rope_last = (position_ids, position_ids._version, tables)
+        self._rope_last = (position_ids, version, tables)
         return tables
 
     def encode_text(self, encoder_hidden_states: torch.Tensor, mlp_chunks: int = 1) -> torch.Tensor:

@@ -120,6 +120,24 @@ def test_rope_cached_per_layout(setup):
     assert torch.equal(first[0], second[0])
 
 
+def test_rope_cache_under_inference_mode(setup):
+    # Inference tensors have no version counter: the tables come from the content hash, and an in-place
+    # change of the positions is seen.
+    ref, lay, data = setup
+    model = ours_from(ref, TINY)
+    with torch.inference_mode():
+        step = _step_args(lay, data, 0.4, 0.5)
+        args = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in step.items()}
+        assert args["position_ids"].is_inference()
+        first = model(**args)
+        again = model(**args)
+        cos = model.rope(args["position_ids"])[0].clone()
+        args["position_ids"].add_(1.0)
+        moved = model.rope(args["position_ids"])[0]
+    assert torch.equal(first[0], again[0]) and len(model._rope_cache) == 2
+    assert not torch.equal(cos, moved)
+
+
 @pytest.mark.parametrize("chunks", [2, 3, 1000])
 def test_mlp_chunks(setup, chunks):
     ref, lay, data = setup
