@@ -84,6 +84,8 @@ def test_diffusers_layout_is_a_folder(tmp_path, capsys):
     (["--layout", "diffusers", "--format", "nvfp4"], "the diffusers layout holds bf16 weights only"),
     (["--layout", "comfy", "--curve-grid", "9"], "only apply to --layout comfy-pruned"),
     (["--layout", "comfy-pruned", "--curve-rank", "40"], "curve rank must lie in"),
+    (["--device", "tpu"], "--device must be cpu or cuda[:N], got 'tpu'"),
+    (["--component", "vae", "--device", "cuda"], "--device applies to the DiT"),
 ])
 def test_user_errors_are_one_line(tmp_path, capsys, argv, message):
     code, _, err = _make(capsys, tmp_path / "x.safetensors", *argv)
@@ -156,3 +158,24 @@ def test_make_vae_refuses_dit_options(tmp_path, capsys):
 
     assert cli_main(["make-checkpoint", "--component", "vae", "--format", "nvfp4", str(tmp_path / "v.safetensors")]) == 2
     assert "published VAE files are not quantized" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["fp8_scaled", "nvfp4", "int8_convrot"])
+@pytest.mark.parametrize("pruned", [False, True])
+def test_quantized_layers_are_made_on_the_weights_device(fmt, pruned):
+    """make-checkpoint --device cuda draws and quantizes on the GPU. Checked here with meta tensors: any
+    intermediate allocated on the CPU would meet a meta tensor and raise; every weight-derived output stays
+    on the weights' device (only markers, inv_freq and the curve table are made on the CPU)."""
+    from h3_spark.h3_model.checkpoint.dit_reader import expected_shapes
+    from h3_spark.h3_model.checkpoint.make import curve_fit_for
+
+    shapes = expected_shapes(TINY)
+    fit = curve_fit_for(TINY, 0, 16, 4) if pruned else None
+    groups = comfy_groups(pruned_config(TINY, 16, 4) if pruned else TINY,
+                          lambda name: torch.empty(shapes[name], device="meta"), fmt, fit=fit)
+    on_cpu = set()
+    for group in groups:
+        for name, tensor in group.make().items():
+            if tensor.device.type == "cpu":
+                on_cpu.add(name.rsplit(".", 1)[-1])
+    assert on_cpu == {"comfy_quant", "inv_freq"} | ({"adaln_t_table"} if pruned else set())

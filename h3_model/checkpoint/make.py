@@ -34,9 +34,10 @@ class MadeCheckpoint:
     curve_residual: float | None
 
 
-def curve_fit_for(config: DiTConfig, seed: int, grid: int, rank: int) -> CurveFit:
+def curve_fit_for(config: DiTConfig, seed: int, grid: int, rank: int, device: str = "cpu") -> CurveFit:
     shapes = expected_shapes(config)
-    te = {n: random_param(n, s, seed) for n, s in shapes.items() if n.startswith("time_embedder.")}
+    # The time embedder is small: drawn on `device` (same stream as the file's other tensors), fitted on the CPU.
+    te = {n: random_param(n, s, seed, device).cpu() for n, s in shapes.items() if n.startswith("time_embedder.")}
     return fit_curve(te, config, grid, rank)
 
 
@@ -46,8 +47,12 @@ def pruned_config(config: DiTConfig, grid: int, rank: int) -> DiTConfig:
 
 def make_dit_checkpoint(out: str | Path, config: DiTConfig, fmt: str, layout: str, *, seed: int = 0,
                         quantize_refiner: bool = False, curve: tuple[int, int] | None = None,
-                        progress: Callable[[int, int], None] | None = None) -> MadeCheckpoint:
-    """Write the checkpoint. `config` is the full-AdaLN model; `curve` = (grid, rank) for comfy-pruned."""
+                        progress: Callable[[int, int], None] | None = None,
+                        device: str = "cpu") -> MadeCheckpoint:
+    """Write the checkpoint. `config` is the full-AdaLN model; `curve` = (grid, rank) for comfy-pruned.
+
+    `device` draws and quantizes each tensor there (a GPU makes a full-size file in minutes rather than an
+    hour); only the finished tensor goes to the host, one at a time. The random stream is the device's."""
     if fmt not in FORMATS:
         raise InputError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if layout not in LAYOUTS:
@@ -58,7 +63,7 @@ def make_dit_checkpoint(out: str | Path, config: DiTConfig, fmt: str, layout: st
     shapes = expected_shapes(config)
 
     def get(name: str) -> torch.Tensor:
-        return random_param(name, shapes[name], seed)
+        return random_param(name, shapes[name], seed, device)
 
     info = {"maker": "h3-spark make-checkpoint", "seed": str(seed), "format": fmt, "layout": layout}
     if layout == "diffusers":
@@ -80,7 +85,7 @@ def make_dit_checkpoint(out: str | Path, config: DiTConfig, fmt: str, layout: st
     stored = config
     if layout == "comfy-pruned":
         grid, rank = curve
-        fit = curve_fit_for(config, seed, grid, rank)
+        fit = curve_fit_for(config, seed, grid, rank, device)
         stored = pruned_config(config, grid, rank)
         info["curve_residual"] = f"{fit.residual:.3e}"
     groups = comfy_groups(stored, get, fmt, fit=fit, quantize_refiner=quantize_refiner)

@@ -138,8 +138,8 @@ def quantize(weight: torch.Tensor, global_scale: torch.Tensor | None = None,
     g = global_scale_for(weight) if global_scale is None else global_scale.reshape(()).to(torch.float32)
     n, k = weight.shape
     rows, cols = roundup(n, BLOCK), roundup(k, BLOCK)
-    packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
-    scales = torch.empty(rows, cols // BLOCK, dtype=torch.float8_e4m3fn)
+    packed = torch.empty(rows, cols // 2, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(rows, cols // BLOCK, dtype=torch.float8_e4m3fn, device=weight.device)
     for start in range(0, rows, rows_per_chunk):
         stop = min(start + rows_per_chunk, rows)
         x = weight[start:min(stop, n)]

@@ -76,11 +76,12 @@ def project(weight: torch.Tensor, bias: torch.Tensor, fit: CurveFit, rows: int =
 
     Computed in fp64 for accuracy, `rows` at a time so a 96768 x 2688 weight adds ~0.2 GB, not 2 GB.
     """
-    n = weight.shape[0]
-    w_out = torch.empty(n, fit.basis.shape[1], dtype=torch.float32)
-    b_out = torch.empty(n, dtype=torch.float32)
+    n, dev = weight.shape[0], weight.device
+    basis, mean = fit.basis.to(dev), fit.mean.to(dev)
+    w_out = torch.empty(n, fit.basis.shape[1], dtype=torch.float32, device=dev)
+    b_out = torch.empty(n, dtype=torch.float32, device=dev)
     for start in range(0, n, rows):
         w = weight[start:start + rows].double()
-        w_out[start:start + rows] = (w @ fit.basis).to(torch.float32)
-        b_out[start:start + rows] = (bias[start:start + rows].double() + w @ fit.mean).to(torch.float32)
+        w_out[start:start + rows] = (w @ basis).to(torch.float32)
+        b_out[start:start + rows] = (bias[start:start + rows].double() + w @ mean).to(torch.float32)
     return w_out, b_out

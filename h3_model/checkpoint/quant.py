@@ -275,7 +275,7 @@ def quantize_fp8(weight: torch.Tensor, fp8: torch.dtype = torch.float8_e4m3fn,
     top = torch.finfo(fp8).max
     scale = (weight.abs().amax().to(torch.float32) / top).clamp(min=torch.finfo(torch.float32).tiny).reshape(())
     inv = (1.0 / scale).to(weight.dtype)
-    q = torch.empty(weight.shape, dtype=fp8)
+    q = torch.empty(weight.shape, dtype=fp8, device=weight.device)
     for start in range(0, weight.shape[0], rows_per_chunk):
         q[start:start + rows_per_chunk] = (weight[start:start + rows_per_chunk] * inv).clamp(-top, top).to(fp8)
     return q, scale
@@ -288,8 +288,8 @@ def quantize_int8_rows(weight: torch.Tensor, convrot_group: int | None,
     Rows are independent, so they are done `rows_per_chunk` at a time to bound temporaries.
     """
     n = weight.shape[0]
-    q = torch.empty(weight.shape, dtype=torch.int8)
-    scale = torch.empty(n, 1, dtype=torch.float32)
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(n, 1, dtype=torch.float32, device=weight.device)
     for start in range(0, n, rows_per_chunk):
         w = weight[start:start + rows_per_chunk].float()
         if convrot_group:

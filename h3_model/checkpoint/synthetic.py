@@ -36,10 +36,11 @@ def init_rule(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
     return 0.0, std
 
 
-def random_param(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """One parameter of the random model, fp32."""
-    gen = torch.Generator().manual_seed(tensor_seed(seed, name))
-    noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+def random_param(name: str, shape: tuple[int, ...], seed: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """One parameter of the random model, fp32, drawn on `device` (its generator's stream: a tensor drawn on
+    a GPU differs from the same name and seed drawn on the CPU)."""
+    gen = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
+    noise = torch.randn(shape, generator=gen, dtype=torch.float32, device=device)
     mean, std = init_rule(name, shape)
     noise.mul_(std)  # in place: an AdaLN weight is 1 GB in fp32
     return noise.add_(mean) if mean else noise

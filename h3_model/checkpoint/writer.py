@@ -33,7 +33,7 @@ class Group:
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    flat = t.detach().contiguous().reshape(-1)
+    flat = t.detach().cpu().contiguous().reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
     return memoryview(flat.numpy())
