@@ -164,8 +164,8 @@ def test_make_vae_refuses_dit_options(tmp_path, capsys):
 @pytest.mark.parametrize("pruned", [False, True])
 def test_quantized_layers_are_made_on_the_weights_device(fmt, pruned):
     """make-checkpoint --device cuda draws and quantizes on the GPU. Checked here with meta tensors: any
-    intermediate allocated on the CPU would meet a meta tensor and raise; every weight-derived output stays
-    on the weights' device (only markers, inv_freq and the curve table are made on the CPU)."""
+    intermediate allocated on the CPU would meet a meta tensor and raise; every weight-derived output
+    stays on the weights' device (only markers, inv_freq and the curve table are made on the CPU)."""
     from h3_spark.h3_model.checkpoint.dit_reader import expected_shapes
     from h3_spark.h3_model.checkpoint.make import curve_fit_for
 
