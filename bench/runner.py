@@ -7,6 +7,7 @@ other, on the same weights and inputs.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Callable
@@ -224,8 +225,6 @@ def bench_generation(components, contract: Contract, device: str, cache_modes: t
     Each of `cache_modes` then samples the same request again with that step cache (its default
     settings): steps computed and reused, sampling seconds, and the final latents' rel L2 against the
     uncached run (decoding is skipped for those: the latents carry the whole difference)."""
-    import dataclasses
-    import statistics as stats
     import tempfile
 
     from ..h3_model import media
@@ -249,7 +248,7 @@ def bench_generation(components, contract: Contract, device: str, cache_modes: t
     steps = result.info.get("step_seconds") or []
     out = {"stage_s": result.timings, "total_s": total, "sequence_length": result.info["sequence_length"],
            "text_tokens": result.info.get("text_tokens"), "evaluations": result.info["evaluations"],
-           "step_s_median": stats.median(steps) if steps else None, "frames": int(result.video.shape[0]),
+           "step_s_median": statistics.median(steps) if steps else None, "frames": int(result.video.shape[0]),
            "peak_gpu_memory_gb": _peak(device), "latents_finite": bool(result.video_latents.isfinite().all()),
            "prompt_cache_hit": result.info.get("prompt_cache_hit"),
            "reference_cache_hits": result.info.get("reference_cache_hits"),
@@ -260,8 +259,6 @@ def bench_generation(components, contract: Contract, device: str, cache_modes: t
 
 
 def bench_step_caches(pipe, req, uncached, modes: tuple[str, ...]) -> dict:
-    import dataclasses
-
     from ..h3_model.step_cache import make_step_cache
 
     evaluations = uncached.info["evaluations"]
@@ -307,8 +304,6 @@ store_ref: dict = {}
 def bench_vs_exact(model, fast_settings, inputs: dict, contract: Contract, device: str, budget: dict) -> dict:
     """Exact path first (on the model as loaded), then the requested fast path on the same weights and inputs:
     per-block attention / feed-forward / block-output errors, the final velocity error and both speeds."""
-    import dataclasses
-
     from ..kernels.dispatch import apply_kernels
     from ..kernels.settings import KernelSettings
 

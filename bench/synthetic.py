@@ -13,6 +13,7 @@ VAE. `tiny` is the demo's model set, for tests on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Callable
@@ -103,8 +104,6 @@ def synthetic_video_vae(config, device: str, decode_dtype: torch.dtype = torch.f
     """The video VAE of `config` with random weights, assigned through the loader's own checks."""
     from ..h3_model import video_vae as V
     from ..h3_model.vae_loading import _materialize, synthetic_latent_stats
-
-    import dataclasses
 
     mean, std = synthetic_latent_stats(config.latent_channels, seed)
     config = dataclasses.replace(config, latents_mean=mean, latents_std=std)
@@ -210,7 +209,8 @@ def synthetic_components(preset: str, modes: list[str], device: str, dtype: torc
     return comps, seconds
 
 
-def describe(preset: str, dit_init: str = "fan_in") -> str:
+def describe(preset: str, dit_init: str = "fan_in", text_encoder: bool = True) -> str:
+    """What a result says its weights were."""
+    stand_in = "; the text encoder uses a byte-level stand-in tokenizer" if text_encoder else ""
     return (f"synthetic random weights, preset {preset}, DiT init {dit_init}, built on the device (real H3 weights "
-            f"are not available here; timing does not depend on weight values; the text encoder uses a "
-            f"byte-level stand-in tokenizer)")
+            f"are not available here; timing does not depend on weight values{stand_in})")

@@ -116,9 +116,10 @@ def run(args) -> int:
         model = comps.dit_for(contract["mode"])
         weights = describe(args.preset, args.synthetic_init)
     elif args.synthetic:
+        from ..bench.synthetic import describe
+
         model = synthetic_dit(preset(args.preset), dtype, device, seed=contract["seed"], init=args.synthetic_init)
-        weights = f"synthetic random weights (init {args.synthetic_init}), preset {args.preset}, built on the " \
-                  "device (real H3 weights are not available here; timing does not depend on weight values)"
+        weights = describe(args.preset, args.synthetic_init, text_encoder=False)
     elif args.models:
         from ..h3_model.components import ComponentPaths, LoadOptions, load_components
 
