@@ -217,6 +217,19 @@ def qk_prep():
         r["fused_ms"] = bench(lambda: prepare_heads(x, w, 1e-5, rope, **kw), ARGS.iters)
         r["reference_ms"] = bench(lambda: reference_prepare_heads(x, w, 1e-5, rope, **kw), ARGS.iters)
         out[label] = r
+    # The exact case: the tiled kernel (several heads per program) per tile, beside the general one.
+    from h3_spark.kernels.qk_prep import norm_rope_heads, staged_prepare_heads
+
+    moved = 2 * x.numel() * x.element_size() + 2 * rope[0].numel() * 4
+    tiles = {"floor_ms_at_4.3TBps": moved / 4.3e12 * 1e3,
+             "general_kernel_ms": bench(lambda: staged_prepare_heads(x, w, 1e-5, rope), ARGS.iters)}
+    ref = reference_prepare_heads(x, w, 1e-5, rope)
+    for tile in ((8, 8), (16, 8), (4, 8), (8, 4), (16, 4), (32, 2)):
+        a = norm_rope_heads(x, w, 1e-5, rope, tile=tile)
+        tiles[f"tile_{tile[0]}x{tile[1]}"] = {
+            "ms": bench(lambda: norm_rope_heads(x, w, 1e-5, rope, tile=tile), ARGS.iters),
+            "identical_fraction": (a == ref).float().mean().item()}
+    out["bf16_exact_tiles"] = tiles
     return out
 
 
@@ -297,6 +310,30 @@ def swiglu():
 
 # ------------------------------------------------------------------------------------------ linears
 GEMMS = {"to_q|to_k|to_v": (5376, 7168), "to_out": (7168, 5376), "fc1": (5376, 28672), "fc2": (14336, 5376)}
+
+
+@item("qkv_projection_bf16")
+def qkv_projection_bf16():
+    """The exact path's Q/K/V projections: three GEMMs (the checkpoint's layout) against one GEMM on the
+    concatenated weight, at the model's sequence length (--seq)."""
+    g = torch.Generator("cuda").manual_seed(5)
+    k, n = GEMMS["to_q|to_k|to_v"]
+    x = torch.randn(ARGS.seq, k, generator=g, device="cuda").bfloat16()
+    ws = [torch.randn(n, k, generator=g, device="cuda").mul(k ** -0.5).bfloat16() for _ in range(3)]
+    fused = torch.cat(ws)
+    three = bench(lambda: [torch.nn.functional.linear(x, w) for w in ws], ARGS.iters)
+    one = bench(lambda: torch.nn.functional.linear(x, fused), ARGS.iters)
+    flops = 2 * ARGS.seq * k * n * 3
+    same = torch.equal(torch.nn.functional.linear(x, fused)[:, n:2 * n], torch.nn.functional.linear(x, ws[1]))
+    out = {"three_gemms_ms": three, "one_fused_gemm_ms": one, "fused_speedup": three / one,
+           "three_tflops": flops / three / 1e9, "fused_tflops": flops / one / 1e9, "fused_bit_identical": same}
+    for label, (kk, nn) in GEMMS.items():
+        w = torch.randn(nn, kk, generator=g, device="cuda").mul(kk ** -0.5).bfloat16()
+        xx = x if kk == k else torch.randn(ARGS.seq, kk, generator=g, device="cuda").bfloat16()
+        ms = bench(lambda: torch.nn.functional.linear(xx, w), ARGS.iters)
+        out[f"{label}_ms"] = ms
+        out[f"{label}_tflops"] = 2 * ARGS.seq * kk * nn / ms / 1e9
+    return out
 
 
 @item("linear_fp8")

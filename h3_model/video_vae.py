@@ -374,19 +374,26 @@ class DecoderAttention(nn.Module):
         self.to_v = nn.Linear(dim, inner)
         # A list of one keeps diffusers' `to_out.0` key names.
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        # (x, eps, cos, sin) -> RMSNorm (no weight) + partial RoPE of one (B, S, H, D) tensor; kernels/
+        # swaps in a fused pass. None: the eager formula below.
+        self.qk_prep: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.to_q(x).view(b, s, self.heads, self.head_dim)
         k = self.to_k(x).view(b, s, self.heads, self.head_dim)
         v = self.to_v(x).view(b, s, self.heads, self.head_dim)
-        # The QK norms are fp32 whatever the compute dtype (the released model's numerics).
-        q = F.rms_norm(q.float(), (self.head_dim,), eps=self.eps).to(v.dtype)
-        k = F.rms_norm(k.float(), (self.head_dim,), eps=self.eps).to(v.dtype)
-        q = apply_partial_rope(q, cos.to(q.dtype), sin.to(q.dtype))
-        k = apply_partial_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+        prep = self.qk_prep or reference_qk_prep
+        q, k = prep(q, self.eps, cos, sin), prep(k, self.eps, cos, sin)
         out = attention(q, k, v).reshape(b, s, -1)
         return self.to_out[0](out)
+
+
+def reference_qk_prep(x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The decoder's Q/K norm (fp32 whatever the compute dtype: the released model's numerics), then RoPE
+    in the compute dtype. cos/sin are (1, S, 1, R)."""
+    y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return apply_partial_rope(y, cos.to(x.dtype), sin.to(x.dtype))
 
 
 class GatedProjection(nn.Module):
@@ -395,9 +402,14 @@ class GatedProjection(nn.Module):
     def __init__(self, dim: int, inner: int) -> None:
         super().__init__()
         self.proj = nn.Linear(dim, 2 * inner)
+        # value * silu(gate) of the projection; kernels/ swaps in a fused pass.
+        self.activation: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        value, gate = self.proj(x).chunk(2, dim=-1)
+        up = self.proj(x)
+        if self.activation is not None:
+            return self.activation(up)
+        value, gate = up.chunk(2, dim=-1)
         return value * F.silu(gate)
 
 
