@@ -39,8 +39,8 @@ def main(argv=None) -> int:
     import torch
 
     from h3_spark.bench import stamp
-    from h3_spark.bench.synthetic import synthetic_video_vae
     from h3_spark.bench.profile import profile_call
+    from h3_spark.bench.synthetic import synthetic_video_vae
     from h3_spark.h3_model import video_vae
     from h3_spark.kernels.settings import KernelSettings
     from h3_spark.kernels.vae import apply_vae_kernels
