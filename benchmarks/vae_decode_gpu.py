@@ -31,8 +31,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--latent", default="37,34,60", help="latent frames, height, width (124 f at 960x544)")
     p.add_argument("--kernels", default="sdpa:off",
-                   help="comma-separated decoder kernel sets ATTENTION:FUSION (FUSION on|off: fused Q/K norm + "
-                        "RoPE and SwiGLU), each run at every tile batch, e.g. sdpa:off,fa3:off,fa3:on")
+                   help="comma-separated decoder kernel sets ATTENTION:FUSION (ATTENTION auto or an exact backend; "
+                        "FUSION on|off: fused Q/K norm + RoPE and SwiGLU), each run at every tile batch, e.g. "
+                        "sdpa:off,cudnn_sdpa:off,auto:on")
     p.add_argument("--profile", action="store_true", help="also record CUDA time per kernel group of one decode")
     args = p.parse_args(argv)
     import_package()
@@ -57,8 +58,8 @@ def main(argv=None) -> int:
     for kernel_set, batch in ((k, int(b)) for k in args.kernels.split(",") for b in args.tile_batches.split(",")):
         attention, _, fusion = kernel_set.partition(":")
         fused = {"on": "exact", "off": "off"}[fusion or "off"]
-        report = apply_vae_kernels(vae, KernelSettings(attention=attention, modulation_fusion=fused,
-                                                       q_rms_rope_int8_fusion="auto" if fused == "exact" else "off"))
+        settings = KernelSettings(modulation_fusion=fused, q_rms_rope_int8_fusion="auto" if fused == "exact" else "off")
+        report = apply_vae_kernels(vae, settings, attention=None if attention == "auto" else attention)
         vae.decode_to_buffer(z, tile_batch=batch)  # warm-up (cuDNN / kernel selection for this batch)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -82,7 +83,11 @@ def main(argv=None) -> int:
                      "estimated_device_peak_gb": estimate["device_peak"] / 1e9,
                      "frames_rel_l2_vs_first_run": err,
                      "max_abs_diff_uint8": (frames - reference).abs().max().item()})
-        print(json.dumps({k: v for k, v in runs[-1].items() if k != "profile"}), flush=True)
+        brief = {k: v for k, v in runs[-1].items() if k != "profile"}
+        if profile:
+            brief["profile_groups_ms"] = {g: round(v["ms"], 1) for g, v in profile["groups"].items()}
+            brief["top"] = [(k["name"][:60], round(k["ms"], 1)) for k in profile["top_kernels"][:8]]
+        print(json.dumps(brief), flush=True)
     result = {"benchmark": "video VAE decode 960x544x124 (fp16, 256 px tiles, uint8 out)",
               "latent_shape": [1, vae.config.latent_channels, t, h, w], "frames": int(reference.shape[1]),
               "weights": "synthetic random full-size video VAE built on the device (real weights are not "

@@ -156,6 +156,9 @@ def run(args) -> int:
                         diffusers_compile=args.diffusers_compile, weights=weights, backends_used=backends,
                         spatial=comps.vae.config.spatial_ratio if comps is not None else 16, profile=args.profile)
     if comps is not None:
+        from ..kernels.vae import apply_vae_kernels
+
+        result["vae_kernels"] = apply_vae_kernels(comps.vae, settings)
         result["generation"] = runner.bench_generation(comps, contract, device, cache_modes)
         if args.synthetic:
             result["generation"]["component_build_s"] = build_s

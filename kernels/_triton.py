@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .capability import triton_interpreting
+
 try:
     import triton
     import triton.language as tl
@@ -36,15 +38,45 @@ def round_code(dtype: torch.dtype) -> int:
     return ROUND_CODES[dtype]
 
 
-if triton is not None:
+# Rounding helpers come in two builds. On a GPU a conversion instruction (cvt.rn) rounds to nearest even in
+# one step; the bit-twiddling versions cost ~5 integer operations per value, which made our elementwise
+# kernels ALU-bound (docs/perf-notes.md, third session). Triton's CPU interpreter truncates fp32 -> bf16
+# casts, so under it (the CPU tests) the bit versions stand in; they give the same values.
+INTERPRETED = triton is not None and triton_interpreting()
+
+if triton is not None and not INTERPRETED:
 
     @triton.jit
     def round_bf16(v):
-        """fp32 -> nearest-even bf16 value, kept in fp32. Done on the bits because Triton's CPU interpreter
-        truncates fp32 -> bf16 casts; on the GPU this is the same result as cvt.rn."""
+        """fp32 -> nearest-even bf16 value, kept in fp32."""
+        return v.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+
+    @triton.jit
+    def round_e4m3(v):
+        """fp32 (already within +-448) -> nearest-even float8 e4m3fn value, kept in fp32."""
+        return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+
+elif triton is not None:
+
+    @triton.jit
+    def round_bf16(v):
+        """fp32 -> nearest-even bf16 value, kept in fp32, on the bits (the interpreter truncates casts)."""
         bits = v.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def round_e4m3(v):
+        """fp32 (already within +-448) -> nearest-even float8 e4m3fn value, kept in fp32; the final cast
+        to tl.float8e4nv is then exact in the interpreter."""
+        bits = v.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        # below 2^-6 e4m3 is subnormal with a fixed spacing of 2^-9
+        sub = rint(v * 512.0) / 512.0
+        sub = tl.where(sub == 0.0, v * 0.0, sub)  # keep the sign of zero, as a cast does
+        return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+if triton is not None:
 
     @triton.jit
     def rnd(v, RND: tl.constexpr):
@@ -55,17 +87,6 @@ if triton is not None:
             return v.to(tl.float16).to(tl.float32)
         else:
             return v
-
-    @triton.jit
-    def round_e4m3(v):
-        """fp32 (already within +-448) -> nearest-even float8 e4m3fn value, kept in fp32; the final cast
-        to tl.float8e4nv is then exact on the GPU and in the interpreter alike."""
-        bits = v.to(tl.uint32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-        # below 2^-6 e4m3 is subnormal with a fixed spacing of 2^-9
-        sub = rint(v * 512.0) / 512.0
-        sub = tl.where(sub == 0.0, v * 0.0, sub)  # keep the sign of zero, as a cast does
-        return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
     @triton.jit
     def rint(v):

@@ -132,11 +132,30 @@ class FA3Backend(Backend):
     def __init__(self, module):
         self.module = module
         self.fn = module.flash_attn_func
+        self._probed: dict[tuple[torch.dtype, int], bool] = {}
 
     def __call__(self, q, k, v):
         if q.dtype not in (torch.bfloat16, torch.float16):
             raise KernelUnavailable(f"fa3 takes bf16 (or fp16) q/k/v, got {q.dtype}; run the model in bf16")
-        return _fa3_out(self.fn(q, k, v, causal=False))
+        try:
+            return _fa3_out(self.fn(q, k, v, causal=False))
+        except RuntimeError as exc:
+            if "does not support" not in str(exc):
+                raise
+            raise KernelUnavailable(f"this FlashAttention-3 build ({self.module.__name__}) cannot run {q.dtype} "
+                                    f"heads of size {q.shape[-1]}: {exc}") from exc
+
+    def supports(self, dtype: torch.dtype, head_dim: int, device) -> bool:
+        """Whether this build has kernels for `dtype` and `head_dim` (wheels ship subsets), by one tiny call."""
+        key = (dtype, head_dim)
+        if key not in self._probed:
+            x = torch.randn(1, 128, 1, head_dim, device=device).to(dtype)
+            try:
+                self(x, x, x)
+                self._probed[key] = True
+            except KernelUnavailable:
+                self._probed[key] = False
+        return self._probed[key]
 
     def describe(self) -> dict:
         return {**super().describe(), "module": self.module.__name__}

@@ -1,8 +1,8 @@
 """The video VAE decoder's kernels: its attention backend and the fused Q/K norm + RoPE and SwiGLU passes.
 
-The decoder only takes exact paths: an approximate H3_ATTENTION (fa3_fp8, Sage, INT8, sparse) is a DiT
-choice, and the VAE then decodes with the exact backend `auto` picks; the report says so. The fused
-passes follow the DiT's switches (H3_Q_RMS_ROPE_INT8_FUSION for Q/K, H3_MODULATION_FUSION for SwiGLU).
+The decoder only takes exact paths, so H3_ATTENTION (a DiT choice, often approximate) does not apply to it:
+it decodes with the fastest exact backend that has kernels for its dtype, and the report says which. The
+fused passes follow the DiT's switches (H3_Q_RMS_ROPE_INT8_FUSION for Q/K, H3_MODULATION_FUSION for SwiGLU).
 """
 
 from __future__ import annotations
@@ -33,18 +33,39 @@ def _fusion_on(mode: str, what: str, device) -> bool:
         return False
 
 
-def apply_vae_kernels(vae, settings: KernelSettings | None = None) -> dict:
-    """Set the decoder's attention backend and fused passes from `settings`; return what runs and why."""
+def resolve_decoder_attention(device, dtype: torch.dtype, head_dim: int, settings: KernelSettings):
+    """(backend, name, why): `auto`'s exact choice, skipped over when it has no kernel for the decoder's
+    dtype (the fa3-fwd wheel has no fp16 kernels, and the decoder decodes in fp16 or fp32)."""
+    backend, chosen = resolve_attention("auto", device, settings)
+    why = backend.auto_reason
+    if chosen == "fa3" and not backend.supports(dtype, head_dim, device):
+        try:
+            backend, chosen = resolve_attention("cudnn_sdpa", device, settings)
+            why = f"FlashAttention-3 here has no {dtype} kernels; cuDNN attention"
+        except KernelUnavailable:
+            backend, chosen = resolve_attention("sdpa", device, settings)
+            why = f"FlashAttention-3 here has no {dtype} kernels and cuDNN attention is unavailable; PyTorch SDPA"
+    return backend, chosen, why
+
+
+def apply_vae_kernels(vae, settings: KernelSettings | None = None, attention: str | None = None) -> dict:
+    """Set the decoder's attention backend and fused passes; return what runs and why.
+
+    `attention` names an exact backend for the decoder (benchmarks compare them); by default the decoder
+    takes `auto`'s exact choice for its dtype, whatever H3_ATTENTION asks of the DiT.
+    """
     settings = settings or KernelSettings()
     device = as_device(vae.device)
-    requested = settings.attention
-    if requested in EXACT_BACKENDS or requested == "auto":
-        backend, chosen = resolve_attention(requested, device, settings)
-        why = getattr(backend, "auto_reason", None) or "requested"
+    dtype = vae.decode_dtype
+    head_dim = vae.config.decoder_attention_head_dim
+    if attention is not None:
+        if attention not in EXACT_BACKENDS:
+            raise KernelUnavailable(f"the VAE decoder takes exact attention only ({', '.join(EXACT_BACKENDS)}), "
+                                    f"not {attention!r}")
+        backend, chosen = resolve_attention(attention, device, settings)
+        why = "requested"
     else:
-        backend, chosen = resolve_attention("auto", device, settings)
-        why = (f"{requested} is approximate and applies to the DiT only; the VAE decodes exactly with auto's "
-               f"choice ({backend.auto_reason})")
+        backend, chosen, why = resolve_decoder_attention(device, dtype, head_dim, settings)
     qk = _fusion_on(settings.q_rms_rope_int8_fusion, "the decoder's fused Q/K norm + RoPE", device)
     act = _fusion_on(settings.modulation_fusion, "the decoder's fused SwiGLU", device)
     from .swiglu import fused_swiglu
@@ -54,5 +75,5 @@ def apply_vae_kernels(vae, settings: KernelSettings | None = None) -> dict:
         block.attn.qk_prep = fused_decoder_qk_prep if qk else None
         block.ff.net[0].activation = fused_swiglu if act else None
     impl = {True: "triton", False: "pytorch-reference"}
-    return {"device": describe_device(device), "attention": {"requested": requested, "chosen": chosen, "why": why},
+    return {"device": describe_device(device), "attention": {"chosen": chosen, "why": why},
             "qk_prep": impl[qk], "swiglu": impl[act], "exact": True}

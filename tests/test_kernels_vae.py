@@ -53,19 +53,61 @@ def test_decode_with_fused_passes_matches_the_reference():
     assert ((got - want).norm() / want.norm()).item() <= 1e-5
 
 
-def test_attention_report_for_exact_and_approximate_requests():
+def test_attention_choice_and_report():
     vae = synthetic_video_vae(video_vae.TINY, "cpu", torch.float32, seed=4)
-    report = apply_vae_kernels(vae, KernelSettings(attention="sdpa"))
-    assert report["attention"] == {"requested": "sdpa", "chosen": "sdpa", "why": "requested"}
-    report = apply_vae_kernels(vae, KernelSettings(attention="sage2"))
-    assert report["attention"]["chosen"] == "sdpa"
-    assert "sage2 is approximate and applies to the DiT only" in report["attention"]["why"]
+    report = apply_vae_kernels(vae, KernelSettings(attention="sage2"))  # a DiT choice: not the decoder's
+    assert report["attention"]["chosen"] == "sdpa" and "PyTorch SDPA" in report["attention"]["why"]
     assert report["exact"] is True
+    report = apply_vae_kernels(vae, attention="sdpa")
+    assert report["attention"] == {"chosen": "sdpa", "why": "requested"}
 
 
-def test_an_exact_backend_that_cannot_run_here_fails_closed():
+def test_approximate_or_unavailable_decoder_attention_fails_closed():
     vae = synthetic_video_vae(video_vae.TINY, "cpu", torch.float32, seed=4)
     before = vae.attention
+    with pytest.raises(KernelUnavailable, match="exact attention only .* not 'fa3_fp8'"):
+        apply_vae_kernels(vae, attention="fa3_fp8")
     with pytest.raises(KernelUnavailable, match="fa3"):
-        apply_vae_kernels(vae, KernelSettings(attention="fa3"))
+        apply_vae_kernels(vae, attention="fa3")
     assert vae.attention is before
+
+
+class _FakeFA3:
+    __name__ = "fake_fa3"
+
+    def __init__(self, dtypes):
+        self.dtypes, self.calls = dtypes, 0
+
+    def flash_attn_func(self, q, k, v, causal=False):
+        self.calls += 1
+        if q.dtype not in self.dtypes:
+            raise RuntimeError("run_mha_fwd: This flash attention build does not support FP16.")
+        return q
+
+
+def test_fa3_without_fp16_kernels_is_skipped_for_an_fp16_decoder(monkeypatch):
+    from h3_spark.kernels import attention as attention_mod
+    from h3_spark.kernels import vae as vae_mod
+
+    fake = _FakeFA3({torch.bfloat16})
+    backend = attention_mod.FA3Backend(fake)
+    backend.auto_reason = "Hopper GPU with FlashAttention-3"
+    sdpa_backend = attention_mod.FunctionBackend("sdpa", attention_mod.sdpa, True)
+
+    def fake_resolve(name, device, settings=None):
+        if name == "auto":
+            return backend, "fa3"
+        if name == "cudnn_sdpa":
+            raise KernelUnavailable("cudnn_sdpa needs a CUDA GPU")
+        return sdpa_backend, name
+
+    monkeypatch.setattr(vae_mod, "resolve_attention", fake_resolve)
+    got, name, why = vae_mod.resolve_decoder_attention("cpu", torch.float16, 64, KernelSettings())
+    assert (got, name) == (sdpa_backend, "sdpa") and "no torch.float16 kernels" in why
+    got, name, _ = vae_mod.resolve_decoder_attention("cpu", torch.bfloat16, 64, KernelSettings())
+    assert (got, name) == (backend, "fa3")
+    calls = fake.calls
+    vae_mod.resolve_decoder_attention("cpu", torch.float16, 64, KernelSettings())
+    assert fake.calls == calls  # probed once per dtype and head size
+    with pytest.raises(KernelUnavailable, match="cannot run torch.float16 heads of size 64"):
+        backend(*(torch.randn(1, 8, 1, 64).half(),) * 3)
