@@ -18,7 +18,7 @@ except ImportError:  # CPU-only installs: the PyTorch references still work
     triton = None
     tl = None
 
-rnd = rint = round_bf16 = round_e4m3 = None  # device helpers, defined below when Triton is installed
+rnd = rint = round_bf16 = round_f16 = round_e4m3 = None  # device helpers, defined below when Triton is installed
 
 
 def require_kernels(what: str = "this fused kernel") -> None:
@@ -41,15 +41,25 @@ def round_code(dtype: torch.dtype) -> int:
 # Rounding helpers come in two builds. On a GPU a conversion instruction (cvt.rn) rounds to nearest even in
 # one step; the bit-twiddling versions cost ~5 integer operations per value, which made our elementwise
 # kernels ALU-bound (docs/perf-notes.md, third session). Triton's CPU interpreter truncates fp32 -> bf16
-# casts, so under it (the CPU tests) the bit versions stand in; they give the same values.
+# casts and cannot run PTX, so under it (the CPU tests) the bit versions stand in; they give the same values.
 INTERPRETED = triton is not None and triton_interpreting()
 
 if triton is not None and not INTERPRETED:
 
     @triton.jit
     def round_bf16(v):
-        """fp32 -> nearest-even bf16 value, kept in fp32."""
-        return v.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+        """fp32 -> nearest-even bf16 value, kept in fp32. In PTX: a cast pair written in Triton
+        (fp32 -> bf16 -> fp32) was folded away by the compiler on the H200, losing the rounding."""
+        bits = tl.inline_asm_elementwise(
+            "{ .reg .b16 h, z; cvt.rn.bf16.f32 h, $1; mov.b16 z, 0; mov.b32 $0, {z, h}; }",
+            "=r,f", [v], dtype=tl.uint32, is_pure=True, pack=1)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def round_f16(v):
+        """fp32 -> nearest-even fp16 value, kept in fp32 (PTX, for the reason above)."""
+        return tl.inline_asm_elementwise("{ .reg .b16 h; cvt.rn.f16.f32 h, $1; cvt.f32.f16 $0, h; }",
+                                         "=f,f", [v], dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
     def round_e4m3(v):
@@ -64,6 +74,10 @@ elif triton is not None:
         bits = v.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def round_f16(v):
+        return v.to(tl.float16).to(tl.float32)
 
     @triton.jit
     def round_e4m3(v):
@@ -84,7 +98,7 @@ if triton is not None:
         if RND == 1:
             return round_bf16(v)
         elif RND == 2:
-            return v.to(tl.float16).to(tl.float32)
+            return round_f16(v)
         else:
             return v
 

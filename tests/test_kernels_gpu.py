@@ -86,3 +86,39 @@ def test_swiglu_kernel():
     got, want = fused_swiglu(up), reference_swiglu(up)
     assert (got == want).float().mean().item() >= 0.999
     assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-30).all()
+
+
+# The rounding helpers every exact kernel relies on, compiled: each rounded value is stored in fp32, which
+# is where a compiler could drop a cast pair (it did, for Triton-level casts, on the H200).
+if __import__("h3_spark.kernels._triton", fromlist=["triton"]).triton is not None:
+    import triton
+    import triton.language as tl
+
+    from h3_spark.kernels._triton import round_bf16, round_e4m3, round_f16
+
+    @triton.jit
+    def _rounding_probe(x_ptr, out_ptr, n, WHICH: tl.constexpr, BLOCK: tl.constexpr):
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + idx, mask=idx < n, other=0.0)
+        if WHICH == 0:
+            y = round_bf16(x)
+        elif WHICH == 1:
+            y = round_f16(x)
+        else:
+            y = round_e4m3(x)
+        tl.store(out_ptr + idx, y, mask=idx < n)
+
+
+@pytest.mark.parametrize("which, dtype, limit", [(0, torch.bfloat16, 3e38), (1, torch.float16, 6e4),
+                                                 (2, torch.float8_e4m3fn, 448.0)])
+def test_rounding_helpers_equal_torch_casts(which, dtype, limit):
+    n = 1 << 20
+    g = torch.Generator(DEV).manual_seed(which)
+    # magnitudes across the format's whole range, both signs, plus subnormals and exact ties
+    x = torch.exp(torch.empty(n, device=DEV).uniform_(-30, 30, generator=g)) * torch.randn(n, device=DEV, generator=g).sign()
+    x = x.clamp(-limit, limit)
+    x[:1024] = torch.arange(1024, device=DEV, dtype=torch.float32) / 512.0 + 2.0 ** -10  # ties and small values
+    out = torch.empty_like(x)
+    _rounding_probe[(triton.cdiv(n, 1024),)](x, out, n, WHICH=which, BLOCK=1024)
+    want = x.to(dtype).float()
+    assert torch.equal(out, want), (out != want).sum().item()
