@@ -217,19 +217,6 @@ def qk_prep():
         r["fused_ms"] = bench(lambda: prepare_heads(x, w, 1e-5, rope, **kw), ARGS.iters)
         r["reference_ms"] = bench(lambda: reference_prepare_heads(x, w, 1e-5, rope, **kw), ARGS.iters)
         out[label] = r
-    # The exact case: the tiled kernel (several heads per program) per tile, beside the general one.
-    from h3_spark.kernels.qk_prep import norm_rope_heads, staged_prepare_heads
-
-    moved = 2 * x.numel() * x.element_size() + 2 * rope[0].numel() * 4
-    tiles = {"floor_ms_at_4.3TBps": moved / 4.3e12 * 1e3,
-             "general_kernel_ms": bench(lambda: staged_prepare_heads(x, w, 1e-5, rope), ARGS.iters)}
-    ref = reference_prepare_heads(x, w, 1e-5, rope)
-    for tile in ((8, 8), (16, 8), (4, 8), (8, 4), (16, 4), (32, 2)):
-        a = norm_rope_heads(x, w, 1e-5, rope, tile=tile)
-        tiles[f"tile_{tile[0]}x{tile[1]}"] = {
-            "ms": bench(lambda: norm_rope_heads(x, w, 1e-5, rope, tile=tile), ARGS.iters),
-            "identical_fraction": (a == ref).float().mean().item()}
-    out["bf16_exact_tiles"] = tiles
     return out
 
 

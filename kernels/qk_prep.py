@@ -254,116 +254,11 @@ if triton is not None:
                         tl.store(optr, rint(q).to(tl.int8), mask=m)
 
 
-    @triton.jit
-    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, S, H, HALF, REST, N_GROUPS, eps,
-                          sxb, sxs, sxh, sob, sos, soh, scs, D: tl.constexpr, NORM: tl.constexpr,
-                          RND: tl.constexpr, BLOCK_S: tl.constexpr, HEADS: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr):
-        # The exact path only (RMSNorm + RoPE, no smoothing/rotation/quantization). One program =
-        # BLOCK_S tokens x HEADS heads. A head is read as three pieces, [0, HALF), [HALF, 2 HALF) and the
-        # unrotated rest, so each rotation partner is already in registers (no second read of x), and the
-        # fp32 cos/sin rows are loaded once per program for all its heads instead of once per head.
-        # HALF = 0 (no RoPE) leaves the whole head in the third piece.
-        pid = tl.program_id(0)
-        tile = pid // N_GROUPS
-        group = pid % N_GROUPS
-        b = tl.program_id(1)
-        rows = tile * BLOCK_S + tl.arange(0, BLOCK_S)
-        heads = group * HEADS + tl.arange(0, HEADS)
-        j = tl.arange(0, BH)
-        t = tl.arange(0, BT)
-        rm = (rows < S)[:, None, None] & (heads < H)[None, :, None]
-        xoff = x_ptr + b * sxb + rows[:, None, None] * sxs + heads[None, :, None] * sxh
-        ooff = out_ptr + b * sob + rows[:, None, None] * sos + heads[None, :, None] * soh
-        jm = rm & (j < HALF)[None, None, :]
-        tm = rm & (t < REST)[None, None, :]
-        x1 = tl.load(xoff + j[None, None, :], mask=jm, other=0.0).to(tl.float32)
-        x2 = tl.load(xoff + HALF + j[None, None, :], mask=jm, other=0.0).to(tl.float32)
-        x3 = tl.load(xoff + 2 * HALF + t[None, None, :], mask=tm, other=0.0).to(tl.float32)
-        if NORM:
-            ss = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2) + tl.sum(x3 * x3, axis=2)
-            rstd = (1.0 / tl.sqrt_rn(ss / D + eps))[:, :, None]
-            w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)[None, None, :]
-            w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, None, :]
-            w3 = tl.load(w_ptr + 2 * HALF + t, mask=t < REST, other=0.0).to(tl.float32)[None, None, :]
-            y1 = rnd(x1 * rstd * w1, RND)
-            y2 = rnd(x2 * rstd * w2, RND)
-            y3 = rnd(x3 * rstd * w3, RND)
-        else:
-            y1, y2, y3 = x1, x2, x3
-        cm = (rows < S)[:, None] & (j < HALF)[None, :]
-        crow = rows[:, None] * scs + j[None, :]
-        c1 = rnd(tl.load(cos_ptr + crow, mask=cm, other=1.0), RND)[:, None, :]
-        c2 = rnd(tl.load(cos_ptr + crow + HALF, mask=cm, other=1.0), RND)[:, None, :]
-        s1 = rnd(tl.load(sin_ptr + crow, mask=cm, other=0.0), RND)[:, None, :]
-        s2 = rnd(tl.load(sin_ptr + crow + HALF, mask=cm, other=0.0), RND)[:, None, :]
-        # eager: rot * cos + cat(-x2, x1) * sin, each product and the sum rounded to x's dtype
-        o1 = rnd(rnd(y1 * c1, RND) + rnd(-y2 * s1, RND), RND)
-        o2 = rnd(rnd(y2 * c2, RND) + rnd(y1 * s2, RND), RND)
-        dt = out_ptr.dtype.element_ty
-        tl.store(ooff + j[None, None, :], o1.to(dt), mask=jm)
-        tl.store(ooff + HALF + j[None, None, :], o2.to(dt), mask=jm)
-        tl.store(ooff + 2 * HALF + t[None, None, :], y3.to(dt), mask=tm)
-
-# Tile of the exact kernel: tokens x heads per program (measured on the H200: docs/perf-notes.md).
-NORM_ROPE_TILE = (8, 8)
-
-
-def norm_rope_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                    rope: tuple[torch.Tensor, torch.Tensor] | None, *, norm: bool = True,
-                    tile: tuple[int, int] | None = None) -> torch.Tensor:
-    """The exact-path kernel: per-head RMSNorm then split-half RoPE, equal to `reference_norm_rope`."""
-    require_kernels("the fused Q/K preparation")
-    if x.ndim != 4:
-        raise ValueError(f"expected (batch, seq, heads, head_dim), got {list(x.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    b, s, h, d = x.shape
-    dev = x.device
-    if norm and weight is not None:
-        w = weight
-    else:
-        w = torch.ones(d, device=dev, dtype=torch.float32)
-    if rope is not None:
-        cos, sin = (t.float().contiguous() for t in rope)
-        r = cos.shape[-1]
-        if cos.shape[0] != s or r > d or r % 2:
-            raise ValueError(f"RoPE tables {list(cos.shape)} do not fit {s} tokens of head size {d}")
-    else:
-        cos = sin = torch.empty(1, device=dev, dtype=torch.float32)
-        r = 0
-    half, rest = r // 2, d - r
-    block_s, heads = tile or NORM_ROPE_TILE
-    heads = min(heads, triton.next_power_of_2(h))
-    n_groups = triton.cdiv(h, heads)
-    out = torch.empty(b, s, h, d, device=dev, dtype=x.dtype)
-    grid = (triton.cdiv(s, block_s) * n_groups, b)
-    _norm_rope_kernel[grid](x, w, cos, sin, out, s, h, half, rest, n_groups, float(eps),
-                            x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                            r, D=d, NORM=norm, RND=round_code(x.dtype), BLOCK_S=block_s, HEADS=heads,
-                            BH=max(triton.next_power_of_2(half), 1), BT=max(triton.next_power_of_2(rest), 1),
-                            num_warps=4)
-    return out
-
-
 def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                   rope: tuple[torch.Tensor, torch.Tensor] | None, *, norm: bool = True, smooth: bool = False,
                   hadamard: int = 0, fmt: str | None = None,
                   granularity: str = "per_head") -> torch.Tensor | QuantizedHeads:
     """The fused kernel; see `reference_prepare_heads` for the math. x is (B, S, H, D) with unit last stride."""
-    require_kernels("the fused Q/K preparation")
-    _check(x, fmt, granularity, hadamard)
-    if not (smooth or hadamard or fmt):
-        return norm_rope_heads(x, weight, eps, rope, norm=norm)
-    return staged_prepare_heads(x, weight, eps, rope, norm=norm, smooth=smooth, hadamard=hadamard, fmt=fmt,
-                                granularity=granularity)
-
-
-def staged_prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                         rope: tuple[torch.Tensor, torch.Tensor] | None, *, norm: bool = True,
-                         smooth: bool = False, hadamard: int = 0, fmt: str | None = None,
-                         granularity: str = "per_head") -> torch.Tensor | QuantizedHeads:
-    """The general kernel (one head per program, up to three passes); `prepare_heads` sends the exact
-    case to `norm_rope_heads` instead, which is faster (kept here for every other case)."""
     require_kernels("the fused Q/K preparation")
     _check(x, fmt, granularity, hadamard)
     if x.stride(-1) != 1:

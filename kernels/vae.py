@@ -16,9 +16,9 @@ from .settings import KernelSettings
 
 def fused_decoder_qk_prep(x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`video_vae.reference_qk_prep` in one Triton pass (cos/sin are the decoder's (1, S, 1, R) tables)."""
-    from .qk_prep import norm_rope_heads
+    from .qk_prep import prepare_heads
 
-    return norm_rope_heads(x, None, eps, (cos[0, :, 0], sin[0, :, 0]))
+    return prepare_heads(x, None, eps, (cos[0, :, 0], sin[0, :, 0]))
 
 
 def _fusion_on(mode: str, what: str, device) -> bool:
