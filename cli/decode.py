@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ..h3_model import media, vae_loading, video_vae
     from ..h3_model.errors import InputError
+    from ..kernels.settings import KernelSettings
+    from ..kernels.vae import apply_vae_kernels
 
     settings = resolve_settings(args)
     latents = read_latents(args.latents)
@@ -121,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     vae = vae_loading.load_video_vae(args.vae, device=settings.device,
                                      decode_dtype=video_vae.DECODE_DTYPES[settings.vae_dtype])
     seconds["load_vae"] = time.perf_counter() - clock
+    kernels = apply_vae_kernels(vae, KernelSettings.from_env())
     video = latents["video"]
     if video.shape[1] != vae.config.latent_channels:
         raise InputError(f"video_latents have {video.shape[1]} channels, "
@@ -152,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         "width": int(frames.shape[2]), "fps": media.FPS,
         "audio_samples": 0 if wav is None else min(int(wav.shape[1]), round(frames.shape[0] / media.FPS * sample_rate)),
         "sample_rate": sample_rate, "vae_dtype": settings.vae_dtype, "vae_tile_size": settings.tile_size,
-        "device": settings.device, "seconds": {k: round(v, 3) for k, v in seconds.items()},
+        "device": settings.device, "vae_kernels": kernels, "seconds": {k: round(v, 3) for k, v in seconds.items()},
     }
     print(json.dumps(summary))
     return 0

@@ -111,6 +111,7 @@ def run(args) -> int:
     from ..h3_model.step_cache import make_step_cache
     from ..kernels.dispatch import apply_kernels
     from ..kernels.settings import KernelSettings
+    from ..kernels.vae import apply_vae_kernels
     from .distributed import command_argv, init_distributed, relaunch_with_torchrun
 
     if args.gpus < 1:
@@ -185,6 +186,7 @@ def run(args) -> int:
                 from ..h3_model.parallel import SequenceParallelDiT
 
                 setattr(comps, key, SequenceParallelDiT(getattr(comps, key)))
+    vae_kernels = apply_vae_kernels(comps.vae, settings) if comps.vae is not None else None
     group = None
     if world > 1:
         import torch.distributed as dist
@@ -220,7 +222,8 @@ def run(args) -> int:
                "attention": kernels.get("attention", {}).get("chosen"),
                "linear": kernels.get("linear", {}).get("format"), "exact": kernels.get("exact"),
                "approximate_paths": kernels.get("approximate_paths", []) + (
-                   ["step_cache"] if req.step_cache is not None else [])}
+                   ["step_cache"] if req.step_cache is not None else []),
+               "vae_attention": (vae_kernels or {}).get("attention", {}).get("chosen")}
     if "step_cache" in result.info:
         summary["step_cache"] = result.info["step_cache"]
     summary["peak_memory_gb"] = _peak_gb(device)

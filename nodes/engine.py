@@ -406,6 +406,12 @@ def decode(vae: VAEHandle, latent) -> tuple[torch.Tensor, dict]:
     video_vae = vae.video_ready()
     if video.shape[1] != video_vae.config.latent_channels:
         raise InputError(f"the latent has {video.shape[1]} channels, the video VAE {video_vae.config.latent_channels}")
+    # Set where it now sits (ComfyUI moves it between devices): fastest exact attention, fused passes on a GPU.
+    from ..kernels.settings import KernelSettings
+    from ..kernels.vae import apply_vae_kernels
+
+    report = apply_vae_kernels(video_vae, KernelSettings.from_env())
+    log.debug("h3-spark video VAE kernels: %s", report)
     # uint8 like the pipeline and the CLI, so a saved video holds the same frames whichever front door made it.
     frames = video_vae.decode_to_buffer(video_vae.denormalize(video.float()), tile_size=vae.tile_size)[0]
     wave = vae.audio_ready().decode_stereo(payload.audio_from_comfy(audio.float())).float().cpu()

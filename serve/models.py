@@ -84,7 +84,8 @@ class LoadTracker:
 class ResidentModels:
     components: Components
     spec_device: str
-    # Per DiT key ("dit", "dit_ref"): the apply_kernels report, and the attention + Q/K preparation it set.
+    # Per DiT key ("dit", "dit_ref"): the apply_kernels report, and the attention + Q/K preparation it set;
+    # "vae": the decoder's (apply_vae_kernels).
     kernel_reports: dict[str, dict]
     default_attention: dict[str, tuple[object, object]]
     settings: KernelSettings
@@ -144,6 +145,7 @@ def load_models(spec: ModelSpec, tracker: LoadTracker,
     from ..h3_model.components import LoadOptions, component_loader
     from ..kernels.attention import resolve_attention
     from ..kernels.dispatch import apply_kernels, resolve_linear
+    from ..kernels.vae import apply_vae_kernels
 
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(COMPONENT_ORDER))
@@ -187,6 +189,8 @@ def load_models(spec: ModelSpec, tracker: LoadTracker,
             if name in ("dit", "dit_ref"):
                 reports[name] = apply_kernels(model, spec.kernels, checkpoint_format=formats.get(name, "bf16"))
                 defaults[name] = (model.attention, model.qk_prep)
+            elif name == "vae":
+                reports[name] = apply_vae_kernels(model, spec.kernels)
         except H3Error as exc:
             tracker.fail(str(exc), name)
             raise
@@ -238,7 +242,9 @@ def describe_models(models: ResidentModels) -> dict:
         if module is not obj and name != "text_encoder":
             # Per rank: every rank holds a full copy of the weights.
             out[name]["sequence_parallel"] = models.world_size
-        if name in models.kernel_reports:
+        if name == "vae" and name in models.kernel_reports:
+            out[name]["kernels"] = models.kernel_reports[name]
+        elif name in models.kernel_reports:
             rep = models.kernel_reports[name]
             out[name]["attention"] = rep["attention"]
             out[name]["linear"] = rep["linear"]

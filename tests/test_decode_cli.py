@@ -113,6 +113,12 @@ def test_decode_hands_oracle_pixels_and_audio_to_the_muxer(checkpoint, tmp_path,
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["frames"] == 39 and summary["vae_dtype"] == "float32"
     assert summary["audio_samples"] == 52000  # trimmed to 39 frames at 24 fps
+    # CPU run: plain SDPA; the fused passes run only where Triton does (here: its interpreter, in the tests)
+    from h3_spark.kernels.capability import triton_interpreting
+
+    fused = "triton" if triton_interpreting() else "pytorch-reference"
+    assert summary["vae_kernels"]["attention"]["chosen"] == "sdpa"
+    assert summary["vae_kernels"]["qk_prep"] == summary["vae_kernels"]["swiglu"] == fused
 
 
 def test_decode_writes_a_real_mp4(checkpoint, tmp_path, capsys):

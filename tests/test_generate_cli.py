@@ -53,6 +53,7 @@ def test_demo_t2va_writes_an_mp4(demo_models, tmp_path, capsys):
     summary = json.loads(cap.out.strip().splitlines()[-1])
     assert summary["mode"] == "t2va" and summary["frames"] == 124 and summary["evaluations"] == 2
     assert summary["audio_samples"] == 165600 and summary["exact"] is True
+    assert summary["vae_attention"] == "sdpa"
     info = media.probe(out)
     assert info["video_codec"] == "h264" and info["audio_codec"] == "aac"
     assert (tmp_path / "lat.safetensors").is_file()

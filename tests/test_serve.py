@@ -181,6 +181,8 @@ def test_ready_is_503_while_loading_then_lists_the_models(model_dir, tmp_path):
     assert ready["models"]["dit"]["dtypes"] == ["float32"] and ready["models"]["dit"]["parameter_bytes"] > 0
     assert ready["models"]["dit"]["attention"]["backend"] == "sdpa"
     assert ready["models"]["dit"]["linear"]["format"] == "bf16"
+    assert ready["models"]["vae"]["kernels"]["attention"]["chosen"] == "sdpa"
+    assert ready["models"]["vae"]["kernels"]["exact"] is True
     assert ready["loading"]["state"] == "ready" and ready["loading"]["still_loading"] == []
     assert "process_rss_bytes" in ready["memory"]
     attention, linear = ready["supported"]["attention"], ready["supported"]["linear"]
