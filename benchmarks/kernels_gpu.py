@@ -279,6 +279,55 @@ def modulation():
     return out
 
 
+@item("launch_shapes")
+def launch_shapes():
+    """The fused passes' launch shapes side by side: modulation (columns per step, warps; a step as wide as
+    the row reads it once) and the Q/K kernel (warps; RoPE tables in fp32 or in the activation dtype)."""
+    from h3_spark.h3_model.dit import RowModulation, rope_tables
+    from h3_spark.kernels import modulation as mod
+    from h3_spark.kernels import qk_prep as qk
+
+    d, s = ARGS.hidden, ARGS.seq
+    g = torch.Generator("cuda").manual_seed(6)
+    rows = torch.randint(0, 9, (s,), generator=g, device="cuda").sort().values
+    table = torch.randn(9, 6 * d, generator=g, device="cuda").mul(0.3).bfloat16()
+    shift, scale, gate, *_ = table.chunk(6, dim=-1)
+    x = torch.randn(1, s, d, generator=g, device="cuda").mul(3).bfloat16()
+    y = torch.randn(1, s, d, generator=g, device="cuda").bfloat16()
+    norm = torch.nn.RMSNorm(d, eps=1e-5).to("cuda", torch.bfloat16)
+    ref = RowModulation(rows, True)
+    out = {"modulation": {}, "qk_prep": {}}
+    saved = (mod.BLOCK, mod.NUM_WARPS, qk.NUM_WARPS)
+    try:
+        with torch.no_grad():
+            want_nm, want_ga = ref.norm_modulate(norm, x, shift, scale), ref.gated_add(x, gate, y)
+            for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 8), (8192, 16)):
+                mod.BLOCK, mod.NUM_WARPS = block, warps
+                fused = mod.FusedRowModulation(rows, True)
+                out["modulation"][f"{block}x{warps}"] = {
+                    "norm_modulate_ms": bench(lambda: fused.norm_modulate(norm, x, shift, scale), ARGS.iters),
+                    "gated_add_ms": bench(lambda: fused.gated_add(x, gate, y), ARGS.iters),
+                    "norm_modulate_identical": (fused.norm_modulate(norm, x, shift, scale) == want_nm).float().mean().item(),
+                    "gated_add_bit_identical": torch.equal(fused.gated_add(x, gate, y), want_ga)}
+            mod.BLOCK, mod.NUM_WARPS = saved[:2]
+            h = torch.randn(1, s, ARGS.heads, ARGS.head_dim, generator=g, device="cuda").mul(2).bfloat16()
+            w = torch.rand(ARGS.head_dim, generator=g, device="cuda").add(0.5).bfloat16()
+            rope = rope_tables(torch.randint(0, 64, (s, 3), device="cuda").float(), 16, 10000.0)
+            half = tuple(t.bfloat16() for t in rope)
+            want = qk.reference_prepare_heads(h, w, 1e-5, rope)
+            for warps in (4, 8, 16):
+                qk.NUM_WARPS = warps
+                for label, tables in (("fp32_tables", rope), ("bf16_tables", half)):
+                    out["qk_prep"][f"warps{warps}_{label}"] = {
+                        "ms": bench(lambda: qk.prepare_heads(h, w, 1e-5, tables), ARGS.iters),
+                        "identical": (qk.prepare_heads(h, w, 1e-5, tables) == want).float().mean().item()}
+    finally:
+        mod.BLOCK, mod.NUM_WARPS, qk.NUM_WARPS = saved
+    out["floors_ms"] = {"norm_modulate": 2 * x.numel() * 2 / 4.3e12 * 1e3, "gated_add": 3 * x.numel() * 2 / 4.3e12 * 1e3,
+                        "qk_prep": 2 * h.numel() * 2 / 4.3e12 * 1e3}
+    return out
+
+
 @item("swiglu")
 def swiglu():
     from h3_spark.kernels.swiglu import fused_swiglu, reference_swiglu

@@ -19,7 +19,9 @@ import torch
 from ..h3_model.dit import RowModulation
 from ._triton import require_kernels, rnd, round_code, tl, triton  # noqa: F401  (rnd: used in the kernel)
 
+# Launch shape per row: BLOCK columns per step (a BLOCK >= the hidden size reads the row once) and warps.
 BLOCK = 1024
+NUM_WARPS = 4
 
 if triton is not None:
 
@@ -36,16 +38,23 @@ if triton is not None:
         orow = out_ptr + row * D
         cols0 = tl.arange(0, BLOCK)
         if MODE == 0:
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for off in range(0, D, BLOCK):
-                c = off + cols0
-                x = tl.load(xrow + c, mask=c < D, other=0.0).to(tl.float32)
-                acc += x * x
+            if BLOCK >= D:  # the whole row in registers: one read
+                x_all = tl.load(xrow + cols0, mask=cols0 < D, other=0.0).to(tl.float32)
+                acc = x_all * x_all
+            else:
+                acc = tl.zeros([BLOCK], dtype=tl.float32)
+                for off in range(0, D, BLOCK):
+                    c = off + cols0
+                    x = tl.load(xrow + c, mask=c < D, other=0.0).to(tl.float32)
+                    acc += x * x
             rstd = 1.0 / tl.sqrt_rn(tl.sum(acc, axis=0) / D + eps)
         for off in range(0, D, BLOCK):
             c = off + cols0
             m = c < D
-            x = tl.load(xrow + c, mask=m, other=0.0).to(tl.float32)
+            if MODE == 0 and BLOCK >= D:
+                x = x_all
+            else:
+                x = tl.load(xrow + c, mask=m, other=0.0).to(tl.float32)
             if MODE == 2:
                 g = tl.load(arow + c, mask=m, other=0.0).to(tl.float32)
                 yv = tl.load(y_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
@@ -110,7 +119,7 @@ class FusedRowModulation(RowModulation):
         _modulation_kernel[(bsz * s,)](
             x, y.contiguous() if y is not None else dummy, w if w is not None else dummy, a,
             b if b is not None else a, self._row_index(x.device), out, s, eps, tab_stride, D=d,
-            MODE=mode, HAS_W=w is not None, RND=round_code(x.dtype), BLOCK=BLOCK, num_warps=4)
+            MODE=mode, HAS_W=w is not None, RND=round_code(x.dtype), BLOCK=BLOCK, num_warps=NUM_WARPS)
         return out
 
     def norm_modulate(self, norm, x, shift, scale):

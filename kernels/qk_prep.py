@@ -28,6 +28,7 @@ import torch
 from ._triton import require_kernels, rint, rnd, round_code, round_e4m3, tl, triton  # noqa: F401  (rint/rnd: used in kernels)
 
 BLOCK_TOKENS = 64
+NUM_WARPS = 8
 QMAX = {"fp8": 448.0, "int8": 127.0}
 QDTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 FORMATS = (None, "fp8", "int8")
@@ -211,8 +212,8 @@ if triton is not None:
                 yp = xp
             rot = d < R
             tmask = rmask[:, None] & rot[None, :]
-            c = rnd(tl.load(cos_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=1.0), RND)
-            sn = rnd(tl.load(sin_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=0.0), RND)
+            c = rnd(tl.load(cos_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=1.0).to(tl.float32), RND)
+            sn = rnd(tl.load(sin_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=0.0).to(tl.float32), RND)
             sign = tl.where(d < half, -1.0, 1.0)
             # eager: rot * cos + cat(-x2, x1) * sin, each product and the sum rounded to x's dtype
             a = rnd(y * c, RND)
@@ -273,7 +274,8 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     dummy = torch.empty(1, device=dev, dtype=torch.float32)
     w = weight if (norm and weight is not None) else torch.ones(d, device=dev, dtype=torch.float32)
     if rope is not None:
-        cos, sin = (t.float().contiguous() for t in rope)
+        # Tables in x's dtype are read as they are (the kernel rounds fp32 ones to it: same values, twice the bytes).
+        cos, sin = (t.contiguous() if t.dtype == x.dtype else t.float().contiguous() for t in rope)
         r = cos.shape[-1]
         if cos.shape[0] != s or r > d or r % 2:
             raise ValueError(f"RoPE tables {list(cos.shape)} do not fit {s} tokens of head size {d}")
@@ -289,7 +291,7 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                      x.stride(0), x.stride(1), x.stride(2), so[0], so[1], so[2], r,
                      STAGE=stage, NORM=norm, ROPE=rope is not None, SMOOTH=smooth and mean is not dummy,
                      HADAMARD=bool(hadamard), FMT=fmt_code, PER_BLOCK=per_block, BLOCK_S=BLOCK_TOKENS,
-                     RND=round_code(x.dtype), BLOCK_D=block_d, num_warps=8)
+                     RND=round_code(x.dtype), BLOCK_D=block_d, num_warps=NUM_WARPS)
 
     mean = dummy
     if smooth:
@@ -330,10 +332,22 @@ class FusedQKPrep:
 
     def __call__(self, attn, q: torch.Tensor, k: torch.Tensor, rope):
         fn = prepare_heads if self.use_triton else reference_prepare_heads
+        if self.use_triton:
+            rope = self._tables(rope, q.dtype)
         opts = dict(hadamard=self.hadamard, fmt=self.fmt, granularity=self.granularity)
         qp = fn(q, attn.norm_q.weight, norm_eps(attn.norm_q, q.dtype), rope, **opts)
         kp = fn(k, attn.norm_k.weight, norm_eps(attn.norm_k, k.dtype), rope, smooth=self.smooth_k, **opts)
         return qp, kp
+
+    def _tables(self, rope, dtype: torch.dtype):
+        """The RoPE tables rounded to the activation dtype, as the kernel would round them, made once per table
+        pair (the DiT reuses one pair for every block): half the bytes each call reads."""
+        if rope is None or rope[0].dtype == dtype:
+            return rope
+        cached = getattr(self, "_rope_cache", None)
+        if cached is None or cached[0] is not rope[0] or cached[1] is not rope[1] or cached[2] != dtype:
+            cached = self._rope_cache = (rope[0], rope[1], dtype, (rope[0].to(dtype), rope[1].to(dtype)))
+        return cached[3]
 
     @property
     def exact(self) -> bool:

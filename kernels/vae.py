@@ -34,17 +34,16 @@ def _fusion_on(mode: str, what: str, device) -> bool:
 
 
 def resolve_decoder_attention(device, dtype: torch.dtype, head_dim: int, settings: KernelSettings):
-    """(backend, name, why): `auto`'s exact choice, skipped over when it has no kernel for the decoder's
-    dtype (the fa3-fwd wheel has no fp16 kernels, and the decoder decodes in fp16 or fp32)."""
+    """(backend, name, why): `auto`'s exact choice when it has a kernel for the decoder's dtype and head size,
+    else PyTorch SDPA, which has kernels for every dtype (the fa3-fwd wheel has no fp16 kernels, and the
+    decoder decodes in fp16 or fp32; cuDNN attention measured the same as SDPA on the decoder's shapes)."""
     backend, chosen = resolve_attention("auto", device, settings)
     why = backend.auto_reason
-    if chosen == "fa3" and not backend.supports(dtype, head_dim, device):
-        try:
-            backend, chosen = resolve_attention("cudnn_sdpa", device, settings)
-            why = f"FlashAttention-3 here has no {dtype} kernels; cuDNN attention"
-        except KernelUnavailable:
-            backend, chosen = resolve_attention("sdpa", device, settings)
-            why = f"FlashAttention-3 here has no {dtype} kernels and cuDNN attention is unavailable; PyTorch SDPA"
+    runs_here = dtype in (torch.float16, torch.bfloat16) and (chosen != "fa3" or backend.supports(dtype, head_dim,
+                                                                                                  device))
+    if chosen != "sdpa" and not runs_here:
+        backend, chosen = resolve_attention("sdpa", device, settings)
+        why = f"{why.split(':')[0]} has no {dtype} kernel for head size {head_dim}; PyTorch SDPA"
     return backend, chosen, why
 
 

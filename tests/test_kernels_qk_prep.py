@@ -113,6 +113,21 @@ def test_exact_kernel_on_strided_heads_and_other_shapes(heads, d, rope_freq, nor
         assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-6).all()
 
 
+def test_tables_in_the_activation_dtype_give_the_same_heads_and_are_made_once():
+    x, w, rope = make(s=50)
+    half = tuple(t.to(x.dtype) for t in rope)
+    assert torch.equal(prepare_heads(x, w, 1e-5, half), prepare_heads(x, w, 1e-5, rope))
+    a = attn_module(w, x.shape[-1], torch.bfloat16)
+    hook = FusedQKPrep()
+    with torch.no_grad():
+        q1, k1 = hook(a, x, x.flip(1), rope)
+        first = hook._rope_cache[3]
+        q2, _ = hook(a, x, x.flip(1), rope)
+    assert hook._rope_cache[3] is first and first[0].dtype == torch.bfloat16  # converted once, reused
+    want_q, want_k = reference_qk_prep(a, x, x.flip(1), rope)
+    assert torch.equal(q1, q2) and (q1 == want_q).float().mean() >= 0.999 and (k1 == want_k).float().mean() >= 0.999
+
+
 def test_kernel_rejects_tables_that_do_not_fit():
     x, w, rope = make(s=20)
     with pytest.raises(ValueError, match=r"RoPE tables \[19, 24\] do not fit 20 tokens"):

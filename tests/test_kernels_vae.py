@@ -97,13 +97,15 @@ def test_fa3_without_fp16_kernels_is_skipped_for_an_fp16_decoder(monkeypatch):
     def fake_resolve(name, device, settings=None):
         if name == "auto":
             return backend, "fa3"
-        if name == "cudnn_sdpa":
-            raise KernelUnavailable("cudnn_sdpa needs a CUDA GPU")
+        assert name == "sdpa"
         return sdpa_backend, name
 
     monkeypatch.setattr(vae_mod, "resolve_attention", fake_resolve)
     got, name, why = vae_mod.resolve_decoder_attention("cpu", torch.float16, 64, KernelSettings())
-    assert (got, name) == (sdpa_backend, "sdpa") and "no torch.float16 kernels" in why
+    assert (got, name) == (sdpa_backend, "sdpa")
+    assert why == "Hopper GPU with FlashAttention-3 has no torch.float16 kernel for head size 64; PyTorch SDPA"
+    got, name, why = vae_mod.resolve_decoder_attention("cpu", torch.float32, 64, KernelSettings())
+    assert name == "sdpa" and "no torch.float32 kernel" in why  # an fp32 decode: no half-precision kernel
     got, name, _ = vae_mod.resolve_decoder_attention("cpu", torch.bfloat16, 64, KernelSettings())
     assert (got, name) == (backend, "fa3")
     calls = fake.calls
