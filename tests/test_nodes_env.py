@@ -67,20 +67,27 @@ def test_the_cited_receipt_ran_these_settings():
     env = sourced()
     for path in cited:
         receipt = json.loads((ROOT / path).read_text())
+        if "backends" not in receipt:  # a kernel or VAE benchmark: measured on the H200 by our scripts
+            gpu = receipt.get("stamp", {}).get("gpu_before", {}).get("name") or receipt.get("device", {}).get("name")
+            assert gpu == "NVIDIA H200", path
+            continue
         backends = receipt["backends"]
+        parity = receipt["limits"]["velocity_rel_l2_vs_diffusers"]["ok"]
         if "settings" in backends:  # apply_kernels' report: the settings the run was given
             ran = backends["settings"]
-            if backends["linear"]["format"] != env["H3_LINEAR"]:
-                # A rejected fast path is cited as such; it must have failed its limits.
-                assert receipt["limits"]["velocity_rel_l2_vs_diffusers"]["ok"] is False, path
+            if not backends["exact"]:
+                # An approximate path is cited as an opt-in alternative: the file must not run it, and where its
+                # parity with diffusers was measured it misses the exact path's limit.
+                assert (ran["linear"], ran["attention"]) != (env["H3_LINEAR"], env["H3_ATTENTION"]), path
+                assert parity in (False, None), path
                 continue
             for flag, key in (("H3_ATTENTION", "attention"), ("H3_MODULATION_FUSION", "modulation_fusion"),
                               ("H3_Q_RMS_ROPE_INT8_FUSION", "q_rms_rope_int8_fusion")):
                 assert ran[key] == env[flag], (path, flag)
-            assert backends["exact"] is True
         else:  # the first baseline's plain form
             assert backends["attention"] == "sdpa" and backends["linear"] == "bfloat16"
-        assert receipt["limits"]["velocity_rel_l2_vs_diffusers"]["ok"] is True
+        # the exact path: inside the noise floor wherever diffusers ran beside it (a generation has no twin)
+        assert parity is True or (parity is None and "generation" in receipt), path
     # A fast path that is not receipted must say so.
     for name in ("H3_SWIGLU_NVFP4_FUSION", "H3_RMS_ADALN_NVFP4_FUSION", "H3_VAE_DTYPE"):
         block = text.split(f"# {name}:", 1)[1].split("export", 1)[0]
