@@ -223,11 +223,8 @@ def bench_generation(components, contract: Contract, device: str, cache_modes: t
     """One warm full generation (after a 2-step warm-up of every stage): seconds per stage, mux included.
 
     Each of `cache_modes` then samples the same request again with that step cache (its default
-    settings): steps computed and reused, sampling seconds, and the final latents' rel L2 against the
-    uncached run (decoding is skipped for those: the latents carry the whole difference)."""
-    import tempfile
-
-    from ..h3_model import media
+    settings): steps computed and reused, the whole render's seconds per stage, and the final latents' rel L2
+    against the uncached run."""
     from ..h3_model.pipeline import Pipeline
 
     pipe = Pipeline(components)
@@ -238,13 +235,7 @@ def bench_generation(components, contract: Contract, device: str, cache_modes: t
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    result = pipe.generate(req)
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        media.write_mp4(f"{tmp}/bench.mp4", result.video, result.audio)
-        result.timings["mux"] = time.perf_counter() - t0
-    total = time.perf_counter() - start
+    result, _, total = _timed_render(pipe, req)
     steps = result.info.get("step_seconds") or []
     out = {"stage_s": result.timings, "total_s": total, "sequence_length": result.info["sequence_length"],
            "text_tokens": result.info.get("text_tokens"), "evaluations": result.info["evaluations"],
@@ -259,28 +250,42 @@ def bench_generation(components, contract: Contract, device: str, cache_modes: t
 
 
 def bench_step_caches(pipe, req, uncached, modes: tuple[str, ...]) -> dict:
+    """Each step cache on the same request, measured like the uncached run: cold prompt/reference caches, then
+    the whole render (decode and mux included), so `total_s` compares with the uncached `total_s`."""
     from ..h3_model.step_cache import make_step_cache
 
     evaluations = uncached.info["evaluations"]
     base_sampling = uncached.timings["sampling"]
     report = {}
-    decode, pipe.decode = pipe.decode, False
-    try:
-        for mode in modes:
-            cache = make_step_cache(mode, evaluations=evaluations)
-            res = pipe.generate(dataclasses.replace(req, step_cache=cache))
-            info = cache.report()
-            report[mode] = {
-                "settings": {k: info[k] for k in ("threshold", "start_percent", "end_percent", "subsample_factor")},
-                "computed_steps": len(info["computed"]), "reused_steps": len(info["reused"]),
-                "reused": info["reused"], "sampling_s": res.timings["sampling"],
-                "sampling_speedup_vs_uncached": base_sampling / res.timings["sampling"],
-                "video_latents_rel_l2_vs_uncached": rel_l2(res.video_latents.float(), uncached.video_latents.float()),
-                "audio_latents_rel_l2_vs_uncached": rel_l2(res.audio_latents.float(), uncached.audio_latents.float()),
-            }
-    finally:
-        pipe.decode = decode
+    for mode in modes:
+        cache = make_step_cache(mode, evaluations=evaluations)
+        pipe.clear_caches()
+        res, timings, total = _timed_render(pipe, dataclasses.replace(req, step_cache=cache))
+        info = cache.report()
+        report[mode] = {
+            "settings": {k: info[k] for k in ("threshold", "start_percent", "end_percent", "subsample_factor")},
+            "computed_steps": len(info["computed"]), "reused_steps": len(info["reused"]),
+            "reused": info["reused"], "sampling_s": timings["sampling"], "stage_s": timings, "total_s": total,
+            "sampling_speedup_vs_uncached": base_sampling / timings["sampling"],
+            "video_latents_rel_l2_vs_uncached": rel_l2(res.video_latents.float(), uncached.video_latents.float()),
+            "audio_latents_rel_l2_vs_uncached": rel_l2(res.audio_latents.float(), uncached.audio_latents.float()),
+        }
     return report
+
+
+def _timed_render(pipe, req) -> tuple[object, dict, float]:
+    """One generation and its mux: (result, seconds per stage, total seconds)."""
+    import tempfile
+
+    from ..h3_model import media
+
+    start = time.perf_counter()
+    result = pipe.generate(req)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        media.write_mp4(f"{tmp}/bench.mp4", result.video, result.audio)
+        result.timings["mux"] = time.perf_counter() - t0
+    return result, result.timings, time.perf_counter() - start
 
 
 def _capture(model, store: dict | None, errors: dict | None):

@@ -129,6 +129,9 @@ def test_synthetic_generation_with_step_caches(tmp_path, capsys, monkeypatch):
         # A reused step leaves a trace in the latents; none reused means the very same latents.
         assert (c["video_latents_rel_l2_vs_uncached"] > 0) == (c["reused_steps"] > 0)
         assert c["video_latents_rel_l2_vs_uncached"] < 1.0
+        # the whole render again, from cold prompt/reference caches: every stage timed, mux included
+        assert set(c["stage_s"]) == set(gen["stage_s"]) and c["total_s"] >= sum(c["stage_s"].values())
+        assert c["sampling_s"] == c["stage_s"]["sampling"]
     assert gen["step_caches"]["easycache"]["reused_steps"] > 0
 
 
