@@ -365,28 +365,54 @@ def _heads(x, start: int, end: int):
 
 
 # ------------------------------------------------------------------------------------------ resolution
-def auto_choice(device) -> tuple[str, str]:
-    """The fastest exact backend on `device`, and why."""
+HALF = (torch.bfloat16, torch.float16)
+
+
+def auto_choice(device, dtype: torch.dtype | None = None, head_dim: int | None = None) -> tuple[str, str]:
+    """The fastest exact backend on `device` that has kernels for `dtype` heads of `head_dim` (when given),
+    and why. FlashAttention-3 and cuDNN attention take bf16/fp16 only, and a FlashAttention-3 build may
+    ship a subset of those (the fa3-fwd wheel has no fp16 kernels): it is asked with one tiny call."""
     cap = capability(device)
     if cap is None:
         return "sdpa", f"{describe_device(device)}: PyTorch SDPA"
+    if dtype is not None and dtype not in HALF:
+        return "sdpa", f"{dtype} heads: PyTorch SDPA (FlashAttention-3 and cuDNN attention take bf16/fp16)"
+    why_not_fa3 = "no FlashAttention-3 installed"
     if cap == HOPPER:
         try:
             module = fa3_module()
-            return "fa3", f"Hopper GPU with FlashAttention-3 ({module.__name__}): the fastest exact kernel measured"
+            if dtype is None or FA3Backend(module).supports(dtype, head_dim or 128, device):
+                return "fa3", f"Hopper GPU with FlashAttention-3 ({module.__name__}): the fastest exact kernel measured"
+            why_not_fa3 = f"this FlashAttention-3 build has no {dtype} kernel for head size {head_dim or 128}"
         except KernelUnavailable:
             pass
     if cap >= (8, 0) and torch.backends.cudnn.is_available():
-        why = "no FlashAttention-3 installed" if cap == HOPPER else f"sm_{cap[0]}{cap[1]} (FlashAttention-3 is Hopper only)"
+        why = why_not_fa3 if cap == HOPPER else f"sm_{cap[0]}{cap[1]} (FlashAttention-3 is Hopper only)"
         return "cudnn_sdpa", f"cuDNN attention: {why}"
     return "sdpa", f"{describe_device(device)}: no cuDNN attention, PyTorch SDPA"
 
 
-def resolve_attention(name: str, device, settings=None) -> tuple[Backend, str]:
+def _check_dtype(backend: "Backend", name: str, device, dtype: torch.dtype | None, head_dim: int | None) -> None:
+    """Fail at set-up, not at the first forward, when a requested backend has no kernel for the model's heads."""
+    if dtype is None or name not in ("cudnn_sdpa", "fa3", "fa3_fp8"):
+        return
+    if dtype not in HALF:
+        raise KernelUnavailable(f"{name} takes bf16/fp16 heads and this model computes in {dtype}; run it in bf16 "
+                                f"or choose sdpa")
+    if name == "fa3_fp8" and dtype != torch.bfloat16:
+        raise KernelUnavailable(f"fa3_fp8 runs bf16 models; this one computes in {dtype}")
+    if name == "fa3" and not backend.supports(dtype, head_dim or 128, device):
+        raise KernelUnavailable(f"this FlashAttention-3 build ({backend.module.__name__}) has no {dtype} kernel for "
+                                f"head size {head_dim or 128}; choose cudnn_sdpa or sdpa, or auto")
+
+
+def resolve_attention(name: str, device, settings=None, *, dtype: torch.dtype | None = None,
+                      head_dim: int | None = None) -> tuple[Backend, str]:
     """(callable backend, name of what runs) for an H3_ATTENTION value on `device`.
 
-    Raises KernelUnavailable when the backend cannot run here. `auto` resolves to an exact backend and
-    the returned name says which; the callable's `describe()` adds why.
+    Raises KernelUnavailable when the backend cannot run here, or, with `dtype` (and `head_dim`) of the
+    model's heads, cannot run them. `auto` resolves to an exact backend and the returned name says which;
+    the callable's `describe()` adds why.
     """
     from .settings import ATTENTION_BACKENDS, KernelSettings, SettingsError
 
@@ -395,7 +421,7 @@ def resolve_attention(name: str, device, settings=None) -> tuple[Backend, str]:
         raise SettingsError(f"unknown attention backend {name!r}; use one of: {', '.join(ATTENTION_BACKENDS)}")
     device = as_device(device)
     if name == "auto":
-        chosen, why = auto_choice(device)
+        chosen, why = auto_choice(device, dtype, head_dim)
         backend, _ = resolve_attention(chosen, device, settings)
         backend.auto_reason = why
         return backend, chosen
@@ -406,15 +432,20 @@ def resolve_attention(name: str, device, settings=None) -> tuple[Backend, str]:
         if not torch.backends.cudnn.is_available():
             raise KernelUnavailable("cudnn_sdpa needs cuDNN, which this PyTorch build does not load; install a CUDA "
                                     "build of torch (it bundles nvidia-cudnn)")
-        return FunctionBackend("cudnn_sdpa", cudnn_sdpa, True), name
+        backend = FunctionBackend("cudnn_sdpa", cudnn_sdpa, True)
+        _check_dtype(backend, name, device, dtype, head_dim)
+        return backend, name
     if name in ("fa3", "fa3_fp8"):
         require_cuda(name, device, exactly=HOPPER, why="FlashAttention-3 kernels are built for Hopper only")
         module = fa3_module()
         if name == "fa3":
-            return FA3Backend(module), name
-        from ._triton import triton
+            backend = FA3Backend(module)
+        else:
+            from ._triton import triton
 
-        return FA3FP8Backend(module, use_triton=triton is not None), name
+            backend = FA3FP8Backend(module, use_triton=triton is not None)
+        _check_dtype(backend, name, device, dtype, head_dim)
+        return backend, name
     if name in ("sage2", "sage2-quality"):
         return _resolve_sage(name, device), name
     if name == "ck_int8":
@@ -422,5 +453,6 @@ def resolve_attention(name: str, device, settings=None) -> tuple[Backend, str]:
     if name == "sol_attn":
         return _resolve_sol(device, settings), name
     # kj_head_sliced
-    inner, inner_name = resolve_attention(settings.head_slice_backend, device, settings)
+    inner, inner_name = resolve_attention(settings.head_slice_backend, device, settings, dtype=dtype,
+                                          head_dim=head_dim)
     return HeadSlicedBackend(inner, settings.head_slice_size), f"kj_head_sliced({inner_name})"

@@ -31,6 +31,12 @@ def model_device(model: nn.Module) -> torch.device:
     return model.transformer_blocks[0].attn.to_out[0].weight.device
 
 
+def model_heads(model: nn.Module) -> dict:
+    """The dtype and size of a loaded H3DiT's attention heads, as `resolve_attention` takes them."""
+    return {"dtype": model.transformer_blocks[0].attn.to_out[0].weight.dtype,
+            "head_dim": model.config.attention_head_dim}
+
+
 def _triton_ready(device) -> bool:
     try:
         require_triton("probe", device)
@@ -178,13 +184,14 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     device = as_device(model_device(model))
     report: dict = {"device": describe_device(device), "settings": settings.to_dict()}
 
-    backend, chosen = resolve_attention(settings.attention, device, settings)
+    heads = model_heads(model)
+    backend, chosen = resolve_attention(settings.attention, device, settings, **heads)
     inner = getattr(backend, "inner", backend)
     linear_fmt, linear_why = resolve_linear(settings, device, checkpoint_format)
     qk_hook, qk_report = resolve_qk_prep(settings, inner.name, device)
     mod_cls, mod_report = resolve_modulation(settings, device, linear_fmt == "nvfp4")
 
-    weight_dtype = str(model.transformer_blocks[0].attn.to_out[0].weight.dtype)
+    weight_dtype = str(heads["dtype"])
     # Everything is resolved: only now change the model, so a failure above leaves it untouched.
     model.set_attention(backend)
     model.qk_prep = qk_hook

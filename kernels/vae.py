@@ -1,7 +1,8 @@
 """The video VAE decoder's kernels: its attention backend and the fused Q/K norm + RoPE and SwiGLU passes.
 
 The decoder only takes exact paths, so H3_ATTENTION (a DiT choice, often approximate) does not apply to it:
-it decodes with the fastest exact backend that has kernels for its dtype, and the report says which. The
+it decodes with `auto`'s choice for its dtype (the fastest exact backend with kernels for fp16 or fp32 heads
+of its size), and the report says which. The
 fused passes follow the DiT's switches (H3_Q_RMS_ROPE_INT8_FUSION for Q/K, H3_MODULATION_FUSION for SwiGLU).
 """
 
@@ -33,20 +34,6 @@ def _fusion_on(mode: str, what: str, device) -> bool:
         return False
 
 
-def resolve_decoder_attention(device, dtype: torch.dtype, head_dim: int, settings: KernelSettings):
-    """(backend, name, why): `auto`'s exact choice when it has a kernel for the decoder's dtype and head size,
-    else PyTorch SDPA, which has kernels for every dtype (the fa3-fwd wheel has no fp16 kernels, and the
-    decoder decodes in fp16 or fp32; cuDNN attention measured the same as SDPA on the decoder's shapes)."""
-    backend, chosen = resolve_attention("auto", device, settings)
-    why = backend.auto_reason
-    runs_here = dtype in (torch.float16, torch.bfloat16) and (chosen != "fa3" or backend.supports(dtype, head_dim,
-                                                                                                  device))
-    if chosen != "sdpa" and not runs_here:
-        backend, chosen = resolve_attention("sdpa", device, settings)
-        why = f"{why.split(':')[0]} has no {dtype} kernel for head size {head_dim}; PyTorch SDPA"
-    return backend, chosen, why
-
-
 def apply_vae_kernels(vae, settings: KernelSettings | None = None, attention: str | None = None) -> dict:
     """Set the decoder's attention backend and fused passes; return what runs and why.
 
@@ -61,10 +48,11 @@ def apply_vae_kernels(vae, settings: KernelSettings | None = None, attention: st
         if attention not in EXACT_BACKENDS:
             raise KernelUnavailable(f"the VAE decoder takes exact attention only ({', '.join(EXACT_BACKENDS)}), "
                                     f"not {attention!r}")
-        backend, chosen = resolve_attention(attention, device, settings)
+        backend, chosen = resolve_attention(attention, device, settings, dtype=dtype, head_dim=head_dim)
         why = "requested"
     else:
-        backend, chosen, why = resolve_decoder_attention(device, dtype, head_dim, settings)
+        backend, chosen = resolve_attention("auto", device, settings, dtype=dtype, head_dim=head_dim)
+        why = backend.auto_reason
     qk = _fusion_on(settings.q_rms_rope_int8_fusion, "the decoder's fused Q/K norm + RoPE", device)
     act = _fusion_on(settings.modulation_fusion, "the decoder's fused SwiGLU", device)
     from .swiglu import fused_swiglu

@@ -320,7 +320,7 @@ def _restore(params: dict, state: dict) -> None:
 def _prepare_kernels(dit, opts: dict, device) -> dict:
     """Linears once per loaded DiT (they are converted in place), attention and Q/K preparation per run."""
     from ..kernels.attention import resolve_attention
-    from ..kernels.dispatch import apply_kernels, resolve_qk_prep
+    from ..kernels.dispatch import apply_kernels, model_heads, resolve_qk_prep
     from ..kernels.settings import KernelSettings
 
     settings = KernelSettings.from_env().replace(attention=opts["attention"], linear=opts["linear"])
@@ -329,7 +329,7 @@ def _prepare_kernels(dit, opts: dict, device) -> dict:
         report = apply_kernels(dit, settings, checkpoint_format=opts["checkpoint_format"])
         dit.__dict__["_h3_spark_kernels"] = state = {"attention": opts["attention"], "report": report}
     elif state["attention"] != opts["attention"]:
-        backend, chosen = resolve_attention(settings.attention, device, settings)
+        backend, chosen = resolve_attention(settings.attention, device, settings, **model_heads(dit))
         qk_prep, qk_report = resolve_qk_prep(settings, getattr(backend, "inner", backend).name, device)
         dit.set_attention(backend)
         dit.qk_prep = qk_prep

@@ -302,7 +302,7 @@ class AttentionSwitch:
 
     def __enter__(self) -> dict:
         from ..kernels.attention import resolve_attention
-        from ..kernels.dispatch import resolve_qk_prep
+        from ..kernels.dispatch import model_heads, resolve_qk_prep
 
         dit = unwrap(getattr(self.models.components, self.key))
         base = self.models.kernel_reports[self.key]
@@ -310,7 +310,7 @@ class AttentionSwitch:
             self.report = {"attention": base["attention"], "qk_prep": base["qk_prep"]}
             return self.report
         s = self.models.settings
-        backend, chosen = resolve_attention(self.name, self.models.spec_device, s)
+        backend, chosen = resolve_attention(self.name, self.models.spec_device, s, **model_heads(dit))
         qk_prep, qk_report = resolve_qk_prep(s, getattr(backend, "inner", backend).name, self.models.spec_device)
         dit.set_attention(backend)
         dit.qk_prep = qk_prep

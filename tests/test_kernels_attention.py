@@ -127,6 +127,50 @@ def test_hopper_auto_prefers_fa3_then_cudnn(hopper):
     assert "fastest exact kernel measured" in fn.describe()["chosen_by_auto"]
 
 
+def fake_fa3(dtypes, calls):
+    fake = types.ModuleType("fa3_fwd_interface")
+
+    def flash_attn_func(q, k, v, causal=False):
+        calls.append(q.dtype)
+        if q.dtype not in dtypes:  # the message the fa3-fwd wheel gives for fp16 on the H200
+            raise RuntimeError("run_mha_fwd_constexpr: This flash attention build does not support FP16.")
+        return q
+
+    fake.flash_attn_func = flash_attn_func
+    return fake
+
+
+def test_hopper_auto_follows_the_model_dtype(hopper):
+    hopper.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    calls = []
+    hopper.setitem(sys.modules, "fa3_fwd_interface", fake_fa3({torch.bfloat16}, calls))
+    assert resolve_attention("auto", "cpu", dtype=torch.bfloat16, head_dim=64)[1] == "fa3"
+    fn, name = resolve_attention("auto", "cpu", dtype=torch.float16, head_dim=64)
+    assert name == "cudnn_sdpa"
+    assert "this FlashAttention-3 build has no torch.float16 kernel for head size 64" in fn.describe()["chosen_by_auto"]
+    fn, name = resolve_attention("auto", "cpu", dtype=torch.float32)
+    assert name == "sdpa" and "torch.float32 heads: PyTorch SDPA" in fn.describe()["chosen_by_auto"]
+    assert calls == [torch.bfloat16, torch.float16]  # one probe call each; float32 needs none
+
+
+def test_hopper_requested_backend_that_cannot_run_the_model_fails_at_set_up(hopper):
+    hopper.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    hopper.setitem(sys.modules, "fa3_fwd_interface", fake_fa3({torch.bfloat16}, []))
+    with pytest.raises(KernelUnavailable, match="fa3 takes bf16/fp16 heads and this model computes in torch.float32"):
+        resolve_attention("fa3", "cpu", dtype=torch.float32)
+    with pytest.raises(KernelUnavailable, match="cudnn_sdpa takes bf16/fp16 heads .* torch.float32"):
+        resolve_attention("cudnn_sdpa", "cpu", dtype=torch.float32)
+    with pytest.raises(KernelUnavailable, match="fa3_fp8 runs bf16 models; this one computes in torch.float16"):
+        resolve_attention("fa3_fp8", "cpu", dtype=torch.float16)
+    with pytest.raises(KernelUnavailable, match=r"this FlashAttention-3 build \(fa3_fwd_interface\) has no "
+                                                r"torch.float16 kernel for head size 128; choose cudnn_sdpa"):
+        resolve_attention("fa3", "cpu", dtype=torch.float16)
+    fn, _ = resolve_attention("fa3", "cpu")  # without a dtype: as before, the call itself reports it
+    with pytest.raises(KernelUnavailable, match="cannot run torch.float16 heads of size 64"):
+        fn(*(torch.randn(1, 8, 1, 64).half(),) * 3)
+    assert resolve_attention("fa3", "cpu", dtype=torch.bfloat16)[1] == "fa3"
+
+
 def test_hopper_sage_missing_and_too_old(hopper):
     with pytest.raises(KernelUnavailable, match=r"sage2 needs the Python module `sageattention`.*SageAttention 2 is "
                                                 r"not on PyPI \(the latest there is 1.0.6"):

@@ -106,3 +106,23 @@ def test_fa3_fp8_needs_per_head_scales(setup, monkeypatch):
     assert report["approximate_paths"] == ["attention", "qk_prep", "linear"] and not report["exact"]
     assert report["linear"]["sources"] == {"bf16 weight quantized per output channel": 6 * EQUAL_WIDTH.num_layers}
     assert type(sixteen.transformer_blocks[0].ff.net[2]).__name__ == "Fp8Linear"
+
+
+def test_auto_attention_follows_the_model_dtype_and_fa3_fails_at_set_up(setup, monkeypatch):
+    # A float32 model on a Hopper GPU with FlashAttention-3: auto must not pick a half-precision kernel (it
+    # did, and the first forward failed), and an explicit fa3 fails before the model is changed.
+    import h3_spark.kernels.attention as att
+
+    ref, _ = setup
+    for module in (cap, dispatch, att):
+        monkeypatch.setattr(module, "capability", lambda device: (9, 0))
+        monkeypatch.setattr(module, "describe_device", lambda device: "NVIDIA H200 (sm_90)")
+    monkeypatch.setitem(sys.modules, "fa3_fwd_interface", type(sys)("fa3_fwd_interface"))
+    sys.modules["fa3_fwd_interface"].flash_attn_func = lambda q, k, v, causal=False: q
+    fp32 = ours_from(ref, TINY, dtype=torch.float32)
+    report = apply_kernels(fp32, KernelSettings(modulation_fusion="off", q_rms_rope_int8_fusion="off"))
+    assert report["attention"]["chosen"] == "sdpa"
+    assert "torch.float32 heads: PyTorch SDPA" in report["attention"]["chosen_by_auto"]
+    with pytest.raises(KernelUnavailable, match="fa3 takes bf16/fp16 heads and this model computes in torch.float32"):
+        apply_kernels(ours_from(ref, TINY, dtype=torch.float32), KernelSettings(attention="fa3"))
+    assert apply_kernels(model_bf16(ref), KernelSettings(q_rms_rope_int8_fusion="off"))["attention"]["chosen"] == "fa3"

@@ -57,6 +57,7 @@ def test_attention_choice_and_report():
     vae = synthetic_video_vae(video_vae.TINY, "cpu", torch.float32, seed=4)
     report = apply_vae_kernels(vae, KernelSettings(attention="sage2"))  # a DiT choice: not the decoder's
     assert report["attention"]["chosen"] == "sdpa" and "PyTorch SDPA" in report["attention"]["why"]
+    # (which backend auto picks for the decoder's fp16/fp32 heads on a GPU: test_kernels_attention.py)
     assert report["exact"] is True
     report = apply_vae_kernels(vae, attention="sdpa")
     assert report["attention"] == {"chosen": "sdpa", "why": "requested"}
@@ -70,46 +71,3 @@ def test_approximate_or_unavailable_decoder_attention_fails_closed():
     with pytest.raises(KernelUnavailable, match="fa3"):
         apply_vae_kernels(vae, attention="fa3")
     assert vae.attention is before
-
-
-class _FakeFA3:
-    __name__ = "fake_fa3"
-
-    def __init__(self, dtypes):
-        self.dtypes, self.calls = dtypes, 0
-
-    def flash_attn_func(self, q, k, v, causal=False):
-        self.calls += 1
-        if q.dtype not in self.dtypes:
-            raise RuntimeError("run_mha_fwd: This flash attention build does not support FP16.")
-        return q
-
-
-def test_fa3_without_fp16_kernels_is_skipped_for_an_fp16_decoder(monkeypatch):
-    from h3_spark.kernels import attention as attention_mod
-    from h3_spark.kernels import vae as vae_mod
-
-    fake = _FakeFA3({torch.bfloat16})
-    backend = attention_mod.FA3Backend(fake)
-    backend.auto_reason = "Hopper GPU with FlashAttention-3"
-    sdpa_backend = attention_mod.FunctionBackend("sdpa", attention_mod.sdpa, True)
-
-    def fake_resolve(name, device, settings=None):
-        if name == "auto":
-            return backend, "fa3"
-        assert name == "sdpa"
-        return sdpa_backend, name
-
-    monkeypatch.setattr(vae_mod, "resolve_attention", fake_resolve)
-    got, name, why = vae_mod.resolve_decoder_attention("cpu", torch.float16, 64, KernelSettings())
-    assert (got, name) == (sdpa_backend, "sdpa")
-    assert why == "Hopper GPU with FlashAttention-3 has no torch.float16 kernel for head size 64; PyTorch SDPA"
-    got, name, why = vae_mod.resolve_decoder_attention("cpu", torch.float32, 64, KernelSettings())
-    assert name == "sdpa" and "no torch.float32 kernel" in why  # an fp32 decode: no half-precision kernel
-    got, name, _ = vae_mod.resolve_decoder_attention("cpu", torch.bfloat16, 64, KernelSettings())
-    assert (got, name) == (backend, "fa3")
-    calls = fake.calls
-    vae_mod.resolve_decoder_attention("cpu", torch.float16, 64, KernelSettings())
-    assert fake.calls == calls  # probed once per dtype and head size
-    with pytest.raises(KernelUnavailable, match="cannot run torch.float16 heads of size 64"):
-        backend(*(torch.randn(1, 8, 1, 64).half(),) * 3)
