@@ -42,9 +42,11 @@ def round_code(dtype: torch.dtype) -> int:
 # one step; the bit-twiddling versions cost ~5 integer operations per value, which made our elementwise
 # kernels ALU-bound (docs/perf-notes.md, third session). Triton's CPU interpreter truncates fp32 -> bf16
 # casts and cannot run PTX, so under it (the CPU tests) the bit versions stand in; they give the same values.
+# ROCm builds of Triton take no PTX either: they get the bit versions too.
 INTERPRETED = triton is not None and triton_interpreting()
+PTX = triton is not None and not INTERPRETED and torch.version.hip is None
 
-if triton is not None and not INTERPRETED:
+if PTX:
 
     @triton.jit
     def round_bf16(v):
