@@ -9,7 +9,6 @@ does when both ranks stopped at the same block; then SIGTERM must end the servic
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +19,11 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from ports import free_port  # noqa: E402
+
 PROMPT = "A cat plays the piano."
 JOB = {"prompt": PROMPT, "width": 64, "height": 64, "frames": 124, "steps": 3, "seed": 1}
 ENV = {"H3_MODULATION_FUSION": "off", "H3_Q_RMS_ROPE_INT8_FUSION": "off", "OMP_NUM_THREADS": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -135,7 +130,7 @@ def test_lockstep_agreement_and_collective_cancel():
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_lockstep_worker, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
@@ -169,7 +164,7 @@ def test_serve_gpus_2_runs_cancels_and_shuts_down(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, **ENV}
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "h3_spark.cli", "serve", "--gpus", "2", "--device", "cpu", "--models", str(models),
            "--text-encoder-layer", "2", "--output-dir", str(out), "--port", str(port), "--log-level", "warning"]
