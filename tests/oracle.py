@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import types
 
 import torch
@@ -72,3 +73,22 @@ def text_tags(n: int, vision: tuple[int, int] | None = None) -> torch.Tensor:
     if vision:
         tags[vision[0]:vision[1]] = 0
     return tags
+
+
+def randomize_vae_(model: torch.nn.Module, seed: int) -> None:
+    """Every VAE parameter random and non-zero, including what diffusers zero-inits (residual scales, q/v
+    biases): positive weight-norm gains and Snake frequencies, N(0, 1) register tokens, unit-gain weights."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith("weight_g") or (name.endswith(".alpha") and param.ndim == 3):
+                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
+            elif name.endswith("register_tokens"):
+                param.copy_(noise)
+            elif param.ndim >= 2:
+                param.copy_(noise / math.sqrt(param[0].numel()))
+            elif "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(0.3 * noise)

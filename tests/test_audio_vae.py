@@ -7,7 +7,6 @@ weight-norm fold uses the same fused op the oracle evaluates on each forward).
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 import pytest
@@ -18,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from h3_spark.h3_model import audio_vae, vae_loading
 from h3_spark.h3_model.errors import CheckpointError, InputError
+from oracle import randomize_vae_
 
 FP32_BUDGET = 1e-5
 
@@ -27,23 +27,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*weight_norm.*is deprecated:Fut
 
 def rel_l2(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter random: positive weight-norm gains and Snake frequencies, log-space SnakeBeta,
-    and the q/v biases that diffusers zero-inits."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("weight_g") or (name.endswith(".alpha") and param.ndim == 3):
-                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
-            elif param.ndim >= 2:
-                param.copy_(noise / math.sqrt(param[0].numel()))
-            elif "norm" in name:
-                param.copy_(1.0 + 0.1 * noise)
-            else:
-                param.copy_(0.3 * noise)
 
 
 def stats(channels: int, seed: int) -> dict[str, list[float]]:
@@ -63,7 +46,7 @@ def diffusers_kwargs(cfg: audio_vae.AudioVAEConfig) -> dict:
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("audio")
     ref = AutoencoderKLMiniMaxH3Audio(**diffusers_kwargs(TINY)).eval()
-    randomize_(ref, 20)
+    randomize_vae_(ref, 20)
     ref.save_pretrained(folder / "audio_vae")
     return ref, vae_loading.load_audio_vae(folder), folder
 

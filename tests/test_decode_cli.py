@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 
 import pytest
@@ -21,28 +20,12 @@ from h3_spark import cli
 from h3_spark.cli import decode
 from h3_spark.h3_model import audio_vae, media, video_vae
 from h3_spark.h3_model.errors import InputError
+from oracle import randomize_vae_
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*weight_norm.*is deprecated:FutureWarning")
 
 IMAGENET_MEAN = torch.tensor((0.485, 0.456, 0.406)).view(1, 3, 1, 1, 1)
 IMAGENET_STD = torch.tensor((0.229, 0.224, 0.225)).view(1, 3, 1, 1, 1)
-
-
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("weight_g") or (name.endswith(".alpha") and param.ndim == 3):
-                param.copy_(0.5 + torch.rand(param.shape, generator=gen))
-            elif name.endswith("register_tokens"):
-                param.copy_(noise)
-            elif param.ndim >= 2:
-                param.copy_(noise / math.sqrt(param[0].numel()))
-            elif "norm" in name:
-                param.copy_(1.0 + 0.1 * noise)
-            else:
-                param.copy_(0.3 * noise)
 
 
 def kwargs_with_stats(cfg, seed: int) -> dict:
@@ -59,8 +42,8 @@ def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     vae = AutoencoderKLMiniMaxH3(**kwargs_with_stats(video_vae.TINY, 1)).eval()
     avae = AutoencoderKLMiniMaxH3Audio(**kwargs_with_stats(audio_vae.TINY, 2)).eval()
-    randomize_(vae, 3)
-    randomize_(avae, 4)
+    randomize_vae_(vae, 3)
+    randomize_vae_(avae, 4)
     vae.save_pretrained(root / "vae")
     avae.save_pretrained(root / "audio_vae")
     gen = torch.Generator().manual_seed(5)

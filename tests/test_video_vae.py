@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 
 import pytest
@@ -19,6 +18,7 @@ from safetensors.torch import save_file
 
 from h3_spark.h3_model import vae_loading, video_vae
 from h3_spark.h3_model.errors import CheckpointError, InputError
+from oracle import randomize_vae_
 
 FP32_BUDGET = 1e-5
 FP16_BUDGET = 5e-3  # fp16 decoder linears vs the fp32 oracle
@@ -28,22 +28,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 def rel_l2(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter random and non-zero, including the residual scales diffusers zero-inits."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("register_tokens"):
-                param.copy_(noise)
-            elif param.ndim >= 2:
-                param.copy_(noise / math.sqrt(param[0].numel()))
-            elif "norm" in name:
-                param.copy_(1.0 + 0.1 * noise)
-            else:
-                param.copy_(0.3 * noise)
 
 
 def with_stats(cfg: video_vae.VideoVAEConfig, seed: int) -> video_vae.VideoVAEConfig:
@@ -66,7 +50,7 @@ TINY16 = with_stats(dataclasses.replace(
 
 def build_oracle(cfg: video_vae.VideoVAEConfig, folder, seed: int):
     ref = AutoencoderKLMiniMaxH3(**diffusers_kwargs(cfg)).eval()
-    randomize_(ref, seed)
+    randomize_vae_(ref, seed)
     ref.save_pretrained(folder / "vae")
     ours = vae_loading.load_video_vae(folder, decode_dtype=torch.float32)
     return ref, ours
