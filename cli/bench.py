@@ -157,7 +157,9 @@ def run(args) -> int:
                         spatial=comps.vae.config.spatial_ratio if comps is not None else 16, profile=args.profile)
     if comps is not None:
         from ..kernels.vae import apply_vae_kernels
+        from .vae_options import vae_tile_batch
 
+        comps.vae.tile_batch = vae_tile_batch()
         result["vae_kernels"] = apply_vae_kernels(comps.vae, settings)
         result["generation"] = runner.bench_generation(comps, contract, device, cache_modes)
         if args.synthetic:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .vae_options import DEFAULT_TILE_SIZE, DTYPES, vae_options
+from .vae_options import DEFAULT_TILE_SIZE, DTYPES, vae_options, vae_tile_batch
 
 LOGLEVELS = ("quiet", "panic", "fatal", "error", "warning", "info", "verbose", "debug", "trace")
 DEFAULT_DTYPE = "float16"
@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from ..kernels.vae import apply_vae_kernels
 
     settings = resolve_settings(args)
+    tile_batch = vae_tile_batch()
     latents = read_latents(args.latents)
     if latents["audio"] is not None and not args.audio_vae:
         raise InputError(f"{args.latents} has audio_latents; pass --audio-vae to decode them")
@@ -123,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     vae = vae_loading.load_video_vae(args.vae, device=settings.device,
                                      decode_dtype=video_vae.DECODE_DTYPES[settings.vae_dtype])
     seconds["load_vae"] = time.perf_counter() - clock
+    vae.tile_batch = tile_batch
     kernels = apply_vae_kernels(vae, KernelSettings.from_env())
     video = latents["video"]
     if video.shape[1] != vae.config.latent_channels:

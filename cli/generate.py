@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from .vae_options import vae_options
+from .vae_options import vae_options, vae_tile_batch
 
 REF_KINDS = ("image", "video", "audio")
 
@@ -147,6 +147,7 @@ def run(args) -> int:
     dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     vae_dtype, tile = vae_options(args.vae_dtype, args.vae_tile_size,
                                   "float16" if device.startswith("cuda") else "float32")
+    tile_batch = vae_tile_batch()
     if not args.prompt:
         raise InputError("--prompt is required")
     if args.out.suffix.lower() != ".mp4":
@@ -186,7 +187,10 @@ def run(args) -> int:
                 from ..h3_model.parallel import SequenceParallelDiT
 
                 setattr(comps, key, SequenceParallelDiT(getattr(comps, key)))
-    vae_kernels = apply_vae_kernels(comps.vae, settings) if comps.vae is not None else None
+    vae_kernels = None
+    if comps.vae is not None:
+        comps.vae.tile_batch = tile_batch
+        vae_kernels = apply_vae_kernels(comps.vae, settings)
     group = None
     if world > 1:
         import torch.distributed as dist

@@ -65,7 +65,7 @@ DIFFUSERS_CLASS_NAME = "AutoencoderKLMiniMaxH3"
 DEFAULT_TILE_SIZE = 256
 DEFAULT_TILE_MIN_OVERLAP = 64
 # Spatial tiles decoded per decoder call (all tiles of a window have one size, so they stack along the
-# batch). One tile alone leaves an H200 mostly idle; H3_VAE_TILE_BATCH overrides.
+# batch). One tile alone leaves an H200 mostly idle; front doors take H3_VAE_TILE_BATCH.
 DEFAULT_TILE_BATCH = 16
 DECODE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 _PAD_MODES = ("reflect", "replicate", "circular", "constant")
@@ -627,20 +627,8 @@ def stitch_tiles(tile_fn: Callable[[int, int], torch.Tensor], ys: TileAxis, xs: 
     return out
 
 
-def resolve_tile_batch(tile_batch: int | None) -> int:
-    """The tiles per decoder call: the argument, else H3_VAE_TILE_BATCH, else DEFAULT_TILE_BATCH."""
-    import os
-
-    source = "tile_batch"
-    if tile_batch is None:
-        raw = os.environ.get("H3_VAE_TILE_BATCH", "")
-        if raw == "":
-            return DEFAULT_TILE_BATCH
-        source = "H3_VAE_TILE_BATCH"
-        try:
-            tile_batch = int(raw)
-        except ValueError:
-            raise InputError(f"H3_VAE_TILE_BATCH={raw!r}: expected a whole number of tiles (>= 1)") from None
+def check_tile_batch(tile_batch: int, source: str = "tile_batch") -> int:
+    """A tiles-per-decoder-call count, validated."""
     if isinstance(tile_batch, bool) or not isinstance(tile_batch, int) or tile_batch < 1:
         raise InputError(f"{source} must be a whole number of tiles >= 1, got {tile_batch!r}")
     return tile_batch
@@ -727,6 +715,8 @@ class VideoVAE(nn.Module):
         self.post_quant_conv = nn.Conv3d(config.latent_channels, config.latent_channels, 1)
         self.decoder = Decoder(config)
         self.attention: AttentionFn = sdpa
+        # Tiles per decoder call when a decode does not say; front doors set it (H3_VAE_TILE_BATCH).
+        self.tile_batch = DEFAULT_TILE_BATCH
 
     @property
     def decode_dtype(self) -> torch.dtype:
@@ -874,7 +864,7 @@ class VideoVAE(nn.Module):
         in the same order everywhere."""
         self._check_latents(z)
         check_tiling(tile_size, tile_min_overlap, self.config.spatial_ratio)
-        tile_batch = resolve_tile_batch(tile_batch)
+        tile_batch = self.tile_batch if tile_batch is None else check_tile_batch(tile_batch)
         cfg = self.config
         plan = temporal_plan(cfg, z.shape[2])
         z = z.to(device=self.device, dtype=torch.float32)

@@ -20,6 +20,7 @@ import torch
 from ..h3_model.components import ComponentPaths
 from ..h3_model.errors import H3Error, InputError
 from ..h3_model.pipeline import Components
+from ..h3_model.video_vae import DEFAULT_TILE_BATCH
 from ..kernels.settings import KernelSettings
 
 COMPONENT_ORDER = ("dit", "dit_ref", "text_encoder", "vae", "audio_vae")
@@ -35,6 +36,7 @@ class ModelSpec:
     text_layer: int = 50
     qkv_layout: str = "stacked"
     kernels: KernelSettings = field(default_factory=KernelSettings)
+    vae_tile_batch: int = DEFAULT_TILE_BATCH  # tiles per video VAE decoder call (H3_VAE_TILE_BATCH)
 
 
 class LoadTracker:
@@ -190,6 +192,7 @@ def load_models(spec: ModelSpec, tracker: LoadTracker,
                 reports[name] = apply_kernels(model, spec.kernels, checkpoint_format=formats.get(name, "bf16"))
                 defaults[name] = (model.attention, model.qk_prep)
             elif name == "vae":
+                model.tile_batch = spec.vae_tile_batch
                 reports[name] = apply_vae_kernels(model, spec.kernels)
         except H3Error as exc:
             tracker.fail(str(exc), name)

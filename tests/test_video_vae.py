@@ -16,6 +16,7 @@ from diffusers import AutoencoderKLMiniMaxH3
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from h3_spark.cli.vae_options import vae_tile_batch
 from h3_spark.h3_model import vae_loading, video_vae
 from h3_spark.h3_model.errors import CheckpointError, InputError
 from oracle import randomize_vae_
@@ -260,14 +261,18 @@ def test_tile_batch_comes_from_the_environment(tiny, monkeypatch):
     original = decoder.forward
     monkeypatch.setattr(decoder, "forward", lambda x, *a, **k: calls.append(x.shape[0]) or original(x, *a, **k))
     monkeypatch.setenv("H3_VAE_TILE_BATCH", "5")
-    ours.decode(z, tile_size=16, tile_min_overlap=8)
+    ours.tile_batch = vae_tile_batch()  # what every front door does with the variable
+    try:
+        ours.decode(z, tile_size=16, tile_min_overlap=8)
+    finally:
+        ours.tile_batch = video_vae.DEFAULT_TILE_BATCH
     r = ours.config.spatial_ratio
     tiles = len(video_vae.split_tiles(9 * r, 16, 8, r).starts) * len(video_vae.split_tiles(13 * r, 16, 8, r).starts)
     per_window = [5] * (tiles // 5) + ([tiles % 5] if tiles % 5 else [])
     assert tiles > 5 and calls == per_window * (len(calls) // len(per_window))
     monkeypatch.setenv("H3_VAE_TILE_BATCH", "many")
     with pytest.raises(InputError, match="H3_VAE_TILE_BATCH='many': expected a whole number of tiles"):
-        ours.decode(z, tile_size=16, tile_min_overlap=8)
+        vae_tile_batch()
     monkeypatch.delenv("H3_VAE_TILE_BATCH")
     with pytest.raises(InputError, match="tile_batch must be a whole number of tiles >= 1, got 0"):
         ours.decode(z, tile_size=16, tile_min_overlap=8, tile_batch=0)
