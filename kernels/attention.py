@@ -120,6 +120,10 @@ def fa3_module():
     raise KernelUnavailable(f"FlashAttention-3 is not installed ({'; '.join(errors)}); {FA3_HOW}")
 
 
+# (FA3 module, dtype, head size, device) -> whether that build has the kernel (FA3Backend.supports).
+_FA3_SUPPORT: dict[tuple, bool] = {}
+
+
 def _fa3_out(result):
     # Some FA3 builds return (out, softmax_lse); the forward-only wheel returns out.
     return result[0] if isinstance(result, tuple) else result
@@ -132,7 +136,6 @@ class FA3Backend(Backend):
     def __init__(self, module):
         self.module = module
         self.fn = module.flash_attn_func
-        self._probed: dict[tuple[torch.dtype, int], bool] = {}
 
     def __call__(self, q, k, v):
         if q.dtype not in (torch.bfloat16, torch.float16):
@@ -146,16 +149,17 @@ class FA3Backend(Backend):
                                     f"heads of size {q.shape[-1]}: {exc}") from exc
 
     def supports(self, dtype: torch.dtype, head_dim: int, device) -> bool:
-        """Whether this build has kernels for `dtype` and `head_dim` (wheels ship subsets), by one tiny call."""
-        key = (dtype, head_dim)
-        if key not in self._probed:
+        """Whether this build has kernels for `dtype` and `head_dim` (wheels ship subsets), by one tiny call
+        per build, dtype, head size and device for the life of the process."""
+        key = (self.module, dtype, head_dim, str(as_device(device)))
+        if key not in _FA3_SUPPORT:
             x = torch.randn(1, 128, 1, head_dim, device=device).to(dtype)
             try:
                 self(x, x, x)
-                self._probed[key] = True
+                _FA3_SUPPORT[key] = True
             except KernelUnavailable:
-                self._probed[key] = False
-        return self._probed[key]
+                _FA3_SUPPORT[key] = False
+        return _FA3_SUPPORT[key]
 
     def describe(self) -> dict:
         return {**super().describe(), "module": self.module.__name__}

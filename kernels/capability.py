@@ -104,6 +104,15 @@ def require_triton(what: str, device) -> ModuleType:
     return triton
 
 
+def triton_ready(device) -> bool:
+    """Whether Triton kernels can run on `device` (`require_triton` without the error)."""
+    try:
+        require_triton("probe", device)
+        return True
+    except KernelUnavailable:
+        return False
+
+
 def triton_interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, set by the tests)."""
     try:

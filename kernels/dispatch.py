@@ -19,7 +19,7 @@ from torch import nn
 from ..h3_model.dit import RowModulation
 from .attention import resolve_attention
 from .capability import (KernelUnavailable, as_device, capability, describe_device, is_blackwell, require_cuda,
-                         require_module, require_triton, triton_interpreting)
+                         require_module, require_triton, triton_interpreting, triton_ready)
 from .settings import KernelSettings, SettingsError
 
 # The four GEMMs of every block, as the six modules that hold them (q, k, v are one GEMM's three slices).
@@ -37,14 +37,6 @@ def model_heads(model: nn.Module) -> dict:
             "head_dim": model.config.attention_head_dim}
 
 
-def _triton_ready(device) -> bool:
-    try:
-        require_triton("probe", device)
-        return True
-    except KernelUnavailable:
-        return False
-
-
 # ------------------------------------------------------------------------------------------ Q/K preparation
 def resolve_qk_prep(settings: KernelSettings, backend_name: str, device):
     """(hook or None, report) for the Q/K preparation that goes with an attention backend."""
@@ -59,12 +51,12 @@ def resolve_qk_prep(settings: KernelSettings, backend_name: str, device):
                 if backend_name == "fa3_fp8" else "reference norm + RoPE")
         return None, {"impl": "pytorch-reference", "exact": True, "note": note}
     if backend_name == "fa3_fp8":
-        hook = FusedQKPrep("fp8", settings.qk_smooth_k, settings.qk_hadamard, "per_head", _triton_ready(device))
+        hook = FusedQKPrep("fp8", settings.qk_smooth_k, settings.qk_hadamard, "per_head", triton_ready(device))
     elif backend_name in ("sage2", "sage2-quality"):
         # Sage quantizes Q/K itself and smooths K itself; it does not rotate, so the rotation happens here.
-        hook = FusedQKPrep(None, False, settings.qk_hadamard, "per_head", _triton_ready(device))
+        hook = FusedQKPrep(None, False, settings.qk_hadamard, "per_head", triton_ready(device))
     else:
-        if not _triton_ready(device):
+        if not triton_ready(device):
             return None, {"impl": "pytorch-reference", "exact": True,
                           "note": f"auto: no Triton GPU kernel on {describe_device(device)}"}
         hook = FusedQKPrep(None, False, 0, "per_head", True)
@@ -79,7 +71,7 @@ def resolve_modulation(settings: KernelSettings, device, nvfp4_linears: bool):
     mode = settings.modulation_fusion
     if mode == "off":
         return RowModulation, {"impl": "pytorch-reference", "exact": True}
-    ready = _triton_ready(device)
+    ready = triton_ready(device)
     if mode == "exact" and not ready:
         require_triton("H3_MODULATION_FUSION=exact", device)  # raises with the reason
     if not ready:
@@ -207,7 +199,7 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     linear_report = {"format": linear_fmt, "why": linear_why, "exact": linear_fmt == "bf16",
                      "weight_dtype": weight_dtype}
     if linear_fmt != "bf16":
-        use_triton = _triton_ready(device)
+        use_triton = triton_ready(device)
         linear_report["sources"] = convert_linears(model, linear_fmt, weight_source, use_triton)
         linear_report["activation_quantizer"] = "triton" if use_triton else "pytorch-reference"
         if linear_fmt == "nvfp4" and settings.swiglu_nvfp4_fusion == "auto":

@@ -329,6 +329,8 @@ class FusedQKPrep:
             raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
         self.fmt, self.smooth_k, self.hadamard = fmt, smooth_k, hadamard
         self.granularity, self.use_triton = granularity, use_triton
+        # (cos, sin, dtype, tables rounded to dtype): the last RoPE pair handed to the kernel
+        self._rope_cache: tuple | None = None
 
     def __call__(self, attn, q: torch.Tensor, k: torch.Tensor, rope):
         fn = prepare_heads if self.use_triton else reference_prepare_heads
@@ -344,7 +346,7 @@ class FusedQKPrep:
         pair (the DiT reuses one pair for every block): half the bytes each call reads."""
         if rope is None or rope[0].dtype == dtype:
             return rope
-        cached = getattr(self, "_rope_cache", None)
+        cached = self._rope_cache
         if cached is None or cached[0] is not rope[0] or cached[1] is not rope[1] or cached[2] != dtype:
             cached = self._rope_cache = (rope[0], rope[1], dtype, (rope[0].to(dtype), rope[1].to(dtype)))
         return cached[3]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .attention import EXACT_BACKENDS, resolve_attention
-from .capability import KernelUnavailable, as_device, describe_device, require_triton
+from .capability import KernelUnavailable, as_device, describe_device, require_triton, triton_ready
 from .settings import KernelSettings
 
 
@@ -23,15 +23,10 @@ def fused_decoder_qk_prep(x: torch.Tensor, eps: float, cos: torch.Tensor, sin: t
 
 
 def _fusion_on(mode: str, what: str, device) -> bool:
-    if mode == "off":
-        return False
-    try:
+    """auto: where Triton runs; exact: there or an error; off: never (as the DiT's switches)."""
+    if mode == "exact":
         require_triton(what, device)
-        return True
-    except KernelUnavailable:
-        if mode == "exact":
-            raise
-        return False
+    return mode != "off" and triton_ready(device)
 
 
 def apply_vae_kernels(vae, settings: KernelSettings | None = None, attention: str | None = None) -> dict:

@@ -151,6 +151,8 @@ def test_hopper_auto_follows_the_model_dtype(hopper):
     fn, name = resolve_attention("auto", "cpu", dtype=torch.float32)
     assert name == "sdpa" and "torch.float32 heads: PyTorch SDPA" in fn.describe()["chosen_by_auto"]
     assert calls == [torch.bfloat16, torch.float16]  # one probe call each; float32 needs none
+    resolve_attention("auto", "cpu", dtype=torch.float16, head_dim=64)
+    assert calls == [torch.bfloat16, torch.float16]  # a later resolution asks no more
 
 
 def test_hopper_requested_backend_that_cannot_run_the_model_fails_at_set_up(hopper):
