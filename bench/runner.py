@@ -288,21 +288,32 @@ def _timed_render(pipe, req) -> tuple[object, dict, float]:
     return result, result.timings, time.perf_counter() - start
 
 
-def _capture(model, store: dict | None, errors: dict | None):
-    """Hooks on every block's attention, feed-forward and output: store them, or compare with stored ones."""
+def _capture(model, reference: dict, errors: dict | None):
+    """Hooks on every block's attention, feed-forward and output: without `errors`, store the outputs in
+    `reference`; with it, record each output's rel L2 against the stored one."""
     hooks = []
     for i, blk in enumerate(model.transformer_blocks):
         for part, module in (("attention", blk.attn), ("ffn", blk.ff), ("block", blk)):
             def hook(mod, args, out, i=i, part=part):
-                if store is not None:
-                    store[(i, part)] = out.detach().clone()
+                if errors is None:
+                    reference[(i, part)] = out.detach().clone()
                 else:
-                    errors.setdefault(i, {})[part] = rel_l2(out.float(), store_ref[(i, part)].float())
+                    errors.setdefault(i, {})[part] = rel_l2(out.float(), reference[(i, part)].float())
             hooks.append(module.register_forward_hook(hook))
     return hooks
 
 
-store_ref: dict = {}
+def _timed_and_captured(model, inputs: dict, contract: Contract, device: str, reference: dict,
+                        errors: dict | None) -> tuple[list[float], torch.Tensor]:
+    """Warm timings of the model's current path, then one forward under `_capture`: (times, flat output)."""
+    times = time_call(lambda: model(**inputs), device, contract["warmup"], contract["repeats"])
+    hooks = _capture(model, reference, errors)
+    try:
+        out = torch.cat([t.flatten().float() for t in model(**inputs)])
+    finally:
+        for h in hooks:
+            h.remove()
+    return times, out
 
 
 @torch.inference_mode()
@@ -316,24 +327,12 @@ def bench_vs_exact(model, fast_settings, inputs: dict, contract: Contract, devic
                                 q_rms_rope_int8_fusion="off")
     apply_kernels(model, exact)
     model.clear_modulation_cache()
-    exact_times = time_call(lambda: model(**inputs), device, contract["warmup"], contract["repeats"])
-    store_ref.clear()
-    hooks = _capture(model, store_ref, None)
-    try:
-        exact_out = torch.cat([t.flatten().float() for t in model(**inputs)])
-    finally:
-        for h in hooks:
-            h.remove()
-    report = apply_kernels(model, fast_settings)
-    fast_times = time_call(lambda: model(**inputs), device, contract["warmup"], contract["repeats"])
+    reference: dict = {}
     errors: dict = {}
-    hooks = _capture(model, None, errors)
-    try:
-        fast_out = torch.cat([t.flatten().float() for t in model(**inputs)])
-    finally:
-        for h in hooks:
-            h.remove()
-        store_ref.clear()
+    exact_times, exact_out = _timed_and_captured(model, inputs, contract, device, reference, None)
+    report = apply_kernels(model, fast_settings)
+    fast_times, fast_out = _timed_and_captured(model, inputs, contract, device, reference, errors)
+    reference.clear()
     final = rel_l2(fast_out, exact_out)
     worst_block = max(e["block"] for e in errors.values())
     approximate = report.get("approximate_paths", [])
