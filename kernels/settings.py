@@ -135,24 +135,22 @@ def _str(env: Mapping[str, str], name: str, default: str) -> str:
     return default if raw is None or raw.strip() == "" else raw.strip().lower()
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
+def _number(env: Mapping[str, str], name: str, default, kind, what: str):
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
     try:
-        return int(raw.strip())
+        return kind(raw.strip())
     except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not an integer") from None
+        raise SettingsError(f"{name}={raw!r} is not {what}") from None
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    return _number(env, name, default, int, "an integer")
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return float(raw.strip())
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not a number") from None
+    return _number(env, name, default, float, "a number")
 
 
 _TRUE = ("1", "true", "yes", "on")
