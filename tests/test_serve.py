@@ -9,6 +9,7 @@ load_models as a component override, with a processor stand-in that only marks t
 requests here are text-only t2va, whose token types are all text).
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -420,9 +421,33 @@ def test_too_large_bodies_are_refused_before_reading(serve):
 
 
 # ------------------------------------------------------------------ the command and a real server
-def test_serve_command_binds_loopback_by_default(model_dir, resident, tmp_path):
+@contextlib.contextmanager
+def _running(config):
+    """A uvicorn server in a thread until its /ready answers 200; stopped and joined on the way out."""
     import httpx
     import uvicorn
+
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.02)
+        with httpx.Client(base_url=f"http://{config.host}:{config.port}", timeout=10) as http:
+            deadline = time.monotonic() + 30
+            while http.get("/ready").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        yield server, thread
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_serve_command_binds_loopback_by_default(model_dir, resident, tmp_path):
+    import httpx
 
     from h3_spark.cli import build_parser
     from h3_spark.cli import serve as serve_cli
@@ -436,25 +461,11 @@ def test_serve_command_binds_loopback_by_default(model_dir, resident, tmp_path):
     config = serve_cli.server_config(args, create_app(service))
     config.log_level = "warning"
     assert config.host == "127.0.0.1"
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.02)
+    with _running(config) as (server, thread):
         bound = [sock.getsockname() for srv in server.servers for sock in srv.sockets]
         assert bound and all(addr[0] == "127.0.0.1" for addr in bound)
         with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=10) as http:
-            deadline = time.monotonic() + 30
-            while http.get("/ready").status_code != 200:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
             assert http.get("/ready").json()["modes"] == ["t2va", "fl2va"]
-    finally:
-        server.should_exit = True
-        thread.join(30)
     assert not thread.is_alive()
 
 
@@ -480,25 +491,9 @@ def test_eight_concurrent_clients_over_http_nothing_lost(resident, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.02)
-        import httpx
-
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
-            while http.get("/ready").status_code != 200:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+    with _running(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning")):
         report = load_test.run_load(f"http://127.0.0.1:{port}", {"prompt": "the cat", "steps": 2, **CANVAS},
                                     clients=8, requests=8, timeout=120)
-    finally:
-        server.should_exit = True
-        thread.join(30)
     assert report["submitted"] == 8 and report["errors"] == 0 and report["lost"] == 0
     assert report["accepted"] + report["rejected"] == 8
     assert report["done"] == report["accepted"] >= 5  # one running + four queued at least
