@@ -279,6 +279,67 @@ def modulation():
     return out
 
 
+@item("fused_producers")
+def fused_producers():
+    """One-pass row kernels against the passes they replace, S = --seq: the gated residual + RMSNorm +
+    modulate pair (exact path), and the same writing e4m3 rows for FP8 linears; SwiGLU writing e4m3 rows
+    against fused_swiglu + quantize_rows."""
+    from h3_spark.kernels.linear_fp8 import quantize_rows
+    from h3_spark.kernels.modulation import FusedRowModulation
+    from h3_spark.kernels.swiglu import fused_swiglu, swiglu_rows_fp8
+
+    d, s = ARGS.hidden, ARGS.seq
+    g = torch.Generator("cuda").manual_seed(7)
+    rows = torch.randint(0, 9, (s,), generator=g, device="cuda").sort().values
+    shift, scale, gate, *_ = torch.randn(9, 6 * d, generator=g, device="cuda").mul(0.3).bfloat16().chunk(6, dim=-1)
+    x = torch.randn(1, s, d, generator=g, device="cuda").mul(3).bfloat16()
+    y = torch.randn(1, s, d, generator=g, device="cuda").bfloat16()
+    norm = torch.nn.RMSNorm(d, eps=1e-5).to("cuda", torch.bfloat16)
+    mod = FusedRowModulation(rows, True)
+    out = {}
+    with torch.no_grad():
+        def pair():
+            r = mod.gated_add(x, gate, y)
+            return r, mod.norm_modulate(norm, r, shift, scale)
+
+        def pair_fp8():
+            r, h = pair()
+            return r, quantize_rows(h.view(-1, d))
+
+        r0, h0 = pair()
+        r1, h1 = mod.add_norm_modulate(x, gate, y, norm, shift, scale)
+        _, (q0, s0) = pair_fp8()
+        _, q1, s1 = mod.whole_rows(x, norm, shift, scale, gate=gate, y=y, quant=True)
+        out["add_norm_modulate"] = {
+            "residual_bit_identical": torch.equal(r0, r1), "rows_identical": (h0 == h1).float().mean().item(),
+            "two_passes_ms": bench(pair, ARGS.iters),
+            "one_pass_ms": bench(lambda: mod.add_norm_modulate(x, gate, y, norm, shift, scale), ARGS.iters),
+            "memory_floor_ms": 4 * x.numel() * 2 / 4.3e12 * 1e3}
+        out["add_norm_modulate_fp8"] = {
+            "codes_identical": (q0.view(torch.uint8) == q1.view(-1, d).view(torch.uint8)).float().mean().item(),
+            "scales_identical": torch.equal(s0, s1),
+            "three_passes_ms": bench(pair_fp8, ARGS.iters),
+            "one_pass_ms": bench(lambda: mod.whole_rows(x, norm, shift, scale, gate=gate, y=y, quant=True), ARGS.iters),
+            "memory_floor_ms": 3.5 * x.numel() * 2 / 4.3e12 * 1e3}
+        out["norm_modulate_fp8"] = {
+            "two_passes_ms": bench(lambda: quantize_rows(mod.norm_modulate(norm, x, shift, scale).view(-1, d)),
+                                   ARGS.iters),
+            "one_pass_ms": bench(lambda: mod.whole_rows(x, norm, shift, scale, quant=True), ARGS.iters),
+            "memory_floor_ms": 1.5 * x.numel() * 2 / 4.3e12 * 1e3}
+        up = torch.randn(s, 2 * 14336, generator=g, device="cuda").mul(2).bfloat16()
+        qa, sa = quantize_rows(fused_swiglu(up))
+        qb, sb = swiglu_rows_fp8(up)
+        out["swiglu_fp8"] = {
+            "codes_identical": (qa.view(torch.uint8) == qb.view(torch.uint8)).float().mean().item(),
+            "scales_identical": torch.equal(sa, sb),
+            "two_passes_ms": bench(lambda: quantize_rows(fused_swiglu(up)), ARGS.iters),
+            "one_pass_ms": bench(lambda: swiglu_rows_fp8(up), ARGS.iters),
+            "memory_floor_ms": (up.numel() * 2 + up.numel() // 2) / 4.3e12 * 1e3}
+    for r in out.values():
+        r["one_pass_vs_floor"] = r["one_pass_ms"] / r["memory_floor_ms"]
+    return out
+
+
 @item("launch_shapes")
 def launch_shapes():
     """The fused passes' launch shapes side by side: modulation (columns per step, warps; a step as wide as

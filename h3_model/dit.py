@@ -184,6 +184,12 @@ class RowModulation:
             out[:, s:e] = x[:, s:e] * (1.0 + scale[r]) + shift[r]
         return out
 
+    def add_norm_modulate(self, residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, norm: nn.RMSNorm,
+                          shift: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + gate * y, norm_modulate of that sum); a fused kernel reads the new residual only once."""
+        x = self.gated_add(residual, gate, y)
+        return x, self.norm_modulate(norm, x, shift, scale)
+
     def gated_add(self, residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.segs is None:
             return residual + gate.index_select(0, self.rows) * y
@@ -234,8 +240,7 @@ class Block(nn.Module):
                 qk_prep: QKPrep | None = None) -> torch.Tensor:
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = table.chunk(ADALN_VECTORS, dim=-1)
         h = mod.norm_modulate(self.norm1, x, shift_a, scale_a)
-        x = mod.gated_add(x, gate_a, self.attn(h, rope, attention, qk_prep))
-        h = mod.norm_modulate(self.norm2, x, shift_m, scale_m)
+        x, h = mod.add_norm_modulate(x, gate_a, self.attn(h, rope, attention, qk_prep), self.norm2, shift_m, scale_m)
         return mod.gated_add(x, gate_m, self.ff(h, mlp_chunks))
 
 

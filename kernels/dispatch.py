@@ -182,6 +182,7 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     linear_fmt, linear_why = resolve_linear(settings, device, checkpoint_format)
     qk_hook, qk_report = resolve_qk_prep(settings, inner.name, device)
     mod_cls, mod_report = resolve_modulation(settings, device, linear_fmt == "nvfp4")
+    from .modulation import FusedRowModulation
 
     weight_dtype = str(heads["dtype"])
     # Everything is resolved: only now change the model, so a failure above leaves it untouched.
@@ -208,6 +209,16 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
             for blk in model.transformer_blocks:
                 blk.ff = Nvfp4SwiGLU.wrap(blk.ff)
             linear_report["swiglu_nvfp4_fusion"] = True
+        if linear_fmt == "fp8" and mod_cls is FusedRowModulation:
+            # Same values as letting each Fp8Linear quantize its input, in fewer passes: the modulation
+            # and SwiGLU kernels write e4m3 rows, and q, k and v share one quantized input.
+            from .linear_fp8 import Fp8RowModulation, Fp8SwiGLU
+
+            model.modulation_cls = Fp8RowModulation
+            for blk in model.transformer_blocks:
+                blk.ff = Fp8SwiGLU.wrap(blk.ff)
+            linear_report["activation_quantizer"] = ("triton, fused into RMSNorm + modulation and SwiGLU "
+                                                     "(one quantized input for q, k and v)")
     report["attention"] = {"requested": settings.attention, "chosen": chosen, **backend.describe()}
     report["qk_prep"] = qk_report
     report["modulation"] = mod_report

@@ -8,15 +8,48 @@ an NVFP4 checkpoint dequantized exactly first), and every activation row is roun
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from ..h3_model.dit import RowModulation, SwiGLU
 from ._triton import require_kernels, round_e4m3, tl, triton  # noqa: F401  (round_e4m3: used in the kernel)
+from .modulation import FusedRowModulation, fits_one_pass
 
 E4M3_MAX = 448.0
 # An all-zero row still gets a finite scale; its codes are zero whatever the scale.
 _MIN_AMAX = 1e-12
 CHUNK = 1024
+# The widest SwiGLU half the one-pass FP8 SwiGLU kernel keeps in registers (H3: 14,336).
+SWIGLU_MAX_HALF = 16384
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """An activation quantized per token: e4m3 (M, K) codes, fp32 (M, 1) scales, value = code * scale.
+    `shape` is the logical (..., K) shape it stands for, so model code that only reads `.shape` passes it
+    on; the fused modulation and SwiGLU make one so that the linears after them skip their own quantizer
+    (q, k and v then share one)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    shape: torch.Size
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.data.float() * self.scale).to(dtype).reshape(self.shape)
+
+    def seq_slice(self, start: int, end: int) -> "Fp8Rows":
+        """Tokens start:end of every batch row of a (B, S, K) activation (for the MLP's row chunks)."""
+        b, s, k = self.shape
+        pick = lambda t: t.view(b, s, -1)[:, start:end].reshape(-1, t.shape[-1])  # noqa: E731
+        return Fp8Rows(pick(self.data), pick(self.scale), torch.Size((b, end - start, k)))
+
+
+def quantize_activation(x: torch.Tensor, use_triton: bool = True) -> Fp8Rows:
+    x2 = x.reshape(-1, x.shape[-1])
+    data, scale = quantize_rows(x2) if use_triton else reference_quantize_rows(x2)
+    return Fp8Rows(data, scale, x.shape)
 
 
 def reference_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,14 +167,71 @@ class Fp8Linear(nn.Module):
     def dequantized_weight(self, dtype=torch.float32) -> torch.Tensor:
         return (self.weight.float() * self.weight_scale.reshape(-1, 1)).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        xq, sx = quantize_rows(x2) if self.use_triton else reference_quantize_rows(x2)
-        out = torch._scaled_mm(xq, self.weight.t(), scale_a=sx, scale_b=self.weight_scale,
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        a = x if isinstance(x, Fp8Rows) else quantize_activation(x, self.use_triton)
+        if a.shape[-1] != self.in_features:
+            raise ValueError(f"Fp8Linear takes {self.in_features} features, got {list(a.shape)}")
+        out = torch._scaled_mm(a.data, self.weight.t(), scale_a=a.scale, scale_b=self.weight_scale,
                                out_dtype=self.out_dtype)
-        return out.reshape(*shape[:-1], self.out_features)
+        return out.reshape(*a.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, source={self.source}"
 
+
+
+# ------------------------------------------------------------------------------------------ fused producers
+class Fp8RowModulation(FusedRowModulation):
+    """norm_modulate (and the gated residual + norm_modulate pair) hand the FP8 q/k/v and FFN-up linears
+    their e4m3 activation from the same pass that computes it: the rows are rounded to the model dtype
+    and then quantized exactly as `Fp8Linear` would quantize them, one quantization instead of four."""
+
+    def norm_modulate(self, norm, x, shift, scale):
+        if not fits_one_pass(x.shape[-1]):
+            return super().norm_modulate(norm, x, shift, scale)
+        _, data, row_scales = self.whole_rows(x, norm, shift, scale, quant=True)
+        return Fp8Rows(data.view(-1, x.shape[-1]), row_scales, x.shape)
+
+    def add_norm_modulate(self, residual, gate, y, norm, shift, scale):
+        if not fits_one_pass(residual.shape[-1]):
+            return RowModulation.add_norm_modulate(self, residual, gate, y, norm, shift, scale)
+        new_residual, data, row_scales = self.whole_rows(residual, norm, shift, scale, gate=gate, y=y, quant=True)
+        return new_residual, Fp8Rows(data.view(-1, residual.shape[-1]), row_scales, residual.shape)
+
+
+class Fp8SwiGLU(SwiGLU):
+    """SwiGLU whose activation leaves in e4m3 with per-token scales for the FP8 down-projection."""
+
+    @classmethod
+    def wrap(cls, ff: SwiGLU) -> "Fp8SwiGLU":
+        obj = cls.__new__(cls)
+        nn.Module.__init__(obj)
+        obj.net = ff.net  # the same (already converted) linears
+        obj.activation = None
+        return obj
+
+    def _rows(self, x):
+        return self.net[2](swiglu_quantize_fp8(self.net[0].proj(x)))
+
+    def forward(self, x, chunks: int = 1):
+        if not isinstance(x, Fp8Rows) or chunks <= 1 or x.shape[1] < 2:
+            return super().forward(x, chunks)
+        b, s, _ = x.shape
+        out = torch.empty(b, s, self.net[2].out_features, device=x.data.device, dtype=self.net[2].out_dtype)
+        for piece in torch.arange(s).tensor_split(chunks):
+            if piece.numel():
+                start, end = int(piece[0]), int(piece[-1]) + 1
+                out[:, start:end] = self._rows(x.seq_slice(start, end))
+        return out
+
+
+def swiglu_quantize_fp8(up: torch.Tensor) -> Fp8Rows:
+    """value * silu(gate) of the fused up-projection, rounded as `reference_swiglu` rounds it, then
+    quantized per token as `Fp8Linear` would: one pass (whole rows up to SWIGLU_MAX_HALF wide)."""
+    from .swiglu import fused_swiglu, swiglu_rows_fp8
+
+    half = up.shape[-1] // 2
+    if half > SWIGLU_MAX_HALF:
+        return quantize_activation(fused_swiglu(up))
+    data, scale = swiglu_rows_fp8(up.reshape(-1, up.shape[-1]))
+    return Fp8Rows(data, scale, torch.Size((*up.shape[:-1], half)))

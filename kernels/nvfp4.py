@@ -26,7 +26,7 @@ from torch import nn
 
 from ..h3_model.checkpoint.nvfp4 import (dequantize, e2m1_values, pack_codes, round_to_e2m1, swizzle_scales,
                                          unpack_codes, unswizzle_scales)
-from ..h3_model.dit import SwiGLU
+from ..h3_model.dit import RowModulation, SwiGLU
 from ._triton import require_kernels, rnd, round_code, round_e4m3, tl, triton  # noqa: F401
 from .modulation import FusedRowModulation
 
@@ -294,6 +294,10 @@ class Nvfp4SwiGLU(SwiGLU):
 class Nvfp4RowModulation(FusedRowModulation):
     """norm_modulate returns the NVFP4-encoded activation (for NVFP4 q/k/v and fc1); the gated residual
     stays the exact fused kernel."""
+
+    # The gated residual and the NVFP4 norm_modulate stay two passes (the fused row kernel writes e4m3 or
+    # the model dtype, not NVFP4).
+    add_norm_modulate = RowModulation.add_norm_modulate
 
     def norm_modulate(self, norm, x, shift, scale):
         return rms_adaln_quantize_nvfp4(x, norm, shift, scale, self._row_index(x.device))

@@ -19,13 +19,13 @@ same signature; `FusedQKPrep` plugs either into `H3DiT.qk_prep`.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from ._triton import require_kernels, rint, rnd, round_code, round_e4m3, tl, triton  # noqa: F401  (rint/rnd: used in kernels)
+from ._triton import (INTERPRETED, require_kernels, rint, rnd, round_bf16, round_code, round_e4m3, tl,  # noqa: F401  (used in kernels)
+                      triton)
 
 BLOCK_TOKENS = 64
 NUM_WARPS = 8
@@ -81,11 +81,6 @@ def hadamard_matrix(dim: int, block: int, device=None, dtype=torch.float32) -> t
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     h = h / math.sqrt(block)
     return torch.block_diag(*([h] * (dim // block))).to(device=device, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=16)
-def _cached_hadamard(dim: int, block: int, device: str) -> torch.Tensor:
-    return hadamard_matrix(dim, block, device=device).contiguous()
 
 
 def _check(x: torch.Tensor, fmt, granularity: str, hadamard: int) -> None:
@@ -173,11 +168,39 @@ def reference_prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: f
 if triton is not None:
 
     @triton.jit
-    def _qk_prep_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, mean_ptr, had_ptr, scale_ptr, out_ptr, part_ptr,
-                        S, H, D, R, N_TILES, eps, sxb, sxs, sxh, sob, sos, soh, scs,
+    def _hadamard_signs(BLOCK_D: tl.constexpr, HB: tl.constexpr):
+        # The block-diagonal Sylvester Hadamard scaled to +-1 (0 off the blocks), made in registers: entry
+        # (i, j) is (-1)^popcount(i & j & (HB - 1)) inside a block. Loading a stored fp32 matrix (64 KB per program,
+        # 4x the tile's own input) made the FP8 preparation ~10x its memory floor (perf-notes).
+        i = tl.arange(0, BLOCK_D)
+        v = i[:, None] & i[None, :] & (HB - 1)
+        v = v ^ (v >> 8)
+        v = v ^ (v >> 4)
+        v = v ^ (v >> 2)
+        v = v ^ (v >> 1)
+        same = ((i[:, None] ^ i[None, :]) & ~(HB - 1)) == 0
+        return tl.where(same, tl.where((v & 1) == 0, 1.0, -1.0), 0.0).to(tl.bfloat16)
+
+    @triton.jit
+    def _rotate(y, norm_scale, BLOCK_D: tl.constexpr, HB: tl.constexpr, SPLIT: tl.constexpr):
+        # y @ H in fp32. SPLIT (GPUs): y as two bf16 parts (hi + lo carries 16 significant bits, more than the
+        # tf32 a plain fp32 dot would use) times the exact +-1 matrix on the bf16 tensor cores. The CPU
+        # interpreter gets bf16 dots wrong and takes the fp32 dot (exact there) instead.
+        hm = _hadamard_signs(BLOCK_D, HB)
+        if SPLIT:
+            hi = round_bf16(y)
+            acc = tl.dot(hi.to(tl.bfloat16), hm, out_dtype=tl.float32)
+            acc = tl.dot((y - hi).to(tl.bfloat16), hm, acc, out_dtype=tl.float32)
+        else:
+            acc = tl.dot(y, hm.to(tl.float32), out_dtype=tl.float32)
+        return acc * norm_scale
+
+    @triton.jit
+    def _qk_prep_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, mean_ptr, scale_ptr, out_ptr, part_ptr,
+                        S, H, D, R, N_TILES, eps, had_scale, sxb, sxs, sxh, sob, sos, soh, scs,
                         STAGE: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, SMOOTH: tl.constexpr,
                         HADAMARD: tl.constexpr, FMT: tl.constexpr, PER_BLOCK: tl.constexpr, RND: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_DOT: tl.constexpr):
         # One program = BLOCK_S tokens of one (batch, head); STAGE 0 = partial key sums (for the mean),
         # 1 = partial absmax (for per-head scales), 2 = write the output. Each stage recomputes the
         # norm + RoPE from the raw input: re-reading bf16 costs what storing an intermediate would.
@@ -227,8 +250,7 @@ if triton is not None:
             tl.store(part_ptr + (pid_bh * N_TILES + pid_s) * BLOCK_D + d, tl.sum(y, axis=0))
         else:
             if HADAMARD:
-                hm = tl.load(had_ptr + d[:, None] * BLOCK_D + d[None, :])
-                y = tl.dot(y, hm)
+                y = _rotate(y, had_scale, BLOCK_D, HADAMARD, SPLIT_DOT)
             optr = out_ptr + b * sob + h * soh + rows[:, None] * sos + d[None, :]
             if FMT == 0:
                 if STAGE == 2:
@@ -282,16 +304,17 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     else:
         cos = sin = dummy
         r = 0
-    had = _cached_hadamard(d, hadamard, str(dev)) if hadamard else dummy
     grid = (b * h, n_tiles)
+    had_scale = float(torch.tensor(1.0 / math.sqrt(hadamard)).float()) if hadamard else 1.0  # the fp32 entry
 
     def launch(stage, out, part, mean, scale, fmt_code, per_block):
         so = out.stride() if out.ndim == 4 else (0, 0, 0, 1)
-        kernel[grid](x, w, cos, sin, mean, had, scale, out, part, s, h, d, r, n_tiles, float(eps),
+        kernel[grid](x, w, cos, sin, mean, scale, out, part, s, h, d, r, n_tiles, float(eps), had_scale,
                      x.stride(0), x.stride(1), x.stride(2), so[0], so[1], so[2], r,
                      STAGE=stage, NORM=norm, ROPE=rope is not None, SMOOTH=smooth and mean is not dummy,
-                     HADAMARD=bool(hadamard), FMT=fmt_code, PER_BLOCK=per_block, BLOCK_S=BLOCK_TOKENS,
-                     RND=round_code(x.dtype), BLOCK_D=block_d, num_warps=NUM_WARPS)
+                     HADAMARD=hadamard, FMT=fmt_code, PER_BLOCK=per_block, BLOCK_S=BLOCK_TOKENS,
+                     RND=round_code(x.dtype), BLOCK_D=block_d, SPLIT_DOT=not INTERPRETED,
+                     num_warps=NUM_WARPS)
 
     mean = dummy
     if smooth:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import require_kernels, rnd, round_code, tl, triton  # noqa: F401  (rnd: used in the kernel)
+from ._triton import require_kernels, rnd, round_code, round_e4m3, tl, triton  # noqa: F401  (used in kernels)
 
 BLOCK = 1024
 
@@ -35,6 +35,21 @@ if triton is not None:
         act = rnd(gate / (1.0 + tl.exp(-gate)), RND)
         tl.store(out_ptr + idx, rnd(value * act, RND).to(out_ptr.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def _swiglu_fp8_kernel(up_ptr, q_ptr, s_ptr, HALF: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr):
+        # One whole row per program: the product rounded to the activation dtype (as fused_swiglu writes
+        # it), its absmax, then e4m3 codes with the row's scale (as quantize_rows would make them).
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK)
+        m = c < HALF
+        value = tl.load(up_ptr + row * (2 * HALF) + c, mask=m, other=0.0).to(tl.float32)
+        gate = tl.load(up_ptr + row * (2 * HALF) + HALF + c, mask=m, other=0.0).to(tl.float32)
+        prod = rnd(value * rnd(gate / (1.0 + tl.exp(-gate)), RND), RND)
+        scale = tl.maximum(tl.max(tl.where(m, tl.abs(prod), 0.0), axis=0), 1e-12) / 448.0
+        tl.store(s_ptr + row, scale)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(prod, scale), -448.0), 448.0)
+        tl.store(q_ptr + row * HALF + c, round_e4m3(q).to(tl.float8e4nv), mask=m)
+
 
 def fused_swiglu(up: torch.Tensor) -> torch.Tensor:
     """The fused kernel; same contract as `reference_swiglu`."""
@@ -48,3 +63,20 @@ def fused_swiglu(up: torch.Tensor) -> torch.Tensor:
     if n:
         _swiglu_kernel[(triton.cdiv(n, BLOCK),)](up, out, n, HALF=half, RND=round_code(up.dtype), BLOCK=BLOCK)
     return out
+
+
+def swiglu_rows_fp8(up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, 2F) fused up-projection -> (e4m3 (M, F), fp32 (M, 1) scales) of `reference_swiglu(up)` quantized
+    per row, in one pass; equal to quantize_rows(fused_swiglu(up))."""
+    require_kernels("the fused SwiGLU")
+    if up.ndim != 2 or up.shape[-1] % 2:
+        raise ValueError(f"expected (rows, 2 * ffn) with an even width, got {list(up.shape)}")
+    up = up.contiguous()
+    m, half = up.shape[0], up.shape[1] // 2
+    q = torch.empty(m, half, device=up.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(m, 1, device=up.device, dtype=torch.float32)
+    if m:
+        block = triton.next_power_of_2(half)
+        _swiglu_fp8_kernel[(m,)](up, q, s, HALF=half, RND=round_code(up.dtype), BLOCK=block,
+                                 num_warps=16 if block >= 8192 else 8)
+    return q, s

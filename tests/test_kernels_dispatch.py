@@ -108,6 +108,40 @@ def test_fa3_fp8_needs_per_head_scales(setup, monkeypatch):
     assert type(sixteen.transformer_blocks[0].ff.net[2]).__name__ == "Fp8Linear"
 
 
+def test_fp8_linears_take_their_activations_from_the_fused_passes(setup, monkeypatch):
+    # With FP8 linears the fused modulation and SwiGLU write e4m3 rows themselves: same values as letting each
+    # Fp8Linear quantize the model-dtype rows (modulation off), up to the fused norm's rare 1-ulp roundings.
+    from h3_spark.kernels.linear_fp8 import Fp8RowModulation, Fp8SwiGLU
+
+    _, args = setup
+    for module in (cap, dispatch):
+        monkeypatch.setattr(module, "capability", lambda device: (9, 0))
+        monkeypatch.setattr(module, "describe_device", lambda device: "NVIDIA H200 (sm_90)")
+    models = []
+    for fusion in ("auto", "off"):
+        torch.manual_seed(0)
+        m = H3DiT(EQUAL_WIDTH, dtype=torch.bfloat16)
+        report = apply_kernels(m, KernelSettings(attention="sdpa", linear="fp8", modulation_fusion=fusion,
+                                                 q_rms_rope_int8_fusion="off"))
+        models.append((m, report))
+    (fused, fused_report), (plain, plain_report) = models
+    assert fused.modulation_cls is Fp8RowModulation and isinstance(fused.transformer_blocks[0].ff, Fp8SwiGLU)
+    assert "fused into RMSNorm + modulation and SwiGLU" in fused_report["linear"]["activation_quantizer"]
+    assert plain.modulation_cls is RowModulation and plain_report["linear"]["activation_quantizer"] == "triton"
+    gen = torch.Generator().manual_seed(1)
+    lay = layout.build_t2va(text_tags(6), 2, 4, 4, 5)
+    c = EQUAL_WIDTH
+    ts, idx = lay.row_timesteps(0.4, 0.6, 0.4)
+    inputs = dict(hidden_states=torch.randn(1, lay.video_indices.numel(), c.video_patch_dim, generator=gen),
+                  audio_hidden_states=torch.randn(1, lay.audio_indices.numel(), c.audio_in_channels, generator=gen),
+                  encoder_hidden_states=torch.randn(1, lay.num_text, c.text_dim, generator=gen),
+                  token_tags=lay.token_tags, position_ids=lay.position_ids.float(), video_indices=lay.video_indices,
+                  audio_indices=lay.audio_indices, text_indices=lay.text_indices, timestep=ts, timestep_indices=idx)
+    with torch.no_grad():
+        a, b = fused(**inputs), plain(**inputs)
+    assert rel_l2(a[0], b[0]) <= 2e-2 and rel_l2(a[1], b[1]) <= 2e-2
+
+
 def test_auto_attention_follows_the_model_dtype_and_fa3_fails_at_set_up(setup, monkeypatch):
     # A float32 model on a Hopper GPU with FlashAttention-3: auto must not pick a half-precision kernel (it
     # did, and the first forward failed), and an explicit fa3 fails before the model is changed.

@@ -125,3 +125,41 @@ def test_nvfp4_linear_reference_and_layout_checks():
     assert rel_l2(out, x @ w.t()) <= 0.2
     with pytest.raises(ValueError, match="N % 16 == 0 and K % 32 == 0"):
         nv.Nvfp4Linear.from_linear(torch.nn.Linear(48, 40, bias=False))
+
+
+def test_fp8_rows_feed_the_linear_and_slice_by_tokens():
+    from h3_spark.kernels.linear_fp8 import Fp8Rows, quantize_activation
+
+    lin = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(rand(48, 64, scale=0.05, seed=1))
+    f8 = Fp8Linear.from_linear(lin)
+    x = rand(2, 11, 64, scale=2, seed=3)
+    a = quantize_activation(x)
+    assert isinstance(a, Fp8Rows) and a.shape == x.shape and a.data.shape == (22, 64)
+    assert torch.equal(f8(a), f8(x))  # a pre-quantized input skips the quantizer, same values
+    assert rel_l2(a.dequantize(), x) <= 0.04
+    part = a.seq_slice(3, 7)
+    assert part.shape == (2, 4, 64) and torch.equal(f8(part), f8(x[:, 3:7]))
+    with pytest.raises(ValueError, match=r"Fp8Linear takes 64 features, got \[2, 11, 32\]"):
+        f8(quantize_activation(x[..., :32]))
+
+
+def test_fp8_swiglu_chunks_and_unfused_path_agree():
+    from h3_spark.h3_model.dit import SwiGLU
+    from h3_spark.kernels.linear_fp8 import Fp8SwiGLU, quantize_activation
+
+    ff = SwiGLU(64, 80).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in ff.parameters():
+            p.copy_(rand(*p.shape, scale=0.1, seed=p.numel()))
+    ff.net[0].proj = Fp8Linear.from_linear(ff.net[0].proj)
+    ff.net[2] = Fp8Linear.from_linear(ff.net[2])
+    fused = Fp8SwiGLU.wrap(ff)
+    x = rand(2, 9, 64, seed=4)
+    with torch.no_grad():
+        unfused = ff(x)  # each Fp8Linear quantizes its own input
+        whole = fused(quantize_activation(x))
+        chunked = fused(quantize_activation(x), chunks=3)
+        plain = fused(x)
+    assert torch.equal(whole, unfused) and torch.equal(chunked, whole) and torch.equal(plain, whole)

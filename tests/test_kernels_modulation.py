@@ -64,3 +64,63 @@ def test_errors():
         fused.modulate(x[:, :-1], shift, scale)
     with pytest.raises(ValueError, match="does not match the residual"):
         fused.gated_add(x, gate, y[:, :-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_add_and_norm_modulate_in_one_pass(dtype):
+    # Block.forward's middle pair: residual + gate * y, then RMSNorm + modulate of that sum.
+    rows, shift, scale, gate, x, y, norm = setup(dtype, seed=4)
+    ref, fused = RowModulation(rows, True), FusedRowModulation(rows, True)
+    with torch.no_grad():
+        want_res, want = ref.add_norm_modulate(x, gate, y, norm, shift, scale)
+        got_res, got = fused.add_norm_modulate(x, gate, y, norm, shift, scale)
+    assert torch.equal(got_res, want_res)  # the residual is the gated add, bit for bit
+    if dtype == torch.bfloat16:  # fp32 differs in the last bits (summation order), as norm_modulate does
+        assert (got == want).float().mean().item() >= 0.999
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * ulp + 1e-6).all()
+
+
+def test_norm_modulate_written_as_fp8_rows_equals_quantizing_the_model_dtype_rows():
+    from h3_spark.kernels.linear_fp8 import quantize_rows, reference_quantize_rows
+
+    rows, shift, scale, gate, x, y, norm = setup(torch.bfloat16, seed=5)
+    fused = FusedRowModulation(rows, True)
+    with torch.no_grad():
+        res, codes, scales = fused.whole_rows(x, norm, shift, scale, gate=gate, y=y, quant=True)
+        h = fused.norm_modulate(norm, fused.gated_add(x, gate, y), shift, scale)
+        want_codes, want_scales = quantize_rows(h.reshape(-1, h.shape[-1]))
+        ref_codes, ref_scales = reference_quantize_rows(
+            RowModulation(rows, True).add_norm_modulate(x, gate, y, norm, shift, scale)[1].reshape(-1, h.shape[-1]))
+    assert codes.dtype == torch.float8_e4m3fn and scales.shape == (x.shape[0] * x.shape[1], 1)
+    assert torch.equal(res, fused.gated_add(x, gate, y))
+    # the same bf16 rows, quantized the way Fp8Linear quantizes: identical bytes and scales
+    assert torch.equal(codes.view(-1, x.shape[-1]).view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    # and against the eager reference (1-ulp norm differences move a few codes)
+    assert (codes.view(-1, x.shape[-1]).view(torch.uint8) == ref_codes.view(torch.uint8)).float().mean() >= 0.99
+    assert torch.allclose(scales, ref_scales, rtol=2 ** -7)
+
+
+def test_one_pass_rows_errors_and_wide_rows():
+    rows, shift, scale, gate, x, y, norm = setup(torch.bfloat16)
+    fused = FusedRowModulation(rows, True)
+    with pytest.raises(ValueError, match=r"gated_add: update \[2, 28, 159\] does not match the residual"):
+        fused.whole_rows(x, norm, shift, scale, gate=gate, y=y[..., :159])
+    with pytest.raises(ValueError, match="expected \\(batch, seq, hidden\\)"):
+        fused.whole_rows(x[0], norm, shift, scale)
+    with pytest.raises(ValueError, match="3 row indices for a sequence of 28"):
+        FusedRowModulation(rows[:3], True).whole_rows(x, norm, shift, scale)
+    # Rows wider than one program holds: whole_rows refuses, add_norm_modulate takes the two passes.
+    import h3_spark.kernels.modulation as mod
+
+    d = mod.BLOCK + 16
+    w_rows, w_shift, w_scale, w_gate, w_x, w_y, w_norm = setup(torch.bfloat16, d=d, seed=6)
+    w_rows, w_x, w_y = w_rows[:4], w_x[:1, :4], w_y[:1, :4]
+    wide = FusedRowModulation(w_rows, True)
+    with pytest.raises(ValueError, match=f"one-pass row kernels take rows up to {mod.BLOCK} wide, got {d}"):
+        wide.whole_rows(w_x, w_norm, w_shift, w_scale)
+    with torch.no_grad():
+        got_res, got = wide.add_norm_modulate(w_x, w_gate, w_y, w_norm, w_shift, w_scale)
+        want_res, want = RowModulation(w_rows, True).add_norm_modulate(w_x, w_gate, w_y, w_norm, w_shift, w_scale)
+    assert torch.equal(got_res, want_res) and (got == want).float().mean() >= 0.999

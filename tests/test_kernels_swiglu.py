@@ -65,3 +65,20 @@ def test_dispatch_follows_the_fused_modulation(mode, expected):
     report = apply_kernels(model, dataclasses.replace(KernelSettings(), attention="sdpa", modulation_fusion=mode))
     assert report["modulation"]["swiglu"] == expected
     assert (model.transformer_blocks[0].ff.activation is fused_swiglu) == (expected == "triton")
+
+
+def test_swiglu_written_as_fp8_rows():
+    from h3_spark.kernels.linear_fp8 import quantize_rows, reference_quantize_rows
+    from h3_spark.kernels.swiglu import swiglu_rows_fp8
+
+    up = _up(29, 80, torch.bfloat16, seed=7)
+    up[3] = 0  # an all-zero row keeps a finite scale and zero codes
+    codes, scales = swiglu_rows_fp8(up)
+    want_codes, want_scales = quantize_rows(fused_swiglu(up))
+    assert codes.shape == (29, 80) and codes.dtype == torch.float8_e4m3fn and scales.shape == (29, 1)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
+    ref_codes, ref_scales = reference_quantize_rows(reference_swiglu(up))
+    assert (codes.view(torch.uint8) == ref_codes.view(torch.uint8)).float().mean() >= 0.99
+    assert torch.allclose(scales, ref_scales, rtol=2 ** -7) and (codes[3].float() == 0).all()
+    with pytest.raises(ValueError, match=r"expected \(rows, 2 \* ffn\) with an even width, got \[29, 159\]"):
+        swiglu_rows_fp8(up[:, :159])
