@@ -220,6 +220,42 @@ def qk_prep():
     return out
 
 
+@item("hadamard_shapes")
+def hadamard_shapes():
+    """The rotating Q/K passes (FP8, per-head scales, K smoothing, Hadamard 128) over launch choices: tokens
+    per program, warps, and the +-1 matrix made in registers or read from a stored bf16 copy."""
+    from h3_spark.h3_model.dit import rope_tables
+    from h3_spark.kernels import qk_prep as qk
+
+    g = torch.Generator("cuda").manual_seed(8)
+    x = torch.randn(1, ARGS.seq, ARGS.heads, ARGS.head_dim, generator=g, device="cuda").mul(2).bfloat16()
+    w = torch.rand(ARGS.head_dim, generator=g, device="cuda").add(0.5).bfloat16()
+    rope = tuple(t.bfloat16() for t in rope_tables(torch.randint(0, 64, (ARGS.seq, 3), device="cuda").float(),
+                                                   16, 10000.0))
+    kw = dict(smooth=True, hadamard=128, fmt="fp8")
+    want = qk.reference_prepare_heads(x, w, 1e-5, rope, **kw)
+    saved = (qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS, qk.HADAMARD_SIGNS)
+    out = {}
+    try:
+        for signs in ("registers", "memory"):
+            for tile in (32, 64, 128):
+                for warps in (4, 8):
+                    qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS, qk.HADAMARD_SIGNS = tile, warps, signs
+                    try:
+                        got = qk.prepare_heads(x, w, 1e-5, rope, **kw)
+                        out[f"{signs}_{tile}x{warps}"] = {
+                            "ms": bench(lambda: qk.prepare_heads(x, w, 1e-5, rope, **kw), ARGS.iters),
+                            "identical_codes": (got.data.view(torch.uint8) == want.data.view(torch.uint8))
+                            .float().mean().item()}
+                    except Exception as exc:  # a launch shape the compiler refuses is a result too
+                        out[f"{signs}_{tile}x{warps}"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    finally:
+        qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS, qk.HADAMARD_SIGNS = saved
+    out["exact_one_pass_ms"] = bench(lambda: qk.prepare_heads(x, w, 1e-5, rope), ARGS.iters)
+    out["floor_one_pass_ms"] = 2 * x.numel() * 2 / 4.3e12 * 1e3
+    return out
+
+
 @item("int8_qk_attention_quality")
 def int8_qk_quality():
     """INT8 Q/K (per-block scales, K smoothing, Hadamard 128) dequantized into exact SDPA: the QK quantization

@@ -29,7 +29,7 @@ if triton is not None:
     @triton.jit
     def _modulation_kernel(x_ptr, y_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride, D: tl.constexpr,
                            MODE: tl.constexpr, HAS_W: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr):
-        # MODE 0: RMSNorm + modulate (a = shift, b = scale); 1: modulate only; 2: x + a * y (a = gate).
+        # MODE 0: RMSNorm + modulate (a = shift, b = 1 + scale); 1: modulate only; 2: x + a * y (a = gate).
         # D (the hidden size) is a compile-time constant: one compile per model width.
         row = tl.program_id(0).to(tl.int64)
         r = tl.load(rows_ptr + row % S).to(tl.int64)
@@ -64,21 +64,22 @@ if triton is not None:
                 if MODE == 0:
                     o = _norm_modulate(x, c, m, rstd, w_ptr, arow, brow, HAS_W, RND)
                 else:
-                    sc = tl.load(brow + c, mask=m, other=0.0).to(tl.float32)
+                    k = tl.load(brow + c, mask=m, other=0.0).to(tl.float32)
                     sh = tl.load(arow + c, mask=m, other=0.0).to(tl.float32)
-                    o = rnd(rnd(x * rnd(1.0 + sc, RND), RND) + sh, RND)
+                    o = rnd(rnd(x * k, RND) + sh, RND)
             tl.store(orow + c, o.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _norm_modulate(x, c, m, rstd, w_ptr, arow, brow, HAS_W: tl.constexpr, RND: tl.constexpr):
-        # RMSNorm (fp32 math, one rounding) then x * (1 + scale) + shift, rounding where eager does.
+        # RMSNorm (fp32 math, one rounding) then x * k + shift with k = 1 + scale (rounded on the host, as
+        # eager rounds it), rounding where eager does.
         v = x * rstd
         if HAS_W:
             v = v * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
         v = rnd(v, RND)
-        sc = tl.load(brow + c, mask=m, other=0.0).to(tl.float32)
+        k = tl.load(brow + c, mask=m, other=0.0).to(tl.float32)
         sh = tl.load(arow + c, mask=m, other=0.0).to(tl.float32)
-        return rnd(rnd(v * rnd(1.0 + sc, RND), RND) + sh, RND)
+        return rnd(rnd(v * k, RND) + sh, RND)
 
     @triton.jit
     def _row_kernel(x_ptr, y_ptr, g_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, res_ptr, out_ptr, scale_ptr, S, eps,
@@ -159,10 +160,10 @@ class FusedRowModulation(RowModulation):
         return out
 
     def norm_modulate(self, norm, x, shift, scale):
-        return self._launch(0, x, shift, scale, norm=norm)
+        return self._launch(0, x, shift, _one_plus(scale), norm=norm)
 
     def modulate(self, x, shift, scale):
-        return self._launch(1, x, shift, scale)
+        return self._launch(1, x, shift, _one_plus(scale))
 
     def gated_add(self, residual, gate, y):
         if y.shape != residual.shape:
@@ -189,6 +190,7 @@ class FusedRowModulation(RowModulation):
             raise ValueError(f"{self.rows.numel()} row indices for a sequence of {s}")
         if gate is not None and y.shape != x.shape:
             raise ValueError(f"gated_add: update {list(y.shape)} does not match the residual {list(x.shape)}")
+        scale = _one_plus(scale)
         tables = [_table_rows(t, d) for t in ((shift, scale) if gate is None else (shift, scale, gate))]
         if len({stride for _, stride in tables}) > 1:
             tables = [(t.contiguous(), d) for t, _ in tables]
@@ -207,6 +209,12 @@ class FusedRowModulation(RowModulation):
                 row_scales if quant else x, s, eps, tables[0][1], D=d, ADD=y is not None, QUANT=quant,
                 HAS_W=w is not None, RND=round_code(x.dtype), BLOCK=triton.next_power_of_2(d), num_warps=NUM_WARPS)
         return residual, out, row_scales
+
+
+def _one_plus(scale: torch.Tensor) -> torch.Tensor:
+    # 1 + scale once per table row (eager rounds it to the activation dtype too): one rounding per element
+    # less in the kernels, which are bound by their conversions.
+    return 1.0 + scale
 
 
 def fits_one_pass(width: int) -> bool:

@@ -19,6 +19,7 @@ same signature; `FusedQKPrep` plugs either into `H3DiT.qk_prep`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -29,6 +30,10 @@ from ._triton import (INTERPRETED, require_kernels, rint, rnd, round_bf16, round
 
 BLOCK_TOKENS = 64
 NUM_WARPS = 8
+# Launch choices of the passes that rotate (measured in benchmarks/kernels_gpu.py `hadamard_shapes`).
+HADAMARD_TILE_TOKENS = 64
+HADAMARD_WARPS = 8
+HADAMARD_SIGNS = "registers"  # or "memory": a stored bf16 +-1 matrix
 QMAX = {"fp8": 448.0, "int8": 127.0}
 QDTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 FORMATS = (None, "fp8", "int8")
@@ -81,6 +86,11 @@ def hadamard_matrix(dim: int, block: int, device=None, dtype=torch.float32) -> t
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     h = h / math.sqrt(block)
     return torch.block_diag(*([h] * (dim // block))).to(device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _signs(dim: int, block: int, device) -> torch.Tensor:
+    return (hadamard_matrix(dim, block, device=device) * math.sqrt(block)).round().to(torch.bfloat16).contiguous()
 
 
 def _check(x: torch.Tensor, fmt, granularity: str, hadamard: int) -> None:
@@ -182,11 +192,16 @@ if triton is not None:
         return tl.where(same, tl.where((v & 1) == 0, 1.0, -1.0), 0.0).to(tl.bfloat16)
 
     @triton.jit
-    def _rotate(y, norm_scale, BLOCK_D: tl.constexpr, HB: tl.constexpr, SPLIT: tl.constexpr):
+    def _rotate(y, norm_scale, had_ptr, BLOCK_D: tl.constexpr, HB: tl.constexpr, SPLIT: tl.constexpr,
+                LOAD: tl.constexpr):
         # y @ H in fp32. SPLIT (GPUs): y as two bf16 parts (hi + lo carries 16 significant bits, more than the
         # tf32 a plain fp32 dot would use) times the exact +-1 matrix on the bf16 tensor cores. The CPU
         # interpreter gets bf16 dots wrong and takes the fp32 dot (exact there) instead.
-        hm = _hadamard_signs(BLOCK_D, HB)
+        if LOAD:
+            i = tl.arange(0, BLOCK_D)
+            hm = tl.load(had_ptr + i[:, None] * BLOCK_D + i[None, :])
+        else:
+            hm = _hadamard_signs(BLOCK_D, HB)
         if SPLIT:
             hi = round_bf16(y)
             acc = tl.dot(hi.to(tl.bfloat16), hm, out_dtype=tl.float32)
@@ -196,11 +211,12 @@ if triton is not None:
         return acc * norm_scale
 
     @triton.jit
-    def _qk_prep_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, mean_ptr, scale_ptr, out_ptr, part_ptr,
+    def _qk_prep_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, mean_ptr, scale_ptr, out_ptr, part_ptr, had_ptr,
                         S, H, D, R, N_TILES, eps, had_scale, sxb, sxs, sxh, sob, sos, soh, scs,
                         STAGE: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, SMOOTH: tl.constexpr,
                         HADAMARD: tl.constexpr, FMT: tl.constexpr, PER_BLOCK: tl.constexpr, RND: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_DOT: tl.constexpr):
+                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_DOT: tl.constexpr,
+                        TABLES_ROUNDED: tl.constexpr, LOAD_SIGNS: tl.constexpr):
         # One program = BLOCK_S tokens of one (batch, head); STAGE 0 = partial key sums (for the mean),
         # 1 = partial absmax (for per-head scales), 2 = write the output. Each stage recomputes the
         # norm + RoPE from the raw input: re-reading bf16 costs what storing an intermediate would.
@@ -235,8 +251,11 @@ if triton is not None:
                 yp = xp
             rot = d < R
             tmask = rmask[:, None] & rot[None, :]
-            c = rnd(tl.load(cos_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=1.0).to(tl.float32), RND)
-            sn = rnd(tl.load(sin_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=0.0).to(tl.float32), RND)
+            c = tl.load(cos_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=1.0).to(tl.float32)
+            sn = tl.load(sin_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=0.0).to(tl.float32)
+            if not TABLES_ROUNDED:  # fp32 tables for a bf16/fp16 model: round them as eager does
+                c = rnd(c, RND)
+                sn = rnd(sn, RND)
             sign = tl.where(d < half, -1.0, 1.0)
             # eager: rot * cos + cat(-x2, x1) * sin, each product and the sum rounded to x's dtype
             a = rnd(y * c, RND)
@@ -250,7 +269,7 @@ if triton is not None:
             tl.store(part_ptr + (pid_bh * N_TILES + pid_s) * BLOCK_D + d, tl.sum(y, axis=0))
         else:
             if HADAMARD:
-                y = _rotate(y, had_scale, BLOCK_D, HADAMARD, SPLIT_DOT)
+                y = _rotate(y, had_scale, had_ptr, BLOCK_D, HADAMARD, SPLIT_DOT, LOAD_SIGNS)
             optr = out_ptr + b * sob + h * soh + rows[:, None] * sos + d[None, :]
             if FMT == 0:
                 if STAGE == 2:
@@ -290,7 +309,11 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     block_d = triton.next_power_of_2(d)
     if hadamard and block_d != d:
         raise ValueError(f"the Hadamard rotation needs a power-of-two head size, got {d}")
-    n_tiles = triton.cdiv(s, BLOCK_TOKENS)
+    # Per-block scales fix the tile at BLOCK_TOKENS; the rotation's tile and warps are launch choices.
+    tile = HADAMARD_TILE_TOKENS if hadamard and granularity == "per_head" else BLOCK_TOKENS
+    warps = HADAMARD_WARPS if hadamard else NUM_WARPS
+    n_tiles = triton.cdiv(s, tile)
+    load_signs = bool(hadamard) and HADAMARD_SIGNS == "memory"
     dev = x.device
     kernel = _qk_prep_kernel
     dummy = torch.empty(1, device=dev, dtype=torch.float32)
@@ -306,15 +329,16 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         r = 0
     grid = (b * h, n_tiles)
     had_scale = float(torch.tensor(1.0 / math.sqrt(hadamard)).float()) if hadamard else 1.0  # the fp32 entry
+    signs = _signs(d, hadamard, dev) if load_signs else dummy
 
     def launch(stage, out, part, mean, scale, fmt_code, per_block):
         so = out.stride() if out.ndim == 4 else (0, 0, 0, 1)
-        kernel[grid](x, w, cos, sin, mean, scale, out, part, s, h, d, r, n_tiles, float(eps), had_scale,
+        kernel[grid](x, w, cos, sin, mean, scale, out, part, signs, s, h, d, r, n_tiles, float(eps), had_scale,
                      x.stride(0), x.stride(1), x.stride(2), so[0], so[1], so[2], r,
                      STAGE=stage, NORM=norm, ROPE=rope is not None, SMOOTH=smooth and mean is not dummy,
-                     HADAMARD=hadamard, FMT=fmt_code, PER_BLOCK=per_block, BLOCK_S=BLOCK_TOKENS,
+                     HADAMARD=hadamard, FMT=fmt_code, PER_BLOCK=per_block, BLOCK_S=tile,
                      RND=round_code(x.dtype), BLOCK_D=block_d, SPLIT_DOT=not INTERPRETED,
-                     num_warps=NUM_WARPS)
+                     TABLES_ROUNDED=cos.dtype == x.dtype, LOAD_SIGNS=load_signs, num_warps=warps)
 
     mean = dummy
     if smooth:
