@@ -210,15 +210,15 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
                 blk.ff = Nvfp4SwiGLU.wrap(blk.ff)
             linear_report["swiglu_nvfp4_fusion"] = True
         if linear_fmt == "fp8" and mod_cls is FusedRowModulation:
-            # Same values as letting each Fp8Linear quantize its input, in fewer passes: the modulation
-            # and SwiGLU kernels write e4m3 rows, and q, k and v share one quantized input.
+            # Same values as letting each Fp8Linear quantize its input, in fewer passes: q, k and v share
+            # one quantized input, and the SwiGLU kernel writes e4m3 rows itself.
             from .linear_fp8 import Fp8RowModulation, Fp8SwiGLU
 
             model.modulation_cls = Fp8RowModulation
             for blk in model.transformer_blocks:
                 blk.ff = Fp8SwiGLU.wrap(blk.ff)
-            linear_report["activation_quantizer"] = ("triton, fused into RMSNorm + modulation and SwiGLU "
-                                                     "(one quantized input for q, k and v)")
+            linear_report["activation_quantizer"] = ("triton: one quantized input for q, k and v; SwiGLU "
+                                                     "writes e4m3 rows")
     report["attention"] = {"requested": settings.attention, "chosen": chosen, **backend.describe()}
     report["qk_prep"] = qk_report
     report["modulation"] = mod_report

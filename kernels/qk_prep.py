@@ -19,7 +19,6 @@ same signature; `FusedQKPrep` plugs either into `H3DiT.qk_prep`.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -30,10 +29,11 @@ from ._triton import (INTERPRETED, require_kernels, rint, rnd, round_bf16, round
 
 BLOCK_TOKENS = 64
 NUM_WARPS = 8
-# Launch choices of the passes that rotate (measured in benchmarks/kernels_gpu.py `hadamard_shapes`).
+# Launch shape of the passes that rotate: of 32/64/128 tokens x 4/8 warps on the H200 (S = 19,540, FP8 K
+# with smoothing), 64 x 4 was fastest (1.77 ms against 1.98 ms for 64 x 8); reading a stored bf16 +-1
+# matrix instead of making it in registers measured the same (1.76-1.93 ms) and is not kept.
 HADAMARD_TILE_TOKENS = 64
-HADAMARD_WARPS = 8
-HADAMARD_SIGNS = "registers"  # or "memory": a stored bf16 +-1 matrix
+HADAMARD_WARPS = 4
 QMAX = {"fp8": 448.0, "int8": 127.0}
 QDTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 FORMATS = (None, "fp8", "int8")
@@ -86,11 +86,6 @@ def hadamard_matrix(dim: int, block: int, device=None, dtype=torch.float32) -> t
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     h = h / math.sqrt(block)
     return torch.block_diag(*([h] * (dim // block))).to(device=device, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=8)
-def _signs(dim: int, block: int, device) -> torch.Tensor:
-    return (hadamard_matrix(dim, block, device=device) * math.sqrt(block)).round().to(torch.bfloat16).contiguous()
 
 
 def _check(x: torch.Tensor, fmt, granularity: str, hadamard: int) -> None:
@@ -192,16 +187,11 @@ if triton is not None:
         return tl.where(same, tl.where((v & 1) == 0, 1.0, -1.0), 0.0).to(tl.bfloat16)
 
     @triton.jit
-    def _rotate(y, norm_scale, had_ptr, BLOCK_D: tl.constexpr, HB: tl.constexpr, SPLIT: tl.constexpr,
-                LOAD: tl.constexpr):
+    def _rotate(y, norm_scale, BLOCK_D: tl.constexpr, HB: tl.constexpr, SPLIT: tl.constexpr):
         # y @ H in fp32. SPLIT (GPUs): y as two bf16 parts (hi + lo carries 16 significant bits, more than the
         # tf32 a plain fp32 dot would use) times the exact +-1 matrix on the bf16 tensor cores. The CPU
         # interpreter gets bf16 dots wrong and takes the fp32 dot (exact there) instead.
-        if LOAD:
-            i = tl.arange(0, BLOCK_D)
-            hm = tl.load(had_ptr + i[:, None] * BLOCK_D + i[None, :])
-        else:
-            hm = _hadamard_signs(BLOCK_D, HB)
+        hm = _hadamard_signs(BLOCK_D, HB)
         if SPLIT:
             hi = round_bf16(y)
             acc = tl.dot(hi.to(tl.bfloat16), hm, out_dtype=tl.float32)
@@ -211,12 +201,12 @@ if triton is not None:
         return acc * norm_scale
 
     @triton.jit
-    def _qk_prep_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, mean_ptr, scale_ptr, out_ptr, part_ptr, had_ptr,
+    def _qk_prep_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, mean_ptr, scale_ptr, out_ptr, part_ptr,
                         S, H, D, R, N_TILES, eps, had_scale, sxb, sxs, sxh, sob, sos, soh, scs,
                         STAGE: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, SMOOTH: tl.constexpr,
                         HADAMARD: tl.constexpr, FMT: tl.constexpr, PER_BLOCK: tl.constexpr, RND: tl.constexpr,
                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_DOT: tl.constexpr,
-                        TABLES_ROUNDED: tl.constexpr, LOAD_SIGNS: tl.constexpr):
+                        TABLES_ROUNDED: tl.constexpr):
         # One program = BLOCK_S tokens of one (batch, head); STAGE 0 = partial key sums (for the mean),
         # 1 = partial absmax (for per-head scales), 2 = write the output. Each stage recomputes the
         # norm + RoPE from the raw input: re-reading bf16 costs what storing an intermediate would.
@@ -269,7 +259,7 @@ if triton is not None:
             tl.store(part_ptr + (pid_bh * N_TILES + pid_s) * BLOCK_D + d, tl.sum(y, axis=0))
         else:
             if HADAMARD:
-                y = _rotate(y, had_scale, had_ptr, BLOCK_D, HADAMARD, SPLIT_DOT, LOAD_SIGNS)
+                y = _rotate(y, had_scale, BLOCK_D, HADAMARD, SPLIT_DOT)
             optr = out_ptr + b * sob + h * soh + rows[:, None] * sos + d[None, :]
             if FMT == 0:
                 if STAGE == 2:
@@ -313,7 +303,6 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     tile = HADAMARD_TILE_TOKENS if hadamard and granularity == "per_head" else BLOCK_TOKENS
     warps = HADAMARD_WARPS if hadamard else NUM_WARPS
     n_tiles = triton.cdiv(s, tile)
-    load_signs = bool(hadamard) and HADAMARD_SIGNS == "memory"
     dev = x.device
     kernel = _qk_prep_kernel
     dummy = torch.empty(1, device=dev, dtype=torch.float32)
@@ -329,16 +318,15 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         r = 0
     grid = (b * h, n_tiles)
     had_scale = float(torch.tensor(1.0 / math.sqrt(hadamard)).float()) if hadamard else 1.0  # the fp32 entry
-    signs = _signs(d, hadamard, dev) if load_signs else dummy
 
     def launch(stage, out, part, mean, scale, fmt_code, per_block):
         so = out.stride() if out.ndim == 4 else (0, 0, 0, 1)
-        kernel[grid](x, w, cos, sin, mean, scale, out, part, signs, s, h, d, r, n_tiles, float(eps), had_scale,
+        kernel[grid](x, w, cos, sin, mean, scale, out, part, s, h, d, r, n_tiles, float(eps), had_scale,
                      x.stride(0), x.stride(1), x.stride(2), so[0], so[1], so[2], r,
                      STAGE=stage, NORM=norm, ROPE=rope is not None, SMOOTH=smooth and mean is not dummy,
                      HADAMARD=hadamard, FMT=fmt_code, PER_BLOCK=per_block, BLOCK_S=tile,
                      RND=round_code(x.dtype), BLOCK_D=block_d, SPLIT_DOT=not INTERPRETED,
-                     TABLES_ROUNDED=cos.dtype == x.dtype, LOAD_SIGNS=load_signs, num_warps=warps)
+                     TABLES_ROUNDED=cos.dtype == x.dtype, num_warps=warps)
 
     mean = dummy
     if smooth:

@@ -109,7 +109,7 @@ def test_fa3_fp8_needs_per_head_scales(setup, monkeypatch):
 
 
 def test_fp8_linears_take_their_activations_from_the_fused_passes(setup, monkeypatch):
-    # With FP8 linears the fused modulation and SwiGLU write e4m3 rows themselves: same values as letting each
+    # With FP8 linears q, k and v share one quantized input and SwiGLU writes e4m3 rows: same values as letting each
     # Fp8Linear quantize the model-dtype rows (modulation off), up to the fused norm's rare 1-ulp roundings.
     from h3_spark.kernels.linear_fp8 import Fp8RowModulation, Fp8SwiGLU
 
@@ -126,7 +126,7 @@ def test_fp8_linears_take_their_activations_from_the_fused_passes(setup, monkeyp
         models.append((m, report))
     (fused, fused_report), (plain, plain_report) = models
     assert fused.modulation_cls is Fp8RowModulation and isinstance(fused.transformer_blocks[0].ff, Fp8SwiGLU)
-    assert "fused into RMSNorm + modulation and SwiGLU" in fused_report["linear"]["activation_quantizer"]
+    assert "one quantized input for q, k and v" in fused_report["linear"]["activation_quantizer"]
     assert plain.modulation_cls is RowModulation and plain_report["linear"]["activation_quantizer"] == "triton"
     gen = torch.Generator().manual_seed(1)
     lay = layout.build_t2va(text_tags(6), 2, 4, 4, 5)

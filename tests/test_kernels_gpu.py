@@ -69,14 +69,6 @@ def test_modulation_kernel():
         res, h = fused.add_norm_modulate(x, gate, y, norm, shift, scale)
         want_res, want_h = ref.add_norm_modulate(x, gate, y, norm, shift, scale)
         assert torch.equal(res, want_res) and (h == want_h).float().mean() >= 0.999
-        if torch.cuda.get_device_capability() >= (9, 0):
-            from h3_spark.kernels.linear_fp8 import quantize_rows
-
-            _, codes, scales = fused.whole_rows(x, norm, shift, scale, gate=gate, y=y, quant=True)
-            want_codes, want_scales = quantize_rows(fused.norm_modulate(norm, res, shift, scale).view(-1, d))
-            # the two kernels may sum the squares in another order (FMA contraction): rare 1-ulp rows
-            assert (codes.view(-1, d).view(torch.uint8) == want_codes.view(torch.uint8)).float().mean() >= 0.9999
-            assert torch.allclose(scales, want_scales, rtol=2 ** -7)
 
 
 def test_fp8_linear():
