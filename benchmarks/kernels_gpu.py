@@ -223,7 +223,7 @@ def qk_prep():
 @item("hadamard_shapes")
 def hadamard_shapes():
     """The rotating Q/K passes (FP8, per-head scales, K smoothing, Hadamard 128) over launch choices: tokens
-    per program and warps."""
+    per program and warps, and the rotation's dot: two bf16 parts (16 significant bits) or one (8)."""
     from h3_spark.h3_model.dit import rope_tables
     from h3_spark.kernels import qk_prep as qk
 
@@ -234,22 +234,23 @@ def hadamard_shapes():
                                                    16, 10000.0))
     kw = dict(smooth=True, hadamard=128, fmt="fp8")
     want = qk.reference_prepare_heads(x, w, 1e-5, rope, **kw)
-    saved = (qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS)
+    saved = (qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS, qk.HADAMARD_DOT)
     out = {}
     try:
-        for tile in (32, 64, 128):
-            for warps in (2, 4, 8):
-                qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS = tile, warps
+        for dot in ("split", "bf16"):
+            for tile, warps in ((32, 2), (64, 4), (128, 8)):
+                qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS, qk.HADAMARD_DOT = tile, warps, dot
+                label = f"{dot}_{tile}x{warps}"
                 try:
                     got = qk.prepare_heads(x, w, 1e-5, rope, **kw)
-                    out[f"{tile}x{warps}"] = {
-                        "ms": bench(lambda: qk.prepare_heads(x, w, 1e-5, rope, **kw), ARGS.iters),
-                        "identical_codes": (got.data.view(torch.uint8) == want.data.view(torch.uint8))
-                        .float().mean().item()}
+                    out[label] = {"ms": bench(lambda: qk.prepare_heads(x, w, 1e-5, rope, **kw), ARGS.iters),
+                                  "identical_codes": (got.data.view(torch.uint8) == want.data.view(torch.uint8))
+                                  .float().mean().item(),
+                                  "dequant_rel_l2_vs_ref": rel_l2(got.dequantize(), want.dequantize())}
                 except Exception as exc:  # a launch shape the compiler refuses is a result too
-                    out[f"{tile}x{warps}"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                    out[label] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     finally:
-        qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS = saved
+        qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS, qk.HADAMARD_DOT = saved
     out["exact_one_pass_ms"] = bench(lambda: qk.prepare_heads(x, w, 1e-5, rope), ARGS.iters)
     out["floor_one_pass_ms"] = 2 * x.numel() * 2 / 4.3e12 * 1e3
     return out
