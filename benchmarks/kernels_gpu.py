@@ -223,7 +223,7 @@ def qk_prep():
 @item("hadamard_shapes")
 def hadamard_shapes():
     """The rotating Q/K passes (FP8, per-head scales, K smoothing, Hadamard 128) over launch choices: tokens
-    per program and warps, and the rotation's dot: two bf16 parts (16 significant bits) or one (8)."""
+    per program and warps."""
     from h3_spark.h3_model.dit import rope_tables
     from h3_spark.kernels import qk_prep as qk
 
@@ -234,13 +234,13 @@ def hadamard_shapes():
                                                    16, 10000.0))
     kw = dict(smooth=True, hadamard=128, fmt="fp8")
     want = qk.reference_prepare_heads(x, w, 1e-5, rope, **kw)
-    saved = (qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS, qk.HADAMARD_DOT)
+    saved = (qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS)
     out = {}
     try:
-        for dot in ("split", "bf16"):
-            for tile, warps in ((32, 2), (64, 4), (128, 8)):
-                qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS, qk.HADAMARD_DOT = tile, warps, dot
-                label = f"{dot}_{tile}x{warps}"
+        for tile in (32, 64, 128):
+            for warps in (2, 4, 8):
+                qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS = tile, warps
+                label = f"{tile}x{warps}"
                 try:
                     got = qk.prepare_heads(x, w, 1e-5, rope, **kw)
                     out[label] = {"ms": bench(lambda: qk.prepare_heads(x, w, 1e-5, rope, **kw), ARGS.iters),
@@ -250,7 +250,7 @@ def hadamard_shapes():
                 except Exception as exc:  # a launch shape the compiler refuses is a result too
                     out[label] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     finally:
-        qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS, qk.HADAMARD_DOT = saved
+        qk.HADAMARD_TILE_TOKENS, qk.HADAMARD_WARPS = saved
     out["exact_one_pass_ms"] = bench(lambda: qk.prepare_heads(x, w, 1e-5, rope), ARGS.iters)
     out["floor_one_pass_ms"] = 2 * x.numel() * 2 / 4.3e12 * 1e3
     return out

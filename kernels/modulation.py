@@ -29,7 +29,7 @@ if triton is not None:
     @triton.jit
     def _modulation_kernel(x_ptr, y_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride, D: tl.constexpr,
                            MODE: tl.constexpr, HAS_W: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr):
-        # MODE 0: RMSNorm + modulate (a = shift, b = 1 + scale); 1: modulate only; 2: x + a * y (a = gate).
+        # MODE 0: RMSNorm + modulate (a = shift, b = scale); 1: modulate only; 2: x + a * y (a = gate).
         # D (the hidden size) is a compile-time constant: one compile per model width.
         row = tl.program_id(0).to(tl.int64)
         r = tl.load(rows_ptr + row % S).to(tl.int64)
@@ -64,40 +64,37 @@ if triton is not None:
                 if MODE == 0:
                     o = _norm_modulate(x, c, m, rstd, w_ptr, arow, brow, HAS_W, RND)
                 else:
-                    k = tl.load(brow + c, mask=m, other=0.0).to(tl.float32)
+                    sc = tl.load(brow + c, mask=m, other=0.0).to(tl.float32)
                     sh = tl.load(arow + c, mask=m, other=0.0).to(tl.float32)
-                    o = rnd(rnd(x * k, RND) + sh, RND)
+                    o = rnd(rnd(x * rnd(1.0 + sc, RND), RND) + sh, RND)
             tl.store(orow + c, o.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _norm_modulate(x, c, m, rstd, w_ptr, arow, brow, HAS_W: tl.constexpr, RND: tl.constexpr):
-        # RMSNorm (fp32 math, one rounding) then x * k + shift with k = 1 + scale (rounded on the host, as
-        # eager rounds it), rounding where eager does.
+        # RMSNorm (fp32 math, one rounding) then x * (1 + scale) + shift, rounding where eager does.
         v = x * rstd
         if HAS_W:
             v = v * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
         v = rnd(v, RND)
-        k = tl.load(brow + c, mask=m, other=0.0).to(tl.float32)
+        sc = tl.load(brow + c, mask=m, other=0.0).to(tl.float32)
         sh = tl.load(arow + c, mask=m, other=0.0).to(tl.float32)
-        return rnd(rnd(v * k, RND) + sh, RND)
+        return rnd(rnd(v * rnd(1.0 + sc, RND), RND) + sh, RND)
 
     @triton.jit
-    def _row_kernel(x_ptr, y_ptr, g_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, res_ptr, out_ptr, S, eps,
-                    tab_stride, D: tl.constexpr, ADD: tl.constexpr, HAS_W: tl.constexpr,
-                    RND: tl.constexpr, BLOCK: tl.constexpr):
-        # One whole row per program (BLOCK >= D). ADD: the gated residual x + g * y first (written to res_ptr),
-        # then RMSNorm + modulate of that sum. (Writing e4m3 rows here as well measured slower than this
-        # pass plus quantize_rows on the H200: 0.52 vs 0.44 ms at S = 19,540.)
+    def _add_norm_kernel(x_ptr, y_ptr, g_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, res_ptr, out_ptr, S, eps,
+                         tab_stride, D: tl.constexpr, HAS_W: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr):
+        # One whole row per program (BLOCK >= D): the gated residual x + g * y (written to res_ptr), then
+        # RMSNorm + modulate of that sum from the same registers. (Writing e4m3 rows here as well measured
+        # slower than this pass plus quantize_rows on the H200: 0.52 vs 0.44 ms at S = 19,540.)
         row = tl.program_id(0).to(tl.int64)
         r = tl.load(rows_ptr + row % S).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < D
         x = tl.load(x_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
-        if ADD:
-            g = tl.load(g_ptr + r * tab_stride + c, mask=m, other=0.0).to(tl.float32)
-            yv = tl.load(y_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
-            x = rnd(x + rnd(g * yv, RND), RND)
-            tl.store(res_ptr + row * D + c, x.to(res_ptr.dtype.element_ty), mask=m)
+        g = tl.load(g_ptr + r * tab_stride + c, mask=m, other=0.0).to(tl.float32)
+        yv = tl.load(y_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
+        x = rnd(x + rnd(g * yv, RND), RND)
+        tl.store(res_ptr + row * D + c, x.to(res_ptr.dtype.element_ty), mask=m)
         rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
         o = _norm_modulate(x, c, m, rstd, w_ptr, a_ptr + r * tab_stride, b_ptr + r * tab_stride, HAS_W, RND)
         tl.store(out_ptr + row * D + c, o.to(out_ptr.dtype.element_ty), mask=m)
@@ -154,10 +151,10 @@ class FusedRowModulation(RowModulation):
         return out
 
     def norm_modulate(self, norm, x, shift, scale):
-        return self._launch(0, x, shift, _one_plus(scale), norm=norm)
+        return self._launch(0, x, shift, scale, norm=norm)
 
     def modulate(self, x, shift, scale):
-        return self._launch(1, x, shift, _one_plus(scale))
+        return self._launch(1, x, shift, scale)
 
     def gated_add(self, residual, gate, y):
         if y.shape != residual.shape:
@@ -165,50 +162,29 @@ class FusedRowModulation(RowModulation):
         return self._launch(2, residual, gate, None, y=y)
 
     def add_norm_modulate(self, residual, gate, y, norm, shift, scale):
-        """The gated residual and the next RMSNorm + modulate in one pass: the new residual is read once."""
-        if not fits_one_pass(residual.shape[-1]):
+        """The gated residual and the next RMSNorm + modulate in one pass over whole rows (the new residual
+        is read once); rows wider than one program holds take the two passes."""
+        if residual.shape[-1] > BLOCK:
             return super().add_norm_modulate(residual, gate, y, norm, shift, scale)
-        return self.whole_rows(residual, norm, shift, scale, gate=gate, y=y)
-
-    def whole_rows(self, x, norm, shift, scale, *, gate=None, y=None):
-        """(new residual or None, rows) from one `_row_kernel` pass over whole rows:
-        [x + gate * y ->] RMSNorm -> modulate."""
         require_kernels("H3_MODULATION_FUSION")
-        if x.ndim != 3:
-            raise ValueError(f"expected (batch, seq, hidden), got {list(x.shape)}")
-        bsz, s, d = x.shape
-        if not fits_one_pass(d):
-            raise ValueError(f"one-pass row kernels take rows up to {BLOCK} wide, got {d}")
+        if residual.ndim != 3:
+            raise ValueError(f"expected (batch, seq, hidden), got {list(residual.shape)}")
+        if y.shape != residual.shape:
+            raise ValueError(f"gated_add: update {list(y.shape)} does not match the residual {list(residual.shape)}")
+        bsz, s, d = residual.shape
         if self.rows.numel() != s:
             raise ValueError(f"{self.rows.numel()} row indices for a sequence of {s}")
-        if gate is not None and y.shape != x.shape:
-            raise ValueError(f"gated_add: update {list(y.shape)} does not match the residual {list(x.shape)}")
-        scale = _one_plus(scale)
-        tables = [_table_rows(t, d) for t in ((shift, scale) if gate is None else (shift, scale, gate))]
+        tables = [_table_rows(t, d) for t in (shift, scale, gate)]
         if len({stride for _, stride in tables}) > 1:
             tables = [(t.contiguous(), d) for t, _ in tables]
-        shift, scale = tables[0][0], tables[1][0]
-        gate = tables[2][0] if gate is not None else shift
-        x = x.contiguous()
-        residual = torch.empty_like(x) if y is not None else None
-        out = torch.empty_like(x)
+        (shift, tab_stride), (scale, _), (gate, _) = tables
+        x = residual.contiguous()
+        new_residual, out = torch.empty_like(x), torch.empty_like(x)
         w = norm.weight
         eps = float(norm.eps) if norm.eps is not None else float(torch.finfo(x.dtype).eps)
         if x.numel():
-            _row_kernel[(bsz * s,)](
-                x, y.contiguous() if y is not None else x, gate, w if w is not None else x, shift, scale,
-                self._row_index(x.device), residual if residual is not None else x, out, s, eps, tables[0][1],
-                D=d, ADD=y is not None, HAS_W=w is not None, RND=round_code(x.dtype),
+            _add_norm_kernel[(bsz * s,)](
+                x, y.contiguous(), gate, w if w is not None else x, shift, scale, self._row_index(x.device),
+                new_residual, out, s, eps, tab_stride, D=d, HAS_W=w is not None, RND=round_code(x.dtype),
                 BLOCK=triton.next_power_of_2(d), num_warps=NUM_WARPS)
-        return residual, out
-
-
-def _one_plus(scale: torch.Tensor) -> torch.Tensor:
-    # 1 + scale once per table row (eager rounds it to the activation dtype too): one rounding per element
-    # less in the kernels, which are bound by their conversions.
-    return 1.0 + scale
-
-
-def fits_one_pass(width: int) -> bool:
-    """Whether a row of `width` fits the one-pass row kernels (the whole row in one program's registers)."""
-    return width <= BLOCK
+        return new_residual, out

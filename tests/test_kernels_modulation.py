@@ -97,25 +97,22 @@ def test_fp8_modulation_hands_one_quantized_activation_to_the_linears():
     assert isinstance(b, Fp8Rows) and rel_l2(b.dequantize(), fused.norm_modulate(norm, x, shift, scale)) <= 0.04
 
 
-def test_one_pass_rows_errors_and_wide_rows():
+def test_one_pass_errors_and_wide_rows():
     rows, shift, scale, gate, x, y, norm = setup(torch.bfloat16)
     fused = FusedRowModulation(rows, True)
     with pytest.raises(ValueError, match=r"gated_add: update \[2, 28, 159\] does not match the residual"):
-        fused.whole_rows(x, norm, shift, scale, gate=gate, y=y[..., :159])
+        fused.add_norm_modulate(x, gate, y[..., :159], norm, shift, scale)
     with pytest.raises(ValueError, match="expected \\(batch, seq, hidden\\)"):
-        fused.whole_rows(x[0], norm, shift, scale)
+        fused.add_norm_modulate(x[0], gate, y[0], norm, shift, scale)
     with pytest.raises(ValueError, match="3 row indices for a sequence of 28"):
-        FusedRowModulation(rows[:3], True).whole_rows(x, norm, shift, scale)
-    # Rows wider than one program holds: whole_rows refuses, add_norm_modulate takes the two passes.
+        FusedRowModulation(rows[:3], True).add_norm_modulate(x, gate, y, norm, shift, scale)
+    # Rows wider than one program holds take the two passes, with the same results.
     import h3_spark.kernels.modulation as mod
 
     d = mod.BLOCK + 16
     w_rows, w_shift, w_scale, w_gate, w_x, w_y, w_norm = setup(torch.bfloat16, d=d, seed=6)
     w_rows, w_x, w_y = w_rows[:4], w_x[:1, :4], w_y[:1, :4]
-    wide = FusedRowModulation(w_rows, True)
-    with pytest.raises(ValueError, match=f"one-pass row kernels take rows up to {mod.BLOCK} wide, got {d}"):
-        wide.whole_rows(w_x, w_norm, w_shift, w_scale)
     with torch.no_grad():
-        got_res, got = wide.add_norm_modulate(w_x, w_gate, w_y, w_norm, w_shift, w_scale)
+        got_res, got = FusedRowModulation(w_rows, True).add_norm_modulate(w_x, w_gate, w_y, w_norm, w_shift, w_scale)
         want_res, want = RowModulation(w_rows, True).add_norm_modulate(w_x, w_gate, w_y, w_norm, w_shift, w_scale)
     assert torch.equal(got_res, want_res) and (got == want).float().mean() >= 0.999
