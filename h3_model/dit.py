@@ -133,6 +133,15 @@ class SwiGLU(nn.Module):
         # value * silu(gate) of the fused up-projection; kernels/ swaps in a fused version.
         self.activation: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    @classmethod
+    def wrap(cls, ff: "SwiGLU") -> "SwiGLU":
+        """An instance of this (sub)class over `ff`'s own linears: kernels/ swap in variants whose activation
+        leaves in a quantized format for the down-projection."""
+        obj = cls.__new__(cls)
+        nn.Module.__init__(obj)
+        obj.net, obj.activation = ff.net, None
+        return obj
+
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         up = self.net[0].proj(x)
         if self.activation is not None:
@@ -140,15 +149,23 @@ class SwiGLU(nn.Module):
         value, gate = up.chunk(2, dim=-1)
         return self.net[2](value * F.silu(gate))
 
+    @staticmethod
+    def _tokens(x, start: int, end: int):
+        """Tokens start:end of every batch row (a quantized activation type overrides this)."""
+        return x[:, start:end]
+
     def forward(self, x: torch.Tensor, chunks: int = 1) -> torch.Tensor:
         """`chunks` > 1 runs the rows in pieces: the (S, 2F) intermediate is the FFN's memory peak."""
         if chunks <= 1 or x.shape[1] < 2:
             return self._rows(x)
-        out = torch.empty_like(x)
-        for piece in torch.arange(x.shape[1], device=x.device).tensor_split(chunks):
+        out = None
+        for piece in torch.arange(x.shape[1]).tensor_split(chunks):
             if piece.numel():
                 s, e = int(piece[0]), int(piece[-1]) + 1
-                out[:, s:e] = self._rows(x[:, s:e])
+                y = self._rows(self._tokens(x, s, e))
+                if out is None:
+                    out = y.new_empty(x.shape[0], x.shape[1], y.shape[-1])
+                out[:, s:e] = y
         return out
 
 

@@ -197,27 +197,12 @@ class Fp8RowModulation(FusedRowModulation):
 class Fp8SwiGLU(SwiGLU):
     """SwiGLU whose activation leaves in e4m3 with per-token scales for the FP8 down-projection."""
 
-    @classmethod
-    def wrap(cls, ff: SwiGLU) -> "Fp8SwiGLU":
-        obj = cls.__new__(cls)
-        nn.Module.__init__(obj)
-        obj.net = ff.net  # the same (already converted) linears
-        obj.activation = None
-        return obj
+    @staticmethod
+    def _tokens(x, start: int, end: int):
+        return x.seq_slice(start, end) if isinstance(x, Fp8Rows) else x[:, start:end]
 
     def _rows(self, x):
         return self.net[2](swiglu_quantize_fp8(self.net[0].proj(x)))
-
-    def forward(self, x, chunks: int = 1):
-        if not isinstance(x, Fp8Rows) or chunks <= 1 or x.shape[1] < 2:
-            return super().forward(x, chunks)
-        b, s, _ = x.shape
-        out = torch.empty(b, s, self.net[2].out_features, device=x.data.device, dtype=self.net[2].out_dtype)
-        for piece in torch.arange(s).tensor_split(chunks):
-            if piece.numel():
-                start, end = int(piece[0]), int(piece[-1]) + 1
-                out[:, start:end] = self._rows(x.seq_slice(start, end))
-        return out
 
 
 def swiglu_quantize_fp8(up: torch.Tensor) -> Fp8Rows:

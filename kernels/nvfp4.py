@@ -272,13 +272,6 @@ class Nvfp4Linear(nn.Module):
 class Nvfp4SwiGLU(SwiGLU):
     """SwiGLU whose fc1 -> SwiGLU -> fc2 path hands fc2 an NVFP4 activation made in one pass."""
 
-    @classmethod
-    def wrap(cls, ff: SwiGLU) -> "Nvfp4SwiGLU":
-        obj = cls.__new__(cls)
-        nn.Module.__init__(obj)
-        obj.net = ff.net  # the same (already converted) linears
-        return obj
-
     def _rows(self, x):
         return self.net[2](swiglu_quantize_nvfp4(self.net[0].proj(x)))
 

@@ -19,18 +19,21 @@ from oracle import EQUAL_WIDTH, diffusers_dit, ours_from, rel_l2, text_tags
 pytest.importorskip("triton")
 
 
-@pytest.fixture(scope="module")
-def setup():
-    ref = diffusers_dit(TINY, seed=3)
+def forward_inputs(c, seed: int) -> dict:
+    """Random T2VA forward arguments for a DiT config (a small packed layout)."""
     lay = layout.build_t2va(text_tags(6), 2, 4, 4, 5)
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seed)
     ts, idx = lay.row_timesteps(0.4, 0.6, 0.4)
-    args = dict(hidden_states=torch.randn(1, lay.video_indices.numel(), TINY.video_patch_dim, generator=gen),
-                audio_hidden_states=torch.randn(1, lay.audio_indices.numel(), TINY.audio_in_channels, generator=gen),
-                encoder_hidden_states=torch.randn(1, lay.num_text, TINY.text_dim, generator=gen),
+    return dict(hidden_states=torch.randn(1, lay.video_indices.numel(), c.video_patch_dim, generator=gen),
+                audio_hidden_states=torch.randn(1, lay.audio_indices.numel(), c.audio_in_channels, generator=gen),
+                encoder_hidden_states=torch.randn(1, lay.num_text, c.text_dim, generator=gen),
                 token_tags=lay.token_tags, position_ids=lay.position_ids.float(), video_indices=lay.video_indices,
                 audio_indices=lay.audio_indices, text_indices=lay.text_indices, timestep=ts, timestep_indices=idx)
-    return ref, args
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return diffusers_dit(TINY, seed=3), forward_inputs(TINY, seed=5)
 
 
 def model_bf16(ref):
@@ -108,12 +111,11 @@ def test_fa3_fp8_needs_per_head_scales(setup, monkeypatch):
     assert type(sixteen.transformer_blocks[0].ff.net[2]).__name__ == "Fp8Linear"
 
 
-def test_fp8_linears_take_their_activations_from_the_fused_passes(setup, monkeypatch):
+def test_fp8_linears_take_their_activations_from_the_fused_passes(monkeypatch):
     # With FP8 linears q, k and v share one quantized input and SwiGLU writes e4m3 rows: same values as letting each
     # Fp8Linear quantize the model-dtype rows (modulation off), up to the fused norm's rare 1-ulp roundings.
     from h3_spark.kernels.linear_fp8 import Fp8RowModulation, Fp8SwiGLU
 
-    _, args = setup
     for module in (cap, dispatch):
         monkeypatch.setattr(module, "capability", lambda device: (9, 0))
         monkeypatch.setattr(module, "describe_device", lambda device: "NVIDIA H200 (sm_90)")
@@ -128,15 +130,7 @@ def test_fp8_linears_take_their_activations_from_the_fused_passes(setup, monkeyp
     assert fused.modulation_cls is Fp8RowModulation and isinstance(fused.transformer_blocks[0].ff, Fp8SwiGLU)
     assert "one quantized input for q, k and v" in fused_report["linear"]["activation_quantizer"]
     assert plain.modulation_cls is RowModulation and plain_report["linear"]["activation_quantizer"] == "triton"
-    gen = torch.Generator().manual_seed(1)
-    lay = layout.build_t2va(text_tags(6), 2, 4, 4, 5)
-    c = EQUAL_WIDTH
-    ts, idx = lay.row_timesteps(0.4, 0.6, 0.4)
-    inputs = dict(hidden_states=torch.randn(1, lay.video_indices.numel(), c.video_patch_dim, generator=gen),
-                  audio_hidden_states=torch.randn(1, lay.audio_indices.numel(), c.audio_in_channels, generator=gen),
-                  encoder_hidden_states=torch.randn(1, lay.num_text, c.text_dim, generator=gen),
-                  token_tags=lay.token_tags, position_ids=lay.position_ids.float(), video_indices=lay.video_indices,
-                  audio_indices=lay.audio_indices, text_indices=lay.text_indices, timestep=ts, timestep_indices=idx)
+    inputs = forward_inputs(EQUAL_WIDTH, seed=1)
     with torch.no_grad():
         a, b = fused(**inputs), plain(**inputs)
     assert rel_l2(a[0], b[0]) <= 2e-2 and rel_l2(a[1], b[1]) <= 2e-2

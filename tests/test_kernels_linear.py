@@ -44,10 +44,15 @@ def test_fp8_weight_scales():
     assert rel_l2(q.float() * s[:, None], w) <= 0.04
 
 
-def test_fp8_linear_forward_vs_reference_and_bf16():
-    lin = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+def bf16_linear(k: int, n: int, seed: int = 1) -> torch.nn.Linear:
+    lin = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
     with torch.no_grad():
-        lin.weight.copy_(rand(48, 64, scale=0.05, seed=1))
+        lin.weight.copy_(rand(n, k, scale=0.05, seed=seed))
+    return lin
+
+
+def test_fp8_linear_forward_vs_reference_and_bf16():
+    lin = bf16_linear(64, 48)
     f8 = Fp8Linear.from_linear(lin)
     x = rand(2, 11, 64, scale=2, seed=2)
     out = f8(x)  # CPU torch._scaled_mm
@@ -130,10 +135,7 @@ def test_nvfp4_linear_reference_and_layout_checks():
 def test_fp8_rows_feed_the_linear_and_slice_by_tokens():
     from h3_spark.kernels.linear_fp8 import Fp8Rows, quantize_activation
 
-    lin = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
-    with torch.no_grad():
-        lin.weight.copy_(rand(48, 64, scale=0.05, seed=1))
-    f8 = Fp8Linear.from_linear(lin)
+    f8 = Fp8Linear.from_linear(bf16_linear(64, 48))
     x = rand(2, 11, 64, scale=2, seed=3)
     a = quantize_activation(x)
     assert isinstance(a, Fp8Rows) and a.shape == x.shape and a.data.shape == (22, 64)
