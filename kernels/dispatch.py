@@ -182,7 +182,6 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     linear_fmt, linear_why = resolve_linear(settings, device, checkpoint_format)
     qk_hook, qk_report = resolve_qk_prep(settings, inner.name, device)
     mod_cls, mod_report = resolve_modulation(settings, device, linear_fmt == "nvfp4")
-    from .modulation import FusedRowModulation
 
     weight_dtype = str(heads["dtype"])
     # Everything is resolved: only now change the model, so a failure above leaves it untouched.
@@ -209,7 +208,7 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
             for blk in model.transformer_blocks:
                 blk.ff = Nvfp4SwiGLU.wrap(blk.ff)
             linear_report["swiglu_nvfp4_fusion"] = True
-        if linear_fmt == "fp8" and mod_cls is FusedRowModulation:
+        if linear_fmt == "fp8" and fused_act is not None:
             # Same values as letting each Fp8Linear quantize its input, in fewer passes: q, k and v share
             # one quantized input, and the SwiGLU kernel writes e4m3 rows itself.
             from .linear_fp8 import Fp8RowModulation, Fp8SwiGLU

@@ -179,7 +179,6 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, source={self.source}"
 
 
-
 # ------------------------------------------------------------------------------------------ fused producers
 class Fp8RowModulation(FusedRowModulation):
     """The fused modulation handing the FP8 q/k/v and FFN-up linears their e4m3 activation: quantized once

@@ -288,8 +288,8 @@ class Nvfp4RowModulation(FusedRowModulation):
     """norm_modulate returns the NVFP4-encoded activation (for NVFP4 q/k/v and fc1); the gated residual
     stays the exact fused kernel."""
 
-    # The gated residual and the NVFP4 norm_modulate stay two passes (the fused row kernel writes e4m3 or
-    # the model dtype, not NVFP4).
+    # The gated residual and the NVFP4 norm_modulate stay two passes (the one-pass kernel writes the model
+    # dtype, not NVFP4).
     add_norm_modulate = RowModulation.add_norm_modulate
 
     def norm_modulate(self, norm, x, shift, scale):

@@ -29,9 +29,9 @@ from ._triton import (INTERPRETED, require_kernels, rint, rnd, round_bf16, round
 
 BLOCK_TOKENS = 64
 NUM_WARPS = 8
-# Launch shape of the passes that rotate: of 32/64/128 tokens x 4/8 warps on the H200 (S = 19,540, FP8 K
-# with smoothing), 64 x 4 was fastest (1.77 ms against 1.98 ms for 64 x 8); reading a stored bf16 +-1
-# matrix instead of making it in registers measured the same (1.76-1.93 ms) and is not kept.
+# Launch shape of the passes that rotate: of 32/64/128 tokens x 2/4/8 warps on the H200 (S = 19,540, FP8 K
+# with smoothing), 64 x 4 was among the fastest in each of three runs (1.77-2.08 ms; 64 x 8: 1.98-2.55 ms);
+# reading a stored bf16 +-1 matrix instead of making it in registers measured the same and is not kept.
 HADAMARD_TILE_TOKENS = 64
 HADAMARD_WARPS = 4
 QMAX = {"fp8": 448.0, "int8": 127.0}
@@ -175,8 +175,7 @@ if triton is not None:
     @triton.jit
     def _hadamard_signs(BLOCK_D: tl.constexpr, HB: tl.constexpr):
         # The block-diagonal Sylvester Hadamard scaled to +-1 (0 off the blocks), made in registers: entry
-        # (i, j) is (-1)^popcount(i & j & (HB - 1)) inside a block. Loading a stored fp32 matrix (64 KB per program,
-        # 4x the tile's own input) made the FP8 preparation ~10x its memory floor (perf-notes).
+        # (i, j) is (-1)^popcount(i & j & (HB - 1)) inside a block. Exact in bf16, and no matrix to read.
         i = tl.arange(0, BLOCK_D)
         v = i[:, None] & i[None, :] & (HB - 1)
         v = v ^ (v >> 8)
