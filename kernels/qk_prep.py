@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import (INTERPRETED, require_kernels, rint, rnd, round_bf16, round_code, round_e4m3, tl,  # noqa: F401  (used in kernels)
-                      triton)
+from ._triton import (INTERPRETED, require_kernels, rint, rnd, round_bf16, round_code,  # noqa: F401  (kernels)
+                      round_e4m3, tl, triton)
 
 BLOCK_TOKENS = 64
 NUM_WARPS = 8

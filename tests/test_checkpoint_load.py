@@ -271,3 +271,24 @@ def test_diffusers_file_without_config(comfy_bf16, tmp_path):
     (tmp_path / "folder" / "config.json").write_text((comfy_bf16 / "diffusers" / "config.json").read_text())
     save_file(tensors, tmp_path / "folder" / "diffusion_pytorch_model.safetensors")
     _assert_same_state(_state(load_dit(tmp_path / "folder")), _state(load_dit(comfy_bf16 / "diffusers")))
+
+
+def test_both_namings_size_the_same_model_from_shapes():
+    # The released geometry described by tensor shapes alone, under ComfyUI's and diffusers' names.
+    from h3_spark.h3_model.checkpoint.dit_config import config_from_comfy, config_from_diffusers_shapes
+
+    shapes = expected_shapes(FULL)
+    comfy = {}
+    for name, shape in shapes.items():
+        original = keymap.diffusers_param_to_original(name)
+        if original is None:
+            continue
+        if original in comfy and ".qkv_proj." in original:  # q, k and v stack into one tensor
+            shape = (comfy[original][0] + shape[0], *shape[1:])
+        comfy[original] = shape
+    diff = config_from_diffusers_shapes(list(shapes), shapes.get)
+    assert (diff.hidden_size, diff.num_layers, diff.num_attention_heads, diff.ffn_dim) == (5376, 50, 56, 14336)
+    assert config_from_comfy(list(comfy), comfy.get, {}, None).to_dict() == diff.to_dict()
+    bad = dict(shapes, adaln_t_table=(1, 2688))
+    with pytest.raises(CheckpointError, match=r"adaln_t_table must be \[grid >= 2, k\], got \[1, 2688\]"):
+        config_from_diffusers_shapes(list(bad), bad.get)

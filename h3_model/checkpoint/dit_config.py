@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -61,23 +62,49 @@ def _need(shape: ShapeFn, name: str) -> tuple[int, ...]:
     return s
 
 
-def config_from_comfy(keys: list[str], shape: ShapeFn, metadata: dict[str, str],
-                      inv_freq: Callable[[], torch.Tensor] | None) -> DiTConfig:
-    """Sizes from original-named tensors (prefix already stripped), then the metadata override."""
-    hidden, patch_dim = _need(shape, "video_patch_proj.weight")
-    head_dim = _need(shape, "blocks.0.attn.q_norm.weight")[0]
-    qkv_rows = _need(shape, "blocks.0.attn.qkv_proj.weight")[0]
+@dataclass(frozen=True)
+class _Names:
+    """Where each size lives in one checkpoint naming: ComfyUI's original names or diffusers'."""
+
+    patch: str
+    head_norm: str
+    blocks: str
+    refiner_blocks: str
+    heads_weight: str  # its rows are heads x head_dim x heads_factor
+    heads_factor: int
+    ffn_up: str
+    audio_in: str
+    text_in: str
+    time_in: str
+    time_out: str
+
+
+COMFY_NAMES = _Names("video_patch_proj.weight", "blocks.0.attn.q_norm.weight", r"^blocks\.(\d+)\.",
+                     r"^token_refiner\.blocks\.(\d+)\.", "blocks.0.attn.qkv_proj.weight", 3,
+                     "blocks.0.mlp.fc1.weight", "audio_patch_proj.weight", "condition_proj.weight",
+                     "time_embedder.proj_in.weight", "time_embedder.proj_out.weight")
+DIFFUSERS_NAMES = _Names("proj_in.weight", "transformer_blocks.0.attn.norm_q.weight",
+                         r"^transformer_blocks\.(\d+)\.", r"^token_refiner\.refiner_blocks\.(\d+)\.",
+                         "transformer_blocks.0.attn.to_q.weight", 1, "transformer_blocks.0.ff.net.0.proj.weight",
+                         "audio_proj_in.weight", "context_embedder.weight", "time_embedder.linear_1.weight",
+                         "time_embedder.linear_2.weight")
+
+
+def _fields_from_shapes(keys: list[str], shape: ShapeFn, n: _Names) -> dict:
+    """DiTConfig fields read from tensor shapes under naming `n` (everything but the RoPE size)."""
+    hidden, patch_dim = _need(shape, n.patch)
+    head_dim = _need(shape, n.head_norm)[0]
     fields: dict = {
         "hidden_size": hidden,
-        "num_layers": _count(keys, r"^blocks\.(\d+)\."),
-        "num_refiner_layers": _count(keys, r"^token_refiner\.blocks\.(\d+)\."),
+        "num_layers": _count(keys, n.blocks),
+        "num_refiner_layers": _count(keys, n.refiner_blocks),
         "attention_head_dim": head_dim,
-        "num_attention_heads": qkv_rows // (3 * head_dim),
-        "ffn_dim": _need(shape, "blocks.0.mlp.fc1.weight")[0] // 2,
+        "num_attention_heads": _need(shape, n.heads_weight)[0] // (n.heads_factor * head_dim),
+        "ffn_dim": _need(shape, n.ffn_up)[0] // 2,
         "in_channels": patch_dim // 4,
         "patch_size": (1, 2, 2),
-        "audio_in_channels": _need(shape, "audio_patch_proj.weight")[1],
-        "text_dim": _need(shape, "condition_proj.weight")[1],
+        "audio_in_channels": _need(shape, n.audio_in)[1],
+        "text_dim": _need(shape, n.text_in)[1],
     }
     table = shape("adaln_t_table")
     if table is not None:
@@ -87,14 +114,21 @@ def config_from_comfy(keys: list[str], shape: ShapeFn, metadata: dict[str, str],
         # The time MLP is gone; its sizes do not matter to the curve form. ComfyUI assumes the same.
         fields["time_embed_hidden_dim"] = hidden
     else:
-        t_in = _need(shape, "time_embedder.proj_in.weight")
-        fields["time_embed_hidden_dim"], fields["freq_dim"] = t_in
-        fields["time_embed_dim"] = _need(shape, "time_embedder.proj_out.weight")[0]
+        fields["time_embed_hidden_dim"], fields["freq_dim"] = _need(shape, n.time_in)
+        fields["time_embed_dim"] = _need(shape, n.time_out)[0]
+    return fields
+
+
+def config_from_comfy(keys: list[str], shape: ShapeFn, metadata: dict[str, str],
+                      inv_freq: Callable[[], torch.Tensor] | None) -> DiTConfig:
+    """Sizes from original-named tensors (prefix already stripped), then the metadata override."""
+    fields = _fields_from_shapes(keys, shape, COMFY_NAMES)
     rope = shape("rope.inv_freq")
     if rope is not None:
         fields["rope_freq_dim"] = rope[0]
     override = comfy_metadata_config(metadata)
     fields.update(override)
+    head_dim = fields["attention_head_dim"]
     if "rope_freq_dim" not in fields:
         if head_dim != 128:
             raise CheckpointError("cannot tell rope_freq_dim: no rope.inv_freq tensor and no `config` metadata, "
@@ -143,27 +177,8 @@ def comfy_metadata_for(config: DiTConfig) -> str:
 
 def config_from_diffusers_shapes(keys: list[str], shape: ShapeFn) -> DiTConfig:
     """Sizes of a diffusers-named file without config.json (e.g. a bare state-dict dump)."""
-    hidden, patch_dim = _need(shape, "proj_in.weight")
-    head_dim = _need(shape, "transformer_blocks.0.attn.norm_q.weight")[0]
-    fields: dict = {
-        "hidden_size": hidden,
-        "num_layers": _count(keys, r"^transformer_blocks\.(\d+)\."),
-        "num_refiner_layers": _count(keys, r"^token_refiner\.refiner_blocks\.(\d+)\."),
-        "attention_head_dim": head_dim,
-        "num_attention_heads": _need(shape, "transformer_blocks.0.attn.to_q.weight")[0] // head_dim,
-        "ffn_dim": _need(shape, "transformer_blocks.0.ff.net.0.proj.weight")[0] // 2,
-        "in_channels": patch_dim // 4,
-        "patch_size": (1, 2, 2),
-        "audio_in_channels": _need(shape, "audio_proj_in.weight")[1],
-        "text_dim": _need(shape, "context_embedder.weight")[1],
-    }
-    table = shape("adaln_t_table")
-    if table is not None:
-        fields["adaln_curve_grid"], fields["time_embed_dim"] = table
-        fields["time_embed_hidden_dim"] = hidden
-    else:
-        fields["time_embed_hidden_dim"], fields["freq_dim"] = _need(shape, "time_embedder.linear_1.weight")
-        fields["time_embed_dim"] = _need(shape, "time_embedder.linear_2.weight")[0]
+    fields = _fields_from_shapes(keys, shape, DIFFUSERS_NAMES)
+    head_dim = fields["attention_head_dim"]
     if head_dim != 128:
         raise CheckpointError("a diffusers-named file without config.json can only be sized for the released "
                               f"head_dim 128 (rope_freq_dim is not stored), got head_dim {head_dim}")
