@@ -18,6 +18,7 @@ import torch
 
 from ..h3_model.dit import RowModulation
 from ._triton import require_kernels, rnd, round_code, tl, triton  # noqa: F401  (rnd: used in the kernels)
+from .qk_prep import norm_eps
 
 # Launch shape per row: up to BLOCK columns per step (a step as wide as the row reads it once) and warps.
 # 8192 x 8 measured best of six shapes at the released width on the H200 (perf-notes, third session).
@@ -122,30 +123,30 @@ class FusedRowModulation(RowModulation):
             idx = self._rows32[device] = self.rows.to(device=device, dtype=torch.int32).contiguous()
         return idx
 
-    def _launch(self, mode: int, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, y=None, norm=None):
+    def _operands(self, x: torch.Tensor, *tables: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        """Checked (batch, seq, hidden) rows and their table views sharing one row stride."""
         require_kernels("H3_MODULATION_FUSION")
         if x.ndim != 3:
             raise ValueError(f"expected (batch, seq, hidden), got {list(x.shape)}")
-        x = x.contiguous()
+        d = x.shape[-1]
+        if self.rows.numel() != x.shape[1]:
+            raise ValueError(f"{self.rows.numel()} row indices for a sequence of {x.shape[1]}")
+        views = [_table_rows(t, d) for t in tables]
+        if len({stride for _, stride in views}) > 1:
+            views = [(t.contiguous(), d) for t, _ in views]
+        return x.contiguous(), [t for t, _ in views], views[0][1]
+
+    def _launch(self, mode: int, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, y=None, norm=None):
+        x, tables, tab_stride = self._operands(x, a, *([b] if b is not None else []))
+        a, b = tables[0], tables[-1]
         bsz, s, d = x.shape
-        if self.rows.numel() != s:
-            raise ValueError(f"{self.rows.numel()} row indices for a sequence of {s}")
-        a, tab_stride = _table_rows(a, d)
-        if b is not None:
-            b, stride_b = _table_rows(b, d)
-            if stride_b != tab_stride:
-                b = b.contiguous()
-                a = a.contiguous()
-                tab_stride = d
         out = torch.empty_like(x)
-        w = norm.weight if norm is not None and norm.weight is not None else None
-        eps = 0.0
-        if norm is not None:
-            eps = float(norm.eps) if norm.eps is not None else float(torch.finfo(x.dtype).eps)
+        w = norm.weight if norm is not None else None
+        eps = norm_eps(norm, x.dtype) if norm is not None else 0.0
         dummy = x
         _modulation_kernel[(bsz * s,)](
-            x, y.contiguous() if y is not None else dummy, w if w is not None else dummy, a,
-            b if b is not None else a, self._row_index(x.device), out, s, eps, tab_stride, D=d,
+            x, y.contiguous() if y is not None else dummy, w if w is not None else dummy, a, b,
+            self._row_index(x.device), out, s, eps, tab_stride, D=d,
             MODE=mode, HAS_W=w is not None, RND=round_code(x.dtype), BLOCK=min(BLOCK, triton.next_power_of_2(d)),
             num_warps=NUM_WARPS)
         return out
@@ -166,22 +167,13 @@ class FusedRowModulation(RowModulation):
         is read once); rows wider than one program holds take the two passes."""
         if residual.shape[-1] > BLOCK:
             return super().add_norm_modulate(residual, gate, y, norm, shift, scale)
-        require_kernels("H3_MODULATION_FUSION")
-        if residual.ndim != 3:
-            raise ValueError(f"expected (batch, seq, hidden), got {list(residual.shape)}")
         if y.shape != residual.shape:
             raise ValueError(f"gated_add: update {list(y.shape)} does not match the residual {list(residual.shape)}")
-        bsz, s, d = residual.shape
-        if self.rows.numel() != s:
-            raise ValueError(f"{self.rows.numel()} row indices for a sequence of {s}")
-        tables = [_table_rows(t, d) for t in (shift, scale, gate)]
-        if len({stride for _, stride in tables}) > 1:
-            tables = [(t.contiguous(), d) for t, _ in tables]
-        (shift, tab_stride), (scale, _), (gate, _) = tables
-        x = residual.contiguous()
+        x, (shift, scale, gate), tab_stride = self._operands(residual, shift, scale, gate)
+        bsz, s, d = x.shape
         new_residual, out = torch.empty_like(x), torch.empty_like(x)
         w = norm.weight
-        eps = float(norm.eps) if norm.eps is not None else float(torch.finfo(x.dtype).eps)
+        eps = norm_eps(norm, x.dtype)
         if x.numel():
             _add_norm_kernel[(bsz * s,)](
                 x, y.contiguous(), gate, w if w is not None else x, shift, scale, self._row_index(x.device),

@@ -29,6 +29,7 @@ from ..h3_model.checkpoint.nvfp4 import (dequantize, e2m1_values, pack_codes, ro
 from ..h3_model.dit import RowModulation, SwiGLU
 from ._triton import require_kernels, rnd, round_code, round_e4m3, tl, triton  # noqa: F401
 from .modulation import FusedRowModulation
+from .qk_prep import norm_eps
 
 BLOCK = 16
 E2M1_MAX = 6.0
@@ -217,7 +218,7 @@ def rms_adaln_quantize_nvfp4(x: torch.Tensor, norm: nn.RMSNorm, shift: torch.Ten
     bsz, s, d = x.shape
     if shift.stride(-1) != 1 or scale.stride(-1) != 1 or shift.stride(0) != scale.stride(0):
         shift, scale = shift.contiguous(), scale.contiguous()
-    eps = float(norm.eps) if norm.eps is not None else float(torch.finfo(x.dtype).eps)
+    eps = norm_eps(norm, x.dtype)
     packed, scales, g = _encode(x.view(bsz * s, d), 2, d, bsz * s, w=norm.weight, a=shift, b=scale,
                                 rows=rows, s_len=s, tab_stride=shift.stride(0), eps=eps)
     return Nvfp4Activation(packed, scales, g, x.shape)

@@ -19,6 +19,7 @@ same signature; `FusedQKPrep` plugs either into `H3DiT.qk_prep`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -97,6 +98,12 @@ def _check(x: torch.Tensor, fmt, granularity: str, hadamard: int) -> None:
         raise ValueError(f"granularity must be per_head or per_block, got {granularity!r}")
     if hadamard:
         hadamard_matrix(x.shape[-1], hadamard)  # validates
+
+
+@functools.lru_cache(maxsize=8)
+def _fp32_inv_sqrt(block: int) -> float:
+    """1/sqrt(block) as the fp32 entry of `hadamard_matrix` holds it."""
+    return float(torch.tensor(1.0 / math.sqrt(block)).float())
 
 
 def norm_eps(norm: torch.nn.RMSNorm, dtype: torch.dtype) -> float:
@@ -317,7 +324,7 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         cos = sin = dummy
         r = 0
     grid = (b * h, n_tiles)
-    had_scale = float(torch.tensor(1.0 / math.sqrt(hadamard)).float()) if hadamard else 1.0  # the fp32 entry
+    had_scale = _fp32_inv_sqrt(hadamard) if hadamard else 1.0
 
     def launch(stage, out, part, mean, scale, fmt_code, per_block):
         so = out.stride() if out.ndim == 4 else (0, 0, 0, 1)
