@@ -200,22 +200,30 @@ def qk_prep():
     out = {}
     for label, kw in (("bf16_exact", {}),
                       ("fp8_per_head_smooth_had128", dict(smooth=True, hadamard=128, fmt="fp8")),
+                      ("fp8_per_head_bound_smooth_had128", dict(smooth=True, hadamard=128, fmt="fp8",
+                                                                granularity="per_head_bound")),
+                      ("fp8_per_head_had128_q", dict(hadamard=128, fmt="fp8")),
+                      ("fp8_per_head_bound_had128_q", dict(hadamard=128, fmt="fp8", granularity="per_head_bound")),
+                      ("fp8_v_no_norm", dict(norm=False, fmt="fp8")),
                       ("int8_per_block_smooth_had128", dict(smooth=True, hadamard=128, fmt="int8",
                                                             granularity="per_block")),
                       ("bf16_had128_for_sage", dict(hadamard=128))):
-        a = prepare_heads(x, w, 1e-5, rope, **kw)
-        b = reference_prepare_heads(x, w, 1e-5, rope, **kw)
+        tables = None if label.startswith("fp8_v") else rope  # V: no norm, no RoPE, as the model quantizes it
+        a = prepare_heads(x, w, 1e-5, tables, **kw)
+        b = reference_prepare_heads(x, w, 1e-5, tables, **kw)
         if isinstance(a, torch.Tensor):
             r = {"identical_fraction": (a == b).float().mean().item(), "rel_l2": rel_l2(a, b)}
         else:
             same = (a.data.view(torch.uint8) == b.data.view(torch.uint8)).float().mean().item()
             r = {"identical_codes": same, "dequant_rel_l2_vs_ref": rel_l2(a.dequantize(), b.dequantize()),
                  "dequant_rel_l2_vs_unquantized": rel_l2(a.dequantize(),
-                                                         reference_prepare_heads(x, w, 1e-5, rope,
+                                                         reference_prepare_heads(x, w, 1e-5, tables,
+                                                                                 norm=kw.get("norm", True),
                                                                                  smooth=kw.get("smooth", False),
-                                                                                 hadamard=128).float())}
-        r["fused_ms"] = bench(lambda: prepare_heads(x, w, 1e-5, rope, **kw), ARGS.iters)
-        r["reference_ms"] = bench(lambda: reference_prepare_heads(x, w, 1e-5, rope, **kw), ARGS.iters)
+                                                                                 hadamard=kw.get("hadamard", 0))
+                                                         .float())}
+        r["fused_ms"] = bench(lambda: prepare_heads(x, w, 1e-5, tables, **kw), ARGS.iters)
+        r["reference_ms"] = bench(lambda: reference_prepare_heads(x, w, 1e-5, tables, **kw), ARGS.iters)
         out[label] = r
     return out
 

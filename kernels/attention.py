@@ -184,7 +184,7 @@ class FA3FP8Backend(Backend):
         if isinstance(x, QuantizedHeads):
             if x.dtype != torch.float8_e4m3fn or x.block:
                 raise KernelUnavailable("fa3_fp8 takes float8_e4m3fn heads with one scale per (batch, head); "
-                                        "set H3_QK_GRANULARITY=per_head")
+                                        "set H3_QK_GRANULARITY=per_head or per_head_bound")
             return x
         fn = prepare_heads if self.use_triton else reference_prepare_heads
         return fn(x, None, 0.0, None, norm=False, fmt="fp8", granularity="per_head")

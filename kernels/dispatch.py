@@ -43,15 +43,16 @@ def resolve_qk_prep(settings: KernelSettings, backend_name: str, device):
     from .qk_prep import FusedQKPrep
 
     mode = settings.q_rms_rope_int8_fusion
-    if backend_name == "fa3_fp8" and settings.qk_granularity != "per_head":
+    if backend_name == "fa3_fp8" and settings.qk_granularity == "per_block":
         raise SettingsError("H3_QK_GRANULARITY=per_block cannot feed fa3_fp8: FlashAttention-3 takes one descale per "
-                            "(batch, head); use per_head")
+                            "(batch, head); use per_head or per_head_bound")
     if mode == "off":
         note = ("reference norm + RoPE; fa3_fp8 quantizes Q/K per head itself (no smoothing, no rotation)"
                 if backend_name == "fa3_fp8" else "reference norm + RoPE")
         return None, {"impl": "pytorch-reference", "exact": True, "note": note}
     if backend_name == "fa3_fp8":
-        hook = FusedQKPrep("fp8", settings.qk_smooth_k, settings.qk_hadamard, "per_head", triton_ready(device))
+        hook = FusedQKPrep("fp8", settings.qk_smooth_k, settings.qk_hadamard, settings.qk_granularity,
+                           triton_ready(device))
     elif backend_name in ("sage2", "sage2-quality"):
         # Sage quantizes Q/K itself and smooths K itself; it does not rotate, so the rotation happens here.
         hook = FusedQKPrep(None, False, settings.qk_hadamard, "per_head", triton_ready(device))

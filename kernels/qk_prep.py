@@ -12,6 +12,12 @@ Why each step:
   kernels.md §0.5).
 - Quantization: FP8 e4m3 (for FlashAttention-3 FP8, which takes one descale per batch and head) or
   INT8, with one scale per head (over the whole sequence) or per block of `BLOCK_TOKENS` tokens.
+- `per_head_bound` (FP8 only) takes each head's scale from an upper bound of its values instead of their
+  measured maximum: RMSNorm leaves a row with L2 norm <= max|w| sqrt(D), RoPE and the Hadamard keep it, the
+  smoothing adds at most |mean key|, and no element exceeds its row's norm. That saves the pass that finds
+  the maximum (one of two for Q, one of three for K). FP8 is a floating-point format, so a scale a few times
+  too large leaves its relative error unchanged (only values ~2^-14 below the largest go subnormal); an
+  integer grid would lose precision, hence FP8 only.
 
 `prepare_heads` is the Triton kernel, `reference_prepare_heads` the plain-PyTorch reference with the
 same signature; `FusedQKPrep` plugs either into `H3DiT.qk_prep`.
@@ -38,6 +44,10 @@ HADAMARD_WARPS = 4
 QMAX = {"fp8": 448.0, "int8": 127.0}
 QDTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 FORMATS = (None, "fp8", "int8")
+GRANULARITIES = ("per_head", "per_head_bound", "per_block")
+# Covers the roundings to bf16 between the norm and the rotation (each at most 2^-9 relative, four of them
+# on a value's way, plus bf16 RoPE tables): the bound stays a bound, and the kernel clamps at qmax anyway.
+BOUND_MARGIN = 1.0 + 2.0 ** -5
 # An all-zero head still needs a finite scale; its codes are zero whatever the scale.
 _MIN_AMAX = 1e-20
 
@@ -89,13 +99,20 @@ def hadamard_matrix(dim: int, block: int, device=None, dtype=torch.float32) -> t
     return torch.block_diag(*([h] * (dim // block))).to(device=device, dtype=dtype)
 
 
-def _check(x: torch.Tensor, fmt, granularity: str, hadamard: int) -> None:
+def _check(x: torch.Tensor, fmt, granularity: str, hadamard: int, norm: bool) -> None:
     if x.ndim != 4:
         raise ValueError(f"expected (batch, seq, heads, head_dim), got {list(x.shape)}")
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
-    if granularity not in ("per_head", "per_block"):
-        raise ValueError(f"granularity must be per_head or per_block, got {granularity!r}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if granularity == "per_head_bound" and fmt is not None:
+        if fmt != "fp8":
+            raise ValueError(f"per_head_bound scales are for fp8 (a floating-point format) only; {fmt} codes lose "
+                             f"precision under a loose scale: use per_head or per_block")
+        if not norm:
+            raise ValueError("per_head_bound scales need the RMSNorm (it bounds each row's norm); "
+                             "use per_head without it")
     if hadamard:
         hadamard_matrix(x.shape[-1], hadamard)  # validates
 
@@ -104,6 +121,17 @@ def _check(x: torch.Tensor, fmt, granularity: str, hadamard: int) -> None:
 def _fp32_inv_sqrt(block: int) -> float:
     """1/sqrt(block) as the fp32 entry of `hadamard_matrix` holds it."""
     return float(torch.tensor(1.0 / math.sqrt(block)).float())
+
+
+def bound_scale(weight: torch.Tensor | None, d: int, mean: torch.Tensor | None, batch: int, heads: int,
+                device) -> torch.Tensor:
+    """(batch, heads) FP8 scales from the bound on |value| (module docstring): max|w| sqrt(D), times the
+    rounding margin, plus each head's |mean key| ((batch, heads, D) or None) when keys are smoothed."""
+    wmax = weight.detach().float().abs().amax() if weight is not None else torch.ones((), device=device)
+    bound = (wmax * (BOUND_MARGIN * math.sqrt(d))).expand(batch, heads)
+    if mean is not None:
+        bound = bound + torch.linalg.vector_norm(mean.float(), dim=-1)
+    return (bound.clamp_min(_MIN_AMAX) / QMAX["fp8"]).contiguous()
 
 
 def norm_eps(norm: torch.nn.RMSNorm, dtype: torch.dtype) -> float:
@@ -134,12 +162,16 @@ def reference_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float
     return torch.cat([rot * cos + partner * sin, y[..., r:]], dim=-1)
 
 
-def _quantize_reference(y: torch.Tensor, fmt: str, granularity: str) -> QuantizedHeads:
+def _quantize_reference(y: torch.Tensor, fmt: str, granularity: str,
+                        bound: torch.Tensor | None = None) -> QuantizedHeads:
     b, s, h, d = y.shape
     qmax = QMAX[fmt]
-    if granularity == "per_head":
-        amax = y.abs().amax(dim=(1, 3))  # (B, H)
-        scale = amax.clamp_min(_MIN_AMAX) / qmax
+    if granularity.startswith("per_head"):
+        if bound is None:
+            amax = y.abs().amax(dim=(1, 3))  # (B, H)
+            scale = amax.clamp_min(_MIN_AMAX) / qmax
+        else:
+            scale = bound
         q = y / scale[:, None, :, None]
         block = 0
     else:
@@ -162,18 +194,24 @@ def reference_prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: f
                             smooth: bool = False, hadamard: int = 0, fmt: str | None = None,
                             granularity: str = "per_head") -> torch.Tensor | QuantizedHeads:
     """Plain-PyTorch reference of `prepare_heads` (same arguments, same result up to fp32 summation order)."""
-    _check(x, fmt, granularity, hadamard)
+    _check(x, fmt, granularity, hadamard, norm)
     y = reference_norm_rope(x, weight, eps, rope, norm)
     if not (smooth or hadamard or fmt):
         return y
     yf = y.float()
+    mean = None
     if smooth:
-        yf = yf - yf.mean(dim=1, keepdim=True)
+        mean = yf.mean(dim=1, keepdim=True)
+        yf = yf - mean
     if hadamard:
         yf = yf @ hadamard_matrix(x.shape[-1], hadamard, device=x.device)
     if fmt is None:
         return yf.to(x.dtype)
-    return _quantize_reference(yf, fmt, granularity)
+    bound = None
+    if granularity == "per_head_bound":
+        b, _, h, d = x.shape
+        bound = bound_scale(weight, d, None if mean is None else mean[:, 0], b, h, x.device)
+    return _quantize_reference(yf, fmt, granularity, bound)
 
 
 # ----------------------------------------------------------------------------------------- Triton kernel
@@ -299,7 +337,7 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                   granularity: str = "per_head") -> torch.Tensor | QuantizedHeads:
     """The fused kernel; see `reference_prepare_heads` for the math. x is (B, S, H, D) with unit last stride."""
     require_kernels("the fused Q/K preparation")
-    _check(x, fmt, granularity, hadamard)
+    _check(x, fmt, granularity, hadamard, norm)
     if x.stride(-1) != 1:
         x = x.contiguous()
     b, s, h, d = x.shape
@@ -307,7 +345,7 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     if hadamard and block_d != d:
         raise ValueError(f"the Hadamard rotation needs a power-of-two head size, got {d}")
     # Per-block scales fix the tile at BLOCK_TOKENS; the rotation's tile and warps are launch choices.
-    tile = HADAMARD_TILE_TOKENS if hadamard and granularity == "per_head" else BLOCK_TOKENS
+    tile = HADAMARD_TILE_TOKENS if hadamard and granularity != "per_block" else BLOCK_TOKENS
     warps = HADAMARD_WARPS if hadamard else NUM_WARPS
     n_tiles = triton.cdiv(s, tile)
     dev = x.device
@@ -346,6 +384,10 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         return out
     fmt_code = 1 if fmt == "fp8" else 2
     out = torch.empty(b, s, h, d, device=dev, dtype=QDTYPE[fmt])
+    if granularity == "per_head_bound":
+        scale = bound_scale(weight, d, mean.view(b, h, block_d)[..., :d] if smooth else None, b, h, dev)
+        launch(2, out, dummy, mean, scale, fmt_code, False)
+        return QuantizedHeads(out, scale, 0)
     if granularity == "per_head":
         part = torch.empty(b * h, n_tiles, device=dev, dtype=torch.float32)
         launch(1, out, part, mean, dummy, fmt_code, False)

@@ -21,7 +21,7 @@ AUTO_OFF = ("auto", "off")
 MODULATION_FUSION = ("auto", "exact", "off")
 SOL_THRESH_TYPES = ("diag", "topk")
 SOL_INT8 = ("auto", "on", "off")
-QK_QUANT_GRANULARITY = ("per_head", "per_block")
+QK_QUANT_GRANULARITY = ("per_head", "per_head_bound", "per_block")
 QK_HADAMARD = (0, 16, 32, 64, 128)
 
 
@@ -57,7 +57,7 @@ class KernelSettings:
     # Low-bit QK preparation details (H3_QK_*): K smoothing, block Hadamard size (0 = none), scale granularity.
     qk_smooth_k: bool = True
     qk_hadamard: int = 128
-    qk_granularity: str = "per_head"
+    qk_granularity: str = "per_head_bound"
 
     def __post_init__(self) -> None:
         _check_choice("H3_ATTENTION", self.attention, ATTENTION_BACKENDS)

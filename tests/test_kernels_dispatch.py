@@ -109,6 +109,8 @@ def test_fa3_fp8_needs_per_head_scales(setup, monkeypatch):
     assert report["approximate_paths"] == ["attention", "qk_prep", "linear"] and not report["exact"]
     assert report["linear"]["sources"] == {"bf16 weight quantized per output channel": 6 * EQUAL_WIDTH.num_layers}
     assert type(sixteen.transformer_blocks[0].ff.net[2]).__name__ == "Fp8Linear"
+    report = apply_kernels(model_bf16(ref), KernelSettings(attention="fa3_fp8", qk_granularity="per_head_bound"))
+    assert report["qk_prep"]["scales"] == "per_head_bound" and report["qk_prep"]["format"] == "fp8"
 
 
 def test_fp8_linears_take_their_activations_from_the_fused_passes(monkeypatch):

@@ -44,14 +44,15 @@ def test_qk_prep_kernel():
     rope = rope_tables(torch.randint(0, 60, (1000, 3), device=DEV).float(), 16, 10000.0)
     a, b = prepare_heads(x, w, 1e-5, rope), reference_prepare_heads(x, w, 1e-5, rope)
     assert (a == b).float().mean() >= 0.999
-    for fmt, block in (("fp8", 128), ("int8", 128), ("fp8", 64)):
-        qa = prepare_heads(x, w, 1e-5, rope, smooth=True, hadamard=block, fmt=fmt)
-        qb = reference_prepare_heads(x, w, 1e-5, rope, smooth=True, hadamard=block, fmt=fmt)
+    for fmt, block, scales in (("fp8", 128, "per_head"), ("int8", 128, "per_head"), ("fp8", 64, "per_head"),
+                               ("fp8", 128, "per_head_bound")):
+        kw = dict(smooth=True, hadamard=block, fmt=fmt, granularity=scales)
+        qa, qb = prepare_heads(x, w, 1e-5, rope, **kw), reference_prepare_heads(x, w, 1e-5, rope, **kw)
         # The kernel's rotation keeps 16 significant bits (two bf16 parts): codes agree but where a value sits
         # on a rounding boundary (a plain tf32 dot gave 2 % rel L2 here).
         codes = (lambda t: t.view(torch.uint8)) if fmt == "fp8" else (lambda t: t)
-        assert (codes(qa.data) == codes(qb.data)).float().mean() >= 0.999, (fmt, block)
-        assert rel_l2(qa.dequantize(), qb.dequantize()) <= 1e-3, (fmt, block)
+        assert (codes(qa.data) == codes(qb.data)).float().mean() >= 0.999, (fmt, block, scales)
+        assert rel_l2(qa.dequantize(), qb.dequantize()) <= 1e-3, (fmt, block, scales)
 
 
 def test_modulation_kernel():

@@ -11,8 +11,8 @@ import torch
 
 from h3_spark.h3_model.dit import Attention, reference_qk_prep, rope_tables
 from h3_spark.kernels.attention import math_reference
-from h3_spark.kernels.qk_prep import (FusedQKPrep, QuantizedHeads, hadamard_matrix, prepare_heads,
-                                     reference_norm_rope, reference_prepare_heads)
+from h3_spark.kernels.qk_prep import (BOUND_MARGIN, FusedQKPrep, QuantizedHeads, hadamard_matrix,
+                                     prepare_heads, reference_norm_rope, reference_prepare_heads)
 from oracle import rel_l2
 
 pytest.importorskip("triton")
@@ -138,7 +138,8 @@ def test_kernel_rejects_tables_that_do_not_fit():
 
 @pytest.mark.parametrize("fmt, granularity, smooth, hadamard", [
     ("fp8", "per_head", False, 0), ("fp8", "per_head", True, 32), ("fp8", "per_block", True, 16),
-    ("int8", "per_head", True, 32), ("int8", "per_block", False, 0), (None, "per_head", True, 32)])
+    ("int8", "per_head", True, 32), ("int8", "per_block", False, 0), (None, "per_head", True, 32),
+    ("fp8", "per_head_bound", True, 32), ("fp8", "per_head_bound", False, 0)])
 def test_triton_quantized_matches_reference(fmt, granularity, smooth, hadamard):
     x, w, rope = make(s=90)
     kw = dict(smooth=smooth, hadamard=hadamard, fmt=fmt, granularity=granularity)
@@ -151,6 +152,48 @@ def test_triton_quantized_matches_reference(fmt, granularity, smooth, hadamard):
     assert (as_int(a.data) == as_int(b.data)).float().mean().item() >= 0.999
     assert torch.allclose(a.scale, b.scale, rtol=1e-5)
     assert rel_l2(a.dequantize(), b.dequantize()) <= 1e-3
+
+
+@pytest.mark.parametrize("impl", [prepare_heads, reference_prepare_heads])
+def test_bound_scales_are_reached_by_a_row_on_a_hadamard_axis(impl):
+    # Every row is a +-1 Hadamard column: after the norm its L2 norm is exactly |w| sqrt(D), and the rotation
+    # puts all of it in one channel, the worst case the bound is for. The code comes within the rounding
+    # margin of 448 and is never clamped.
+    d, c = 32, 1.75
+    h = hadamard_matrix(d, d) * d ** 0.5
+    x = h[torch.arange(48) % d].view(1, 48, 1, d).repeat(1, 1, 2, 1) * torch.tensor([1.0, -3.0]).view(1, 1, 2, 1)
+    w = torch.full((d,), c)
+    got = impl(x, w, 1e-12, None, hadamard=d, fmt="fp8", granularity="per_head_bound")
+    assert torch.allclose(got.scale, torch.full((1, 2), c * d ** 0.5 * BOUND_MARGIN / 448))
+    codes = got.data.float().abs()
+    assert codes.amax().item() == pytest.approx(448 / BOUND_MARGIN, rel=2 ** -4)
+    want = reference_prepare_heads(x, w, 1e-12, None, hadamard=d)
+    assert rel_l2(got.dequantize(), want) <= 0.04
+
+
+def test_bound_scales_keep_fp8_accuracy_and_add_the_mean_key():
+    # A scale several times the measured maximum costs FP8 almost nothing: the error stays that of per-head
+    # absmax scales (a floating-point format's relative step does not depend on the scale).
+    x, w, rope = make(s=300, d=64)
+    exact = reference_prepare_heads(x.float(), w, 1e-5, rope, smooth=True, hadamard=64)
+    kw = dict(smooth=True, hadamard=64, fmt="fp8")
+    bound = reference_prepare_heads(x, w, 1e-5, rope, granularity="per_head_bound", **kw)
+    absmax = reference_prepare_heads(x, w, 1e-5, rope, granularity="per_head", **kw)
+    assert (bound.scale > 1.5 * absmax.scale).all()
+    assert rel_l2(bound.dequantize(), exact) <= 1.1 * rel_l2(absmax.dequantize(), exact)
+    mean = reference_norm_rope(x, w, 1e-5, rope).float().mean(dim=1)  # (1, H, D)
+    want = (w.float().abs().max() * BOUND_MARGIN * 64 ** 0.5 + mean.norm(dim=-1)) / 448
+    assert torch.allclose(bound.scale, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(fmt="int8"), "per_head_bound scales are for fp8 \\(a floating-point format\\) only; int8 codes"),
+    (dict(fmt="fp8", norm=False), "per_head_bound scales need the RMSNorm")])
+@pytest.mark.parametrize("impl", [prepare_heads, reference_prepare_heads])
+def test_bound_scales_refuse_what_they_cannot_bound(impl, kw, msg):
+    x, w, rope = make()
+    with pytest.raises(ValueError, match=msg):
+        impl(x, w, 1e-5, rope, granularity="per_head_bound", **kw)
 
 
 def test_hook_shapes_and_report():
