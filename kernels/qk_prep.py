@@ -88,10 +88,14 @@ class QuantizedHeads:
         return QuantizedHeads(self.data[:, :, start:end], self.scale[:, start:end], self.block)
 
 
-def hadamard_matrix(dim: int, block: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """Block-diagonal orthonormal Sylvester Hadamard: `block` x `block` blocks along a `dim` axis."""
+def _check_hadamard(dim: int, block: int) -> None:
     if block <= 0 or block & (block - 1) or dim % block:
         raise ValueError(f"Hadamard block {block} must be a power of two dividing the head size {dim}")
+
+
+def hadamard_matrix(dim: int, block: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Block-diagonal orthonormal Sylvester Hadamard: `block` x `block` blocks along a `dim` axis."""
+    _check_hadamard(dim, block)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < block:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -114,7 +118,7 @@ def _check(x: torch.Tensor, fmt, granularity: str, hadamard: int, norm: bool) ->
             raise ValueError("per_head_bound scales need the RMSNorm (it bounds each row's norm); "
                              "use per_head without it")
     if hadamard:
-        hadamard_matrix(x.shape[-1], hadamard)  # validates
+        _check_hadamard(x.shape[-1], hadamard)
 
 
 @functools.lru_cache(maxsize=8)
