@@ -206,17 +206,20 @@ def run(args) -> int:
         else:
             log(p.stage.replace("_", " ") + memory)
 
-    result = pipe.generate(req, on_progress=progress)
     if rank:
+        pipe.generate(req, on_progress=progress)
         return 0
-    if args.save_latents:
-        from safetensors.torch import save_file
+    # The mp4 is encoded while the VAE decodes later windows; "mux" is what is left after the decode.
+    with media.mp4_writer(args.out, loglevel=args.ffmpeg_loglevel) as stream:
+        result = pipe.generate(req, on_progress=progress, on_frames=stream.add)
+        if args.save_latents:
+            from safetensors.torch import save_file
 
-        save_file({"video_latents": result.video_latents.contiguous(), "audio_latents": result.audio_latents},
-                  str(args.save_latents), metadata={"latents": "normalized", "mode": mode})
-    start = time.perf_counter()
-    media.write_mp4(args.out, result.video, result.audio, loglevel=args.ffmpeg_loglevel)
-    result.timings["mux"] = time.perf_counter() - start
+            save_file({"video_latents": result.video_latents.contiguous(), "audio_latents": result.audio_latents},
+                      str(args.save_latents), metadata={"latents": "normalized", "mode": mode})
+        start = time.perf_counter()
+        stream.finish(result.audio)
+        result.timings["mux"] = time.perf_counter() - start
     summary = {"out": str(args.out), "mode": mode, "device": device, "gpus": world, "dtype": dtype_name,
                "width": result.info["width"], "height": result.info["height"], "frames": int(result.video.shape[0]),
                "audio_samples": int(result.audio.shape[1]), "sequence_length": result.info["sequence_length"],

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import os
+import queue
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
@@ -225,44 +227,154 @@ def write_mp4(path: str | os.PathLike, frames: torch.Tensor | np.ndarray,
     The audio is trimmed to the video's duration, round(F / fps * sample_rate) samples. The file
     appears only when complete.
     """
-    av = _av()
-    path = Path(path)
     video = _as_frames(frames)
-    sound = None if audio is None else _as_audio(audio)[:, : round(video.shape[0] / fps * sample_rate)]
+    sound = None if audio is None else _as_audio(audio)
+    with mp4_writer(path, audio=sound is not None, fps=fps, sample_rate=sample_rate, crf=crf, preset=preset,
+                    loglevel=loglevel) as stream:
+        stream.add(video)
+        stream.finish(sound)
+    return Path(path)
+
+
+@contextmanager
+def mp4_writer(path: str | os.PathLike, **options: Any) -> Iterator["Mp4Stream"]:
+    """An `Mp4Stream` on a hidden partial file next to `path`, moved into place when the block ends after
+    `finish`; on an exception, or without `finish`, the partial file is removed and `path` left alone."""
+    path = Path(path)
     if path.parent and not path.parent.is_dir():
         raise InputError(f"{path.parent}: no such folder for the output")
     tmp = path.with_name(f".{path.name}.partial")
+    stream = Mp4Stream(tmp, **options)
     try:
-        with ffmpeg_log(loglevel), av.open(str(tmp), "w", format="mp4", options={"movflags": "+faststart"}) as out:
-            _mux(out, video, sound, fps, sample_rate, crf, preset)
+        yield stream
+        if not stream.finished:
+            raise InputError(f"{path}: the mp4 was not finished")
         os.replace(tmp, path)
-    except av.error.FFmpegError as exc:
-        raise InputError(f"{path}: cannot write mp4 ({exc})") from None
     finally:
+        stream.abort()
         if tmp.exists():
             tmp.unlink()
-    return path
 
 
-def _mux(out: Any, video: np.ndarray, sound: np.ndarray | None, fps: int, sample_rate: int, crf: int,
-         preset: str) -> None:
-    av = _av()
-    vstream = out.add_stream("libx264", rate=Fraction(fps).limit_denominator())
-    vstream.width, vstream.height, vstream.pix_fmt = video.shape[2], video.shape[1], "yuv420p"
-    vstream.options = {"crf": str(crf), "preset": preset}
-    # Frame threads on every core: PyAV's default (slice threads) left x264 at ~24 fps on one core.
-    vstream.codec_context.thread_type = "AUTO"
-    vstream.codec_context.thread_count = 0
-    astream = out.add_stream("aac", rate=sample_rate, layout="stereo") if sound is not None else None
-    for array in video:
-        out.mux(vstream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")))
-    out.mux(vstream.encode())
-    if astream is not None:
-        frame = av.AudioFrame.from_ndarray(sound, format="fltp", layout="stereo")
-        frame.sample_rate = sample_rate
-        frame.pts = 0
-        out.mux(astream.encode(frame))
-        out.mux(astream.encode())
+class Mp4Stream:
+    """An mp4 encoded while its frames are still being made.
+
+    `add` hands (F, H, W, 3) uint8 chunks to a background thread that encodes them (x264 works while the
+    GPU decodes the next window); `finish(audio)` waits for the video, adds the AAC track and closes the
+    file at `path` (no temporary name: `mp4_writer` gives one). The chunks are not copied: do not change
+    them after `add`. Errors of the encoder surface in the next `add` or in `finish`.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, audio: bool = True, fps: int = FPS,
+                 sample_rate: int = SAMPLE_RATE, crf: int = 18, preset: str = "medium", loglevel: str | None = None):
+        _av()
+        if loglevel is not None and loglevel not in LOGLEVELS:
+            raise InputError(f"unknown ffmpeg loglevel {loglevel!r}; choose one of {', '.join(LOGLEVELS)}")
+        self.path = Path(path)
+        self.fps, self.sample_rate, self.crf, self.preset, self.loglevel = fps, sample_rate, crf, preset, loglevel
+        self.audio = audio
+        self.frames = 0
+        self.finished = False
+        self._shape: tuple[int, int] | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._out = self._vstream = self._astream = None
+        self._thread: threading.Thread | None = None
+
+    def add(self, frames: torch.Tensor | np.ndarray) -> None:
+        self._raise()
+        if self.finished:
+            raise InputError(f"{self.path}: frames added after finish")
+        array = _as_frames(frames)
+        if self._shape is None:
+            self._shape = array.shape[1:3]
+        elif array.shape[1:3] != self._shape:
+            raise InputError(f"video chunks must keep one size: {self._shape[1]}x{self._shape[0]} first, then "
+                             f"{array.shape[2]}x{array.shape[1]}")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._encode, name="h3-mp4-encode", daemon=True)
+            self._thread.start()
+        self.frames += array.shape[0]
+        self._queue.put(array)
+
+    def finish(self, audio: torch.Tensor | np.ndarray | None = None) -> Path:
+        """Encode what is left, add `audio` (float (2, samples), trimmed to the video's duration), close."""
+        if self.frames == 0:
+            raise InputError(f"{self.path}: no video frames to write")
+        if audio is None and self.audio:
+            raise InputError(f"{self.path}: the stream has an audio track; finish needs the audio")
+        if audio is not None and not self.audio:
+            raise InputError(f"{self.path}: the stream was opened without an audio track")
+        sound = None if audio is None else _as_audio(audio)[:, : round(self.frames / self.fps * self.sample_rate)]
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
+        av = _av()
+        try:
+            with ffmpeg_log(self.loglevel):
+                if sound is not None:
+                    frame = av.AudioFrame.from_ndarray(sound, format="fltp", layout="stereo")
+                    frame.sample_rate = self.sample_rate
+                    frame.pts = 0
+                    self._out.mux(self._astream.encode(frame))
+                    self._out.mux(self._astream.encode())
+                self._out.close()
+        except av.error.FFmpegError as exc:
+            raise InputError(f"{self.path}: cannot write mp4 ({exc})") from None
+        finally:
+            self._out = None
+        self.finished = True
+        return self.path
+
+    def abort(self) -> None:
+        """Stop encoding and close the file, finished or not (the caller removes it)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        if self._out is not None:
+            try:
+                self._out.close()
+            except Exception:  # noqa: BLE001 - a half-written file is removed by the caller anyway
+                pass
+            self._out = None
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err = self._error
+            if isinstance(err, InputError):
+                raise err
+            raise InputError(f"{self.path}: cannot write mp4 ({err})") from err
+
+    def _open(self, height: int, width: int) -> None:
+        av = _av()
+        self._out = av.open(str(self.path), "w", format="mp4", options={"movflags": "+faststart"})
+        v = self._out.add_stream("libx264", rate=Fraction(self.fps).limit_denominator())
+        v.width, v.height, v.pix_fmt = width, height, "yuv420p"
+        v.options = {"crf": str(self.crf), "preset": self.preset}
+        # Frame threads on every core: PyAV's default (slice threads) left x264 at ~24 fps on one core.
+        v.codec_context.thread_type = "AUTO"
+        v.codec_context.thread_count = 0
+        self._vstream = v
+        if self.audio:
+            self._astream = self._out.add_stream("aac", rate=self.sample_rate, layout="stereo")
+
+    def _encode(self) -> None:
+        av = _av()
+        done = False
+        try:
+            with ffmpeg_log(self.loglevel):
+                while (array := self._queue.get()) is not None:
+                    if self._out is None:
+                        self._open(array.shape[1], array.shape[2])
+                    for rgb in array:
+                        self._out.mux(self._vstream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
+                done = True
+                if self._out is not None:
+                    self._out.mux(self._vstream.encode())
+        except BaseException as exc:  # noqa: BLE001 - handed to the producer's thread
+            self._error = exc
+            while not done:  # the producer learns of it at its next call; take its chunks until it stops
+                done = self._queue.get() is None
 
 
 def probe(path: str | os.PathLike) -> dict[str, Any]:

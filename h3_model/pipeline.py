@@ -165,13 +165,16 @@ class Pipeline:
             te.clear_cache()
 
     def generate(self, req: GenerationRequest, *, on_progress: Callable[[Progress], None] | None = None,
-                 cancel: threading.Event | None = None) -> GenerationResult:
+                 cancel: threading.Event | None = None,
+                 on_frames: Callable[[torch.Tensor], None] | None = None) -> GenerationResult:
+        """`on_frames` receives the decoded video chunk by chunk, (n, H, W, 3) uint8 in order, while later
+        chunks are still decoding (e.g. `media.Mp4Stream.add`); the result holds every frame as well."""
         req.validate()
         with self._lock:  # one GPU job at a time per pipeline
-            return self._generate(req, on_progress or (lambda p: None), cancel)
+            return self._generate(req, on_progress or (lambda p: None), cancel, on_frames)
 
     # ------------------------------------------------------------------ stages
-    def _generate(self, req: GenerationRequest, report, cancel) -> GenerationResult:
+    def _generate(self, req: GenerationRequest, report, cancel, on_frames=None) -> GenerationResult:
         timings: dict[str, float] = {}
         info: dict = {"mode": req.mode, "seed": req.seed}
         dit = self.c.dit_for(req.mode)
@@ -235,7 +238,8 @@ class Pipeline:
         report(Progress("video_decode"))
         vae = self._need(self.c.vae, "the video VAE")
         video = vae.decode_to_buffer(vae.denormalize(result.video_latents), tile_size=req.vae_tile_size,
-                                     group=self.decode_group)[0]
+                                     group=self.decode_group,
+                                     on_frames=None if on_frames is None else (lambda chunk: on_frames(chunk[0])))[0]
         timings["video_decode"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         report(Progress("audio_decode"))

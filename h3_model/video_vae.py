@@ -906,11 +906,14 @@ class VideoVAE(nn.Module):
         return torch.cat([chunk for _, chunk in self.iter_decode(z, **tiling)], dim=2)
 
     def decode_to_buffer(self, z: torch.Tensor, *, out: torch.Tensor | None = None,
-                         out_dtype: torch.dtype = torch.uint8, **tiling: Any) -> torch.Tensor:
+                         out_dtype: torch.dtype = torch.uint8,
+                         on_frames: Callable[[torch.Tensor], None] | None = None, **tiling: Any) -> torch.Tensor:
         """Raw latents -> RGB frames (B, F, H, W, 3) written chunk by chunk into one host buffer.
 
         uint8 holds round(255 * rgb); fp16 holds rgb in [0, 1]. `out` may be a preallocated
-        (e.g. pinned) buffer of the right shape and dtype.
+        (e.g. pinned) buffer of the right shape and dtype. `on_frames` gets each finished chunk of the
+        buffer, (B, n, H, W, 3) in frame order, as soon as it is stored (an encoder can start on it while
+        the next window decodes); the buffer is not written there again.
         """
         self._check_latents(z)
         shape = self.decoded_shape(z.shape)
@@ -921,7 +924,9 @@ class VideoVAE(nn.Module):
         elif tuple(out.shape) != shape or out.dtype not in (torch.uint8, torch.float16):
             raise InputError(f"decode buffer must be uint8/float16 {shape}, got {tuple(out.shape)} {out.dtype}")
         for start, chunk in self.iter_decode(z, **tiling):
-            _store_rgb(out, start, chunk)
+            n = _store_rgb(out, start, chunk)
+            if on_frames is not None:
+                on_frames(out[:, start:start + n])
             # The chunk is a view of the window canvas; unbound, the canvas is freed before the
             # generator decodes the next window.
             del chunk
@@ -933,10 +938,12 @@ class VideoVAE(nn.Module):
         return (b, decoded_num_frames(self.config, t), h * r, w * r, self.config.out_channels)
 
 
-def _store_rgb(out: torch.Tensor, start: int, chunk: torch.Tensor) -> None:
+def _store_rgb(out: torch.Tensor, start: int, chunk: torch.Tensor) -> int:
+    """Store one decoded chunk (B, C, n, H, W) at frame `start`; returns n."""
     rgb = _to_unit_(chunk)
     rgb = rgb.mul_(255.0).round_().to(torch.uint8) if out.dtype == torch.uint8 else rgb.to(out.dtype)
     out[:, start:start + rgb.shape[2]].copy_(rgb.permute(0, 2, 3, 4, 1))
+    return rgb.shape[2]
 
 
 def _shared_windows(window: Callable[[int], torch.Tensor], count: int, shape: tuple[int, ...], device,

@@ -143,14 +143,17 @@ class JobRunner:
             kernels = self.models.kernel_reports[key]
             job.backends = {**used, "linear": kernels["linear"], "modulation": kernels["modulation"]}
             cancel = job.cancel if lockstep is None else LockstepCancel(job.cancel)
-            result = self.pipeline.generate(generation, on_progress=progress, cancel=cancel)
+            # Frames are encoded while later windows decode; "mux" is what is left after the decode.
+            stream = stack.enter_context(self.outputs.mp4_stream(job.payload["output_path"], job.id,
+                                                                 overwrite=req.overwrite))
+            result = self.pipeline.generate(generation, on_progress=progress, cancel=cancel, on_frames=stream.add)
+            job.progress = {"stage": "write_output", "step": 0, "total": 0}
+            t1 = time.perf_counter()
+            stream.finish(result.audio)
+            mux = time.perf_counter() - t1
+        path = self.outputs.confine(job.payload["output_path"].relative_to(self.outputs.root).as_posix())
         cache = generation.step_cache
-
-        job.progress = {"stage": "write_output", "step": 0, "total": 0}
-        t1 = time.perf_counter()
-        path = self.outputs.write_mp4(job.payload["output_path"], job.id, result.video, result.audio,
-                                      overwrite=req.overwrite)
-        timings = {"read_inputs": read_inputs, **result.timings, "mux": time.perf_counter() - t1}
+        timings = {"read_inputs": read_inputs, **result.timings, "mux": mux}
         info = {k: v for k, v in result.info.items() if k not in ("step_cache", "step_seconds")}
         info["step_seconds"] = [round(s, 4) for s in result.info.get("step_seconds", [])]
         # Everything that is not the exact path, as apply_kernels reports it, plus this job's own choices.

@@ -9,9 +9,11 @@ sees half a file, and an existing file is replaced only when the request said ov
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path, PurePosixPath
+from typing import Iterator
 
 from ..h3_model import media
 from ..h3_model.errors import InputError
@@ -108,18 +110,29 @@ class OutputFolder(Folder):
         with self._lock:
             self._reserved.pop(path, None)
 
-    def write_mp4(self, path: Path, job_id: str, video, audio, *, overwrite: bool) -> Path:
-        """Mux to a hidden temporary file next to `path`, then move it into place."""
+    @contextlib.contextmanager
+    def mp4_stream(self, path: Path, job_id: str, *, overwrite: bool) -> Iterator[media.Mp4Stream]:
+        """A `media.Mp4Stream` on a hidden temporary file next to `path` (frames can be added while the job
+        still decodes), moved into place when the block ends after `finish`; removed otherwise."""
         rel = path.relative_to(self.root).as_posix()
         # Checked again: a symlink or a file may have appeared since the request was accepted.
         path = self.check(rel, overwrite)
         tmp = path.with_name(f"{TEMP_PREFIX}{path.name}.{job_id}.partial.mp4")
+        stream = media.Mp4Stream(tmp)
         try:
-            media.write_mp4(tmp, video, audio)
-            if not overwrite and path.exists():
-                raise OutputExists(f"{rel!r} appeared in the output folder while the job ran; not overwritten")
-            os.replace(tmp, path)
+            yield stream
+            if not stream.finished:
+                raise InputError(f"{rel!r}: the mp4 was not finished")
+            # Once more before the move: the file or a symlink may have appeared while the job ran.
+            os.replace(tmp, self.check(rel, overwrite))
         finally:
+            stream.abort()
             if tmp.exists():
                 tmp.unlink()
-        return path
+
+    def write_mp4(self, path: Path, job_id: str, video, audio, *, overwrite: bool) -> Path:
+        """Mux finished frames and audio to a hidden temporary file next to `path`, then move it into place."""
+        with self.mp4_stream(path, job_id, overwrite=overwrite) as stream:
+            stream.add(video)
+            stream.finish(audio)
+        return self.confine(path.relative_to(self.root).as_posix())

@@ -56,6 +56,8 @@ def test_demo_t2va_writes_an_mp4(demo_models, tmp_path, capsys):
     assert summary["vae_attention"] == "sdpa"
     info = media.probe(out)
     assert info["video_codec"] == "h264" and info["audio_codec"] == "aac"
+    assert info["frames"] == 124 and info["audio_duration"] == pytest.approx(124 / 24, abs=1e-3)  # every chunk
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lat.safetensors", "t2va.mp4"]  # no partial file left
     assert (tmp_path / "lat.safetensors").is_file()
 
 

@@ -172,6 +172,63 @@ def test_write_mp4_is_h264_aac_stereo_faststart_and_trimmed(tmp_path):
     assert not list(tmp_path.glob(".*partial"))
 
 
+def test_streamed_chunks_make_the_same_file_as_one_write(tmp_path):
+    frames = numbered_frames(29, 48, 64)
+    audio = torch.rand(2, 50000, generator=torch.Generator().manual_seed(1)) - 0.5
+    with media.mp4_writer(tmp_path / "s.mp4") as stream:
+        for part in np.split(frames, [10, 20]):
+            stream.add(torch.from_numpy(part))
+        assert not (tmp_path / "s.mp4").exists()  # only the hidden partial file until the block ends
+        stream.finish(audio)
+    whole = media.write_mp4(tmp_path / "w.mp4", frames, audio)
+    streamed, written = media.read_video(tmp_path / "s.mp4"), media.read_video(whole)
+    assert frame_ids(streamed.frames) == list(range(29))
+    assert torch.equal(streamed.frames, written.frames)
+    assert media.probe(tmp_path / "s.mp4")["audio_duration"] == pytest.approx(29 / 24, abs=1e-3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.mp4", "w.mp4"]
+
+
+def test_stream_errors_name_the_problem_and_leave_no_file(tmp_path):
+    frames = torch.from_numpy(numbered_frames(4, 16, 16))
+    with pytest.raises(InputError, match="video chunks must keep one size: 16x16 first, then 32x16"):
+        with media.mp4_writer(tmp_path / "a.mp4") as stream:
+            stream.add(frames)
+            stream.add(torch.from_numpy(numbered_frames(2, 16, 32)))
+    with pytest.raises(InputError, match="the stream has an audio track; finish needs the audio"):
+        with media.mp4_writer(tmp_path / "a.mp4") as stream:
+            stream.add(frames)
+            stream.finish()
+    with pytest.raises(InputError, match="opened without an audio track"):
+        with media.mp4_writer(tmp_path / "a.mp4", audio=False) as stream:
+            stream.add(frames)
+            stream.finish(torch.zeros(2, 100))
+    with pytest.raises(InputError, match="no video frames to write"):
+        with media.mp4_writer(tmp_path / "a.mp4") as stream:
+            stream.finish(torch.zeros(2, 100))
+    with pytest.raises(InputError, match="the mp4 was not finished"):
+        with media.mp4_writer(tmp_path / "a.mp4") as stream:
+            stream.add(frames)
+    with pytest.raises(RuntimeError, match="the decode failed"):
+        with media.mp4_writer(tmp_path / "a.mp4") as stream:
+            stream.add(frames)
+            raise RuntimeError("the decode failed")
+    assert not any(tmp_path.iterdir())
+    done = media.Mp4Stream(tmp_path / "b.mp4", audio=False)
+    done.add(frames)
+    done.finish()
+    with pytest.raises(InputError, match="frames added after finish"):
+        done.add(frames)
+
+
+def test_an_encoder_failure_reaches_the_producer(tmp_path):
+    # The container is opened on the encoding thread; its failure comes back at the producer's next call.
+    stream = media.Mp4Stream(tmp_path / "missing" / "a.mp4", audio=False)
+    stream.add(torch.from_numpy(numbered_frames(3, 16, 16)))
+    with pytest.raises(InputError, match="a.mp4: cannot write mp4"):
+        stream.finish()
+    stream.abort()
+
+
 def test_write_mp4_without_audio(tmp_path):
     info = media.probe(media.write_mp4(tmp_path / "o.mp4", numbered_frames(5, 16, 16)))
     assert info["video_codec"] == "h264" and "audio_codec" not in info

@@ -95,18 +95,30 @@ def test_outputs_are_reserved_per_job_until_released(tmp_path):
     assert folder.reserve("a.mp4", False, "job2") == path
 
 
-def _fake_mux(calls):
-    def write(path, video, audio):
-        calls.append(path)
-        path.write_bytes(b"mp4 bytes")
-        return path
+def _fake_stream(calls, fail: bool = False):
+    class Stream:  # stands in for media.Mp4Stream: writes its bytes at finish
+        def __init__(self, path):
+            self.path, self.finished = path, False
+            calls.append(path)
 
-    return write
+        def add(self, video):
+            pass
+
+        def finish(self, audio):
+            self.path.write_bytes(b"half" if fail else b"mp4 bytes")
+            if fail:
+                raise InputError("encoder died")
+            self.finished = True
+
+        def abort(self):
+            pass
+
+    return Stream
 
 
 def test_outputs_are_written_under_a_temporary_name_then_moved(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(outputs_module.media, "write_mp4", _fake_mux(calls))
+    monkeypatch.setattr(outputs_module.media, "Mp4Stream", _fake_stream(calls))
     folder = OutputFolder(tmp_path)
     final = folder.write_mp4(tmp_path / "clip.mp4", "j1", None, None, overwrite=False)
     assert final.read_bytes() == b"mp4 bytes"
@@ -121,7 +133,7 @@ def test_outputs_are_written_under_a_temporary_name_then_moved(tmp_path, monkeyp
 
 
 def test_a_symlink_planted_after_acceptance_is_refused_at_write_time(tmp_path, monkeypatch):
-    monkeypatch.setattr(outputs_module.media, "write_mp4", _fake_mux([]))
+    monkeypatch.setattr(outputs_module.media, "Mp4Stream", _fake_stream([]))
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
     out.mkdir()
     elsewhere.mkdir()
@@ -136,14 +148,25 @@ def test_a_symlink_planted_after_acceptance_is_refused_at_write_time(tmp_path, m
 
 
 def test_the_temporary_file_is_removed_when_muxing_fails(tmp_path, monkeypatch):
-    def broken(path, video, audio):
-        path.write_bytes(b"half")
-        raise InputError("encoder died")
-
-    monkeypatch.setattr(outputs_module.media, "write_mp4", broken)
+    monkeypatch.setattr(outputs_module.media, "Mp4Stream", _fake_stream([], fail=True))
     with pytest.raises(InputError, match="encoder died"):
         OutputFolder(tmp_path).write_mp4(tmp_path / "clip.mp4", "j1", None, None, overwrite=False)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_file_that_appears_while_the_job_streams_is_not_replaced(tmp_path, monkeypatch):
+    monkeypatch.setattr(outputs_module.media, "Mp4Stream", _fake_stream([]))
+    folder = OutputFolder(tmp_path)
+    with pytest.raises(OutputExists, match="already exists"):
+        with folder.mp4_stream(tmp_path / "clip.mp4", "j1", overwrite=False) as stream:
+            (tmp_path / "clip.mp4").write_bytes(b"someone else's")
+            stream.finish(None)
+    assert (tmp_path / "clip.mp4").read_bytes() == b"someone else's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
+    with pytest.raises(InputError, match="the mp4 was not finished"):
+        with folder.mp4_stream(tmp_path / "new.mp4", "j2", overwrite=False):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
 
 
 # ------------------------------------------------------------------ the queue

@@ -300,6 +300,11 @@ def test_decode_to_buffer_writes_pipeline_pixels_into_one_host_buffer(tiny):
     assert (got.int() - (unit * 255).round().int()).abs().max() <= 1
     half = ours.decode_to_buffer(z, out_dtype=torch.float16)
     assert half.dtype == torch.float16 and (half.float() - unit).abs().max() <= 1e-3
+    # Chunks handed out while decoding: in frame order, together the whole buffer, each already final.
+    chunks = []
+    again = ours.decode_to_buffer(z, on_frames=lambda c: chunks.append(c.clone()))
+    assert len(chunks) > 1 and all(c.shape[0] == 1 for c in chunks)
+    assert torch.equal(torch.cat(chunks, dim=1), again) and torch.equal(again, got)
 
 
 def test_fp16_decode_is_within_budget(tiny, tmp_path):
