@@ -90,6 +90,10 @@ def test_the_cited_receipt_ran_these_settings():
         # the exact path: inside the noise floor wherever diffusers ran beside it (a generation has no twin)
         assert parity is True or (parity is None and "generation" in receipt), path
     # A fast path that is not receipted must say so.
-    for name in ("H3_SWIGLU_NVFP4_FUSION", "H3_RMS_ADALN_NVFP4_FUSION", "H3_VAE_DTYPE"):
+    for name in ("H3_SWIGLU_NVFP4_FUSION", "H3_RMS_ADALN_NVFP4_FUSION"):
         block = text.split(f"# {name}:", 1)[1].split("export", 1)[0]
         assert "no receipt yet" in block, name
+    # The VAE dtype set here is one its cited decode receipt ran, beside the float32 decode it is compared with.
+    block = text.split("# H3_VAE_DTYPE:", 1)[1].split("export", 1)[0]
+    runs = json.loads((ROOT / re.search(r"receipts/[\w./\-]+\.json", block).group(0)).read_text())["runs"]
+    assert {env["H3_VAE_DTYPE"], "float32"} <= {run["dtype"] for run in runs}
