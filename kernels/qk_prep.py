@@ -16,8 +16,8 @@ Why each step:
   measured maximum: RMSNorm leaves a row with L2 norm <= max|w| sqrt(D), RoPE and the Hadamard keep it, the
   smoothing adds at most |mean key|, and no element exceeds its row's norm. That saves the pass that finds
   the maximum (one of two for Q, one of three for K). FP8 is a floating-point format, so a scale a few times
-  too large leaves its relative error unchanged (only values ~2^-14 below the largest go subnormal); an
-  integer grid would lose precision, hence FP8 only.
+  too large leaves its relative error unchanged (only values over 2^14 times smaller than the bound fall
+  into e4m3's subnormals); an integer grid would lose precision, hence FP8 only.
 
 `prepare_heads` is the Triton kernel, `reference_prepare_heads` the plain-PyTorch reference with the
 same signature; `FusedQKPrep` plugs either into `H3DiT.qk_prep`.
