@@ -196,6 +196,19 @@ def test_bound_scales_refuse_what_they_cannot_bound(impl, kw, msg):
         impl(x, w, 1e-5, rope, granularity="per_head_bound", **kw)
 
 
+@pytest.mark.parametrize("hadamard", [16, 32, 64, 128])
+def test_kronecker_rotation_of_128_wide_heads_matches_the_matrix(hadamard):
+    # 128-wide heads rotate as H16 then H8 across groups (block-diagonal for smaller blocks); fp32 in and out
+    # so any misplaced channel shows far above summation-order noise.
+    x, w, rope = make(s=40, d=128, dtype=torch.float32, rope_freq=16)
+    kw = dict(smooth=True, hadamard=hadamard)
+    got, want = prepare_heads(x, w, 1e-5, rope, **kw), reference_prepare_heads(x, w, 1e-5, rope, **kw)
+    assert rel_l2(got, want) <= 1e-6
+    q = prepare_heads(x.bfloat16(), w, 1e-5, rope, fmt="fp8", granularity="per_head_bound", **kw)
+    r = reference_prepare_heads(x.bfloat16(), w, 1e-5, rope, fmt="fp8", granularity="per_head_bound", **kw)
+    assert (q.data.view(torch.uint8) == r.data.view(torch.uint8)).float().mean().item() >= 0.999
+
+
 def test_hook_shapes_and_report():
     x, w, rope = make()
     a = attn_module(w, x.shape[-1], torch.bfloat16)
