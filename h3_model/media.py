@@ -227,12 +227,12 @@ def write_mp4(path: str | os.PathLike, frames: torch.Tensor | np.ndarray,
     The audio is trimmed to the video's duration, round(F / fps * sample_rate) samples. The file
     appears only when complete.
     """
-    video = _as_frames(frames)
-    sound = None if audio is None else _as_audio(audio)
-    with mp4_writer(path, audio=sound is not None, fps=fps, sample_rate=sample_rate, crf=crf, preset=preset,
+    if audio is not None:
+        _as_audio(audio)  # fail before encoding anything
+    with mp4_writer(path, audio=audio is not None, fps=fps, sample_rate=sample_rate, crf=crf, preset=preset,
                     loglevel=loglevel) as stream:
-        stream.add(video)
-        stream.finish(sound)
+        stream.add(frames)
+        stream.finish(audio)
     return Path(path)
 
 

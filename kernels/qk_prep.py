@@ -173,7 +173,7 @@ def _quantize_reference(y: torch.Tensor, fmt: str, granularity: str,
                         bound: torch.Tensor | None = None) -> QuantizedHeads:
     b, s, h, d = y.shape
     qmax = QMAX[fmt]
-    if granularity.startswith("per_head"):
+    if granularity != "per_block":
         if bound is None:
             amax = y.abs().amax(dim=(1, 3))  # (B, H)
             scale = amax.clamp_min(_MIN_AMAX) / qmax

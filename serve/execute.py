@@ -151,7 +151,7 @@ class JobRunner:
             t1 = time.perf_counter()
             stream.finish(result.audio)
             mux = time.perf_counter() - t1
-        path = self.outputs.confine(job.payload["output_path"].relative_to(self.outputs.root).as_posix())
+        path = job.payload["output_path"]
         cache = generation.step_cache
         timings = {"read_inputs": read_inputs, **result.timings, "mux": mux}
         info = {k: v for k, v in result.info.items() if k not in ("step_cache", "step_seconds")}

@@ -129,10 +129,3 @@ class OutputFolder(Folder):
             stream.abort()
             if tmp.exists():
                 tmp.unlink()
-
-    def write_mp4(self, path: Path, job_id: str, video, audio, *, overwrite: bool) -> Path:
-        """Mux finished frames and audio to a hidden temporary file next to `path`, then move it into place."""
-        with self.mp4_stream(path, job_id, overwrite=overwrite) as stream:
-            stream.add(video)
-            stream.finish(audio)
-        return self.confine(path.relative_to(self.root).as_posix())

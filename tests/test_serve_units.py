@@ -116,19 +116,27 @@ def _fake_stream(calls, fail: bool = False):
     return Stream
 
 
+def _write_mp4(folder, path, job_id, *, overwrite):
+    with folder.mp4_stream(path, job_id, overwrite=overwrite) as stream:
+        stream.add(None)
+        stream.finish(None)
+    return path
+
+
 def test_outputs_are_written_under_a_temporary_name_then_moved(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(outputs_module.media, "Mp4Stream", _fake_stream(calls))
     folder = OutputFolder(tmp_path)
-    final = folder.write_mp4(tmp_path / "clip.mp4", "j1", None, None, overwrite=False)
+    final = _write_mp4(folder, tmp_path / "clip.mp4", "j1", overwrite=False)
     assert final.read_bytes() == b"mp4 bytes"
     assert calls[0].parent == tmp_path and calls[0].name.startswith(".clip.mp4.j1")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
 
     # A file that appeared while the job ran is not replaced without overwrite; nothing is left over.
     with pytest.raises(OutputExists, match="already exists"):
-        folder.write_mp4(tmp_path / "clip.mp4", "j2", None, None, overwrite=False)
-    assert folder.write_mp4(tmp_path / "clip.mp4", "j3", None, None, overwrite=True) == tmp_path / "clip.mp4"
+        _write_mp4(folder, tmp_path / "clip.mp4", "j2", overwrite=False)
+    (tmp_path / "clip.mp4").write_bytes(b"old")
+    assert _write_mp4(folder, tmp_path / "clip.mp4", "j3", overwrite=True).read_bytes() == b"mp4 bytes"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
 
 
@@ -143,14 +151,14 @@ def test_a_symlink_planted_after_acceptance_is_refused_at_write_time(tmp_path, m
     (out / "sub").rmdir()
     (out / "sub").symlink_to(elsewhere)
     with pytest.raises(RequestError, match="leads outside"):
-        folder.write_mp4(path, "j1", None, None, overwrite=False)
+        _write_mp4(folder, path, "j1", overwrite=False)
     assert not any(elsewhere.iterdir())
 
 
 def test_the_temporary_file_is_removed_when_muxing_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(outputs_module.media, "Mp4Stream", _fake_stream([], fail=True))
     with pytest.raises(InputError, match="encoder died"):
-        OutputFolder(tmp_path).write_mp4(tmp_path / "clip.mp4", "j1", None, None, overwrite=False)
+        _write_mp4(OutputFolder(tmp_path), tmp_path / "clip.mp4", "j1", overwrite=False)
     assert not any(tmp_path.iterdir())
 
 
