@@ -60,7 +60,9 @@ def _worker(rank, world, port, queue):
             results.append(sp(**args))
             results.append(sp(**args, output_video_rows=target_v))
         if rank == 0:
-            queue.put([(v.clone(), a.clone()) for v, a in results])
+            # numpy arrays travel by value; a tensor on an mp queue is a shared-memory handle that
+            # the parent must fetch from this process, which may already have exited (a CI flake).
+            queue.put([(v.numpy().copy(), a.numpy().copy()) for v, a in results])
     finally:
         dist.destroy_process_group()
 
@@ -93,6 +95,7 @@ def test_sequence_parallel_equals_single_process(world):
             expected.append(model(**args, output_video_rows=target_v))
     assert any(lay.sequence_length % world for lay in _layouts())
     for (v, a), (ev, ea) in zip(got, expected):
+        v, a = torch.from_numpy(v), torch.from_numpy(a)
         assert v.shape == ev.shape
         assert ((v - ev).norm() / ev.norm()).item() <= 1e-5
         assert ((a - ea).norm() / ea.norm()).item() <= 1e-5
@@ -160,7 +163,7 @@ def _vae_worker(rank, world, port, queue):
         torch.set_num_threads(1)
         z = torch.randn(1, 4, 17, 4, 6, generator=torch.Generator().manual_seed(3))
         out = _vae().decode_to_buffer(z, group=dist.group.WORLD, tile_size=16, tile_min_overlap=4)
-        queue.put((rank, out))
+        queue.put((rank, out.numpy().copy()))  # by value, as in _worker
     finally:
         dist.destroy_process_group()
 
@@ -180,4 +183,4 @@ def test_vae_decode_split_over_ranks_is_bit_identical(world):
     z = torch.randn(1, 4, 17, 4, 6, generator=torch.Generator().manual_seed(3))
     expected = _vae().decode_to_buffer(z, tile_size=16, tile_min_overlap=4)
     for rank in range(world):
-        assert torch.equal(outs[rank], expected), rank
+        assert torch.equal(torch.from_numpy(outs[rank]), expected), rank
