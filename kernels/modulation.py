@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..h3_model.dit import RowModulation
-from ._triton import require_kernels, rnd, round_code, tl, triton  # noqa: F401  (rnd: used in the kernels)
+from ._triton import require_kernels, rnd, rnd_store, round_code, tl, triton  # noqa: F401  (used in the kernels)
 from .qk_prep import norm_eps
 
 # Launch shape per row: up to BLOCK columns per step (a step as wide as the row reads it once) and warps.
@@ -60,26 +60,27 @@ if triton is not None:
             if MODE == 2:
                 g = tl.load(arow + c, mask=m, other=0.0).to(tl.float32)
                 yv = tl.load(y_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
-                o = rnd(x + rnd(g * yv, RND), RND)
+                o = rnd_store(x + rnd(g * yv, RND), RND)
             else:
                 if MODE == 0:
                     o = _norm_modulate(x, c, m, rstd, w_ptr, arow, brow, HAS_W, RND)
                 else:
                     sc = tl.load(brow + c, mask=m, other=0.0).to(tl.float32)
                     sh = tl.load(arow + c, mask=m, other=0.0).to(tl.float32)
-                    o = rnd(rnd(x * rnd(1.0 + sc, RND), RND) + sh, RND)
+                    o = rnd_store(rnd(x * rnd(1.0 + sc, RND), RND) + sh, RND)
             tl.store(orow + c, o.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _norm_modulate(x, c, m, rstd, w_ptr, arow, brow, HAS_W: tl.constexpr, RND: tl.constexpr):
-        # RMSNorm (fp32 math, one rounding) then x * (1 + scale) + shift, rounding where eager does.
+        # RMSNorm (fp32 math, one rounding) then x * (1 + scale) + shift, rounding where eager does; the
+        # last rounding is the caller's store.
         v = x * rstd
         if HAS_W:
             v = v * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
         v = rnd(v, RND)
         sc = tl.load(brow + c, mask=m, other=0.0).to(tl.float32)
         sh = tl.load(arow + c, mask=m, other=0.0).to(tl.float32)
-        return rnd(rnd(v * rnd(1.0 + sc, RND), RND) + sh, RND)
+        return rnd_store(rnd(v * rnd(1.0 + sc, RND), RND) + sh, RND)
 
     @triton.jit
     def _add_norm_kernel(x_ptr, y_ptr, g_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, res_ptr, out_ptr, S, eps,

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import (INTERPRETED, require_kernels, rint, rnd, round_bf16, round_code,  # noqa: F401  (kernels)
-                      round_e4m3, tl, triton)
+from ._triton import (INTERPRETED, require_kernels, rint, rnd, rnd_store,  # noqa: F401  (used in kernels)
+                      round_bf16, round_code, round_e4m3, tl, triton)
 
 BLOCK_TOKENS = 64
 NUM_WARPS = 8
@@ -333,7 +333,7 @@ if triton is not None:
             optr = out_ptr + b * sob + h * soh + rows[:, None] * sos + d[None, :]
             if FMT == 0:
                 if STAGE == 2:
-                    tl.store(optr, rnd(y, RND).to(out_ptr.dtype.element_ty), mask=m)
+                    tl.store(optr, rnd_store(y, RND).to(out_ptr.dtype.element_ty), mask=m)
             else:
                 amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
                 if STAGE == 1:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import require_kernels, rnd, round_code, round_e4m3, tl, triton  # noqa: F401  (used in kernels)
+from ._triton import (require_kernels, rnd, rnd_store, round_code, round_e4m3, tl,  # noqa: F401  (kernels)
+                      triton)
 
 BLOCK = 1024
 
@@ -33,7 +34,7 @@ if triton is not None:
         value = tl.load(up_ptr + row * (2 * HALF) + col, mask=m, other=0.0).to(tl.float32)
         gate = tl.load(up_ptr + row * (2 * HALF) + HALF + col, mask=m, other=0.0).to(tl.float32)
         act = rnd(gate / (1.0 + tl.exp(-gate)), RND)
-        tl.store(out_ptr + idx, rnd(value * act, RND).to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + idx, rnd_store(value * act, RND).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _swiglu_fp8_kernel(up_ptr, q_ptr, s_ptr, HALF: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr):

@@ -55,17 +55,19 @@ def test_qk_prep_kernel():
         assert rel_l2(qa.dequantize(), qb.dequantize()) <= 1e-3, (fmt, block, scales)
 
 
-def test_modulation_kernel():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_modulation_kernel(dtype):
     from h3_spark.kernels.modulation import FusedRowModulation
 
     d = 5376
     rows = torch.cat([torch.full((300,), 1), torch.full((700,), 0)]).to(DEV)
-    shift, scale, gate, *_ = rand(6, 6 * d, scale=0.5).bfloat16().chunk(6, dim=-1)
-    x, y = rand(1, 1000, d, scale=3).bfloat16(), rand(1, 1000, d, seed=1).bfloat16()
-    norm = torch.nn.RMSNorm(d, eps=1e-5).to(DEV, torch.bfloat16)
+    shift, scale, gate, *_ = rand(6, 6 * d, scale=0.5).to(dtype).chunk(6, dim=-1)
+    x, y = rand(1, 1000, d, scale=3).to(dtype), rand(1, 1000, d, seed=1).to(dtype)
+    norm = torch.nn.RMSNorm(d, eps=1e-5).to(DEV, dtype)
     ref, fused = RowModulation(rows, True), FusedRowModulation(rows, True)
     with torch.no_grad():
         assert torch.equal(fused.gated_add(x, gate, y), ref.gated_add(x, gate, y))
+        assert torch.equal(fused.modulate(x, shift, scale), ref.modulate(x, shift, scale))
         assert (fused.norm_modulate(norm, x, shift, scale) == ref.norm_modulate(norm, x, shift, scale)).float().mean() >= 0.999
         res, h = fused.add_norm_modulate(x, gate, y, norm, shift, scale)
         want_res, want_h = ref.add_norm_modulate(x, gate, y, norm, shift, scale)
@@ -108,7 +110,7 @@ if __import__("h3_spark.kernels._triton", fromlist=["triton"]).triton is not Non
     import triton
     import triton.language as tl
 
-    from h3_spark.kernels._triton import round_bf16, round_e4m3, round_f16
+    from h3_spark.kernels._triton import rnd_store, round_bf16, round_code, round_e4m3, round_f16
 
     @triton.jit
     def _rounding_probe(x_ptr, out_ptr, n, WHICH: tl.constexpr, BLOCK: tl.constexpr):
@@ -121,6 +123,12 @@ if __import__("h3_spark.kernels._triton", fromlist=["triton"]).triton is not Non
         else:
             y = round_e4m3(x)
         tl.store(out_ptr + idx, y, mask=idx < n)
+
+    @triton.jit
+    def _store_probe(x_ptr, out_ptr, n, RND: tl.constexpr, BLOCK: tl.constexpr):
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + idx, mask=idx < n, other=0.0)
+        tl.store(out_ptr + idx, rnd_store(x, RND).to(out_ptr.dtype.element_ty), mask=idx < n)
 
 
 @pytest.mark.parametrize("which, dtype, limit", [(0, torch.bfloat16, 3e38), (1, torch.float16, 6e4),
@@ -136,3 +144,20 @@ def test_rounding_helpers_equal_torch_casts(which, dtype, limit):
     _rounding_probe[(triton.cdiv(n, 1024),)](x, out, n, WHICH=which, BLOCK=1024)
     want = x.to(dtype).float()
     assert torch.equal(out, want), (out != want).sum().item()
+
+
+@pytest.mark.parametrize("dtype, limit", [(torch.bfloat16, 3e38), (torch.float16, 6e4)])
+def test_store_rounding_equals_torch_casts(dtype, limit):
+    """The kernels leave a stored value's last rounding to the store's cast (`rnd_store`): it must round to
+    nearest even like torch's cast, ties included."""
+    n = 1 << 20
+    g = torch.Generator(DEV).manual_seed(7)
+    x = torch.exp(torch.empty(n, device=DEV).uniform_(-30, 30, generator=g)) * torch.randn(n, device=DEV, generator=g).sign()
+    x = x.clamp(-limit, limit)
+    step = 2.0 ** -(torch.finfo(dtype).nmant + 1)  # half a unit in [1, 2): the ties
+    x[:2048] = 1 + (2 * torch.arange(2048, device=DEV, dtype=torch.float32) % 256 + 1) * step
+    x[2048:4096] = -x[:2048]
+    out = torch.empty(n, device=DEV, dtype=dtype)
+    _store_probe[(triton.cdiv(n, 1024),)](x, out, n, RND=round_code(dtype), BLOCK=1024)
+    want = x.to(dtype)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (out != want).sum().item()
