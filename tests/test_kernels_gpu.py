@@ -154,7 +154,7 @@ def test_store_rounding_equals_torch_casts(dtype, limit):
     g = torch.Generator(DEV).manual_seed(7)
     x = torch.exp(torch.empty(n, device=DEV).uniform_(-30, 30, generator=g)) * torch.randn(n, device=DEV, generator=g).sign()
     x = x.clamp(-limit, limit)
-    step = 2.0 ** -(torch.finfo(dtype).nmant + 1)  # half a unit in [1, 2): the ties
+    step = torch.finfo(dtype).eps / 2  # half a unit in [1, 2): the ties
     x[:2048] = 1 + (2 * torch.arange(2048, device=DEV, dtype=torch.float32) % 256 + 1) * step
     x[2048:4096] = -x[:2048]
     out = torch.empty(n, device=DEV, dtype=dtype)
