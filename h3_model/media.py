@@ -102,13 +102,23 @@ def _upright(frame: Any) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-def read_image(path: str | os.PathLike, *, loglevel: str | None = None) -> torch.Tensor:
-    """png / jpg / webp -> uint8 (H, W, 3) RGB (alpha dropped)."""
+def _check_pixels(path: Path, width: int, height: int, max_pixels: int | None, what: str) -> None:
+    # Decoded size, not file size, is what costs memory: a few KB of well-compressed pixels can be gigabytes.
+    if max_pixels is not None and width * height > max_pixels:
+        raise InputError(f"{path}: the {what} is {width}x{height}, over the limit of {max_pixels} pixels")
+
+
+def read_image(path: str | os.PathLike, *, max_pixels: int | None = None,
+               loglevel: str | None = None) -> torch.Tensor:
+    """png / jpg / webp -> uint8 (H, W, 3) RGB (alpha dropped); refused past `max_pixels` before decoding."""
     path = _check_input(path, IMAGE_SUFFIXES, "image")
     with _open(path, "image", loglevel) as container:
         if not container.streams.video:
             raise InputError(f"{path}: no image in the file")
+        ctx = container.streams.video[0].codec_context
+        _check_pixels(path, ctx.width, ctx.height, max_pixels, "image")
         for frame in container.decode(video=0):
+            _check_pixels(path, frame.width, frame.height, max_pixels, "image")
             return torch.from_numpy(_upright(frame).copy())
     raise InputError(f"{path}: no image in the file")
 
@@ -134,10 +144,14 @@ class VideoClip:
 
 
 def read_video(path: str | os.PathLike, *, fps: float = FPS, max_frames: int | None = None,
-               sample_rate: int = SAMPLE_RATE, with_audio: bool = True,
+               max_pixels: int | None = None, sample_rate: int = SAMPLE_RATE, with_audio: bool = True,
                loglevel: str | None = None) -> VideoClip:
     """mp4 / mov / webm -> frames at `fps` (dropped or held) and, if present, the soundtrack at
-    `sample_rate` stereo, truncated to the returned frames' duration."""
+    `sample_rate` stereo, truncated to the returned frames' duration.
+
+    With `max_frames`, only the source frames those output frames show are kept and the soundtrack is
+    decoded no further than their duration, so memory follows the request, not the file; frames over
+    `max_pixels` are refused before decoding."""
     path = _check_input(path, VIDEO_SUFFIXES, "video")
     with _open(path, "video", loglevel) as container:
         if not container.streams.video:
@@ -146,22 +160,35 @@ def read_video(path: str | os.PathLike, *, fps: float = FPS, max_frames: int | N
         source_fps = float(stream.average_rate or stream.guessed_rate or 0)
         if source_fps <= 0:
             raise InputError(f"{path}: the video stream has no frame rate")
-        needed = None if max_frames is None else math.ceil((max_frames + 1) * source_fps / fps) + 1
-        frames = []
+        _check_pixels(path, stream.codec_context.width, stream.codec_context.height, max_pixels, "video frame")
+        needed = keep = None
+        if max_frames is not None:
+            needed = math.ceil((max_frames + 1) * source_fps / fps) + 1
+            # A source frame's slot does not depend on the stream's length: these are the frames shown.
+            keep = set(resample_frame_indices(needed, source_fps, fps)[:max_frames].tolist())
+        kept: dict[int, np.ndarray] = {}
+        decoded = 0
         for frame in container.decode(stream):
-            frames.append(_upright(frame))
-            if needed is not None and len(frames) >= needed:
+            if keep is None or decoded in keep:
+                _check_pixels(path, frame.width, frame.height, max_pixels, "video frame")
+                kept[decoded] = _upright(frame)
+            decoded += 1
+            if needed is not None and decoded >= needed:
                 break
-        if not frames:
+        if not decoded:
             raise InputError(f"{path}: the video stream has no frames")
+        index = resample_frame_indices(decoded, source_fps, fps)
+        if max_frames is not None:
+            index = index[:max_frames]
         audio = None
         if with_audio and container.streams.audio:
             container.seek(0)
-            audio = _decode_audio(container, container.streams.audio[0], sample_rate)
-    index = resample_frame_indices(len(frames), source_fps, fps)
-    if max_frames is not None:
-        index = index[:max_frames]
-    video = torch.from_numpy(np.stack(frames))[index]
+            limit = None if max_frames is None else math.ceil(index.numel() / fps * sample_rate)
+            audio = _decode_audio(container, container.streams.audio[0], sample_rate, max_samples=limit)
+    order = sorted(kept)
+    position = {src: i for i, src in enumerate(order)}
+    video = torch.from_numpy(np.stack([kept[i] for i in order]))[torch.tensor([position[i] for i in index.tolist()],
+                                                                             dtype=torch.long)]
     if audio is not None:
         audio = audio[:, : round(video.shape[0] / fps * sample_rate)]
     return VideoClip(video, float(fps), source_fps, audio, sample_rate)
@@ -171,10 +198,11 @@ def read_audio(path: str | os.PathLike, *, sample_rate: int = SAMPLE_RATE, max_s
                loglevel: str | None = None) -> torch.Tensor:
     """wav / flac / mp3 / m4a -> float32 stereo (2, N) at `sample_rate`; mono is duplicated."""
     path = _check_input(path, AUDIO_SUFFIXES, "audio")
+    limit = None if max_seconds is None else math.ceil(max_seconds * sample_rate)
     with _open(path, "audio", loglevel) as container:
         if not container.streams.audio:
             raise InputError(f"{path}: no audio stream")
-        audio = _decode_audio(container, container.streams.audio[0], sample_rate)
+        audio = _decode_audio(container, container.streams.audio[0], sample_rate, max_samples=limit)
     if audio.shape[1] == 0:
         raise InputError(f"{path}: the audio stream has no samples")
     if max_seconds is not None:
@@ -182,17 +210,24 @@ def read_audio(path: str | os.PathLike, *, sample_rate: int = SAMPLE_RATE, max_s
     return audio
 
 
-def _decode_audio(container: Any, stream: Any, sample_rate: int) -> torch.Tensor:
+def _decode_audio(container: Any, stream: Any, sample_rate: int, max_samples: int | None = None) -> torch.Tensor:
+    """The stream at `sample_rate`, stereo (mono duplicated); decoding stops once `max_samples` are in
+    (the caller trims to exactly what it needs)."""
     av = _av()
     channels = stream.codec_context.channels or stream.layout.nb_channels
     # Mono stays mono through the resampler (its mono->stereo upmix would attenuate by 3 dB);
     # we duplicate it afterwards.
     layout = "mono" if channels == 1 else "stereo"
     resampler = av.AudioResampler(format="fltp", layout=layout, rate=sample_rate)
-    chunks = []
+    chunks, total = [], 0
     for frame in container.decode(stream):
-        chunks += [out.to_ndarray() for out in resampler.resample(frame)]
-    chunks += [out.to_ndarray() for out in resampler.resample(None)]
+        for out in resampler.resample(frame):
+            chunks.append(out.to_ndarray())
+            total += chunks[-1].shape[1]
+        if max_samples is not None and total >= max_samples:
+            break
+    else:
+        chunks += [out.to_ndarray() for out in resampler.resample(None)]
     audio = torch.from_numpy(np.concatenate(chunks, axis=1)) if chunks else torch.zeros(1 if channels == 1 else 2, 0)
     audio = audio.to(torch.float32)
     return audio.expand(2, -1).contiguous() if audio.shape[0] == 1 else audio

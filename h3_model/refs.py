@@ -71,16 +71,20 @@ class PreparedReference:
 REFERENCE_KINDS = ("image", "video", "audio")
 
 
-def load_reference(kind: str, path) -> Reference:
-    """A reference read from a file: image, video (with its soundtrack when it has one) or audio."""
+def load_reference(kind: str, path, *, frames: int | None = None, max_pixels: int | None = None) -> Reference:
+    """A reference read from a file: image, video (with its soundtrack when it has one) or audio.
+
+    `frames` (the generation's frame count at 24 fps) bounds what is decoded to what the generation
+    uses; `max_pixels` refuses larger images and video frames before decoding them."""
     from . import media
 
+    seconds = None if frames is None else frames / geometry.FPS
     if kind == "image":
-        return ImageReference(media.read_image(path))
+        return ImageReference(media.read_image(path, max_pixels=max_pixels))
     if kind == "audio":
-        return AudioReference(media.read_audio(path))
+        return AudioReference(media.read_audio(path, max_seconds=seconds))
     if kind == "video":
-        clip = media.read_video(path)
+        clip = media.read_video(path, fps=geometry.FPS, max_frames=frames, max_pixels=max_pixels)
         return VideoReference(clip.frames, fps=float(clip.fps), audio=clip.audio, sample_rate=clip.sample_rate)
     raise InputError(f"a reference kind must be one of {', '.join(REFERENCE_KINDS)}, got {kind!r}")
 

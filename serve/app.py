@@ -63,6 +63,10 @@ def parse_json(raw: bytes) -> object:
     except json.JSONDecodeError as exc:
         raise RequestError(400, f"the request body is not valid JSON ({exc.msg} at line {exc.lineno} "
                                 f"column {exc.colno})") from None
+    except RecursionError:
+        raise RequestError(400, "the request body nests too deeply") from None
+    except ValueError as exc:  # e.g. an integer past Python's digit limit
+        raise RequestError(400, f"the request body is not acceptable JSON ({exc})") from None
 
 
 def create_app(service: Service) -> Starlette:

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from ..h3_model import media
+from ..h3_model import geometry, media
 from ..h3_model.errors import H3Error
 from ..h3_model.pipeline import GenerationRequest, Pipeline, Progress
 from ..h3_model.refs import load_reference
@@ -29,6 +29,7 @@ from .jobs import Job
 from .lockstep import Leader, Lockstep, LockstepCancel, fingerprint
 from .models import AttentionSwitch, ResidentModels
 from .outputs import OutputFolder
+from .validation import Limits
 
 
 def free_memory() -> None:
@@ -37,25 +38,32 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _read_references(paths) -> list:
-    return [load_reference(kind, path) for kind, path in paths]
-
-
-def job_message(job: Job, *, mlp_chunks: int, vae_tile_size: int | None) -> dict:
+def job_message(job: Job, *, mlp_chunks: int, vae_tile_size: int | None, limits: Limits) -> dict:
     """Everything a rank needs to build the job's GenerationRequest (picklable: it is broadcast)."""
     p = job.payload
     return {"id": job.id, "request": job.request, "references": list(p.get("references", [])),
             "first_frame": p.get("first_frame"), "last_frame": p.get("last_frame"), "mlp_chunks": mlp_chunks,
-            "vae_tile_size": vae_tile_size}
+            "vae_tile_size": vae_tile_size, "max_image_pixels": limits.max_image_pixels,
+            "max_video_frame_pixels": limits.max_video_frame_pixels}
+
+
+def _read_inputs(message: dict) -> tuple[list, torch.Tensor | None, torch.Tensor | None]:
+    """References and keyframes, decoded no further than the job uses and refused past the pixel limits."""
+    frames = geometry.snap_frames(message["request"].frames)
+    refs = [load_reference(kind, path, frames=frames,
+                           max_pixels=message["max_video_frame_pixels" if kind == "video" else "max_image_pixels"])
+            for kind, path in message["references"]]
+    first, last = (media.read_image(message[k], max_pixels=message["max_image_pixels"]) if message[k] else None
+                   for k in ("first_frame", "last_frame"))
+    return refs, first, last
 
 
 def build_generation(message: dict) -> GenerationRequest:
     """The job's GenerationRequest, its inputs read and its step cache made; the same on every rank."""
     req = message["request"]
+    references, first, last = _read_inputs(message)
     generation = GenerationRequest(
-        mode=req.mode, prompt=req.prompt, references=_read_references(message["references"]),
-        first_frame=media.read_image(message["first_frame"]) if message["first_frame"] else None,
-        last_frame=media.read_image(message["last_frame"]) if message["last_frame"] else None,
+        mode=req.mode, prompt=req.prompt, references=references, first_frame=first, last_frame=last,
         width=req.width, height=req.height, frames=req.frames, steps=req.steps, seed=req.seed,
         mlp_chunks=message["mlp_chunks"], vae_tile_size=message["vae_tile_size"])
     if req.cache.mode != "off":
@@ -93,9 +101,10 @@ def prepare_job(models: ResidentModels, message: dict, lockstep: Lockstep | None
 class JobRunner:
     def __init__(self, models: ResidentModels, pipeline: Pipeline, outputs: OutputFolder,
                  log: Callable[[str], None] = lambda message: None, *, vae_tile_size: int | None = 256,
-                 mlp_chunks: int = 1, leader: Leader | None = None):
+                 mlp_chunks: int = 1, leader: Leader | None = None, limits: Limits | None = None):
         self.models, self.pipeline, self.outputs, self.log = models, pipeline, outputs, log
         self.vae_tile_size, self.mlp_chunks = vae_tile_size, mlp_chunks
+        self.limits = limits or Limits()
         self.leader = leader  # several GPUs: rank 0's side of lockstep.py
 
     def __call__(self, job: Job) -> tuple[str, str | None]:
@@ -118,7 +127,7 @@ class JobRunner:
         return "failed", out_of_memory
 
     def _run(self, job: Job) -> None:
-        message = job_message(job, mlp_chunks=self.mlp_chunks, vae_tile_size=self.vae_tile_size)
+        message = job_message(job, mlp_chunks=self.mlp_chunks, vae_tile_size=self.vae_tile_size, limits=self.limits)
         if self.leader is None:
             return self._generate_and_write(job, message, None)
         # The whole job under the leader's lock: its messages and collectives keep one order on every rank.
@@ -147,6 +156,10 @@ class JobRunner:
             stream = stack.enter_context(self.outputs.mp4_stream(job.payload["output_path"], job.id,
                                                                  overwrite=req.overwrite))
             result = self.pipeline.generate(generation, on_progress=progress, cancel=cancel, on_frames=stream.add)
+            # The decode does not stop midway; a cancel that came during it still keeps the file unpublished.
+            # Rank 0's own flag: only this rank writes, and a collective here would have no partner.
+            if job.cancel.is_set():
+                raise Cancelled("cancelled while decoding; no output was written")
             job.progress = {"stage": "write_output", "step": 0, "total": 0}
             t1 = time.perf_counter()
             stream.finish(result.audio)

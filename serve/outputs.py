@@ -20,6 +20,7 @@ from ..h3_model.errors import InputError
 from .validation import RequestError
 
 TEMP_PREFIX = "."  # temporary outputs are hidden files; clients may not name hidden files
+NAME_MAX = 255  # bytes in one path component on common file systems
 SUFFIXES = {"image": media.IMAGE_SUFFIXES, "video": media.VIDEO_SUFFIXES, "audio": media.AUDIO_SUFFIXES}
 
 
@@ -48,9 +49,18 @@ class Folder:
         parts = name.split("/")
         if any(p in ("", ".", "..") for p in parts):
             raise RequestError(400, f"{name!r}: empty, '.' and '..' path components are not allowed")
+        try:
+            too_long = any(len(p.encode("utf-8")) > NAME_MAX for p in parts)
+        except UnicodeEncodeError:
+            raise RequestError(400, f"{name!r} is not valid Unicode") from None
+        if too_long:
+            raise RequestError(400, f"{name!r}: a path component is longer than {NAME_MAX} bytes")
         candidate = self.root.joinpath(*parts)
         # resolve() follows every symlink on the way, the final component included when it exists.
-        resolved = candidate.resolve()
+        try:
+            resolved = candidate.resolve()
+        except (OSError, RuntimeError) as exc:  # a symlink loop, a path the system refuses
+            raise RequestError(400, f"{name!r} cannot be resolved in the {self.what} folder ({exc})") from None
         if not resolved.is_relative_to(self.root):
             raise RequestError(400, f"{name!r} leads outside the {self.what} folder")
         return candidate
@@ -117,7 +127,8 @@ class OutputFolder(Folder):
         rel = path.relative_to(self.root).as_posix()
         # Checked again: a symlink or a file may have appeared since the request was accepted.
         path = self.check(rel, overwrite)
-        tmp = path.with_name(f"{TEMP_PREFIX}{path.name}.{job_id}.partial.mp4")
+        # Named by the job alone, so any accepted output name leaves room for it.
+        tmp = path.with_name(f"{TEMP_PREFIX}{job_id}.partial.mp4")
         stream = media.Mp4Stream(tmp)
         try:
             yield stream

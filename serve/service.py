@@ -94,7 +94,7 @@ class Service:
             self.pipeline = Pipeline(models.components, decode_group=models.decode_group)
             self._runner = JobRunner(models, self.pipeline, self.outputs, self.log,
                                      vae_tile_size=self.config.vae_tile_size, mlp_chunks=self.config.mlp_chunks,
-                                     leader=self.leader)
+                                     leader=self.leader, limits=self.config.limits)
             self.queue.start()
             self.tracker.ready()
             self.log(f"ready: {', '.join(models.modes)} on {', '.join(models.devices)}; loaded in "

@@ -2,8 +2,8 @@
 
 A request is JSON (an object). Media are never sent inline: references and keyframes name files inside
 the service's --input-dir (relative paths), which keeps request bodies small and lets the service check
-each file's size before any decoding. Unknown fields are refused, so a misspelt option cannot be
-silently ignored.
+each file's size before any decoding, and the decoded size (Limits) before decoding the pixels. Unknown
+fields are refused, so a misspelt option cannot be silently ignored.
 
 Fields (defaults in brackets):
   mode               t2va | fl2va | ref2va  [ref2va with references, fl2va with keyframes, else t2va]
@@ -59,12 +59,17 @@ class Limits:
     max_pixels: int = geometry.CANVAS_MAX_PIXELS
     max_input_file_bytes: int = 256 * 1024 * 1024
     max_path_chars: int = 1024
+    # Decoded size, which a small file can blow up: an image reference or keyframe (50 MP takes an 8K
+    # photo), and one frame of a video reference (4096 x 2304 takes 4K video; only the frames the job
+    # uses are decoded).
+    max_image_pixels: int = 50_000_000
+    max_video_frame_pixels: int = 4096 * 2304
 
     def __post_init__(self) -> None:
         if not 2 <= self.max_steps <= MAX_STEPS:
             raise H3Error(f"max steps must be 2..{MAX_STEPS}, got {self.max_steps}")
         for name in ("max_body_bytes", "max_prompt_chars", "max_frames", "max_pixels", "max_input_file_bytes",
-                     "max_path_chars"):
+                     "max_path_chars", "max_image_pixels", "max_video_frame_pixels"):
             if getattr(self, name) < 1:
                 raise H3Error(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
 
@@ -123,7 +128,10 @@ def _number(body: dict, name: str, default: float) -> float:
     value = body.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(f"{name} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise _bad(f"{name} is out of range") from None
 
 
 def _string(body: dict, name: str, max_chars: int, *, required: bool = False) -> str | None:
@@ -136,6 +144,10 @@ def _string(body: dict, name: str, max_chars: int, *, required: bool = False) ->
         raise _bad(f"{name} must be a non-empty string, got {value!r}")
     if len(value) > max_chars:
         raise _bad(f"{name} is {len(value)} characters; the limit is {max_chars}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: the job record could never be sent back
+        raise _bad(f"{name} is not valid Unicode (it holds a lone surrogate)") from None
     return value
 
 

@@ -126,6 +126,32 @@ def test_12fps_webm_duplicates_frames_and_max_frames_truncates(tmp_path):
     assert frame_ids(clip.frames) == [0, 0, 1, 1, 2, 2, 3]
 
 
+def test_max_frames_decodes_only_the_frames_shown(tmp_path, monkeypatch):
+    audio = np.random.default_rng(2).uniform(-0.3, 0.3, (2, 96000)).astype(np.float32)
+    write_video(tmp_path / "a.mp4", numbered_frames(60), 30, audio, 48000)
+    full = media.read_video(tmp_path / "a.mp4")
+    converted = []
+    upright = media._upright
+    monkeypatch.setattr(media, "_upright", lambda frame: converted.append(1) or upright(frame))
+    part = media.read_video(tmp_path / "a.mp4", max_frames=20)
+    # 30 -> 24 fps drops every fifth source frame: 20 output frames show 20 of the first 25 source frames,
+    # and only those are kept (a whole read would convert all 60).
+    assert len(converted) == 20
+    assert torch.equal(part.frames, full.frames[:20])
+    assert part.audio.shape == (2, round(20 / 24 * 32000))
+    assert torch.equal(part.audio, full.audio[:, : part.audio.shape[1]])
+
+
+def test_pixel_limits_refuse_before_decoding(tmp_path):
+    write_image(tmp_path / "a.png", np.zeros((24, 32, 3), np.uint8) + 7, "png")
+    assert media.read_image(tmp_path / "a.png", max_pixels=24 * 32).shape == (24, 32, 3)
+    with pytest.raises(InputError, match=r"the image is 32x24, over the limit of 767 pixels"):
+        media.read_image(tmp_path / "a.png", max_pixels=24 * 32 - 1)
+    write_video(tmp_path / "a.mp4", numbered_frames(6), 24)
+    with pytest.raises(InputError, match=r"the video frame is 32x24, over the limit of 100 pixels"):
+        media.read_video(tmp_path / "a.mp4", max_pixels=100)
+
+
 # ---- audio -----------------------------------------------------------------------------------
 
 
@@ -143,6 +169,14 @@ def test_flac_stereo_keeps_its_channels(tmp_path):
     assert audio.shape == (2, 8000)
     reference = torch.from_numpy(tone(0.25, 32000, channels=2))
     assert (audio - reference).abs().max() < 1e-3
+
+
+def test_max_seconds_stops_decoding_with_the_same_samples(tmp_path):
+    write_audio(tmp_path / "a.wav", tone(3.0, 44100), 44100, "pcm_s16le")
+    full = media.read_audio(tmp_path / "a.wav")
+    part = media.read_audio(tmp_path / "a.wav", max_seconds=0.5)
+    assert part.shape == (2, 16000)
+    assert torch.equal(part, full[:, :16000])
 
 
 @pytest.mark.parametrize("suffix, codec, container", [(".mp3", "libmp3lame", "mp3"), (".m4a", "aac", "ipod")])

@@ -293,6 +293,28 @@ def test_queue_full_then_cancel_queued_and_running(serve, resident, monkeypatch)
     assert {j["id"]: j["state"] for j in listed["jobs"]} == {running: "cancelled", queued: "cancelled"}
 
 
+def test_a_cancel_during_the_decode_publishes_no_file(serve, monkeypatch):
+    client = serve()
+    decoding, release = threading.Event(), threading.Event()
+    generate = client.service.pipeline.generate
+
+    def slow_decode(*args, **kwargs):
+        out = generate(*args, **kwargs)  # the frames are in the hidden partial file by now
+        decoding.set()
+        assert release.wait(30)
+        return out
+
+    monkeypatch.setattr(client.service.pipeline, "generate", slow_decode)
+    job = client.post("/generate", json=request("late.mp4")).json()["id"]
+    assert decoding.wait(60)
+    stopping = client.delete(f"/jobs/{job}")
+    assert stopping.status_code == 202 and stopping.json()["cancel_requested"] is True
+    release.set()
+    ended = wait_job(client, job)
+    assert ended["state"] == "cancelled" and "no output was written" in ended["error"]
+    assert not any(client.service.outputs.root.iterdir())  # neither the mp4 nor its partial file
+
+
 # ------------------------------------------------------------------ out of memory
 class _Exploding:
     def __init__(self, inner, exc):
@@ -376,6 +398,9 @@ def test_inputs_need_an_input_folder(serve):
     (b'{"prompt": NaN}', 400, "NaN"),
     (b"[1, 2]", 400, "JSON object"),
     (b"\xff\xfe", 400, "UTF-8"),
+    (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", 400, "not acceptable JSON"),
+    (b"[" * 5000, 400, "nests too deeply"),
+    (b'{"prompt": "a cat \\ud800", "output": "x.mp4"}', 400, "lone surrogate"),
 ])
 def test_malformed_bodies(serve, body, code, fragment):
     client = serve()
@@ -405,6 +430,8 @@ def test_malformed_bodies(serve, body, code, fragment):
     ({"cache_mode": "easycache", "cache_start_percent": 0.9, "cache_end_percent": 0.1}, 400, "after end"),
     ({"cache_mode": "easycache", "cache_threshold": "big"}, 400, "number"),
     ({"overwrite": "yes"}, 400, "true or false"),
+    ({"cache_mode": "easycache", "cache_threshold": 10 ** 400}, 400, "out of range"),
+    ({"output": "a" * 300 + ".mp4"}, 400, "longer than 255 bytes"),
 ])
 def test_bad_fields_are_refused_with_a_clear_message(serve, change, code, fragment):
     client = serve()

@@ -129,7 +129,7 @@ def test_outputs_are_written_under_a_temporary_name_then_moved(tmp_path, monkeyp
     folder = OutputFolder(tmp_path)
     final = _write_mp4(folder, tmp_path / "clip.mp4", "j1", overwrite=False)
     assert final.read_bytes() == b"mp4 bytes"
-    assert calls[0].parent == tmp_path and calls[0].name.startswith(".clip.mp4.j1")
+    assert calls[0].parent == tmp_path and calls[0].name == ".j1.partial.mp4"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
 
     # A file that appeared while the job ran is not replaced without overwrite; nothing is left over.
@@ -153,6 +153,36 @@ def test_a_symlink_planted_after_acceptance_is_refused_at_write_time(tmp_path, m
     with pytest.raises(RequestError, match="leads outside"):
         _write_mp4(folder, path, "j1", overwrite=False)
     assert not any(elsewhere.iterdir())
+
+
+def test_a_symlink_planted_while_the_job_writes_is_refused_before_the_move(tmp_path, monkeypatch):
+    monkeypatch.setattr(outputs_module.media, "Mp4Stream", _fake_stream([]))
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    folder = OutputFolder(out)
+    path = folder.reserve("clip.mp4", False, "j1")
+    with pytest.raises(RequestError, match="leads outside"):
+        with folder.mp4_stream(path, "j1", overwrite=True) as stream:
+            stream.add(None)
+            (out / "clip.mp4").symlink_to(elsewhere / "target.mp4")
+            stream.finish(None)
+    assert not any(elsewhere.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == ["clip.mp4"]  # the planted link only, no partial file
+
+
+def test_output_names_the_file_system_would_refuse_are_400(tmp_path):
+    folder = OutputFolder(tmp_path)
+    with pytest.raises(RequestError, match="longer than 255 bytes") as err:
+        folder.check("a" * 252 + ".mp4", False)
+    assert err.value.status == 400
+    folder.check("a" * 251 + ".mp4", False)  # 255 bytes: fine, and the temporary name is short
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(RequestError, match="cannot be resolved|leads outside") as err:
+        folder.check("loop/clip.mp4", False)
+    assert err.value.status == 400
+    with pytest.raises(RequestError, match="not valid Unicode"):
+        folder.check("\ud800.mp4", False)  # a lone surrogate, as JSON can carry
 
 
 def test_the_temporary_file_is_removed_when_muxing_fails(tmp_path, monkeypatch):
@@ -227,7 +257,10 @@ def test_queue_bounds_cancels_and_survives_a_bad_runner():
             queue.cancel("nope")
         after = queue.submit(Job("ok"))
         assert _wait(queue, after)["state"] == "done"
-        assert int(queue.retry_after()) >= 1
+        assert queue.retry_after() == 1  # the jobs so far took well under a second
+        queue._durations.clear()
+        queue._durations.extend([2.5, 7.1])
+        assert queue.retry_after() == 5  # their mean, rounded up
     finally:
         queue.stop()
 
@@ -269,3 +302,26 @@ def test_component_loader_names_the_components():
     with pytest.raises(InputError, match="unknown component 'unet'; components are dit, dit_ref, text_encoder"):
         component_loader("unet", Path("."), LoadOptions())
     assert callable(component_loader("vae", Path("nowhere"), LoadOptions()))  # nothing is read until called
+
+
+def test_jobs_decode_inputs_within_the_pixel_limits(tmp_path):
+    """A job's images are refused past Limits.max_image_pixels, its videos past max_video_frame_pixels."""
+    import numpy as np
+    from PIL import Image
+
+    from h3_spark.serve.execute import _read_inputs
+
+    Image.fromarray(np.full((40, 60, 3), 9, np.uint8)).save(tmp_path / "key.png")
+    req = parse_request({"prompt": "a cat", "output": "o.mp4", "first_frame": "key.png"}, Limits())
+
+    def message(**limits):
+        return {"request": req, "references": [], "first_frame": str(tmp_path / "key.png"), "last_frame": None,
+                "max_image_pixels": limits.get("image", 2400), "max_video_frame_pixels": 1}
+
+    _, first, last = _read_inputs(message())
+    assert first.shape == (40, 60, 3) and last is None
+    with pytest.raises(InputError, match="the image is 60x40, over the limit of 2399 pixels"):
+        _read_inputs(message(image=2399))
+    req.references = [("image", str(tmp_path / "key.png"))]
+    with pytest.raises(InputError, match="over the limit of 2399 pixels"):
+        _read_inputs({**message(image=2399), "first_frame": None, "references": req.references})
