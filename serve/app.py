@@ -19,6 +19,7 @@ import json
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -29,6 +30,16 @@ from .validation import RequestError
 
 def _error(exc: RequestError) -> JSONResponse:
     return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    # Starlette's own refusals (unknown route, wrong method) in the API's JSON shape.
+    return JSONResponse({"error": f"{request.method} {request.url.path}: {exc.detail}"}, status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, status_code=500)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -112,6 +123,7 @@ def create_app(service: Service) -> Starlette:
 
     routes = [Route("/ready", ready, methods=["GET"]), Route("/generate", generate, methods=["POST"]),
               Route("/jobs", jobs, methods=["GET"]), Route("/jobs/{job_id}", job, methods=["GET", "DELETE"])]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.service = service
     return app

@@ -408,6 +408,15 @@ def test_malformed_bodies(serve, body, code, fragment):
     assert r.status_code == code and fragment in r.json()["error"]
 
 
+def test_unknown_routes_and_methods_answer_json(serve):
+    client = serve()
+    r = client.get("/nope")
+    assert r.status_code == 404 and r.json()["error"] == "GET /nope: Not Found"
+    r = client.put("/jobs/x")
+    assert r.status_code == 405 and r.json()["error"] == "PUT /jobs/x: Method Not Allowed"
+    assert "GET" in r.headers["allow"]
+
+
 @pytest.mark.parametrize("change, code, fragment", [
     ({"stepz": 4}, 400, "unknown field"),
     ({"prompt": None}, 400, "prompt is required"),
