@@ -157,9 +157,9 @@ def run(args) -> int:
                         spatial=comps.vae.config.spatial_ratio if comps is not None else 16, profile=args.profile)
     if comps is not None:
         from ..kernels.vae import apply_vae_kernels
-        from .vae_options import vae_tile_batch
+        from ..h3_model.video_vae import tile_batch_from_env
 
-        comps.vae.tile_batch = vae_tile_batch()
+        comps.vae.tile_batch = tile_batch_from_env()
         result["vae_kernels"] = apply_vae_kernels(comps.vae, settings)
         result["generation"] = runner.bench_generation(comps, contract, device, cache_modes)
         if args.synthetic:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .vae_options import DEFAULT_TILE_SIZE, DTYPES, vae_options, vae_tile_batch
+from .vae_options import DEFAULT_TILE_SIZE, DTYPES, vae_options
 
 LOGLEVELS = ("quiet", "panic", "fatal", "error", "warning", "info", "verbose", "debug", "trace")
 DEFAULT_DTYPE = "float16"
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from ..kernels.vae import apply_vae_kernels
 
     settings = resolve_settings(args)
-    tile_batch = vae_tile_batch()
+    tile_batch = video_vae.tile_batch_from_env()
     latents = read_latents(args.latents)
     if latents["audio"] is not None and not args.audio_vae:
         raise InputError(f"{args.latents} has audio_latents; pass --audio-vae to decode them")

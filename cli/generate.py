@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from .vae_options import vae_options, vae_tile_batch
+from .vae_options import vae_options
 
 REF_KINDS = ("image", "video", "audio")
 
@@ -109,6 +109,7 @@ def run(args) -> int:
     from ..h3_model.lora import LoraSpec
     from ..h3_model.pipeline import GenerationRequest, Pipeline
     from ..h3_model.step_cache import make_step_cache
+    from ..h3_model.video_vae import tile_batch_from_env
     from ..kernels.dispatch import apply_kernels
     from ..kernels.settings import KernelSettings
     from ..kernels.vae import apply_vae_kernels
@@ -147,7 +148,7 @@ def run(args) -> int:
     dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     vae_dtype, tile = vae_options(args.vae_dtype, args.vae_tile_size,
                                   "float16" if device.startswith("cuda") else "float32")
-    tile_batch = vae_tile_batch()
+    tile_batch = tile_batch_from_env()
     if not args.prompt:
         raise InputError("--prompt is required")
     if args.out.suffix.lower() != ".mp4":

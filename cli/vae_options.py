@@ -1,5 +1,6 @@
-"""The video VAE decode settings every front door takes: flag, else H3_VAE_DTYPE / H3_VAE_TILE_SIZE /
-H3_VAE_TILE_BATCH, else default."""
+"""The video VAE decode settings every front door takes: flag, else H3_VAE_DTYPE / H3_VAE_TILE_SIZE, else
+default. (H3_VAE_TILE_BATCH is read by the engine itself: `video_vae.tile_batch_from_env`, which the
+ComfyUI nodes use too.)"""
 
 from __future__ import annotations
 
@@ -28,18 +29,3 @@ def vae_options(dtype: str | None, tile: int | None, default_dtype: str,
     if tile < 0:
         raise InputError(f"tile size must be >= 0 (0 = untiled), got {tile}")
     return dtype, tile
-
-
-def vae_tile_batch(environ: Mapping[str, str] | None = None) -> int:
-    """Tiles per decoder call: H3_VAE_TILE_BATCH, else the engine's default."""
-    from ..h3_model.errors import InputError
-    from ..h3_model.video_vae import DEFAULT_TILE_BATCH, check_tile_batch
-
-    raw = (os.environ if environ is None else environ).get("H3_VAE_TILE_BATCH", "")
-    if raw == "":
-        return DEFAULT_TILE_BATCH
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InputError(f"H3_VAE_TILE_BATCH={raw!r}: expected a whole number of tiles (>= 1)") from None
-    return check_tile_batch(value, "H3_VAE_TILE_BATCH")

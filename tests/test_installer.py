@@ -83,12 +83,31 @@ def test_install_is_idempotent_and_uninstall_removes_only_ours(comfy):
     assert "nothing to remove" in run(comfy, "--uninstall").stdout
 
 
+def _imports_outside(root: Path) -> list[str]:
+    """Relative imports in the copied pack that name a module the copy lacks (e.g. one left in cli/)."""
+    import ast
+
+    missing = []
+    for path in root.rglob("*.py"):
+        package = path.parent.relative_to(root).parts
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                parts = [*base, *(node.module.split(".") if node.module else [])]
+                target = root.joinpath(*parts)
+                if not (target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()
+                        or (not parts)):
+                    missing.append(f"{path.relative_to(root)}: {'.' * node.level}{node.module or ''}")
+    return missing
+
+
 def test_copy_mode_and_its_marker(comfy):
     out = run(comfy, "--copy")
     assert out.returncode == 0, out.stderr
     target = comfy / "custom_nodes" / "h3-spark"
     assert not target.is_symlink() and (target / ".h3-spark-overlay").is_file()
     assert (target / "nodes" / "engine.py").is_file() and not (target / "tests").exists()
+    assert _imports_outside(target) == []
     assert run(comfy, "--copy").returncode == 0  # made afresh
     assert run(comfy, "--uninstall").returncode == 0 and not target.exists()
 
