@@ -17,8 +17,8 @@ from ..kernels.settings import ATTENTION_BACKENDS, LINEAR_FORMATS
 CATEGORY = "h3-spark"
 TEXT_LAYER = 50  # h3_model.text_encoder.DEFAULT_LAYER (not imported: that module imports torch)
 MAX_SEED = 2 ** 63 - 1  # the engine's generator takes seeds below 2^63
-LENGTH = ("INT", {"default": geometry.DEFAULT_FRAMES, "min": 5, "max": 360, "step": 17,
-                  "tooltip": "Frames at 24 fps, snapped up to 17n+5; H3 generates 5 to 15 seconds (124..356)."})
+LENGTH = ("INT", {"default": geometry.DEFAULT_FRAMES, "min": 124, "max": 345, "step": 17,
+                  "tooltip": "Frames at 24 fps, snapped up to 17n+5; H3 generates 5 to 15 seconds (124..345)."})
 WIDTH = ("INT", {"default": 1344, "min": 32, "max": 4096, "step": 32})
 HEIGHT = ("INT", {"default": 768, "min": 32, "max": 4096, "step": 32})
 PROMPT = ("STRING", {"multiline": True, "dynamicPrompts": True,
@@ -135,7 +135,8 @@ class H3VAELoader:
             "audio_vae_name": (names,),
             "decode_dtype": (["float16", "float32"], {"tooltip": "float32 is the exact video decode."}),
             "tile_size": ("INT", {"default": 256, "min": 0, "max": 4096, "step": 16,
-                                  "tooltip": "Spatial tile of the video VAE in pixels (0 = whole frames)."}),
+                                  "tooltip": "Spatial tile of the video VAE in pixels: 0 = whole frames, else a "
+                                             "multiple of 16 above the 64 px overlap."}),
         }}
 
     RETURN_TYPES = ("H3_VAE",)

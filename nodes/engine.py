@@ -8,7 +8,9 @@ those stages over the graph; a test checks the node graph against `Pipeline.gene
 
 from __future__ import annotations
 
+import glob
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,13 +77,17 @@ def detect_partition(path: Path, choice: str) -> str:
             return "ref2va"
         if has_t2va or path.name == "transformer":
             return "t2va"
-    name = path.name.lower()
-    if "ref2va" in name or "r2v" in name or "_ref" in name:
-        return "ref2va"
-    if "t2va" in name or "fl2va" in name or "i2v" in name or "t2v" in name:
-        return "t2va"
-    # Both partitions have the same architecture: guessing would run the wrong weights silently.
+    # Whole tokens of the file name ("h3_t2va_refined" is not a ref2va file); both kinds of token, or
+    # neither, is a question for the user: the partitions share one architecture, so a wrong guess would
+    # run the wrong weights silently.
+    tokens = set(re.split(r"[^a-z0-9]+", path.name.lower().removesuffix(".safetensors")))
+    kinds = {kind for kind, words in PARTITION_TOKENS.items() if tokens & words}
+    if len(kinds) == 1:
+        return kinds.pop()
     raise InputError(f"cannot tell whether {path.name} is the ref2va or the t2va/fl2va partition; choose it")
+
+
+PARTITION_TOKENS = {"ref2va": {"ref2va", "r2v", "ref"}, "t2va": {"t2va", "fl2va", "i2v", "t2v"}}
 
 
 def load_model(path: Path, partition: str, weight_dtype: str, linear: str, attention: str):
@@ -125,11 +131,13 @@ def load_text_encoder(path: Path, tokenizer: Path | None, dtype: str, layer: int
 
 def load_vaes(video_path: Path, audio_path: Path, decode_dtype: str, tile_size: int) -> VAEHandle:
     from ..h3_model.vae_loading import load_audio_vae, load_video_vae
-    from ..h3_model.video_vae import tile_batch_from_env
+    from ..h3_model.video_vae import DEFAULT_TILE_MIN_OVERLAP, check_tiling, tile_batch_from_env
 
     if decode_dtype not in VAE_DTYPES:
         raise InputError(f"decode_dtype must be one of {', '.join(VAE_DTYPES)}, got {decode_dtype!r}")
     video = load_video_vae(video_path, device=host.offload_device(), decode_dtype=VAE_DTYPES[decode_dtype])
+    # Checked here, not at the first decode, which comes after the whole sampling.
+    check_tiling(tile_size, DEFAULT_TILE_MIN_OVERLAP, video.config.spatial_ratio)
     video.tile_batch = tile_batch_from_env()
     audio = load_audio_vae(audio_path, device=host.offload_device())
     return VAEHandle(video, audio, host.make_held("vae", video), host.make_held("audio_vae", audio),
@@ -292,6 +300,14 @@ def _ensure_loras(dit, loras: list) -> None:
     state = dit.__dict__.setdefault("_h3_spark_loras", {"applied": (), "backup": {}})
     if state["applied"] == want:
         return
+    linear = dit.__dict__.get("_h3_spark_kernels", {}).get("report", {}).get("linear", {})
+    if not linear.get("exact", True):
+        # The first run converted the linears in place; the bf16 weights a LoRA merges into are gone.
+        raise InputError(
+            f"this DiT's linears already run as {linear.get('format')} with "
+            f"{_lora_names(state['applied'])}; another LoRA set ({_lora_names(want)}) needs its bf16 weights. "
+            "Load the model again (e.g. change the H3 Model Loader's linear input) to run this set, or use "
+            "linear bf16 to switch LoRAs on one loaded model")
     params = dict(dit.named_parameters())
     _restore(params, state)
     if not want:
@@ -310,6 +326,10 @@ def _ensure_loras(dit, loras: list) -> None:
         _restore(params, state)
         raise
     state["applied"] = want
+
+
+def _lora_names(loras: tuple) -> str:
+    return ", ".join(f"{Path(p).name} at {s:g}" for p, s in loras) or "no LoRA"
 
 
 @torch.no_grad()
@@ -336,9 +356,22 @@ def _prepare_kernels(dit, opts: dict, device) -> dict:
         dit.set_attention(backend)
         dit.qk_prep = qk_prep
         state["attention"] = opts["attention"]
-        state["report"] = {**state["report"], "attention": {"requested": settings.attention, "chosen": chosen,
-                                                            **backend.describe()}, "qk_prep": qk_report}
+        report = {**state["report"], "attention": {"requested": settings.attention, "chosen": chosen,
+                                                   **backend.describe()}, "qk_prep": qk_report}
+        approx = [k for k in ("attention", "qk_prep", "modulation", "linear") if not report[k].get("exact", True)]
+        state["report"] = {**report, "exact": not approx, "approximate_paths": approx}
     return state["report"]
+
+
+def _report_kernels(dit, report: dict) -> None:
+    """Log what `auto` and the loader's choices resolved to, once per change (fail closed means saying it)."""
+    attention, linear = report.get("attention", {}), report.get("linear", {})
+    approx = report.get("approximate_paths") or []
+    line = (f"attention {attention.get('chosen')} (asked {attention.get('requested')}), linear {linear.get('format')}, "
+            + (f"approximate: {', '.join(approx)}" if approx else "exact"))
+    if dit.__dict__.get("_h3_spark_reported") != line:
+        dit.__dict__["_h3_spark_reported"] = line
+        log.info("h3-spark kernels: %s", line)
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -385,7 +418,7 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
 
     _ensure_loras(dit, opts["loras"])
     device = host.load_for_compute(model)
-    _prepare_kernels(dit, opts, device)
+    _report_kernels(dit, _prepare_kernels(dit, opts, device))
     progress = host.Progress(len(schedule))
     interrupt = host.InterruptFlag()
     request = SamplingRequest(lay, cond.embeds, cond.latent_frames, cond.latent_height, cond.latent_width,
@@ -432,7 +465,7 @@ def output_path(prefix: str, suffix: str = ".mp4") -> tuple[Path, str]:
     if not base or base in (".", ".."):
         raise InputError(f"filename_prefix {prefix!r} has no file name")
     folder.mkdir(parents=True, exist_ok=True)
-    taken = {p.name for p in folder.glob(f"{base}_*{suffix}")}
+    taken = {p.name for p in folder.glob(f"{glob.escape(base)}_*{suffix}")}  # [, ], * and ? are literal
     counter = 1
     while f"{base}_{counter:05d}_{suffix}" in taken:
         counter += 1

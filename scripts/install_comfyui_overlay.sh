@@ -9,7 +9,8 @@
 #   2. checks ComfyUI's Python: >= 3.10, torch importable (never installed or upgraded here: ComfyUI's
 #      torch build is the user's choice), and reports the GPU and its sm capability (H3 runs bf16: sm_80+);
 #   3. links (or, with --copy, copies) this repository to custom_nodes/h3-spark;
-#   4. pip-installs the runtime dependencies into that Python (never torch).
+#   4. pip-installs the runtime dependencies into that Python (never torch: it is pinned to the installed build;
+#      a transformers 4 that must become 5 is warned about, since other node packs share it).
 # --dry-run runs the read-only checks and prints every action without changing anything.
 # --uninstall removes custom_nodes/h3-spark when it is ours (our link, or a copy carrying our marker);
 # shared Python packages stay, since other nodes may use them.
@@ -22,7 +23,8 @@ readonly MARKER=".h3-spark-overlay"
 # transformers 5: the text encoder uses its Qwen3-VL classes and config layout (rope_parameters), as
 # pyproject.toml does; accelerate: transformers needs it for the device_map that loads a Qwen3-VL folder
 # straight onto its device (without it the Text Encoder Loader fails on a diffusers/transformers folder).
-readonly RUNTIME_DEPS=("numpy>=1.24" "safetensors>=0.4" "av>=12" "pillow>=10" "transformers>=5" "accelerate>=1.0")
+# The floors are pyproject.toml's.
+readonly RUNTIME_DEPS=("numpy>=1.24" "safetensors>=0.8" "av>=14" "pillow>=10" "transformers>=5" "accelerate>=1.0")
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 readonly REPO_ROOT
 
@@ -148,6 +150,11 @@ probe="$("$python" - <<'PY'
 import sys
 print("python=%d.%d.%d" % sys.version_info[:3])
 try:
+    from importlib.metadata import version
+    print("transformers=%s" % version("transformers"))
+except Exception:  # not installed
+    print("transformers=")
+try:
     import torch
 except Exception as exc:  # a broken torch install fails here too
     print("torch=")
@@ -180,6 +187,12 @@ torch_version="$(field torch)"
 [[ -n "$torch_version" ]] || die "torch is not importable in $python ($(field torch_error)); install ComfyUI's \
 requirements (with the torch build for your GPU) first: h3-spark never installs torch"
 say "torch $torch_version"
+
+transformers_version="$(field transformers)"
+if [[ "$transformers_version" =~ ^([0-9]+)\. ]] && ((BASH_REMATCH[1] < 5)); then
+    say "warning: transformers $transformers_version will be upgraded to >= 5 (the Qwen3-VL text encoder needs it); \
+it is shared with ComfyUI and other custom nodes, and a node pack pinned to transformers 4 may stop working"
+fi
 
 sm="$(field sm)"
 if [[ -z "$sm" ]]; then
@@ -221,5 +234,9 @@ else
     say "linked $target -> $REPO_ROOT"
 fi
 
-act "$python" -m pip install --upgrade-strategy only-if-needed "${RUNTIME_DEPS[@]}"
+# torch stays the build ComfyUI installed, even if a dependency would like another one.
+constraints="$(mktemp "${TMPDIR:-/tmp}/h3-spark-constraints.XXXXXX")"
+trap 'rm -f "$constraints"' EXIT
+echo "torch==$torch_version" >"$constraints"
+act "$python" -m pip install --upgrade-strategy only-if-needed --constraint "$constraints" "${RUNTIME_DEPS[@]}"
 say "done; restart ComfyUI. Recommended launch flags and engine defaults: config/h3_spark_serving.env"

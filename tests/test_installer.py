@@ -16,11 +16,18 @@ SCRIPT = ROOT / "scripts" / "install_comfyui_overlay.sh"
 
 FAKE_PYTHON = """#!/usr/bin/env bash
 if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ]; then
-    echo "$*" >> "$FAKE_PIP_LOG"
+    line="$*"
+    prev=""
+    for a in "$@"; do
+        if [ "$prev" = "--constraint" ]; then line="$line | $(tr '\n' ' ' < "$a")"; fi
+        prev="$a"
+    done
+    echo "$line" >> "$FAKE_PIP_LOG"
     exit 0
 fi
 cat > /dev/null  # the probe script on stdin
 echo "python=${FAKE_PYTHON_VERSION:-3.12.3}"
+echo "transformers=${FAKE_TRANSFORMERS-}"
 if [ -n "${FAKE_NO_TORCH:-}" ]; then
     echo "torch="
     echo "torch_error=No module named 'torch'"
@@ -76,7 +83,9 @@ def test_install_is_idempotent_and_uninstall_removes_only_ours(comfy):
     again = run(comfy)
     assert again.returncode == 0 and "already linked" in again.stdout
     pip = (comfy.parent / "pip.log").read_text().splitlines()
-    assert len(pip) == 2 and all(line.startswith("-m pip install") and "safetensors" in line for line in pip)
+    assert len(pip) == 2 and all(line.startswith("-m pip install") and "safetensors>=0.8" in line for line in pip)
+    # torch is pinned to the build ComfyUI has, so no dependency can swap it
+    assert all(line.endswith("| torch==2.11.0+cu130 ") for line in pip), pip
     gone = run(comfy, "--uninstall")
     assert gone.returncode == 0 and not link.exists() and not link.is_symlink()
     assert ROOT.is_dir() and (ROOT / "nodes").is_dir()  # the link went, not the repository
@@ -148,6 +157,14 @@ def test_comfyui_without_native_h3_gets_a_warning_and_the_install(comfy):
     assert "warning: ComfyUI 0.4.2 has no native MiniMax H3 support" in out.stdout
     assert (comfy / "custom_nodes" / "h3-spark").is_symlink()
     assert "transformers>=5" in (comfy.parent / "pip.log").read_text() and "accelerate" in (comfy.parent / "pip.log").read_text()
+
+
+def test_a_major_transformers_upgrade_is_announced(comfy):
+    out = run(comfy, "--dry-run", FAKE_TRANSFORMERS="4.57.1")
+    assert out.returncode == 0, out.stderr
+    assert "warning: transformers 4.57.1 will be upgraded to >= 5" in out.stdout
+    for installed in ("5.1.0", ""):
+        assert "will be upgraded" not in run(comfy, "--dry-run", FAKE_TRANSFORMERS=installed).stdout
 
 
 def test_cpu_only_and_explicit_python(comfy, tmp_path):

@@ -289,6 +289,20 @@ def test_wrong_partition_and_unknown_partition(models, monkeypatch):
     assert node("H3SparkModelLoader").load("mystery.safetensors", "t2va/fl2va", "float32", "auto", "sdpa")
 
 
+@pytest.mark.parametrize("name, partition", [
+    ("h3_ref2va_bf16.safetensors", "ref2va"), ("minimax-h3-t2va.safetensors", "t2va"), ("H3_FL2VA.safetensors", "t2va"),
+    ("h3_t2va_refined.safetensors", "t2va"), ("h3-ref-fp8.safetensors", "ref2va"), ("h3_t2v_vs_r2v.safetensors", None),
+    ("prefix_t2vax.safetensors", None)])
+def test_partition_from_whole_name_tokens(tmp_path, name, partition):
+    from h3_spark.nodes import engine
+
+    if partition:
+        assert engine.detect_partition(tmp_path / name, "auto") == partition
+    else:
+        with pytest.raises(InputError, match="cannot tell whether .* is the ref2va or the t2va/fl2va partition"):
+            engine.detect_partition(tmp_path / name, "auto")
+
+
 def test_lora_is_merged_per_run_and_taken_out(models, monkeypatch):
     from safetensors.torch import save_file
 
@@ -311,6 +325,60 @@ def test_lora_is_merged_per_run_and_taken_out(models, monkeypatch):
     again = sampler.sample(model, cond, latent, 5, STEPS, 12.0, 3.0)[0]["samples"][0]
     assert torch.equal(again, base)  # the base MODEL gets its weights back
     assert all(torch.equal(p, weights[n]) for n, p in model.model.inner.named_parameters())
+
+
+def test_vae_loader_refuses_a_tile_size_the_decoder_cannot_use(models, monkeypatch):
+    fake_comfy(monkeypatch, models)
+    loader = node("H3SparkVAELoader")
+    with pytest.raises(InputError, match="tile size 70 px must be a multiple of 16 and larger than the 64 px"):
+        loader.load("tiny-video-vae.safetensors", "tiny-audio-vae.safetensors", "float32", 70)
+    with pytest.raises(InputError, match="larger than the 64 px"):
+        loader.load("tiny-video-vae.safetensors", "tiny-audio-vae.safetensors", "float32", 64)
+    assert loader.load("tiny-video-vae.safetensors", "tiny-audio-vae.safetensors", "float32", 0)[0].tile_size is None
+
+
+def test_lora_change_on_converted_linears_is_refused(models, monkeypatch):
+    """fp8/nvfp4 linears are converted in place at the first run: a later LoRA set cannot be merged, so it is
+    refused with what to do instead of failing inside the merge."""
+    from safetensors.torch import save_file
+
+    from h3_spark.nodes import engine
+
+    fake_comfy(monkeypatch, models)
+    g = torch.Generator().manual_seed(3)
+    save_file({"blocks.0.attn.out_proj.lora_A.weight": torch.randn(2, TINY.inner_dim, generator=g),
+               "blocks.0.attn.out_proj.lora_B.weight": torch.randn(TINY.hidden_size, 2, generator=g)},
+              str(models / "models" / "loras" / "l.safetensors"))
+    model, te, vae = load_all(models)
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+    sampler = node("H3SparkSampler")
+    lora = node("H3SparkLoraLoader").load(model, "l.safetensors", 0.5)[0]
+    sampler.sample(lora, cond, latent, 5, STEPS, 12.0, 3.0)
+    dit = engine.dit_of(model)
+    # What a run with linear fp8 leaves behind (the conversion itself needs a Hopper GPU).
+    dit.__dict__["_h3_spark_kernels"]["report"]["linear"] = {"format": "fp8", "exact": False}
+    sampler.sample(lora, cond, latent, 5, STEPS, 12.0, 3.0)  # the same set still runs
+    with pytest.raises(InputError, match=r"linears already run as fp8 with l.safetensors at 0.5; another LoRA "
+                                         r"set \(no LoRA\) needs its bf16 weights"):
+        sampler.sample(model, cond, latent, 5, STEPS, 12.0, 3.0)
+
+
+def test_sampler_logs_what_the_kernels_resolved_to(models, monkeypatch, caplog):
+    import logging
+
+    fake_comfy(monkeypatch, models)
+    model, te, vae = load_all(models)
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+    sampler = node("H3SparkSampler")
+    with caplog.at_level(logging.INFO, logger="h3_spark"):
+        sampler.sample(model, cond, latent, 5, STEPS, 12.0, 3.0)
+        sampler.sample(model, cond, latent, 5, STEPS, 12.0, 3.0)
+        patched = node("H3SparkAttentionPatch").patch(model, "auto")[0]
+        sampler.sample(patched, cond, latent, 5, STEPS, 12.0, 3.0)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("h3-spark kernels")]
+    assert len(lines) == 2, lines  # once per change, not per run
+    assert lines[0].startswith("h3-spark kernels: attention sdpa (asked sdpa), linear ") and lines[0].endswith("exact")
+    assert "(asked auto)" in lines[1]
 
 
 def test_attention_patch(models, monkeypatch):

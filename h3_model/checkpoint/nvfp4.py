@@ -14,6 +14,8 @@ ComfyUI computes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import CheckpointError
@@ -38,6 +40,21 @@ def packed_shape(rows: int, cols: int) -> tuple[int, int]:
 def scale_shape(rows: int, cols: int) -> tuple[int, int]:
     """Stored `weight_scale` shape (blocked layout) for a logical [rows, cols] matrix."""
     return roundup(roundup(rows, BLOCK), 128), roundup(roundup(cols, BLOCK) // BLOCK, 4)
+
+
+def stored_mismatch(weight_shape: tuple[int, ...], scale_numel: int, rows: int, cols: int) -> str | None:
+    """Why stored tensors of these sizes cannot hold a logical [rows, cols] weight; None if they can.
+
+    Header facts only, so a wrong-sized layer is refused before minutes of loading, not during it.
+    """
+    want = packed_shape(rows, cols)
+    if tuple(weight_shape) != want:
+        return f"NVFP4 weight is {list(weight_shape)}, a logical {rows}x{cols} weight packs to {list(want)}"
+    need = math.prod(scale_shape(rows, cols))
+    if scale_numel != need:
+        return (f"NVFP4 block scales hold {scale_numel} values, a logical {rows}x{cols} weight needs {need} "
+                f"({list(scale_shape(rows, cols))} in the 128x4 blocked layout)")
+    return None
 
 
 def e2m1_values(dtype: torch.dtype, device=None) -> torch.Tensor:

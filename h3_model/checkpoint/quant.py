@@ -51,7 +51,9 @@ class QuantSpec:
     convrot: bool = False
     convrot_groupsize: int = 256
     full_precision_mm: bool = False
-    source: str = "comfy_quant"  # where it was declared: comfy_quant | metadata | scaled_fp8
+    # Where it was declared (comfy_quant | metadata | scaled_fp8): a report fact, not part of the format,
+    # so a layer declared the same way by a marker and by the metadata compares equal.
+    source: str = field(default="comfy_quant", compare=False)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -125,20 +127,18 @@ def split_param(key: str) -> tuple[str, str] | None:
 
 
 def declare_layers(layers: dict[str, dict[str, str]], read: Callable[[str], torch.Tensor], metadata: dict[str, str], prefix: str,
-                   legacy_marker_key: str | None, legacy_marker_numel: int = 0) -> dict[str, QuantSpec]:
+                   legacy_marker_key: str | None, legacy_marker_numel: int = 0,
+                   ignore: Callable[[str], bool] = lambda name: False) -> dict[str, QuantSpec]:
     """QuantSpec of every quantized layer, from markers, header metadata or the legacy fp8 form.
 
     `layers` maps a prefix-free layer name to {suffix: stored key}, legacy suffixes already renamed
     (scale_weight -> weight_scale, with `_legacy` set); `read(key)` returns a small tensor.
-    A layer with scale tensors but no declaration is an error: guessing its format could load
-    garbage silently.
+    `ignore(name)` is true for prefix-free layers the caller skips on purpose (their metadata
+    entries are not ours to check). A layer with scale tensors but no declaration is an error:
+    guessing its format could load garbage silently.
     """
     meta_layers = metadata_layers(metadata)
-    declared: dict[str, QuantSpec] = {}
-    if meta_layers is not None:
-        for name, conf in meta_layers.items():
-            stripped = name[len(prefix):] if prefix and name.startswith(prefix) else name
-            declared[stripped] = parse_layer_conf(conf, stripped, "metadata")
+    declared = {} if meta_layers is None else own_declarations(meta_layers, prefix, set(layers), ignore)
     legacy = legacy_marker_key is not None and meta_layers is None
     specs: dict[str, QuantSpec] = {}
     for name, keys in layers.items():
@@ -167,6 +167,24 @@ def declare_layers(layers: dict[str, dict[str, str]], read: Callable[[str], torc
         names = sorted(declared)
         raise CheckpointError(f"{METADATA_KEY} declares {len(names)} layers with no weight, e.g. {', '.join(names[:3])}")
     return specs
+
+
+def own_declarations(meta_layers: dict[str, object], prefix: str, layers: set[str],
+                     ignore: Callable[[str], bool]) -> dict[str, QuantSpec]:
+    """The metadata entries that describe this model's layers, by prefix-free name.
+
+    A full ComfyUI checkpoint declares its text encoder's and VAE's layers in the same metadata;
+    they belong to other loaders, so they are skipped before parsing (an exotic format there must
+    not stop this model from loading). An unprefixed name still counts when it is one of ours.
+    """
+    own: dict[str, QuantSpec] = {}
+    for name, conf in meta_layers.items():
+        prefixed = name.startswith(prefix)
+        stripped = name[len(prefix):] if prefixed else name
+        if ignore(stripped) or not (prefixed or stripped in layers):
+            continue
+        own[stripped] = parse_layer_conf(conf, stripped, "metadata")
+    return own
 
 
 # --------------------------------------------------------------------- Hadamard (ConvRot)
@@ -229,7 +247,11 @@ def dequantize(spec: QuantSpec, tensors: dict[str, torch.Tensor], shape: tuple[i
         g = _scale(tensors, "weight_scale_2", layer)
         if "weight_scale" not in tensors:
             raise CheckpointError(f"{layer}: NVFP4 layer lacks weight_scale (block scales)")
-        return nvfp4.dequantize(weight, tensors["weight_scale"], g, shape, dtype)
+        try:
+            return nvfp4.dequantize(weight, tensors["weight_scale"], g, shape, dtype)
+        except CheckpointError as exc:
+            # nvfp4 works on bare tensors; only here is the layer known.
+            raise CheckpointError(f"{layer}: {exc}") from None
     if spec.format == "int8_tensorwise":
         if weight.dtype != torch.int8:
             raise CheckpointError(f"{layer}: int8 layer stores its weight as {weight.dtype}")
