@@ -12,7 +12,8 @@ Accepted key styles (all map to our diffusers-named parameters):
   also written `.set_weight`), merged as base + strength * (new - base).
 
 A fused qkv LoRA shares lora_A and splits lora_B into q, k, v (stacked, or per-head interleaved
-for DiffSynth's peft dumps); an fc1 LoRA swaps lora_B's halves ([gate; value] -> [value; gate]).
+for DiffSynth's peft dumps); an original-named fc1 LoRA swaps the halves of lora_B, `.diff` and
+`.diff_b` ([gate; value] -> [value; gate]).
 Keys that map to nothing are an error: a half-applied LoRA is worse than none.
 """
 
@@ -116,6 +117,12 @@ def _network_alpha(metadata: dict[str, str]) -> float | None:
     return None
 
 
+def _original_fc1(raw_layer: str) -> bool:
+    """Whether a LoRA layer is fc1 under original names, whose rows are [gate; value] where ours are
+    [value; gate]: every output-side tensor (lora_B, .diff, .diff_b) needs its halves swapped."""
+    return raw_layer.endswith(("mlp.fc1", "mlp_fc1"))
+
+
 @dataclass
 class _Op:
     """One change to one parameter, resolved (names, shapes) before any arithmetic."""
@@ -148,7 +155,9 @@ def plan_lora(model, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
                 unmatched.append(key)
             else:
                 param = "weight" if key.endswith(".diff") else "bias"
-                ops.append(_Op("delta", f"{layer}.{param}", tuple(value.shape), lambda v=value: v.float()))
+                # Swapped when applied, after the shape check, so a misfit is reported as one.
+                swap = swap_halves if _original_fc1(key.rsplit(".", 1)[0]) else (lambda t: t)
+                ops.append(_Op("delta", f"{layer}.{param}", tuple(value.shape), lambda v=value, f=swap: f(v).float()))
             continue
         if _strip(key) == "adaln_t_table":
             ops.append(_Op("replace", "adaln_t_table", tuple(value.shape), lambda v=value: v.float()))
@@ -182,7 +191,7 @@ def plan_lora(model, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
                 ops.append(_Op("delta", f"{base}.{name}.weight", (u.shape[0], down.shape[1]),
                                lambda u=u, d=down, s=scale: s * (u.float() @ d.float())))
             continue
-        if raw_layer.endswith("mlp.fc1") or raw_layer.endswith("mlp_fc1"):
+        if _original_fc1(raw_layer):
             up = swap_halves(up)
         ops.append(_Op("delta", f"{layer}.weight", (up.shape[0], down.shape[1]),
                        lambda u=up, d=down, s=scale: s * (u.float() @ d.float())))

@@ -6,6 +6,8 @@ eager CPU backend. Budget: bit-exact, in fp32 and bf16, for every quantized laye
 checkpoints make-checkpoint writes, and for our quantizers against comfy-kitchen's on odd shapes.
 """
 
+import re
+
 import pytest
 import torch
 from comfy_kitchen.backends.eager import quantization as ck_eager
@@ -174,3 +176,60 @@ def test_nvfp4_awq_pre_quant_scale_is_folded_and_input_scale_ignored(files, tmp_
     stored = {k: tensors[f"{layer}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2")}
     expected = _ck_dequantize({"format": "nvfp4"}, stored, loaded.shape, torch.float32) * s[None, :]
     assert torch.equal(loaded, expected)
+
+
+def _nvfp4_variants(files, tmp_path) -> dict:
+    """Copies of the NVFP4 file with blocks.0.mlp.fc2 (logical 24x64) stored wrongly sized."""
+    from safetensors.torch import save_file
+
+    with safe_open(str(files["nvfp4"]), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    layer = "blocks.0.mlp.fc2"
+    packed, scales, g = nvfp4.quantize(torch.randn(24, 48, generator=torch.Generator().manual_seed(9)))
+    variants = {
+        "wrong_k": {f"{layer}.weight": packed, f"{layer}.weight_scale": scales, f"{layer}.weight_scale_2": g},
+        "short_scales": {f"{layer}.weight_scale": tensors[f"{layer}.weight_scale"].reshape(-1)[:-4].contiguous()},
+        "no_global": {f"{layer}.weight_scale_2": None},
+    }
+    out = {}
+    for name, change in variants.items():
+        broken = {k: v for k, v in {**tensors, **change}.items() if v is not None}
+        out[name] = tmp_path / f"{name}.safetensors"
+        save_file(broken, out[name], metadata=meta)
+    return out
+
+
+NVFP4_MISFITS = {
+    "wrong_k": r"NVFP4 weight is \[32, 24\], a logical 24x64 weight packs to \[32, 32\]",
+    "short_scales": r"NVFP4 block scales hold 508 values, a logical 24x64 weight needs 512 "
+                    r"\(\[128, 4\] in the 128x4 blocked layout\)",
+    "no_global": r"NVFP4 layer lacks weight_scale_2",
+}
+
+
+def test_nvfp4_packed_sizes_are_checked_before_loading(files, tmp_path):
+    from h3_spark.h3_model.checkpoint import open_dit
+    from h3_spark.h3_model.errors import CheckpointError
+
+    for name, path in _nvfp4_variants(files, tmp_path).items():
+        reader = open_dit(path)
+        assert list(reader.nvfp4_mismatches()) == ["blocks.0.mlp.fc2"], name
+        with pytest.raises(CheckpointError, match=rf"{name}\.safetensors: 1 NVFP4 layers do not fit the model: "
+                                                  rf"blocks\.0\.mlp\.fc2: {NVFP4_MISFITS[name]}$"):
+            reader.check()
+    assert open_dit(files["nvfp4"]).nvfp4_mismatches() == {}
+
+
+def test_nvfp4_dequantization_errors_name_the_layer_and_file(files, tmp_path):
+    from h3_spark.h3_model.checkpoint import open_dit
+    from h3_spark.h3_model.errors import CheckpointError
+
+    path = _nvfp4_variants(files, tmp_path)["wrong_k"]
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: blocks\.0\.mlp\.fc2: NVFP4 weight is "
+                                              r"\[32, 24\], a logical 24x64 weight packs to \[32, 32\]$"):
+        list(open_dit(path).tensors())  # past check(), as a reader used without it would be
+    packed, scales, g = nvfp4.quantize(torch.randn(24, 64, generator=torch.Generator().manual_seed(4)))
+    with pytest.raises(CheckpointError, match=r"^some\.layer: NVFP4 block scales hold 508 values"):
+        dequantize(QuantSpec("nvfp4"), {"weight": packed, "weight_scale": scales.reshape(-1)[:-4],
+                                        "weight_scale_2": g}, (24, 64), torch.float32, "some.layer")

@@ -5,6 +5,7 @@ Layout changes are exact: the loaded state must be bit-identical to the source s
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -292,3 +293,169 @@ def test_both_namings_size_the_same_model_from_shapes():
     bad = dict(shapes, adaln_t_table=(1, 2688))
     with pytest.raises(CheckpointError, match=r"adaln_t_table must be \[grid >= 2, k\], got \[1, 2688\]"):
         config_from_diffusers_shapes(list(bad), bad.get)
+
+
+# ------------------------------------------------------------------------------- declarations, names, devices
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized")
+    out = {}
+    for fmt in ("fp8_scaled", "nvfp4", "int8_convrot"):
+        out[fmt] = root / f"{fmt}.safetensors"
+        make_dit_checkpoint(out[fmt], TINY, fmt, "comfy", seed=6)
+    return out
+
+
+def _markers(tensors: dict) -> dict:
+    return {k[: -len(".comfy_quant")]: json.loads(bytes(v.tolist())) for k, v in tensors.items()
+            if k.endswith(".comfy_quant")}
+
+
+def _with_metadata(meta: dict, layers: dict) -> dict:
+    return {**meta, "_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+
+
+def test_quant_spec_equality_ignores_where_it_was_declared():
+    from h3_spark.h3_model.checkpoint.quant import QuantSpec
+
+    marked = QuantSpec("int8_tensorwise", convrot=True, convrot_groupsize=16, source="comfy_quant")
+    assert marked == QuantSpec("int8_tensorwise", convrot=True, convrot_groupsize=16, source="metadata")
+    assert marked != QuantSpec("int8_tensorwise", convrot=True, convrot_groupsize=4, source="comfy_quant")
+
+
+def test_layer_declared_by_marker_and_metadata_alike_loads(quantized, tmp_path):
+    tensors, meta = _read_all(quantized["int8_convrot"])
+    layers = _markers(tensors)
+    save_file(tensors, tmp_path / "both.safetensors", metadata=_with_metadata(meta, layers))
+    _assert_same_state(_state(load_dit(tmp_path / "both.safetensors")), _state(load_dit(quantized["int8_convrot"])))
+    # A real disagreement is still refused.
+    layer = "blocks.0.attn.out_proj"
+    other = dict(layers, **{layer: {**layers[layer], "convrot": False}})
+    save_file(tensors, tmp_path / "disagree.safetensors", metadata=_with_metadata(meta, other))
+    with pytest.raises(CheckpointError, match=rf"^{layer}: \.comfy_quant \(int8_convrot\) and "
+                                              r"_quantization_metadata \(int8\) disagree$"):
+        load_dit(tmp_path / "disagree.safetensors")
+
+
+def test_metadata_of_other_components_and_ignored_layers_is_not_ours(quantized, tmp_path):
+    from h3_spark.h3_model.checkpoint.quant import quantize_int8_rows
+
+    tensors, meta = _read_all(quantized["fp8_scaled"])
+    layers = {keymap.COMFY_PREFIX + k: v for k, v in _markers(tensors).items()}
+    full = {keymap.COMFY_PREFIX + k: v for k, v in tensors.items() if not k.endswith(".comfy_quant")}
+    te = "text_encoders.qwen3vl_32b.transformer.model.layers.0.mlp.up_proj"
+    full[f"{te}.weight"] = torch.randn(8, 8).to(torch.float8_e4m3fn)
+    full[f"{te}.weight_scale"] = torch.rand(())
+    # Declared in the same metadata, as ComfyUI saves a full checkpoint; even a format we do not read.
+    others = {te: {"format": "float8_e4m3fn"}, "vae.decoder.proj_in": {"format": "mxfp8"}}
+    save_file(full, tmp_path / "full.safetensors", metadata=_with_metadata(meta, {**layers, **others}))
+    reference = _state(load_dit(quantized["fp8_scaled"]))
+    _assert_same_state(_state(load_dit(tmp_path / "full.safetensors")), reference)
+    # The VSA gate is skipped on purpose, quantized or not.
+    gate = "blocks.0.attn.to_gate_compress"
+    plain = {k: v for k, v in tensors.items() if not k.endswith(".comfy_quant")}
+    plain[f"{gate}.weight"], plain[f"{gate}.weight_scale"] = quantize_int8_rows(torch.randn(4, 24), 4)
+    vsa = {**_markers(tensors), gate: {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 4}}
+    save_file(plain, tmp_path / "vsa.safetensors", metadata=_with_metadata(meta, vsa))
+    assert sorted(open_dit(tmp_path / "vsa.safetensors").ignored) == [f"{gate}.weight", f"{gate}.weight_scale"]
+    _assert_same_state(_state(load_dit(tmp_path / "vsa.safetensors")), reference)
+    # A declaration under the DiT's own prefix that names no stored layer is still an error.
+    ghost = {**layers, keymap.COMFY_PREFIX + "blocks.0.attn.ghost": {"format": "float8_e4m3fn"}}
+    save_file(full, tmp_path / "ghost.safetensors", metadata=_with_metadata(meta, ghost))
+    with pytest.raises(CheckpointError, match=r"^_quantization_metadata declares 1 layers with no weight, "
+                                              r"e\.g\. blocks\.0\.attn\.ghost$"):
+        load_dit(tmp_path / "ghost.safetensors")
+
+
+def test_errors_give_the_file_names_of_an_original_named_file(comfy_bf16, tmp_path):
+    tensors, meta = _read_all(comfy_bf16 / "comfy.safetensors")
+    for prefix in ("", keymap.COMFY_PREFIX):
+        no_bias = {prefix + k: v for k, v in tensors.items() if k != "condition_proj.bias"}
+        save_file(no_bias, tmp_path / "no_bias.safetensors", metadata=meta)
+        with pytest.raises(CheckpointError, match=rf"1 tensors missing, e\.g\. context_embedder\.bias "
+                                                  rf"\(file name: {re.escape(prefix)}condition_proj\.bias\)$"):
+            load_dit(tmp_path / "no_bias.safetensors")
+    wrong = dict(tensors, **{"blocks.0.mlp.fc2.weight": torch.randn(24, 60).bfloat16()})
+    save_file(wrong, tmp_path / "wrong.safetensors", metadata=meta)
+    with pytest.raises(CheckpointError, match=r"transformer_blocks\.0\.ff\.net\.2\.weight is \[24, 60\], expected "
+                                              r"\[24, 64\] \(file name: blocks\.0\.mlp\.fc2\.weight\)$"):
+        load_dit(tmp_path / "wrong.safetensors")
+
+
+@pytest.mark.parametrize("declared_by", ["comfy_quant", "metadata"])
+def test_quantized_layer_without_its_weight_is_weight_missing(quantized, tmp_path, declared_by):
+    tensors, meta = _read_all(quantized["fp8_scaled"])
+    layer = "blocks.1.attn.out_proj"
+    kept = {k: v for k, v in tensors.items() if k != f"{layer}.weight"}
+    if declared_by == "metadata":
+        meta = _with_metadata(meta, _markers(kept))
+        kept = {k: v for k, v in kept.items() if not k.endswith(".comfy_quant")}
+    save_file(kept, tmp_path / "weightless.safetensors", metadata=meta)
+    has = f"{layer}.comfy_quant, {layer}.weight_scale" if declared_by == "comfy_quant" else f"{layer}.weight_scale"
+    message = rf"weightless\.safetensors: 1 layers have no weight: {re.escape(layer)}\.weight missing"
+    with pytest.raises(CheckpointError, match=message + rf" \(the file has {re.escape(has)}\)$"):
+        load_dit(tmp_path / "weightless.safetensors")
+
+
+@pytest.mark.parametrize("fmt", ["fp8_scaled", "nvfp4", "int8_convrot"])
+def test_quantized_layers_dequantize_on_the_target_device(quantized, monkeypatch, fmt):
+    """What a CPU can check of GPU loading: dequantize is handed tensors already on the target device
+    ("meta" here; "cuda" takes the same path), so the arithmetic runs there and not on the CPU."""
+    from h3_spark.h3_model.checkpoint import dit_reader
+
+    seen = []
+    real = dit_reader.dequantize
+
+    def spy(spec, tensors, shape, dtype, layer):
+        seen.append({t.device.type for t in tensors.values()})
+        return real(spec, tensors, shape, dtype, layer)
+
+    monkeypatch.setattr(dit_reader, "dequantize", spy)
+    model = load_dit(quantized[fmt], device="meta")
+    assert len(seen) == 4 * TINY.num_layers and all(devices == {"meta"} for devices in seen)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+def test_data_section_must_be_tiled_exactly(comfy_bf16, tmp_path):
+    path = tmp_path / "trailing.safetensors"
+    path.write_bytes((comfy_bf16 / "comfy.safetensors").read_bytes() + bytes(range(1, 9)))
+    with pytest.raises(CheckpointError, match=r"trailing\.safetensors: 8 trailing bytes after the last tensor's "
+                                              r"data \(the safetensors library refuses such a file\)$"):
+        load_dit(path)
+
+
+def test_safetensors_refusals_become_checkpoint_errors(comfy_bf16, tmp_path):
+    from h3_spark.h3_model.checkpoint import open_source
+
+    path = tmp_path / "changed.safetensors"
+    path.write_bytes((comfy_bf16 / "comfy.safetensors").read_bytes())
+    source = open_source(path)
+    with open(path, "ab") as f:  # the file changes after its header was checked
+        f.write(bytes(range(1, 9)))
+    with pytest.raises(CheckpointError, match=r"changed\.safetensors: safetensors cannot read tensor "
+                                              r"condition_proj\.weight: .*not fully covered"):
+        source.get("condition_proj.weight")
+
+
+# ------------------------------------------------------------------------------- diffusers as the oracle
+@pytest.mark.parametrize("layout", ["stacked", "interleaved"])
+def test_comfy_loading_matches_diffusers_single_file_converter(comfy_bf16, tmp_path, layout):
+    """Our ComfyUI-layout reader against diffusers' own converter of the same file (names, QKV split, fc1
+    halves): a key convention our writer and reader share but the world does not would fail here."""
+    import inspect
+
+    single_file = pytest.importorskip("diffusers.loaders.single_file_utils")
+    convert = getattr(single_file, "convert_minimax_h3_transformer_checkpoint_to_diffusers", None)
+    if convert is None or "qkv_layout" not in inspect.signature(convert).parameters:
+        pytest.skip("this diffusers has no MiniMax-H3 single-file converter with qkv_layout")
+    tensors, meta = _read_all(comfy_bf16 / "comfy.safetensors")
+    # Distinct rows everywhere, so a wrong split or a missed swap cannot pass by symmetry.
+    gen = torch.Generator().manual_seed(11)
+    tensors = {k: (torch.randn(v.shape, generator=gen) * 0.3).to(v.dtype) if k != "rope.inv_freq" else v
+               for k, v in tensors.items()}
+    save_file(tensors, tmp_path / "file.safetensors", metadata=meta)
+    theirs = convert(dict(tensors), config=TINY.to_dict(), qkv_layout=layout)
+    ours = _state(load_dit(tmp_path / "file.safetensors", dtype=torch.bfloat16, qkv_layout=layout))
+    assert set(theirs) == set(ours)
+    for name, value in theirs.items():
+        assert torch.equal(value.to(ours[name].dtype), ours[name]), name

@@ -162,6 +162,10 @@ def test_broken_files_give_one_line_errors(tmp_path, capsys):
                                 "data offsets [0, 64] run past the end of the file"),
         "overlap.safetensors": ({"a": f32, "b": {**f32, "data_offsets": [8, 24]}}, "overlap in the data section"),
         "not_h3.safetensors": ({"encoder.layer.0.weight": f32}, "not an H3 checkpoint"),
+        # The safetensors library refuses data sections the tensors do not tile exactly.
+        "gap.safetensors": ({"a": f32, "b": {**f32, "data_offsets": [24, 40]}},
+                            "8 bytes of the data section before tensor 'b' belong to no tensor"),
+        "trailing.safetensors": ({"w": f32, "trailing": True}, "8 trailing bytes after the last tensor's data"),
     }
     for name, (content, message) in cases.items():
         path = tmp_path / name
@@ -170,7 +174,10 @@ def test_broken_files_give_one_line_errors(tmp_path, capsys):
         elif content == "past_end":
             _write_raw(path, {"w": f32}, length=4096)
         elif isinstance(content, dict):
-            _write_raw(path, content, b"\0" * 24)
+            header = {k: v for k, v in content.items() if k != "trailing"}
+            end = max(v["data_offsets"][1] for v in header.values())
+            size = 24 if name == "offsets.safetensors" else end + 8 * content.get("trailing", False)
+            _write_raw(path, header, bytes(range(size)))
         elif content is not None:
             path.write_bytes(content)
         code, out, err = _run(capsys, path, "--out", tmp_path)
@@ -225,3 +232,27 @@ def test_full_size_checkpoint_takes_seconds(tmp_path, fmt, pruned, gib):
         assert report["curve_table"]["shape"] == [1025, 8]
     else:
         assert report["logical_parameters"] == 33_122_992_896
+
+
+def test_wrong_sized_nvfp4_and_weightless_layers_are_incomplete(files, tmp_path, capsys):
+    from safetensors import safe_open
+
+    with safe_open(str(files[("comfy", "nvfp4")]), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    packed, scales, g = nvfp4.quantize(torch.randn(24, 48, generator=torch.Generator().manual_seed(2)))
+    tensors.update({"blocks.0.mlp.fc2.weight": packed, "blocks.0.mlp.fc2.weight_scale": scales,
+                    "blocks.0.mlp.fc2.weight_scale_2": g})
+    del tensors["blocks.1.attn.out_proj.weight"]
+    save_file(tensors, tmp_path / "misfit.safetensors", metadata=meta)
+    code, out, _ = _run(capsys, tmp_path / "misfit.safetensors", "--out", tmp_path)
+    assert code == 0
+    report = json.loads((tmp_path / "misfit.inspect.json").read_text())
+    assert not report["complete"]
+    assert not report["layers"]["blocks.0.mlp.fc2"]["packed_shapes_consistent"]
+    assert report["layers"]["blocks.1.mlp.fc2"]["packed_shapes_consistent"]
+    assert report["nvfp4_mismatches"] == {
+        "blocks.0.mlp.fc2": "NVFP4 weight is [32, 24], a logical 24x64 weight packs to [32, 32]"}
+    assert report["weight_missing"] == ["blocks.1.attn.out_proj"] and report["unmapped"] == []
+    assert "1 weight missing (e.g. blocks.1.attn.out_proj)" in out
+    assert "1 NVFP4 layers with wrong packed sizes (e.g. blocks.0.mlp.fc2: NVFP4 weight is [32, 24]" in out

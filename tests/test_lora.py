@@ -142,3 +142,43 @@ def test_lora_errors(tmp_path):
     save_file({"blocks.0.adaln_proj.linear.weight": torch.randn(5, 5)}, str(full_on_pruned))
     with pytest.raises(CheckpointError, match="pruned-checkpoint LoRAs need a pruned checkpoint"):
         apply_loras(model, [LoraSpec(full_on_pruned)])
+
+
+@pytest.mark.parametrize("layer,original", [
+    ("diffusion_model.blocks.0.mlp.fc1", "blocks.0.mlp.fc1"),
+    ("lora_unet_token_refiner_blocks_1_mlp_fc1", "token_refiner.blocks.1.mlp.fc1"),
+])
+def test_diff_on_original_fc1_equals_the_same_delta_as_a_pair(tmp_path, layer, original):
+    """A full `.diff` is the product B @ A of a full-rank pair (B = diff, A = I); diffusers' conversion of
+    that pair (which swaps fc1's [gate; value] halves) is the oracle for where the diff must land."""
+    c = TINY
+    model = ours_from(diffusers_dit(c), c)
+    diff = torch.randn(2 * c.ffn_dim, c.hidden_size, generator=torch.Generator().manual_seed(3))
+    pair = {f"{original}.lora_A.weight": torch.eye(c.hidden_size), f"{original}.lora_B.weight": diff}
+    expected = _expected(model, pair, 0.6)
+    path = tmp_path / "diff.safetensors"
+    save_file({f"{layer}.diff": diff}, str(path))
+    apply_loras(model, [LoraSpec(path, 0.6)])
+    for name, param in model.named_parameters():
+        assert rel_l2(param, expected[name]) <= 1e-6, name
+
+
+def test_diff_on_diffusers_named_proj_is_not_swapped_and_diff_b_is(tmp_path):
+    from h3_spark.h3_model.lora import plan_lora
+
+    c = TINY
+    model = ours_from(diffusers_dit(c), c)
+    before = model.transformer_blocks[1].ff.net[0].proj.weight.detach().clone()
+    diff = torch.randn(2 * c.ffn_dim, c.hidden_size, generator=torch.Generator().manual_seed(4))
+    path = tmp_path / "diffusers_diff.safetensors"
+    save_file({"transformer.transformer_blocks.1.ff.net.0.proj.diff": diff}, str(path))
+    apply_loras(model, [LoraSpec(path, 1.0)])
+    assert rel_l2(model.transformer_blocks[1].ff.net[0].proj.weight, before + diff) <= 1e-6
+    # fc1 has no bias in H3, so a bias delta is refused at merge time; its halves swap like the weight's.
+    bias = torch.randn(2 * c.ffn_dim, generator=torch.Generator().manual_seed(5))
+    (op,), unmatched = plan_lora(model, {"blocks.0.mlp.fc1.diff_b": bias}, {})
+    assert not unmatched and op.param == "transformer_blocks.0.ff.net.0.proj.bias"
+    assert torch.equal(op.compute(), torch.cat([bias[c.ffn_dim:], bias[:c.ffn_dim]]))
+    save_file({"blocks.0.mlp.fc1.diff_b": bias}, str(tmp_path / "bias.safetensors"))
+    with pytest.raises(CheckpointError, match=r"transformer_blocks\.0\.ff\.net\.0\.proj\.bias is not a parameter"):
+        apply_loras(model, [LoraSpec(tmp_path / "bias.safetensors")])

@@ -166,6 +166,28 @@ def test_comfy_quantized_file(tiny, fmt):
     assert Q.rel_l2(out, _reference(tiny, p)) < QUANT_SANITY[fmt]
 
 
+@needs_tv
+def test_layer_declared_by_marker_and_metadata_alike_loads(tiny):
+    import json
+
+    stored, _, _ = Q.quantize_comfy(Q.comfy_state_dict(tiny.model, LAYER), "fp8_scaled")
+    layers = {k[: -len(".comfy_quant")]: json.loads(bytes(v.tolist())) for k, v in stored.items()
+              if k.endswith(".comfy_quant")}
+    marked, both = tiny.root / "marked.safetensors", tiny.root / "marked_and_metadata.safetensors"
+    save_file(stored, marked)
+    save_file(stored, both, metadata={"_quantization_metadata": json.dumps({"layers": layers})})
+    load = lambda path: TextEncoder.from_pretrained(path, dtype=torch.float32, device="cpu", layer=LAYER,
+                                                   tokenizer=tiny.root / "tok")
+    for (name, a), (_, b) in zip(load(both).model.named_parameters(), load(marked).model.named_parameters()):
+        assert torch.equal(a, b), name
+    layer = next(iter(layers))
+    save_file(stored, tiny.root / "disagree.safetensors", metadata={"_quantization_metadata": json.dumps(
+        {"layers": {**layers, layer: {"format": "float8_e5m2"}}})})
+    with pytest.raises(CheckpointError, match=rf"^{layer}: \.comfy_quant \(fp8_scaled\) and _quantization_metadata "
+                                              r"\(fp8_e5m2_scaled\) disagree$"):
+        load(tiny.root / "disagree.safetensors")
+
+
 def test_config_from_shapes_is_qwen3vl_32b():
     # The published 50-layer file's shapes (ComfyUI detects it by these); no config.json next to it.
     shapes = {"language_model.layers.0.self_attn.q_norm.weight": (128,),

@@ -36,8 +36,8 @@ def load_dit(path: str | Path, *, dtype: torch.dtype = torch.float32, device: st
 
     `qkv_layout` matters only for original-named files: "stacked" (Comfy-Org files, the default)
     or "interleaved" (MiniMaxAI's original shards); the file itself cannot tell them apart.
-    Quantized layers are dequantized to the dtype their parameter has (`dtype`, or fp32 for the
-    fp32 islands).
+    Quantized layers are dequantized on `device`, to the dtype their parameter has (`dtype`, or
+    fp32 for the fp32 islands).
     """
     from ..dit import H3DiT
 
@@ -45,7 +45,7 @@ def load_dit(path: str | Path, *, dtype: torch.dtype = torch.float32, device: st
     reader.check()
     model = H3DiT(reader.config, dtype=dtype, device="meta")
     try:
-        model.load_state(reader.tensors(dtype), device=torch.device(device))
+        model.load_state(reader.tensors(dtype, device), device=torch.device(device))
     finally:
         reader.source.close()
     return model.eval()

@@ -6,8 +6,9 @@ fp8_scaled, NVFP4, int8 / int8_convrot). It works in two phases:
 1. `plan()` from headers only: which diffusers tensor comes from which stored layer, with its
    logical shape, checked against the model the config describes. A wrong or incomplete file fails
    here, in a second, before any weight is read.
-2. `tensors(dtype)`: layer by layer in on-disk order, read through the memory map, dequantize
-   (to the dtype the parameter will have), split the fused QKV, swap the fc1 halves, yield.
+2. `tensors(dtype, device)`: layer by layer in on-disk order, read through the memory map, move to
+   the target device, dequantize (to the dtype the parameter will have), split the fused QKV, swap
+   the fc1 halves, yield.
    RAM holds one layer at a time.
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from ..config import DiTConfig
 from ..errors import CheckpointError
-from . import keymap
+from . import keymap, nvfp4
 from .detect import Detected, detect
 from .dit_config import config_from_comfy, config_from_diffusers_shapes
 from .quant import LEGACY_MARKER, QuantSpec, declare_layers, dequantize, fold_pre_quant_scale, split_param
@@ -81,10 +82,12 @@ class DitReader:
         self.dropped: list[str] = []
         self.ignored: list[str] = []
         self.unmapped: list[str] = []
+        self.weightless: dict[str, Layer] = {}  # layers of the model stored without their weight
         self._group()
         self._declare_quant()
         self.config = config if config is not None else self._read_config()
         self._expected = expected_shapes(self.config)
+        self._settle_weightless()
 
     # ----------------------------------------------------------------- phase 0: names
     def _group(self) -> None:
@@ -110,18 +113,36 @@ class DitReader:
                 entry.keys.setdefault("_legacy", key)
         for layer in list(self.layers.values()):
             layer.target = layer.name if names == "diffusers" else keymap.original_layer_to_diffusers(layer.name)
-            if layer.target is None or "weight" not in layer.keys:
-                self.unmapped.extend(sorted(k[len(self.detected.prefix):] for s, k in layer.keys.items()
-                                            if s != "_legacy"))
+            if layer.target is None:
+                self.unmapped.extend(self._stored_names(layer))
                 del self.layers[layer.name]
+            elif "weight" not in layer.keys:
+                # Held apart so check() can say "weight missing" instead of "fits no DiT name".
+                self.weightless[layer.name] = self.layers.pop(layer.name)
+
+    def _stored_names(self, layer: Layer) -> list[str]:
+        """A layer's stored tensor names without the model prefix."""
+        return sorted(k[len(self.detected.prefix):] for s, k in layer.keys.items() if s != "_legacy")
+
+    def _settle_weightless(self) -> None:
+        """A weightless layer the model does not have is just unmapped tensors (the model is known only now)."""
+        for name, layer in list(self.weightless.items()):
+            if all(shape is None for _, shape in self._weight_outputs(layer, "weight")):
+                self.unmapped.extend(self._stored_names(layer))
+                del self.weightless[name]
 
     def _declare_quant(self) -> None:
         marker = self.stored.get(LEGACY_MARKER)
         specs = declare_layers({l.name: l.keys for l in self.layers.values()}, self.source.read_small,
                                self.source.metadata, self.detected.prefix, marker,
-                               self.source.entry(marker).numel if marker else 0)
+                               self.source.entry(marker).numel if marker else 0, ignore=self._skipped_layer)
         for name, spec in specs.items():
             self.layers[name].spec = spec
+
+    def _skipped_layer(self, name: str) -> bool:
+        """Layers left out on purpose or reported by check(): their metadata entries are no error here."""
+        ignored = self.detected.names == "original" and keymap.IGNORED_ORIGINAL.match(name) is not None
+        return ignored or name in self.weightless
 
     def _read_config(self) -> DiTConfig:
         if self.detected.names == "diffusers":
@@ -198,21 +219,57 @@ class DitReader:
                if n in self._expected and tuple(o.shape) != self._expected[n]]
         return missing, unexpected, bad
 
+    def nvfp4_mismatches(self) -> dict[str, str]:
+        """NVFP4 layer -> why its stored tensors cannot hold the weight the model needs."""
+        out = {}
+        for layer in self.layers.values():
+            if layer.spec is not None and layer.spec.format == "nvfp4":
+                problem = self._nvfp4_mismatch(layer)
+                if problem is not None:
+                    out[layer.name] = problem
+        return out
+
+    def _nvfp4_mismatch(self, layer: Layer) -> str | None:
+        # plan() takes an NVFP4 layer's logical shape from the model, so only the packed sizes can disagree.
+        if any(shape is None for _, shape in self._weight_outputs(layer, "weight")):
+            return None  # not a layer of this model: diff() reports it as unexpected
+        lacking = [s for s in ("weight_scale", "weight_scale_2") if s not in layer.keys]
+        if lacking:
+            return f"NVFP4 layer lacks {', '.join(lacking)}"
+        rows, cols = self.logical_shape(layer, "weight")
+        return nvfp4.stored_mismatch(self.source.entry(layer.keys["weight"]).shape,
+                                     self.source.entry(layer.keys["weight_scale"]).numel, rows, cols)
+
+    def file_name(self, param: str) -> str:
+        """A diffusers parameter name followed by the name an original-named file gives it."""
+        original = keymap.diffusers_param_to_original(param) if self.detected.names == "original" else None
+        return param if original is None else f"{param} (file name: {self.detected.prefix}{original})"
+
     def check(self) -> None:
         """Verify the plan against the model: names, shapes, nothing missing or left over."""
         where = self.source.path
         if self.unmapped:
             raise CheckpointError(f"{where}: {len(self.unmapped)} tensors fit no DiT name, "
                                   f"e.g. {', '.join(sorted(self.unmapped)[:3])}")
+        if self.weightless:
+            detail = "; ".join(f"{self.detected.prefix}{n}.weight missing (the file has "
+                               f"{', '.join(self._stored_names(l))})" for n, l in sorted(self.weightless.items())[:3])
+            raise CheckpointError(f"{where}: {len(self.weightless)} layers have no weight: {detail}")
         missing, unexpected, bad = self.diff()
         if unexpected:
             raise CheckpointError(f"{where}: {len(unexpected)} unexpected tensors for this DiT config, "
-                                  f"e.g. {', '.join(unexpected[:3])}")
+                                  f"e.g. {', '.join(map(self.file_name, unexpected[:3]))}")
         if missing:
-            raise CheckpointError(f"{where}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
+            raise CheckpointError(f"{where}: {len(missing)} tensors missing, "
+                                  f"e.g. {', '.join(map(self.file_name, missing[:3]))}")
         if bad:
-            detail = "; ".join(f"{n} is {list(s)}, expected {list(e)}" for n, s, e in bad[:3])
+            detail = "; ".join(f"{n} is {list(s)}, expected {list(e)}" + self.file_name(n)[len(n):]
+                               for n, s, e in bad[:3])
             raise CheckpointError(f"{where}: {len(bad)} tensors have the wrong shape: {detail}")
+        mismatched = self.nvfp4_mismatches()
+        if mismatched:
+            detail = "; ".join(f"{self.detected.prefix}{n}: {why}" for n, why in list(mismatched.items())[:3])
+            raise CheckpointError(f"{where}: {len(mismatched)} NVFP4 layers do not fit the model: {detail}")
 
     # ----------------------------------------------------------------- phase 2: tensors
     def _order(self) -> list[tuple[str, str]]:
@@ -222,26 +279,39 @@ class DitReader:
         items += [("single", s, rank[self.stored[s]]) for s in self.singles]
         return [(kind, name) for kind, name, _ in sorted(items, key=lambda x: x[2])]
 
-    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+        """Diffusers-named tensors; quantized layers arrive dequantized on `device`, the others as stored."""
+        device = torch.device(device)
         for kind, name in self._order():
             if kind == "single":
                 yield name, self.source.get(self.stored[name])
                 continue
-            yield from self._layer_tensors(self.layers[name], dtype)
+            yield from self._layer_tensors(self.layers[name], dtype, device)
 
-    def _layer_tensors(self, layer: Layer, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def _layer_tensors(self, layer: Layer, dtype: torch.dtype,
+                       device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         outs = self._weight_outputs(layer, "weight")
         want = target_dtype(outs[0][0], self.config, dtype)
         if layer.spec is None:
             weight = self.source.get(layer.keys["weight"])
         else:
-            stored = {s: self.source.get(k) for s, k in layer.keys.items() if s not in ("comfy_quant", "_legacy", "bias")}
-            weight = dequantize(layer.spec, stored, self.logical_shape(layer, "weight"), want, layer.name)
-            if "pre_quant_scale" in stored:
-                weight = fold_pre_quant_scale(weight, stored["pre_quant_scale"])
+            weight = self._dequantized(layer, want, device)
         yield from self._finish(layer, "weight", weight)
         if "bias" in layer.keys:
             yield from self._finish(layer, "bias", self.source.get(layer.keys["bias"]))
+
+    def _dequantized(self, layer: Layer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # Dequantize where the weight will live: a full-size int8_convrot layer takes ~8 s on a CPU.
+        stored = {s: self.source.get(k).to(device) for s, k in layer.keys.items()
+                  if s not in ("comfy_quant", "_legacy", "bias")}
+        try:
+            weight = dequantize(layer.spec, stored, self.logical_shape(layer, "weight"), dtype, layer.name)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{self.source.header_of(layer.keys['weight']).path}: {exc}") from None
+        if "pre_quant_scale" in stored:
+            weight = fold_pre_quant_scale(weight, stored["pre_quant_scale"])
+        return weight
 
     def _finish(self, layer: Layer, suffix: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         outs = self._weight_outputs(layer, suffix)

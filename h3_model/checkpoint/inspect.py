@@ -11,7 +11,6 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from . import nvfp4
 from .detect import Detected, detect
 from .dit_reader import DitReader
 from .quant import LEGACY_MARKER, QUANT_SUFFIXES, QuantSpec, declare_layers, split_param
@@ -83,10 +82,6 @@ def _quant_layer(source: CheckpointSource, name: str, keys: dict[str, str], spec
             info["logical_shape_padded"] = [w.shape[0], w.shape[1] * 2]
         else:
             info["logical_shape"] = list(logical)
-            ok = tuple(w.shape) == nvfp4.packed_shape(*logical)
-            if "weight_scale" in keys:
-                ok = ok and math.prod(source.entry(keys["weight_scale"]).shape) == math.prod(nvfp4.scale_shape(*logical))
-            info["packed_shapes_consistent"] = ok
     else:
         info["logical_shape"] = list(logical) if logical is not None else list(w.shape)
     if spec.convrot:
@@ -126,10 +121,13 @@ def _dit(source: CheckpointSource, detected: Detected, qkv_layout: str) -> dict:
     c = reader.config
     layers = {}
     specs = reader.quantized_layers()
+    mismatched = reader.nvfp4_mismatches()
     for layer in reader.layers.values():
         if layer.spec is not None:
             logical = tuple(reader.logical_shape(layer, "weight"))
             info = _quant_layer(source, layer.name, layer.keys, layer.spec, logical)
+            if layer.spec.format == "nvfp4":
+                info["packed_shapes_consistent"] = layer.name not in mismatched
         else:
             e = source.entry(layer.keys["weight"])
             info = {"format": _plain_format(e.dtype), "shape": list(e.shape)}
@@ -150,6 +148,8 @@ def _dit(source: CheckpointSource, detected: Detected, qkv_layout: str) -> dict:
         "missing": missing,
         "unexpected": unexpected,
         "wrong_shapes": [{"name": n, "shape": list(s), "expected": list(e)} for n, s, e in bad],
+        "weight_missing": sorted(reader.weightless),
+        "nvfp4_mismatches": mismatched,
         "ignored": sorted(reader.ignored),
         "dropped": sorted(reader.dropped),
         "other_components": len(reader.other_components),
@@ -159,7 +159,7 @@ def _dit(source: CheckpointSource, detected: Detected, qkv_layout: str) -> dict:
         out["curve_table"] = {"shape": list(e.shape), "dtype": e.dtype,
                               "interpolation": "pos = clamp(t, 0, 1) * (grid - 1); linear between rows "
                                                "floor(pos) (at most grid - 2) and the next"}
-    out["complete"] = not (missing or unexpected or bad or reader.unmapped)
+    out["complete"] = not (missing or unexpected or bad or reader.unmapped or reader.weightless or mismatched)
     return out
 
 
@@ -325,11 +325,15 @@ def summary_lines(report: dict) -> list[str]:
     else:
         lines.append("  no quantized layers")
     problems = []
-    for key in ("missing", "unexpected", "unmapped"):
+    for key in ("missing", "unexpected", "unmapped", "weight_missing"):
         items = report.get(key) or []
         if items:
-            problems.append(f"{len(items)} {key} (e.g. {', '.join(items[:3])})")
+            problems.append(f"{len(items)} {key.replace('_', ' ')} (e.g. {', '.join(items[:3])})")
     if report.get("wrong_shapes"):
         problems.append(f"{len(report['wrong_shapes'])} wrong shapes (e.g. {report['wrong_shapes'][0]['name']})")
+    mismatched = report.get("nvfp4_mismatches") or {}
+    if mismatched:
+        name, why = next(iter(mismatched.items()))
+        problems.append(f"{len(mismatched)} NVFP4 layers with wrong packed sizes (e.g. {name}: {why})")
     lines.append("  complete" if report["complete"] else "  INCOMPLETE: " + "; ".join(problems))
     return lines

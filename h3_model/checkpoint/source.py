@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import SafetensorError
 
 from ..errors import CheckpointError
 from .safetensors_header import Header, TensorEntry, read_header, read_small
@@ -89,12 +90,19 @@ class CheckpointSource:
         header = self._where.get(name)
         if header is None:
             raise CheckpointError(f"{self.path}: tensor {name} not found")
+        try:
+            return self._read(header, name)
+        except SafetensorError as exc:
+            # Our header check passed, so the file changed since, or the library checks more than we do.
+            raise CheckpointError(f"{header.path}: safetensors cannot read tensor {name}: {exc}") from None
+
+    def _read(self, header: Header, name: str) -> torch.Tensor:
         handle = self._handles.get(header.path)
         try:
             if handle is None:
                 handle = self._handles[header.path] = self._open(header.path, "mmap")
             return handle.get_tensor(name)
-        except RuntimeError as exc:
+        except (RuntimeError, SafetensorError) as exc:
             # safetensors maps the whole file copy-on-write; a kernel that will not commit a file
             # larger than RAM refuses that. pread(2) reads the same bytes, tensor by tensor.
             if "mmap" not in str(exc):
