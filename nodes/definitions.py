@@ -17,6 +17,9 @@ from ..kernels.settings import ATTENTION_BACKENDS, LINEAR_FORMATS
 CATEGORY = "h3-spark"
 TEXT_LAYER = 50  # h3_model.text_encoder.DEFAULT_LAYER (not imported: that module imports torch)
 MAX_SEED = 2 ** 63 - 1  # the engine's generator takes seeds below 2^63
+# The h3-spark DiT runs on our engine, not as a ComfyUI BaseModel: its own type keeps it out of native MODEL
+# nodes (KSampler, LoraLoaderModelOnly), which would fail on it.
+H3_MODEL = "H3_MODEL"
 LENGTH = ("INT", {"default": geometry.DEFAULT_FRAMES, "min": 124, "max": 345, "step": 17,
                   "tooltip": "Frames at 24 fps, snapped up to 17n+5; H3 generates 5 to 15 seconds (124..345)."})
 WIDTH = ("INT", {"default": 1344, "min": 32, "max": 4096, "step": 32})
@@ -61,7 +64,7 @@ class H3ModelLoader:
             "attention": (list(ATTENTION_BACKENDS), {"tooltip": "auto = the fastest exact backend on this GPU."}),
         }}
 
-    RETURN_TYPES = ("MODEL",)
+    RETURN_TYPES = (H3_MODEL,)
     FUNCTION = "load"
     CATEGORY = f"{CATEGORY}/loaders"
     TITLE = "H3 Model Loader"
@@ -78,12 +81,12 @@ class H3LoraLoader:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": ("MODEL",),
+            "model": (H3_MODEL,),
             "lora_name": (_host().model_choices("loras"),),
             "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01}),
         }}
 
-    RETURN_TYPES = ("MODEL",)
+    RETURN_TYPES = (H3_MODEL,)
     FUNCTION = "load"
     CATEGORY = f"{CATEGORY}/loaders"
     TITLE = "H3 LoRA Loader"
@@ -259,7 +262,7 @@ class H3Sampler:
     @classmethod
     def INPUT_TYPES(cls):
         types = {"required": {
-            "model": ("MODEL",),
+            "model": (H3_MODEL,),
             "positive": ("CONDITIONING",),
             "latent_image": ("LATENT",),
             "seed": ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "control_after_generate": True}),
@@ -339,15 +342,14 @@ class H3SaveVideo:
 
 # ------------------------------------------------------------------------------------------ patches
 class H3AttentionPatch:
-    """MODEL -> MODEL running the chosen attention backend: an h3-spark MODEL, or ComfyUI's native MiniMax H3
-    MODEL (through transformer_options["optimized_attention_override"]). An unavailable backend is an error
-    here, never a silent fallback."""
+    """H3_MODEL -> H3_MODEL running the chosen attention backend, without reloading the weights. An
+    unavailable backend is an error here, never a silent fallback."""
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",), "backend": (list(ATTENTION_BACKENDS),)}}
+        return {"required": {"model": (H3_MODEL,), "backend": (list(ATTENTION_BACKENDS),)}}
 
-    RETURN_TYPES = ("MODEL",)
+    RETURN_TYPES = (H3_MODEL,)
     FUNCTION = "patch"
     CATEGORY = f"{CATEGORY}/patches"
     TITLE = "H3 Attention Patch"
@@ -356,7 +358,24 @@ class H3AttentionPatch:
         return (_engine().patch_attention(model, backend),)
 
 
+class H3NativeAttentionPatch:
+    """ComfyUI's native MiniMax H3 MODEL -> MODEL running one of our attention backends (through
+    transformer_options["optimized_attention_override"]). An unavailable backend is an error here."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "backend": (list(ATTENTION_BACKENDS),)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = f"{CATEGORY}/patches"
+    TITLE = "H3 Attention Patch (native model)"
+
+    def patch(self, model, backend):
+        return (_engine().patch_native_attention(model, backend),)
+
+
 NODES = (H3ModelLoader, H3LoraLoader, H3TextEncoderLoader, H3VAELoader, H3TextToVideo, H3FirstLastFrameToVideo,
-         H3ReferenceToVideo, H3Sampler, H3Decode, H3SaveVideo, H3AttentionPatch)
+         H3ReferenceToVideo, H3Sampler, H3Decode, H3SaveVideo, H3AttentionPatch, H3NativeAttentionPatch)
 NODE_CLASS_MAPPINGS = {f"H3Spark{cls.__name__[2:]}": cls for cls in NODES}
 NODE_DISPLAY_NAME_MAPPINGS = {key: cls.TITLE for key, cls in NODE_CLASS_MAPPINGS.items()}

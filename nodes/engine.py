@@ -91,7 +91,7 @@ PARTITION_TOKENS = {"ref2va": {"ref2va", "r2v", "ref"}, "t2va": {"t2va", "fl2va"
 
 
 def load_model(path: Path, partition: str, weight_dtype: str, linear: str, attention: str):
-    """MODEL: the DiT under ComfyUI's model management, with our kernel choices in its options."""
+    """H3_MODEL: the DiT under ComfyUI's model management, with our kernel choices in its options."""
     from ..h3_model.checkpoint import load_dit, open_dit
     from ..kernels.attention import resolve_attention
     from ..kernels.dispatch import resolve_linear
@@ -532,20 +532,37 @@ class ComfyAttentionOverride:
         return out.reshape(b, out.shape[1], heads * d)
 
 
-def patch_attention(model, backend: str):
-    """MODEL -> MODEL running `backend`: ours through the model options, ComfyUI's native H3 through the
-    attention override. The backend is resolved now, on the compute device, so an unavailable one fails here."""
+def _resolve_backend(model, backend: str):
+    """The backend resolved now, on the compute device, so an unavailable one fails at the patch node."""
     from ..kernels.attention import resolve_attention
     from ..kernels.settings import KernelSettings
 
     settings = KernelSettings.from_env().replace(attention=backend)
     device = getattr(model, "load_device", None) or host.compute_device()
     resolve_attention(backend, device, settings)
+    return settings
+
+
+def patch_attention(model, backend: str):
+    """H3_MODEL -> H3_MODEL running `backend` (through the model options)."""
+    if host.held_inner(model, "dit") is None:
+        raise InputError("H3 Attention Patch takes an h3-spark H3_MODEL; for ComfyUI's native MiniMax H3 MODEL use "
+                         "H3 Attention Patch (native model)")
+    _resolve_backend(model, backend)
+    return with_options(model, attention=backend)
+
+
+def patch_native_attention(model, backend: str):
+    """ComfyUI's native MiniMax H3 MODEL -> MODEL running `backend` through the attention override."""
     if host.held_inner(model, "dit") is not None:
-        return with_options(model, attention=backend)
+        raise InputError("H3 Attention Patch (native model) takes ComfyUI's native MiniMax H3 MODEL; an h3-spark "
+                         "H3_MODEL takes H3 Attention Patch")
     diffusion = getattr(getattr(model, "model", None), "diffusion_model", None)
     if diffusion is None or type(diffusion).__module__.split(".")[:3] != ["comfy", "ldm", "minimax"]:
-        raise InputError("H3 Attention Patch takes an h3-spark MODEL or ComfyUI's native MiniMax H3 MODEL")
+        got = type(diffusion).__name__ if diffusion is not None else type(model).__name__
+        raise InputError(f"H3 Attention Patch (native model) takes ComfyUI's native MiniMax H3 MODEL "
+                         f"(comfy.ldm.minimax), got {got}")
+    settings = _resolve_backend(model, backend)
     clone = model.clone()
     to = dict(clone.model_options.get("transformer_options", {}))
     to["optimized_attention_override"] = ComfyAttentionOverride(backend, settings)

@@ -161,6 +161,10 @@ except Exception as exc:  # a broken torch install fails here too
     print("torch_error=%s" % (str(exc).splitlines() or [type(exc).__name__])[0])
 else:
     print("torch=%s" % torch.__version__)
+    try:  # pip's version of it, which can lack the local "+cu130" part that torch.__version__ shows
+        print("torch_dist=%s" % version("torch"))
+    except Exception:
+        print("torch_dist=")
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(0)
         print("gpu=%s" % torch.cuda.get_device_name(0))
@@ -237,6 +241,7 @@ fi
 # torch stays the build ComfyUI installed, even if a dependency would like another one.
 constraints="$(mktemp "${TMPDIR:-/tmp}/h3-spark-constraints.XXXXXX")"
 trap 'rm -f "$constraints"' EXIT
-echo "torch==$torch_version" >"$constraints"
+torch_dist="$(field torch_dist)"
+echo "torch==${torch_dist:-$torch_version}" >"$constraints"
 act "$python" -m pip install --upgrade-strategy only-if-needed --constraint "$constraints" "${RUNTIME_DEPS[@]}"
 say "done; restart ComfyUI. Recommended launch flags and engine defaults: config/h3_spark_serving.env"

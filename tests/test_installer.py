@@ -34,6 +34,7 @@ if [ -n "${FAKE_NO_TORCH:-}" ]; then
     exit 0
 fi
 echo "torch=${FAKE_TORCH:-2.11.0+cu130}"
+echo "torch_dist=${FAKE_TORCH_DIST-2.11.0}"
 echo "gpu=${FAKE_GPU-NVIDIA H200}"
 echo "sm=${FAKE_SM-9.0}"
 """
@@ -84,8 +85,8 @@ def test_install_is_idempotent_and_uninstall_removes_only_ours(comfy):
     assert again.returncode == 0 and "already linked" in again.stdout
     pip = (comfy.parent / "pip.log").read_text().splitlines()
     assert len(pip) == 2 and all(line.startswith("-m pip install") and "safetensors>=0.8" in line for line in pip)
-    # torch is pinned to the build ComfyUI has, so no dependency can swap it
-    assert all(line.endswith("| torch==2.11.0+cu130 ") for line in pip), pip
+    # torch is pinned to the build ComfyUI has (pip's version string, here without the "+cu130" torch shows)
+    assert all(line.endswith("| torch==2.11.0 ") for line in pip), pip
     gone = run(comfy, "--uninstall")
     assert gone.returncode == 0 and not link.exists() and not link.is_symlink()
     assert ROOT.is_dir() and (ROOT / "nodes").is_dir()  # the link went, not the repository

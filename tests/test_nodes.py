@@ -169,10 +169,14 @@ def sound(seconds, rate=32000, channels=2, seed=0):
 
 # ------------------------------------------------------------------------------------------ tests
 def test_every_node_describes_itself():
-    assert len(NODE_CLASS_MAPPINGS) == 11
+    assert len(NODE_CLASS_MAPPINGS) == 12
     for key, cls in NODE_CLASS_MAPPINGS.items():
         spec = cls.INPUT_TYPES()
         assert set(spec) <= {"required", "optional", "hidden"}, key
+        # ComfyUI's MODEL only where the node works on ComfyUI's native model; ours is H3_MODEL.
+        types = {t[0] for group in spec.values() for t in group.values() if isinstance(t[0], str)}
+        uses_model = "MODEL" in types | set(cls.RETURN_TYPES)
+        assert uses_model == (key == "H3SparkNativeAttentionPatch"), key
         assert callable(getattr(cls, cls.FUNCTION)), key
         assert key.startswith("H3Spark") and cls.TITLE.startswith("H3 ") and cls.CATEGORY.startswith("h3-spark")
 
@@ -395,7 +399,15 @@ def test_attention_patch(models, monkeypatch):
     # ComfyUI's native H3 model: a ModelPatcher whose diffusion_model lives in comfy.ldm.minimax.
     native_cls = type("MiniMaxH3Model", (), {"__module__": "comfy.ldm.minimax.model"})
     native = engine.host.LocalModel(types.SimpleNamespace(diffusion_model=native_cls()), torch.device("cpu"))
-    override = node("H3SparkAttentionPatch").patch(native, "sdpa")[0].model_options["transformer_options"][
+    with pytest.raises(InputError, match=r"takes an h3-spark H3_MODEL; for ComfyUI's native MiniMax H3 MODEL use "
+                                         r"H3 Attention Patch \(native model\)"):
+        node("H3SparkAttentionPatch").patch(native, "sdpa")
+    with pytest.raises(InputError, match=r"takes ComfyUI's native MiniMax H3 MODEL; an h3-spark H3_MODEL takes"):
+        node("H3SparkNativeAttentionPatch").patch(model, "sdpa")
+    other = engine.host.LocalModel(types.SimpleNamespace(diffusion_model=torch.nn.Linear(2, 2)), torch.device("cpu"))
+    with pytest.raises(InputError, match=r"native MiniMax H3 MODEL \(comfy.ldm.minimax\), got Linear"):
+        node("H3SparkNativeAttentionPatch").patch(other, "sdpa")
+    override = node("H3SparkNativeAttentionPatch").patch(native, "sdpa")[0].model_options["transformer_options"][
         "optimized_attention_override"]
     assert "optimized_attention_override" not in native.model_options["transformer_options"]
     q, k, v = (torch.randn(1, 2, 10, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
