@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from ..h3_model.layout import ImageBlock, Layout, build_ref2va, build_t2va
 
 REQUIRED = ("name", "mode", "width", "height", "frames", "steps", "seed", "text_tokens", "sequence_length",
             "warmup", "repeats", "limits")
+LIMIT_KEYS = ("equals", "max", "min", "max_ratio_to_noise_floor")
 
 
 @dataclass
@@ -37,12 +39,45 @@ def load_contract(path: str | Path) -> Contract:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: a contract is a JSON object, got {type(data).__name__}")
     missing = [k for k in REQUIRED if k not in data]
     if missing:
         raise InputError(f"{path}: contract lacks {', '.join(missing)}")
     if data["mode"] not in ("t2va", "ref2va", "fl2va"):
         raise InputError(f"{path}: mode must be t2va, fl2va or ref2va, got {data['mode']!r}")
+    check_limit_rules(path, data["limits"])
     return Contract(data, path)
+
+
+def is_number(value) -> bool:
+    """A finite int or float. JSON's true/false load as bool, a subclass of int: a flag is no measurement."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_limit_rules(path, limits) -> None:
+    """Every limit must be a rule we know how to check: an ignored rule (a typo, an empty object) passes anything."""
+    if not isinstance(limits, dict) or not limits:
+        raise InputError(f"{path}: limits must be a non-empty object of metric -> rule, got {json.dumps(limits)}")
+    for metric, rule in limits.items():
+        if not isinstance(rule, dict) or not rule:
+            raise InputError(f"{path}: limit {metric!r} must be an object such as {{\"max\": 1.5}}, "
+                             f"got {json.dumps(rule)}")
+        unknown = sorted(set(rule) - set(LIMIT_KEYS))
+        if unknown:
+            raise InputError(f"{path}: limit {metric!r} has unknown key(s) {', '.join(unknown)}; "
+                             f"use {', '.join(LIMIT_KEYS)}")
+        for key, bound in rule.items():
+            if not is_number(bound):
+                raise InputError(f"{path}: limit {metric!r} {key} must be a number, got {json.dumps(bound)}")
+
+
+def measured(result: dict, metric: str):
+    """The result's value for `metric` (None when absent); a value of another type is a broken result file."""
+    value = result.get(metric)
+    if value is not None and not is_number(value):
+        raise InputError(f"result field {metric!r} must be a number, got {json.dumps(value)}")
+    return value
 
 
 @dataclass
@@ -87,9 +122,10 @@ def contract_shape(contract: Contract, config: DiTConfig, spatial: int = geometr
 
 def check_limits(contract: Contract, result: dict) -> dict:
     """Each limit -> {"value", "limit", "ok"}; a metric that was not measured is reported as such."""
+    check_limit_rules(contract.path, contract["limits"])  # a Contract may be built without load_contract
     verdicts = {}
     for metric, rule in contract["limits"].items():
-        value = result.get(metric)
+        value = measured(result, metric)
         if value is None:
             verdicts[metric] = {"ok": None, "limit": rule, "value": None, "note": "not measured in this run"}
             continue
@@ -101,7 +137,7 @@ def check_limits(contract: Contract, result: dict) -> dict:
         if "min" in rule:
             ok &= value >= rule["min"]
         if "max_ratio_to_noise_floor" in rule:
-            floor = result.get("noise_floor_rel_l2")
+            floor = measured(result, "noise_floor_rel_l2")
             if floor is None:
                 verdicts[metric] = {"ok": None, "limit": rule, "value": value, "note": "no noise floor measured"}
                 continue

@@ -11,12 +11,22 @@ import torch
 from ..h3_model.errors import H3Error
 
 
-def diffusers_twin(model):
-    """A diffusers transformer whose parameters are our model's parameter objects."""
+def diffusers_transformer_class():
+    """diffusers' H3 transformer class, or an H3Error saying why it cannot be imported."""
     try:
         from diffusers import MiniMaxH3Transformer3DModel
-    except ImportError as exc:
-        raise H3Error(f"--vs diffusers needs diffusers==0.42.1 installed ({exc})") from None
+    # A broken install fails in more ways than ImportError (a bad dependency raises AttributeError,
+    # RuntimeError, OSError...); every one of them is the user's install to fix, not a bug here.
+    except Exception as exc:  # noqa: BLE001
+        detail = (str(exc).splitlines() or [""])[0]
+        raise H3Error(f"--vs diffusers needs diffusers==0.42.1 installed and importable "
+                      f"({type(exc).__name__}: {detail})") from None
+    return MiniMaxH3Transformer3DModel
+
+
+def diffusers_twin(model):
+    """A diffusers transformer whose parameters are our model's parameter objects."""
+    MiniMaxH3Transformer3DModel = diffusers_transformer_class()
     cfg = model.config.to_dict()
     if model.config.curve_form:
         raise H3Error("diffusers cannot run pruned (curve-form) checkpoints; compare a full checkpoint")

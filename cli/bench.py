@@ -23,7 +23,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                    help="random DiT weights for --synthetic: fan_in (unit-gain linears, like make-checkpoint's and "
                         "a trained network's) or normal_0.02 (the first receipts'; amplifies rounding differences)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    p.add_argument("--device", default=None,
+                   help="cuda[:N] (the default) or cpu; without a CUDA GPU only a tiny --synthetic model runs on the "
+                        "CPU unless --device cpu is given")
     p.add_argument("--vs", choices=["diffusers", "exact"], default=None,
                    help="diffusers: diffusers on the same weights; exact: our exact path against the requested fast "
                         "path, with per-block errors and the budget of config/quality_budget.json")
@@ -43,12 +45,12 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                    help="with a generation: comma-separated step caches (easycache,h3_cache) to measure against "
                         "the uncached run: steps reused, sampling time, latent error")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one warm forward: CUDA time per kernel group and the slowest kernels (GPU)")
+                   help="also profile one warm forward: CUDA time per kernel group and the slowest kernels (CUDA only)")
     p.add_argument("--out", required=True, help="result JSON path")
     return p
 
 
-def _run_vs_exact(args, contract, model, settings, device, weights, record) -> int:
+def _run_vs_exact(args, contract, model, settings, device, weights, record, out: Path) -> int:
     from ..bench import runner, stamp
     from ..bench.contract import contract_shape
     from ..h3_model.scheduler import JointSchedule
@@ -61,7 +63,6 @@ def _run_vs_exact(args, contract, model, settings, device, weights, record) -> i
               "device": device, "dtype": args.dtype,
               "vs_exact": runner.bench_vs_exact(model, settings, inputs, contract, device, budget)}
     result["stamp"] = stamp.stamp_after(record)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     v = result["vs_exact"]
@@ -71,24 +72,43 @@ def _run_vs_exact(args, contract, model, settings, device, weights, record) -> i
     return 0
 
 
-def run(args) -> int:
+def bench_device(args) -> str:
+    """The device to measure on. Without --device: CUDA, or the CPU only for a tiny synthetic model (a smoke
+    test of the bench itself); a full-size run on the CPU is never what someone asking for a benchmark meant."""
     import torch
 
-    from ..bench import runner, stamp
-    from ..bench.contract import load_contract
-    from ..bench.synthetic import synthetic_dit
-    from ..h3_model.config import preset
     from ..h3_model.errors import InputError
+    from .options import check_device
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError("--device cuda asked for, but this machine has no CUDA GPU")
-    contract = load_contract(args.contract)
-    if args.repeats is not None:
-        if args.repeats < 1:
-            raise InputError(f"--repeats must be at least 1, got {args.repeats}")
-        contract.data["repeats"] = args.repeats
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    if args.device is not None:
+        return check_device(args.device)
+    if torch.cuda.is_available():
+        return "cuda"
+    if args.synthetic and args.preset == "tiny":
+        return "cpu"
+    raise InputError("bench measures on a CUDA GPU and this machine has none; pass --device cpu to measure on "
+                     "the CPU anyway")
+
+
+def check_out(path: str) -> Path:
+    """The result path, checked before measuring: found only when writing, a bad path loses the whole run."""
+    from ..h3_model.errors import InputError
+    from .options import file_in_the_way
+
+    out = Path(path)
+    if out.is_dir():
+        raise InputError(f"--out {out} is a folder; give the path of the result JSON to write")
+    blocking = file_in_the_way(out.parent)
+    if blocking is not None:
+        raise InputError(f"--out {out}: {blocking} is a file, not a folder")
+    return out
+
+
+def generation_flags(args) -> tuple[str, ...]:
+    """The step caches to measure; refuses flag combinations that the measurement would ignore."""
+    from ..h3_model.errors import InputError
+    from ..h3_model.step_cache import MODES as CACHE_MODES
+
     cache_modes = tuple(m for m in args.cache_modes.split(",") if m)
     if args.generation and not args.synthetic:
         raise InputError("--generation builds synthetic components: use it with --synthetic (--models measures a "
@@ -96,50 +116,80 @@ def run(args) -> int:
     generation = args.generation or bool(args.models)
     if cache_modes and not generation:
         raise InputError("--cache-modes needs a generation: add --generation (with --synthetic) or use --models")
-    from ..h3_model.step_cache import MODES as CACHE_MODES
-
     unknown = [m for m in cache_modes if m not in CACHE_MODES or m == "off"]
     if unknown:
         raise InputError(f"--cache-modes: unknown cache mode(s) {unknown}; choose from easycache, h3_cache")
     if generation and args.vs == "exact":
         raise InputError("--vs exact measures DiT forwards only: run the generation (--generation or --models) "
                          "without it")
-    record = stamp.stamp_before()
-    comps = None
+    return cache_modes
+
+
+def preflight(args) -> tuple:
+    """Everything that can be checked without loading a model, so a mistake costs seconds, not a
+    measurement: (device, contract, settings, cache modes, out path)."""
+    from ..bench.contract import load_contract
+    from ..h3_model.errors import InputError
+    from .options import kernel_settings
+
+    device = bench_device(args)
+    contract = load_contract(args.contract)
+    if args.repeats is not None:
+        if args.repeats < 1:
+            raise InputError(f"--repeats must be at least 1, got {args.repeats}")
+        contract.data["repeats"] = args.repeats
+    cache_modes = generation_flags(args)
+    out = check_out(args.out)
+    if args.profile and not device.startswith("cuda"):
+        raise InputError("--profile reports CUDA kernel time: it needs a CUDA device, not the CPU")
+    settings = kernel_settings(args.attention, args.linear)
+    if args.vs == "diffusers":
+        from ..bench.diffusers_ref import diffusers_transformer_class
+
+        diffusers_transformer_class()
+    return device, contract, settings, cache_modes, out
+
+
+def load_model(args, contract, device: str, dtype):
+    """(DiT, components or None, weights description, component build seconds or None)."""
     if args.synthetic and args.generation:
+        import torch
+
         from ..bench.synthetic import describe, synthetic_components
 
         vae_dtype = torch.float16 if device.startswith("cuda") else torch.float32
         comps, build_s = synthetic_components(args.preset, [contract["mode"]], device, dtype, vae_dtype,
                                               seed=contract["seed"], text_layer=args.text_encoder_layer,
                                               dit_init=args.synthetic_init)
-        model = comps.dit_for(contract["mode"])
-        weights = describe(args.preset, args.synthetic_init)
-    elif args.synthetic:
-        from ..bench.synthetic import describe
+        return comps.dit_for(contract["mode"]), comps, describe(args.preset, args.synthetic_init), build_s
+    if args.synthetic:
+        from ..bench.synthetic import describe, synthetic_dit
+        from ..h3_model.config import preset
 
         model = synthetic_dit(preset(args.preset), dtype, device, seed=contract["seed"], init=args.synthetic_init)
-        weights = describe(args.preset, args.synthetic_init, text_encoder=False)
-    elif args.models:
+        return model, None, describe(args.preset, args.synthetic_init, text_encoder=False), None
+    if args.models:
         from ..h3_model.components import ComponentPaths, LoadOptions, load_components
 
         comps, _ = load_components(ComponentPaths(models=args.models), [contract["mode"]],
                                    LoadOptions(device=device, dtype=dtype, text_layer=args.text_encoder_layer))
-        model = comps.dit_for(contract["mode"])
-        weights = f"model folder {args.models}"
-    else:
-        from ..h3_model.checkpoint import load_dit
+        return comps.dit_for(contract["mode"]), comps, f"model folder {args.models}", None
+    from ..h3_model.checkpoint import load_dit
 
-        model = load_dit(args.checkpoint, dtype=dtype, device=device)
-        weights = f"checkpoint {args.checkpoint}"
-    import dataclasses
+    return load_dit(args.checkpoint, dtype=dtype, device=device), None, f"checkpoint {args.checkpoint}", None
 
+
+def run(args) -> int:
+    import torch
+
+    from ..bench import runner, stamp
+
+    device, contract, settings, cache_modes, out = preflight(args)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    record = stamp.stamp_before()
+    model, comps, weights, build_s = load_model(args, contract, device, dtype)
     from ..kernels.dispatch import apply_kernels
-    from ..kernels.settings import KernelSettings
 
-    settings = KernelSettings.from_env()
-    overrides = {k: v for k, v in (("attention", args.attention), ("linear", args.linear)) if v is not None}
-    settings = dataclasses.replace(settings, **overrides)
     twin = None
     if args.vs == "diffusers":
         from ..bench.diffusers_ref import diffusers_twin
@@ -147,7 +197,7 @@ def run(args) -> int:
         # Built on our bf16 parameters before any fast linear replaces the modules that hold them.
         twin = diffusers_twin(model)
     if args.vs == "exact":
-        return _run_vs_exact(args, contract, model, settings, device, weights, record)
+        return _run_vs_exact(args, contract, model, settings, device, weights, record, out)
     backends = apply_kernels(model, settings)
     diff_backends = [b for b in args.diffusers_backends.split(",") if b]
     if args.vs and len(diff_backends) == 1:
@@ -156,17 +206,16 @@ def run(args) -> int:
                         diffusers_compile=args.diffusers_compile, weights=weights, backends_used=backends,
                         spatial=comps.vae.config.spatial_ratio if comps is not None else 16, profile=args.profile)
     if comps is not None:
-        from ..kernels.vae import apply_vae_kernels
         from ..h3_model.video_vae import tile_batch_from_env
+        from ..kernels.vae import apply_vae_kernels
 
         comps.vae.tile_batch = tile_batch_from_env()
         result["vae_kernels"] = apply_vae_kernels(comps.vae, settings)
         result["generation"] = runner.bench_generation(comps, contract, device, cache_modes)
-        if args.synthetic:
+        if build_s is not None:
             result["generation"]["component_build_s"] = build_s
     result["dtype"] = args.dtype
     result["stamp"] = stamp.stamp_after(record)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     summary = {k: result.get(k) for k in ("contract", "sequence_length", "dit_forward_s_median",

@@ -10,8 +10,10 @@ from pathlib import Path
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help="check a bench result against its contract (non-zero exit on a miss)",
                        description="Print a table of a bench result against its contract's limits. Exits 1 when a "
-                                   "limit is missed, a field is missing, or a backend other than the requested one "
-                                   "ran.")
+                                   "limit is missed, a required field is missing or empty, or the backend records "
+                                   "(settings and what ran) do not show that the requested backends ran; exits 2 "
+                                   "on a malformed result or contract (a number that is not one, an unknown limit "
+                                   "rule).")
     p.add_argument("--result", required=True, type=Path, help="JSON written by `h3-spark bench`")
     p.add_argument("--contract", type=Path, default=None,
                    help="contract file (default: benchmarks/<the result's contract>.json)")

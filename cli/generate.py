@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -12,6 +11,9 @@ from pathlib import Path
 from .vae_options import vae_options
 
 REF_KINDS = ("image", "video", "audio")
+DEFAULT_STEPS = 50
+DEMO_STEPS = 9  # the demo's output is noise: a few steps check the install as well as fifty
+MODEL_FLAGS = ("models", "dit", "dit_ref", "text_encoder", "tokenizer", "vae", "audio_vae")
 
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
@@ -28,7 +30,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--width", type=int)
     p.add_argument("--height", type=int)
     p.add_argument("--frames", type=int, default=124, help="snapped up to 17n+5, 124..345 (5-15 s at 24 fps)")
-    p.add_argument("--steps", type=int, default=50, help="sigma grid points incl. the final 0 (steps-1 DiT forwards)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"sigma grid points incl. the final 0 (steps-1 DiT forwards; default {DEFAULT_STEPS}, "
+                        f"{DEMO_STEPS} with --demo)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--video-shift", type=float, default=12.0)
     p.add_argument("--audio-shift", type=float, default=3.0)
@@ -49,10 +53,11 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     models.add_argument("--qkv-layout", choices=["stacked", "interleaved"], default="stacked",
                         help="fused qkv order of original-named single files (MiniMaxAI shards: interleaved)")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]", help="merged at load; repeatable")
-    p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="DiT/text dtype (cuda: bfloat16)")
     p.add_argument("--vae-dtype", choices=["float16", "float32"], default=None,
-                   help="video VAE decode dtype (default: $H3_VAE_DTYPE or float16)")
+                   help="video VAE decode dtype (default: $H3_VAE_DTYPE, else float16 on CUDA and float32 on the "
+                        "CPU)")
     p.add_argument("--vae-tile-size", type=int, default=None, help="decode tile in pixels (default: $H3_VAE_TILE_SIZE "
                                                                    "or 256; 0 = untiled)")
     p.add_argument("--mlp-chunks", type=int, default=1, help="run the SwiGLU in N row chunks (exact; less memory)")
@@ -69,7 +74,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                                                        "parallel, via torchrun; N must divide 56 heads)")
     p.add_argument("--demo", action="store_true",
                    help="tiny synthetic models made on the spot (the output is noise): checks an install end to end "
-                        "on any machine; the default when no model is given")
+                        "on any machine; the default when no model is given, refused together with model paths")
     p.add_argument("--demo-dir", type=Path, default=None, help="where --demo keeps its models")
     p.add_argument("--offload-text-encoder", action="store_true", help="move Qwen to the CPU after encoding")
     p.add_argument("--keep-adaln", action="store_true",
@@ -111,26 +116,28 @@ def run(args) -> int:
     from ..h3_model.step_cache import make_step_cache
     from ..h3_model.video_vae import tile_batch_from_env
     from ..kernels.dispatch import apply_kernels
-    from ..kernels.settings import KernelSettings
     from ..kernels.vae import apply_vae_kernels
     from .distributed import command_argv, init_distributed, relaunch_with_torchrun
+    from .options import check_device, kernel_settings
 
     if args.gpus < 1:
         raise InputError(f"--gpus must be at least 1, got {args.gpus}")
+    if args.device is not None:
+        check_device(args.device)
     if args.gpus > 1 and "WORLD_SIZE" not in os.environ:
         return relaunch_with_torchrun(args.gpus, command_argv(args))
     rank, world, device = 0, 1, args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.gpus > 1:
         rank, world, device = init_distributed(args.gpus, args.device)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(f"--device {device} asked for, but this machine has no CUDA GPU")
     verbose = (args.progress or args.profile_memory) and not args.quiet and not rank
     log = (lambda m: print(f"h3-spark: {m}", file=sys.stderr, flush=True)) if verbose else (lambda m: None)
     if not verbose:
         _silence_library_progress()
-    given = [args.models, args.dit, args.dit_ref, args.text_encoder, args.vae, args.audio_vae]
-    if not args.demo and all(x is None for x in given):
-        args.demo = True  # no model given: the built-in tiny set
+    given = [f"--{flag.replace('_', '-')}" for flag in MODEL_FLAGS if getattr(args, flag) is not None]
+    if args.demo and given:
+        raise InputError(f"--demo makes its own tiny models and would ignore {', '.join(given)}: drop one or the "
+                         "other")
+    args.demo = args.demo or not given  # no model given: the built-in tiny set
     if args.demo:
         from ..h3_model.demo import DEMO_PROMPT, TEXT_READ_LAYER, build_demo_models, default_demo_dir
 
@@ -139,10 +146,10 @@ def run(args) -> int:
         args.out = args.out or Path("h3-spark-demo.mp4")
         if args.width is None:
             args.width, args.height = 128, 64
-        if args.steps == 50:
-            args.steps = 9
         if args.text_encoder_layer is None:
             args.text_encoder_layer = TEXT_READ_LAYER
+    if args.steps is None:
+        args.steps = DEMO_STEPS if args.demo else DEFAULT_STEPS
     if args.out is None:
         raise InputError("--out is required")
     dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
@@ -153,9 +160,8 @@ def run(args) -> int:
         raise InputError("--prompt is required")
     if args.out.suffix.lower() != ".mp4":
         raise InputError(f"--out must end in .mp4, got {args.out}")
-    settings = KernelSettings.from_env()
-    settings = dataclasses.replace(settings, **{k: v for k, v in (("attention", args.attention),
-                                                                  ("linear", args.linear)) if v is not None})
+    check_outputs(args.out, args.save_latents)
+    settings = kernel_settings(args.attention, args.linear)
 
     refs = parse_refs(args.ref)
     first = media.read_image(args.first_frame) if args.first_frame else None
@@ -228,9 +234,8 @@ def run(args) -> int:
                "timings_s": {k: round(v, 4) for k, v in result.timings.items()},
                "load_s": {k: round(v, 3) for k, v in load_seconds.items()},
                "attention": kernels.get("attention", {}).get("chosen"),
-               "linear": kernels.get("linear", {}).get("format"), "exact": kernels.get("exact"),
-               "approximate_paths": kernels.get("approximate_paths", []) + (
-                   ["step_cache"] if req.step_cache is not None else []),
+               "linear": kernels.get("linear", {}).get("format"),
+               **exactness(kernels, req.step_cache is not None),
                "vae_attention": (vae_kernels or {}).get("attention", {}).get("chosen")}
     if "step_cache" in result.info:
         summary["step_cache"] = result.info["step_cache"]
@@ -240,6 +245,27 @@ def run(args) -> int:
     if not args.quiet:
         print(json.dumps(summary))
     return 0
+
+
+def check_outputs(out: Path, latents: Path | None) -> None:
+    """Both outputs are written only after the whole generation: a path that cannot be written must fail now."""
+    from ..h3_model.errors import InputError
+
+    for flag, path in (("--out", out), ("--save-latents", latents)):
+        if path is None:
+            continue
+        if path.is_dir():
+            raise InputError(f"{flag} {path} is a folder; give a file path")
+        if not path.parent.is_dir():
+            raise InputError(f"{flag} {path}: no such folder {path.parent}")
+    if latents is not None and latents.resolve() == out.resolve():
+        raise InputError(f"--save-latents and --out both name {out}: the mp4 would replace the latents")
+
+
+def exactness(kernels: dict, step_cache: bool) -> dict:
+    """The summary's "exact" and "approximate_paths": a step cache is approximate whatever the kernels are."""
+    approximate = list(kernels.get("approximate_paths", [])) + (["step_cache"] if step_cache else [])
+    return {"exact": kernels.get("exact") is True and not approximate, "approximate_paths": approximate}
 
 
 def _parse_sigmas(text: str | None) -> list[float] | None:

@@ -12,31 +12,47 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                        description="Read safetensors headers and metadata (never the weights) and report the "
                                    "model, layout, per-layer quantization, packed vs logical shapes, scales, "
                                    "dtype histogram, parameter count and what is missing or left over. "
-                                   "Writes artifacts/checkpoints/<name>.inspect.json and prints a summary.")
+                                   "Writes artifacts/checkpoints/<name>[.<partition>].inspect.json and prints a "
+                                   "summary.")
     p.add_argument("checkpoint", help=".safetensors file or diffusers folder")
     p.add_argument("--out", default=None, help="folder for the JSON report (default: artifacts/checkpoints)")
     p.add_argument("--partition", choices=["t2va", "fl2va", "ref2va"], default=None,
-                   help="which DiT when the folder holds transformer/ and transformer_ref/")
+                   help="which DiT when the folder holds transformer/ and transformer_ref/ (also named in the "
+                        "report's file name)")
     p.add_argument("--qkv-layout", choices=["stacked", "interleaved"], default="stacked",
                    help="how an original-named file's fused QKV is ordered (the file cannot tell)")
     return p
 
 
-def report_name(path: Path) -> str:
+def report_name(path: Path, partition: str | None = None) -> str:
+    """The report's file name. A partition is part of it: one folder's t2va and ref2va DiTs are different
+    checkpoints, and the second report must not replace the first."""
     name = path.name
     for suffix in (".safetensors",):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
-    return name or "checkpoint"
+    name = name or "checkpoint"
+    return f"{name}.{partition}" if partition else name
+
+
+def report_folder(out: str | None) -> Path:
+    from ..h3_model.errors import InputError
+    from .options import file_in_the_way
+
+    folder = Path(out) if out else Path("artifacts") / "checkpoints"
+    blocking = file_in_the_way(folder)
+    if blocking is not None:
+        raise InputError(f"--out {folder}: {blocking} is a file; --out names the folder for the report")
+    return folder
 
 
 def run(args) -> int:
     from ..h3_model.checkpoint.inspect import inspect_checkpoint, summary_lines
 
+    out_dir = report_folder(args.out)
     report = inspect_checkpoint(args.checkpoint, partition=args.partition, qkv_layout=args.qkv_layout)
-    out_dir = Path(args.out) if args.out else Path("artifacts") / "checkpoints"
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / f"{report_name(Path(args.checkpoint).resolve())}.inspect.json"
+    out = out_dir / f"{report_name(Path(args.checkpoint).resolve(), args.partition)}.inspect.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     for line in summary_lines(report):
         print(line)

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fnmatch
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 # Which model a checkpoint is made for.
 COMPONENTS = ("dit", "vae", "audio_vae")
+# What a checkpoint folder holds; --force removes only these from an existing folder.
+CHECKPOINT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
 
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
@@ -33,20 +39,84 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                    help="comfy-pruned: rows of adaln_t_table (default 1025 full, 33 tiny)")
     p.add_argument("--curve-rank", type=int, default=None,
                    help="comfy-pruned: width k of adaln_t_table (default 8 full, 4 tiny)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing output: the file, or a folder's old checkpoint files (config.json, "
+                        "*.safetensors, *.safetensors.index.json; a folder holding anything else is still "
+                        "refused), removed once the new checkpoint is written. Without it, a non-empty output is "
+                        "refused")
     return p
+
+
+def _is_empty(out: Path) -> bool:
+    return not out.exists() or (out.is_dir() and not any(out.iterdir())) or (out.is_file() and not out.stat().st_size)
+
+
+def check_output(out: Path, layout: str, force: bool) -> list[Path]:
+    """The files --force replaces. Writing into a non-empty output silently mixes two checkpoints: a
+    sharded folder's old index would still be read instead of the new weights."""
+    from ..h3_model.errors import InputError
+
+    folder = layout == "diffusers"
+    if out.exists() and out.is_dir() != folder:
+        raise InputError(f"{out} is {'a file' if folder else 'a folder'}; the {layout} layout writes "
+                         f"{'a folder' if folder else 'one .safetensors file'}")
+    if _is_empty(out):
+        return []
+    if not force:
+        raise InputError(f"{out} exists and is not empty; pass --force to replace it")
+    if not folder:
+        return [out]
+    others = [p.name for p in out.iterdir() if not (p.is_file() and _checkpoint_file(p.name))]
+    if others:
+        raise InputError(f"--force replaces checkpoint files only, and {out} also holds {', '.join(sorted(others))}; "
+                         "choose another folder")
+    return sorted(out.iterdir())
+
+
+def _checkpoint_file(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_FILES)
+
+
+def check_curve(grid: int | None, rank: int | None) -> None:
+    """An explicit 0 is a value, not "use the default": a table needs 2 rows (both ends) and 1 column."""
+    from ..h3_model.errors import InputError
+
+    if grid is not None and grid < 2:
+        raise InputError(f"--curve-grid must be at least 2 (rows of adaln_t_table), got {grid}")
+    if rank is not None and rank < 1:
+        raise InputError(f"--curve-rank must be at least 1 (columns of adaln_t_table), got {rank}")
+
+
+@contextlib.contextmanager
+def replacing(stale: list[Path]):
+    """The old files are moved aside while the new checkpoint is written, removed once it is, and put back
+    if writing fails: a request the writer refuses must not cost the old checkpoint."""
+    aside = [(path, path.with_name(f".{path.name}.replaced")) for path in stale]
+    for path, moved in aside:
+        os.replace(path, moved)
+    try:
+        yield
+    except BaseException:
+        for path, moved in aside:
+            os.replace(moved, path)
+        raise
+    for _, moved in aside:
+        moved.unlink()
 
 
 def _run_vae(args) -> int:
     from ..h3_model.errors import InputError
     from ..h3_model.vae_loading import write_audio_vae_checkpoint, write_vae_checkpoint
 
-    if args.format != "bf16" or args.layout == "comfy-pruned" or args.quantize_refiner or args.curve_grid \
-            or args.curve_rank:
-        raise InputError(f"--component {args.component} takes only --preset, --layout comfy|diffusers and --seed "
-                         "(the published VAE files are not quantized)")
+    if args.format != "bf16" or args.layout == "comfy-pruned" or args.quantize_refiner or args.curve_grid is not None \
+            or args.curve_rank is not None:
+        raise InputError(f"--component {args.component} takes only --preset, --layout comfy|diffusers, --seed and "
+                         "--force (the published VAE files are not quantized)")
+    stale = check_output(Path(args.out), args.layout, args.force)
     start = time.perf_counter()
     writer = write_vae_checkpoint if args.component == "vae" else write_audio_vae_checkpoint
-    path = writer(args.out, args.preset, args.layout, args.seed)
+    with replacing(stale):
+        path = writer(args.out, args.preset, args.layout, args.seed)
     size = sum(f.stat().st_size for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())
     print(json.dumps({"out": str(path), "component": args.component, "preset": args.preset, "layout": args.layout,
                       "seed": args.seed, "bytes": size, "seconds": round(time.perf_counter() - start, 3)}))
@@ -72,8 +142,10 @@ def run(args) -> int:
 
     if args.layout != "comfy-pruned" and (args.curve_grid is not None or args.curve_rank is not None):
         raise InputError("--curve-grid/--curve-rank only apply to --layout comfy-pruned")
+    check_curve(args.curve_grid, args.curve_rank)
     grid, rank = CURVE_DEFAULTS[args.preset]
-    curve = (args.curve_grid or grid, args.curve_rank or rank)
+    curve = (grid if args.curve_grid is None else args.curve_grid, rank if args.curve_rank is None else args.curve_rank)
+    stale = check_output(Path(args.out), args.layout, args.force)
     start = time.perf_counter()
     last = [0.0]
 
@@ -83,9 +155,10 @@ def run(args) -> int:
             last[0] = now
             print(f"\r  {done / 2 ** 30:.2f} / {total / 2 ** 30:.2f} GiB", end="", file=sys.stderr, flush=True)
 
-    made = make_dit_checkpoint(args.out, preset(args.preset), args.format, args.layout, seed=args.seed,
-                               quantize_refiner=args.quantize_refiner, curve=curve, progress=progress,
-                               device=args.device)
+    with replacing(stale):
+        made = make_dit_checkpoint(args.out, preset(args.preset), args.format, args.layout, seed=args.seed,
+                                   quantize_refiner=args.quantize_refiner, curve=curve, progress=progress,
+                                   device=args.device)
     if sys.stderr.isatty():
         print(file=sys.stderr)
     summary = {"out": str(made.path), "component": args.component, "preset": args.preset, "format": args.format,

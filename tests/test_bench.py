@@ -172,3 +172,63 @@ def test_promotion_verdicts():
     assert promotion_verdict(0.01, 0.02, ["linear"], budget).startswith("eligible: linear")
     refused = promotion_verdict(0.389, 0.39, ["linear"], budget)
     assert refused.startswith("refused: linear outside the budget") and "0.3890" in refused
+
+
+def _bench_errors(tmp_path, capsys, *extra):
+    argv = ["bench", "--contract", str(ROOT / "tests" / "data" / "tiny-ref2va.json"), *extra]
+    if "--out" not in extra:
+        argv += ["--out", str(tmp_path / "o.json")]
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+def _must_not_load(*args, **kwargs):
+    raise AssertionError("a model was built before the flags were checked")
+
+
+@pytest.mark.parametrize("source", [["--checkpoint", "none.safetensors"], ["--synthetic"]])
+def test_bench_refuses_the_cpu_unless_asked(tmp_path, capsys, monkeypatch, source):
+    # The help promises a GPU measurement: without one, only --device cpu or a tiny synthetic model run.
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("h3_spark.bench.synthetic.synthetic_dit", _must_not_load)  # a full-size model on the CPU
+    code, err = _bench_errors(tmp_path, capsys, *source)
+    assert code == 2 and "Traceback" not in err
+    assert "bench measures on a CUDA GPU and this machine has none; pass --device cpu" in err
+
+
+def test_a_tiny_synthetic_bench_runs_on_the_cpu_without_device(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setenv("H3_MODULATION_FUSION", "off")
+    monkeypatch.setenv("H3_Q_RMS_ROPE_INT8_FUSION", "off")
+    out = tmp_path / "r.json"
+    code, err = _bench_errors(tmp_path, capsys, "--synthetic", "--preset", "tiny", "--dtype", "float32",
+                              "--out", str(out))
+    assert code == 0, err
+    assert json.loads(out.read_text())["device"] == "cpu"
+
+
+class _BrokenModule(type(json)):
+    """A module whose every attribute fails the way a half-installed package's import does."""
+
+    def __getattr__(self, name):
+        raise RuntimeError("operator torchvision::nms does not exist\nmore detail")
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--profile"], "--profile reports CUDA kernel time: it needs a CUDA device, not the CPU"),
+    (["--out", "{tmp}"], "is a folder; give the path of the result JSON to write"),
+    (["--out", "{tmp}/afile/r.json"], "afile is a file, not a folder"),
+    (["--vs", "diffusers"], ("--vs diffusers needs diffusers==0.42.1 installed and importable "
+                             "(RuntimeError: operator torchvision::nms does not exist)")),
+    (["--attention", "bogus"], "--attention 'bogus' is not accepted; use one of: auto, sdpa"),
+    (["--linear", "fp4"], "--linear 'fp4' is not accepted; use one of: auto, bf16, fp8, nvfp4"),
+])
+def test_bench_checks_flags_before_loading(tmp_path, capsys, monkeypatch, extra, message):
+    # The checkpoint does not exist: an error about it would mean the flag was checked only after loading.
+    monkeypatch.setitem(__import__("sys").modules, "diffusers", _BrokenModule("diffusers"))
+    (tmp_path / "afile").write_text("")
+    extra = [x.format(tmp=tmp_path) for x in extra]
+    code, err = _bench_errors(tmp_path, capsys, "--checkpoint", str(tmp_path / "none.safetensors"),
+                              "--device", "cpu", *extra)
+    assert code == 2 and "Traceback" not in err
+    assert message in err and "none.safetensors" not in err

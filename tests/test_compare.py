@@ -46,6 +46,23 @@ def test_passes_when_every_limit_holds(tmp_path, capsys):
     (lambda r: r.update(peak_gpu_memory_gb=99.0), "peak_gpu_memory_gb"),
     (lambda r: r["backends"]["attention"].update(requested="fa3_fp8"), "asked for fa3_fp8, ran fa3"),
     (lambda r: r["backends"]["settings"].update(linear="fp8"), "asked for fp8, ran bf16"),
+    # The backend check cannot be skipped: no request, no record of what ran, or no backends at all fail.
+    (lambda r: r["backends"].pop("settings"), "settings: no record of the attention backend asked for"),
+    (lambda r: (r["backends"]["settings"].update(attention="fa3_fp8"), r["backends"].pop("attention")),
+     "attention: no record of the backend that ran"),
+    (lambda r: (r["backends"]["settings"].update(attention="fa3_fp8"),
+                r["backends"]["attention"].update(requested="auto", chosen="sdpa")),
+     "settings ask for fa3_fp8, the record says auto was requested"),
+    (lambda r: r["backends"]["attention"].pop("chosen"), "the record names no backend that ran"),
+    (lambda r: r.update(backends="fa3"), 'not an object: "fa3"'),
+    (lambda r: r.update(backends={}), "settings: no record of the attention backend asked for"),
+    (lambda r: r["backends"].pop("linear"), "linear: asked for auto, ran None"),
+    (lambda r: (r["backends"]["settings"].update(modulation_fusion="exact"),
+                r["backends"]["modulation"].update(impl="pytorch-reference")),
+     "modulation: asked for the fused kernels (exact), ran pytorch-reference"),
+    # Present is not enough: the required fields must hold what a receipt needs.
+    (lambda r: r.update(stamp={}), "lacks time_utc and software"),
+    (lambda r: r.update(weights=""), 'not a non-empty string: ""'),
 ])
 def test_fails_closed(tmp_path, capsys, change, message):
     result = copy.deepcopy(_result())
@@ -53,6 +70,39 @@ def test_fails_closed(tmp_path, capsys, change, message):
     change(result)
     code, out = _compare(tmp_path, capsys, result)
     assert code == 1 and message in out.out
+
+
+@pytest.mark.parametrize("field,value,shown", [
+    ("dit_forward_s_median", "fast", '"fast"'),
+    ("peak_gpu_memory_gb", True, "true"),
+    ("sequence_length", "19540", '"19540"'),
+    ("noise_floor_rel_l2", [0.04], "[0.04]"),
+])
+def test_malformed_numbers_are_input_errors(tmp_path, capsys, field, value, shown):
+    result = _result()
+    result[field] = value
+    code, out = _compare(tmp_path, capsys, result)
+    assert code == 2 and "Traceback" not in out.err
+    assert f"result field '{field}' must be a number, got {shown}" in out.err
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: c["limits"].update(dit_forward_s_median={"Max": 0.01}),
+     "limit 'dit_forward_s_median' has unknown key(s) Max; use equals, max, min, max_ratio_to_noise_floor"),
+    (lambda c: c["limits"].update(dit_forward_s_median=0.01),
+     'limit \'dit_forward_s_median\' must be an object such as {"max": 1.5}, got 0.01'),
+    (lambda c: c["limits"].update(dit_forward_s_median={}), "must be an object such as"),
+    (lambda c: c["limits"].update(dit_forward_s_median={"max": "1.95"}),
+     "limit 'dit_forward_s_median' max must be a number, got \"1.95\""),
+    (lambda c: c.update(limits={}), "limits must be a non-empty object of metric -> rule, got {}"),
+])
+def test_contract_limits_must_be_rules_we_check(tmp_path, capsys, change, message):
+    contract = json.loads((ROOT / "benchmarks" / "t2va-960x544-124f.json").read_text())
+    change(contract)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(contract))
+    code, out = _compare(tmp_path, capsys, _result(), "--contract", str(path))
+    assert code == 2 and message in out.err and "Traceback" not in out.err
 
 
 def test_compare_input_errors(tmp_path, capsys):
@@ -96,7 +146,19 @@ def test_parallel_receipts_schema(path):
     assert r["velocity_rel_l2_split_vs_one_gpu"] <= 1e-5 and r["stamp"]["gpu_before"]["name"] == "NVIDIA H200"
 
 
+def _exact_contracts(paths) -> set[str]:
+    """Contracts with a receipt that says it ran exact; a receipt that does not say so does not count."""
+    receipts = [json.loads(p.read_text()) for p in paths]
+    return {r["contract"] for r in receipts if r["backends"].get("exact") is True}
+
+
 def test_both_contracts_have_an_exact_receipt():
-    names = {json.loads(p.read_text())["contract"] for p in BENCH
-             if json.loads(p.read_text())["backends"].get("exact", True)}
-    assert {"t2va-960x544-124f", "ref2va-960x544-124f"} <= names
+    assert {"t2va-960x544-124f", "ref2va-960x544-124f"} <= _exact_contracts(BENCH)
+
+
+def test_a_receipt_without_exact_is_not_counted_as_exact(tmp_path):
+    silent = tmp_path / "silent.json"
+    silent.write_text(json.dumps({"contract": "x", "backends": {"attention": "sdpa"}}))
+    said = tmp_path / "said.json"
+    said.write_text(json.dumps({"contract": "y", "backends": {"exact": True}}))
+    assert _exact_contracts([silent, said]) == {"y"}

@@ -76,6 +76,7 @@ def test_demo_ref2va_with_image_and_audio_files(demo_models, tmp_path, capsys):
     assert code == 0, cap.err
     summary = json.loads(cap.out.strip().splitlines()[-1])
     assert summary["mode"] == "ref2va" and "step_cache" in summary["approximate_paths"]
+    assert summary["exact"] is False  # a reused step is an approximation, whatever the kernels are
     assert out.is_file()
 
 
@@ -104,6 +105,19 @@ def _write_wav(path, mono):
     (["--prompt", "p", "--out", "o.mp4"], "needs the transformer/ DiT"),
     (["--prompt", "p", "--out", "o.mp4", "--sigmas", "1,0.5,x"], "--sigmas must be comma-separated numbers"),
     (["--prompt", "p", "--out", "o.mp4", "--sigmas", "1,0.5,0.7,0"], "strictly decreasing"),
+    # Checked before any model loads: the empty model folder would fail otherwise.
+    (["--prompt", "p", "--out", "o.mp4", "--save-latents", "missing/l.safetensors"],
+     "--save-latents missing/l.safetensors: no such folder missing"),
+    (["--prompt", "p", "--out", "o.mp4", "--save-latents", "./o.mp4"],
+     "--save-latents and --out both name o.mp4: the mp4 would replace the latents"),
+    (["--prompt", "p", "--out", "o.mp4", "--save-latents", "."], "--save-latents . is a folder; give a file path"),
+    (["--prompt", "p", "--out", "o.mp4", "--demo"],
+     "--demo makes its own tiny models and would ignore --models: drop one or the other"),
+    (["--prompt", "p", "--out", "o.mp4", "--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+    (["--prompt", "p", "--out", "o.mp4", "--attention", "bogus"],
+     "--attention 'bogus' is not accepted; use one of: auto, sdpa"),
+    (["--prompt", "p", "--out", "o.mp4", "--linear", "int4"],
+     "--linear 'int4' is not accepted; use one of: auto, bf16, fp8, nvfp4"),
 ])
 def test_generate_errors(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -120,3 +134,29 @@ def test_turbo_sigmas(demo_models, tmp_path, capsys):
                      "1,0.75,0.5,0.25,0", "--out", str(out))
     assert code == 0, cap.err
     assert json.loads(cap.out.strip().splitlines()[-1])["evaluations"] == 4
+
+
+@pytest.mark.parametrize("argv,steps", [([], 9), (["--steps", "50"], 50), (["--steps", "12"], 12)])
+def test_demo_keeps_an_explicit_step_count(demo_models, tmp_path, capsys, monkeypatch, argv, steps):
+    from h3_spark.h3_model.errors import InputError
+    from h3_spark.h3_model.pipeline import Pipeline
+
+    seen = []
+
+    def stop(self, req, **kwargs):  # the request is all this test needs: no sampling
+        seen.append(req.steps)
+        raise InputError("stopped before sampling")
+
+    monkeypatch.setattr(Pipeline, "generate", stop)
+    code, cap = _run(capsys, "--demo-dir", str(demo_models), "--width", "64", "--height", "64",
+                     "--out", str(tmp_path / "o.mp4"), *argv)
+    assert code == 2 and "stopped before sampling" in cap.err
+    assert seen == [steps]
+
+
+def test_generate_help_states_the_cpu_vae_dtype(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: $H3_VAE_DTYPE, else float16 on CUDA and float32 on the CPU)" in text
+    assert "default 50, 9 with --demo" in text

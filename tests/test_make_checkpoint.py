@@ -179,3 +179,88 @@ def test_quantized_layers_are_made_on_the_weights_device(fmt, pruned):
             if tensor.device.type == "cpu":
                 on_cpu.add(name.rsplit(".", 1)[-1])
     assert on_cpu == {"comfy_quant", "inv_freq"} | ({"adaln_t_table"} if pruned else set())
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--layout", "comfy-pruned", "--curve-grid", "0"], "--curve-grid must be at least 2 (rows of adaln_t_table), got 0"),
+    (["--layout", "comfy-pruned", "--curve-grid", "1"], "--curve-grid must be at least 2 (rows of adaln_t_table), got 1"),
+    (["--layout", "comfy-pruned", "--curve-rank", "0"],
+     "--curve-rank must be at least 1 (columns of adaln_t_table), got 0"),
+    (["--component", "vae", "--curve-grid", "0"], "--component vae takes only --preset"),
+])
+def test_curve_sizes_below_the_minimum_are_refused(tmp_path, capsys, argv, message):
+    # 0 once meant "the default" (`0 or default`): an explicit value is now taken as typed, or refused.
+    code, _, err = _make(capsys, tmp_path / "x.safetensors", *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_an_existing_file_is_replaced_only_with_force(tmp_path, capsys):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(b"old checkpoint")
+    code, _, err = _make(capsys, path)
+    assert code == 2 and f"{path} exists and is not empty; pass --force to replace it" in err
+    assert path.read_bytes() == b"old checkpoint"
+    assert _make(capsys, path, "--force")[0] == 0
+    assert read_dit_config(path) == TINY
+
+
+def _old_sharded_folder(folder):
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "diffusion_pytorch_model-00001-of-00002.safetensors").write_bytes(b"old shard")
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text('{"weight_map": {}}')
+
+
+def test_a_sharded_folder_is_replaced_only_with_force(tmp_path, capsys):
+    # The old index would win over the new single file when the folder is read.
+    folder = tmp_path / "transformer"
+    _old_sharded_folder(folder)
+    code, _, err = _make(capsys, folder, "--layout", "diffusers")
+    assert code == 2 and "exists and is not empty; pass --force to replace it" in err
+    assert (folder / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    assert _make(capsys, folder, "--layout", "diffusers", "--force")[0] == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    assert read_dit_config(folder) == TINY
+
+
+def test_force_keeps_the_old_checkpoint_when_the_writer_refuses(tmp_path, capsys):
+    folder = tmp_path / "transformer"
+    _old_sharded_folder(folder)
+    before = sorted(p.name for p in folder.iterdir())
+    code, _, err = _make(capsys, folder, "--layout", "diffusers", "--format", "nvfp4", "--force")
+    assert code == 2 and "the diffusers layout holds bf16 weights only" in err
+    assert sorted(p.name for p in folder.iterdir()) == before
+    assert (folder / "diffusion_pytorch_model-00001-of-00002.safetensors").read_bytes() == b"old shard"
+
+
+@pytest.mark.parametrize("component", ["dit", "vae"])
+def test_force_never_removes_what_is_not_a_checkpoint_file(tmp_path, capsys, component):
+    folder = tmp_path / "out"
+    _old_sharded_folder(folder)
+    (folder / "notes.txt").write_text("mine")
+    code, _, err = _make(capsys, folder, "--component", component, "--layout", "diffusers", "--force")
+    assert code == 2 and "also holds notes.txt; choose another folder" in err
+    assert len(list(folder.iterdir())) == 4
+
+
+@pytest.mark.parametrize("layout,name,message", [
+    ("diffusers", "file", "is a file; the diffusers layout writes a folder"),
+    ("comfy", "dir.safetensors", "is a folder; the comfy layout writes one .safetensors file"),
+])
+def test_an_output_of_the_wrong_kind_is_refused(tmp_path, capsys, layout, name, message):
+    out = tmp_path / name
+    if layout == "comfy":
+        out.mkdir()
+    else:
+        out.write_text("x")
+    code, _, err = _make(capsys, out, "--layout", layout, "--force")
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_an_empty_folder_needs_no_force_and_help_names_force(tmp_path, capsys):
+    (tmp_path / "transformer").mkdir()
+    assert _make(capsys, tmp_path / "transformer", "--layout", "diffusers")[0] == 0
+    with pytest.raises(SystemExit):
+        main(["make-checkpoint", "--help"])
+    assert "--force" in capsys.readouterr().out

@@ -1,0 +1,43 @@
+"""Flags several sub-commands share, checked the same way everywhere: as the user typed them, before loading."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+
+def check_device(name: str) -> str:
+    """`cpu` or `cuda[:N]` that exists here; anything else is refused naming the flag (torch would raise a
+    RuntimeError deep inside the first tensor move)."""
+    from ..h3_model.errors import InputError
+
+    if name == "cpu":
+        return name
+    index = name[len("cuda:"):] if name.startswith("cuda:") else None
+    if name != "cuda" and not (index and index.isdigit()):
+        raise InputError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise InputError(f"--device {name} asked for, but this machine has no CUDA GPU")
+    if index is not None and int(index) >= torch.cuda.device_count():
+        raise InputError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return name
+
+
+def kernel_settings(attention: str | None, linear: str | None):
+    """The H3_* kernel settings with --attention / --linear on top. The flags are checked here so that an
+    error names the flag the user typed, not the H3_ATTENTION / H3_LINEAR variable it overrides."""
+    from ..h3_model.errors import InputError
+    from ..kernels.settings import ATTENTION_BACKENDS, LINEAR_FORMATS, KernelSettings
+
+    flags = (("attention", attention, ATTENTION_BACKENDS), ("linear", linear, LINEAR_FORMATS))
+    for name, value, choices in flags:
+        if value is not None and value not in choices:
+            raise InputError(f"--{name} {value!r} is not accepted; use one of: {', '.join(choices)}")
+    return dataclasses.replace(KernelSettings.from_env(), **{k: v for k, v, _ in flags if v is not None})
+
+
+def file_in_the_way(folder: Path) -> Path | None:
+    """The first of `folder` and its parents that exists but is not a folder (so `folder` cannot be made)."""
+    return next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
