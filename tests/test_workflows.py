@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = ("t2va", "fl2va", "ref2va")
 # The ComfyUI core nodes the workflows use to bring media in: inputs and outputs.
 CORE = {"LoadImage": ({"image": "STRING"}, ("IMAGE", "MASK")), "LoadAudio": ({"audio": "STRING"}, ("AUDIO",))}
-WIRE_TYPES = {"MODEL", "CONDITIONING", "LATENT", "IMAGE", "AUDIO", "MASK", "H3_TEXT_ENCODER", "H3_VAE"}
+WIRE_TYPES = {"MODEL", "H3_MODEL", "CONDITIONING", "LATENT", "IMAGE", "AUDIO", "MASK", "H3_TEXT_ENCODER", "H3_VAE"}
 
 
 def is_wire(kind) -> bool:
