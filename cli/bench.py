@@ -214,6 +214,9 @@ def run(args) -> int:
         result["generation"] = runner.bench_generation(comps, contract, device, cache_modes)
         if build_s is not None:
             result["generation"]["component_build_s"] = build_s
+    from ..kernels.dispatch import attention_counts
+
+    result["backends"]["attention"].update(attention_counts(model))  # the fallbacks, counted after the runs
     result["dtype"] = args.dtype
     result["stamp"] = stamp.stamp_after(record)
     out.parent.mkdir(parents=True, exist_ok=True)

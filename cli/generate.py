@@ -115,7 +115,7 @@ def run(args) -> int:
     from ..h3_model.pipeline import GenerationRequest, Pipeline
     from ..h3_model.step_cache import make_step_cache
     from ..h3_model.video_vae import tile_batch_from_env
-    from ..kernels.dispatch import apply_kernels
+    from ..kernels.dispatch import apply_kernels, attention_counts
     from ..kernels.vae import apply_vae_kernels
     from .distributed import command_argv, init_distributed, relaunch_with_torchrun
     from .options import check_device, kernel_settings
@@ -239,6 +239,10 @@ def run(args) -> int:
                "vae_attention": (vae_kernels or {}).get("attention", {}).get("chosen")}
     if "step_cache" in result.info:
         summary["step_cache"] = result.info["step_cache"]
+    dit = getattr(comps, "dit_ref" if mode == "ref2va" else "dit")
+    counts = attention_counts(getattr(dit, "model", dit))  # inside SequenceParallelDiT under --gpus
+    if counts:  # calls a backend made on another kernel (H3_SOL_MIN_TOKENS, H3_SOL_STRICT=0, ...)
+        summary["attention_calls"] = counts
     summary["peak_memory_gb"] = _peak_gb(device)
     if args.demo:
         summary["note"] = "demo: tiny synthetic random weights, the video and sound are noise"

@@ -158,6 +158,10 @@ class SwiGLU(nn.Module):
         """`chunks` > 1 runs the rows in pieces: the (S, 2F) intermediate is the FFN's memory peak."""
         if chunks <= 1 or x.shape[1] < 2:
             return self._rows(x)
+        if not isinstance(x, torch.Tensor) and type(self)._tokens is SwiGLU._tokens:
+            # A quantized activation (the NVFP4 norm fusion's) whose MLP knows no way to cut its rows.
+            raise InputError(f"the MLP input is a {type(x).__name__}, which cannot be split into row chunks: run "
+                             "with mlp_chunks 1, or set H3_RMS_ADALN_NVFP4_FUSION=off")
         out = None
         for piece in torch.arange(x.shape[1]).tensor_split(chunks):
             if piece.numel():

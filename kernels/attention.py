@@ -309,7 +309,7 @@ class SolBackend(Backend):
                 "unsupported_calls_on_fallback": self.unsupported_calls}
 
 
-def _resolve_sol(device, settings) -> Backend:
+def _resolve_sol(device, settings, dtype: torch.dtype | None = None, head_dim: int | None = None) -> Backend:
     require_cuda("sol_attn", device, minimum=(8, 0), why="comfy-kitchen's Sol-Attn CUDA kernels")
     ck = require_module("sol_attn", "comfy_kitchen", CK_HOW)
     if not ck.sol_attn_is_available(as_device(device)):
@@ -326,7 +326,8 @@ def _resolve_sol(device, settings) -> Backend:
                 f"{var}={value}: the installed comfy-kitchen {package_version('comfy-kitchen')} sol_attn has no "
                 f"`{key}` switch (its precision is fixed by the kernel); leave {var} unset (auto)")
         extra[key] = value == "on"
-    fallback, _ = resolve_attention(sol.fallback, device, settings)
+    # Short calls (and, without strict, unsupported heads) run here: it must take the model's heads too.
+    fallback, _ = resolve_attention(sol.fallback, device, settings, dtype=dtype, head_dim=head_dim)
     return SolBackend(ck, sol, fallback, extra)
 
 
@@ -451,11 +452,18 @@ def resolve_attention(name: str, device, settings=None, *, dtype: torch.dtype | 
         _check_dtype(backend, name, device, dtype, head_dim)
         return backend, name
     if name in ("sage2", "sage2-quality"):
-        return _resolve_sage(name, device), name
-    if name == "ck_int8":
-        return _resolve_ck_int8(device), name
-    if name == "sol_attn":
-        return _resolve_sol(device, settings), name
+        backend = _resolve_sage(name, device)
+    elif name == "ck_int8":
+        backend = _resolve_ck_int8(device)
+    elif name == "sol_attn":
+        backend = _resolve_sol(device, settings, dtype, head_dim)
+    if name in ("sage2", "sage2-quality", "ck_int8", "sol_attn"):
+        # Their kernels take half-precision heads (ck_int8 would hand an fp32 model bf16 back); sol_attn
+        # without strict routes other heads to its fallback, resolved above for the same heads.
+        if dtype is not None and dtype not in HALF and (name != "sol_attn" or settings.sol.strict):
+            raise KernelUnavailable(f"{name} takes bf16/fp16 heads and this model computes in {dtype}; run it in "
+                                    "bf16 or choose sdpa" + (" (or H3_SOL_STRICT=0)" if name == "sol_attn" else ""))
+        return backend, name
     # kj_head_sliced
     inner, inner_name = resolve_attention(settings.head_slice_backend, device, settings, dtype=dtype,
                                           head_dim=head_dim)

@@ -11,7 +11,7 @@ where the checkpoint's own FP4 weights run natively.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from ..h3_model.dit import RowModulation
 from .attention import resolve_attention
 from .capability import (KernelUnavailable, as_device, capability, describe_device, is_blackwell, require_cuda,
                          require_module, require_triton, triton_interpreting, triton_ready)
-from .settings import KernelSettings, SettingsError
+from .settings import KernelSettings
 
 # The four GEMMs of every block, as the six modules that hold them (q, k, v are one GEMM's three slices).
 BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
@@ -33,8 +33,17 @@ def model_device(model: nn.Module) -> torch.device:
 
 def model_heads(model: nn.Module) -> dict:
     """The dtype and size of a loaded H3DiT's attention heads, as `resolve_attention` takes them."""
-    return {"dtype": model.transformer_blocks[0].attn.to_out[0].weight.dtype,
-            "head_dim": model.config.attention_head_dim}
+    out = model.transformer_blocks[0].attn.to_out[0]
+    # An FP8/NVFP4 linear stores e4m3/uint8 weights but computes in (and returns) its out_dtype.
+    return {"dtype": getattr(out, "out_dtype", out.weight.dtype), "head_dim": model.config.attention_head_dim}
+
+
+def attention_counts(model: nn.Module) -> dict[str, int]:
+    """The attention backend's call counters as they stand now (calls that fell back to another kernel,
+    calls that quantized Q/K themselves): the report made at set-up shows them before any call."""
+    backend = getattr(model, "attention", None)
+    described = backend.describe() if hasattr(backend, "describe") else {}
+    return {k: v for k, v in described.items() if "calls" in k and isinstance(v, int) and not isinstance(v, bool)}
 
 
 # ------------------------------------------------------------------------------------------ Q/K preparation
@@ -43,9 +52,6 @@ def resolve_qk_prep(settings: KernelSettings, backend_name: str, device):
     from .qk_prep import FusedQKPrep
 
     mode = settings.q_rms_rope_int8_fusion
-    if backend_name == "fa3_fp8" and settings.qk_granularity == "per_block":
-        raise SettingsError("H3_QK_GRANULARITY=per_block cannot feed fa3_fp8: FlashAttention-3 takes one descale per "
-                            "(batch, head); use per_head or per_head_bound")
     if mode == "off":
         note = ("reference norm + RoPE; fa3_fp8 quantizes Q/K per head itself (no smoothing, no rotation)"
                 if backend_name == "fa3_fp8" else "reference norm + RoPE")
@@ -98,7 +104,8 @@ def resolve_linear(settings: KernelSettings, device, checkpoint_format: str) -> 
         if checkpoint_format == "nvfp4" and is_blackwell(device):
             try:
                 _require_nvfp4(device)
-                return "nvfp4", "auto: Blackwell GPU and an NVFP4 checkpoint run FP4 x FP4 natively"
+                return "nvfp4", ("auto: Blackwell GPU and an NVFP4 checkpoint run FP4 x FP4 GEMMs (weights "
+                                 "re-quantized from the loaded ones unless a weight_source gives the stored codes)")
             except KernelUnavailable as exc:
                 return "bf16", f"auto: NVFP4 GEMM unavailable ({exc}); exact bf16"
         return "bf16", "auto: exact bf16 (FP8 and NVFP4 linears are opt-in via H3_LINEAR)"
@@ -145,6 +152,34 @@ def _make_linear(fmt: str, linear: nn.Module, stored: dict | None, use_triton: b
     return Nvfp4Linear.from_linear(linear)
 
 
+def _block_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for i, blk in enumerate(model.transformer_blocks):
+        for name in BLOCK_LINEARS:
+            yield f"transformer_blocks.{i}.{name}", blk.get_submodule(name)
+
+
+def check_linears(model: nn.Module, fmt: str) -> None:
+    """Refuse, before anything changes, a model whose block linears `fmt` cannot replace: already converted
+    (the bf16 weights are gone), a bias, or GEMM dims the low-bit kernels do not take."""
+    if fmt == "bf16":
+        converted = [n for n, m in _block_linears(model) if not isinstance(m, nn.Linear)]
+        if converted:
+            kind = type(model.get_submodule(converted[0])).__name__
+            raise KernelUnavailable(f"the block linears already run as {kind}; reload the model for exact bf16 "
+                                    "linears")
+        return
+    n_div, k_div = (16, 16) if fmt == "fp8" else (16, 32)
+    for name, m in _block_linears(model):
+        if not isinstance(m, nn.Linear):
+            raise KernelUnavailable(f"the block linears were already converted ({type(m).__name__}); reload the "
+                                    "model to apply H3_LINEAR again")
+        n, k = m.weight.shape
+        if m.bias is not None or n % n_div or k % k_div:
+            raise KernelUnavailable(f"H3_LINEAR={fmt} needs bias-free block linears with out features divisible "
+                                    f"by {n_div} and in features by {k_div}; {name} is {n}x{k}"
+                                    + (" with a bias" if m.bias is not None else ""))
+
+
 def convert_linears(model: nn.Module, fmt: str, weight_source: WeightSource | None = None,
                     use_triton: bool = True) -> dict:
     """Replace the block linears by `fmt` modules; returns counts by weight source."""
@@ -181,6 +216,7 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     backend, chosen = resolve_attention(settings.attention, device, settings, **heads)
     inner = getattr(backend, "inner", backend)
     linear_fmt, linear_why = resolve_linear(settings, device, checkpoint_format)
+    check_linears(model, linear_fmt)
     qk_hook, qk_report = resolve_qk_prep(settings, inner.name, device)
     mod_cls, mod_report = resolve_modulation(settings, device, linear_fmt == "nvfp4")
 

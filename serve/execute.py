@@ -25,9 +25,10 @@ from ..h3_model.pipeline import GenerationRequest, Pipeline, Progress
 from ..h3_model.refs import load_reference
 from ..h3_model.sampler import Cancelled
 from ..h3_model.step_cache import make_step_cache
+from ..kernels.dispatch import attention_counts
 from .jobs import Job
 from .lockstep import Leader, Lockstep, LockstepCancel, fingerprint
-from .models import AttentionSwitch, ResidentModels
+from .models import AttentionSwitch, ResidentModels, unwrap
 from .outputs import OutputFolder
 from .validation import Limits
 
@@ -155,7 +156,12 @@ class JobRunner:
             # Frames are encoded while later windows decode; "mux" is what is left after the decode.
             stream = stack.enter_context(self.outputs.mp4_stream(job.payload["output_path"], job.id,
                                                                  overwrite=req.overwrite))
+            dit = unwrap(getattr(self.models.components, key))
+            calls_before = attention_counts(dit)
             result = self.pipeline.generate(generation, on_progress=progress, cancel=cancel, on_frames=stream.add)
+            # This job's share of the backend's counters (calls it ran on a fallback kernel, ...).
+            job.backends["attention"] = {**job.backends["attention"],
+                                         **{k: v - calls_before.get(k, 0) for k, v in attention_counts(dit).items()}}
             # The decode does not stop midway; a cancel that came during it still keeps the file unpublished.
             # Rank 0's own flag: only this rank writes, and a collective here would have no partner.
             if job.cancel.is_set():

@@ -149,6 +149,20 @@ def test_mlp_chunks(setup, chunks):
     assert rel_l2(got[0], expected[0]) <= TOL and rel_l2(got[1], expected[1]) <= TOL
 
 
+def test_mlp_chunks_refuse_an_activation_they_cannot_cut(setup):
+    """The NVFP4 norm fusion hands the MLP a quantized activation object; chunking it must say what to do."""
+    import types
+
+    from h3_spark.h3_model.errors import InputError
+
+    ref, _, _ = setup
+    mlp = ours_from(ref, TINY).transformer_blocks[0].ff
+    packed = types.SimpleNamespace(shape=torch.Size([1, 8, TINY.hidden_size]))
+    with pytest.raises(InputError, match="the MLP input is a SimpleNamespace, which cannot be split into row chunks: "
+                                         "run with mlp_chunks 1, or set H3_RMS_ADALN_NVFP4_FUSION=off"):
+        mlp(packed, chunks=2)
+
+
 def test_forward_input_errors(setup):
     from h3_spark.h3_model.errors import InputError
 

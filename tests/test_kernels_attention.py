@@ -192,6 +192,18 @@ def test_hopper_comfy_kitchen_reports_unavailable(hopper):
         resolve_attention("sol_attn", "cpu", KernelSettings(sol=SolSettings(fallback="sdpa")))
 
 
+def test_hopper_ck_int8_refuses_fp32_heads_at_set_up(hopper):
+    calls = []
+    ck = fake_comfy_kitchen(calls)
+    ck.int8_attention = lambda q, k, v, **kw: sdpa(q, k, v)
+    ck.int8_attention_is_available = lambda device: True
+    hopper.setitem(sys.modules, "comfy_kitchen", ck)
+    resolve_attention("ck_int8", "cpu", dtype=torch.bfloat16, head_dim=128)
+    with pytest.raises(KernelUnavailable, match="ck_int8 takes bf16/fp16 heads and this model computes in "
+                                                "torch.float32"):
+        resolve_attention("ck_int8", "cpu", dtype=torch.float32, head_dim=128)
+
+
 def test_hopper_comfy_kitchen_missing(hopper):
     hopper.setitem(sys.modules, "comfy_kitchen", None)
     with pytest.raises(KernelUnavailable, match="ck_int8 needs the Python module `comfy_kitchen`.*"
@@ -233,8 +245,17 @@ def test_hopper_sol_settings_and_routing(hopper):
     with pytest.raises(KernelUnavailable, match=r"sol_attn takes bf16/fp16 heads of 128 channels, got torch.float32 "
                                                 r".*H3_SOL_STRICT=0 would route"):
         fn(*qkv(s=50, d=16))
+    with pytest.raises(KernelUnavailable, match=r"sol_attn takes bf16/fp16 heads and this model computes in "
+                                                r"torch.float32; run it in bf16 or choose sdpa \(or H3_SOL_STRICT=0\)"):
+        resolve_attention("sol_attn", "cpu", settings, dtype=torch.float32, head_dim=128)
+    hopper.setitem(sys.modules, "fa3_fwd_interface", fake_fa3({torch.bfloat16}, []))
+    with pytest.raises(KernelUnavailable, match="fa3 takes bf16/fp16 heads and this model computes in torch.float32"):
+        # not strict: fp32 heads go to the fallback, which must take them
+        resolve_attention("sol_attn", "cpu", settings.replace(sol=SolSettings(strict=False, fallback="fa3")),
+                          dtype=torch.float32, head_dim=128)
     lax, _ = resolve_attention("sol_attn", "cpu", settings.replace(sol=SolSettings(min_tokens=40, strict=False,
-                                                                                    fallback="sdpa")))
+                                                                                    fallback="sdpa")),
+                               dtype=torch.float32, head_dim=128)
     lax(*qkv(s=50, d=16))
     assert lax.describe()["unsupported_calls_on_fallback"] == 1
 

@@ -100,8 +100,9 @@ def test_fa3_fp8_needs_per_head_scales(setup, monkeypatch):
         monkeypatch.setattr(module, "describe_device", lambda device: "NVIDIA H200 (sm_90)")
     monkeypatch.setitem(sys.modules, "fa3_fwd_interface", type(sys)("fa3_fwd_interface"))
     sys.modules["fa3_fwd_interface"].flash_attn_func = lambda *a, **k: None
-    with pytest.raises(SettingsError, match="H3_QK_GRANULARITY=per_block cannot feed fa3_fp8"):
-        apply_kernels(model_bf16(ref), KernelSettings(attention="fa3_fp8", qk_granularity="per_block"))
+    with pytest.raises(SettingsError, match="H3_QK_GRANULARITY='per_block' is not accepted; use one of: per_head, "
+                                            "per_head_bound"):
+        KernelSettings(attention="fa3_fp8", qk_granularity="per_block")
     torch.manual_seed(0)
     sixteen = H3DiT(EQUAL_WIDTH, dtype=torch.bfloat16)  # FP8 GEMMs need widths divisible by 16
     report = apply_kernels(sixteen, KernelSettings(attention="fa3_fp8", linear="fp8"))
@@ -109,8 +110,31 @@ def test_fa3_fp8_needs_per_head_scales(setup, monkeypatch):
     assert report["approximate_paths"] == ["attention", "qk_prep", "linear"] and not report["exact"]
     assert report["linear"]["sources"] == {"bf16 weight quantized per output channel": 6 * EQUAL_WIDTH.num_layers}
     assert type(sixteen.transformer_blocks[0].ff.net[2]).__name__ == "Fp8Linear"
+    # A per-request attention switch (serve, ComfyUI) reads the heads' dtype: the compute dtype, not e4m3.
+    assert dispatch.model_heads(sixteen) == {"dtype": torch.bfloat16, "head_dim": EQUAL_WIDTH.attention_head_dim}
     report = apply_kernels(model_bf16(ref), KernelSettings(attention="fa3_fp8", qk_granularity="per_head_bound"))
     assert report["qk_prep"]["scales"] == "per_head_bound" and report["qk_prep"]["format"] == "fp8"
+
+
+def test_linears_that_cannot_be_converted_leave_the_model_untouched(setup, monkeypatch):
+    ref, _ = setup
+    for module in (cap, dispatch):
+        monkeypatch.setattr(module, "capability", lambda device: (9, 0))
+        monkeypatch.setattr(module, "describe_device", lambda device: "NVIDIA H200 (sm_90)")
+    tiny = model_bf16(ref)  # TINY's widths (24, 32, 64) are not all multiples of 16
+    before = (tiny.modulation_cls, tiny.qk_prep, tiny.transformer_blocks[0].ff.activation)
+    with pytest.raises(KernelUnavailable, match=r"H3_LINEAR=fp8 needs bias-free block linears with out features "
+                                                r"divisible by 16 and in features by 16; transformer_blocks.0.attn.to_q "
+                                                r"is 32x24"):
+        apply_kernels(tiny, KernelSettings(attention="sdpa", linear="fp8"))
+    assert (tiny.modulation_cls, tiny.qk_prep, tiny.transformer_blocks[0].ff.activation) == before
+    torch.manual_seed(0)
+    sixteen = H3DiT(EQUAL_WIDTH, dtype=torch.bfloat16)
+    apply_kernels(sixteen, KernelSettings(attention="sdpa", linear="fp8"))
+    for linear, message in (("bf16", "already run as Fp8Linear; reload the model for exact bf16 linears"),
+                            ("fp8", "already converted \\(Fp8Linear\\); reload the model to apply H3_LINEAR again")):
+        with pytest.raises(KernelUnavailable, match=message):
+            apply_kernels(sixteen, KernelSettings(attention="sdpa", linear=linear))
 
 
 def test_fp8_linears_take_their_activations_from_the_fused_passes(monkeypatch):
@@ -156,3 +180,20 @@ def test_auto_attention_follows_the_model_dtype_and_fa3_fails_at_set_up(setup, m
     with pytest.raises(KernelUnavailable, match="fa3 takes bf16/fp16 heads and this model computes in torch.float32"):
         apply_kernels(ours_from(ref, TINY, dtype=torch.float32), KernelSettings(attention="fa3"))
     assert apply_kernels(model_bf16(ref), KernelSettings(q_rms_rope_int8_fusion="off"))["attention"]["chosen"] == "fa3"
+
+
+def test_attention_counts_are_read_when_asked():
+    import types
+
+    class Backend:
+        n = 0
+
+        def describe(self):
+            return {"backend": "sol_attn", "exact": False, "short_calls_on_fallback": self.n,
+                    "unsupported_calls_on_fallback": 2 * self.n, "strict": True}
+
+    model = types.SimpleNamespace(attention=Backend())
+    assert dispatch.attention_counts(model) == {"short_calls_on_fallback": 0, "unsupported_calls_on_fallback": 0}
+    model.attention.n = 3
+    assert dispatch.attention_counts(model) == {"short_calls_on_fallback": 3, "unsupported_calls_on_fallback": 6}
+    assert dispatch.attention_counts(types.SimpleNamespace(attention=lambda q, k, v: q)) == {}

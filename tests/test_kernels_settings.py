@@ -20,13 +20,13 @@ def test_every_variable_is_read():
            "H3_SOL_INT8_QK": "on", "H3_SOL_INT8_PV": "off", "H3_SOL_FALLBACK": "fa3", "H3_SOL_STRICT": "no",
            "H3_LINEAR": "fp8", "H3_SWIGLU_NVFP4_FUSION": "off", "H3_RMS_ADALN_NVFP4_FUSION": "off",
            "H3_MODULATION_FUSION": "exact", "H3_Q_RMS_ROPE_INT8_FUSION": "off", "H3_QK_SMOOTH_K": "0",
-           "H3_QK_HADAMARD": "32", "H3_QK_GRANULARITY": "per_block", "UNRELATED": "x"}
+           "H3_QK_HADAMARD": "32", "H3_QK_GRANULARITY": "per_head", "UNRELATED": "x"}
     s = KernelSettings.from_env(env)
     assert s.attention == "kj_head_sliced" and s.head_slice_backend == "cudnn_sdpa" and s.head_slice_size == 4
     assert s.sol == SolSettings(0.9, 100, "topk", 0.2, "on", "off", "fa3", False)
     assert (s.linear, s.swiglu_nvfp4_fusion, s.rms_adaln_nvfp4_fusion) == ("fp8", "off", "off")
     assert (s.modulation_fusion, s.q_rms_rope_int8_fusion) == ("exact", "off")
-    assert (s.qk_smooth_k, s.qk_hadamard, s.qk_granularity) == (False, 32, "per_block")
+    assert (s.qk_smooth_k, s.qk_hadamard, s.qk_granularity) == (False, 32, "per_head")
     assert s.to_dict()["sol"]["tau"] == 0.9
 
 

@@ -256,6 +256,33 @@ def test_generate_poll_done_with_a_per_request_attention_switch(serve, resident,
     assert again.status_code == 409 and "overwrite" in again.json()["error"]
 
 
+def test_a_job_reports_its_own_fallback_calls(serve, resident, monkeypatch):
+    """Backends count calls they ran on another kernel; each job reports its share, not the running total."""
+    dit = resident.components.dit
+    inner = dit.attention
+
+    class Counting:  # stands in for e.g. sol_attn sending short sequences to its fallback
+        calls = 0
+
+        def __call__(self, q, k, v):
+            Counting.calls += 1
+            return inner(q, k, v)
+
+        def describe(self):
+            return {"backend": "counting", "exact": True, "short_calls_on_fallback": Counting.calls}
+
+    monkeypatch.setattr(dit, "attention", Counting())
+    client = serve()
+    shares = []
+    for name in ("a.mp4", "b.mp4"):
+        before = Counting.calls
+        job = wait_job(client, client.post("/generate", json=request(name, steps=3)).json()["id"])
+        assert job["state"] == "done", job["error"]
+        shares.append(job["backends"]["attention"]["short_calls_on_fallback"])
+        assert shares[-1] == Counting.calls - before > 0
+    assert shares[0] == shares[1]
+
+
 # ------------------------------------------------------------------ queue and cancellation
 def test_queue_full_then_cancel_queued_and_running(serve, resident, monkeypatch):
     # Each DiT step takes at least 50 ms here, so the 99-step job is surely still running when cancelled.
