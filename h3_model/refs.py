@@ -57,6 +57,8 @@ class PreparedReference:
     kind: str
     pixels: torch.Tensor | None = None  # uint8 (H, W, 3) image or (F, H, W, 3) video, VAE-ready size and length
     audio: torch.Tensor | None = None  # float32 (2, samples) at 32 kHz
+    # A video's frames for Qwen: all of them up to the generation's length, where the VAE takes 17n+5.
+    prompt_pixels: torch.Tensor | None = None
 
     def content_hash(self) -> str:
         h = hashlib.blake2b(digest_size=16)
@@ -193,27 +195,27 @@ def _prepare_video(ref: VideoReference, frames: int, seconds: float, what: str) 
     if not isinstance(video, torch.Tensor) or video.dtype != torch.uint8 or video.ndim != 4 or video.shape[-1] != 3:
         raise InputError(f"{what} must be uint8 (F, H, W, 3) frames")
     video = resample_fps(video, ref.fps)[:frames]
-    if video.shape[0] < geometry.VAE_LATENTS_PER_CHUNK:
+    shortest = geometry.VAE_FRAMES_PER_CHUNK + geometry.VAE_LATENTS_PER_CHUNK  # one full VAE chunk
+    if video.shape[0] < shortest:
         raise InputError(f"{what} has {video.shape[0]} frames at 24 fps; a video reference needs at least "
-                         f"{geometry.VAE_LATENTS_PER_CHUNK}")
+                         f"{shortest} (one VAE chunk)")
     h, w = geometry.resolve_canvas(video.shape[2], video.shape[1])
     video = torch.stack([resize(f, h, w) for f in video]) if tuple(video.shape[1:3]) != (h, w) else video
-    # Snapped down so the VAE never pads a reference; at least one full chunk.
-    n = max(1, (video.shape[0] - geometry.VAE_LATENTS_PER_CHUNK) // geometry.VAE_FRAMES_PER_CHUNK)
-    video = video[: n * geometry.VAE_FRAMES_PER_CHUNK + geometry.VAE_LATENTS_PER_CHUNK]
-    if video.shape[0] < n * geometry.VAE_FRAMES_PER_CHUNK + geometry.VAE_LATENTS_PER_CHUNK:
-        raise InputError(f"{what} needs at least {geometry.VAE_FRAMES_PER_CHUNK + geometry.VAE_LATENTS_PER_CHUNK} "
-                         f"frames at 24 fps, got {video.shape[0]}")
+    # The VAE takes it snapped down to 17n+5 (it never pads a reference); Qwen sees every frame, as the
+    # released pipeline presents it.
+    n = (video.shape[0] - geometry.VAE_LATENTS_PER_CHUNK) // geometry.VAE_FRAMES_PER_CHUNK
     audio = None if ref.audio is None else stereo(ref.audio, ref.sample_rate, seconds, f"{what} soundtrack")
-    return PreparedReference("video", pixels=video, audio=audio)
+    vae_frames = n * geometry.VAE_FRAMES_PER_CHUNK + geometry.VAE_LATENTS_PER_CHUNK
+    return PreparedReference("video", pixels=video[:vae_frames], audio=audio, prompt_pixels=video)
 
 
 def prompt_references(prepared: list[PreparedReference]) -> list:
     """What the prompt presentation needs of prepared references: pixels for images and videos, a label for audio."""
     from .prompt import AudioRef, ImageRef, VideoRef
 
-    return [ImageRef(p.pixels) if p.kind == "image" else VideoRef(p.pixels, has_soundtrack=p.audio is not None)
-            if p.kind == "video" else AudioRef() for p in prepared]
+    return [ImageRef(p.pixels) if p.kind == "image" else VideoRef(
+        p.pixels if p.prompt_pixels is None else p.prompt_pixels, has_soundtrack=p.audio is not None)
+        if p.kind == "video" else AudioRef() for p in prepared]
 
 
 def _block_stub(ref) -> object:

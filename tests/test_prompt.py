@@ -50,6 +50,27 @@ def test_presentation_equals_diffusers(tiny, mode):
         assert torch.equal(ours.vision[key], value), key
 
 
+def test_a_prepared_short_video_reference_shows_qwen_every_frame(tiny):
+    """A reference shorter than the generation: the VAE takes it snapped down to 17n+5, but Qwen sees all its
+    frames, as diffusers' set-up step normalises them (the oracle here)."""
+    from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
+
+    from h3_spark.h3_model import refs
+
+    tok, proc, model, builder = tiny
+    frames = Q.video(100, 1344 // 8, 768 // 8, 3)
+    prepared = refs.prepare_references([refs.VideoReference(frames, fps=24.0)], width=1344, height=768, frames=124)
+    assert prepared[0].pixels.shape[0] == 90 and prepared[0].prompt_pixels.shape[0] == 100  # 17 * 5 + 5 for the VAE
+    theirs_frames = MiniMaxH3Ref2VASetupStep._normalize_video_condition(frames.numpy(), 24.0, 124, 32, 768,
+                                                                       768 * 1344, 24.0)
+    theirs = Q.diffusers_run("ref2va", model, tok, proc, "go",
+                             references=[("video", torch.from_numpy(theirs_frames), False)])
+    ours = builder.ref2va("go", refs.prompt_references(prepared))
+    assert ours.token_ids.tolist() == theirs["token_ids"]
+    for key, value in theirs["vision"].items():
+        assert torch.equal(ours.vision[key], value), key
+
+
 def test_t2va_is_the_prompt_verbatim_with_dialogue_tokens_kept(tiny):
     tok, _, _, builder = tiny
     p = builder.t2va(PROMPT)

@@ -78,7 +78,9 @@ def test_keyframes_first_stretched_last_cover_cropped():
 @pytest.mark.parametrize("items,message", [
     ([refs.AudioReference(torch.randn(2, 100))], "audio-only references are not supported"),
     ([refs.ImageReference(torch.zeros(4, 4, 3))], "must be a uint8"),
-    ([refs.VideoReference(_video(3, 8, 8))], "needs at least 5|has 3 frames"),
+    ([refs.VideoReference(_video(3, 8, 8))],
+     r"has 3 frames at 24 fps; a video reference needs at least 22 \(one VAE chunk\)"),
+    ([refs.VideoReference(_video(21, 8, 8))], "has 21 frames at 24 fps; a video reference needs at least 22"),
     ([refs.VideoReference(_video(30, 8, 8), fps=0)], "positive frame rate"),
     ([refs.ImageReference(_video(1, 8, 8)[0]), refs.AudioReference(torch.randn(3, 10))], "mono or stereo"),
     (["picture.png"], "unsupported reference type"),
