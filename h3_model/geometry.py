@@ -123,6 +123,9 @@ def reference_size(policy: str, src_width: int, src_height: int, canvas_width: i
     """
     if src_width <= 0 or src_height <= 0:
         raise InputError(f"reference image size must be positive, got {src_width}x{src_height}")
+    # The released pipeline refuses references outside the model's aspect range; under `diffusers` a thin
+    # strip would also become enormous (40x1000 -> 2048x51200).
+    _check_aspect(src_width, src_height)
     if policy == "match":
         scale = min(1.0, math.sqrt(canvas_width * canvas_height / (src_width * src_height)))
     elif policy == "max":

@@ -96,6 +96,7 @@ class GenerationRequest:
             raise InputError(f"mlp_chunks must be at least 1, got {self.mlp_chunks}")
         if not 0 <= self.seed < 2 ** 63:
             raise InputError(f"seed must be in [0, 2^63), got {self.seed}")
+        schedule_of(self)  # now, not after the text encode that comes before its first use
 
 
 @dataclass
@@ -179,6 +180,10 @@ class Pipeline:
         info: dict = {"mode": req.mode, "seed": req.seed}
         dit = self.c.dit_for(req.mode)
         frames = geometry.snap_frames(req.frames)
+        if self.decode and self.c.vae is not None:  # checked here, not at the decode after the sampling
+            from .video_vae import DEFAULT_TILE_MIN_OVERLAP, check_tiling
+
+            check_tiling(req.vae_tile_size, DEFAULT_TILE_MIN_OVERLAP, self.c.vae.config.spatial_ratio)
         keyframes, anchors, prepared = [], (), []
         width, height = req.width, req.height
         if req.mode == "fl2va":
@@ -212,7 +217,7 @@ class Pipeline:
         else:
             lay = build_t2va(tags, lf, lh, lw, na, patch, keyframes=anchors)
         info["sequence_length"] = lay.sequence_length
-        schedule = self._schedule(req)
+        schedule = schedule_of(req)
         info["evaluations"] = len(schedule)
 
         t0 = time.perf_counter()
@@ -247,17 +252,6 @@ class Pipeline:
         audio = audio_vae.decode_stereo(result.audio_latents).float().cpu()
         timings["audio_decode"] = time.perf_counter() - t0
         return GenerationResult(video, audio, result.video_latents, result.audio_latents, timings, info)
-
-    def _schedule(self, req: GenerationRequest) -> JointSchedule:
-        if req.sigmas is None:
-            if req.audio_sigmas is not None:
-                raise InputError("audio_sigmas needs sigmas too")
-            return JointSchedule.create(req.steps, req.video_shift, req.audio_shift)
-        video = Schedule(custom_sigmas(req.sigmas))
-        audio = Schedule(custom_sigmas(req.audio_sigmas if req.audio_sigmas is not None else req.sigmas))
-        if len(video) != len(audio):
-            raise InputError(f"sigmas give {len(video)} video and {len(audio)} audio evaluations; they must match")
-        return JointSchedule(video, audio)
 
     def _encode_text(self, req, keyframes, prepared) -> tuple[torch.Tensor, torch.Tensor, bool]:
         te = self._need(self.c.text_encoder, "the text encoder")
@@ -316,6 +310,19 @@ class Pipeline:
         if component is None:
             raise H3Error(f"{what} is not loaded")
         return component
+
+
+def schedule_of(req: GenerationRequest) -> JointSchedule:
+    """The request's joint sigma schedule: shifted grids, or its explicit sigmas."""
+    if req.sigmas is None:
+        if req.audio_sigmas is not None:
+            raise InputError("audio_sigmas needs sigmas too")
+        return JointSchedule.create(req.steps, req.video_shift, req.audio_shift)
+    video = Schedule(custom_sigmas(req.sigmas))
+    audio = Schedule(custom_sigmas(req.audio_sigmas if req.audio_sigmas is not None else req.sigmas))
+    if len(video) != len(audio):
+        raise InputError(f"sigmas give {len(video)} video and {len(audio)} audio evaluations; they must match")
+    return JointSchedule(video, audio)
 
 
 def _audio_rows(audio_vae, audio: torch.Tensor) -> torch.Tensor:

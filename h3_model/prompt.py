@@ -249,6 +249,12 @@ class PresentationBuilder:
     def _stream(self, prompt: str) -> _Stream:
         if not isinstance(prompt, str):
             raise InputError(f"the prompt must be a string, got {type(prompt).__name__}")
+        # Typed into the text they would tokenize as vision markers that no pixels back (Qwen then fails
+        # matching features to pads, or embeds a stray pad): the builder alone places them.
+        typed = [tok for tok in (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD) if tok in prompt]
+        if typed:
+            raise InputError(f"the prompt contains {', '.join(typed)}: vision markers are placed by h3-spark, "
+                             "not typed; refer to references as <Picture i>, <Video k>, <Audio j>")
         return _Stream(self.tokenizer)
 
     def _finish(self, mode: str, stream: _Stream, vision: dict[str, torch.Tensor]) -> Presentation:

@@ -179,7 +179,10 @@ def prepare_references(refs: list[Reference], *, width: int, height: int, frames
         what = f"reference {i + 1} ({getattr(ref, 'kind', type(ref).__name__)})"
         if isinstance(ref, ImageReference):
             img = check_image(ref.image, what)
-            h, w = geometry.reference_size(policy, img.shape[1], img.shape[0], width, height)
+            try:
+                h, w = geometry.reference_size(policy, img.shape[1], img.shape[0], width, height)
+            except InputError as exc:
+                raise InputError(f"{what}: {exc}") from None
             out.append(PreparedReference("image", pixels=resize(img, h, w)))
         elif isinstance(ref, VideoReference):
             out.append(_prepare_video(ref, frames, seconds, what))

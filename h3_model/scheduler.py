@@ -7,6 +7,7 @@ share the grid size but use different shifts (12 and 3), so audio is always less
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +30,8 @@ def sigmas(num_points: int, shift: float) -> torch.Tensor:
     """
     if num_points < 2:
         raise InputError(f"steps must be at least 2 (grid points including the final 0), got {num_points}")
-    if shift <= 0:
-        raise InputError(f"shift must be positive, got {shift}")
+    if not math.isfinite(shift) or shift <= 0:  # NaN passes `<= 0` and makes every sigma NaN
+        raise InputError(f"shift must be a positive finite number, got {shift}")
     base = torch.linspace(1.0, 0.0, int(num_points), dtype=torch.float32)
     shifted = shift * base / (1 + (shift - 1) * base)
     return torch.unique_consecutive(shifted)
@@ -41,6 +42,8 @@ def custom_sigmas(values) -> torch.Tensor:
     s = torch.as_tensor(values, dtype=torch.float32).flatten().cpu()
     if s.numel() < 2 or not bool((s[1:] < s[:-1]).all()) or s[-1].item() != 0.0:
         raise InputError("sigmas must hold at least two strictly decreasing values ending at 0")
+    if s[0].item() > 1.0:  # the model's timestep is 1 - sigma: above 1 it would see negative times
+        raise InputError(f"sigmas must lie in [0, 1], got {s[0].item():g} first")
     return s
 
 

@@ -207,6 +207,24 @@ def test_t2va_graph_to_mp4(models, monkeypatch):
     assert second["filename"] != saved["filename"]  # never overwrites
 
 
+def test_pipeline_refuses_settings_before_the_expensive_stages(models, monkeypatch):
+    """A bad schedule or VAE tile is refused before the text encoder runs, not after the sampling."""
+    from h3_spark.h3_model.pipeline import GenerationRequest
+
+    fake_comfy(monkeypatch, models)
+    model, te, vae = load_all(models)
+    pipe = pipeline_for(model, te, vae, "t2va")
+    encoded = []
+    monkeypatch.setattr(pipe, "_encode_text", lambda *a: encoded.append(1) or (_ for _ in ()).throw(AssertionError))
+    for change, message in (({"video_shift": float("nan")}, "shift must be a positive finite number, got nan"),
+                            ({"sigmas": [0.5, 0.7, 0.0]}, "strictly decreasing"),
+                            ({"vae_tile_size": 40}, "tile size 40 px must be a multiple of 16")):
+        req = GenerationRequest("t2va", "a cat", width=W, height=H, frames=FRAMES, steps=STEPS + 1, **change)
+        with pytest.raises(InputError, match=message):
+            pipe.generate(req)
+    assert encoded == []
+
+
 @pytest.mark.parametrize("mode", ["fl2va", "ref2va"])
 def test_graph_equals_pipeline(models, monkeypatch, mode):
     from h3_spark.h3_model.pipeline import GenerationRequest

@@ -162,6 +162,9 @@ def test_token_hash_identifies_ids_tags_and_pixels(tiny):
     (lambda b: b.fl2va("x", [KEYFRAMES[0].numpy()]), r"keyframe 1 must be a uint8 torch tensor"),
     (lambda b: b.t2va(None), r"the prompt must be a string, got NoneType"),
     (lambda b: b.t2va(""), r"the presentation is empty"),
+    (lambda b: b.fl2va("a <|image_pad|> cat", KEYFRAMES), r"the prompt contains <\|image_pad\|>: vision markers are "
+                                                          r"placed by h3-spark, not typed"),
+    (lambda b: b.t2va("<|vision_start|>x<|video_pad|>"), r"contains <\|vision_start\|>, <\|video_pad\|>"),
 ])
 def test_bad_inputs(tiny, call, message):
     with pytest.raises(InputError, match=message):

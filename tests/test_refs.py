@@ -84,6 +84,8 @@ def test_keyframes_first_stretched_last_cover_cropped():
     ([refs.VideoReference(_video(30, 8, 8), fps=0)], "positive frame rate"),
     ([refs.ImageReference(_video(1, 8, 8)[0]), refs.AudioReference(torch.randn(3, 10))], "mono or stereo"),
     (["picture.png"], "unsupported reference type"),
+    ([refs.ImageReference(_video(1, 1000, 40)[0])],
+     r"reference 1 \(image\): aspect ratio 40:1000 \(0.04\) is outside 1:4 .. 4:1"),
 ])
 def test_reference_errors(items, message):
     with pytest.raises(InputError, match=message):

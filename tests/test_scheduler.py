@@ -54,7 +54,10 @@ def test_custom_sigmas_verbatim():
 
 @pytest.mark.parametrize("call,message", [
     (lambda: sigmas(1, 12.0), "steps must be at least 2"),
-    (lambda: sigmas(10, 0.0), "shift must be positive"),
+    (lambda: sigmas(10, 0.0), "shift must be a positive finite number, got 0.0"),
+    (lambda: sigmas(10, float("nan")), "shift must be a positive finite number, got nan"),
+    (lambda: sigmas(10, float("inf")), "shift must be a positive finite number, got inf"),
+    (lambda: custom_sigmas([3.0, 1.0, 0.0]), r"sigmas must lie in \[0, 1\], got 3 first"),
     (lambda: custom_sigmas([1.0, 1.0, 0.0]), "strictly decreasing"),
     (lambda: custom_sigmas([1.0, 0.5]), "ending at 0"),
     (lambda: Schedule.shifted(5, 3.0).step(4, torch.randn(2), torch.randn(2)), "outside a 4-step schedule"),
