@@ -75,6 +75,10 @@ def service_settings(args, device: str | None = None):
     vae_name, tile = vae_options(args.vae_dtype, args.vae_tile_size, "float16" if cuda else "float32")
     settings = KernelSettings.from_env()
     settings = settings.replace(attention=args.attention or settings.attention, linear=args.linear or settings.linear)
+    if args.synthetic == "full" and not cuda and args.device is None:
+        # Tens of GB of fp32 random weights on the CPU is never what a benchmark of the service meant.
+        raise InputError("--synthetic full builds the full-size models for a CUDA GPU and this machine has none; "
+                         "use --synthetic tiny, or pass --device cpu to build them on the CPU anyway")
     if not 0 < args.port < 65536:
         raise InputError(f"--port must be 1..65535, got {args.port}")
     if args.max_input_mb < 1:

@@ -121,4 +121,25 @@ def load_components(paths: ComponentPaths, modes: list[str], opts: LoadOptions,
         if path is None:
             raise InputError(f"the {key.replace('_', ' ')} is needed: pass --models or --{key.replace('_', '-')}")
         setattr(comps, key, timed(key, component_loader(key, path, opts)))
+    check_fit(comps)
     return comps, seconds
+
+
+def check_fit(comps: Components) -> None:
+    """Components given one by one must belong together: a DiT reads the text encoder's hidden states and
+    the VAEs' latents at fixed widths, and a mismatch would otherwise surface as a shape error mid-sampling."""
+    for key in ("dit", "dit_ref"):
+        dit = getattr(comps, key)
+        if dit is None:
+            continue
+        c = dit.config
+        pairs = [("text encoder hidden size", comps.text_encoder.hidden_size if comps.text_encoder else None,
+                  "text_dim", c.text_dim),
+                 ("video VAE latent channels", comps.vae.config.latent_channels if comps.vae else None,
+                  "in_channels", c.in_channels),
+                 ("audio VAE latent channels", comps.audio_vae.config.latent_channels if comps.audio_vae else None,
+                  "audio_in_channels", c.audio_in_channels)]
+        for what, have, name, want in pairs:
+            if have is not None and have != want:
+                raise InputError(f"the {what} is {have} but the DiT ({key}) reads {want} ({name}): these components "
+                                 "do not belong together")

@@ -144,7 +144,7 @@ def load_models(spec: ModelSpec, tracker: LoadTracker,
     from a path (an embedding host that already holds the model, or a test's in-memory encoder).
     Raises H3Error naming what is missing or cannot run; the tracker records it too.
     """
-    from ..h3_model.components import LoadOptions, component_loader
+    from ..h3_model.components import LoadOptions, check_fit, component_loader
     from ..kernels.attention import resolve_attention
     from ..kernels.dispatch import apply_kernels, resolve_linear
     from ..kernels.vae import apply_vae_kernels
@@ -202,18 +202,8 @@ def load_models(spec: ModelSpec, tracker: LoadTracker,
             raise
         setattr(comps, name, model)
         seconds[name] = tracker.done(name, start)
-    _check_text_width(comps)
+    check_fit(comps)  # components given one by one must belong together: fail now, not at the first job
     return ResidentModels(comps, spec.device, reports, defaults, spec.kernels, seconds, formats)
-
-
-def _check_text_width(comps: Components) -> None:
-    """The DiT reads the encoder's hidden states: a mismatch would fail on the first request, so fail now."""
-    hidden = getattr(comps.text_encoder, "hidden_size", None)
-    for key in ("dit", "dit_ref"):
-        dit = getattr(comps, key)
-        if dit is not None and hidden is not None and dit.config.text_dim != hidden:
-            raise InputError(f"the text encoder is {hidden} wide but the {key.replace('_', ' ')} reads "
-                             f"{dit.config.text_dim}: they do not belong together")
 
 
 def unwrap(dit):

@@ -572,6 +572,15 @@ def test_serve_synthetic_refuses_model_paths(tmp_path, capsys):
     assert "--synthetic builds every model: drop --vae" in capsys.readouterr().err
 
 
+def test_serve_synthetic_full_needs_a_gpu_unless_asked(tmp_path, capsys, monkeypatch):
+    from h3_spark.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["serve", "--synthetic", "full", "--output-dir", str(tmp_path)]) == 2
+    assert "--synthetic full builds the full-size models for a CUDA GPU and this machine has none" in \
+        capsys.readouterr().err
+
+
 def test_serve_synthetic_end_to_end_with_the_service_benchmark(tmp_path, monkeypatch):
     """benchmarks/serve_gpu.py on the CPU: `serve --synthetic tiny` starts, /ready says the weights are
     random, the contract's ref2va request completes warm and with both step caches."""

@@ -150,8 +150,9 @@ def resolve_dit_folder(path: Path, partition: str | None) -> Path:
         raise CheckpointError(f"{path}: no safetensors weights here and no transformer/ or transformer_ref/ folder")
     if partition is None:
         if len(present) > 1:
-            raise CheckpointError(f"{path}: holds both transformer/ and transformer_ref/; pass partition='t2va' "
-                                  "(or 'fl2va') for transformer/ or partition='ref2va' for transformer_ref/")
+            raise CheckpointError(f"{path}: holds both transformer/ and transformer_ref/; choose the partition: t2va "
+                                  "(or fl2va) for transformer/, ref2va for transformer_ref/ (--partition on the "
+                                  "command line)")
         return path / present[0]
     wanted = PARTITION_FOLDERS[partition]
     if wanted not in present:
