@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels_gpu  # beside this file: run as `python benchmarks/row_kernels_experiment.py`
 from h3_spark.kernels._triton import round_bf16
 from h3_spark.kernels.modulation import FusedRowModulation
 
@@ -30,18 +31,7 @@ ITERS = 30
 
 
 def bench(fn, iters=ITERS, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return kernels_gpu.bench(fn, iters, warmup)  # median CUDA-event ms, as the kernel receipts take them
 
 
 @triton.jit
