@@ -24,6 +24,7 @@ Backends (kernels.md has the measured H200 figures):
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Callable
 
@@ -109,15 +110,29 @@ FA3_HOW = ("install the forward-only wheel with `pip install fa3-fwd` (cp39-abi3
            "built for torch 2.10+), or build flash-attention's hopper/ folder (module flash_attn_interface)")
 
 
+class FA3ImportFailed(KernelUnavailable):
+    """FlashAttention-3 is installed but its module raises on import (e.g. a build for another torch or CUDA)."""
+
+
 def fa3_module():
-    """The importable FlashAttention-3 interface module, or KernelUnavailable."""
-    errors = []
+    """The importable FlashAttention-3 interface module, or KernelUnavailable (FA3ImportFailed when a module
+    is there but does not import: that needs a rebuild, not an install)."""
+    missing, broken = [], []
     for name in FA3_MODULES:
         try:
-            return __import__(name)
-        except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-    raise KernelUnavailable(f"FlashAttention-3 is not installed ({'; '.join(errors)}); {FA3_HOW}")
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            # Only the module itself being absent means "not installed"; a missing dependency is a broken install.
+            if exc.name == name:
+                missing.append(f"{name}: {exc}")
+            else:
+                broken.append(f"{name}: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a compiled extension for another torch/CUDA fails in many ways
+            broken.append(f"{name}: {type(exc).__name__}: {exc}")
+    if broken:
+        raise FA3ImportFailed(f"FlashAttention-3 is installed but failed to import ({'; '.join(broken)}); reinstall "
+                              f"or rebuild it for this torch and CUDA ({FA3_HOW})")
+    raise KernelUnavailable(f"FlashAttention-3 is not installed ({'; '.join(missing)}); {FA3_HOW}")
 
 
 # (FA3 module, dtype, head size, device) -> whether that build has the kernel (FA3Backend.supports).
@@ -389,6 +404,8 @@ def auto_choice(device, dtype: torch.dtype | None = None, head_dim: int | None =
             if dtype is None or FA3Backend(module).supports(dtype, head_dim or 128, device):
                 return "fa3", f"Hopper GPU with FlashAttention-3 ({module.__name__}): the fastest exact kernel measured"
             why_not_fa3 = f"this FlashAttention-3 build has no {dtype} kernel for head size {head_dim or 128}"
+        except FA3ImportFailed as exc:
+            why_not_fa3 = str(exc)
         except KernelUnavailable:
             pass
     if cap >= (8, 0) and torch.backends.cudnn.is_available():

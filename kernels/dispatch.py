@@ -96,6 +96,30 @@ def resolve_modulation(settings: KernelSettings, device, nvfp4_linears: bool):
                                 "tolerance": "modulate and gated_add bit-identical; norm_modulate within 1 ulp"}
 
 
+def nvfp4_fusions(settings: KernelSettings, mod_cls: type, mod_report: dict) -> dict:
+    """With NVFP4 linears: whether each NVFP4 producer fusion runs, and why those that do not are off."""
+    from .nvfp4 import Nvfp4RowModulation
+
+    swiglu_on = settings.swiglu_nvfp4_fusion == "auto"
+    rms_on = mod_cls is Nvfp4RowModulation
+    off = {}
+    if not swiglu_on:
+        off["swiglu_nvfp4_fusion"] = "H3_SWIGLU_NVFP4_FUSION=off: fc2 quantizes the bf16 SwiGLU output itself"
+    if not rms_on:
+        off["rms_adaln_nvfp4_fusion"] = (f"{_rms_adaln_off_cause(settings, mod_report)}: q/k/v and fc1 quantize the "
+                                         "bf16 norm output themselves")
+    return {"swiglu_nvfp4_fusion": swiglu_on, "rms_adaln_nvfp4_fusion": rms_on, "nvfp4_fusions_off": off}
+
+
+def _rms_adaln_off_cause(settings: KernelSettings, mod_report: dict) -> str:
+    if settings.rms_adaln_nvfp4_fusion == "off":
+        return "H3_RMS_ADALN_NVFP4_FUSION=off"
+    if settings.modulation_fusion == "off":
+        return ("H3_MODULATION_FUSION=off, and this fusion is a form of the fused modulation "
+                "(H3_MODULATION_FUSION=auto turns it on)")
+    return mod_report.get("note", "the fused modulation does not run")
+
+
 # ------------------------------------------------------------------------------------------ linears
 def resolve_linear(settings: KernelSettings, device, checkpoint_format: str) -> tuple[str, str]:
     """(format, why) for H3_LINEAR; raises when the requested format cannot run here."""
@@ -232,19 +256,23 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     fused_act = fused_swiglu if mod_report.get("impl") == "triton" else None
     for blk in [*model.transformer_blocks, *model.token_refiner.refiner_blocks]:
         blk.ff.activation = fused_act
-    mod_report = {**mod_report, "swiglu": "triton" if fused_act is not None else "pytorch-reference"}
+    swiglu_impl = "triton" if fused_act is not None else "pytorch-reference"
+    mod_report = {**mod_report, "swiglu": swiglu_impl}
     linear_report = {"format": linear_fmt, "why": linear_why, "exact": linear_fmt == "bf16",
                      "weight_dtype": weight_dtype}
     if linear_fmt != "bf16":
         use_triton = triton_ready(device)
         linear_report["sources"] = convert_linears(model, linear_fmt, weight_source, use_triton)
         linear_report["activation_quantizer"] = "triton" if use_triton else "pytorch-reference"
-        if linear_fmt == "nvfp4" and settings.swiglu_nvfp4_fusion == "auto":
-            from .nvfp4 import Nvfp4SwiGLU
+        if linear_fmt == "nvfp4":
+            linear_report.update(nvfp4_fusions(settings, mod_cls, mod_report))
+            if linear_report["swiglu_nvfp4_fusion"]:
+                from .nvfp4 import Nvfp4SwiGLU
 
-            for blk in model.transformer_blocks:
-                blk.ff = Nvfp4SwiGLU.wrap(blk.ff)
-            linear_report["swiglu_nvfp4_fusion"] = True
+                for blk in model.transformer_blocks:
+                    blk.ff = Nvfp4SwiGLU.wrap(blk.ff)
+                # The text refiner keeps its bf16 linears, hence the activation chosen above.
+                mod_report.update(swiglu="nvfp4-fused", swiglu_text_refiner=swiglu_impl)
         if linear_fmt == "fp8" and fused_act is not None:
             # Same values as letting each Fp8Linear quantize its input, in fewer passes: q, k and v share
             # one quantized input, and the SwiGLU kernel writes e4m3 rows itself.

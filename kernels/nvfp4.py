@@ -273,16 +273,10 @@ class Nvfp4Linear(nn.Module):
 class Nvfp4SwiGLU(SwiGLU):
     """SwiGLU whose fc1 -> SwiGLU -> fc2 path hands fc2 an NVFP4 activation made in one pass."""
 
+    # No forward of its own: SwiGLU.forward refuses mlp_chunks > 1 on an Nvfp4Activation with an InputError,
+    # which the front doors report as the user's error rather than an internal one.
     def _rows(self, x):
         return self.net[2](swiglu_quantize_nvfp4(self.net[0].proj(x)))
-
-    def forward(self, x, chunks: int = 1):
-        if isinstance(x, Nvfp4Activation):
-            if chunks > 1:
-                raise ValueError("H3_RMS_ADALN_NVFP4_FUSION hands the MLP one quantized activation, which cannot be "
-                                 "split into row chunks; run with mlp_chunks=1 or set the fusion off")
-            return self._rows(x)
-        return super().forward(x, chunks)
 
 
 class Nvfp4RowModulation(FusedRowModulation):

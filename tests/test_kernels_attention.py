@@ -127,6 +127,29 @@ def test_hopper_auto_prefers_fa3_then_cudnn(hopper):
     assert "fastest exact kernel measured" in fn.describe()["chosen_by_auto"]
 
 
+@pytest.mark.parametrize("body, error", [
+    ("raise ImportError('libcudart.so.13: cannot open shared object file')",
+     "ImportError: libcudart.so.13: cannot open shared object file"),
+    ("import h3_no_such_dependency", "ModuleNotFoundError: No module named 'h3_no_such_dependency'"),
+    ("raise OSError('undefined symbol: _ZN3c104cuda')", "OSError: undefined symbol: _ZN3c104cuda"),
+])
+def test_hopper_fa3_that_fails_to_import_is_not_called_missing(hopper, tmp_path, body, error):
+    # auto said "no FlashAttention-3 installed" for a build that is installed but broken (for another torch or
+    # CUDA, or missing a dependency): the fix is a rebuild, and the error must be shown.
+    hopper.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    (tmp_path / "fa3_fwd_interface.py").write_text(body + "\n")
+    hopper.delitem(sys.modules, "fa3_fwd_interface")
+    hopper.syspath_prepend(str(tmp_path))
+    fn, name = resolve_attention("auto", "cpu")
+    why = fn.describe()["chosen_by_auto"]
+    assert name == "cudnn_sdpa" and "no FlashAttention-3 installed" not in why
+    assert why.startswith(f"cuDNN attention: FlashAttention-3 is installed but failed to import (fa3_fwd_interface: "
+                          f"{error}); reinstall or rebuild it for this torch and CUDA")
+    with pytest.raises(att.FA3ImportFailed, match=r"FlashAttention-3 is installed but failed to import "
+                                                  r"\(fa3_fwd_interface: .*`pip install fa3-fwd`"):
+        resolve_attention("fa3", "cpu")
+
+
 def fake_fa3(dtypes, calls):
     fake = types.ModuleType("fa3_fwd_interface")
 
