@@ -64,7 +64,7 @@ def service_settings(args, device: str | None = None):
     from ..h3_model.components import ComponentPaths
     from ..h3_model.errors import InputError
     from ..h3_model.video_vae import tile_batch_from_env
-    from ..kernels.settings import KernelSettings
+    from .options import kernel_settings
     from ..serve.models import ModelSpec
     from ..serve.service import ServiceConfig
     from ..serve.validation import Limits
@@ -73,8 +73,7 @@ def service_settings(args, device: str | None = None):
     cuda = device.startswith("cuda")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype or ("bfloat16" if cuda else "float32")]
     vae_name, tile = vae_options(args.vae_dtype, args.vae_tile_size, "float16" if cuda else "float32")
-    settings = KernelSettings.from_env()
-    settings = settings.replace(attention=args.attention or settings.attention, linear=args.linear or settings.linear)
+    settings = kernel_settings(args.attention, args.linear)  # a bad flag is named as the flag, not H3_*
     if args.synthetic == "full" and not cuda and args.device is None:
         # Tens of GB of fp32 random weights on the CPU is never what a benchmark of the service meant.
         raise InputError("--synthetic full builds the full-size models for a CUDA GPU and this machine has none; "

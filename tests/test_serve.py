@@ -572,6 +572,14 @@ def test_serve_synthetic_refuses_model_paths(tmp_path, capsys):
     assert "--synthetic builds every model: drop --vae" in capsys.readouterr().err
 
 
+def test_serve_names_a_bad_flag_as_the_flag(tmp_path, capsys):
+    from h3_spark.cli import main
+
+    assert main(["serve", "--synthetic", "tiny", "--output-dir", str(tmp_path), "--device", "cpu",
+                 "--attention", "warp"]) == 2
+    assert "--attention 'warp' is not accepted; use one of: auto, sdpa" in capsys.readouterr().err
+
+
 def test_serve_synthetic_full_needs_a_gpu_unless_asked(tmp_path, capsys, monkeypatch):
     from h3_spark.cli import main
 
