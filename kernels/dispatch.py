@@ -223,6 +223,21 @@ def convert_linears(model: nn.Module, fmt: str, weight_source: WeightSource | No
     return sources
 
 
+def approximate_paths(report: dict) -> list[str]:
+    """The parts of a kernel report (attention, Q/K preparation, modulation, linears) that are not exact."""
+    return [k for k in ("attention", "qk_prep", "modulation", "linear") if not report.get(k, {}).get("exact", True)]
+
+
+def switch_attention(model: nn.Module, name: str, settings: KernelSettings, device) -> dict:
+    """Run a configured DiT on another attention backend (and the Q/K preparation that goes with it),
+    weights untouched; returns the report's "attention" and "qk_prep" entries."""
+    backend, chosen = resolve_attention(name, device, settings, **model_heads(model))
+    qk_prep, qk_report = resolve_qk_prep(settings, getattr(backend, "inner", backend).name, device)
+    model.set_attention(backend)
+    model.qk_prep = qk_prep
+    return {"attention": {"requested": name, "chosen": chosen, **backend.describe()}, "qk_prep": qk_report}
+
+
 # ------------------------------------------------------------------------------------------ the entry point
 def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
                   weight_source: WeightSource | None = None, checkpoint_format: str = "bf16") -> dict:
@@ -287,10 +302,8 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     report["qk_prep"] = qk_report
     report["modulation"] = mod_report
     report["linear"] = linear_report
-    approx = [k for k, v in (("attention", backend.exact), ("qk_prep", qk_report.get("exact", True)),
-                             ("modulation", mod_report["exact"]), ("linear", linear_report["exact"])) if not v]
-    report["exact"] = not approx
-    report["approximate_paths"] = approx
+    report["approximate_paths"] = approximate_paths(report)
+    report["exact"] = not report["approximate_paths"]
     report["triton_interpreter"] = triton_interpreting()
     report["capability"] = capability(device)
     return report

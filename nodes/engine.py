@@ -341,8 +341,7 @@ def _restore(params: dict, state: dict) -> None:
 
 def _prepare_kernels(dit, opts: dict, device) -> dict:
     """Linears once per loaded DiT (they are converted in place), attention and Q/K preparation per run."""
-    from ..kernels.attention import resolve_attention
-    from ..kernels.dispatch import apply_kernels, model_heads, resolve_qk_prep
+    from ..kernels.dispatch import apply_kernels, approximate_paths, switch_attention
     from ..kernels.settings import KernelSettings
 
     settings = KernelSettings.from_env().replace(attention=opts["attention"], linear=opts["linear"])
@@ -351,15 +350,10 @@ def _prepare_kernels(dit, opts: dict, device) -> dict:
         report = apply_kernels(dit, settings, checkpoint_format=opts["checkpoint_format"])
         dit.__dict__["_h3_spark_kernels"] = state = {"attention": opts["attention"], "report": report}
     elif state["attention"] != opts["attention"]:
-        backend, chosen = resolve_attention(settings.attention, device, settings, **model_heads(dit))
-        qk_prep, qk_report = resolve_qk_prep(settings, getattr(backend, "inner", backend).name, device)
-        dit.set_attention(backend)
-        dit.qk_prep = qk_prep
+        report = {**state["report"], **switch_attention(dit, settings.attention, settings, device)}
         state["attention"] = opts["attention"]
-        report = {**state["report"], "attention": {"requested": settings.attention, "chosen": chosen,
-                                                   **backend.describe()}, "qk_prep": qk_report}
-        approx = [k for k in ("attention", "qk_prep", "modulation", "linear") if not report[k].get("exact", True)]
-        state["report"] = {**report, "exact": not approx, "approximate_paths": approx}
+        state["report"] = {**report, "approximate_paths": approximate_paths(report)}
+        state["report"]["exact"] = not state["report"]["approximate_paths"]
     return state["report"]
 
 

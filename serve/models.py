@@ -294,21 +294,14 @@ class AttentionSwitch:
         self.report: dict | None = None
 
     def __enter__(self) -> dict:
-        from ..kernels.attention import resolve_attention
-        from ..kernels.dispatch import model_heads, resolve_qk_prep
+        from ..kernels.dispatch import switch_attention
 
-        dit = unwrap(getattr(self.models.components, self.key))
         base = self.models.kernel_reports[self.key]
         if self.name is None:
             self.report = {"attention": base["attention"], "qk_prep": base["qk_prep"]}
             return self.report
-        s = self.models.settings
-        backend, chosen = resolve_attention(self.name, self.models.spec_device, s, **model_heads(dit))
-        qk_prep, qk_report = resolve_qk_prep(s, getattr(backend, "inner", backend).name, self.models.spec_device)
-        dit.set_attention(backend)
-        dit.qk_prep = qk_prep
-        self.report = {"attention": {"requested": self.name, "chosen": chosen, **backend.describe()},
-                       "qk_prep": qk_report}
+        dit = unwrap(getattr(self.models.components, self.key))
+        self.report = switch_attention(dit, self.name, self.models.settings, self.models.spec_device)
         return self.report
 
     def __exit__(self, *exc) -> None:

@@ -92,3 +92,15 @@ def randomize_vae_(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(1.0 + 0.1 * noise)
             else:
                 param.copy_(0.3 * noise)
+
+
+def forward_args(c: DiTConfig, lay, seed: int) -> dict:
+    """Random H3DiT forward arguments (video, audio and text rows drawn in that order) for a packed layout."""
+    gen = torch.Generator().manual_seed(seed)
+    ts, idx = lay.row_timesteps(0.4, 0.6, 0.4)
+    return dict(hidden_states=torch.randn(1, lay.video_indices.numel(), c.video_patch_dim, generator=gen),
+                audio_hidden_states=torch.randn(1, lay.audio_indices.numel(), c.audio_in_channels, generator=gen),
+                encoder_hidden_states=torch.randn(1, lay.num_text, c.text_dim, generator=gen),
+                token_tags=lay.token_tags, position_ids=lay.position_ids.float(), video_indices=lay.video_indices,
+                audio_indices=lay.audio_indices, text_indices=lay.text_indices, timestep=ts, timestep_indices=idx)
+

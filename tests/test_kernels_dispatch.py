@@ -14,21 +14,14 @@ from h3_spark.h3_model.dit import H3DiT, RowModulation
 from h3_spark.kernels.capability import KernelUnavailable
 from h3_spark.kernels.dispatch import apply_kernels
 from h3_spark.kernels.settings import KernelSettings, SettingsError
-from oracle import EQUAL_WIDTH, diffusers_dit, ours_from, rel_l2, text_tags
+from oracle import EQUAL_WIDTH, diffusers_dit, forward_args, ours_from, rel_l2, text_tags
 
 pytest.importorskip("triton")
 
 
 def forward_inputs(c, seed: int) -> dict:
     """Random T2VA forward arguments for a DiT config (a small packed layout)."""
-    lay = layout.build_t2va(text_tags(6), 2, 4, 4, 5)
-    gen = torch.Generator().manual_seed(seed)
-    ts, idx = lay.row_timesteps(0.4, 0.6, 0.4)
-    return dict(hidden_states=torch.randn(1, lay.video_indices.numel(), c.video_patch_dim, generator=gen),
-                audio_hidden_states=torch.randn(1, lay.audio_indices.numel(), c.audio_in_channels, generator=gen),
-                encoder_hidden_states=torch.randn(1, lay.num_text, c.text_dim, generator=gen),
-                token_tags=lay.token_tags, position_ids=lay.position_ids.float(), video_indices=lay.video_indices,
-                audio_indices=lay.audio_indices, text_indices=lay.text_indices, timestep=ts, timestep_indices=idx)
+    return forward_args(c, layout.build_t2va(text_tags(6), 2, 4, 4, 5), seed)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ from h3_spark.h3_model.dit import H3DiT, RowModulation
 from h3_spark.h3_model.errors import InputError
 from h3_spark.kernels.dispatch import BLOCK_LINEARS, apply_kernels
 from h3_spark.kernels.settings import KernelSettings
-from oracle import EQUAL_WIDTH, rel_l2, text_tags
+from oracle import EQUAL_WIDTH, forward_args, rel_l2, text_tags
 
 pytest.importorskip("triton")
 ck = pytest.importorskip("comfy_kitchen")  # the real one: the oracle inside the fake GEMM and the emulation
@@ -117,15 +117,7 @@ def nvfp4_dit(seed: int = 0) -> H3DiT:
 
 def small_inputs(seed: int) -> dict:
     """A T2VA forward of 11 rows (3 text, 4 video, 4 audio): each row costs a kernel program in the interpreter."""
-    c = EQUAL_WIDTH
-    lay = layout.build_t2va(text_tags(3), 2, 2, 4, 2)
-    gen = torch.Generator().manual_seed(seed)
-    ts, idx = lay.row_timesteps(0.4, 0.6, 0.4)
-    return dict(hidden_states=torch.randn(1, lay.video_indices.numel(), c.video_patch_dim, generator=gen),
-                audio_hidden_states=torch.randn(1, lay.audio_indices.numel(), c.audio_in_channels, generator=gen),
-                encoder_hidden_states=torch.randn(1, lay.num_text, c.text_dim, generator=gen),
-                token_tags=lay.token_tags, position_ids=lay.position_ids.float(), video_indices=lay.video_indices,
-                audio_indices=lay.audio_indices, text_indices=lay.text_indices, timestep=ts, timestep_indices=idx)
+    return forward_args(EQUAL_WIDTH, layout.build_t2va(text_tags(3), 2, 2, 4, 2), seed)
 
 
 def settings(swiglu="auto", rms="auto", modulation="auto", **more) -> KernelSettings:
