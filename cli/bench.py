@@ -206,10 +206,10 @@ def run(args) -> int:
                         diffusers_compile=args.diffusers_compile, weights=weights, backends_used=backends,
                         spatial=comps.vae.config.spatial_ratio if comps is not None else 16, profile=args.profile)
     if comps is not None:
-        from ..h3_model.video_vae import tile_batch_from_env
+        from ..kernels.settings import vae_tile_batch
         from ..kernels.vae import apply_vae_kernels
 
-        comps.vae.tile_batch = tile_batch_from_env()
+        comps.vae.tile_batch = vae_tile_batch()
         result["vae_kernels"] = apply_vae_kernels(comps.vae, settings)
         result["generation"] = runner.bench_generation(comps, contract, device, cache_modes)
         if build_s is not None:

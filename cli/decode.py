@@ -107,11 +107,11 @@ def run(args: argparse.Namespace) -> int:
 
     from ..h3_model import media, vae_loading, video_vae
     from ..h3_model.errors import InputError
-    from ..kernels.settings import KernelSettings
+    from ..kernels.settings import KernelSettings, vae_tile_batch
     from ..kernels.vae import apply_vae_kernels
 
     settings = resolve_settings(args)
-    tile_batch = video_vae.tile_batch_from_env()
+    tile_batch = vae_tile_batch()
     latents = read_latents(args.latents)
     if latents["audio"] is not None and not args.audio_vae:
         raise InputError(f"{args.latents} has audio_latents; pass --audio-vae to decode them")

@@ -114,8 +114,8 @@ def run(args) -> int:
     from ..h3_model.lora import LoraSpec
     from ..h3_model.pipeline import GenerationRequest, Pipeline
     from ..h3_model.step_cache import make_step_cache
-    from ..h3_model.video_vae import tile_batch_from_env
     from ..kernels.dispatch import apply_kernels, attention_counts
+    from ..kernels.settings import vae_tile_batch
     from ..kernels.vae import apply_vae_kernels
     from .distributed import command_argv, init_distributed, relaunch_with_torchrun
     from .options import check_device, kernel_settings
@@ -155,7 +155,7 @@ def run(args) -> int:
     dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     vae_dtype, tile = vae_options(args.vae_dtype, args.vae_tile_size,
                                   "float16" if device.startswith("cuda") else "float32")
-    tile_batch = tile_batch_from_env()
+    tile_batch = vae_tile_batch()
     if not args.prompt:
         raise InputError("--prompt is required")
     if args.out.suffix.lower() != ".mp4":

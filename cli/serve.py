@@ -63,7 +63,7 @@ def service_settings(args, device: str | None = None):
 
     from ..h3_model.components import ComponentPaths
     from ..h3_model.errors import InputError
-    from ..h3_model.video_vae import tile_batch_from_env
+    from ..kernels.settings import vae_tile_batch
     from .options import kernel_settings
     from ..serve.models import ModelSpec
     from ..serve.service import ServiceConfig
@@ -86,7 +86,7 @@ def service_settings(args, device: str | None = None):
         paths=ComponentPaths(args.models, args.dit, args.dit_ref, args.text_encoder, args.tokenizer, args.vae,
                              args.audio_vae),
         device=device, dtype=dtype, vae_dtype=getattr(torch, vae_name), text_layer=args.text_encoder_layer,
-        qkv_layout=args.qkv_layout, kernels=settings, vae_tile_batch=tile_batch_from_env())
+        qkv_layout=args.qkv_layout, kernels=settings, vae_tile_batch=vae_tile_batch())
     config = ServiceConfig(output_dir=args.output_dir, input_dir=args.input_dir, queue_size=args.queue_size,
                            limits=Limits(max_steps=args.max_steps, max_input_file_bytes=args.max_input_mb << 20),
                            vae_tile_size=tile or None, mlp_chunks=args.mlp_chunks)

@@ -1,5 +1,5 @@
 """The video VAE decode settings every front door takes: flag, else H3_VAE_DTYPE / H3_VAE_TILE_SIZE, else
-default. (H3_VAE_TILE_BATCH is read by the engine itself: `video_vae.tile_batch_from_env`, which the
+default. (H3_VAE_TILE_BATCH has no flag: `kernels.settings.vae_tile_batch`, which the
 ComfyUI nodes use too.)"""
 
 from __future__ import annotations

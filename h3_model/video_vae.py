@@ -49,9 +49,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -634,17 +633,6 @@ def check_tile_batch(tile_batch: int, source: str = "tile_batch") -> int:
         raise InputError(f"{source} must be a whole number of tiles >= 1, got {tile_batch!r}")
     return tile_batch
 
-
-def tile_batch_from_env(environ: Mapping[str, str] | None = None) -> int:
-    """Tiles per decoder call: H3_VAE_TILE_BATCH, else DEFAULT_TILE_BATCH (every front door reads it)."""
-    raw = (os.environ if environ is None else environ).get("H3_VAE_TILE_BATCH", "")
-    if raw == "":
-        return DEFAULT_TILE_BATCH
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InputError(f"H3_VAE_TILE_BATCH={raw!r}: expected a whole number of tiles (>= 1)") from None
-    return check_tile_batch(value, "H3_VAE_TILE_BATCH")
 
 
 def check_tiling(tile_size: int | None, min_overlap: int, ratio: int) -> None:

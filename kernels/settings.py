@@ -169,3 +169,19 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     if v in _FALSE:
         return False
     raise SettingsError(f"{name}={raw!r} is not a yes/no value; use one of: {', '.join(_TRUE + _FALSE)}")
+
+
+def vae_tile_batch(environ: Mapping[str, str] | None = None) -> int:
+    """H3_VAE_TILE_BATCH: tiles per video VAE decoder call (every front door reads it, the engine does not)."""
+    from ..h3_model.errors import InputError
+    from ..h3_model.video_vae import DEFAULT_TILE_BATCH, check_tile_batch
+
+    raw = (os.environ if environ is None else environ).get("H3_VAE_TILE_BATCH", "")
+    if raw == "":
+        return DEFAULT_TILE_BATCH
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InputError(f"H3_VAE_TILE_BATCH={raw!r}: expected a whole number of tiles (>= 1)") from None
+    return check_tile_batch(value, "H3_VAE_TILE_BATCH")
+

@@ -131,14 +131,15 @@ def load_text_encoder(path: Path, tokenizer: Path | None, dtype: str, layer: int
 
 def load_vaes(video_path: Path, audio_path: Path, decode_dtype: str, tile_size: int) -> VAEHandle:
     from ..h3_model.vae_loading import load_audio_vae, load_video_vae
-    from ..h3_model.video_vae import DEFAULT_TILE_MIN_OVERLAP, check_tiling, tile_batch_from_env
+    from ..h3_model.video_vae import DEFAULT_TILE_MIN_OVERLAP, check_tiling
+    from ..kernels.settings import vae_tile_batch
 
     if decode_dtype not in VAE_DTYPES:
         raise InputError(f"decode_dtype must be one of {', '.join(VAE_DTYPES)}, got {decode_dtype!r}")
     video = load_video_vae(video_path, device=host.offload_device(), decode_dtype=VAE_DTYPES[decode_dtype])
     # Checked here, not at the first decode, which comes after the whole sampling.
     check_tiling(tile_size, DEFAULT_TILE_MIN_OVERLAP, video.config.spatial_ratio)
-    video.tile_batch = tile_batch_from_env()
+    video.tile_batch = vae_tile_batch()
     audio = load_audio_vae(audio_path, device=host.offload_device())
     return VAEHandle(video, audio, host.make_held("vae", video), host.make_held("audio_vae", audio),
                      tile_size or None)

@@ -38,7 +38,7 @@ def test_sourcing_sets_every_flag_and_changes_the_parsed_settings():
     assert parsed.swiglu_nvfp4_fusion == parsed.rms_adaln_nvfp4_fusion == "off" != default.swiglu_nvfp4_fusion
     assert parsed.sol == default.sol and parsed.head_slice_size == default.head_slice_size == 8
     assert env["H3_VAE_DTYPE"] in DECODE_DTYPES
-    from h3_spark.h3_model.video_vae import tile_batch_from_env as vae_tile_batch
+    from h3_spark.kernels.settings import vae_tile_batch
     from h3_spark.h3_model.video_vae import DEFAULT_TILE_BATCH
 
     assert vae_tile_batch(env) == DEFAULT_TILE_BATCH

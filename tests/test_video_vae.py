@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from h3_spark.h3_model import vae_loading, video_vae
 from h3_spark.h3_model.errors import CheckpointError, InputError
+from h3_spark.kernels.settings import vae_tile_batch
 from oracle import randomize_vae_
 
 FP32_BUDGET = 1e-5
@@ -260,7 +261,7 @@ def test_tile_batch_comes_from_the_environment(tiny, monkeypatch):
     original = decoder.forward
     monkeypatch.setattr(decoder, "forward", lambda x, *a, **k: calls.append(x.shape[0]) or original(x, *a, **k))
     monkeypatch.setenv("H3_VAE_TILE_BATCH", "5")
-    ours.tile_batch = video_vae.tile_batch_from_env()  # what every front door does with the variable
+    ours.tile_batch = vae_tile_batch()  # what every front door does with the variable
     try:
         ours.decode(z, tile_size=16, tile_min_overlap=8)
     finally:
@@ -271,7 +272,7 @@ def test_tile_batch_comes_from_the_environment(tiny, monkeypatch):
     assert tiles > 5 and calls == per_window * (len(calls) // len(per_window))
     monkeypatch.setenv("H3_VAE_TILE_BATCH", "many")
     with pytest.raises(InputError, match="H3_VAE_TILE_BATCH='many': expected a whole number of tiles"):
-        video_vae.tile_batch_from_env()
+        vae_tile_batch()
     monkeypatch.delenv("H3_VAE_TILE_BATCH")
     with pytest.raises(InputError, match="tile_batch must be a whole number of tiles >= 1, got 0"):
         ours.decode(z, tile_size=16, tile_min_overlap=8, tile_batch=0)
