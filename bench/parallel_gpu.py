@@ -28,14 +28,28 @@ from .runner import make_inputs, rel_l2, time_call
 from .synthetic import synthetic_dit
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None):
+    """The arguments and the kernel settings they give. Checked here, before any process group or model,
+    so a bad flag stops every rank at once with an error that names the flag."""
+    from ..cli.options import kernel_settings
+    from ..h3_model.errors import H3Error
+
     p = argparse.ArgumentParser()
     p.add_argument("--contract", required=True)
     p.add_argument("--preset", default="full")
     p.add_argument("--attention", default="auto")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", required=True)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    try:
+        settings = kernel_settings(args.attention, None)
+    except H3Error as exc:
+        p.error(str(exc))
+    return args, settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, settings = parse_args(argv)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     device = f"cuda:{local}" if cuda else "cpu"
@@ -46,12 +60,10 @@ def main() -> int:
     record = stamp.stamp_before() if rank == 0 else None
 
     from ..kernels.dispatch import apply_kernels
-    from ..kernels.settings import KernelSettings
-    import dataclasses
 
     contract = load_contract(args.contract)
     model = synthetic_dit(preset(args.preset), torch.bfloat16 if cuda else torch.float32, device, seed=0)
-    report = apply_kernels(model, dataclasses.replace(KernelSettings.from_env(), attention=args.attention))
+    report = apply_kernels(model, settings)
     shape = contract_shape(contract, model.config)
     schedule = JointSchedule.create(contract["steps"])
     inputs = make_inputs(shape, model.config, device, contract["seed"], len(schedule) // 2, schedule)

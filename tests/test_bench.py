@@ -232,3 +232,31 @@ def test_bench_checks_flags_before_loading(tmp_path, capsys, monkeypatch, extra,
                               "--device", "cpu", *extra)
     assert code == 2 and "Traceback" not in err
     assert message in err and "none.safetensors" not in err
+
+
+def test_parallel_gpu_names_a_bad_attention_as_the_flag(tmp_path, capsys, monkeypatch):
+    import torch.distributed
+
+    from h3_spark.bench import parallel_gpu
+
+    def _must_not_start(*args, **kwargs):
+        raise AssertionError("the process group was started before --attention was checked")
+
+    # The contract does not exist either: an error about it would mean the flag was checked too late.
+    monkeypatch.setattr(torch.distributed, "init_process_group", _must_not_start)
+    with pytest.raises(SystemExit) as exited:
+        parallel_gpu.main(["--contract", str(tmp_path / "none.json"), "--out", str(tmp_path / "r.json"),
+                           "--attention", "warp"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert "--attention 'warp' is not accepted; use one of: auto, sdpa" in err
+    assert "H3_ATTENTION" not in err and "none.json" not in err
+
+
+def test_parallel_gpu_flag_goes_on_top_of_the_h3_settings(tmp_path, monkeypatch):
+    from h3_spark.bench import parallel_gpu
+
+    monkeypatch.setenv("H3_ATTENTION", "fa3")
+    monkeypatch.setenv("H3_LINEAR", "bf16")
+    _, settings = parallel_gpu.parse_args(["--contract", "c.json", "--out", "r.json", "--attention", "sdpa"])
+    assert (settings.attention, settings.linear) == ("sdpa", "bf16")
