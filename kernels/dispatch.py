@@ -128,8 +128,8 @@ def resolve_linear(settings: KernelSettings, device, checkpoint_format: str) -> 
         if checkpoint_format == "nvfp4" and is_blackwell(device):
             try:
                 _require_nvfp4(device)
-                return "nvfp4", ("auto: Blackwell GPU and an NVFP4 checkpoint run FP4 x FP4 GEMMs (weights "
-                                 "re-quantized from the loaded ones unless a weight_source gives the stored codes)")
+                return "nvfp4", ("auto: Blackwell GPU and an NVFP4 checkpoint run FP4 x FP4 GEMMs (the report's "
+                                 "sources say which layers kept their stored codes)")
             except KernelUnavailable as exc:
                 return "bf16", f"auto: NVFP4 GEMM unavailable ({exc}); exact bf16"
         return "bf16", "auto: exact bf16 (FP8 and NVFP4 linears are opt-in via H3_LINEAR)"
@@ -240,14 +240,19 @@ def switch_attention(model: nn.Module, name: str, settings: KernelSettings, devi
 
 # ------------------------------------------------------------------------------------------ the entry point
 def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
-                  weight_source: WeightSource | None = None, checkpoint_format: str = "bf16") -> dict:
+                  weight_source: WeightSource | None = None, checkpoint_format: str | None = None) -> dict:
     """Configure attention, Q/K preparation, modulation and linears of a loaded H3DiT; return the report.
 
     weight_source(name) may return a layer's stored quantized tensors ({"format": "nvfp4" | "fp8_scaled",
     "weight", "weight_scale", ["weight_scale_2"]}) so FP8/NVFP4 linears start from the checkpoint's codes
-    rather than from the dequantized bf16 weight. checkpoint_format feeds H3_LINEAR=auto.
+    rather than from the dequantized bf16 weight; a model loaded by `load_dit` from a quantized file gets
+    its stored codes this way without one. checkpoint_format ("nvfp4" or "bf16") feeds H3_LINEAR=auto;
+    by default it is the loaded file's.
     """
     settings = settings or KernelSettings()
+    origin = getattr(model, "checkpoint_origin", None)
+    if checkpoint_format is None:
+        checkpoint_format = origin.linear_format if origin is not None else "bf16"
     device = as_device(model_device(model))
     report: dict = {"device": describe_device(device), "settings": settings.to_dict()}
 
@@ -277,7 +282,18 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
                      "weight_dtype": weight_dtype}
     if linear_fmt != "bf16":
         use_triton = triton_ready(device)
-        linear_report["sources"] = convert_linears(model, linear_fmt, weight_source, use_triton)
+        stored = None
+        if weight_source is None and origin is not None and origin.formats:
+            from ..h3_model.checkpoint.stored import StoredLinears
+
+            weight_source = stored = StoredLinears(model, origin)
+        try:
+            linear_report["sources"] = convert_linears(model, linear_fmt, weight_source, use_triton)
+        finally:
+            if stored is not None:
+                stored.close()
+        if stored is not None:
+            linear_report["checkpoint_codes"] = stored.describe()
         linear_report["activation_quantizer"] = "triton" if use_triton else "pytorch-reference"
         if linear_fmt == "nvfp4":
             linear_report.update(nvfp4_fusions(settings, mod_cls, mod_report))

@@ -92,7 +92,7 @@ PARTITION_TOKENS = {"ref2va": {"ref2va", "r2v", "ref"}, "t2va": {"t2va", "fl2va"
 
 def load_model(path: Path, partition: str, weight_dtype: str, linear: str, attention: str):
     """H3_MODEL: the DiT under ComfyUI's model management, with our kernel choices in its options."""
-    from ..h3_model.checkpoint import load_dit, open_dit
+    from ..h3_model.checkpoint import linear_format, load_dit
     from ..kernels.attention import resolve_attention
     from ..kernels.dispatch import resolve_linear
     from ..kernels.settings import KernelSettings
@@ -101,12 +101,7 @@ def load_model(path: Path, partition: str, weight_dtype: str, linear: str, atten
     if weight_dtype not in DTYPES:
         raise InputError(f"weight_dtype must be one of {', '.join(DTYPES)}, got {weight_dtype!r}")
     settings = KernelSettings.from_env().replace(attention=attention, linear=linear)
-    reader = open_dit(path, partition=part)
-    try:
-        formats = {spec.format for spec in reader.quantized_layers().values() if spec is not None}
-    finally:
-        reader.source.close()
-    fmt = "nvfp4" if "nvfp4" in formats else "bf16"
+    fmt = linear_format(path, part)
     # Fail here, before reading 60 GB, when this GPU cannot run the asked-for linears or attention.
     device = host.compute_device()
     resolve_linear(settings, device, fmt)

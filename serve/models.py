@@ -115,18 +115,6 @@ class ResidentModels:
         return [k for k in ("dit", "dit_ref") if getattr(self.components, k) is not None]
 
 
-def checkpoint_format(path, partition: str) -> str:
-    """"nvfp4" when any layer of the DiT checkpoint is NVFP4 (feeds H3_LINEAR=auto), else "bf16"."""
-    from ..h3_model.checkpoint import open_dit
-
-    reader = open_dit(path, partition=partition)
-    try:
-        formats = {spec.format for spec in reader.quantized_layers().values() if spec is not None}
-    finally:
-        reader.source.close()
-    return "nvfp4" if "nvfp4" in formats else "bf16"
-
-
 def _check_device(device: str) -> None:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {device} asked for, but this machine has no CUDA GPU")
@@ -144,6 +132,7 @@ def load_models(spec: ModelSpec, tracker: LoadTracker,
     from a path (an embedding host that already holds the model, or a test's in-memory encoder).
     Raises H3Error naming what is missing or cannot run; the tracker records it too.
     """
+    from ..h3_model.checkpoint import linear_format
     from ..h3_model.components import LoadOptions, check_fit, component_loader
     from ..kernels.attention import resolve_attention
     from ..kernels.dispatch import apply_kernels, resolve_linear
@@ -167,7 +156,7 @@ def load_models(spec: ModelSpec, tracker: LoadTracker,
     tracker.plan(names)
 
     # Fail before reading any weights when the asked-for kernels cannot run on this device.
-    formats = {k: checkpoint_format(paths[k], "t2va" if k == "dit" else "ref2va")
+    formats = {k: linear_format(paths[k], "t2va" if k == "dit" else "ref2va")
                for k in ("dit", "dit_ref") if paths[k] is not None}
     for fmt in formats.values() or ["bf16"]:
         resolve_linear(spec.kernels, spec.device, fmt)

@@ -238,7 +238,7 @@ def test_auto_runs_an_nvfp4_checkpoint_as_nvfp4_on_blackwell(blackwell, monkeypa
     model = nvfp4_dit()
     lin = apply_kernels(model, auto, checkpoint_format="nvfp4")["linear"]
     assert lin["format"] == "nvfp4" and lin["why"].startswith(
-        "auto: Blackwell GPU and an NVFP4 checkpoint run FP4 x FP4 GEMMs (weights re-quantized from the loaded ones")
+        "auto: Blackwell GPU and an NVFP4 checkpoint run FP4 x FP4 GEMMs (the report's sources say which layers")
     assert type(model.transformer_blocks[0].attn.to_q) is nv.Nvfp4Linear
 
     # Stored codes, when a weight source gives them, are used as they are.

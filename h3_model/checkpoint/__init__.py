@@ -4,7 +4,8 @@ Entry points:
 - `load_dit(path, ...)`: an `H3DiT` from a diffusers folder or file, a ComfyUI file (full or
   pruned, bf16 / fp8_scaled / NVFP4 / int8_convrot), streamed tensor by tensor;
 - `read_dit_config(path)`: the `DiTConfig` such a checkpoint describes, from headers only;
-- `open_dit(path)`: the `DitReader` behind both, for tools that want the plan or the stream.
+- `open_dit(path)`: the `DitReader` behind both, for tools that want the plan or the stream;
+- `StoredLinears`: a loaded model's FP8/NVFP4 codes as stored, for the low-bit linears.
 safetensors only: pickle files are refused, data is memory-mapped.
 """
 
@@ -17,8 +18,10 @@ import torch
 from ..config import DiTConfig
 from .dit_reader import DitReader
 from .source import CheckpointSource, open_source
+from .stored import CheckpointOrigin, StoredLinears
 
-__all__ = ["load_dit", "read_dit_config", "open_dit", "DitReader", "CheckpointSource", "open_source"]
+__all__ = ["load_dit", "read_dit_config", "open_dit", "linear_format", "DitReader", "CheckpointSource", "open_source",
+           "CheckpointOrigin", "StoredLinears"]
 
 
 def open_dit(path: str | Path, *, partition: str | None = None, qkv_layout: str = "stacked") -> DitReader:
@@ -48,4 +51,20 @@ def load_dit(path: str | Path, *, dtype: torch.dtype = torch.float32, device: st
         model.load_state(reader.tensors(dtype, device), device=torch.device(device))
     finally:
         reader.source.close()
+    # The FP8/NVFP4 linears start from the stored codes (stored.StoredLinears), so the model says where it came from.
+    model.checkpoint_origin = CheckpointOrigin(str(path), partition, qkv_layout, stored_formats(reader))
     return model.eval()
+
+
+def stored_formats(reader: DitReader) -> tuple[str, ...]:
+    """The quantization formats (QuantSpec.format) a DiT checkpoint's layers are stored in, sorted."""
+    return tuple(sorted({spec.format for spec in reader.quantized_layers().values()}))
+
+
+def linear_format(path: str | Path, partition: str | None = None) -> str:
+    """What H3_LINEAR=auto hears about a checkpoint, from its headers: "nvfp4" when any layer is NVFP4."""
+    reader = open_dit(path, partition=partition)
+    try:
+        return CheckpointOrigin(str(path), partition, "stacked", stored_formats(reader)).linear_format
+    finally:
+        reader.source.close()

@@ -32,6 +32,8 @@ _LEGACY_RENAME = {"scale_weight": "weight_scale", "scale_input": "input_scale"}
 # Stored non-layer tensors by naming: kept (same name in diffusers) or dropped (recomputed by us).
 _SINGLES_KEPT = ("adaln_t_table",)
 _SINGLES_DROPPED = {"original": ("rope.inv_freq",), "diffusers": ()}
+# Stored formats whose codes an FP8 or NVFP4 linear can take as they are (int8 has no linear of its own).
+STORED_CODE_FORMATS = ("float8_e4m3fn", "float8_e5m2", "nvfp4")
 
 
 @dataclass
@@ -83,6 +85,7 @@ class DitReader:
         self.ignored: list[str] = []
         self.unmapped: list[str] = []
         self.weightless: dict[str, Layer] = {}  # layers of the model stored without their weight
+        self._parts: dict[str, tuple[Layer, int]] | None = None
         self._group()
         self._declare_quant()
         self.config = config if config is not None else self._read_config()
@@ -325,6 +328,61 @@ class DitReader:
         if self.detected.names == "original" and layer.target.endswith(".ff.net.0.proj"):
             tensor = keymap.swap_halves(tensor)
         yield name, tensor
+
+    # ----------------------------------------------------------------- stored codes of one linear
+    def stored_linear(self, name: str) -> tuple[QuantSpec, dict[str, torch.Tensor]] | None:
+        """The stored quantized tensors behind diffusers linear `name` (e.g. `transformer_blocks.3.attn.to_k`),
+        cut to that linear's rows as loading cuts the weight (the fused QKV split, fc1's halves swapped):
+        what an FP8 or NVFP4 linear can start from. None when the layer is stored unquantized or as int8, or
+        carries an AWQ pre_quant_scale (its codes then encode W / s, not W)."""
+        found = self._linear_parts().get(name)
+        if found is None:
+            return None
+        layer, part = found
+        spec = layer.spec
+        if spec is None or spec.format not in STORED_CODE_FORMATS or "pre_quant_scale" in layer.keys:
+            return None
+        stored = {s: self.source.get(layer.keys[s]) for s in ("weight", "weight_scale", "weight_scale_2")
+                  if s in layer.keys}
+        if spec.format == "nvfp4":
+            return spec, self._nvfp4_part(layer, part, stored)
+        fp8 = torch.float8_e4m3fn if spec.format == "float8_e4m3fn" else torch.float8_e5m2
+        codes = stored["weight"].view(torch.uint8)
+        return spec, {**stored, "weight": self._cut(layer, part, codes).view(fp8)}
+
+    def _linear_parts(self) -> dict[str, tuple[Layer, int]]:
+        """Diffusers linear name -> (stored layer, which of its parts): the fused QKV holds three."""
+        if self._parts is None:
+            self._parts = {}
+            for layer in self.layers.values():
+                for i, (param, _) in enumerate(self._weight_outputs(layer, "weight")):
+                    self._parts[param[: -len(".weight")]] = (layer, i)
+        return self._parts
+
+    def _cut(self, layer: Layer, part: int, rows: torch.Tensor) -> torch.Tensor:
+        """Row-wise tensor of a stored layer -> the rows of part `part`, in the model's order."""
+        if len(self._weight_outputs(layer, "weight")) == 3:
+            c = self.config
+            return keymap.split_qkv(rows, c.num_attention_heads, c.attention_head_dim, self.qkv_layout)[part]
+        if self.detected.names == "original" and layer.target.endswith(".ff.net.0.proj"):
+            return keymap.swap_halves(rows)
+        return rows
+
+    def _nvfp4_part(self, layer: Layer, part: int, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # Codes and block scales are both one row per weight row; the scales are cut in their plain order
+        # and blocked again, and the global scale is the layer's for every part.
+        rows, cols = self.logical_shape(layer, "weight")
+        packed = stored["weight"]
+        scales = stored["weight_scale"]
+        if scales.dtype == torch.uint8:
+            scales = scales.view(torch.float8_e4m3fn)
+        plain = nvfp4.unswizzle_scales(scales, packed.shape[0], packed.shape[1] * 2 // nvfp4.BLOCK)[:rows]
+        codes = self._cut(layer, part, packed[:rows])
+        plain = self._cut(layer, part, plain.view(torch.uint8)).view(torch.float8_e4m3fn)
+        pad = nvfp4.roundup(codes.shape[0], nvfp4.BLOCK) - codes.shape[0]
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
+        return {**stored, "weight": codes.contiguous(), "weight_scale": nvfp4.swizzle_scales(plain)}
 
     # ----------------------------------------------------------------- facts for reports
     def quantized_layers(self) -> dict[str, QuantSpec]:

@@ -1,0 +1,180 @@
+"""FP8 / NVFP4 linears start from the codes a quantized checkpoint stores, not from the dequantized model.
+
+Oracles: the stored tensors read with safetensors and cut by hand (fused QKV rows q | k | v, fc1 stored as
+[gate; value]), and comfy-kitchen's eager NVFP4 dequantizer for the re-blocked scales. Budget: bit-exact
+(the codes are copied, never recomputed). On the CPU with a pretend Hopper / Blackwell (capability patched,
+as in test_kernels_nvfp4_dispatch); the conversions only, the GEMMs themselves are tested elsewhere.
+"""
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from h3_spark.h3_model.checkpoint import StoredLinears, linear_format, load_dit, open_dit
+from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+from h3_spark.kernels.dispatch import BLOCK_LINEARS, apply_kernels
+from h3_spark.kernels.linear_fp8 import Fp8Linear
+from h3_spark.kernels.settings import KernelSettings
+from oracle import EQUAL_WIDTH
+from test_kernels_nvfp4_dispatch import blackwell, pretend_gpu  # noqa: F401 - fixture
+
+pytest.importorskip("triton")
+ck = pytest.importorskip("comfy_kitchen")
+from h3_spark.kernels.nvfp4 import Nvfp4Linear  # noqa: E402
+
+C = EQUAL_WIDTH
+INNER = C.num_attention_heads * C.attention_head_dim
+PREFIX = ""  # make-checkpoint writes the unprefixed ComfyUI names
+LINEARS = len(BLOCK_LINEARS) * C.num_layers
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stored")
+    out = {}
+    for fmt in ("fp8_scaled", "nvfp4", "bf16"):
+        out[fmt] = root / f"ew-{fmt}.safetensors"
+        make_dit_checkpoint(out[fmt], C, fmt, "comfy", seed=5)
+    return out
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    pretend_gpu(monkeypatch, (9, 0), "pretend H200 (sm_90)")
+
+
+def fp8_settings() -> KernelSettings:
+    return KernelSettings(attention="sdpa", linear="fp8", q_rms_rope_int8_fusion="off")
+
+
+def stored_rows(path, block: int, name: str) -> torch.Tensor:
+    """The rows a diffusers block linear holds, cut by hand from the stored (original-named) tensor, as bytes."""
+    with safe_open(str(path), "pt") as f:
+        def get(layer, suffix="weight"):
+            return f.get_tensor(f"{PREFIX}blocks.{block}.{layer}.{suffix}")
+        if name == "attn.to_out.0":
+            return get("attn.out_proj").view(torch.uint8)
+        if name.startswith("attn.to_"):
+            fused = get("attn.qkv_proj")
+            i = "qkv".index(name[-1])
+            return fused[i * INNER:(i + 1) * INNER].view(torch.uint8)
+        if name == "ff.net.0.proj":
+            gate, value = get("mlp.fc1").view(torch.uint8).chunk(2)
+            return torch.cat([value, gate])
+        return get("mlp.fc2").view(torch.uint8)
+
+
+def block_linears(model):
+    for i, blk in enumerate(model.transformer_blocks):
+        for name in BLOCK_LINEARS:
+            yield i, name, blk.get_submodule(name)
+
+
+def test_fp8_linears_hold_the_stored_e4m3_codes(files, hopper):
+    model = load_dit(files["fp8_scaled"], dtype=torch.bfloat16)
+    report = apply_kernels(model, fp8_settings())["linear"]
+    assert report["sources"] == {"fp8_scaled checkpoint codes, unchanged": LINEARS}
+    assert report["checkpoint_codes"] == {"checkpoint": str(files["fp8_scaled"]), "layers_from_stored_codes": LINEARS,
+                                          "layers_changed_since_load": 0}
+    with safe_open(str(files["fp8_scaled"]), "pt") as f:
+        for i, name, lin in block_linears(model):
+            assert isinstance(lin, Fp8Linear)
+            assert torch.equal(lin.weight.view(torch.uint8), stored_rows(files["fp8_scaled"], i, name)), name
+            layer = {"attn.to_q": "attn.qkv_proj", "attn.to_k": "attn.qkv_proj", "attn.to_v": "attn.qkv_proj",
+                     "attn.to_out.0": "attn.out_proj", "ff.net.0.proj": "mlp.fc1", "ff.net.2": "mlp.fc2"}[name]
+            scale = f.get_tensor(f"{PREFIX}blocks.{i}.{layer}.weight_scale").float()
+            assert torch.equal(lin.weight_scale, scale.expand(1, lin.out_features)), name
+
+
+def test_requantizing_the_loaded_bf16_weight_would_change_the_codes(files, hopper):
+    # Why the stored codes matter: the loaded bf16 copy quantized per channel lands elsewhere on the grid.
+    model = load_dit(files["fp8_scaled"], dtype=torch.bfloat16)
+    del model.checkpoint_origin
+    report = apply_kernels(model, fp8_settings())["linear"]
+    assert report["sources"] == {"bf16 weight quantized per output channel": LINEARS}
+    assert "checkpoint_codes" not in report
+    lin = model.transformer_blocks[0].attn.to_k
+    assert not torch.equal(lin.weight.view(torch.uint8), stored_rows(files["fp8_scaled"], 0, "attn.to_k"))
+
+
+def test_a_layer_changed_since_load_is_quantized_from_its_weight(files, hopper):
+    model = load_dit(files["fp8_scaled"], dtype=torch.bfloat16)
+    w = model.transformer_blocks[1].ff.net[2].weight
+    with torch.no_grad():
+        w.add_(0.01 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)).to(w.dtype))
+    report = apply_kernels(model, fp8_settings())["linear"]
+    assert report["sources"] == {"fp8_scaled checkpoint codes, unchanged": LINEARS - 1,
+                                 "bf16 weight quantized per output channel": 1}
+    codes = report["checkpoint_codes"]
+    assert codes["layers_changed_since_load"] == 1
+    assert codes["changed_examples"] == ["transformer_blocks.1.ff.net.2"]
+    assert codes["changed_note"].startswith("quantized from the current weight")
+
+
+def test_the_qkv_split_follows_the_layout_the_model_was_loaded_with(files, hopper):
+    path = files["fp8_scaled"]
+    model = load_dit(path, dtype=torch.bfloat16, qkv_layout="interleaved")
+    report = apply_kernels(model, fp8_settings())["linear"]
+    assert report["checkpoint_codes"]["layers_from_stored_codes"] == LINEARS
+    # Cutting with the other layout gives other rows: the check against the loaded weight catches it.
+    origin = model.checkpoint_origin
+    wrong = load_dit(path, dtype=torch.bfloat16, qkv_layout="interleaved")
+    source = StoredLinears(wrong, type(origin)(origin.path, origin.partition, "stacked", origin.formats))
+    try:
+        assert source("transformer_blocks.0.attn.to_q") is None
+        assert source("transformer_blocks.0.attn.to_out.0")["format"] == "fp8_scaled"
+    finally:
+        source.close()
+    assert source.changed == ["transformer_blocks.0.attn.to_q"] and source.used == 1
+
+
+def test_nvfp4_linears_hold_the_stored_codes_and_scales(files, blackwell):  # noqa: F811
+    path = files["nvfp4"]
+    assert linear_format(path) == "nvfp4"
+    model = load_dit(path, dtype=torch.bfloat16)
+    report = apply_kernels(model, KernelSettings(attention="sdpa", q_rms_rope_int8_fusion="off"))["linear"]
+    assert report["format"] == "nvfp4" and report["why"].startswith("auto: Blackwell GPU and an NVFP4 checkpoint")
+    assert report["sources"] == {"NVFP4 checkpoint, used as stored": LINEARS}
+    for i, name, lin in block_linears(model):
+        assert isinstance(lin, Nvfp4Linear)
+        # Codes: the stored rows, byte for byte (every part here is a multiple of 16 rows: no padding rows).
+        assert torch.equal(lin.weight, stored_rows(path, i, name)), name
+        # Scales, re-blocked for the part: comfy-kitchen dequantizes the part to the rows of the whole.
+        part = ck.dequantize_nvfp4(lin.weight, lin.weight_scale_2, lin.weight_scale, torch.bfloat16)
+        assert torch.equal(part[:lin.out_features], model_weight(path, i, name)), name
+
+
+def model_weight(path, block: int, name: str) -> torch.Tensor:
+    return load_dit(path, dtype=torch.bfloat16).transformer_blocks[block].get_submodule(name).weight.detach()
+
+
+def test_nvfp4_file_on_hopper_makes_fp8_from_the_exact_dequantization(files, hopper):
+    model = load_dit(files["nvfp4"], dtype=torch.bfloat16)
+    report = apply_kernels(model, fp8_settings())["linear"]
+    assert report["sources"] == {"NVFP4 checkpoint dequantized, requantized to e4m3 (pow2 scales)": LINEARS}
+
+
+def test_unquantized_files_and_other_layers_give_no_codes(files):
+    model = load_dit(files["bf16"], dtype=torch.bfloat16)
+    assert model.checkpoint_origin.formats == () and model.checkpoint_origin.linear_format == "bf16"
+    reader = open_dit(files["fp8_scaled"])
+    try:
+        assert reader.stored_linear("transformer_blocks.0.adaln_proj.linear") is None  # stored bf16
+        assert reader.stored_linear("no.such.layer") is None
+        layer = reader.layers["blocks.0.mlp.fc2"]
+        layer.keys["pre_quant_scale"] = layer.keys["weight_scale"]  # AWQ: the codes encode W / s
+        assert reader.stored_linear("transformer_blocks.0.ff.net.2") is None
+    finally:
+        reader.source.close()
+
+
+def test_a_checkpoint_gone_since_load_is_reported_and_the_weights_are_used(files, hopper, tmp_path):
+    path = tmp_path / "moved.safetensors"
+    path.write_bytes(files["fp8_scaled"].read_bytes())
+    model = load_dit(path, dtype=torch.bfloat16)
+    path.unlink()
+    report = apply_kernels(model, fp8_settings())["linear"]
+    assert report["sources"] == {"bf16 weight quantized per output channel": LINEARS}
+    assert report["checkpoint_codes"]["layers_from_stored_codes"] == 0
+    assert report["checkpoint_codes"]["unavailable"].startswith("the checkpoint cannot be read again:")
+    assert str(path) in report["checkpoint_codes"]["unavailable"]
