@@ -161,3 +161,29 @@ def test_store_rounding_equals_torch_casts(dtype, limit):
     _store_probe[(triton.cdiv(n, 1024),)](x, out, n, RND=round_code(dtype), BLOCK=1024)
     want = x.to(dtype)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (out != want).sum().item()
+
+
+def test_fp8_linears_from_stored_fp8_scaled_codes(tmp_path):
+    """A ComfyUI fp8_scaled file: the FP8 GEMMs run on the stored e4m3 codes (one scale per tensor broadcast
+    over the rows) and compute what the plain-PyTorch FP8 reference computes with those codes."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("rowwise FP8 GEMM needs sm_90+")
+    from h3_spark.h3_model.checkpoint import load_dit
+    from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+    from h3_spark.kernels.dispatch import apply_kernels
+    from h3_spark.kernels.linear_fp8 import fp8_linear_reference
+    from oracle import EQUAL_WIDTH
+
+    path = tmp_path / "ew-fp8.safetensors"
+    make_dit_checkpoint(path, EQUAL_WIDTH, "fp8_scaled", "comfy", seed=2)
+    bf16 = load_dit(path, dtype=torch.bfloat16, device=DEV)
+    model = load_dit(path, dtype=torch.bfloat16, device=DEV)
+    report = apply_kernels(model, KernelSettings(attention="sdpa", linear="fp8"))["linear"]
+    layers = 6 * EQUAL_WIDTH.num_layers
+    assert report["sources"] == {"fp8_scaled checkpoint codes, unchanged": layers}
+    x = rand(300, EQUAL_WIDTH.hidden_size, scale=2).bfloat16()
+    lin, ref = model.transformer_blocks[1].attn.to_k, bf16.transformer_blocks[1].attn.to_k
+    out = lin(x)
+    assert rel_l2(out, fp8_linear_reference(x, lin.weight, lin.weight_scale.flatten())) <= 1e-2
+    # The stored codes are the loaded weight: only the activation's quantization separates it from bf16.
+    assert 1e-3 <= rel_l2(out, ref(x)) <= 0.06
