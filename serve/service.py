@@ -87,6 +87,8 @@ class Service:
 
     def _load(self) -> None:
         try:
+            # Before the worker starts: the sweep must not race this service's own writers (outputs.py).
+            self._sweep_partials()
             models = self._loader(self.tracker)
             fmt = "nvfp4" if "nvfp4" in models.checkpoint_formats.values() else "bf16"
             self.supported = supported_kernels(models.spec_device, models.settings, fmt)
@@ -108,6 +110,16 @@ class Service:
             self.log(f"loading failed: {message}")
             if self.on_load_failed is not None:
                 self.on_load_failed(message)
+
+    def _sweep_partials(self) -> None:
+        removed = self.outputs.sweep_partials()
+        if removed is None:
+            self.log(f"leftover partial outputs (.<job id>.partial.mp4) under {self.outputs.root} are not removed: "
+                     f"this platform has no fcntl to tell them from ones another service is still writing")
+            return
+        for path in removed:
+            self.log(f"removed {path.relative_to(self.outputs.root).as_posix()}: the partial output of a job "
+                     f"whose service stopped before it finished")
 
     # ------------------------------------------------------------------ readiness
     def ready(self) -> tuple[bool, dict]:

@@ -210,6 +210,37 @@ def test_a_failed_load_is_reported_and_nothing_is_accepted(tmp_path):
     assert failures == ["OSError: disk gone"]
 
 
+def test_start_removes_partial_outputs_a_stopped_service_left(resident, tmp_path, monkeypatch):
+    import uuid
+
+    from h3_spark.serve import outputs
+
+    (tmp_path / "sub").mkdir()
+    stale = tmp_path / "sub" / f".{uuid.uuid4().hex}.partial.mp4"  # its job's process was killed mid-decode
+    stale.write_bytes(b"half an mp4")
+    (tmp_path / "mine.partial.mp4").write_bytes(b"a user's file")
+
+    def started(logs):
+        service = Service(ServiceConfig(output_dir=tmp_path), lambda tracker: resident, log=logs.append)
+        service.start()
+        assert service.wait_loaded(60)
+        service.stop()
+
+    if outputs.fcntl is not None:
+        logs = []
+        started(logs)
+        assert not stale.exists()
+        assert f"removed sub/{stale.name}: the partial output of a job whose service stopped before it finished" in logs
+        assert (tmp_path / "mine.partial.mp4").read_bytes() == b"a user's file"
+        stale.write_bytes(b"half an mp4")
+
+    monkeypatch.setattr(outputs, "fcntl", None)
+    logs = []
+    started(logs)
+    assert stale.read_bytes() == b"half an mp4"
+    assert any("are not removed: this platform has no fcntl" in line for line in logs), logs
+
+
 # ------------------------------------------------------------------ a generation
 def test_generate_poll_done_with_a_per_request_attention_switch(serve, resident, monkeypatch):
     from h3_spark.h3_model import media

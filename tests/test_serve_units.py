@@ -1,7 +1,11 @@
 """The service's parts without HTTP or models: request parsing, folders and atomic outputs, the job queue."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -205,6 +209,85 @@ def test_a_file_that_appears_while_the_job_streams_is_not_replaced(tmp_path, mon
         with folder.mp4_stream(tmp_path / "new.mp4", "j2", overwrite=False):
             pass
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
+
+
+# What a writer in another process does: hold the flock until told to stop (stdin closed).
+_LOCK_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_sweep_removes_only_partials_that_no_live_process_writes(tmp_path):
+    pytest.importorskip("fcntl")
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    dead = out / "sub" / f".{uuid.uuid4().hex}.partial.mp4"  # its writer died: nothing holds the lock
+    live = out / f".{uuid.uuid4().hex}.partial.mp4"
+    dead.write_bytes(b"half")
+    live.write_bytes(b"half")
+    hex_id = uuid.uuid4().hex
+    # Names a user or another program may have made; only `.<job id>.partial.mp4` is the service's.
+    lookalikes = ["clip.partial.mp4", f"{hex_id}.partial.mp4", ".clip.partial.mp4", f".{hex_id}.partial.mp4.bak",
+                  f".{hex_id.upper()}.partial.mp4", f".{hex_id}.partial.mov"]
+    for name in lookalikes:
+        (out / name).write_bytes(b"the user's")
+    elsewhere = tmp_path / "elsewhere.mp4"
+    elsewhere.write_bytes(b"not in the folder")
+    link = out / f".{uuid.uuid4().hex}.partial.mp4"
+    link.symlink_to(elsewhere)
+    folder_named_so = out / f".{uuid.uuid4().hex}.partial.mp4"
+    folder_named_so.mkdir()
+
+    folder = OutputFolder(out)
+    holder = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(live)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        removed = folder.sweep_partials()
+        assert [p.relative_to(folder.root).as_posix() for p in removed] == [f"sub/{dead.name}"]
+        assert not dead.exists() and live.read_bytes() == b"half"
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    assert all((out / name).read_bytes() == b"the user's" for name in lookalikes)
+    assert link.is_symlink() and elsewhere.read_bytes() == b"not in the folder" and folder_named_so.is_dir()
+
+    # Its writer gone, the same file is a leftover like any other.
+    assert [p.name for p in folder.sweep_partials()] == [live.name]
+    assert not live.exists()
+
+
+def test_a_job_holds_its_partial_against_a_sweep_and_leaves_none(tmp_path, monkeypatch):
+    pytest.importorskip("fcntl")
+    calls = []
+    monkeypatch.setattr(outputs_module.media, "Mp4Stream", _fake_stream(calls))
+    job = Job("request")  # a real job id: the sweep knows a partial by the shape of its name
+    folder = OutputFolder(tmp_path)
+    with folder.mp4_stream(tmp_path / "clip.mp4", job.id, overwrite=False) as stream:
+        stream.add(None)
+        partial = calls[0]
+        assert partial.name == outputs_module.partial_name(job.id) and outputs_module.PARTIAL.fullmatch(partial.name)
+        # A service starting beside this one (its own open of the file, as another process would have).
+        assert OutputFolder(tmp_path).sweep_partials() == [] and partial.is_file()
+        stream.finish(None)
+        assert OutputFolder(tmp_path).sweep_partials() == [] and partial.is_file()
+    assert (tmp_path / "clip.mp4").read_bytes() == b"mp4 bytes"
+    assert sorted(os.listdir(tmp_path)) == ["clip.mp4"]
+
+
+def test_without_fcntl_nothing_is_swept_and_outputs_are_still_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(outputs_module, "fcntl", None)
+    monkeypatch.setattr(outputs_module.media, "Mp4Stream", _fake_stream([]))
+    stale = tmp_path / f".{uuid.uuid4().hex}.partial.mp4"
+    stale.write_bytes(b"half")
+    folder = OutputFolder(tmp_path)
+    assert folder.sweep_partials() is None and stale.read_bytes() == b"half"
+    _write_mp4(folder, tmp_path / "clip.mp4", Job("request").id, overwrite=False)
+    assert sorted(os.listdir(tmp_path)) == sorted(["clip.mp4", stale.name])
 
 
 # ------------------------------------------------------------------ the queue
