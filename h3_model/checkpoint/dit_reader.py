@@ -330,11 +330,13 @@ class DitReader:
         yield name, tensor
 
     # ----------------------------------------------------------------- stored codes of one linear
-    def stored_linear(self, name: str) -> tuple[QuantSpec, dict[str, torch.Tensor]] | None:
+    def stored_linear(self, name: str, device: torch.device | str = "cpu"
+                      ) -> tuple[QuantSpec, dict[str, torch.Tensor]] | None:
         """The stored quantized tensors behind diffusers linear `name` (e.g. `transformer_blocks.3.attn.to_k`),
         cut to that linear's rows as loading cuts the weight (the fused QKV split, fc1's halves swapped):
         what an FP8 or NVFP4 linear can start from. None when the layer is stored unquantized or as int8, or
-        carries an AWQ pre_quant_scale (its codes then encode W / s, not W)."""
+        carries an AWQ pre_quant_scale (its codes then encode W / s, not W). The cut runs on `device`
+        (re-blocking the NVFP4 scales of a full-size fc1 takes ~0.5 s on a CPU)."""
         found = self._linear_parts().get(name)
         if found is None:
             return None
@@ -342,7 +344,7 @@ class DitReader:
         spec = layer.spec
         if spec is None or spec.format not in STORED_CODE_FORMATS or "pre_quant_scale" in layer.keys:
             return None
-        stored = {s: self.source.get(layer.keys[s]) for s in ("weight", "weight_scale", "weight_scale_2")
+        stored = {s: self.source.get(layer.keys[s]).to(device) for s in ("weight", "weight_scale", "weight_scale_2")
                   if s in layer.keys}
         if spec.format == "nvfp4":
             return spec, self._nvfp4_part(layer, part, stored)

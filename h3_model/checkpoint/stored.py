@@ -55,12 +55,11 @@ class StoredLinears:
         reader = self._open()
         if reader is None:
             return None
-        found = reader.stored_linear(name)
+        weight = self.model.get_submodule(name).weight
+        found = reader.stored_linear(name, weight.device)
         if found is None:
             return None
         spec, tensors = found
-        weight = self.model.get_submodule(name).weight
-        tensors = {k: t.to(weight.device) for k, t in tensors.items()}
         if not torch.equal(dequantize(spec, tensors, tuple(weight.shape), weight.dtype, name), weight.detach()):
             self.changed.append(name)
             return None
