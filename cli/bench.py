@@ -176,7 +176,28 @@ def load_model(args, contract, device: str, dtype):
         return comps.dit_for(contract["mode"]), comps, f"model folder {args.models}", None
     from ..h3_model.checkpoint import load_dit
 
-    return load_dit(args.checkpoint, dtype=dtype, device=device), None, f"checkpoint {args.checkpoint}", None
+    model = load_dit(args.checkpoint, dtype=dtype, device=device)
+    return model, None, checkpoint_weights(args.checkpoint), None
+
+
+def checkpoint_weights(path) -> str:
+    """The result's `weights`: a file our make-checkpoint wrote says so (its random weights are not H3's)."""
+    from ..h3_model.checkpoint import open_dit
+
+    reader = open_dit(path)
+    try:
+        made = reader.source.metadata.get("h3_spark")
+    finally:
+        reader.source.close()
+    if made is None:
+        return f"checkpoint {path}"
+    try:
+        info = json.loads(made)
+    except ValueError:
+        info = {}
+    return (f"checkpoint {path}: synthetic random weights written by h3-spark make-checkpoint (seed "
+            f"{info.get('seed', '?')}, format {info.get('format', '?')}, layout {info.get('layout', '?')}); "
+            "real H3 weights are not available here")
 
 
 def run(args) -> int:

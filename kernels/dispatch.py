@@ -136,7 +136,8 @@ def resolve_linear(settings: KernelSettings, device, checkpoint_format: str) -> 
     if fmt == "fp8":
         require_cuda("H3_LINEAR=fp8", device, minimum=(9, 0),
                      why="rowwise-scaled FP8 GEMMs (torch._scaled_mm) need Hopper or newer")
-        return "fp8", "requested: FP8 e4m3 weights (per-channel scales) x per-token FP8 activations"
+        return "fp8", ("requested: FP8 e4m3 weights (per-channel scales, or a file's stored per-tensor ones) x "
+                       "per-token FP8 activations")
     if fmt == "nvfp4":
         _require_nvfp4(device)
         return "nvfp4", "requested: NVFP4 weights x NVFP4 activations (comfy-kitchen scaled_mm_nvfp4)"

@@ -260,3 +260,26 @@ def test_parallel_gpu_flag_goes_on_top_of_the_h3_settings(tmp_path, monkeypatch)
     monkeypatch.setenv("H3_LINEAR", "bf16")
     _, settings = parallel_gpu.parse_args(["--contract", "c.json", "--out", "r.json", "--attention", "sdpa"])
     assert (settings.attention, settings.linear) == ("sdpa", "bf16")
+
+
+def test_a_checkpoint_made_here_is_named_synthetic_in_the_result(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from h3_spark.cli.bench import checkpoint_weights
+    from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+    from h3_spark.h3_model.config import TINY
+
+    made = tmp_path / "tiny-fp8.safetensors"
+    make_dit_checkpoint(made, TINY, "fp8_scaled", "comfy", seed=3)
+    assert checkpoint_weights(made) == (
+        f"checkpoint {made}: synthetic random weights written by h3-spark make-checkpoint (seed 3, format "
+        "fp8_scaled, layout comfy); real H3 weights are not available here")
+    # The same tensors without our maker's note: a file we cannot vouch for is named only by its path.
+    plain = tmp_path / "other.safetensors"
+    bf16 = tmp_path / "tiny-bf16.safetensors"
+    make_dit_checkpoint(bf16, TINY, "bf16", "comfy", seed=3)
+    with safe_open(str(bf16), "pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != "h3_spark"}
+        save_file({k: f.get_tensor(k) for k in f.keys()}, str(plain), metadata=meta)
+    assert checkpoint_weights(plain) == f"checkpoint {plain}"
