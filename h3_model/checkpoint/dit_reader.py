@@ -86,6 +86,7 @@ class DitReader:
         self.unmapped: list[str] = []
         self.weightless: dict[str, Layer] = {}  # layers of the model stored without their weight
         self._parts: dict[str, tuple[Layer, int]] | None = None
+        self._last_stored: tuple | None = None
         self._group()
         self._declare_quant()
         self.config = config if config is not None else self._read_config()
@@ -344,13 +345,21 @@ class DitReader:
         spec = layer.spec
         if spec is None or spec.format not in STORED_CODE_FORMATS or "pre_quant_scale" in layer.keys:
             return None
-        stored = {s: self.source.get(layer.keys[s]).to(device) for s in ("weight", "weight_scale", "weight_scale_2")
-                  if s in layer.keys}
+        stored = self._stored_tensors(layer, torch.device(device))
         if spec.format == "nvfp4":
             return spec, self._nvfp4_part(layer, part, stored)
         fp8 = torch.float8_e4m3fn if spec.format == "float8_e4m3fn" else torch.float8_e5m2
         codes = stored["weight"].view(torch.uint8)
         return spec, {**stored, "weight": self._cut(layer, part, codes).view(fp8)}
+
+    def _stored_tensors(self, layer: Layer, device: torch.device) -> dict[str, torch.Tensor]:
+        # The last layer read is kept: q, k and v are asked for one after another and share the fused QKV.
+        key = (layer.name, device)
+        if self._last_stored is None or self._last_stored[0] != key:
+            tensors = {s: self.source.get(layer.keys[s]).to(device) for s in ("weight", "weight_scale", "weight_scale_2")
+                       if s in layer.keys}
+            self._last_stored = (key, tensors)
+        return self._last_stored[1]
 
     def _linear_parts(self) -> dict[str, tuple[Layer, int]]:
         """Diffusers linear name -> (stored layer, which of its parts): the fused QKV holds three."""
