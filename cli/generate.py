@@ -21,7 +21,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                        description="Generate a video with sound from a prompt, references or keyframes.")
     p.add_argument("--mode", choices=["t2va", "fl2va", "ref2va"], default=None,
                    help="default: ref2va with --ref, fl2va with keyframes, else t2va")
-    p.add_argument("--prompt", help="the prompt (required unless --demo)")
+    p.add_argument("--prompt", help="the prompt (required unless --demo; '' for none with keyframes or references)")
     p.add_argument("--ref", action="append", default=[], metavar="KIND:PATH",
                    help="a reference, in order: image:PATH, video:PATH (its soundtrack is used when present) "
                         "or audio:PATH; repeatable (9 images, 3 videos, 3 audio, 12 in all)")
@@ -142,7 +142,7 @@ def run(args) -> int:
         from ..h3_model.demo import DEMO_PROMPT, TEXT_READ_LAYER, build_demo_models, default_demo_dir
 
         args.models = build_demo_models(args.demo_dir or default_demo_dir(), log=log)
-        args.prompt = args.prompt or DEMO_PROMPT
+        args.prompt = DEMO_PROMPT if args.prompt is None else args.prompt
         args.out = args.out or Path("h3-spark-demo.mp4")
         if args.width is None:
             args.width, args.height = 128, 64
@@ -156,8 +156,8 @@ def run(args) -> int:
     vae_dtype, tile = vae_options(args.vae_dtype, args.vae_tile_size,
                                   "float16" if device.startswith("cuda") else "float32")
     tile_batch = vae_tile_batch()
-    if not args.prompt:
-        raise InputError("--prompt is required")
+    if args.prompt is None:  # an empty one is judged by the mode (GenerationRequest.validate)
+        raise InputError("--prompt is required (--prompt '' gives none, for fl2va and ref2va)")
     if args.out.suffix.lower() != ".mp4":
         raise InputError(f"--out must end in .mp4, got {args.out}")
     check_outputs(args.out, args.save_latents)

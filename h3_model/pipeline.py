@@ -24,6 +24,7 @@ import torch
 from . import geometry
 from .errors import H3Error, InputError
 from .layout import AudioBlock, ImageBlock, VideoBlock, build_ref2va, build_t2va
+from .prompt import check_prompt
 from .refs import PreparedReference, Reference, prepare_keyframes, prepare_references, prompt_references
 from .sampler import SamplingRequest, StepInfo, sample
 from .scheduler import AUDIO_SHIFT, VIDEO_SHIFT, JointSchedule, Schedule, custom_sigmas
@@ -54,7 +55,7 @@ class Components:
 @dataclass
 class GenerationRequest:
     mode: str
-    prompt: str
+    prompt: str  # may be empty for fl2va and ref2va (see prompt.check_prompt)
     references: list[Reference] = field(default_factory=list)
     first_frame: torch.Tensor | None = None  # uint8 (H, W, 3), FL2VA
     last_frame: torch.Tensor | None = None
@@ -75,8 +76,7 @@ class GenerationRequest:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if not isinstance(self.prompt, str) or not self.prompt.strip():
-            raise InputError("the prompt is empty")
+        check_prompt(self.mode, self.prompt)
         if self.sigmas is None and not 2 <= self.steps <= MAX_STEPS:
             raise InputError(f"steps must be between 2 and {MAX_STEPS}, got {self.steps}")
         if self.mode == "ref2va" and not self.references:

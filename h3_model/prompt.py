@@ -5,13 +5,15 @@ No chat template and no special tokens: label text and the prompt are tokenized 
 spliced in between. Every token carries the DiT's modality tag: vision-block rows are tagged video
 (0), words text (1).
 
-- T2VA: the prompt.
+- T2VA: the prompt. It must not be empty: it is all Qwen reads (the reference pipeline fails inside
+  Qwen on an empty one). Whitespace is a prompt like any other and is kept.
 - FL2VA: per keyframe, in packed order (first, then last), `"<Picture i>: "` + an image block; then
-  the prompt.
+  the prompt, which may be empty (the presentation is then the labelled keyframes alone).
 - Ref2VA: per reference, in request order, labels numbered per modality: an image gives
   `"<Picture i>: "` + an image block; audio gives `"<Audio j>: "` alone (waveforms never reach
   Qwen); a video gives `"<Audio j>: "` first when it has a soundtrack, then `"<Video k>: "` and, per
-  pair of frames sampled at 2 fps, `"<{t:.1f} seconds>"` + a video block. Then the prompt.
+  pair of frames sampled at 2 fps, `"<{t:.1f} seconds>"` + a video block. Then the prompt, which may be
+  empty.
 
 Media come in already decoded (the pipeline does file I/O and resizing to the canvas or reference
 size), as uint8 tensors in channels-last layout:
@@ -34,12 +36,34 @@ from .errors import CheckpointError, InputError
 FPS = 24  # the rate video references arrive at (the model's own clock)
 VIDEO_SAMPLE_FPS = 2  # the rate Qwen reads a video reference at
 MAX_KEYFRAMES = 2  # first and last
+# Qwen3-VL merges this many sampled video frames into one vision block (the released processor's
+# temporal_patch_size). The builder reads the processor's own value; this one lets references be checked
+# before a processor is loaded.
+QWEN_TEMPORAL_PATCH = 2
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 # Argument names of the Qwen3-VL forward that carry vision inputs, in hashing order.
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def shortest_video(temporal_patch: int = QWEN_TEMPORAL_PATCH, sample_fps: int = VIDEO_SAMPLE_FPS) -> int:
+    """The fewest 24 fps frames a video reference may have: enough for one vision block of sampled frames."""
+    return (temporal_patch - 1) * (FPS // sample_fps) + 1
+
+
+def check_prompt(mode: str, prompt: object) -> None:
+    """Refuse a prompt the presentation cannot use, before anything is loaded or encoded.
+
+    Only T2VA needs text: FL2VA and Ref2VA label their keyframes or references in the token stream, so
+    their presentation is never empty (the reference pipeline accepts an empty prompt there too).
+    """
+    if not isinstance(prompt, str):
+        raise InputError(f"the prompt must be a string, got {type(prompt).__name__}")
+    if mode == "t2va" and not prompt:
+        raise InputError("t2va needs a prompt: it is all the text encoder reads (fl2va and ref2va may leave it "
+                         "empty, their keyframes or references are labelled in the text)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,13 +171,13 @@ class PresentationBuilder:
 
     # ------------------------------------------------------------------ modes
     def t2va(self, prompt: str) -> Presentation:
-        stream = self._stream(prompt)
+        stream = self._stream("t2va", prompt)
         stream.text(prompt)
         return self._finish("t2va", stream, {})
 
     def fl2va(self, prompt: str, keyframes: Sequence[torch.Tensor]) -> Presentation:
         """`keyframes` in packed order (first, then last), each uint8 (H, W, 3) at canvas size."""
-        stream = self._stream(prompt)
+        stream = self._stream("fl2va", prompt)
         keyframes = list(keyframes)
         if len(keyframes) > MAX_KEYFRAMES:
             raise InputError(f"FL2VA takes at most {MAX_KEYFRAMES} keyframes (first, last), got {len(keyframes)}")
@@ -168,7 +192,7 @@ class PresentationBuilder:
 
     def ref2va(self, prompt: str, references: Sequence[Reference]) -> Presentation:
         """`references` in request order: `ImageRef`, `VideoRef` and `AudioRef`."""
-        stream = self._stream(prompt)
+        stream = self._stream("ref2va", prompt)
         references = list(references)
         for i, ref in enumerate(references):
             _check_reference(ref, i)
@@ -220,7 +244,7 @@ class PresentationBuilder:
         temporal = self.processor.video_processor.temporal_patch_size
         picked = frames[:: self.stride]
         if picked.shape[0] < temporal:
-            need = (temporal - 1) * self.stride + 1
+            need = shortest_video(temporal, self.sample_fps)
             raise InputError(f"a video reference is read at {self.sample_fps} fps in groups of {temporal} frames, "
                              f"so it needs at least {need} frames at {FPS} fps; got {frames.shape[0]}")
         times = [i / self.sample_fps for i in range(picked.shape[0])]
@@ -246,9 +270,8 @@ class PresentationBuilder:
         return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": grids}, blocks
 
     # ------------------------------------------------------------------ helpers
-    def _stream(self, prompt: str) -> _Stream:
-        if not isinstance(prompt, str):
-            raise InputError(f"the prompt must be a string, got {type(prompt).__name__}")
+    def _stream(self, mode: str, prompt: str) -> _Stream:
+        check_prompt(mode, prompt)
         # Typed into the text they would tokenize as vision markers that no pixels back (Qwen then fails
         # matching features to pads, or embeds a stray pad): the builder alone places them.
         typed = [tok for tok in (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD) if tok in prompt]

@@ -4,8 +4,11 @@ All pixels are uint8 RGB, (H, W, 3) for an image and (F, H, W, 3) for a video; w
 float32 (channels, samples). Resizing uses Pillow's LANCZOS, as the reference pipeline does.
 - Image references: resized by policy (`match`, `max` or `diffusers`, see geometry.reference_size).
 - Video references: resampled to 24 fps by dropping/duplicating whole frames, truncated to the
-  generated length, put on the canvas that their own aspect ratio resolves to, and snapped
-  *down* to 17n+5 frames for the VAE; a soundtrack is truncated to the generated duration.
+  generated length and put on the canvas that their own aspect ratio resolves to; a soundtrack is
+  truncated to the generated duration. They need at least 13 frames at 24 fps, the fewest that give
+  Qwen one vision block (2 fps, pairs of frames). For the VAE they are snapped *down* to 17n+5 frames
+  with n >= 1, as the reference pipeline snaps them: one shorter than 22 frames goes whole and the VAE
+  pads it with its last frame (13-17 frames encode to 2 latent frames, 18-21 to 7).
 - Audio references: stereo at 32 kHz, truncated to the generated duration.
 - FL2VA keyframes: the first is stretched onto the canvas, the last is cover-cropped (scaled to
   cover, centred) so it never distorts.
@@ -23,6 +26,7 @@ import torch
 from . import geometry
 from .errors import InputError
 from .layout import AudioBlock, ImageBlock, VideoBlock, check_references
+from .prompt import QWEN_TEMPORAL_PATCH, VIDEO_SAMPLE_FPS, shortest_video
 
 
 @dataclass
@@ -198,18 +202,30 @@ def _prepare_video(ref: VideoReference, frames: int, seconds: float, what: str) 
     if not isinstance(video, torch.Tensor) or video.dtype != torch.uint8 or video.ndim != 4 or video.shape[-1] != 3:
         raise InputError(f"{what} must be uint8 (F, H, W, 3) frames")
     video = resample_fps(video, ref.fps)[:frames]
-    shortest = geometry.VAE_FRAMES_PER_CHUNK + geometry.VAE_LATENTS_PER_CHUNK  # one full VAE chunk
+    # Checked here, before any resizing or encoding, for the released Qwen3-VL; the presentation checks the
+    # loaded processor's own patch again.
+    shortest = shortest_video()
     if video.shape[0] < shortest:
         raise InputError(f"{what} has {video.shape[0]} frames at 24 fps; a video reference needs at least "
-                         f"{shortest} (one VAE chunk)")
+                         f"{shortest} ({shortest / geometry.FPS:.2f} s): the text encoder reads it at "
+                         f"{VIDEO_SAMPLE_FPS} fps, {QWEN_TEMPORAL_PATCH} sampled frames per vision block")
     h, w = geometry.resolve_canvas(video.shape[2], video.shape[1])
     video = torch.stack([resize(f, h, w) for f in video]) if tuple(video.shape[1:3]) != (h, w) else video
-    # The VAE takes it snapped down to 17n+5 (it never pads a reference); Qwen sees every frame, as the
-    # released pipeline presents it.
-    n = (video.shape[0] - geometry.VAE_LATENTS_PER_CHUNK) // geometry.VAE_FRAMES_PER_CHUNK
     audio = None if ref.audio is None else stereo(ref.audio, ref.sample_rate, seconds, f"{what} soundtrack")
-    vae_frames = n * geometry.VAE_FRAMES_PER_CHUNK + geometry.VAE_LATENTS_PER_CHUNK
-    return PreparedReference("video", pixels=video[:vae_frames], audio=audio, prompt_pixels=video)
+    return PreparedReference("video", pixels=video[:vae_frame_count(video.shape[0])], audio=audio,
+                             prompt_pixels=video)
+
+
+def vae_frame_count(count: int) -> int:
+    """How many of a video reference's `count` frames the VAE encodes; Qwen always sees all of them.
+
+    Snapped down to 17n+5 so that the VAE needs no padding, but with n >= 1, as the reference pipeline
+    snaps: a clip of 13..21 frames goes whole and the VAE repeats its last frame up to a chunk. Snapping
+    18..21 frames to 5 would give 2 latent frames where the reference has 7; for 13..17 the causal
+    encoder's 2 kept latent frames see only the first 5 frames either way.
+    """
+    chunks = max(1, (count - geometry.VAE_LATENTS_PER_CHUNK) // geometry.VAE_FRAMES_PER_CHUNK)
+    return min(count, chunks * geometry.VAE_FRAMES_PER_CHUNK + geometry.VAE_LATENTS_PER_CHUNK)
 
 
 def prompt_references(prepared: list[PreparedReference]) -> list:

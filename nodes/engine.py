@@ -18,6 +18,7 @@ import torch
 
 from ..h3_model import geometry
 from ..h3_model.errors import H3Error, InputError
+from ..h3_model.prompt import check_prompt
 from . import host, payload
 
 log = logging.getLogger("h3_spark")
@@ -185,7 +186,7 @@ def _empty(vae: VAEHandle | None, width: int, height: int, frames: int) -> dict:
 
 
 def t2va(te: TextEncoderHandle, prompt: str, width: int, height: int, length: int):
-    _check_prompt(prompt)
+    check_prompt("t2va", prompt)
     frames = _canvas(width, height, length)
     embeds, tags = _text(te, lambda b: b.t2va(prompt))
     return payload.make_conditioning(embeds, tags), _empty(None, width, height, frames)
@@ -196,7 +197,7 @@ def fl2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, height
     from ..h3_model.refs import prepare_keyframes
     from ..h3_model.video_vae import encode_condition
 
-    _check_prompt(prompt)
+    check_prompt("fl2va", prompt)
     frames = _canvas(width, height, length)
     first = None if first_frame is None else image_u8(first_frame, "first_frame")
     last = None if last_frame is None else image_u8(last_frame, "last_frame")
@@ -219,7 +220,7 @@ def ref2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, heigh
     from ..h3_model.refs import AudioReference, ImageReference, VideoReference, prepare_references, prompt_references
     from ..h3_model.video_vae import encode_condition
 
-    _check_prompt(prompt)
+    check_prompt("ref2va", prompt)
     frames = _canvas(width, height, length)
     refs = [ImageReference(image_u8(img, f"reference image {i + 1}")) for i, img in enumerate(images)]
     for i, (clip, sound) in enumerate(videos):
@@ -245,11 +246,6 @@ def ref2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, heigh
                 block["kind"] = "video_audio"
         blocks.append(block)
     return payload.make_conditioning(embeds, tags, refs=blocks), _empty(vae, width, height, frames)
-
-
-def _check_prompt(prompt: str) -> None:
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise InputError("the prompt is empty")
 
 
 # ------------------------------------------------------------------------------------------ model options

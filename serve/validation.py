@@ -7,7 +7,7 @@ fields are refused, so a misspelt option cannot be silently ignored.
 
 Fields (defaults in brackets):
   mode               t2va | fl2va | ref2va  [ref2va with references, fl2va with keyframes, else t2va]
-  prompt             string, 1..limits.max_prompt_chars characters (required)
+  prompt             string, 0..limits.max_prompt_chars characters (required; empty only for fl2va/ref2va)
   references         [{"kind": "image" | "video" | "audio", "path": "<file in --input-dir>"}]  (ref2va)
   first_frame        "<image in --input-dir>"  (fl2va)
   last_frame         "<image in --input-dir>"  (fl2va)
@@ -30,6 +30,7 @@ from ..h3_model import geometry
 from ..h3_model.errors import H3Error
 from ..h3_model.layout import check_references
 from ..h3_model.pipeline import MAX_STEPS, MODES
+from ..h3_model.prompt import check_prompt
 from ..h3_model.step_cache import (DEFAULT_END_PERCENT, DEFAULT_START_PERCENT, DEFAULT_SUBSAMPLE, DEFAULT_THRESHOLD,
                                    CacheOptions)
 from ..h3_model.step_cache import MODES as CACHE_MODES
@@ -165,9 +166,8 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
     if unknown:
         raise _bad(f"unknown field(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(FIELDS)}")
 
-    prompt = _string(body, "prompt", limits.max_prompt_chars, required=True)
-    if not prompt.strip():
-        raise _bad("prompt is blank")
+    # Empty is judged below, by the mode; _string refuses it for every other field.
+    prompt = "" if body.get("prompt") == "" else _string(body, "prompt", limits.max_prompt_chars, required=True)
     output = _string(body, "output", limits.max_path_chars, required=True)
     references = _references(body.get("references"), limits)
     first = _string(body, "first_frame", limits.max_path_chars)
@@ -182,6 +182,10 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         raise _bad("fl2va needs first_frame and/or last_frame")
     if mode != "fl2va" and (first or last):
         raise _bad(f"{mode} takes no keyframes; use fl2va")
+    try:
+        check_prompt(mode, prompt)
+    except H3Error as exc:
+        raise _bad(str(exc)) from None
 
     overwrite = body.get("overwrite", False)
     if not isinstance(overwrite, bool):

@@ -80,6 +80,23 @@ def test_demo_ref2va_with_image_and_audio_files(demo_models, tmp_path, capsys):
     assert out.is_file()
 
 
+def test_demo_fl2va_with_an_empty_prompt(demo_models, tmp_path, capsys):
+    from PIL import Image
+
+    key = tmp_path / "key.png"
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(key)
+    lengths = []
+    for prompt in ("", "x"):  # "x" is one token: the empty prompt really reached the presentation empty
+        out = tmp_path / f"fl2va{len(prompt)}.mp4"
+        code, cap = _run(capsys, "--demo", "--demo-dir", str(demo_models), "--steps", "2", "--width", "64",
+                         "--height", "64", "--first-frame", str(key), "--prompt", prompt, "--out", str(out))
+        assert code == 0, cap.err
+        summary = json.loads(cap.out.strip().splitlines()[-1])
+        assert summary["mode"] == "fl2va" and out.is_file()
+        lengths.append(summary["sequence_length"])
+    assert lengths[1] == lengths[0] + 1
+
+
 def _write_wav(path, mono):
     import av
 
@@ -96,7 +113,8 @@ def _write_wav(path, mono):
 @pytest.mark.parametrize("argv,message", [
     (["--ref", "picture:x.png", "--prompt", "p", "--out", "o.mp4"], "--ref must be KIND:PATH"),
     (["--prompt", "p", "--out", "o.avi"], "--out must end in .mp4"),
-    (["--out", "o.mp4"], "--prompt is required"),
+    (["--out", "o.mp4"], "--prompt is required (--prompt '' gives none, for fl2va and ref2va)"),
+    (["--prompt", "", "--out", "o.mp4"], "t2va needs a prompt: it is all the text encoder reads"),
     (["--prompt", "p"], "--out is required"),
     (["--prompt", "p", "--out", "o.mp4", "--gpus", "0"], "--gpus must be at least 1"),
     (["--prompt", "p", "--out", "o.mp4", "--frames", "50"], "H3 generates 124..345 frames"),

@@ -225,14 +225,14 @@ def test_pipeline_refuses_settings_before_the_expensive_stages(models, monkeypat
     assert encoded == []
 
 
-@pytest.mark.parametrize("mode", ["fl2va", "ref2va"])
-def test_graph_equals_pipeline(models, monkeypatch, mode):
+@pytest.mark.parametrize("mode, prompt", [("fl2va", "<Picture 1> the cat <d>says</d> the end"), ("fl2va", ""),
+                                          ("ref2va", "<Picture 1> the cat <d>says</d> the end"), ("ref2va", "")])
+def test_graph_equals_pipeline(models, monkeypatch, mode, prompt):
     from h3_spark.h3_model.pipeline import GenerationRequest
     from h3_spark.h3_model.refs import AudioReference, ImageReference
 
     fake_comfy(monkeypatch, models)
     model, te, vae = load_all(models, dit=f"tiny-{'ref2va' if mode == 'ref2va' else 't2va'}.safetensors")
-    prompt = "<Picture 1> the cat <d>says</d> the end"
     first, last = image(1), image(2, 96, 64)  # the last keyframe is cover-cropped
     ref_image, ref_audio = image(3, 80, 48), sound(2.0, rate=32000, seed=4)
     if mode == "fl2va":
@@ -466,8 +466,8 @@ def test_bad_inputs_fail_with_clear_messages(models, monkeypatch):
         t2v.encode(te, "a cat", 70, 64, FRAMES)
     with pytest.raises(InputError, match="5-15 s"):
         t2v.encode(te, "a cat", W, H, 40)
-    with pytest.raises(InputError, match="empty"):
-        t2v.encode(te, "  ", W, H, FRAMES)
+    with pytest.raises(InputError, match="t2va needs a prompt: it is all the text encoder reads"):
+        t2v.encode(te, "", W, H, FRAMES)
     with pytest.raises(InputError, match="needs a first and/or a last"):
         node("H3SparkFirstLastFrameToVideo").encode(te, vae, "a cat", W, H, FRAMES)
     with pytest.raises(InputError, match="soundtrack of video_1"):

@@ -30,12 +30,12 @@ def tiny():
     return tok, proc, model, PresentationBuilder(tok, proc)
 
 
-def _ours(builder, mode):
+def _ours(builder, mode, prompt=PROMPT):
     if mode == "t2va":
-        return builder.t2va(PROMPT)
+        return builder.t2va(prompt)
     if mode == "fl2va":
-        return builder.fl2va(PROMPT, KEYFRAMES)
-    return builder.ref2va(PROMPT, [Q.ours_reference(r) for r in REFERENCES])
+        return builder.fl2va(prompt, KEYFRAMES)
+    return builder.ref2va(prompt, [Q.ours_reference(r) for r in REFERENCES])
 
 
 @pytest.mark.parametrize("mode", ["t2va", "fl2va", "ref2va"])
@@ -46,6 +46,56 @@ def test_presentation_equals_diffusers(tiny, mode):
     assert ours.token_ids.tolist() == theirs["token_ids"]
     assert torch.equal(ours.tags, theirs["tags"])
     assert sorted(ours.vision) == sorted(theirs["vision"])
+    for key, value in theirs["vision"].items():
+        assert torch.equal(ours.vision[key], value), key
+
+
+@pytest.mark.parametrize("mode, prompt", [("fl2va", ""), ("ref2va", ""), ("fl2va", " \n"), ("ref2va", "\t"),
+                                          ("t2va", " "), ("t2va", "\n\n")])
+def test_prompts_without_words_present_as_diffusers_does(tiny, mode, prompt):
+    """diffusers tokenizes the prompt verbatim and appends it, so an empty one leaves the labelled keyframes or
+    references alone, and whitespace is kept as tokens."""
+    tok, proc, model, builder = tiny
+    theirs = Q.diffusers_run(mode, model, tok, proc, prompt, keyframes=KEYFRAMES, references=REFERENCES)
+    ours = _ours(builder, mode, prompt)
+    assert ours.token_ids.tolist() == theirs["token_ids"]
+    assert torch.equal(ours.tags, theirs["tags"])
+    assert sorted(ours.vision) == sorted(theirs["vision"])
+    for key, value in theirs["vision"].items():
+        assert torch.equal(ours.vision[key], value), key
+    if prompt == "":
+        assert ours.token_ids[-1] == tok.convert_tokens_to_ids("<|vision_end|>")
+
+
+def test_an_empty_t2va_prompt_is_refused_where_diffusers_fails(tiny):
+    """With nothing to present diffusers hands Qwen an empty sequence, which fails inside transformers; ours
+    refuses it by name before the text encoder runs."""
+    tok, proc, model, builder = tiny
+    with pytest.raises(RuntimeError, match="0 elements"):
+        Q.diffusers_run("t2va", model, tok, proc, "")
+    with pytest.raises(InputError, match="t2va needs a prompt"):
+        builder.t2va("")
+
+
+@pytest.mark.parametrize("count", [13, 21])
+def test_a_prepared_reference_of_the_shortest_lengths_presents_as_diffusers(tiny, count):
+    """The shortest accepted references (one vision block; 21 frames, still under one VAE chunk) through
+    prepare_references, with no prompt, against diffusers' set-up step and text encoder."""
+    from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
+
+    from h3_spark.h3_model import refs
+
+    tok, proc, model, builder = tiny
+    frames = Q.video(count, 1344 // 8, 768 // 8, 9)
+    prepared = refs.prepare_references([refs.VideoReference(frames, fps=24.0)], width=1344, height=768, frames=124)
+    assert prepared[0].pixels.shape[0] == prepared[0].prompt_pixels.shape[0] == count
+    theirs_frames = MiniMaxH3Ref2VASetupStep._normalize_video_condition(frames.numpy(), 24.0, 124, 32, 768,
+                                                                       768 * 1344, 24.0)
+    theirs = Q.diffusers_run("ref2va", model, tok, proc, "", references=[("video", torch.from_numpy(theirs_frames),
+                                                                           False)])
+    ours = builder.ref2va("", refs.prompt_references(prepared))
+    assert ours.token_ids.tolist() == theirs["token_ids"]
+    assert torch.equal(ours.tags, theirs["tags"])
     for key, value in theirs["vision"].items():
         assert torch.equal(ours.vision[key], value), key
 
@@ -161,7 +211,10 @@ def test_token_hash_identifies_ids_tags_and_pixels(tiny):
     (lambda b: b.fl2va("x", KEYFRAMES * 2), r"at most 2 keyframes \(first, last\), got 4"),
     (lambda b: b.fl2va("x", [KEYFRAMES[0].numpy()]), r"keyframe 1 must be a uint8 torch tensor"),
     (lambda b: b.t2va(None), r"the prompt must be a string, got NoneType"),
-    (lambda b: b.t2va(""), r"the presentation is empty"),
+    (lambda b: b.t2va(""), r"t2va needs a prompt: it is all the text encoder reads \(fl2va and ref2va may leave "
+                           r"it empty"),
+    (lambda b: b.fl2va(None, KEYFRAMES), r"the prompt must be a string, got NoneType"),
+    (lambda b: b.ref2va(b"x", [AudioRef()]), r"the prompt must be a string, got bytes"),
     (lambda b: b.fl2va("a <|image_pad|> cat", KEYFRAMES), r"the prompt contains <\|image_pad\|>: vision markers are "
                                                           r"placed by h3-spark, not typed"),
     (lambda b: b.t2va("<|vision_start|>x<|video_pad|>"), r"contains <\|vision_start\|>, <\|video_pad\|>"),

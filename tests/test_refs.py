@@ -1,6 +1,8 @@
 """Reference and keyframe normalisation against diffusers' Ref2VA setup step (static helpers)."""
 
+import functools
 import math
+import types
 
 import numpy as np
 import pytest
@@ -79,8 +81,11 @@ def test_keyframes_first_stretched_last_cover_cropped():
     ([refs.AudioReference(torch.randn(2, 100))], "audio-only references are not supported"),
     ([refs.ImageReference(torch.zeros(4, 4, 3))], "must be a uint8"),
     ([refs.VideoReference(_video(3, 8, 8))],
-     r"has 3 frames at 24 fps; a video reference needs at least 22 \(one VAE chunk\)"),
-    ([refs.VideoReference(_video(21, 8, 8))], "has 21 frames at 24 fps; a video reference needs at least 22"),
+     r"reference 1 \(video\) has 3 frames at 24 fps; a video reference needs at least 13 \(0.54 s\): the text "
+     r"encoder reads it at 2 fps, 2 sampled frames per vision block"),
+    ([refs.VideoReference(_video(12, 8, 8))], "has 12 frames at 24 fps; a video reference needs at least 13"),
+    # Counted at 24 fps: 15 frames at 30 fps are 12 (16 would be 13).
+    ([refs.VideoReference(_video(15, 8, 8), fps=30.0)], "has 12 frames at 24 fps"),
     ([refs.VideoReference(_video(30, 8, 8), fps=0)], "positive frame rate"),
     ([refs.ImageReference(_video(1, 8, 8)[0]), refs.AudioReference(torch.randn(3, 10))], "mono or stereo"),
     (["picture.png"], "unsupported reference type"),
@@ -97,3 +102,95 @@ def test_keyframe_errors():
         refs.prepare_keyframes(None, None, None, None)
     with pytest.raises(InputError, match="width and height go together"):
         refs.prepare_keyframes(_video(1, 8, 8)[0], None, 64, None)
+
+
+# ---- short video references, against diffusers' Ref2VA set-up and reference-encoder steps
+def _diffusers_components(vae=None, short_edge=768, max_pixels=768 * 1344):
+    """What the two steps read of a MiniMaxH3ModularPipeline; the audio VAE only lends its latent stats."""
+    audio_stats = types.SimpleNamespace(latents_mean=[0.0] * 32, latents_std=[1.0] * 32)
+    return types.SimpleNamespace(
+        vae=vae, audio_vae=types.SimpleNamespace(config=audio_stats), audio_latent_channels=32,
+        audio_sampling_rate=32000, pixel_mean=(0.485, 0.456, 0.406), pixel_std=(0.229, 0.224, 0.225),
+        keyframe_encode_seed=42, vae_frames_per_chunk=17, vae_latents_per_chunk=5, canvas_multiple=32, fps=24,
+        min_duration=5.0, max_duration=15.0, _execution_device=torch.device("cpu"),
+        config=types.SimpleNamespace(canvas_short_edge=short_edge, canvas_max_pixels=max_pixels,
+                                     reference_image_short_edge=2048))
+
+
+def _diffusers_reference_latents(frames, fps, components):
+    from diffusers.modular_pipelines import PipelineState
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3VideoReference
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VAReferenceEncoderStep
+
+    state = PipelineState()
+    for name, value in (("references", [MiniMaxH3VideoReference(frames=frames.numpy(), fps=fps)]),
+                        ("num_frames", 124), ("height", None), ("width", None)):
+        state.set(name, value)
+    with torch.no_grad():
+        MiniMaxH3Ref2VASetupStep()(components, state)
+        MiniMaxH3Ref2VAReferenceEncoderStep()(components, state)
+    return state.get("condition_latents")[0]
+
+
+@pytest.mark.parametrize("count, fps, vae_frames", [
+    (13, 24.0, 13), (17, 24.0, 17), (18, 24.0, 18), (21, 24.0, 21), (22, 24.0, 22), (38, 24.0, 22), (39, 24.0, 39),
+    (16, 30.0, 13), (200, 24.0, 124),
+])
+def test_video_reference_reaches_the_vae_as_in_diffusers(monkeypatch, count, fps, vae_frames):
+    """Every frame count from the shortest accepted up: the uint8 frames handed to the VAE are diffusers' own (its
+    VAE call replaced by a recorder), so a reference shorter than 22 frames goes whole, not snapped to 5."""
+    from diffusers.modular_pipelines.minimax_h3 import encoders
+
+    seen = []
+    monkeypatch.setattr(encoders, "encode_vae_condition",
+                        lambda vae, pixels, *args, **kwargs: seen.append(pixels) or torch.zeros(1))
+    frames = _video(count, 36, 64, seed=count)
+    _diffusers_reference_latents(frames, fps, _diffusers_components())
+    (p,) = refs.prepare_references([refs.VideoReference(frames, fps=fps)], width=128, height=64, frames=124)
+    assert torch.equal(p.pixels, seen[0][0].permute(1, 2, 3, 0))
+    assert p.pixels.shape[0] == vae_frames
+    assert torch.equal(p.prompt_pixels[:vae_frames], p.pixels)
+    assert p.prompt_pixels.shape[0] == min(124, refs.resample_fps(frames, fps).shape[0])
+
+
+@pytest.fixture(scope="module")
+def tiny_vaes(tmp_path_factory):
+    """diffusers' AutoencoderKLMiniMaxH3 with random weights and latent stats, and ours loaded from its folder."""
+    import dataclasses
+
+    from diffusers import AutoencoderKLMiniMaxH3
+    from oracle import randomize_vae_
+
+    from h3_spark.h3_model import vae_loading, video_vae
+
+    gen = torch.Generator().manual_seed(3)
+    c = video_vae.TINY.latent_channels
+    cfg = dataclasses.replace(video_vae.TINY, latents_mean=tuple((0.5 * torch.randn(c, generator=gen)).tolist()),
+                              latents_std=tuple((0.5 + torch.rand(c, generator=gen)).tolist()))
+    theirs = AutoencoderKLMiniMaxH3(**{k: v for k, v in cfg.to_dict().items() if not k.startswith("_")}).eval()
+    randomize_vae_(theirs, 12)
+    folder = tmp_path_factory.mktemp("vae")
+    theirs.save_pretrained(folder / "vae")
+    return theirs, vae_loading.load_video_vae(folder, decode_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("count, latent_frames", [(13, 2), (17, 2), (18, 7), (21, 7), (22, 7), (40, 12)])
+def test_short_video_reference_encodes_and_lays_out_like_diffusers(tiny_vaes, monkeypatch, count, latent_frames):
+    """prepare_references -> the pipeline's condition encode (our video VAE) against diffusers' set-up and
+    reference-encoder steps with the same weights: same latents, and the layout block takes their shape."""
+    from h3_spark.h3_model.layout import VideoBlock
+    from h3_spark.h3_model.pipeline import Components, Pipeline
+
+    theirs_vae, ours_vae = tiny_vaes
+    # A 64 px short edge on both sides keeps the VAE cheap; the canvas rule itself is held to diffusers' above.
+    short_edge, max_pixels = 64, 64 * 112
+    monkeypatch.setattr(geometry, "resolve_canvas", functools.partial(geometry.resolve_canvas, short_edge=short_edge,
+                                                                      max_pixels=max_pixels))
+    frames = _video(count, 36, 64, seed=100 + count)
+    theirs = _diffusers_reference_latents(frames, 24.0, _diffusers_components(theirs_vae, short_edge, max_pixels))
+    prepared = refs.prepare_references([refs.VideoReference(frames)], width=128, height=64, frames=124)
+    conditions, audio_rows, blocks, hits = Pipeline(Components(vae=ours_vae))._encode_conditions([], prepared)
+    assert theirs.shape == (1, 4, latent_frames, 16, 32)
+    assert conditions[0].shape == theirs.shape
+    assert ((conditions[0] - theirs).norm() / theirs.norm()).item() <= 1e-5
+    assert blocks == [VideoBlock(latent_frames, 16, 32, 0)] and audio_rows == [] and hits == 0

@@ -478,7 +478,7 @@ def test_unknown_routes_and_methods_answer_json(serve):
 @pytest.mark.parametrize("change, code, fragment", [
     ({"stepz": 4}, 400, "unknown field"),
     ({"prompt": None}, 400, "prompt is required"),
-    ({"prompt": "   "}, 400, "blank"),
+    ({"prompt": ""}, 400, "t2va needs a prompt"),
     ({"prompt": "x" * 5000}, 400, "limit is 4000"),
     ({"steps": True}, 400, "integer"),
     ({"steps": 101}, 400, "2..100"),

@@ -51,12 +51,21 @@ def test_cache_fields_take_the_mode_defaults():
     ({"prompt": "p", "output": "a.mp4", "mode": "t2va", "references": [{"kind": "image", "path": "a.png"}]},
      "takes no references"),
     ({"prompt": 5, "output": "a.mp4"}, "non-empty string"),
+    ({"prompt": "", "output": "a.mp4"}, r"t2va needs a prompt: it is all the text encoder reads"),
     ({"prompt": "p"}, "output is required"),
 ])
 def test_refusals(body, fragment):
     with pytest.raises(RequestError, match=fragment) as err:
         parse_request(body, LIMITS)
     assert err.value.status == 400
+
+
+def test_an_empty_prompt_is_taken_with_keyframes_or_references():
+    assert parse_request({"prompt": "", "output": "a.mp4", "last_frame": "k.png"}, LIMITS).prompt == ""
+    ref = parse_request({"prompt": "", "output": "a.mp4", "references": [{"kind": "image", "path": "a.png"}]}, LIMITS)
+    assert (ref.mode, ref.prompt) == ("ref2va", "")
+    # Whitespace is a prompt: it reaches the text encoder as its own tokens, as in the reference pipeline.
+    assert parse_request({"prompt": "  ", "output": "a.mp4"}, LIMITS).prompt == "  "
 
 
 def test_limits_are_checked():
