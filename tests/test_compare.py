@@ -162,3 +162,16 @@ def test_a_receipt_without_exact_is_not_counted_as_exact(tmp_path):
     said = tmp_path / "said.json"
     said.write_text(json.dumps({"contract": "y", "backends": {"exact": True}}))
     assert _exact_contracts([silent, said]) == {"y"}
+
+
+@pytest.mark.parametrize("path", sorted(RECEIPTS.glob("vs-exact-*.json")), ids=lambda p: p.name)
+def test_vs_exact_receipts_schema(path):
+    r = json.loads(path.read_text())
+    assert "synthetic" in r["weights"]
+    assert r["stamp"]["gpu_before"]["name"] == "NVIDIA H200" and "h3_spark_commit" in r["stamp"]["software"]
+    v = r["vs_exact"]
+    assert v["speedup_vs_exact"] == pytest.approx(v["exact_forward_s_median"] / v["fast_forward_s_median"])
+    assert len(v["per_block_rel_l2"]) == 50 and v["approximate_paths"]
+    # What the verdict claims holds against the budget written beside it.
+    assert v["verdict"].startswith("eligible") == (v["final_velocity_rel_l2_vs_exact"]
+                                                   <= v["budget"]["final_velocity_rel_l2"])
