@@ -44,6 +44,12 @@ HADAMARD_WARPS = 4
 # 128-wide heads rotate in two 16-wide steps (`_rotate`); of 16/32/64/128 tokens x 4/8 warps, 32 x 4 was fastest
 # (0.48 ms for the FP8 K write pass at S = 19,540; 64 x 8: 0.53, 16 x 4: 0.53, 64 x 4: 0.69).
 KRONECKER_TILE_TOKENS = 32
+# The exact pass (model dtype out, no rotation): up to 8 heads per program share the RoPE rows they read, in
+# tiles of 32 tokens x 4 warps: 0.237 vs 0.289 ms per tensor at S = 19,540, 56 heads, bit-identical
+# (benchmarks/table_rows_experiment.py; 7 heads: 0.233, 4: 0.276, 1: 0.308 on the H200).
+EXACT_TILE_TOKENS = 32
+EXACT_WARPS = 4
+EXACT_HEADS = 8
 QMAX = {"fp8": 448.0, "int8": 127.0}
 QDTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 FORMATS = (None, "fp8", "int8")
@@ -276,39 +282,30 @@ if triton is not None:
                         STAGE: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, SMOOTH: tl.constexpr,
                         HADAMARD: tl.constexpr, FMT: tl.constexpr, PER_BLOCK: tl.constexpr, RND: tl.constexpr,
                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_DOT: tl.constexpr,
-                        TABLES_ROUNDED: tl.constexpr, KRONECKER: tl.constexpr):
-        # One program = BLOCK_S tokens of one (batch, head); STAGE 0 = partial key sums (for the mean),
+                        TABLES_ROUNDED: tl.constexpr, KRONECKER: tl.constexpr, HEADS: tl.constexpr):
+        # One program = BLOCK_S tokens of HEADS heads of one batch row, one head after the other: the RoPE
+        # rows and the norm gain are loaded once for all of them. STAGE 0 = partial key sums (for the mean),
         # 1 = partial absmax (for per-head scales), 2 = write the output. Each stage recomputes the
         # norm + RoPE from the raw input: re-reading bf16 costs what storing an intermediate would.
-        # Heads vary fastest across programs: programs in flight together share their tokens' RoPE
+        # Head groups vary fastest across programs: programs in flight together share their tokens' RoPE
         # rows (from cache) and read neighbouring memory.
-        pid_bh = tl.program_id(0)
+        pid_g = tl.program_id(0)
         pid_s = tl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
+        groups = H // HEADS
+        b = pid_g // groups
+        h0 = (pid_g % groups) * HEADS
         rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
         rmask = rows < S
         dmask = d < D
         m = rmask[:, None] & dmask[None, :]
-        base = x_ptr + b * sxb + h * sxh
-        x = tl.load(base + rows[:, None] * sxs + d[None, :], mask=m, other=0.0).to(tl.float32)
         if NORM:
-            ms = tl.sum(x * x, axis=1) / D
-            rstd = 1.0 / tl.sqrt_rn(ms + eps)
             w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-            y = rnd(x * rstd[:, None] * w[None, :], RND)
-        else:
-            y = x
         if ROPE:
             half = R // 2
             partner = tl.where(d < half, d + half, tl.where(d < R, d - half, d))
-            xp = tl.load(base + rows[:, None] * sxs + partner[None, :], mask=m, other=0.0).to(tl.float32)
             if NORM:
                 wp = tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-                yp = rnd(xp * rstd[:, None] * wp[None, :], RND)
-            else:
-                yp = xp
             rot = d < R
             tmask = rmask[:, None] & rot[None, :]
             c = tl.load(cos_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=1.0).to(tl.float32)
@@ -317,43 +314,65 @@ if triton is not None:
                 c = rnd(c, RND)
                 sn = rnd(sn, RND)
             sign = tl.where(d < half, -1.0, 1.0)
-            # eager: rot * cos + cat(-x2, x1) * sin, each product and the sum rounded to x's dtype
-            a = rnd(y * c, RND)
-            p = rnd((yp * sign[None, :]) * sn, RND)
-            y = tl.where(rot[None, :], rnd(a + p, RND), y)
-        if SMOOTH:
-            mu = tl.load(mean_ptr + pid_bh * BLOCK_D + d, mask=dmask, other=0.0)
-            y = y - mu[None, :]
-        y = tl.where(m, y, 0.0)
-        if STAGE == 0:
-            tl.store(part_ptr + (pid_bh * N_TILES + pid_s) * BLOCK_D + d, tl.sum(y, axis=0))
-        else:
-            if HADAMARD:
-                y = _rotate(y, had_scale, BLOCK_S, BLOCK_D, HADAMARD, KRONECKER, SPLIT_DOT)
-            optr = out_ptr + b * sob + h * soh + rows[:, None] * sos + d[None, :]
-            if FMT == 0:
-                if STAGE == 2:
-                    tl.store(optr, rnd_store(y, RND).to(out_ptr.dtype.element_ty), mask=m)
+        for j in range(HEADS):
+            h = h0 + j
+            pid_bh = b * H + h
+            base = x_ptr + b * sxb + h * sxh
+            x = tl.load(base + rows[:, None] * sxs + d[None, :], mask=m, other=0.0).to(tl.float32)
+            if NORM:
+                ms = tl.sum(x * x, axis=1) / D
+                rstd = 1.0 / tl.sqrt_rn(ms + eps)
+                y = rnd(x * rstd[:, None] * w[None, :], RND)
             else:
-                amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
-                if STAGE == 1:
-                    tl.store(part_ptr + pid_bh * N_TILES + pid_s, amax)
+                y = x
+            if ROPE:
+                xp = tl.load(base + rows[:, None] * sxs + partner[None, :], mask=m, other=0.0).to(tl.float32)
+                if NORM:
+                    yp = rnd(xp * rstd[:, None] * wp[None, :], RND)
                 else:
-                    if FMT == 1:
-                        qmax = 448.0
+                    yp = xp
+                # eager: rot * cos + cat(-x2, x1) * sin, each product and the sum rounded to x's dtype
+                a = rnd(y * c, RND)
+                p = rnd((yp * sign[None, :]) * sn, RND)
+                y = tl.where(rot[None, :], rnd(a + p, RND), y)
+            if SMOOTH:
+                mu = tl.load(mean_ptr + pid_bh * BLOCK_D + d, mask=dmask, other=0.0)
+                y = y - mu[None, :]
+            y = tl.where(m, y, 0.0)
+            if STAGE == 0:
+                tl.store(part_ptr + (pid_bh * N_TILES + pid_s) * BLOCK_D + d, tl.sum(y, axis=0))
+            else:
+                if HADAMARD:
+                    y = _rotate(y, had_scale, BLOCK_S, BLOCK_D, HADAMARD, KRONECKER, SPLIT_DOT)
+                optr = out_ptr + b * sob + h * soh + rows[:, None] * sos + d[None, :]
+                if FMT == 0:
+                    if STAGE == 2:
+                        tl.store(optr, rnd_store(y, RND).to(out_ptr.dtype.element_ty), mask=m)
+                else:
+                    amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
+                    if STAGE == 1:
+                        tl.store(part_ptr + pid_bh * N_TILES + pid_s, amax)
                     else:
-                        qmax = 127.0
-                    if PER_BLOCK:
-                        scale = tl.maximum(amax, 1e-20) / qmax
-                        tl.store(scale_ptr + pid_bh * N_TILES + pid_s, scale)
-                    else:
-                        scale = tl.load(scale_ptr + pid_bh)
-                    q = tl.math.div_rn(y, scale)
-                    q = tl.minimum(tl.maximum(q, -qmax), qmax)
-                    if FMT == 1:
-                        tl.store(optr, round_e4m3(q).to(tl.float8e4nv), mask=m)
-                    else:
-                        tl.store(optr, rint(q).to(tl.int8), mask=m)
+                        if FMT == 1:
+                            qmax = 448.0
+                        else:
+                            qmax = 127.0
+                        if PER_BLOCK:
+                            scale = tl.maximum(amax, 1e-20) / qmax
+                            tl.store(scale_ptr + pid_bh * N_TILES + pid_s, scale)
+                        else:
+                            scale = tl.load(scale_ptr + pid_bh)
+                        q = tl.math.div_rn(y, scale)
+                        q = tl.minimum(tl.maximum(q, -qmax), qmax)
+                        if FMT == 1:
+                            tl.store(optr, round_e4m3(q).to(tl.float8e4nv), mask=m)
+                        else:
+                            tl.store(optr, rint(q).to(tl.int8), mask=m)
+
+
+def heads_per_program(heads: int) -> int:
+    """The exact pass's head group: the largest divisor of `heads` up to EXACT_HEADS."""
+    return max(g for g in range(1, EXACT_HEADS + 1) if heads % g == 0)
 
 
 def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -375,6 +394,9 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     if hadamard and granularity != "per_block":
         tile = KRONECKER_TILE_TOKENS if kronecker else HADAMARD_TILE_TOKENS
     warps = HADAMARD_WARPS if hadamard else NUM_WARPS
+    group = 1
+    if fmt is None and not hadamard and not smooth:
+        tile, warps, group = EXACT_TILE_TOKENS, EXACT_WARPS, heads_per_program(h)
     n_tiles = triton.cdiv(s, tile)
     dev = x.device
     kernel = _qk_prep_kernel
@@ -389,7 +411,7 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     else:
         cos = sin = dummy
         r = 0
-    grid = (b * h, n_tiles)
+    grid = (b * h // group, n_tiles)
     had_scale = _fp32_inv_sqrt(hadamard) if hadamard else 1.0
 
     def launch(stage, out, part, mean, scale, fmt_code, per_block):
@@ -399,7 +421,7 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                      STAGE=stage, NORM=norm, ROPE=rope is not None, SMOOTH=smooth and mean is not dummy,
                      HADAMARD=hadamard, FMT=fmt_code, PER_BLOCK=per_block, BLOCK_S=tile,
                      RND=round_code(x.dtype), BLOCK_D=block_d, SPLIT_DOT=not INTERPRETED,
-                     TABLES_ROUNDED=cos.dtype == x.dtype, KRONECKER=kronecker, num_warps=warps)
+                     TABLES_ROUNDED=cos.dtype == x.dtype, KRONECKER=kronecker, HEADS=group, num_warps=warps)
 
     mean = dummy
     if smooth:
