@@ -282,21 +282,15 @@ if triton is not None:
                         STAGE: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, SMOOTH: tl.constexpr,
                         HADAMARD: tl.constexpr, FMT: tl.constexpr, PER_BLOCK: tl.constexpr, RND: tl.constexpr,
                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_DOT: tl.constexpr,
-                        TABLES_ROUNDED: tl.constexpr, KRONECKER: tl.constexpr, HEADS: tl.constexpr,
-                        TOKENS_FIRST: tl.constexpr):
+                        TABLES_ROUNDED: tl.constexpr, KRONECKER: tl.constexpr, HEADS: tl.constexpr):
         # One program = BLOCK_S tokens of HEADS heads of one batch row, one head after the other: the RoPE
         # rows and the norm gain are loaded once for all of them. STAGE 0 = partial key sums (for the mean),
         # 1 = partial absmax (for per-head scales), 2 = write the output. Each stage recomputes the
         # norm + RoPE from the raw input: re-reading bf16 costs what storing an intermediate would.
-        # One head per program: heads vary fastest across programs, so programs in flight together share
-        # their tokens' RoPE rows (from cache) and read neighbouring memory. Head groups: token tiles vary
-        # fastest (TOKENS_FIRST), which measured faster on the H200 (benchmarks/table_rows_experiment.py).
-        if TOKENS_FIRST:
-            pid_s = tl.program_id(0)
-            pid_g = tl.program_id(1)
-        else:
-            pid_g = tl.program_id(0)
-            pid_s = tl.program_id(1)
+        # Head groups vary fastest across programs: programs in flight together share their tokens' RoPE
+        # rows (from cache) and read neighbouring memory.
+        pid_g = tl.program_id(0)
+        pid_s = tl.program_id(1)
         groups = H // HEADS
         b = pid_g // groups
         h0 = (pid_g % groups) * HEADS
@@ -417,7 +411,7 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     else:
         cos = sin = dummy
         r = 0
-    grid = (n_tiles, b * h // group) if group > 1 else (b * h, n_tiles)
+    grid = (b * h // group, n_tiles)
     had_scale = _fp32_inv_sqrt(hadamard) if hadamard else 1.0
 
     def launch(stage, out, part, mean, scale, fmt_code, per_block):
@@ -427,8 +421,7 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                      STAGE=stage, NORM=norm, ROPE=rope is not None, SMOOTH=smooth and mean is not dummy,
                      HADAMARD=hadamard, FMT=fmt_code, PER_BLOCK=per_block, BLOCK_S=tile,
                      RND=round_code(x.dtype), BLOCK_D=block_d, SPLIT_DOT=not INTERPRETED,
-                     TABLES_ROUNDED=cos.dtype == x.dtype, KRONECKER=kronecker, HEADS=group, TOKENS_FIRST=group > 1,
-                     num_warps=warps)
+                     TABLES_ROUNDED=cos.dtype == x.dtype, KRONECKER=kronecker, HEADS=group, num_warps=warps)
 
     mean = dummy
     if smooth:
