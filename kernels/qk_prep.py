@@ -45,8 +45,9 @@ HADAMARD_WARPS = 4
 # (0.48 ms for the FP8 K write pass at S = 19,540; 64 x 8: 0.53, 16 x 4: 0.53, 64 x 4: 0.69).
 KRONECKER_TILE_TOKENS = 32
 # The exact pass (model dtype out, no rotation): up to 8 heads per program share the RoPE rows they read, in
-# tiles of 32 tokens x 4 warps: 0.237 vs 0.289 ms per tensor at S = 19,540, 56 heads, bit-identical
-# (benchmarks/table_rows_experiment.py; 7 heads: 0.233, 4: 0.276, 1: 0.308 on the H200).
+# tiles of 32 tokens x 4 warps. The experiment kernel (benchmarks/table_rows_experiment.py, H200, S = 19,540,
+# 56 heads) took 0.237 ms per tensor against production's 0.289, bit-identical; shipped, the whole exact t2va
+# forward went 1.981 -> 1.977 s (A/B in one lease, receipts/h200/ab-qk-heads/).
 EXACT_TILE_TOKENS = 32
 EXACT_WARPS = 4
 EXACT_HEADS = 8
