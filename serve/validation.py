@@ -135,14 +135,15 @@ def _number(body: dict, name: str, default: float) -> float:
         raise _bad(f"{name} is out of range") from None
 
 
-def _string(body: dict, name: str, max_chars: int, *, required: bool = False) -> str | None:
+def _string(body: dict, name: str, max_chars: int, *, required: bool = False,
+            allow_empty: bool = False) -> str | None:
     value = body.get(name)
     if value is None:
         if required:
             raise _bad(f"{name} is required")
         return None
-    if not isinstance(value, str) or not value:
-        raise _bad(f"{name} must be a non-empty string, got {value!r}")
+    if not isinstance(value, str) or not (value or allow_empty):
+        raise _bad(f"{name} must be a {'' if allow_empty else 'non-empty '}string, got {value!r}")
     if len(value) > max_chars:
         raise _bad(f"{name} is {len(value)} characters; the limit is {max_chars}")
     try:
@@ -167,7 +168,7 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         raise _bad(f"unknown field(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(FIELDS)}")
 
     # Empty is judged below, by the mode; _string refuses it for every other field.
-    prompt = "" if body.get("prompt") == "" else _string(body, "prompt", limits.max_prompt_chars, required=True)
+    prompt = _string(body, "prompt", limits.max_prompt_chars, required=True, allow_empty=True)
     output = _string(body, "output", limits.max_path_chars, required=True)
     references = _references(body.get("references"), limits)
     first = _string(body, "first_frame", limits.max_path_chars)

@@ -50,7 +50,8 @@ def test_cache_fields_take_the_mode_defaults():
     ({"prompt": "p", "output": "a.mp4", "mode": "fl2va"}, "first_frame and/or last_frame"),
     ({"prompt": "p", "output": "a.mp4", "mode": "t2va", "references": [{"kind": "image", "path": "a.png"}]},
      "takes no references"),
-    ({"prompt": 5, "output": "a.mp4"}, "non-empty string"),
+    ({"prompt": 5, "output": "a.mp4"}, "prompt must be a string, got 5"),
+    ({"prompt": "p", "output": ""}, "output must be a non-empty string, got ''"),
     ({"prompt": "", "output": "a.mp4"}, r"t2va needs a prompt: it is all the text encoder reads"),
     ({"prompt": "p"}, "output is required"),
 ])
