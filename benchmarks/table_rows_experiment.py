@@ -9,7 +9,9 @@ values. Variants side by side with the production kernels, each checked bit for 
 1. norm + modulate over tiles of T consecutive tokens that share one table row (a segment of the packed
    layout): the gain, 1 + scale and shift are loaded once per tile, then a loop over the tile's rows;
 2. the exact Q/K pass (RMSNorm + partial RoPE) with HB heads per program: the cos / sin tile is loaded
-   once and used for HB heads.
+   once and used for HB heads;
+3. norm + modulate with the row in power-of-two pieces (5376 = 4096 + 1024 + 256) instead of one 8192-wide
+   block with a third of its lanes masked (ONLY=split_items runs this item alone).
 S = 19,540 tokens, D = 5376, 56 heads of 128, bf16, as the t2va contract.
 """
 import json
@@ -95,6 +97,79 @@ def _qk_heads(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, S, R, eps, sxs, sxh, sos,
         tl.store(out_ptr + h * soh + rows[:, None] * sos + d[None, :], rnd_store(y, 1).to(tl.bfloat16), mask=m)
 
 
+@triton.jit
+def _nm_part(x_ptr, w_ptr, arow, brow, orow, row, c, rstd, D: tl.constexpr):
+    m = c < D
+    x = tl.load(x_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
+    v = rnd(x * rstd * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32), 1)
+    sc = tl.load(brow + c, mask=m, other=0.0).to(tl.float32)
+    sh = tl.load(arow + c, mask=m, other=0.0).to(tl.float32)
+    o = rnd_store(rnd(v * rnd(1.0 + sc, 1), 1) + sh, 1)
+    tl.store(orow + c, o.to(tl.bfloat16), mask=m)
+
+
+@triton.jit
+def _nm_split(x_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride, D: tl.constexpr,
+              B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr):
+    # The row as up to three power-of-two pieces (5376 = 4096 + 1024 + 256): no idle lanes, where one
+    # 8192-wide block leaves a third of them masked.
+    row = tl.program_id(0).to(tl.int64)
+    r = tl.load(rows_ptr + row % S).to(tl.int64)
+    c1 = tl.arange(0, B1)
+    x1 = tl.load(x_ptr + row * D + c1, mask=c1 < D, other=0.0).to(tl.float32)
+    acc = tl.sum(x1 * x1, axis=0)
+    if B2 > 0:
+        c2 = B1 + tl.arange(0, B2)
+        x2 = tl.load(x_ptr + row * D + c2, mask=c2 < D, other=0.0).to(tl.float32)
+        acc += tl.sum(x2 * x2, axis=0)
+    if B3 > 0:
+        c3 = B1 + B2 + tl.arange(0, B3)
+        x3 = tl.load(x_ptr + row * D + c3, mask=c3 < D, other=0.0).to(tl.float32)
+        acc += tl.sum(x3 * x3, axis=0)
+    rstd = 1.0 / tl.sqrt_rn(acc / D + eps)
+    arow = a_ptr + r * tab_stride
+    brow = b_ptr + r * tab_stride
+    orow = out_ptr + row * D
+    _nm_part(x_ptr, w_ptr, arow, brow, orow, row, c1, rstd, D)
+    if B2 > 0:
+        _nm_part(x_ptr, w_ptr, arow, brow, orow, row, B1 + tl.arange(0, B2), rstd, D)
+    if B3 > 0:
+        _nm_part(x_ptr, w_ptr, arow, brow, orow, row, B1 + B2 + tl.arange(0, B3), rstd, D)
+
+
+def split_items(out: dict) -> None:
+    g = torch.Generator("cuda").manual_seed(5)
+    rows = torch.cat([torch.full((256,), 1), torch.full((S - 256 - 1_240,), 0), torch.full((1_240,), 2)]).cuda()
+    table = torch.randn(3, 6 * D, generator=g, device="cuda").mul(0.3).bfloat16()
+    shift, scale = table.chunk(6, dim=-1)[:2]
+    x = torch.randn(1, S, D, generator=g, device="cuda").mul(3).bfloat16()
+    norm = torch.nn.RMSNorm(D, eps=1e-5).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    mod = FusedRowModulation(rows, True)
+    idx = rows.to(torch.int32).contiguous()
+    res = out["norm_modulate_split"] = {"floor_ms": 2 * x.numel() * 2 / 4.3e12 * 1e3}
+    with torch.no_grad():
+        want = mod.norm_modulate(norm, x, shift, scale)
+        res["production"] = {"ms": bench(lambda: mod.norm_modulate(norm, x, shift, scale))}
+        for pieces in ((4096, 1024, 256), (4096, 2048, 0), (2048, 2048, 2048)):
+            for warps in (4, 8, 16):
+                o = torch.empty_like(x)
+
+                def run():
+                    _nm_split[(S,)](x, norm.weight, shift, scale, idx, o, S, 1e-5, table.stride(0), D=D,
+                                    B1=pieces[0], B2=pieces[1], B3=pieces[2], num_warps=warps)
+                name = f"split{'+'.join(str(p) for p in pieces if p)}_w{warps}"
+                try:
+                    run()
+                    torch.cuda.synchronize()
+                    res[name] = {"ms": bench(run), "elements_differing": int((o != want).sum()),
+                                 "max_abs_diff": float((o.float() - want.float()).abs().max())}
+                except Exception as exc:  # noqa: BLE001
+                    res[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                print(name, res[name], flush=True)
+
+
 def segment_tiles(rows: torch.Tensor, t: int) -> torch.Tensor:
     """(start, count, table row) per tile of at most t consecutive tokens with one table row."""
     r = rows.cpu()
@@ -173,7 +248,10 @@ def qk_items(out: dict) -> None:
 def main(path: str) -> None:
     out = {"S": S, "D": D, "heads": H, "head_dim": HD, "device": torch.cuda.get_device_name(),
            "commit": os.environ.get("H3_GIT_COMMIT")}
-    for fn in (norm_modulate_items, qk_items):
+    only = os.environ.get("ONLY")
+    for fn in (norm_modulate_items, qk_items, split_items):
+        if only and fn.__name__ != only:
+            continue
         try:
             fn(out)
         except Exception as exc:  # noqa: BLE001
