@@ -20,13 +20,10 @@ from ..h3_model.dit import RowModulation
 from ._triton import require_kernels, rnd, rnd_store, round_code, tl, triton  # noqa: F401  (used in the kernels)
 from .qk_prep import norm_eps
 
-# Launch shape per row of modulate, the gated add and rows wider than BLOCK: up to BLOCK columns per step (a
-# step as wide as the row reads it once) and warps. 8192 x 8 measured best of six shapes at the released
-# width on the H200 (perf-notes, third session).
+# Launch shape per row: up to BLOCK columns per step (a step as wide as the row reads it once) and warps.
+# 8192 x 8 measured best of six shapes at the released width on the H200 (perf-notes, third session).
 BLOCK = 8192
 NUM_WARPS = 8
-# norm + modulate in two power-of-two pieces (`_norm_modulate_kernel`): 4 warps measured fastest of 4/8/16.
-PIECE_WARPS = 4
 
 if triton is not None:
 
@@ -86,40 +83,6 @@ if triton is not None:
         return rnd_store(rnd(v * rnd(1.0 + sc, RND), RND) + sh, RND)
 
     @triton.jit
-    def _norm_modulate_piece(x_ptr, w_ptr, arow, brow, orow, xrow, c, rstd, D: tl.constexpr, HAS_W: tl.constexpr,
-                             RND: tl.constexpr):
-        m = c < D
-        x = tl.load(xrow + c, mask=m, other=0.0).to(tl.float32)
-        o = _norm_modulate(x, c, m, rstd, w_ptr, arow, brow, HAS_W, RND)
-        tl.store(orow + c, o.to(orow.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _norm_modulate_kernel(x_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride, D: tl.constexpr,
-                              HAS_W: tl.constexpr, RND: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr):
-        # One row per program, read as two power-of-two pieces (5376 = 4096 + a 2048 piece with 768 lanes
-        # masked) rather than one 8192-wide block with a third of its lanes masked: 0.151 vs 0.180 ms at
-        # S = 19,540 on the H200 (benchmarks/table_rows_experiment.py). The sum of squares then adds in
-        # another order, which moves a few outputs per million by one unit in the last place, as the
-        # one-block kernel's own order does against eager.
-        row = tl.program_id(0).to(tl.int64)
-        r = tl.load(rows_ptr + row % S).to(tl.int64)
-        xrow = x_ptr + row * D
-        c1 = tl.arange(0, B1)
-        x1 = tl.load(xrow + c1, mask=c1 < D, other=0.0).to(tl.float32)
-        acc = tl.sum(x1 * x1, axis=0)
-        if B2 > 0:
-            c2 = B1 + tl.arange(0, B2)
-            x2 = tl.load(xrow + c2, mask=c2 < D, other=0.0).to(tl.float32)
-            acc += tl.sum(x2 * x2, axis=0)
-        rstd = 1.0 / tl.sqrt_rn(acc / D + eps)
-        arow = a_ptr + r * tab_stride
-        brow = b_ptr + r * tab_stride
-        orow = out_ptr + row * D
-        _norm_modulate_piece(x_ptr, w_ptr, arow, brow, orow, xrow, c1, rstd, D, HAS_W, RND)
-        if B2 > 0:
-            _norm_modulate_piece(x_ptr, w_ptr, arow, brow, orow, xrow, B1 + tl.arange(0, B2), rstd, D, HAS_W, RND)
-
-    @triton.jit
     def _add_norm_kernel(x_ptr, y_ptr, g_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, res_ptr, out_ptr, S, eps,
                          tab_stride, D: tl.constexpr, HAS_W: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr):
         # One whole row per program (BLOCK >= D): the gated residual x + g * y (written to res_ptr), then
@@ -137,13 +100,6 @@ if triton is not None:
         rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
         o = _norm_modulate(x, c, m, rstd, w_ptr, a_ptr + r * tab_stride, b_ptr + r * tab_stride, HAS_W, RND)
         tl.store(out_ptr + row * D + c, o.to(out_ptr.dtype.element_ty), mask=m)
-
-
-def row_pieces(d: int) -> tuple[int, int]:
-    """A row of d values as two power-of-two loads: the largest power of two up to d, then the rest rounded
-    up to one (0 when d is a power of two)."""
-    b1 = 1 << (d.bit_length() - 1)
-    return b1, (triton.next_power_of_2(d - b1) if d > b1 else 0)
 
 
 def _table_rows(t: torch.Tensor, d: int) -> tuple[torch.Tensor, int]:
@@ -197,19 +153,7 @@ class FusedRowModulation(RowModulation):
         return out
 
     def norm_modulate(self, norm, x, shift, scale):
-        if x.shape[-1] > BLOCK:
-            return self._launch(0, x, shift, scale, norm=norm)
-        x, (shift, scale), tab_stride = self._operands(x, shift, scale)
-        bsz, s, d = x.shape
-        out = torch.empty_like(x)
-        w = norm.weight
-        b1, b2 = row_pieces(d)
-        if x.numel():
-            _norm_modulate_kernel[(bsz * s,)](
-                x, w if w is not None else x, shift, scale, self._row_index(x.device), out, s,
-                norm_eps(norm, x.dtype), tab_stride, D=d, HAS_W=w is not None, RND=round_code(x.dtype), B1=b1,
-                B2=b2, num_warps=PIECE_WARPS)
-        return out
+        return self._launch(0, x, shift, scale, norm=norm)
 
     def modulate(self, x, shift, scale):
         return self._launch(1, x, shift, scale)
