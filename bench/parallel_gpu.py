@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser()
     p.add_argument("--contract", required=True)
     p.add_argument("--preset", default="full")
-    p.add_argument("--attention", default="auto")
+    p.add_argument("--attention", default=None, help="default: H3_ATTENTION, else auto")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

@@ -260,6 +260,9 @@ def test_parallel_gpu_flag_goes_on_top_of_the_h3_settings(tmp_path, monkeypatch)
     monkeypatch.setenv("H3_LINEAR", "bf16")
     _, settings = parallel_gpu.parse_args(["--contract", "c.json", "--out", "r.json", "--attention", "sdpa"])
     assert (settings.attention, settings.linear) == ("sdpa", "bf16")
+    # Without the flag the environment's choice stands (as for serve and generate).
+    _, settings = parallel_gpu.parse_args(["--contract", "c.json", "--out", "r.json"])
+    assert settings.attention == "fa3"
 
 
 def test_a_checkpoint_made_here_is_named_synthetic_in_the_result(tmp_path):
