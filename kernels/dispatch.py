@@ -284,10 +284,11 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     if linear_fmt != "bf16":
         use_triton = triton_ready(device)
         stored = None
-        if weight_source is None and origin is not None and origin.formats:
+        if weight_source is None:
             from ..h3_model.checkpoint.stored import StoredLinears
 
-            weight_source = stored = StoredLinears(model, origin)
+            if StoredLinears.useful(origin, linear_fmt):
+                weight_source = stored = StoredLinears(model, origin, linear_fmt)
         try:
             linear_report["sources"] = convert_linears(model, linear_fmt, weight_source, use_triton)
         finally:

@@ -9,7 +9,10 @@ sees half a file, and an existing file is replaced only when the request said ov
 A temporary file outlives its job when the process dies or stops while the job decodes (the decode
 cannot be interrupted). Its writer holds an exclusive flock on it for as long as the name exists, so
 `OutputFolder.sweep_partials` (run when a service starts) can remove exactly the ones no live process,
-this one or another service sharing the folder, is writing.
+this one or another service sharing the folder, is writing. Two limits: a service of an older h3-spark
+(before the lock) writes the same names unlocked, so do not start a new service on a folder an old one is
+still writing to; and on NFS, where flock is emulated with POSIX locks that close with any descriptor of the
+file, the encoder closing its own descriptor at `finish` can drop the lock for the moment before the move.
 """
 
 from __future__ import annotations

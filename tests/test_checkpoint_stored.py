@@ -119,7 +119,7 @@ def test_the_qkv_split_follows_the_layout_the_model_was_loaded_with(files, hoppe
     # Cutting with the other layout gives other rows: the check against the loaded weight catches it.
     origin = model.checkpoint_origin
     wrong = load_dit(path, dtype=torch.bfloat16, qkv_layout="interleaved")
-    source = StoredLinears(wrong, type(origin)(origin.path, origin.partition, "stacked", origin.formats))
+    source = StoredLinears(wrong, type(origin)(origin.path, origin.partition, "stacked", origin.formats), "fp8")
     try:
         assert source("transformer_blocks.0.attn.to_q") is None
         assert source("transformer_blocks.0.attn.to_out.0")["format"] == "fp8_scaled"
@@ -178,3 +178,39 @@ def test_a_checkpoint_gone_since_load_is_reported_and_the_weights_are_used(files
     assert report["checkpoint_codes"]["layers_from_stored_codes"] == 0
     assert report["checkpoint_codes"]["unavailable"].startswith("the checkpoint cannot be read again:")
     assert str(path) in report["checkpoint_codes"]["unavailable"]
+
+
+def test_a_file_replaced_since_load_stops_the_codes_not_the_conversion(files, hopper, tmp_path):
+    from dataclasses import replace
+
+    path = tmp_path / "replaced.safetensors"
+    path.write_bytes(files["fp8_scaled"].read_bytes())
+    model = load_dit(path, dtype=torch.bfloat16)
+    make_dit_checkpoint(path, replace(C, ffn_dim=96), "fp8_scaled", "comfy", seed=5)  # same name, other model
+    report = apply_kernels(model, fp8_settings())["linear"]
+    # Block 0's attention is the same in both files (same seed, same shapes); its fc1 is not: from there on
+    # every layer is quantized from the loaded weights, and the model is whole.
+    assert report["sources"] == {"fp8_scaled checkpoint codes, unchanged": 4,
+                                 "bf16 weight quantized per output channel": LINEARS - 4}
+    assert report["checkpoint_codes"]["unavailable"].startswith(
+        "the checkpoint no longer gives what was loaded from it (transformer_blocks.0.ff.net.0.proj: ")
+    assert all(isinstance(lin, Fp8Linear) for _, _, lin in block_linears(model))
+
+
+def test_codes_that_the_linears_would_not_use_are_not_read(files, blackwell):  # noqa: F811
+    model = load_dit(files["fp8_scaled"], dtype=torch.bfloat16)
+    report = apply_kernels(model, KernelSettings(attention="sdpa", linear="nvfp4", q_rms_rope_int8_fusion="off"))
+    assert report["linear"]["sources"] == {"bf16 weight quantized to NVFP4": LINEARS}
+    assert "checkpoint_codes" not in report["linear"]
+
+
+def test_a_model_loaded_in_fp32_and_cast_keeps_its_codes(files, hopper):
+    model = load_dit(files["fp8_scaled"], dtype=torch.float32).to(torch.bfloat16)
+    report = apply_kernels(model, fp8_settings())["linear"]
+    assert report["checkpoint_codes"]["layers_from_stored_codes"] == LINEARS
+
+
+def test_stored_linears_serve_only_low_bit_linears(files):
+    model = load_dit(files["fp8_scaled"], dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="stored codes serve the fp8 and nvfp4 linears, not 'bf16'"):
+        StoredLinears(model, model.checkpoint_origin, "bf16")

@@ -338,19 +338,28 @@ class DitReader:
         what an FP8 or NVFP4 linear can start from. None when the layer is stored unquantized or as int8, or
         carries an AWQ pre_quant_scale (its codes then encode W / s, not W). The cut runs on `device`
         (re-blocking the NVFP4 scales of a full-size fc1 takes ~0.5 s on a CPU)."""
-        found = self._linear_parts().get(name)
-        if found is None:
+        if self.stored_code_format(name) is None:
             return None
-        layer, part = found
+        layer, part = self._linear_parts()[name]
         spec = layer.spec
-        if spec is None or spec.format not in STORED_CODE_FORMATS or "pre_quant_scale" in layer.keys:
-            return None
         stored = self._stored_tensors(layer, torch.device(device))
         if spec.format == "nvfp4":
             return spec, self._nvfp4_part(layer, part, stored)
         fp8 = torch.float8_e4m3fn if spec.format == "float8_e4m3fn" else torch.float8_e5m2
         codes = stored["weight"].view(torch.uint8)
         return spec, {**stored, "weight": self._cut(layer, part, codes).view(fp8)}
+
+    def stored_code_format(self, name: str) -> str | None:
+        """The stored format (QuantSpec.format) whose codes `stored_linear` would give for linear `name`, from
+        the headers alone; None where it gives none."""
+        found = self._linear_parts().get(name)
+        if found is None:
+            return None
+        layer = found[0]
+        spec = layer.spec
+        if spec is None or spec.format not in STORED_CODE_FORMATS or "pre_quant_scale" in layer.keys:
+            return None
+        return spec.format
 
     def _stored_tensors(self, layer: Layer, device: torch.device) -> dict[str, torch.Tensor]:
         # The last layer read is kept: q, k and v are asked for one after another and share the fused QKV.

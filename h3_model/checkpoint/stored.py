@@ -19,6 +19,8 @@ from .quant import dequantize
 
 # What kernels.dispatch calls the stored formats it can start from.
 _KIND = {"float8_e4m3fn": "fp8_scaled", "float8_e5m2": "fp8_scaled", "nvfp4": "nvfp4"}
+# Which stored kinds each low-bit linear format starts from (NVFP4 linears re-quantize FP8 weights anyway).
+USES = {"fp8": ("fp8_scaled", "nvfp4"), "nvfp4": ("nvfp4",)}
 
 
 @dataclass(frozen=True)
@@ -37,34 +39,61 @@ class CheckpointOrigin:
 
 
 class StoredLinears:
-    """A `weight_source` for `apply_kernels`: name -> the layer's stored codes, or None.
+    """A `weight_source` for `apply_kernels` making `fmt` linears: name -> the layer's stored codes, or None.
 
     Each layer's codes are dequantized and compared with the model's weight before they are handed out, so
     what the low-bit linear holds is exactly what the model held; the checkpoint is opened on the first
-    call and stays open (memory-mapped) until `close`.
+    call and stays open (memory-mapped) until `close`. When the file can no longer give what it gave at
+    load (gone, replaced, unreadable), the rest of the layers are quantized from their loaded weights and
+    `describe` says why: a half-converted model would be of no use to anyone.
     """
 
-    def __init__(self, model: nn.Module, origin: CheckpointOrigin):
-        self.model, self.origin = model, origin
+    def __init__(self, model: nn.Module, origin: CheckpointOrigin, fmt: str):
+        if fmt not in USES:
+            raise ValueError(f"stored codes serve the {' and '.join(USES)} linears, not {fmt!r}")
+        self.model, self.origin, self.kinds = model, origin, USES[fmt]
         self._reader = None
         self.used = 0
         self.changed: list[str] = []
         self.unavailable: str | None = None
 
+    @staticmethod
+    def useful(origin: CheckpointOrigin | None, fmt: str) -> bool:
+        """Whether a file stored in `origin.formats` has codes that `fmt` linears start from."""
+        return origin is not None and any(_KIND.get(f) in USES.get(fmt, ()) for f in origin.formats)
+
     def __call__(self, name: str) -> dict | None:
+        from safetensors import SafetensorError
+
+        from ..errors import CheckpointError
+
         reader = self._open()
         if reader is None:
             return None
         weight = self.model.get_submodule(name).weight
-        found = reader.stored_linear(name, weight.device)
-        if found is None:
-            return None
-        spec, tensors = found
-        if not torch.equal(dequantize(spec, tensors, tuple(weight.shape), weight.dtype, name), weight.detach()):
-            self.changed.append(name)
+        try:
+            stored = reader.stored_code_format(name)
+            if stored is None or _KIND[stored] not in self.kinds:
+                return None
+            spec, tensors = reader.stored_linear(name, weight.device)
+            if not self._holds(spec, tensors, weight, name):
+                self.changed.append(name)
+                return None
+        except (CheckpointError, SafetensorError, OSError, RuntimeError) as exc:
+            self.unavailable = f"the checkpoint no longer gives what was loaded from it ({name}: {exc})"
+            self.close()
             return None
         self.used += 1
         return {"format": _KIND[spec.format], **tensors}
+
+    @staticmethod
+    def _holds(spec, tensors: dict, weight: torch.Tensor, name: str) -> bool:
+        """The codes dequantize to the model's weight: as loaded in its dtype, or loaded in fp32 and cast since."""
+        shape = tuple(weight.shape)
+        if torch.equal(dequantize(spec, tensors, shape, weight.dtype, name), weight.detach()):
+            return True
+        return weight.dtype != torch.float32 and torch.equal(
+            dequantize(spec, tensors, shape, torch.float32, name).to(weight.dtype), weight.detach())
 
     def _open(self):
         from . import open_dit
