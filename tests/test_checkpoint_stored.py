@@ -214,3 +214,41 @@ def test_stored_linears_serve_only_low_bit_linears(files):
     model = load_dit(files["fp8_scaled"], dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="stored codes serve the fp8 and nvfp4 linears, not 'bf16'"):
         StoredLinears(model, model.checkpoint_origin, "bf16")
+
+
+def test_an_e5m2_file_gives_its_codes_to_fp8_linears_through_an_exact_dequantization(files, hopper, tmp_path):
+    """float8_e5m2 layers (what ComfyUI's fp8_e5m2 files hold): the stored codes are cut as e5m2, and the e4m3
+    linear is made from their exact fp32 values, not from the bf16 copy the model holds."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from h3_spark.h3_model.checkpoint.quant import encode_marker
+
+    path = tmp_path / "ew-e5m2.safetensors"
+    tensors, exact = {}, {}
+    with safe_open(str(files["fp8_scaled"]), "pt") as f:
+        meta = f.metadata()
+        for key in f.keys():
+            tensors[key] = f.get_tensor(key)
+    for key in [k for k in tensors if k.endswith(".comfy_quant")]:
+        layer = key[: -len(".comfy_quant")]
+        w = tensors[f"{layer}.weight"].float() * tensors[f"{layer}.weight_scale"].float()
+        scale = (w.abs().amax() / torch.finfo(torch.float8_e5m2).max).reshape(())
+        tensors[f"{layer}.weight"] = (w / scale).to(torch.float8_e5m2)
+        tensors[f"{layer}.weight_scale"] = scale
+        tensors[key] = encode_marker({**json.loads(bytes(tensors[key].tolist())), "format": "float8_e5m2"})
+        exact[layer] = tensors[f"{layer}.weight"].float() * scale
+    save_file(tensors, str(path), metadata=meta)
+
+    model = load_dit(path, dtype=torch.bfloat16)
+    report = apply_kernels(model, fp8_settings())["linear"]
+    assert report["sources"] == {"fp8_scaled torch.float8_e5m2 checkpoint requantized to e4m3": LINEARS}
+    assert report["checkpoint_codes"]["layers_from_stored_codes"] == LINEARS
+    lin = model.transformer_blocks[1].ff.net[0].proj
+    gate, value = exact["blocks.1.mlp.fc1"].chunk(2)
+    want = torch.cat([value, gate])
+    got = lin.weight.float() * lin.weight_scale.reshape(-1, 1)
+    # The cut rows (fc1's halves swapped back) within one e4m3 rounding of the exact e5m2 values (half a step:
+    # 2^-4 relative, or 2^-10 of the channel scale below e4m3's normal range).
+    assert ((got - want).abs() <= want.abs() * 2.0 ** -4 + lin.weight_scale.reshape(-1, 1) * 2.0 ** -10).all()
