@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..h3_model.checkpoint.nvfp4 import (dequantize, e2m1_values, pack_codes, round_to_e2m1, swizzle_scales,
+from ..h3_model.checkpoint.nvfp4 import (decode_codes, dequantize, pack_codes, round_to_e2m1, swizzle_scales,
                                          unpack_codes, unswizzle_scales)
 from ..h3_model.dit import RowModulation, SwiGLU
 from ._triton import require_kernels, rnd, round_code, round_e4m3, tl, triton  # noqa: F401
@@ -55,7 +55,7 @@ class Nvfp4Activation:
         # Activations have any number of rows (weights are padded to 16), so decode here with the
         # checkpoint module's layout helpers rather than its weight dequantizer.
         m, k = self.packed.shape[0], self.packed.shape[1] * 2
-        values = e2m1_values(torch.float32, self.packed.device)[unpack_codes(self.packed).long()]
+        values = decode_codes(unpack_codes(self.packed), torch.float32)
         scales = unswizzle_scales(self.block_scales, m, k // BLOCK).float() * self.global_scale.float()
         out = (values.reshape(m, k // BLOCK, BLOCK) * scales[..., None]).reshape(m, k)
         return out.to(dtype).reshape(self.shape)
