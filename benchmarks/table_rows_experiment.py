@@ -137,15 +137,22 @@ def _nm_split(x_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride,
         _nm_part(x_ptr, w_ptr, arow, brow, orow, row, B1 + B2 + tl.arange(0, B3), rstd, D)
 
 
-def split_items(out: dict) -> None:
-    g = torch.Generator("cuda").manual_seed(5)
+def norm_inputs(seed: int):
+    """The t2va contract's packed rows (text, video, audio segments; one timestep: 3 table rows), an AdaLN
+    table, x and an RMSNorm with gains away from 1."""
+    g = torch.Generator("cuda").manual_seed(seed)
     rows = torch.cat([torch.full((256,), 1), torch.full((S - 256 - 1_240,), 0), torch.full((1_240,), 2)]).cuda()
     table = torch.randn(3, 6 * D, generator=g, device="cuda").mul(0.3).bfloat16()
-    shift, scale = table.chunk(6, dim=-1)[:2]
     x = torch.randn(1, S, D, generator=g, device="cuda").mul(3).bfloat16()
     norm = torch.nn.RMSNorm(D, eps=1e-5).to("cuda", torch.bfloat16)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
+    return rows, table, x, norm
+
+
+def split_items(out: dict) -> None:
+    rows, table, x, norm = norm_inputs(5)
+    shift, scale = table.chunk(6, dim=-1)[:2]
     mod = FusedRowModulation(rows, True)
     idx = rows.to(torch.int32).contiguous()
     res = out["norm_modulate_split"] = {"floor_ms": 2 * x.numel() * 2 / 4.3e12 * 1e3}
@@ -183,15 +190,8 @@ def segment_tiles(rows: torch.Tensor, t: int) -> torch.Tensor:
 
 
 def norm_modulate_items(out: dict) -> None:
-    g = torch.Generator("cuda").manual_seed(3)
-    # The t2va contract's packed rows: text, video, audio segments (one timestep: 3 table rows).
-    rows = torch.cat([torch.full((256,), 1), torch.full((S - 256 - 1_240,), 0), torch.full((1_240,), 2)]).cuda()
-    table = torch.randn(3, 6 * D, generator=g, device="cuda").mul(0.3).bfloat16()
+    rows, table, x, norm = norm_inputs(3)
     shift, scale = table.chunk(6, dim=-1)[:2]
-    x = torch.randn(1, S, D, generator=g, device="cuda").mul(3).bfloat16()
-    norm = torch.nn.RMSNorm(D, eps=1e-5).to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
     mod = FusedRowModulation(rows, True)
     res = out["norm_modulate"] = {"floor_ms": 2 * x.numel() * 2 / 4.3e12 * 1e3}
     with torch.no_grad():
