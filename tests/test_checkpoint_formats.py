@@ -15,10 +15,10 @@ from comfy_kitchen.tensor import QuantizedTensor, TensorCoreFP8Layout, TensorCor
 from safetensors import safe_open
 
 from h3_spark.h3_model.checkpoint import keymap, load_dit, nvfp4
-from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
 from h3_spark.h3_model.checkpoint.quant import (QuantSpec, decode_marker, dequantize, hadamard,
                                                   quantize_fp8, quantize_int8_rows, rotate_groups)
 from h3_spark.h3_model.config import TINY
+from checkpoints import made_files
 
 SHAPES = [(96, 24), (24, 32), (128, 64), (300, 80), (21, 17)]
 
@@ -43,12 +43,8 @@ def _ck_dequantize(conf: dict, tensors: dict, shape, dtype) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("quant")
-    out = {}
-    for fmt in ("fp8_scaled", "nvfp4", "int8_convrot"):
-        out[fmt] = root / f"tiny-{fmt}.safetensors"
-        make_dit_checkpoint(out[fmt], TINY, fmt, "comfy", seed=3, quantize_refiner=True)
-    return out
+    return made_files(tmp_path_factory.mktemp("quant"), TINY, ("fp8_scaled", "nvfp4", "int8_convrot"), 3,
+                      quantize_refiner=True)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_scaled", "nvfp4", "int8_convrot"])

@@ -19,6 +19,7 @@ from h3_spark.h3_model.checkpoint.quant import encode_marker
 from h3_spark.h3_model.checkpoint.synthetic import random_state
 from h3_spark.h3_model.config import FULL, TINY
 from h3_spark.h3_model.errors import CheckpointError
+from checkpoints import made_files
 
 
 def _read_all(path) -> tuple[dict, dict]:
@@ -298,12 +299,7 @@ def test_both_namings_size_the_same_model_from_shapes():
 # ------------------------------------------------------------------------------- declarations, names, devices
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
-    root = tmp_path_factory.mktemp("quantized")
-    out = {}
-    for fmt in ("fp8_scaled", "nvfp4", "int8_convrot"):
-        out[fmt] = root / f"{fmt}.safetensors"
-        make_dit_checkpoint(out[fmt], TINY, fmt, "comfy", seed=6)
-    return out
+    return made_files(tmp_path_factory.mktemp("quantized"), TINY, ("fp8_scaled", "nvfp4", "int8_convrot"), 6)
 
 
 def _markers(tensors: dict) -> dict:

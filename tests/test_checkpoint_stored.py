@@ -15,6 +15,7 @@ from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
 from h3_spark.kernels.dispatch import BLOCK_LINEARS, apply_kernels
 from h3_spark.kernels.linear_fp8 import Fp8Linear
 from h3_spark.kernels.settings import KernelSettings
+from checkpoints import made_files
 from oracle import EQUAL_WIDTH
 from test_kernels_nvfp4_dispatch import blackwell, pretend_gpu  # noqa: F401 - fixture
 
@@ -30,12 +31,7 @@ LINEARS = len(BLOCK_LINEARS) * C.num_layers
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("stored")
-    out = {}
-    for fmt in ("fp8_scaled", "nvfp4", "bf16"):
-        out[fmt] = root / f"ew-{fmt}.safetensors"
-        make_dit_checkpoint(out[fmt], C, fmt, "comfy", seed=5)
-    return out
+    return made_files(tmp_path_factory.mktemp("stored"), C, ("fp8_scaled", "nvfp4", "bf16"), 5)
 
 
 @pytest.fixture
@@ -132,6 +128,7 @@ def test_nvfp4_linears_hold_the_stored_codes_and_scales(files, blackwell):  # no
     path = files["nvfp4"]
     assert linear_format(path) == "nvfp4"
     model = load_dit(path, dtype=torch.bfloat16)
+    loaded = load_dit(path, dtype=torch.bfloat16)  # the same weights, kept in bf16
     report = apply_kernels(model, KernelSettings(attention="sdpa", q_rms_rope_int8_fusion="off"))["linear"]
     assert report["format"] == "nvfp4" and report["why"].startswith("auto: Blackwell GPU and an NVFP4 checkpoint")
     assert report["sources"] == {"NVFP4 checkpoint, used as stored": LINEARS}
@@ -141,11 +138,7 @@ def test_nvfp4_linears_hold_the_stored_codes_and_scales(files, blackwell):  # no
         assert torch.equal(lin.weight, stored_rows(path, i, name)), name
         # Scales, re-blocked for the part: comfy-kitchen dequantizes the part to the rows of the whole.
         part = ck.dequantize_nvfp4(lin.weight, lin.weight_scale_2, lin.weight_scale, torch.bfloat16)
-        assert torch.equal(part[:lin.out_features], model_weight(path, i, name)), name
-
-
-def model_weight(path, block: int, name: str) -> torch.Tensor:
-    return load_dit(path, dtype=torch.bfloat16).transformer_blocks[block].get_submodule(name).weight.detach()
+        assert torch.equal(part[:lin.out_features], loaded.transformer_blocks[i].get_submodule(name).weight), name
 
 
 def test_nvfp4_file_on_hopper_makes_fp8_from_the_exact_dequantization(files, hopper):
