@@ -182,13 +182,13 @@ def load_model(args, contract, device: str, dtype):
 
 def checkpoint_weights(path) -> str:
     """The result's `weights`: a file our make-checkpoint wrote says so (its random weights are not H3's)."""
-    from ..h3_model.checkpoint import open_dit
+    from ..h3_model.checkpoint import open_source
 
-    reader = open_dit(path)
+    source = open_source(path)  # headers only: the model was loaded already
     try:
-        made = reader.source.metadata.get("h3_spark")
+        made = source.metadata.get("h3_spark")
     finally:
-        reader.source.close()
+        source.close()
     if made is None:
         return f"checkpoint {path}"
     try:

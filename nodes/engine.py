@@ -110,7 +110,7 @@ def load_model(path: Path, partition: str, weight_dtype: str, linear: str, atten
     dit = load_dit(path, dtype=DTYPES[weight_dtype], device=host.offload_device(), partition=part)
     model = host.make_held("dit", dit)
     model.model_options.setdefault("transformer_options", {})[OPTIONS] = {
-        "partition": part, "attention": attention, "linear": linear, "checkpoint_format": fmt, "loras": [],
+        "partition": part, "attention": attention, "linear": linear, "loras": [],
         "source": str(path)}
     return model
 
@@ -339,7 +339,7 @@ def _prepare_kernels(dit, opts: dict, device) -> dict:
     settings = KernelSettings.from_env().replace(attention=opts["attention"], linear=opts["linear"])
     state = dit.__dict__.get("_h3_spark_kernels")
     if state is None:
-        report = apply_kernels(dit, settings, checkpoint_format=opts["checkpoint_format"])
+        report = apply_kernels(dit, settings)  # the format H3_LINEAR=auto hears comes with the loaded DiT
         dit.__dict__["_h3_spark_kernels"] = state = {"attention": opts["attention"], "report": report}
     elif state["attention"] != opts["attention"]:
         report = {**state["report"], **switch_attention(dit, settings.attention, settings, device)}

@@ -178,7 +178,7 @@ def load_models(spec: ModelSpec, tracker: LoadTracker,
         try:
             model = builders[name]()
             if name in ("dit", "dit_ref"):
-                reports[name] = apply_kernels(model, spec.kernels, checkpoint_format=formats.get(name, "bf16"))
+                reports[name] = apply_kernels(model, spec.kernels)
                 defaults[name] = (model.attention, model.qk_prep)
             elif name == "vae":
                 model.tile_batch = spec.vae_tile_batch

@@ -18,7 +18,7 @@ import torch
 from ..config import DiTConfig
 from .dit_reader import DitReader
 from .source import CheckpointSource, open_source
-from .stored import CheckpointOrigin, StoredLinears
+from .stored import CheckpointOrigin, StoredLinears, linear_format_of
 
 __all__ = ["load_dit", "read_dit_config", "open_dit", "linear_format", "DitReader", "CheckpointSource", "open_source",
            "CheckpointOrigin", "StoredLinears"]
@@ -65,6 +65,6 @@ def linear_format(path: str | Path, partition: str | None = None) -> str:
     """What H3_LINEAR=auto hears about a checkpoint, from its headers: "nvfp4" when any layer is NVFP4."""
     reader = open_dit(path, partition=partition)
     try:
-        return CheckpointOrigin(str(path), partition, "stacked", stored_formats(reader)).linear_format
+        return linear_format_of(stored_formats(reader))
     finally:
         reader.source.close()

@@ -34,8 +34,12 @@ class CheckpointOrigin:
 
     @property
     def linear_format(self) -> str:
-        """What H3_LINEAR=auto hears about this checkpoint: "nvfp4" when any layer is NVFP4, else "bf16"."""
-        return "nvfp4" if "nvfp4" in self.formats else "bf16"
+        return linear_format_of(self.formats)
+
+
+def linear_format_of(formats) -> str:
+    """What H3_LINEAR=auto hears about a checkpoint stored in `formats`: "nvfp4" when any layer is NVFP4."""
+    return "nvfp4" if "nvfp4" in formats else "bf16"
 
 
 class StoredLinears:
