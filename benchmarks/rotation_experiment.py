@@ -9,12 +9,12 @@ session). Does the rotation as fp32 butterflies (`qk_prep._butterflies`: log2(12
 stages, no dot) do better, and with how many heads per program?
 
 1. `passes`: the Q pass (bound scales) and the K pass (mean, then the write) at S = 19,540, 56 heads of 128,
-   bf16, a strided view of a fused qkv as the model hands it over. Production (Kronecker dots) and each
-   butterfly launch shape, timed round-robin over three rounds (the card's clock settles during the first:
+   bf16, a strided view of a fused qkv as the model hands it over. Production (Kronecker dots, 32 tokens x
+   4 warps), the dots at smaller tiles and butterfly launch shapes, timed round-robin over three rounds (the card's clock settles during the first:
    every variant runs once before any is timed), medians of the rounds' medians. Codes are compared with
-   the fp32 reference (`reference_prepare_heads`).
+   the reference (`reference_prepare_heads`, the same bf16 roundings before the rotation).
 2. `forward`: whole fast t2va forwards (synthetic full-size weights, FP8 linears + fa3_fp8) alternating
-   production and the best butterfly shape of item 1, three times each, in one process.
+   production and the best other shape of item 1, three times each, in one process.
 """
 import json
 import os
@@ -31,18 +31,26 @@ from h3_spark.kernels import qk_prep as Q
 S = int(os.environ.get("SEQ", "19540"))
 H, HD = 56, 128
 ITERS = 20
-SHAPES = [(t, w, g) for t in (16, 32, 64) for w in (4, 8) for g in (1, 2, 4)]
+# (rotation, tokens per program, warps, heads per program); ("dot", 32, 4, 1) is production. Register
+# counts from ptxas (sm_90a, K write pass): production 255 with spills, butterflies 56 (4 x 4) to 207 (32 x 8).
+PRODUCTION = ("dot", 32, 4, 1)
+SHAPES = [PRODUCTION, ("dot", 16, 4, 1), ("dot", 8, 4, 1),
+          ("butterfly", 4, 4, 1), ("butterfly", 8, 4, 1), ("butterfly", 8, 8, 1), ("butterfly", 16, 4, 1),
+          ("butterfly", 16, 8, 1), ("butterfly", 32, 8, 1), ("butterfly", 8, 4, 2), ("butterfly", 8, 4, 4)]
 
 
 def use(shape):
-    """Switch the kernels to production (None) or a butterfly launch shape (tokens, warps, heads)."""
-    Q.BUTTERFLY = shape is not None
-    if shape is not None:
-        Q.BUTTERFLY_TILE_TOKENS, Q.BUTTERFLY_WARPS, Q.BUTTERFLY_HEADS = shape
+    """Switch the rotating passes to a launch shape (rotation, tokens, warps, heads)."""
+    rotation, tokens, warps, heads = shape
+    Q.BUTTERFLY = rotation == "butterfly"
+    if Q.BUTTERFLY:
+        Q.BUTTERFLY_TILE_TOKENS, Q.BUTTERFLY_WARPS, Q.BUTTERFLY_HEADS = tokens, warps, heads
+    else:
+        Q.KRONECKER_TILE_TOKENS, Q.HADAMARD_WARPS = tokens, warps
 
 
 def name_of(shape) -> str:
-    return "production" if shape is None else "butterfly_s{}_w{}_h{}".format(*shape)
+    return "{}_s{}_w{}_h{}".format(*shape)
 
 
 def inputs():
@@ -68,12 +76,12 @@ def passes(out: dict) -> None:
     opts = dict(hadamard=128, fmt="fp8", granularity="per_head_bound")
     calls = {"q": lambda: Q.prepare_heads(q, w, 1e-6, rope, **opts),
              "k": lambda: Q.prepare_heads(k, w, 1e-6, rope, smooth=True, **opts)}
-    ref = {"q": Q.reference_prepare_heads(q.float(), w, 1e-6, rope, **opts),
-           "k": Q.reference_prepare_heads(k.float(), w, 1e-6, rope, smooth=True, **opts)}
+    ref = {"q": Q.reference_prepare_heads(q, w, 1e-6, rope, **opts),
+           "k": Q.reference_prepare_heads(k, w, 1e-6, rope, smooth=True, **opts)}
     res = out["passes"] = {"floor_ms": {"q": (2 + 1) * q.numel() / 4.3e12 * 1e3,
                                         "k": (2 + 2 + 1) * k.numel() / 4.3e12 * 1e3}}
     live = []
-    for shape in [None] + SHAPES:
+    for shape in SHAPES:
         use(shape)
         entry = res[name_of(shape)] = {"ms": {"q": [], "k": []}}
         try:
@@ -94,15 +102,15 @@ def passes(out: dict) -> None:
         entry["median_ms"] = {t: statistics.median(v) for t, v in entry["ms"].items()}
         entry["q_plus_k_ms"] = entry["median_ms"]["q"] + entry["median_ms"]["k"]
         print(name_of(shape), entry["median_ms"], flush=True)
-    best = min((s for s in live if s is not None), key=lambda s: res[name_of(s)]["q_plus_k_ms"], default=None)
+    best = min((s for s in live if s != PRODUCTION), key=lambda s: res[name_of(s)]["q_plus_k_ms"], default=None)
     res["best"] = None if best is None else list(best)
-    use(None)
+    use(PRODUCTION)
 
 
 def forward(out: dict) -> None:
     best = out.get("passes", {}).get("best")
     if not best:
-        out["forward"] = {"skipped": "no butterfly shape ran"}
+        out["forward"] = {"skipped": "no other shape ran"}
         return
     os.environ.update(H3_LINEAR="fp8", H3_ATTENTION="fa3_fp8")
     from h3_spark.bench.contract import contract_shape, load_contract
@@ -133,14 +141,14 @@ def forward(out: dict) -> None:
               "output_audio_rows": torch.arange(lay.num_condition_audio_rows, lay.audio_indices.numel(), device="cuda")}
         outputs = {}
         for arm in ("old", "new") * 3:
-            use(tuple(best) if arm == "new" else None)
+            use(tuple(best) if arm == "new" else PRODUCTION)
             times = time_call(lambda: model(**kw), "cuda", 1, 3)
             res.setdefault(arm, []).append(statistics.median(times))
             if arm not in outputs:
                 outputs[arm] = [o.float() for o in model(**kw)]
             print(arm, times, flush=True)
         res["velocity_rel_l2_new_vs_old"] = [rel_l2(a, b) for a, b in zip(outputs["new"], outputs["old"])]
-    use(None)
+    use(PRODUCTION)
 
 
 def main(path: str) -> None:

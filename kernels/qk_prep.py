@@ -267,8 +267,7 @@ if triton is not None:
         # stages compose to Sylvester's +-1 matrix ((-1)^popcount(i & j)), block-diagonal with blocks of
         # 2^LOG_HB; log2(HB) additions per value, and no matrix product, so no operand layout for a dot.
         for i in tl.static_range(LOG_HB):
-            s: tl.constexpr = 1 << i
-            t = tl.permute(tl.reshape(y, (BLOCK_S, BLOCK_D // (2 * s), 2, s)), (0, 1, 3, 2))
+            t = tl.permute(tl.reshape(y, (BLOCK_S, BLOCK_D >> (i + 1), 2, 1 << i)), (0, 1, 3, 2))
             a, b = tl.split(t)
             y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BLOCK_S, BLOCK_D))
         return y
