@@ -55,6 +55,7 @@ BUTTERFLY = False
 BUTTERFLY_TILE_TOKENS = 32
 BUTTERFLY_WARPS = 4
 BUTTERFLY_HEADS = 1
+GROUP_UNROTATED = False
 EXACT_HEADS = 8
 QMAX = {"fp8": 448.0, "int8": 127.0}
 QDTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -420,6 +421,8 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         if granularity == "per_block":
             tile = BLOCK_TOKENS
     if fmt is None and not hadamard and not smooth:
+        tile, warps, group = EXACT_TILE_TOKENS, EXACT_WARPS, heads_per_program(h)
+    elif GROUP_UNROTATED and not hadamard and granularity != "per_block":
         tile, warps, group = EXACT_TILE_TOKENS, EXACT_WARPS, heads_per_program(h)
     n_tiles = triton.cdiv(s, tile)
     dev = x.device

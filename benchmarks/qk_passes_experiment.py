@@ -1,6 +1,6 @@
 """Experiment behind docs/perf-notes.md (eighth session), kept so its receipt can be re-run (GPU only):
 
-  python benchmarks/rotation_experiment.py OUT.json
+  python benchmarks/qk_passes_experiment.py OUT.json        (ONLY=passes|v_pass|forward, CANDIDATE=rotation|v_groups)
 
 Question: the FP8 Q/K passes of the fast path (RMSNorm + RoPE + K smoothing + 128-wide Hadamard + e4m3
 codes) take 0.7-1.0 ms where the unrotated pass takes ~0.25 ms; ncu found them latency-bound at low
@@ -13,8 +13,12 @@ stages, no dot) do better, and with how many heads per program?
    4 warps), the dots at smaller tiles and butterfly launch shapes, timed round-robin over three rounds (the card's clock settles during the first:
    every variant runs once before any is timed), medians of the rounds' medians. Codes are compared with
    the reference (`reference_prepare_heads`, the same bf16 roundings before the rotation).
-2. `forward`: whole fast t2va forwards (synthetic full-size weights, FP8 linears + fa3_fp8) alternating
-   production and the best other shape of item 1, three times each, in one process.
+2. `v_pass`: fa3_fp8's V quantization (per-head absmax, then the codes: two passes, no norm or rotation) as
+   production launches it (64 tokens x 8 warps, one head per program) and with the exact pass's head groups
+   (32 x 4, 8 heads per program: `qk_prep.GROUP_UNROTATED`).
+3. `forward`: whole fast t2va forwards (synthetic full-size weights, FP8 linears + fa3_fp8) alternating
+   production and a candidate (CANDIDATE=rotation: the best other shape of item 1; v_groups: item 2's
+   groups), three times each, in one process, then a kernel profile of one forward of each.
 """
 import json
 import os
@@ -24,7 +28,7 @@ import time
 
 import torch
 
-import kernels_gpu  # beside this file: run as `python benchmarks/rotation_experiment.py`
+import kernels_gpu  # beside this file: run as `python benchmarks/qk_passes_experiment.py`
 from h3_spark.h3_model.dit import rope_tables
 from h3_spark.kernels import qk_prep as Q
 
@@ -107,13 +111,47 @@ def passes(out: dict) -> None:
     use(PRODUCTION)
 
 
-def forward(out: dict) -> None:
+def v_pass(out: dict) -> None:
+    g = torch.Generator("cuda").manual_seed(6)
+    qkv = torch.randn(1, S, 3 * H * HD, generator=g, device="cuda").bfloat16()
+    v = qkv[..., 2 * H * HD:].view(1, S, H, HD)
+    opts = dict(norm=False, fmt="fp8", granularity="per_head")
+    want = Q.reference_prepare_heads(v, None, 0.0, None, **opts)
+    res = out["v_pass"] = {"floor_ms": (2 + 2 + 1) * v.numel() / 4.3e12 * 1e3, "production": {"ms": []},
+                           "groups": {"ms": []}}
+    for arm in ("production", "groups"):
+        Q.GROUP_UNROTATED = arm == "groups"
+        res[arm].update(agreement(Q.prepare_heads(v, None, 0.0, None, **opts), want))
+    for _ in range(3):
+        for arm in ("production", "groups"):
+            Q.GROUP_UNROTATED = arm == "groups"
+            res[arm]["ms"].append(kernels_gpu.bench(lambda: Q.prepare_heads(v, None, 0.0, None, **opts), ITERS, 3))
+    Q.GROUP_UNROTATED = False
+    for arm in ("production", "groups"):
+        res[arm]["median_ms"] = statistics.median(res[arm]["ms"])
+        print(arm, res[arm], flush=True)
+
+
+def candidate(out: dict):
+    """(name, switch on, switch off) for the forward A/B, or None."""
+    which = os.environ.get("CANDIDATE", "rotation")
+    if which == "v_groups":
+        return which, lambda: setattr(Q, "GROUP_UNROTATED", True), lambda: setattr(Q, "GROUP_UNROTATED", False)
     best = out.get("passes", {}).get("best")
     if not best:
-        out["forward"] = {"skipped": "no other shape ran"}
+        return None
+    return f"rotation {best}", lambda: use(tuple(best)), lambda: use(PRODUCTION)
+
+
+def forward(out: dict) -> None:
+    cand = candidate(out)
+    if cand is None:
+        out["forward"] = {"skipped": "no candidate (run the passes item first)"}
         return
+    name, switch_on, switch_off = cand
     os.environ.update(H3_LINEAR="fp8", H3_ATTENTION="fa3_fp8")
     from h3_spark.bench.contract import contract_shape, load_contract
+    from h3_spark.bench.profile import profile_call
     from h3_spark.bench.runner import make_inputs, rel_l2, time_call
     from h3_spark.bench.synthetic import synthetic_dit
     from h3_spark.h3_model.config import preset
@@ -130,7 +168,7 @@ def forward(out: dict) -> None:
     schedule = JointSchedule.create(contract["steps"])
     inp = make_inputs(shape, model.config, "cuda", contract["seed"], len(schedule) // 2, schedule)
     lay = shape.layout
-    res = out["forward"] = {"build_s": time.perf_counter() - t0, "best_shape": best,
+    res = out["forward"] = {"build_s": time.perf_counter() - t0, "candidate": name,
                             "linear": backends.get("linear", {}).get("format"),
                             "attention": backends.get("attention", {}).get("chosen")}
     with torch.inference_mode():
@@ -141,22 +179,25 @@ def forward(out: dict) -> None:
               "output_audio_rows": torch.arange(lay.num_condition_audio_rows, lay.audio_indices.numel(), device="cuda")}
         outputs = {}
         for arm in ("old", "new") * 3:
-            use(tuple(best) if arm == "new" else PRODUCTION)
+            (switch_on if arm == "new" else switch_off)()
             times = time_call(lambda: model(**kw), "cuda", 1, 3)
             res.setdefault(arm, []).append(statistics.median(times))
             if arm not in outputs:
                 outputs[arm] = [o.float() for o in model(**kw)]
             print(arm, times, flush=True)
         res["velocity_rel_l2_new_vs_old"] = [rel_l2(a, b) for a, b in zip(outputs["new"], outputs["old"])]
-    use(PRODUCTION)
+        for arm in ("old", "new"):
+            (switch_on if arm == "new" else switch_off)()
+            res["profile_" + arm] = profile_call(lambda: model(**kw), "cuda")
+    switch_off()
 
 
 def main(path: str) -> None:
     out = {"S": S, "heads": H, "head_dim": HD, "device": torch.cuda.get_device_name(),
            "commit": os.environ.get("H3_GIT_COMMIT")}
     only = os.environ.get("ONLY")
-    for fn in (passes, forward):
-        if only and fn.__name__ != only:
+    for fn in (passes, v_pass, forward):
+        if only and fn.__name__ not in only.split(","):
             continue
         try:
             fn(out)
