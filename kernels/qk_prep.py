@@ -50,12 +50,6 @@ KRONECKER_TILE_TOKENS = 32
 # forward went 1.981 -> 1.977 s (A/B in one lease, receipts/h200/ab-qk-heads/).
 EXACT_TILE_TOKENS = 32
 EXACT_WARPS = 4
-# Experiment knobs (benchmarks/rotation_experiment.py): the rotation as butterflies instead of dots.
-BUTTERFLY = False
-BUTTERFLY_TILE_TOKENS = 32
-BUTTERFLY_WARPS = 4
-BUTTERFLY_HEADS = 1
-GROUP_UNROTATED = False
 EXACT_HEADS = 8
 QMAX = {"fp8": 448.0, "int8": 127.0}
 QDTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -263,21 +257,8 @@ if triton is not None:
         return tl.dot(t, hm.to(tl.float32), out_dtype=tl.float32)
 
     @triton.jit
-    def _butterflies(y, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, LOG_HB: tl.constexpr):
-        # Fast Walsh-Hadamard transform in fp32: stage i pairs channel c with c ^ 2^i as (a + b, a - b). The
-        # stages compose to Sylvester's +-1 matrix ((-1)^popcount(i & j)), block-diagonal with blocks of
-        # 2^LOG_HB; log2(HB) additions per value, and no matrix product, so no operand layout for a dot.
-        for i in tl.static_range(LOG_HB):
-            t = tl.permute(tl.reshape(y, (BLOCK_S, BLOCK_D >> (i + 1), 2, 1 << i)), (0, 1, 3, 2))
-            a, b = tl.split(t)
-            y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BLOCK_S, BLOCK_D))
-        return y
-
-    @triton.jit
     def _rotate(y, norm_scale, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr,
-                KRONECKER: tl.constexpr, SPLIT: tl.constexpr, LOG_HB: tl.constexpr):
-        if LOG_HB > 0:
-            return _butterflies(y, BLOCK_S, BLOCK_D, LOG_HB) * norm_scale
+                KRONECKER: tl.constexpr, SPLIT: tl.constexpr):
         # y @ H in fp32. KRONECKER (128-wide heads): Sylvester H128 = H8 (x) H16 (entry (i, j) is
         # (-1)^popcount(i & j), and the low 4 and high 3 bits of i & j count apart), so H16 acts on each
         # 16-channel group, then H8 across the groups as 16-wide dots on pairs of regrouped rows. 16x16
@@ -302,8 +283,7 @@ if triton is not None:
                         STAGE: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, SMOOTH: tl.constexpr,
                         HADAMARD: tl.constexpr, FMT: tl.constexpr, PER_BLOCK: tl.constexpr, RND: tl.constexpr,
                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_DOT: tl.constexpr,
-                        TABLES_ROUNDED: tl.constexpr, KRONECKER: tl.constexpr, HEADS: tl.constexpr,
-                        LOG_HB: tl.constexpr):
+                        TABLES_ROUNDED: tl.constexpr, KRONECKER: tl.constexpr, HEADS: tl.constexpr):
         # One program = BLOCK_S tokens of HEADS heads of one batch row, one head after the other: the RoPE
         # rows and the norm gain are loaded once for all of them. STAGE 0 = partial key sums (for the mean),
         # 1 = partial absmax (for per-head scales), 2 = write the output. Each stage recomputes the
@@ -364,7 +344,7 @@ if triton is not None:
                 tl.store(part_ptr + (pid_bh * N_TILES + pid_s) * BLOCK_D + d, tl.sum(y, axis=0))
             else:
                 if HADAMARD:
-                    y = _rotate(y, had_scale, BLOCK_S, BLOCK_D, HADAMARD, KRONECKER, SPLIT_DOT, LOG_HB)
+                    y = _rotate(y, had_scale, BLOCK_S, BLOCK_D, HADAMARD, KRONECKER, SPLIT_DOT)
                 optr = out_ptr + b * sob + h * soh + rows[:, None] * sos + d[None, :]
                 if FMT == 0:
                     if STAGE == 2:
@@ -391,9 +371,9 @@ if triton is not None:
                             tl.store(optr, rint(q).to(tl.int8), mask=m)
 
 
-def heads_per_program(heads: int, limit: int = EXACT_HEADS) -> int:
-    """A pass's head group: the largest divisor of `heads` up to `limit` (the exact pass: EXACT_HEADS)."""
-    return max(g for g in range(1, limit + 1) if heads % g == 0)
+def heads_per_program(heads: int) -> int:
+    """The exact pass's head group: the largest divisor of `heads` up to EXACT_HEADS."""
+    return max(g for g in range(1, EXACT_HEADS + 1) if heads % g == 0)
 
 
 def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -416,13 +396,7 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         tile = KRONECKER_TILE_TOKENS if kronecker else HADAMARD_TILE_TOKENS
     warps = HADAMARD_WARPS if hadamard else NUM_WARPS
     group = 1
-    if hadamard and BUTTERFLY:
-        tile, warps, group = BUTTERFLY_TILE_TOKENS, BUTTERFLY_WARPS, heads_per_program(h, BUTTERFLY_HEADS)
-        if granularity == "per_block":
-            tile = BLOCK_TOKENS
     if fmt is None and not hadamard and not smooth:
-        tile, warps, group = EXACT_TILE_TOKENS, EXACT_WARPS, heads_per_program(h)
-    elif GROUP_UNROTATED and not hadamard and granularity != "per_block":
         tile, warps, group = EXACT_TILE_TOKENS, EXACT_WARPS, heads_per_program(h)
     n_tiles = triton.cdiv(s, tile)
     dev = x.device
@@ -448,8 +422,7 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                      STAGE=stage, NORM=norm, ROPE=rope is not None, SMOOTH=smooth and mean is not dummy,
                      HADAMARD=hadamard, FMT=fmt_code, PER_BLOCK=per_block, BLOCK_S=tile,
                      RND=round_code(x.dtype), BLOCK_D=block_d, SPLIT_DOT=not INTERPRETED,
-                     TABLES_ROUNDED=cos.dtype == x.dtype, KRONECKER=kronecker, HEADS=group,
-                     LOG_HB=hadamard.bit_length() - 1 if (hadamard and BUTTERFLY) else 0, num_warps=warps)
+                     TABLES_ROUNDED=cos.dtype == x.dtype, KRONECKER=kronecker, HEADS=group, num_warps=warps)
 
     mean = dummy
     if smooth:
