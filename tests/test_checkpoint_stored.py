@@ -6,6 +6,8 @@ Oracles: the stored tensors read with safetensors and cut by hand (fused QKV row
 as in test_kernels_nvfp4_dispatch); the conversions only, the GEMMs themselves are tested elsewhere.
 """
 
+import shutil
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -245,3 +247,23 @@ def test_an_e5m2_file_gives_its_codes_to_fp8_linears_through_an_exact_dequantiza
     # The cut rows (fc1's halves swapped back) within one e4m3 rounding of the exact e5m2 values (half a step:
     # 2^-4 relative, or 2^-10 of the channel scale below e4m3's normal range).
     assert ((got - want).abs() <= want.abs() * 2.0 ** -4 + lin.weight_scale.reshape(-1, 1) * 2.0 ** -10).all()
+
+
+
+
+def test_a_folder_with_both_partitions_gives_each_partition_its_own_codes(tmp_path, hopper):
+    # A folder a user assembled: fp8_scaled files (ComfyUI names) under transformer/ and transformer_ref/.
+    # The parent names no single partition, so the codes must be re-read from the partition the model came from.
+    make_dit_checkpoint(tmp_path / "config", C, "bf16", "diffusers", seed=1)
+    files = {}
+    for partition, sub, seed in (("t2va", "transformer", 5), ("ref2va", "transformer_ref", 6)):
+        (tmp_path / sub).mkdir()
+        shutil.copy(tmp_path / "config" / "config.json", tmp_path / sub / "config.json")
+        files[partition] = tmp_path / sub / "diffusion_pytorch_model.safetensors"
+        make_dit_checkpoint(files[partition], C, "fp8_scaled", "comfy", seed=seed)
+    for partition, path in files.items():
+        model = load_dit(tmp_path, partition=partition, dtype=torch.bfloat16)
+        report = apply_kernels(model, fp8_settings())["linear"]
+        assert report["checkpoint_codes"]["layers_from_stored_codes"] == LINEARS, report
+        for i, name, lin in block_linears(model):
+            assert torch.equal(lin.weight.view(torch.uint8), stored_rows(path, i, name)), (partition, name)
