@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..h3_model.dit import SwiGLU
-from ._triton import require_kernels, round_e4m3, tl, triton  # noqa: F401  (round_e4m3: used in the kernel)
+from ._triton import div_by, require_kernels, store_e4m3, tl, triton  # noqa: F401  (used in the kernel)
 from .modulation import FusedRowModulation
 
 E4M3_MAX = 448.0
@@ -73,11 +73,12 @@ if triton is not None:
             amax = tl.maximum(amax, tl.abs(x))
         scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
         tl.store(s_ptr + row, scale)
+        inv = tl.math.div_rn(1.0, scale)
         for off in range(0, K, CHUNK):
             c = off + cols
             x = tl.load(x_ptr + row * sx + c, mask=c < K, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-            tl.store(q_ptr + row * sq + c, round_e4m3(q).to(tl.float8e4nv), mask=c < K)
+            q = tl.minimum(tl.maximum(div_by(x, scale, inv), -448.0), 448.0)
+            tl.store(q_ptr + row * sq + c, store_e4m3(q), mask=c < K)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

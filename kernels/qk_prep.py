@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import (INTERPRETED, require_kernels, rint, rnd, rnd_store,  # noqa: F401  (used in kernels)
-                      round_bf16, round_code, round_e4m3, tl, triton)
+from ._triton import (INTERPRETED, div_by, require_kernels, rint, rnd, rnd_store,  # noqa: F401  (kernels)
+                      round_bf16, round_code, store_e4m3, tl, triton)
 
 BLOCK_TOKENS = 64
 NUM_WARPS = 8
@@ -363,10 +363,10 @@ if triton is not None:
                             tl.store(scale_ptr + pid_bh * N_TILES + pid_s, scale)
                         else:
                             scale = tl.load(scale_ptr + pid_bh)
-                        q = tl.math.div_rn(y, scale)
+                        q = div_by(y, scale, tl.math.div_rn(1.0, scale))
                         q = tl.minimum(tl.maximum(q, -qmax), qmax)
                         if FMT == 1:
-                            tl.store(optr, round_e4m3(q).to(tl.float8e4nv), mask=m)
+                            tl.store(optr, store_e4m3(q), mask=m)
                         else:
                             tl.store(optr, rint(q).to(tl.int8), mask=m)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import (require_kernels, rnd, rnd_store, round_code, round_e4m3, tl,  # noqa: F401  (kernels)
+from ._triton import (div_by, require_kernels, rnd, rnd_store, round_code, store_e4m3, tl,  # noqa: F401  (kernels)
                       triton)
 
 BLOCK = 1024
@@ -48,8 +48,8 @@ if triton is not None:
         prod = rnd(value * rnd(gate / (1.0 + tl.exp(-gate)), RND), RND)
         scale = tl.maximum(tl.max(tl.where(m, tl.abs(prod), 0.0), axis=0), 1e-12) / 448.0
         tl.store(s_ptr + row, scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(prod, scale), -448.0), 448.0)
-        tl.store(q_ptr + row * HALF + c, round_e4m3(q).to(tl.float8e4nv), mask=m)
+        q = tl.minimum(tl.maximum(div_by(prod, scale, tl.math.div_rn(1.0, scale)), -448.0), 448.0)
+        tl.store(q_ptr + row * HALF + c, store_e4m3(q), mask=m)
 
 
 def fused_swiglu(up: torch.Tensor) -> torch.Tensor:

@@ -110,7 +110,7 @@ if __import__("h3_spark.kernels._triton", fromlist=["triton"]).triton is not Non
     import triton
     import triton.language as tl
 
-    from h3_spark.kernels._triton import rnd_store, round_bf16, round_code, round_e4m3, round_f16
+    from h3_spark.kernels._triton import div_by, rnd_store, round_bf16, round_code, round_e4m3, round_f16, store_e4m3
 
     @triton.jit
     def _rounding_probe(x_ptr, out_ptr, n, WHICH: tl.constexpr, BLOCK: tl.constexpr):
@@ -162,6 +162,40 @@ def test_store_rounding_equals_torch_casts(dtype, limit):
     want = x.to(dtype)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (out != want).sum().item()
 
+
+if __import__("h3_spark.kernels._triton", fromlist=["triton"]).triton is not None:
+
+    @triton.jit
+    def _divide_probe(x_ptr, d_ptr, out_ptr, codes_ptr, n, BLOCK: tl.constexpr):
+        # one divisor per program, as the quantizers use one scale per row or head
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + idx, mask=idx < n, other=1.0)
+        d = tl.load(d_ptr + tl.program_id(0))
+        q = div_by(x, d, tl.math.div_rn(1.0, d))
+        tl.store(out_ptr + idx, q, mask=idx < n)
+        tl.store(codes_ptr + idx, store_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0)), mask=idx < n)
+
+
+def test_division_by_a_shared_scale_equals_torch_division():
+    """`div_by` (the quantizers' x / scale through the reciprocal and one fma correction) gives the bits of an
+    IEEE division, and `store_e4m3` the codes of torch's e4m3 cast, over 2^22 values and 4,096 scales whose
+    quotients span the normal range; ties of the e4m3 grid included."""
+    n, block = 1 << 22, 1024
+    g = torch.Generator(DEV).manual_seed(11)
+    x = torch.exp(torch.empty(n, device=DEV).uniform_(-40, 40, generator=g)) * torch.randn(n, device=DEV, generator=g)
+    d = torch.exp(torch.empty(n // block, device=DEV).uniform_(-30, 30, generator=g))
+    d[:64] = torch.tensor(1e-12 / 448.0, device=DEV)  # the quantizers' smallest scale (an all-zero row)
+    # e4m3 ties: with a power-of-two scale, x / d = 2^e (1 + (2j + 1) / 16) lies halfway between two codes
+    k = torch.arange(block, device=DEV)
+    d[0] = 2.0 ** -5
+    x[:block] = (1 + (2 * (k % 8) + 1) / 16) * torch.exp2((k // 8 % 15 - 6).float()) * d[0] * (1 - 2 * (k % 2))
+    out, codes = torch.empty_like(x), torch.empty(n, device=DEV, dtype=torch.float8_e4m3fn)
+    _divide_probe[(n // block,)](x, d, out, codes, n, BLOCK=block)
+    want = x / d.repeat_interleave(block)
+    normal = want.abs() >= torch.finfo(torch.float32).tiny
+    assert torch.equal(out[normal], want[normal]), (out[normal] != want[normal]).sum().item()
+    want_codes = want.clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
 
 def test_fp8_linears_from_stored_fp8_scaled_codes(tmp_path):
     """A ComfyUI fp8_scaled file: the FP8 GEMMs run on the stored e4m3 codes (one scale per tensor broadcast
