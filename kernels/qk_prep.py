@@ -51,6 +51,11 @@ KRONECKER_TILE_TOKENS = 32
 EXACT_TILE_TOKENS = 32
 EXACT_WARPS = 4
 EXACT_HEADS = 8
+# The K smoothing's mean: each program sums KEY_SUM_TILES tiles of 16 tokens of one head (4 warps; ptxas:
+# 223 registers, no spills; 32 tokens spilled).
+KEY_SUM_TILE_TOKENS = 16
+KEY_SUM_TILES = 16
+KEY_SUM_WARPS = 4
 QMAX = {"fp8": 448.0, "int8": 127.0}
 QDTYPE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 FORMATS = (None, "fp8", "int8")
@@ -278,28 +283,16 @@ if triton is not None:
         return t * norm_scale
 
     @triton.jit
-    def _qk_prep_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, mean_ptr, scale_ptr, out_ptr, part_ptr,
-                        S, H, D, R, N_TILES, eps, had_scale, sxb, sxs, sxh, sob, sos, soh, scs,
-                        STAGE: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, SMOOTH: tl.constexpr,
-                        HADAMARD: tl.constexpr, FMT: tl.constexpr, PER_BLOCK: tl.constexpr, RND: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_DOT: tl.constexpr,
-                        TABLES_ROUNDED: tl.constexpr, KRONECKER: tl.constexpr, HEADS: tl.constexpr):
-        # One program = BLOCK_S tokens of HEADS heads of one batch row, one head after the other: the RoPE
-        # rows and the norm gain are loaded once for all of them. STAGE 0 = partial key sums (for the mean),
-        # 1 = partial absmax (for per-head scales), 2 = write the output. Each stage recomputes the
-        # norm + RoPE from the raw input: re-reading bf16 costs what storing an intermediate would.
-        # Head groups vary fastest across programs: programs in flight together share their tokens' RoPE
-        # rows (from cache) and read neighbouring memory.
-        pid_g = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        groups = H // HEADS
-        b = pid_g // groups
-        h0 = (pid_g % groups) * HEADS
-        rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-        d = tl.arange(0, BLOCK_D)
-        rmask = rows < S
-        dmask = d < D
-        m = rmask[:, None] & dmask[None, :]
+    def _tables(w_ptr, cos_ptr, sin_ptr, rows, rmask, d, dmask, R, scs, NORM: tl.constexpr, ROPE: tl.constexpr,
+                TABLES_ROUNDED: tl.constexpr, RND: tl.constexpr):
+        # What a tile's heads share: the norm gain (and its RoPE-partner order), the tokens' cos / sin rows.
+        w = 0.0
+        wp = 0.0
+        c = 0.0
+        sn = 0.0
+        sign = 0.0
+        rot = d < 0
+        partner = d
         if NORM:
             w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
         if ROPE:
@@ -315,60 +308,112 @@ if triton is not None:
                 c = rnd(c, RND)
                 sn = rnd(sn, RND)
             sign = tl.where(d < half, -1.0, 1.0)
+        return w, wp, c, sn, sign, rot, partner
+
+    @triton.jit
+    def _norm_rope(base, rows, d, m, sxs, w, wp, c, sn, sign, rot, partner, eps, D, NORM: tl.constexpr,
+                   ROPE: tl.constexpr, RND: tl.constexpr):
+        # One head of a tile: RMSNorm, then RoPE on the first R channels, rounding where eager does.
+        x = tl.load(base + rows[:, None] * sxs + d[None, :], mask=m, other=0.0).to(tl.float32)
+        y = x
+        if NORM:
+            rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps)
+            y = rnd(x * rstd[:, None] * w[None, :], RND)
+        if ROPE:
+            yp = tl.load(base + rows[:, None] * sxs + partner[None, :], mask=m, other=0.0).to(tl.float32)
+            if NORM:
+                yp = rnd(yp * rstd[:, None] * wp[None, :], RND)
+            # eager: rot * cos + cat(-x2, x1) * sin, each product and the sum rounded to x's dtype
+            a = rnd(y * c, RND)
+            p = rnd((yp * sign[None, :]) * sn, RND)
+            y = tl.where(rot[None, :], rnd(a + p, RND), y)
+        return y
+
+    @triton.jit
+    def _qk_prep_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, mean_ptr, scale_ptr, out_ptr, part_ptr,
+                        S, H, D, R, N_TILES, eps, had_scale, sxb, sxs, sxh, sob, sos, soh, scs,
+                        STAGE: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, SMOOTH: tl.constexpr,
+                        HADAMARD: tl.constexpr, FMT: tl.constexpr, PER_BLOCK: tl.constexpr, RND: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_DOT: tl.constexpr,
+                        TABLES_ROUNDED: tl.constexpr, KRONECKER: tl.constexpr, HEADS: tl.constexpr):
+        # One program = BLOCK_S tokens of HEADS heads of one batch row, one head after the other: the RoPE
+        # rows and the norm gain are loaded once for all of them. STAGE 1 = partial absmax (for per-head
+        # scales), 2 = write the output (the smoothing mean has its own kernel, `_key_sum_kernel`). Each stage
+        # recomputes the norm + RoPE from the raw input: re-reading bf16 costs what storing an intermediate would.
+        # Head groups vary fastest across programs: programs in flight together share their tokens' RoPE
+        # rows (from cache) and read neighbouring memory.
+        pid_g = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        groups = H // HEADS
+        b = pid_g // groups
+        h0 = (pid_g % groups) * HEADS
+        rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        rmask = rows < S
+        dmask = d < D
+        m = rmask[:, None] & dmask[None, :]
+        w, wp, c, sn, sign, rot, partner = _tables(w_ptr, cos_ptr, sin_ptr, rows, rmask, d, dmask, R, scs,
+                                                   NORM, ROPE, TABLES_ROUNDED, RND)
         for j in range(HEADS):
             h = h0 + j
             pid_bh = b * H + h
-            base = x_ptr + b * sxb + h * sxh
-            x = tl.load(base + rows[:, None] * sxs + d[None, :], mask=m, other=0.0).to(tl.float32)
-            if NORM:
-                ms = tl.sum(x * x, axis=1) / D
-                rstd = 1.0 / tl.sqrt_rn(ms + eps)
-                y = rnd(x * rstd[:, None] * w[None, :], RND)
-            else:
-                y = x
-            if ROPE:
-                xp = tl.load(base + rows[:, None] * sxs + partner[None, :], mask=m, other=0.0).to(tl.float32)
-                if NORM:
-                    yp = rnd(xp * rstd[:, None] * wp[None, :], RND)
-                else:
-                    yp = xp
-                # eager: rot * cos + cat(-x2, x1) * sin, each product and the sum rounded to x's dtype
-                a = rnd(y * c, RND)
-                p = rnd((yp * sign[None, :]) * sn, RND)
-                y = tl.where(rot[None, :], rnd(a + p, RND), y)
+            y = _norm_rope(x_ptr + b * sxb + h * sxh, rows, d, m, sxs, w, wp, c, sn, sign, rot, partner, eps, D,
+                           NORM, ROPE, RND)
             if SMOOTH:
                 mu = tl.load(mean_ptr + pid_bh * BLOCK_D + d, mask=dmask, other=0.0)
                 y = y - mu[None, :]
             y = tl.where(m, y, 0.0)
-            if STAGE == 0:
-                tl.store(part_ptr + (pid_bh * N_TILES + pid_s) * BLOCK_D + d, tl.sum(y, axis=0))
+            if HADAMARD:
+                y = _rotate(y, had_scale, BLOCK_S, BLOCK_D, HADAMARD, KRONECKER, SPLIT_DOT)
+            optr = out_ptr + b * sob + h * soh + rows[:, None] * sos + d[None, :]
+            if FMT == 0:
+                if STAGE == 2:
+                    tl.store(optr, rnd_store(y, RND).to(out_ptr.dtype.element_ty), mask=m)
             else:
-                if HADAMARD:
-                    y = _rotate(y, had_scale, BLOCK_S, BLOCK_D, HADAMARD, KRONECKER, SPLIT_DOT)
-                optr = out_ptr + b * sob + h * soh + rows[:, None] * sos + d[None, :]
-                if FMT == 0:
-                    if STAGE == 2:
-                        tl.store(optr, rnd_store(y, RND).to(out_ptr.dtype.element_ty), mask=m)
+                amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
+                if STAGE == 1:
+                    tl.store(part_ptr + pid_bh * N_TILES + pid_s, amax)
                 else:
-                    amax = tl.max(tl.max(tl.abs(y), axis=1), axis=0)
-                    if STAGE == 1:
-                        tl.store(part_ptr + pid_bh * N_TILES + pid_s, amax)
+                    if FMT == 1:
+                        qmax = 448.0
                     else:
-                        if FMT == 1:
-                            qmax = 448.0
-                        else:
-                            qmax = 127.0
-                        if PER_BLOCK:
-                            scale = tl.maximum(amax, 1e-20) / qmax
-                            tl.store(scale_ptr + pid_bh * N_TILES + pid_s, scale)
-                        else:
-                            scale = tl.load(scale_ptr + pid_bh)
-                        q = div_by(y, scale, tl.math.div_rn(1.0, scale))
-                        q = tl.minimum(tl.maximum(q, -qmax), qmax)
-                        if FMT == 1:
-                            tl.store(optr, store_e4m3(q), mask=m)
-                        else:
-                            tl.store(optr, rint(q).to(tl.int8), mask=m)
+                        qmax = 127.0
+                    if PER_BLOCK:
+                        scale = tl.maximum(amax, 1e-20) / qmax
+                        tl.store(scale_ptr + pid_bh * N_TILES + pid_s, scale)
+                    else:
+                        scale = tl.load(scale_ptr + pid_bh)
+                    q = div_by(y, scale, tl.math.div_rn(1.0, scale))
+                    q = tl.minimum(tl.maximum(q, -qmax), qmax)
+                    if FMT == 1:
+                        tl.store(optr, store_e4m3(q), mask=m)
+                    else:
+                        tl.store(optr, rint(q).to(tl.int8), mask=m)
+
+    @triton.jit
+    def _key_sum_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, part_ptr, S, H, D, R, N_PARTS, eps, sxb, sxs, sxh, scs,
+                        NORM: tl.constexpr, ROPE: tl.constexpr, RND: tl.constexpr, BLOCK_S: tl.constexpr,
+                        BLOCK_D: tl.constexpr, TABLES_ROUNDED: tl.constexpr, TILES: tl.constexpr):
+        # The smoothing mean's partial sums: TILES consecutive tiles of one head per program, added up in
+        # registers, one partial row stored. (One program per tile stored 611 x 56 partial rows at S = 19,540
+        # and reduced across warps once per tile.) Heads vary fastest across programs, as in the main kernel.
+        pid_bh = tl.program_id(0)
+        pid_p = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+        for t in range(TILES):
+            rows = (pid_p * TILES + t) * BLOCK_S + tl.arange(0, BLOCK_S)
+            rmask = rows < S
+            m = rmask[:, None] & dmask[None, :]
+            w, wp, c, sn, sign, rot, partner = _tables(w_ptr, cos_ptr, sin_ptr, rows, rmask, d, dmask, R, scs,
+                                                       NORM, ROPE, TABLES_ROUNDED, RND)
+            y = _norm_rope(x_ptr + b * sxb + h * sxh, rows, d, m, sxs, w, wp, c, sn, sign, rot, partner, eps, D,
+                           NORM, ROPE, RND)
+            acc += tl.where(m, y, 0.0)
+        tl.store(part_ptr + (pid_bh * N_PARTS + pid_p) * BLOCK_D + d, tl.sum(acc, axis=0))
 
 
 def heads_per_program(heads: int) -> int:
@@ -426,9 +471,7 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 
     mean = dummy
     if smooth:
-        part = torch.empty(b * h, n_tiles, block_d, device=dev, dtype=torch.float32)
-        launch(0, dummy, part, dummy, dummy, 0, False)
-        mean = (part.sum(dim=1) / s).contiguous()
+        mean = _key_mean(x, w, cos, sin, r, eps, block_d, norm)
     if fmt is None:
         out = torch.empty(b, s, h, d, device=dev, dtype=x.dtype)
         launch(2, out, dummy, mean, dummy, 0, False)
@@ -449,6 +492,19 @@ def prepare_heads(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     launch(2, out, dummy, mean, scale, fmt_code, True)
     return QuantizedHeads(out, scale.view(b, h, n_tiles), BLOCK_TOKENS)
 
+
+def _key_mean(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int, eps: float,
+              block_d: int, norm: bool) -> torch.Tensor:
+    """(B * H, block_d) fp32 mean over the sequence of the (normed, RoPE'd) keys (`_key_sum_kernel`)."""
+    b, s, h, d = x.shape
+    n_parts = triton.cdiv(triton.cdiv(s, KEY_SUM_TILE_TOKENS), KEY_SUM_TILES)
+    part = torch.empty(b * h, n_parts, block_d, device=x.device, dtype=torch.float32)
+    _key_sum_kernel[(b * h, n_parts)](x, w, cos, sin, part, s, h, d, r, n_parts, float(eps), x.stride(0), x.stride(1),
+                                      x.stride(2), r, NORM=norm, ROPE=r > 0, RND=round_code(x.dtype),
+                                      BLOCK_S=KEY_SUM_TILE_TOKENS, BLOCK_D=block_d,
+                                      TABLES_ROUNDED=cos.dtype == x.dtype, TILES=KEY_SUM_TILES,
+                                      num_warps=KEY_SUM_WARPS)
+    return (part.sum(dim=1) / s).contiguous()
 
 # ----------------------------------------------------------------------------------------- the hook
 class FusedQKPrep:
