@@ -10,17 +10,23 @@ from typing import Callable
 
 import torch
 
-# Checked in order: the first group whose pattern occurs in the lower-cased kernel name wins.
+# Our Triton kernels under the names the profiler reports (each kernel function's own name; a test checks
+# that every `*_kernel` in h3_spark.kernels is listed).
+OUR_KERNELS = frozenset(("_norm_modulate_kernel", "_modulate_kernel", "_gated_add_kernel", "_add_norm_kernel",
+                         "_swiglu_kernel", "_swiglu_fp8_kernel", "_qk_prep_kernel", "_key_sum_kernel",
+                         "_quantize_rows_kernel", "_nvfp4_kernel"))
+# The others, checked in order: the first group whose pattern occurs in the lower-cased kernel name wins.
 GROUPS = (
     ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
     ("gemm", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet", "matmul", "_mm_")),
-    ("triton (ours)", ("_modulation_kernel", "_swiglu_kernel", "_qk_", "_rope", "_quant")),
     ("copy / index", ("copy", "index", "gather", "scatter", "cat")),
     ("elementwise / reduce", ("elementwise", "reduce", "vectorized", "unrolled")),
 )
 
 
 def kernel_group(name: str) -> str:
+    if name in OUR_KERNELS:
+        return "triton (ours)"
     low = name.lower()
     for group, patterns in GROUPS:
         if any(p in low for p in patterns):

@@ -28,8 +28,8 @@ NUM_WARPS = 8
 if triton is not None:
 
     @triton.jit
-    def _modulation_kernel(x_ptr, y_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride, D: tl.constexpr,
-                           MODE: tl.constexpr, HAS_W: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr):
+    def _row_pass(x_ptr, y_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride, D: tl.constexpr,
+                  MODE: tl.constexpr, HAS_W: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr):
         # MODE 0: RMSNorm + modulate (a = shift, b = scale); 1: modulate only; 2: x + a * y (a = gate).
         # D (the hidden size) is a compile-time constant: one compile per model width.
         row = tl.program_id(0).to(tl.int64)
@@ -69,6 +69,22 @@ if triton is not None:
                     sh = tl.load(arow + c, mask=m, other=0.0).to(tl.float32)
                     o = rnd_store(rnd(x * rnd(1.0 + sc, RND), RND) + sh, RND)
             tl.store(orow + c, o.to(out_ptr.dtype.element_ty), mask=m)
+
+    # One named kernel per operation, so a profile tells them apart.
+    @triton.jit
+    def _norm_modulate_kernel(x_ptr, y_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride,
+                              D: tl.constexpr, HAS_W: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr):
+        _row_pass(x_ptr, y_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride, D, 0, HAS_W, RND, BLOCK)
+
+    @triton.jit
+    def _modulate_kernel(x_ptr, y_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride,
+                         D: tl.constexpr, HAS_W: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr):
+        _row_pass(x_ptr, y_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride, D, 1, HAS_W, RND, BLOCK)
+
+    @triton.jit
+    def _gated_add_kernel(x_ptr, y_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride,
+                          D: tl.constexpr, HAS_W: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr):
+        _row_pass(x_ptr, y_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, out_ptr, S, eps, tab_stride, D, 2, HAS_W, RND, BLOCK)
 
     @triton.jit
     def _norm_modulate(x, c, m, rstd, w_ptr, arow, brow, HAS_W: tl.constexpr, RND: tl.constexpr):
@@ -145,10 +161,11 @@ class FusedRowModulation(RowModulation):
         w = norm.weight if norm is not None else None
         eps = norm_eps(norm, x.dtype) if norm is not None else 0.0
         dummy = x
-        _modulation_kernel[(bsz * s,)](
+        kernel = (_norm_modulate_kernel, _modulate_kernel, _gated_add_kernel)[mode]
+        kernel[(bsz * s,)](
             x, y.contiguous() if y is not None else dummy, w if w is not None else dummy, a, b,
             self._row_index(x.device), out, s, eps, tab_stride, D=d,
-            MODE=mode, HAS_W=w is not None, RND=round_code(x.dtype), BLOCK=min(BLOCK, triton.next_power_of_2(d)),
+            HAS_W=w is not None, RND=round_code(x.dtype), BLOCK=min(BLOCK, triton.next_power_of_2(d)),
             num_warps=NUM_WARPS)
         return out
 
