@@ -7,8 +7,10 @@ downmixed by libswresample). Frames are uint8 (F, H, W, 3) RGB tensors.
 FFmpeg's log is silenced unless a loglevel (ffmpeg's names: quiet ... trace) is given, in which
 case FFmpeg prints to stderr at that level for the duration of the call.
 
-Resampling note: the reference pipeline resamples reference soundtracks with torchaudio's sinc
-resampler; here libswresample does it, which differs by a fraction of a dB near Nyquist.
+Audio is decoded at the file's own rate (PyAV converts the sample format only) and put on 32 kHz by
+`resample.resample`, the reference pipeline's windowed-sinc filter; `read_audio_clip` and
+`read_video(sample_rate=None)` hand the soundtrack over at its own rate, so that a reference can be
+truncated before it is resampled, as the reference pipeline does.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from .errors import InputError
+from .resample import resample
 
 FPS = 24
 SAMPLE_RATE = 32000
@@ -140,14 +143,14 @@ class VideoClip:
     fps: float
     source_fps: float
     audio: torch.Tensor | None    # float32 (2, N) at `sample_rate`, or None without a soundtrack
-    sample_rate: int
+    sample_rate: int | None
 
 
 def read_video(path: str | os.PathLike, *, fps: float = FPS, max_frames: int | None = None,
-               max_pixels: int | None = None, sample_rate: int = SAMPLE_RATE, with_audio: bool = True,
+               max_pixels: int | None = None, sample_rate: int | None = SAMPLE_RATE, with_audio: bool = True,
                loglevel: str | None = None) -> VideoClip:
-    """mp4 / mov / webm -> frames at `fps` (dropped or held) and, if present, the soundtrack at
-    `sample_rate` stereo, truncated to the returned frames' duration.
+    """mp4 / mov / webm -> frames at `fps` (dropped or held) and, if present, the soundtrack stereo, cut at the
+    returned frames' duration at its own rate, then resampled to `sample_rate` (None: left at its own rate).
 
     With `max_frames`, only the source frames those output frames show are kept and the soundtrack is
     decoded no further than their duration, so memory follows the request, not the file; frames over
@@ -180,57 +183,71 @@ def read_video(path: str | os.PathLike, *, fps: float = FPS, max_frames: int | N
         index = resample_frame_indices(decoded, source_fps, fps)
         if max_frames is not None:
             index = index[:max_frames]
-        audio = None
+        audio, rate = None, sample_rate
         if with_audio and container.streams.audio:
             container.seek(0)
-            limit = None if max_frames is None else math.ceil(index.numel() / fps * sample_rate)
-            audio = _decode_audio(container, container.streams.audio[0], sample_rate, max_samples=limit)
+            audio, rate = _decode_audio(container, container.streams.audio[0], index.numel() / fps)
     order = sorted(kept)
     position = {src: i for i, src in enumerate(order)}
     video = torch.from_numpy(np.stack([kept[i] for i in order]))[torch.tensor([position[i] for i in index.tolist()],
                                                                              dtype=torch.long)]
-    if audio is not None:
-        audio = audio[:, : round(video.shape[0] / fps * sample_rate)]
-    return VideoClip(video, float(fps), source_fps, audio, sample_rate)
+    if audio is not None and sample_rate is not None:
+        audio, rate = resample(audio, rate, sample_rate), sample_rate
+    return VideoClip(video, float(fps), source_fps, audio, rate)
+
+
+@dataclass
+class AudioClip:
+    audio: torch.Tensor           # float32 (2, N); mono duplicated onto both channels
+    sample_rate: int
+
+
+def read_audio_clip(path: str | os.PathLike, *, max_seconds: float | None = None,
+                    loglevel: str | None = None) -> AudioClip:
+    """wav / flac / mp3 / m4a -> float32 stereo (2, N) at the file's own sample rate, at most `max_seconds`."""
+    path = _check_input(path, AUDIO_SUFFIXES, "audio")
+    with _open(path, "audio", loglevel) as container:
+        if not container.streams.audio:
+            raise InputError(f"{path}: no audio stream")
+        audio, rate = _decode_audio(container, container.streams.audio[0], max_seconds)
+    if audio.shape[1] == 0:
+        raise InputError(f"{path}: the audio stream has no samples")
+    return AudioClip(audio, rate)
 
 
 def read_audio(path: str | os.PathLike, *, sample_rate: int = SAMPLE_RATE, max_seconds: float | None = None,
                loglevel: str | None = None) -> torch.Tensor:
-    """wav / flac / mp3 / m4a -> float32 stereo (2, N) at `sample_rate`; mono is duplicated."""
-    path = _check_input(path, AUDIO_SUFFIXES, "audio")
-    limit = None if max_seconds is None else math.ceil(max_seconds * sample_rate)
-    with _open(path, "audio", loglevel) as container:
-        if not container.streams.audio:
-            raise InputError(f"{path}: no audio stream")
-        audio = _decode_audio(container, container.streams.audio[0], sample_rate, max_samples=limit)
-    if audio.shape[1] == 0:
-        raise InputError(f"{path}: the audio stream has no samples")
-    if max_seconds is not None:
-        audio = audio[:, : int(max_seconds * sample_rate)]
-    return audio
+    """wav / flac / mp3 / m4a -> float32 stereo (2, N) at `sample_rate` (cut at `max_seconds` at the file's rate,
+    then resampled)."""
+    clip = read_audio_clip(path, max_seconds=max_seconds, loglevel=loglevel)
+    return resample(clip.audio, clip.sample_rate, sample_rate)
 
 
-def _decode_audio(container: Any, stream: Any, sample_rate: int, max_samples: int | None = None) -> torch.Tensor:
-    """The stream at `sample_rate`, stereo (mono duplicated); decoding stops once `max_samples` are in
-    (the caller trims to exactly what it needs)."""
+def _decode_audio(container: Any, stream: Any, max_seconds: float | None = None) -> tuple[torch.Tensor, int]:
+    """The stream at its own rate, stereo (mono duplicated), and that rate; with `max_seconds`, decoding stops
+    once that much is in and the rest is cut off."""
     av = _av()
+    rate = int(stream.codec_context.sample_rate or stream.rate or 0)
+    if rate <= 0:
+        raise InputError("the audio stream has no sample rate")
+    limit = None if max_seconds is None else int(max_seconds * rate)
     channels = stream.codec_context.channels or stream.layout.nb_channels
-    # Mono stays mono through the resampler (its mono->stereo upmix would attenuate by 3 dB);
-    # we duplicate it afterwards.
+    # Planar float at the stream's own rate: no resampling here. Mono stays mono (libswresample's
+    # mono->stereo upmix would attenuate by 3 dB; we duplicate it afterwards); more channels are downmixed.
     layout = "mono" if channels == 1 else "stereo"
-    resampler = av.AudioResampler(format="fltp", layout=layout, rate=sample_rate)
+    converter = av.AudioResampler(format="fltp", layout=layout, rate=rate)
     chunks, total = [], 0
     for frame in container.decode(stream):
-        for out in resampler.resample(frame):
+        for out in converter.resample(frame):
             chunks.append(out.to_ndarray())
             total += chunks[-1].shape[1]
-        if max_samples is not None and total >= max_samples:
+        if limit is not None and total >= limit:
             break
     else:
-        chunks += [out.to_ndarray() for out in resampler.resample(None)]
+        chunks += [out.to_ndarray() for out in converter.resample(None)]
     audio = torch.from_numpy(np.concatenate(chunks, axis=1)) if chunks else torch.zeros(1 if channels == 1 else 2, 0)
-    audio = audio.to(torch.float32)
-    return audio.expand(2, -1).contiguous() if audio.shape[0] == 1 else audio
+    audio = audio.to(torch.float32)[:, :limit]
+    return (audio.expand(2, -1).contiguous() if audio.shape[0] == 1 else audio), rate
 
 
 # --------------------------------------------------------------------------------------------

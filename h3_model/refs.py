@@ -27,6 +27,7 @@ from . import geometry
 from .errors import InputError
 from .layout import AudioBlock, ImageBlock, VideoBlock, check_references
 from .prompt import QWEN_TEMPORAL_PATCH, VIDEO_SAMPLE_FPS, shortest_video
+from .resample import resample
 
 
 @dataclass
@@ -87,11 +88,15 @@ def load_reference(kind: str, path, *, frames: int | None = None, max_pixels: in
     seconds = None if frames is None else frames / geometry.FPS
     if kind == "image":
         return ImageReference(media.read_image(path, max_pixels=max_pixels))
+    # Soundtracks stay at the file's own rate here: `stereo` cuts them to the generation's length there and
+    # then resamples once, as the reference pipeline does.
     if kind == "audio":
-        return AudioReference(media.read_audio(path, max_seconds=seconds))
+        clip = media.read_audio_clip(path, max_seconds=seconds)
+        return AudioReference(clip.audio, sample_rate=clip.sample_rate)
     if kind == "video":
-        clip = media.read_video(path, fps=geometry.FPS, max_frames=frames, max_pixels=max_pixels)
-        return VideoReference(clip.frames, fps=float(clip.fps), audio=clip.audio, sample_rate=clip.sample_rate)
+        clip = media.read_video(path, fps=geometry.FPS, max_frames=frames, max_pixels=max_pixels, sample_rate=None)
+        rate = clip.sample_rate if clip.audio is not None else geometry.AUDIO_SAMPLE_RATE
+        return VideoReference(clip.frames, fps=float(clip.fps), audio=clip.audio, sample_rate=rate)
     raise InputError(f"a reference kind must be one of {', '.join(REFERENCE_KINDS)}, got {kind!r}")
 
 
@@ -139,25 +144,11 @@ def resample_fps(frames: torch.Tensor, fps: float, target: float = geometry.FPS)
 
 
 def resample_audio(audio: torch.Tensor, rate: int, target: int) -> torch.Tensor:
-    """float (C, N) at `rate` -> float32 (C, M) at `target`, through libswresample (PyAV).
-
-    In-memory waveforms (ComfyUI AUDIO, API uploads) arrive at any rate; files are resampled
-    while decoding (media.read_audio), this is the same resampler for tensors.
-    """
-    import av
-
-    if rate <= 0:
-        raise InputError(f"sample rate must be positive, got {rate}")
+    """float (C, N) mono or stereo at `rate` -> float32 (C, M) at `target`, with the reference pipeline's
+    windowed-sinc filter (h3_model/resample.py)."""
     if audio.shape[0] not in (1, 2):
         raise InputError(f"audio must be mono or stereo, got {audio.shape[0]} channels")
-    layout = "mono" if audio.shape[0] == 1 else "stereo"
-    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(audio.float().numpy()), format="fltp", layout=layout)
-    frame.sample_rate = rate
-    resampler = av.AudioResampler(format="fltp", layout=layout, rate=target)
-    chunks = [f.to_ndarray() for f in resampler.resample(frame)] + [f.to_ndarray() for f in resampler.resample(None)]
-    if not chunks:
-        return torch.zeros(audio.shape[0], 0)
-    return torch.from_numpy(np.concatenate(chunks, axis=1).astype(np.float32))
+    return resample(audio, rate, target)
 
 
 def stereo(audio: torch.Tensor, sample_rate: int, max_seconds: float, what: str) -> torch.Tensor:

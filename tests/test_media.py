@@ -11,6 +11,7 @@ import torch
 
 from h3_spark.h3_model import media
 from h3_spark.h3_model.errors import InputError
+from h3_spark.h3_model.resample import resample
 
 
 def write_image(path, array: np.ndarray, codec: str) -> None:
@@ -138,8 +139,12 @@ def test_max_frames_decodes_only_the_frames_shown(tmp_path, monkeypatch):
     # and only those are kept (a whole read would convert all 60).
     assert len(converted) == 20
     assert torch.equal(part.frames, full.frames[:20])
+    # The soundtrack is cut at the frames' duration at its own rate, then resampled (the reference's order).
+    native = media.read_video(tmp_path / "a.mp4", sample_rate=None)
+    assert native.sample_rate == 48000 and full.sample_rate == 32000
+    cut = native.audio[:, : 20 * 48000 // 24]
+    assert torch.equal(part.audio, resample(cut, 48000, 32000))
     assert part.audio.shape == (2, round(20 / 24 * 32000))
-    assert torch.equal(part.audio, full.audio[:, : part.audio.shape[1]])
 
 
 def test_pixel_limits_refuse_before_decoding(tmp_path):
@@ -173,10 +178,13 @@ def test_flac_stereo_keeps_its_channels(tmp_path):
 
 def test_max_seconds_stops_decoding_with_the_same_samples(tmp_path):
     write_audio(tmp_path / "a.wav", tone(3.0, 44100), 44100, "pcm_s16le")
-    full = media.read_audio(tmp_path / "a.wav")
-    part = media.read_audio(tmp_path / "a.wav", max_seconds=0.5)
-    assert part.shape == (2, 16000)
-    assert torch.equal(part, full[:, :16000])
+    full = media.read_audio_clip(tmp_path / "a.wav")
+    part = media.read_audio_clip(tmp_path / "a.wav", max_seconds=0.5)
+    assert full.sample_rate == part.sample_rate == 44100
+    assert part.audio.shape == (2, 22050) and torch.equal(part.audio, full.audio[:, :22050])
+    # Cut at the file's rate, then resampled: what read_audio returns.
+    cut = media.read_audio(tmp_path / "a.wav", max_seconds=0.5)
+    assert cut.shape == (2, 16000) and torch.equal(cut, resample(part.audio, 44100, 32000))
 
 
 @pytest.mark.parametrize("suffix, codec, container", [(".mp3", "libmp3lame", "mp3"), (".m4a", "aac", "ipod")])

@@ -55,6 +55,24 @@ def test_resample_audio_keeps_a_tone():
     assert ((out[mid] - ref[mid]).norm() / ref[mid].norm()).item() < 0.02
 
 
+def test_soundtracks_are_cut_at_their_own_rate_then_resampled_once(tmp_path):
+    # The reference pipeline's order (a 48 kHz file, a 5.3 s generation): truncate at 48 kHz, resample once.
+    from h3_spark.h3_model.resample import resample
+    from test_media import write_audio
+
+    wave = np.random.default_rng(3).uniform(-0.5, 0.5, (2, 48000 * 6)).astype(np.float32)
+    write_audio(tmp_path / "a.wav", wave, 48000, "pcm_s16le")
+    ref = refs.load_reference("audio", tmp_path / "a.wav", frames=124)
+    assert ref.sample_rate == 48000
+    (p,) = refs.prepare_references([refs.ImageReference(_video(1, 40, 40)[0]), ref], width=128, height=64,
+                                   frames=124)[1:]
+    cut = ref.audio[:, : int(124 / 24 * 48000)]
+    assert torch.equal(p.audio, resample(cut, 48000, 32000))
+    assert p.audio.shape == (2, math.ceil(cut.shape[1] * 2 / 3))
+    assert (p.audio - refs.resample_audio(torch.from_numpy(wave), 48000, 32000)[:, : p.audio.shape[1]]).abs()[
+        :, :-64].max() < 1e-3  # the 16-bit file's rounding, away from the cut
+
+
 @pytest.mark.parametrize("policy,src,expect", [
     ("match", (1920, 1080), (544, 960)), ("match", (300, 200), (192, 288)),
     ("max", (4000, 3000), (2048, 2720)), ("max", (640, 480), (480, 640)),
