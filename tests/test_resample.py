@@ -2,7 +2,8 @@
 
 Oracles: a direct evaluation of the windowed-sinc interpolation sum, output sample by output sample (no filter
 bank, no padding, no strides), within 1e-6 absolute on unit-scale noise; torchaudio's Resample (what the
-reference pipeline runs) within 1e-6 where torchaudio is installed; a band-limited tone, which resampling must
+reference pipeline runs) within 1e-6 where torchaudio is installed (not in CI, whose torch has no torchaudio;
+run on the GPU machine's image); a band-limited tone, which resampling must
 carry to the new rate (1e-3 away from the ends).
 """
 
@@ -18,14 +19,17 @@ RATES = [(48000, 32000), (44100, 32000), (16000, 32000), (22050, 32000), (96000,
 
 
 def direct(x: torch.Tensor, rate: int, target: int) -> torch.Tensor:
-    """y[j] = sum_k x[k] w(t), t = c (k - j rate / target) / rate in the reduced rates, in float64."""
+    """y[J] = sum_K x[K] w(t), t = c (K / orig - b - p) in the reduced rates: output J = b new + j sits
+    b + p input blocks in, p = j / new rounded to float32 (as the reference filter rounds it); float64."""
     g = math.gcd(rate, target)
     orig, new = rate // g, target // g
     c = ROLLOFF * min(orig, new)
     n = x.shape[-1]
-    j = torch.arange(-(-new * n // orig), dtype=torch.float64)
+    out = torch.arange(-(-new * n // orig))
+    p = ((out % new).float() / new).double()
+    at = (out // new).double() + p
     k = torch.arange(n, dtype=torch.float64)
-    t = ((k[None, :] - j[:, None] * orig / new) / orig * c).clamp(-ZERO_CROSSINGS, ZERO_CROSSINGS)
+    t = ((k[None, :] / orig - at[:, None]) * c).clamp(-ZERO_CROSSINGS, ZERO_CROSSINGS)
     w = torch.where(t == 0, 1.0, torch.sin(math.pi * t) / (math.pi * t)) * torch.cos(math.pi * t / 12) ** 2 * c / orig
     return x.double() @ w.T
 
