@@ -17,6 +17,7 @@ float32.
 from __future__ import annotations
 
 import math
+import operator
 from functools import lru_cache
 
 import torch
@@ -30,10 +31,19 @@ ROLLOFF = 0.99
 MAX_BANK_ELEMENTS = 1 << 24
 
 
-def _reduced(rate: int, target: int) -> tuple[int, int]:
-    for name, value in (("sample rate", rate), ("target sample rate", target)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise InputError(f"{name} must be a positive integer number of Hz, got {value!r}")
+def _hz(name: str, value) -> int:
+    """A rate as a positive int; integer types other than int (numpy's) are taken, floats and bools are not."""
+    try:
+        hz = operator.index(value) if not isinstance(value, bool) else -1
+    except TypeError:
+        hz = -1
+    if hz <= 0:
+        raise InputError(f"{name} must be a positive integer number of Hz, got {value!r}")
+    return hz
+
+
+def _reduced(rate, target) -> tuple[int, int]:
+    rate, target = _hz("sample rate", rate), _hz("target sample rate", target)
     g = math.gcd(rate, target)
     return rate // g, target // g
 

@@ -131,8 +131,8 @@ elif triton is not None:
 
 # Dividing many values by one scale (the FP8 / INT8 quantizers): `div_by(x, d, inv)` with inv = div_rn(1, d)
 # made once. The IEEE division (div_rn) is a dozen instructions per value with a branch to a slow path and
-# made the SwiGLU-to-e4m3 pass instruction-bound (ptxas/SASS: 1,432 -> 992 instructions for its 32 values
-# per thread). With PTX: q = x * inv is within an ulp of x / d, the residual x - q * d is exact in one fma,
+# made the SwiGLU-to-e4m3 pass instruction-bound (SASS: 1,432 -> 1,088 instructions for its 32 values per
+# thread). With PTX: q = x * inv is within an ulp of x / d, the residual x - q * d is exact in one fma,
 # and one more fma with the correctly rounded reciprocal gives the correctly rounded quotient (Markstein's
 # correction) for quotients in the normal range: the same bits as div_rn (GPU test against torch's
 # division). A quotient in the subnormal range is below e4m3's and int8's smallest step, so its code is the

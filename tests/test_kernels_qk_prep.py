@@ -128,6 +128,18 @@ def test_tables_in_the_activation_dtype_give_the_same_heads_and_are_made_once():
     assert torch.equal(q1, q2) and (q1 == want_q).float().mean() >= 0.999 and (k1 == want_k).float().mean() >= 0.999
 
 
+@pytest.mark.parametrize("norm", [True, False])
+def test_key_mean_sums_over_several_programs(norm):
+    # 2 x 16 x 16 + 37 tokens: the mean kernel's programs each sum 256 tokens of one head, so three of them
+    # (one partly filled) add up per head, for two batch rows of three heads.
+    x, w, rope = make(b=2, s=549, h=3, d=32)
+    got = prepare_heads(x, w, 1e-5, rope, norm=norm, smooth=True)
+    want = reference_prepare_heads(x, w, 1e-5, rope, norm=norm, smooth=True)
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-3).all()
+    # the smoothed keys average to zero per (batch, head): the mean was taken over all of them
+    assert got.float().mean(dim=1).abs().max().item() <= 2e-2
+
+
 def test_kernel_rejects_tables_that_do_not_fit():
     x, w, rope = make(s=20)
     with pytest.raises(ValueError, match=r"RoPE tables \[19, 24\] do not fit 20 tokens"):

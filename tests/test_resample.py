@@ -9,6 +9,7 @@ carry to the new rate (1e-3 away from the ends).
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,6 +67,7 @@ def test_carries_a_tone_to_the_new_rate():
 def test_shapes_and_the_identity():
     x = torch.randn(3, 2, 777)
     assert resample(x, 44100, 32000).shape == (3, 2, math.ceil(777 * 320 / 441))
+    assert torch.equal(resample(x, np.int64(44100), 32000), resample(x, 44100, 32000))  # rates from numpy
     same = resample(x.double(), 32000, 32000)
     assert same.dtype == torch.float32 and torch.equal(same, x)
 
@@ -81,6 +83,7 @@ def test_filter_bank_rows_sum_to_one():
     ((0, 32000), "sample rate must be a positive integer"),
     ((48000.0, 32000), "sample rate must be a positive integer"),
     ((48000, -1), "target sample rate must be a positive integer"),
+    ((True, 32000), "sample rate must be a positive integer"),
     ((44099, 32000), "convert the audio to a standard rate"),
 ])
 def test_bad_rates(args, message):
