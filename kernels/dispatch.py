@@ -224,9 +224,12 @@ def convert_linears(model: nn.Module, fmt: str, weight_source: WeightSource | No
     return sources
 
 
-def approximate_paths(report: dict) -> list[str]:
-    """The parts of a kernel report (attention, Q/K preparation, modulation, linears) that are not exact."""
-    return [k for k in ("attention", "qk_prep", "modulation", "linear") if not report.get(k, {}).get("exact", True)]
+def exactness(report: dict, also: list[str] | tuple[str, ...] = ()) -> dict:
+    """A kernel report's "approximate_paths" (those of attention, Q/K preparation, modulation and linears
+    that are not exact, then `also`: a run's own approximations) and "exact"."""
+    approximate = [k for k in ("attention", "qk_prep", "modulation", "linear")
+                   if not report.get(k, {}).get("exact", True)] + list(also)
+    return {"approximate_paths": approximate, "exact": not approximate}
 
 
 def switch_attention(model: nn.Module, name: str, settings: KernelSettings, device) -> dict:
@@ -320,8 +323,7 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     report["qk_prep"] = qk_report
     report["modulation"] = mod_report
     report["linear"] = linear_report
-    report["approximate_paths"] = approximate_paths(report)
-    report["exact"] = not report["approximate_paths"]
+    report.update(exactness(report))
     report["triton_interpreter"] = triton_interpreting()
     report["capability"] = capability(device)
     return report

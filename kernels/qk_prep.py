@@ -283,13 +283,10 @@ if triton is not None:
         return t * norm_scale
 
     @triton.jit
-    def _tables(w_ptr, cos_ptr, sin_ptr, rows, rmask, d, dmask, R, scs, NORM: tl.constexpr, ROPE: tl.constexpr,
-                TABLES_ROUNDED: tl.constexpr, RND: tl.constexpr):
-        # What a tile's heads share: the norm gain (and its RoPE-partner order), the tokens' cos / sin rows.
+    def _gain(w_ptr, d, dmask, R, NORM: tl.constexpr, ROPE: tl.constexpr):
+        # What every token of a program shares: the norm gain, in channel and in RoPE-partner order.
         w = 0.0
         wp = 0.0
-        c = 0.0
-        sn = 0.0
         sign = 0.0
         rot = d < 0
         partner = d
@@ -301,14 +298,23 @@ if triton is not None:
             if NORM:
                 wp = tl.load(w_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
             rot = d < R
+            sign = tl.where(d < half, -1.0, 1.0)
+        return w, wp, sign, rot, partner
+
+    @triton.jit
+    def _rope_rows(cos_ptr, sin_ptr, rows, rmask, d, rot, scs, ROPE: tl.constexpr, TABLES_ROUNDED: tl.constexpr,
+                   RND: tl.constexpr):
+        # The tile's tokens' cos / sin rows (every head of the tile shares them).
+        c = 0.0
+        sn = 0.0
+        if ROPE:
             tmask = rmask[:, None] & rot[None, :]
             c = tl.load(cos_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=1.0).to(tl.float32)
             sn = tl.load(sin_ptr + rows[:, None] * scs + d[None, :], mask=tmask, other=0.0).to(tl.float32)
             if not TABLES_ROUNDED:  # fp32 tables for a bf16/fp16 model: round them as eager does
                 c = rnd(c, RND)
                 sn = rnd(sn, RND)
-            sign = tl.where(d < half, -1.0, 1.0)
-        return w, wp, c, sn, sign, rot, partner
+        return c, sn
 
     @triton.jit
     def _norm_rope(base, rows, d, m, sxs, w, wp, c, sn, sign, rot, partner, eps, D, NORM: tl.constexpr,
@@ -352,8 +358,8 @@ if triton is not None:
         rmask = rows < S
         dmask = d < D
         m = rmask[:, None] & dmask[None, :]
-        w, wp, c, sn, sign, rot, partner = _tables(w_ptr, cos_ptr, sin_ptr, rows, rmask, d, dmask, R, scs,
-                                                   NORM, ROPE, TABLES_ROUNDED, RND)
+        w, wp, sign, rot, partner = _gain(w_ptr, d, dmask, R, NORM, ROPE)
+        c, sn = _rope_rows(cos_ptr, sin_ptr, rows, rmask, d, rot, scs, ROPE, TABLES_ROUNDED, RND)
         for j in range(HEADS):
             h = h0 + j
             pid_bh = b * H + h
@@ -403,13 +409,13 @@ if triton is not None:
         h = pid_bh % H
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
+        w, wp, sign, rot, partner = _gain(w_ptr, d, dmask, R, NORM, ROPE)
         acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
         for t in range(TILES):
             rows = (pid_p * TILES + t) * BLOCK_S + tl.arange(0, BLOCK_S)
             rmask = rows < S
             m = rmask[:, None] & dmask[None, :]
-            w, wp, c, sn, sign, rot, partner = _tables(w_ptr, cos_ptr, sin_ptr, rows, rmask, d, dmask, R, scs,
-                                                       NORM, ROPE, TABLES_ROUNDED, RND)
+            c, sn = _rope_rows(cos_ptr, sin_ptr, rows, rmask, d, rot, scs, ROPE, TABLES_ROUNDED, RND)
             y = _norm_rope(x_ptr + b * sxb + h * sxh, rows, d, m, sxs, w, wp, c, sn, sign, rot, partner, eps, D,
                            NORM, ROPE, RND)
             acc += tl.where(m, y, 0.0)

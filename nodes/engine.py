@@ -333,7 +333,7 @@ def _restore(params: dict, state: dict) -> None:
 
 def _prepare_kernels(dit, opts: dict, device) -> dict:
     """Linears once per loaded DiT (they are converted in place), attention and Q/K preparation per run."""
-    from ..kernels.dispatch import apply_kernels, approximate_paths, switch_attention
+    from ..kernels.dispatch import apply_kernels, exactness, switch_attention
     from ..kernels.settings import KernelSettings
 
     settings = KernelSettings.from_env().replace(attention=opts["attention"], linear=opts["linear"])
@@ -344,8 +344,7 @@ def _prepare_kernels(dit, opts: dict, device) -> dict:
     elif state["attention"] != opts["attention"]:
         report = {**state["report"], **switch_attention(dit, settings.attention, settings, device)}
         state["attention"] = opts["attention"]
-        state["report"] = {**report, "approximate_paths": approximate_paths(report)}
-        state["report"]["exact"] = not state["report"]["approximate_paths"]
+        state["report"] = {**report, **exactness(report)}
     return state["report"]
 
 

@@ -25,7 +25,7 @@ from ..h3_model.pipeline import GenerationRequest, Pipeline, Progress
 from ..h3_model.refs import load_reference
 from ..h3_model.sampler import Cancelled
 from ..h3_model.step_cache import make_step_cache
-from ..kernels.dispatch import approximate_paths, attention_counts
+from ..kernels.dispatch import attention_counts, exactness
 from .jobs import Job
 from .lockstep import Leader, Lockstep, LockstepCancel, fingerprint
 from .models import AttentionSwitch, ResidentModels, unwrap
@@ -176,11 +176,7 @@ class JobRunner:
         info = {k: v for k, v in result.info.items() if k not in ("step_cache", "step_seconds")}
         info["step_seconds"] = [round(s, 4) for s in result.info.get("step_seconds", [])]
         # Everything that is not the exact path, as apply_kernels reports it, plus this job's own choices.
-        approximate = approximate_paths(job.backends)
-        if cache is not None and cache.reused:
-            approximate.append("step_cache")
-        job.backends["exact"] = not approximate
-        job.backends["approximate_paths"] = approximate
+        job.backends.update(exactness(job.backends, ["step_cache"] if cache is not None and cache.reused else []))
         job.step_cache = result.info.get("step_cache", {"mode": "off"})
         job.timings, job.info, job.output = timings, info, str(path)
         job.progress = {"stage": "done", "step": 0, "total": 0}
