@@ -160,7 +160,7 @@ for _name in ("sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "sage2", "sage2-quality", 
 @item("attention/fa3_fp8+fused_qk_prep")
 def fa3_fp8_with_prep():
     """The low-bit path as the model runs it: raw q/k -> fused norm/RoPE/smooth/Hadamard/FP8 -> FA3 FP8."""
-    from h3_spark.h3_model.dit import Attention, reference_qk_prep, rope_tables
+    from h3_spark.h3_model.dit.model import Attention, reference_qk_prep, rope_tables
     from h3_spark.kernels.attention import resolve_attention
     from h3_spark.kernels.qk_prep import FusedQKPrep
 
@@ -190,7 +190,7 @@ def fa3_fp8_with_prep():
 # ------------------------------------------------------------------------------------------ Q/K preparation
 @item("qk_prep")
 def qk_prep():
-    from h3_spark.h3_model.dit import rope_tables
+    from h3_spark.h3_model.dit.model import rope_tables
     from h3_spark.kernels.qk_prep import prepare_heads, reference_prepare_heads
 
     g = torch.Generator("cuda").manual_seed(1)
@@ -232,7 +232,7 @@ def qk_prep():
 def hadamard_shapes():
     """The rotating Q/K passes (FP8, per-head scales, K smoothing, Hadamard 128) over launch choices: tokens
     per program and warps."""
-    from h3_spark.h3_model.dit import rope_tables
+    from h3_spark.h3_model.dit.model import rope_tables
     from h3_spark.kernels import qk_prep as qk
 
     g = torch.Generator("cuda").manual_seed(8)
@@ -288,7 +288,7 @@ def int8_qk_quality():
 # ------------------------------------------------------------------------------------------ modulation
 @item("modulation")
 def modulation():
-    from h3_spark.h3_model.dit import RowModulation
+    from h3_spark.kernels.references import RowModulation
     from h3_spark.kernels.modulation import FusedRowModulation
 
     d, s = ARGS.hidden, ARGS.seq
@@ -372,7 +372,8 @@ def fused_producers():
 def launch_shapes():
     """The fused passes' launch shapes side by side: modulation (columns per step, warps; a step as wide as
     the row reads it once) and the Q/K kernel (warps; RoPE tables in fp32 or in the activation dtype)."""
-    from h3_spark.h3_model.dit import RowModulation, rope_tables
+    from h3_spark.h3_model.dit.model import rope_tables
+    from h3_spark.kernels.references import RowModulation
     from h3_spark.kernels import modulation as mod
     from h3_spark.kernels import qk_prep as qk
 
@@ -540,9 +541,9 @@ def nvfp4():
 @item("apply_kernels_model")
 def model_level():
     """A 2-block full-width DiT at S ~ 4.7k: velocities and forward time per configuration vs all-off."""
-    from h3_spark.h3_model import layout
-    from h3_spark.h3_model.config import DiTConfig
-    from h3_spark.h3_model.dit import H3DiT
+    from h3_spark.h3_model.dit import layout
+    from h3_spark.h3_model.dit.config import DiTConfig
+    from h3_spark.h3_model.dit.model import H3DiT
     from h3_spark.kernels.dispatch import apply_kernels
     from h3_spark.kernels.settings import KernelSettings
 

@@ -84,8 +84,8 @@ def main(argv=None) -> int:
     import torch
     from PIL import Image
 
-    from h3_spark.bench import stamp
-    from h3_spark.bench.contract import load_contract
+    from h3_spark.measure import stamp
+    from h3_spark.measure.contract import load_contract
 
     contract = load_contract(args.contract)
     record = stamp.stamp_before()

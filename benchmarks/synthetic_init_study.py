@@ -37,11 +37,11 @@ def main(argv=None) -> int:
     import_package()
     import torch
 
-    from h3_spark.bench.contract import contract_shape, load_contract
-    from h3_spark.bench.runner import make_inputs, rel_l2
-    from h3_spark.bench.synthetic import synthetic_dit
-    from h3_spark.h3_model.config import FULL
-    from h3_spark.h3_model.scheduler import JointSchedule
+    from h3_spark.measure.contract import contract_shape, load_contract
+    from h3_spark.measure.runner import make_inputs, rel_l2
+    from h3_spark.measure.synthetic import synthetic_dit
+    from h3_spark.h3_model.dit.config import FULL
+    from h3_spark.h3_model.pipeline.scheduler import JointSchedule
     from h3_spark.kernels import linear_fp8
     from h3_spark.kernels.attention import math_reference, sdpa
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 import kernels_gpu  # beside this file: run as `python benchmarks/table_rows_experiment.py`
-from h3_spark.h3_model.dit import rope_tables
+from h3_spark.h3_model.dit.model import rope_tables
 from h3_spark.kernels._triton import rnd, rnd_store
 from h3_spark.kernels.modulation import FusedRowModulation
 from h3_spark.kernels.qk_prep import prepare_heads

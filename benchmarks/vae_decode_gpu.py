@@ -28,8 +28,8 @@ def measure(vae, z, kernel_set: str, batch: int, args) -> tuple:
     """One kernel set and tile batch: (run record, the decoded frames as float)."""
     import torch
 
-    from h3_spark.bench.profile import profile_call
-    from h3_spark.h3_model import video_vae
+    from h3_spark.measure.profile import profile_call
+    from h3_spark.h3_model.vae import video as video_vae
     from h3_spark.kernels.settings import KernelSettings
     from h3_spark.kernels.vae import apply_vae_kernels
 
@@ -72,9 +72,9 @@ def main(argv=None) -> int:
     import_package()
     import torch
 
-    from h3_spark.bench import stamp
-    from h3_spark.bench.synthetic import synthetic_video_vae
-    from h3_spark.h3_model import video_vae
+    from h3_spark.measure import stamp
+    from h3_spark.measure.synthetic import synthetic_video_vae
+    from h3_spark.h3_model.vae import video as video_vae
 
     if not torch.cuda.is_available():
         print("vae_decode_gpu.py needs a CUDA GPU", file=sys.stderr)

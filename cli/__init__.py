@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..h3_model.errors import H3Error
+    from ..errors import H3Error
 
     args = build_parser().parse_args(argv)
     # Kept so a command can re-run itself with the same arguments (torchrun, cli/distributed.py).

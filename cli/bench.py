@@ -51,9 +51,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
 
 
 def _run_vs_exact(args, contract, model, settings, device, weights, record, out: Path) -> int:
-    from ..bench import runner, stamp
-    from ..bench.contract import contract_shape
-    from ..h3_model.scheduler import JointSchedule
+    from ..measure import runner, stamp
+    from ..measure.contract import contract_shape
+    from ..h3_model.pipeline.scheduler import JointSchedule
 
     budget = json.loads((Path(__file__).resolve().parents[1] / "config" / "quality_budget.json").read_text())
     shape = contract_shape(contract, model.config)
@@ -77,7 +77,7 @@ def bench_device(args) -> str:
     test of the bench itself); a full-size run on the CPU is never what someone asking for a benchmark meant."""
     import torch
 
-    from ..h3_model.errors import InputError
+    from ..errors import InputError
     from .options import check_device
 
     if args.device is not None:
@@ -92,7 +92,7 @@ def bench_device(args) -> str:
 
 def check_out(path: str) -> Path:
     """The result path, checked before measuring: found only when writing, a bad path loses the whole run."""
-    from ..h3_model.errors import InputError
+    from ..errors import InputError
     from .options import file_in_the_way
 
     out = Path(path)
@@ -106,8 +106,8 @@ def check_out(path: str) -> Path:
 
 def generation_flags(args) -> tuple[str, ...]:
     """The step caches to measure; refuses flag combinations that the measurement would ignore."""
-    from ..h3_model.errors import InputError
-    from ..h3_model.step_cache import MODES as CACHE_MODES
+    from ..errors import InputError
+    from ..h3_model.pipeline.step_cache import MODES as CACHE_MODES
 
     cache_modes = tuple(m for m in args.cache_modes.split(",") if m)
     if args.generation and not args.synthetic:
@@ -128,9 +128,9 @@ def generation_flags(args) -> tuple[str, ...]:
 def preflight(args) -> tuple:
     """Everything that can be checked without loading a model, so a mistake costs seconds, not a
     measurement: (device, contract, settings, cache modes, out path)."""
-    from ..bench.contract import load_contract
-    from ..h3_model.errors import InputError
-    from .options import kernel_settings
+    from ..measure.contract import load_contract
+    from ..errors import InputError
+    from ..kernels.settings import kernel_settings
 
     device = bench_device(args)
     contract = load_contract(args.contract)
@@ -144,36 +144,40 @@ def preflight(args) -> tuple:
         raise InputError("--profile reports CUDA kernel time: it needs a CUDA device, not the CPU")
     settings = kernel_settings(args.attention, args.linear)
     if args.vs == "diffusers":
-        from ..bench.diffusers_ref import diffusers_transformer_class
+        from ..measure.diffusers_ref import diffusers_transformer_class
 
         diffusers_transformer_class()
     return device, contract, settings, cache_modes, out
 
 
 def load_model(args, contract, device: str, dtype):
-    """(DiT, components or None, weights description, component build seconds or None)."""
+    """(DiT, the engine holding every component or None, weights description, component build seconds or None)."""
     if args.synthetic and args.generation:
         import torch
 
-        from ..bench.synthetic import describe, synthetic_components
+        from ..measure.synthetic import describe, synthetic_components
 
         vae_dtype = torch.float16 if device.startswith("cuda") else torch.float32
-        comps, build_s = synthetic_components(args.preset, [contract["mode"]], device, dtype, vae_dtype,
+        engine, build_s = synthetic_components(args.preset, [contract["mode"]], device, dtype, vae_dtype,
                                               seed=contract["seed"], text_layer=args.text_encoder_layer,
                                               dit_init=args.synthetic_init)
-        return comps.dit_for(contract["mode"]), comps, describe(args.preset, args.synthetic_init), build_s
+        return engine.components.dit_for(contract["mode"]), engine, describe(args.preset, args.synthetic_init), build_s
     if args.synthetic:
-        from ..bench.synthetic import describe, synthetic_dit
-        from ..h3_model.config import preset
+        from ..measure.synthetic import describe, synthetic_dit
+        from ..h3_model.dit.config import preset
 
         model = synthetic_dit(preset(args.preset), dtype, device, seed=contract["seed"], init=args.synthetic_init)
         return model, None, describe(args.preset, args.synthetic_init, text_encoder=False), None
     if args.models:
-        from ..h3_model.components import ComponentPaths, LoadOptions, load_components
+        from ..h3_model.engine.engine import Engine
+        from ..h3_model.engine.loading import LoadOptions
+        from ..h3_model.engine.paths import ComponentPaths
 
-        comps, _ = load_components(ComponentPaths(models=args.models), [contract["mode"]],
-                                   LoadOptions(device=device, dtype=dtype, text_layer=args.text_encoder_layer))
-        return comps.dit_for(contract["mode"]), comps, f"model folder {args.models}", None
+        # Kernels are applied by `run`, after the diffusers twin is built from the bf16 weights.
+        engine = Engine(ComponentPaths(models=args.models),
+                        LoadOptions(device=device, dtype=dtype, text_layer=args.text_encoder_layer, kernels=None))
+        engine.load([contract["mode"]])
+        return engine.components.dit_for(contract["mode"]), engine, f"model folder {args.models}", None
     from ..h3_model.checkpoint import load_dit
 
     model = load_dit(args.checkpoint, dtype=dtype, device=device)
@@ -203,17 +207,17 @@ def checkpoint_weights(path) -> str:
 def run(args) -> int:
     import torch
 
-    from ..bench import runner, stamp
+    from ..measure import runner, stamp
 
     device, contract, settings, cache_modes, out = preflight(args)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     record = stamp.stamp_before()
-    model, comps, weights, build_s = load_model(args, contract, device, dtype)
+    model, engine, weights, build_s = load_model(args, contract, device, dtype)
     from ..kernels.dispatch import apply_kernels
 
     twin = None
     if args.vs == "diffusers":
-        from ..bench.diffusers_ref import diffusers_twin
+        from ..measure.diffusers_ref import diffusers_twin
 
         # Built on our bf16 parameters before any fast linear replaces the modules that hold them.
         twin = diffusers_twin(model)
@@ -225,14 +229,15 @@ def run(args) -> int:
         diff_backends.append("_native_flash" if device.startswith("cuda") else "_native_math")
     result = runner.run(contract, model, device, twin=twin, diffusers_backends=diff_backends,
                         diffusers_compile=args.diffusers_compile, weights=weights, backends_used=backends,
-                        spatial=comps.vae.config.spatial_ratio if comps is not None else 16, profile=args.profile)
-    if comps is not None:
+                        spatial=engine.components.vae.config.spatial_ratio if engine is not None else 16,
+                        profile=args.profile)
+    if engine is not None:
         from ..kernels.settings import vae_tile_batch
         from ..kernels.vae import apply_vae_kernels
 
-        comps.vae.tile_batch = vae_tile_batch()
-        result["vae_kernels"] = apply_vae_kernels(comps.vae, settings)
-        result["generation"] = runner.bench_generation(comps, contract, device, cache_modes)
+        engine.components.vae.tile_batch = vae_tile_batch()
+        result["vae_kernels"] = apply_vae_kernels(engine.components.vae, settings)
+        result["generation"] = runner.bench_generation(engine, contract, device, cache_modes)
         if build_s is not None:
             result["generation"]["component_build_s"] = build_s
     from ..kernels.dispatch import attention_counts

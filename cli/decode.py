@@ -60,7 +60,7 @@ def resolve_settings(args: argparse.Namespace, environ: dict[str, str] | None = 
 def _device(name: str) -> str:
     import torch
 
-    from ..h3_model.errors import InputError
+    from ..errors import InputError
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,7 +77,7 @@ def read_latents(path: str | os.PathLike) -> dict[str, Any]:
     """video_latents (and audio_latents if present) from a latents file, shape-checked."""
     from safetensors import safe_open
 
-    from ..h3_model.errors import InputError
+    from ..errors import InputError
 
     path = Path(path)
     if not path.is_file():
@@ -105,8 +105,10 @@ def read_latents(path: str | os.PathLike) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..h3_model import media, vae_loading, video_vae
-    from ..h3_model.errors import InputError
+    from ..h3_model.media import files as media
+    from ..h3_model.vae import loading as vae_loading
+    from ..h3_model.vae import video as video_vae
+    from ..errors import InputError
     from ..kernels.settings import KernelSettings, vae_tile_batch
     from ..kernels.vae import apply_vae_kernels
 

@@ -35,7 +35,7 @@ def init_distributed(gpus: int, device: str | None) -> tuple[int, int, str]:
     import torch
     import torch.distributed as dist
 
-    from ..h3_model.errors import InputError
+    from ..errors import InputError
 
     world = int(os.environ["WORLD_SIZE"])
     if world != gpus:

@@ -50,8 +50,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
         models.add_argument(f"--{flag}", type=Path)
     models.add_argument("--text-encoder-layer", type=int, default=None,
                         help="Qwen3-VL hidden state the DiT reads (released model: 50)")
-    models.add_argument("--qkv-layout", choices=["stacked", "interleaved"], default="stacked",
-                        help="fused qkv order of original-named single files (MiniMaxAI shards: interleaved)")
+    models.add_argument("--qkv-layout", choices=["auto", "stacked", "interleaved"], default="auto",
+                        help="fused qkv order of original-named DiT files: auto (interleaved for MiniMaxAI's own "
+                             "transformer/ folders, stacked for single files), stacked (Comfy-Org) or interleaved")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]", help="merged at load; repeatable")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="DiT/text dtype (cuda: bfloat16)")
@@ -91,8 +92,8 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
 
 
 def parse_refs(items: list[str]):
-    from ..h3_model.errors import InputError
-    from ..h3_model.refs import load_reference
+    from ..errors import InputError
+    from ..h3_model.media.refs import load_reference
 
     refs = []
     for item in items:
@@ -108,17 +109,19 @@ def run(args) -> int:
 
     import torch
 
-    from ..h3_model import media
-    from ..h3_model.components import ComponentPaths, LoadOptions, load_components
-    from ..h3_model.errors import InputError
-    from ..h3_model.lora import LoraSpec
-    from ..h3_model.pipeline import GenerationRequest, Pipeline
-    from ..h3_model.step_cache import make_step_cache
-    from ..kernels.dispatch import apply_kernels, attention_counts
+    from ..h3_model.media import files as media
+    from ..h3_model.engine.engine import Engine
+    from ..h3_model.engine.loading import LoadOptions
+    from ..h3_model.engine.paths import ComponentPaths
+    from ..errors import InputError
+    from ..h3_model.dit.lora import LoraSpec
+    from ..h3_model.pipeline.generation import GenerationRequest
+    from ..h3_model.pipeline.step_cache import make_step_cache
+    from ..kernels.dispatch import attention_counts
     from ..kernels.settings import vae_tile_batch
-    from ..kernels.vae import apply_vae_kernels
     from .distributed import command_argv, init_distributed, relaunch_with_torchrun
-    from .options import check_device, kernel_settings
+    from ..kernels.settings import kernel_settings
+    from .options import check_device
 
     if args.gpus < 1:
         raise InputError(f"--gpus must be at least 1, got {args.gpus}")
@@ -139,7 +142,7 @@ def run(args) -> int:
                          "other")
     args.demo = args.demo or not given  # no model given: the built-in tiny set
     if args.demo:
-        from ..h3_model.demo import DEMO_PROMPT, TEXT_READ_LAYER, build_demo_models, default_demo_dir
+        from ..h3_model.checkpoint.demo import DEMO_PROMPT, TEXT_READ_LAYER, build_demo_models, default_demo_dir
 
         args.models = build_demo_models(args.demo_dir or default_demo_dir(), log=log)
         args.prompt = DEMO_PROMPT if args.prompt is None else args.prompt
@@ -184,27 +187,17 @@ def run(args) -> int:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
     opts = LoadOptions(device=device, dtype=dtype, vae_dtype={"float16": torch.float16, "float32": torch.float32}[
         vae_dtype], loras=[LoraSpec.parse(x) for x in args.lora], qkv_layout=args.qkv_layout,
-        text_layer=args.text_encoder_layer if args.text_encoder_layer is not None else 50)
-    comps, load_seconds = load_components(paths, [mode], opts, log)
-    kernels = {}
-    for key in ("dit", "dit_ref"):
-        if getattr(comps, key) is not None:
-            kernels = apply_kernels(getattr(comps, key), settings)
-            if world > 1:
-                from ..h3_model.parallel import SequenceParallelDiT
-
-                setattr(comps, key, SequenceParallelDiT(getattr(comps, key)))
-    vae_kernels = None
-    if comps.vae is not None:
-        comps.vae.tile_batch = tile_batch
-        vae_kernels = apply_vae_kernels(comps.vae, settings)
-    group = None
+        text_layer=args.text_encoder_layer if args.text_encoder_layer is not None else 50, kernels=settings,
+        vae_tile_batch=tile_batch)
+    engine = Engine(paths, opts, offload_text_encoder=args.offload_text_encoder, release_adaln=not args.keep_adaln)
+    engine.load([mode], on_progress=lambda event: event.state == "loading" and log(f"loading {event.component}"))
+    key = "dit_ref" if mode == "ref2va" else "dit"
+    kernels = engine.kernel_reports[key]
+    vae_kernels = engine.kernel_reports.get("vae")
     if world > 1:
         import torch.distributed as dist
 
-        group = dist.group.WORLD
-    pipe = Pipeline(comps, offload_text_encoder=args.offload_text_encoder, decode_group=group,
-                    release_adaln=not args.keep_adaln)
+        engine.distribute(None, dist.group.WORLD)
 
     def progress(p):
         memory = f" [{_memory(device)}]" if args.profile_memory else ""
@@ -214,11 +207,11 @@ def run(args) -> int:
             log(p.stage.replace("_", " ") + memory)
 
     if rank:
-        pipe.generate(req, on_progress=progress)
+        engine.generate(req, on_progress=progress)
         return 0
     # The mp4 is encoded while the VAE decodes later windows; "mux" is what is left after the decode.
     with media.mp4_writer(args.out, loglevel=args.ffmpeg_loglevel) as stream:
-        result = pipe.generate(req, on_progress=progress, on_frames=stream.add)
+        result = engine.generate(req, on_progress=progress, on_frames=stream.add)
         if args.save_latents:
             from safetensors.torch import save_file
 
@@ -232,14 +225,14 @@ def run(args) -> int:
                "audio_samples": int(result.audio.shape[1]), "sequence_length": result.info["sequence_length"],
                "evaluations": result.info["evaluations"],
                "timings_s": {k: round(v, 4) for k, v in result.timings.items()},
-               "load_s": {k: round(v, 3) for k, v in load_seconds.items()},
+               "load_s": {k: round(v, 3) for k, v in engine.load_seconds.items()},
                "attention": kernels.get("attention", {}).get("chosen"),
                "linear": kernels.get("linear", {}).get("format"),
                **exactness(kernels, req.step_cache is not None),
                "vae_attention": (vae_kernels or {}).get("attention", {}).get("chosen")}
     if "step_cache" in result.info:
         summary["step_cache"] = result.info["step_cache"]
-    dit = getattr(comps, "dit_ref" if mode == "ref2va" else "dit")
+    dit = getattr(engine.components, key)
     counts = attention_counts(getattr(dit, "model", dit))  # inside SequenceParallelDiT under --gpus
     if counts:  # calls a backend made on another kernel (H3_SOL_MIN_TOKENS, H3_SOL_STRICT=0, ...)
         summary["attention_calls"] = counts
@@ -253,7 +246,7 @@ def run(args) -> int:
 
 def check_outputs(out: Path, latents: Path | None) -> None:
     """Both outputs are written only after the whole generation: a path that cannot be written must fail now."""
-    from ..h3_model.errors import InputError
+    from ..errors import InputError
 
     for flag, path in (("--out", out), ("--save-latents", latents)):
         if path is None:
@@ -273,8 +266,8 @@ def exactness(kernels: dict, step_cache: bool) -> dict:
 
 
 def _parse_sigmas(text: str | None) -> list[float] | None:
-    from ..h3_model.errors import InputError
-    from ..h3_model.scheduler import custom_sigmas
+    from ..errors import InputError
+    from ..h3_model.pipeline.scheduler import custom_sigmas
 
     if text is None:
         return None

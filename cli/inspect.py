@@ -19,8 +19,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--partition", choices=["t2va", "fl2va", "ref2va"], default=None,
                    help="which DiT when the folder holds transformer/ and transformer_ref/ (also named in the "
                         "report's file name)")
-    p.add_argument("--qkv-layout", choices=["stacked", "interleaved"], default="stacked",
-                   help="how an original-named file's fused QKV is ordered (the file cannot tell)")
+    p.add_argument("--qkv-layout", choices=["auto", "stacked", "interleaved"], default="auto",
+                   help="how an original-named file's fused QKV is ordered (the tensors cannot tell): auto reads a "
+                        "folder's config.json (MiniMaxAI's transformer/ folders: interleaved), else stacked")
     return p
 
 
@@ -36,7 +37,7 @@ def report_name(path: Path, partition: str | None = None) -> str:
 
 
 def report_folder(out: str | None) -> Path:
-    from ..h3_model.errors import InputError
+    from ..errors import InputError
     from .options import file_in_the_way
 
     folder = Path(out) if out else Path("artifacts") / "checkpoints"

@@ -54,7 +54,7 @@ def _is_empty(out: Path) -> bool:
 def check_output(out: Path, layout: str, force: bool) -> list[Path]:
     """The files --force replaces. Writing into a non-empty output silently mixes two checkpoints: a
     sharded folder's old index would still be read instead of the new weights."""
-    from ..h3_model.errors import InputError
+    from ..errors import InputError
 
     folder = layout == "diffusers"
     if out.exists() and out.is_dir() != folder:
@@ -79,7 +79,7 @@ def _checkpoint_file(name: str) -> bool:
 
 def check_curve(grid: int | None, rank: int | None) -> None:
     """An explicit 0 is a value, not "use the default": a table needs 2 rows (both ends) and 1 column."""
-    from ..h3_model.errors import InputError
+    from ..errors import InputError
 
     if grid is not None and grid < 2:
         raise InputError(f"--curve-grid must be at least 2 (rows of adaln_t_table), got {grid}")
@@ -105,8 +105,8 @@ def replacing(stale: list[Path]):
 
 
 def _run_vae(args) -> int:
-    from ..h3_model.errors import InputError
-    from ..h3_model.vae_loading import write_audio_vae_checkpoint, write_vae_checkpoint
+    from ..errors import InputError
+    from ..h3_model.vae.loading import write_audio_vae_checkpoint, write_vae_checkpoint
 
     if args.format != "bf16" or args.layout == "comfy-pruned" or args.quantize_refiner or args.curve_grid is not None \
             or args.curve_rank is not None:
@@ -125,8 +125,8 @@ def _run_vae(args) -> int:
 
 def run(args) -> int:
     from ..h3_model.checkpoint.make import CURVE_DEFAULTS, make_dit_checkpoint
-    from ..h3_model.config import preset
-    from ..h3_model.errors import InputError
+    from ..h3_model.dit.config import preset
+    from ..errors import InputError
 
     if args.component != "dit":
         if args.device != "cpu":

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 
 def check_device(name: str) -> str:
     """`cpu` or `cuda[:N]` that exists here; anything else is refused naming the flag (torch would raise a
     RuntimeError deep inside the first tensor move)."""
-    from ..h3_model.errors import InputError
+    from ..errors import InputError
 
     if name == "cpu":
         return name
@@ -23,19 +22,6 @@ def check_device(name: str) -> str:
     if index is not None and int(index) >= torch.cuda.device_count():
         raise InputError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return name
-
-
-def kernel_settings(attention: str | None, linear: str | None):
-    """The H3_* kernel settings with --attention / --linear on top. The flags are checked here so that an
-    error names the flag the user typed, not the H3_ATTENTION / H3_LINEAR variable it overrides."""
-    from ..h3_model.errors import InputError
-    from ..kernels.settings import ATTENTION_BACKENDS, LINEAR_FORMATS, KernelSettings
-
-    flags = (("attention", attention, ATTENTION_BACKENDS), ("linear", linear, LINEAR_FORMATS))
-    for name, value, choices in flags:
-        if value is not None and value not in choices:
-            raise InputError(f"--{name} {value!r} is not accepted; use one of: {', '.join(choices)}")
-    return dataclasses.replace(KernelSettings.from_env(), **{k: v for k, v, _ in flags if v is not None})
 
 
 def file_in_the_way(folder: Path) -> Path | None:

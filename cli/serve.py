@@ -21,8 +21,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                                                     "vae/, audio_vae/")
     for flag in ("dit", "dit-ref", "text-encoder", "tokenizer", "vae", "audio-vae"):
         models.add_argument(f"--{flag}", type=Path)
-    models.add_argument("--qkv-layout", choices=["stacked", "interleaved"], default="stacked",
-                        help="fused qkv order of original-named single files (MiniMaxAI shards: interleaved)")
+    models.add_argument("--qkv-layout", choices=["auto", "stacked", "interleaved"], default="auto",
+                        help="fused qkv order of original-named DiT files: auto (interleaved for MiniMaxAI's own "
+                             "transformer/ folders, stacked for single files), stacked (Comfy-Org) or interleaved")
     models.add_argument("--text-encoder-layer", type=int, default=50,
                         help="Qwen3-VL hidden state the DiT reads (50 for the released model)")
     models.add_argument("--synthetic", choices=["full", "tiny"], default=None,
@@ -58,14 +59,15 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
 
 
 def service_settings(args, device: str | None = None):
-    """(ModelSpec, ServiceConfig) from the flags, checked; `device` is this rank's under --gpus N."""
+    """(ComponentPaths, LoadOptions, ServiceConfig) from the flags, checked; `device` is this rank's under
+    --gpus N."""
     import torch
 
-    from ..h3_model.components import ComponentPaths
-    from ..h3_model.errors import InputError
+    from ..h3_model.engine.loading import LoadOptions
+    from ..h3_model.engine.paths import ComponentPaths
+    from ..errors import InputError
     from ..kernels.settings import vae_tile_batch
-    from .options import kernel_settings
-    from ..serve.models import ModelSpec
+    from ..kernels.settings import kernel_settings
     from ..serve.service import ServiceConfig
     from ..serve.validation import Limits
 
@@ -82,34 +84,34 @@ def service_settings(args, device: str | None = None):
         raise InputError(f"--port must be 1..65535, got {args.port}")
     if args.max_input_mb < 1:
         raise InputError(f"--max-input-mb must be positive, got {args.max_input_mb}")
-    spec = ModelSpec(
-        paths=ComponentPaths(args.models, args.dit, args.dit_ref, args.text_encoder, args.tokenizer, args.vae,
-                             args.audio_vae),
-        device=device, dtype=dtype, vae_dtype=getattr(torch, vae_name), text_layer=args.text_encoder_layer,
-        qkv_layout=args.qkv_layout, kernels=settings, vae_tile_batch=vae_tile_batch())
+    paths = ComponentPaths(args.models, args.dit, args.dit_ref, args.text_encoder, args.tokenizer, args.vae,
+                           args.audio_vae)
+    options = LoadOptions(device=device, dtype=dtype, vae_dtype=getattr(torch, vae_name),
+                          text_layer=args.text_encoder_layer, qkv_layout=args.qkv_layout, kernels=settings,
+                          vae_tile_batch=vae_tile_batch())
     config = ServiceConfig(output_dir=args.output_dir, input_dir=args.input_dir, queue_size=args.queue_size,
                            limits=Limits(max_steps=args.max_steps, max_input_file_bytes=args.max_input_mb << 20),
                            vae_tile_size=tile or None, mlp_chunks=args.mlp_chunks)
     if args.synthetic:
-        from ..bench.synthetic import describe
+        from ..measure.synthetic import describe
 
         config.weights = describe(args.synthetic)
-    return spec, config
+    return paths, options, config
 
 
-def synthetic_overrides(args, spec):
+def synthetic_overrides(args, options):
     """Component builders for --synthetic (None without it); refuses model paths given alongside."""
     if not args.synthetic:
         return None
-    from ..bench.synthetic import component_builders
-    from ..h3_model.errors import InputError
+    from ..measure.synthetic import component_builders
+    from ..errors import InputError
 
     given = [f"--{f.replace('_', '-')}" for f in ("models", "dit", "dit_ref", "text_encoder", "tokenizer", "vae",
                                                   "audio_vae") if getattr(args, f) is not None]
     if given:
         raise InputError(f"--synthetic builds every model: drop {', '.join(given)}")
     modes = [m for m in args.synthetic_modes.split(",") if m]
-    return component_builders(args.synthetic, modes, spec.device, spec.dtype, spec.vae_dtype,
+    return component_builders(args.synthetic, modes, options.device, options.dtype, options.vae_dtype,
                               text_layer=args.text_encoder_layer)
 
 
@@ -119,16 +121,17 @@ def build_service(args, lockstep=None):
     from ..serve.models import load_models
     from ..serve.service import Service
 
-    spec, config = service_settings(args, lockstep.device if lockstep else None)
-    overrides = synthetic_overrides(args, spec)
+    paths, options, config = service_settings(args, lockstep.device if lockstep else None)
+    overrides = synthetic_overrides(args, options)
     if lockstep is None:
-        return Service(config, lambda tracker: load_models(spec, tracker, overrides))
+        return Service(config, lambda tracker: load_models(paths, options, tracker, overrides))
     from ..serve.execute import stderr_log
 
     leader = Leader(lockstep, stderr_log)
-    return Service(config, lambda tracker: load_in_lockstep(lambda: load_models(spec, tracker, overrides), lockstep,
-                                                            leader),
-                   leader=leader)
+    def load(tracker):
+        return load_in_lockstep(lambda: load_models(paths, options, tracker, overrides), lockstep, leader)
+
+    return Service(config, load, leader=leader)
 
 
 def server_config(args, app):
@@ -139,7 +142,7 @@ def server_config(args, app):
 
 
 def run(args) -> int:
-    from ..h3_model.errors import H3Error, InputError
+    from ..errors import H3Error, InputError
 
     try:
         import uvicorn
@@ -162,9 +165,10 @@ def run(args) -> int:
             from ..serve.models import LoadTracker, load_models
 
             # The same checks as rank 0 (a bad flag stops every rank before any loading).
-            spec, _ = service_settings(args, lockstep.device)
-            overrides = synthetic_overrides(args, spec)
-            return follow(lockstep, lambda: load_models(spec, LoadTracker(), overrides), rank_log(lockstep.rank))
+            paths, options, _ = service_settings(args, lockstep.device)
+            overrides = synthetic_overrides(args, options)
+            return follow(lockstep, lambda: load_models(paths, options, LoadTracker(), overrides),
+                          rank_log(lockstep.rank))
     service = build_service(args, lockstep)
     server = uvicorn.Server(server_config(args, create_app(service)))
     failures: list[str] = []

@@ -25,8 +25,8 @@ def run(args) -> int:
     from safetensors.torch import save_file
 
     from ..h3_model.checkpoint import load_dit
-    from ..h3_model.errors import InputError
-    from ..h3_model.trace import DTYPES, read_inputs, run_trace
+    from ..errors import InputError
+    from ..h3_model.dit.trace import DTYPES, read_inputs, run_trace
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {args.device} asked for, but this machine has no CUDA GPU")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .errors import InputError
+from ..errors import InputError
 
 FPS = 24
 AUDIO_SAMPLE_RATE = 32000

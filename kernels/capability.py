@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from ..h3_model.errors import H3Error
+from ..errors import H3Error
 
 HOPPER = (9, 0)
 BLACKWELL = (10, 0)

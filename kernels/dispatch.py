@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..h3_model.dit import RowModulation
+from .references import RowModulation
 from .attention import resolve_attention
 from .capability import (KernelUnavailable, as_device, capability, describe_device, is_blackwell, require_cuda,
                          require_module, require_triton, triton_interpreting, triton_ready)
@@ -287,11 +287,8 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     if linear_fmt != "bf16":
         use_triton = triton_ready(device)
         stored = None
-        if weight_source is None:
-            from ..h3_model.checkpoint.stored import StoredLinears
-
-            if StoredLinears.useful(origin, linear_fmt):
-                weight_source = stored = StoredLinears(model, origin, linear_fmt)
+        if weight_source is None and origin is not None:
+            weight_source = stored = origin.stored_linears(model, linear_fmt)
         try:
             linear_report["sources"] = convert_linears(model, linear_fmt, weight_source, use_triton)
         finally:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..h3_model.dit import SwiGLU
+from .references import SwiGLU
 from ._triton import div_by, require_kernels, store_e4m3, tl, triton  # noqa: F401  (used in the kernel)
 from .modulation import FusedRowModulation
 
@@ -159,7 +159,7 @@ class Fp8Linear(nn.Module):
     def from_nvfp4(cls, packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor,
                    shape: tuple[int, int], out_dtype: torch.dtype, use_triton: bool = True) -> "Fp8Linear":
         """An NVFP4 checkpoint layer: exact fp32 dequantization, then e4m3 with power-of-two channel scales."""
-        from ..h3_model.checkpoint.nvfp4 import dequantize
+        from .nvfp4_codec import dequantize
 
         w = dequantize(packed, block_scales, global_scale, shape, torch.float32)
         q, s = quantize_weight(w, pow2=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..h3_model.dit import RowModulation
+from .references import RowModulation
 from ._triton import require_kernels, rnd, rnd_store, round_code, tl, triton  # noqa: F401  (used in the kernels)
 from .qk_prep import norm_eps
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..h3_model.checkpoint.nvfp4 import (decode_codes, dequantize, pack_codes, round_to_e2m1, swizzle_scales,
+from .nvfp4_codec import (decode_codes, dequantize, pack_codes, round_to_e2m1, swizzle_scales,
                                          unpack_codes, unswizzle_scales)
-from ..h3_model.dit import RowModulation, SwiGLU
+from .references import RowModulation, SwiGLU
 from ._triton import require_kernels, rnd, round_code, round_e4m3, tl, triton  # noqa: F401
 from .modulation import FusedRowModulation
 from .qk_prep import norm_eps

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..h3_model.errors import H3Error
+from ..errors import H3Error
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "sage2", "sage2-quality", "ck_int8",
                       "sol_attn", "kj_head_sliced")
@@ -25,6 +25,9 @@ SOL_INT8 = ("auto", "on", "off")
 # per_block granularity is not offered here: it would be accepted and change nothing).
 QK_QUANT_GRANULARITY = ("per_head", "per_head_bound")
 QK_HADAMARD = (0, 16, 32, 64, 128)
+# Spatial tiles the video VAE decodes per decoder call (all tiles of a window have one size, so they stack
+# along the batch). One tile alone leaves an H200 mostly idle; front doors take H3_VAE_TILE_BATCH.
+DEFAULT_TILE_BATCH = 16
 
 
 class SettingsError(H3Error):
@@ -159,6 +162,18 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+def kernel_settings(attention: str | None, linear: str | None):
+    """The H3_* kernel settings with --attention / --linear on top. The flags are checked here so that an
+    error names the flag the user typed, not the H3_ATTENTION / H3_LINEAR variable it overrides."""
+    from ..errors import InputError
+
+    flags = (("attention", attention, ATTENTION_BACKENDS), ("linear", linear, LINEAR_FORMATS))
+    for name, value, choices in flags:
+        if value is not None and value not in choices:
+            raise InputError(f"--{name} {value!r} is not accepted; use one of: {', '.join(choices)}")
+    return dataclasses.replace(KernelSettings.from_env(), **{k: v for k, v, _ in flags if v is not None})
+
+
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -173,8 +188,7 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 def vae_tile_batch(environ: Mapping[str, str] | None = None) -> int:
     """H3_VAE_TILE_BATCH: tiles per video VAE decoder call (every front door reads it, the engine does not)."""
-    from ..h3_model.errors import InputError
-    from ..h3_model.video_vae import DEFAULT_TILE_BATCH, check_tile_batch
+    from ..errors import InputError
 
     raw = (os.environ if environ is None else environ).get("H3_VAE_TILE_BATCH", "")
     if raw == "":
@@ -185,3 +199,11 @@ def vae_tile_batch(environ: Mapping[str, str] | None = None) -> int:
         raise InputError(f"H3_VAE_TILE_BATCH={raw!r}: expected a whole number of tiles (>= 1)") from None
     return check_tile_batch(value, "H3_VAE_TILE_BATCH")
 
+
+def check_tile_batch(tile_batch: int, source: str = "tile_batch") -> int:
+    """A tiles-per-decoder-call count, validated."""
+    from ..errors import InputError
+
+    if isinstance(tile_batch, bool) or not isinstance(tile_batch, int) or tile_batch < 1:
+        raise InputError(f"{source} must be a whole number of tiles >= 1, got {tile_batch!r}")
+    return tile_batch

@@ -41,7 +41,7 @@ def _host():
 
 
 def _step_cache():
-    from ..h3_model import step_cache
+    from ..h3_model.pipeline import step_cache
 
     return step_cache
 
@@ -228,7 +228,7 @@ class H3ReferenceToVideo:
         if unknown:
             # ComfyUI hands a node every linked input of the prompt, declared or not, so an API client that
             # wires image_5 reaches this point: say what the node takes instead of dropping the reference.
-            from ..h3_model.errors import InputError
+            from ..errors import InputError
 
             extra = [name for name in unknown if re.fullmatch(r"(image|video|audio)_\d+(_audio)?", name)]
             if extra:
@@ -243,7 +243,7 @@ class H3ReferenceToVideo:
             if refs.get(f"video_{i}") is not None:
                 videos.append((refs[f"video_{i}"], refs.get(f"video_{i}_audio")))
             elif refs.get(f"video_{i}_audio") is not None:
-                from ..h3_model.errors import InputError
+                from ..errors import InputError
 
                 raise InputError(f"video_{i}_audio is the soundtrack of video_{i}, which is not connected; connect "
                                  f"standalone audio to an audio_N input")

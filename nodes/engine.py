@@ -1,9 +1,9 @@
-"""The work behind the nodes: thin calls into h3_model, in the order the pipeline runs its stages.
+"""The work behind the nodes: ComfyUI types in, the engine's stages, ComfyUI types out.
 
-Each stage is the pipeline's own (h3_model/pipeline.py): prompt presentation and Qwen3-VL encoding,
-references/keyframes normalised by h3_model.refs and VAE-encoded with the released recipe
-(posterior sample, generator seeded 42), the seeded sampler, then the VAE decodes. The nodes split
-those stages over the graph; a test checks the node graph against `Pipeline.generate` bit for bit.
+Every stage is the engine's own (h3_model/engine): components are loaded by its `component_loader`, the
+prompt is encoded, keyframes and references are prepared and VAE-encoded, the sampler runs and the VAEs
+decode through an `Engine` over the components ComfyUI holds for us. The nodes only split those stages
+over the graph; a test checks the node graph against `h3-spark generate`'s pipeline bit for bit.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from ..h3_model import geometry
-from ..h3_model.errors import H3Error, InputError
-from ..h3_model.prompt import check_prompt
+from ..h3_model.engine.engine import Engine
+from ..errors import H3Error, InputError
+from ..h3_model.text.prompt import check_prompt
 from . import host, payload
 
 log = logging.getLogger("h3_spark")
@@ -93,12 +94,19 @@ PARTITION_TOKENS = {"ref2va": {"ref2va", "r2v", "ref"}, "t2va": {"t2va", "fl2va"
 
 def load_model(path: Path, partition: str, weight_dtype: str, linear: str, attention: str):
     """H3_MODEL: the DiT under ComfyUI's model management, with our kernel choices in its options."""
-    from ..h3_model.checkpoint import linear_format, load_dit
+    from ..h3_model.checkpoint import linear_format
+    from ..h3_model.engine.loading import LoadOptions, component_loader
+    from ..h3_model.engine.paths import ComponentPaths
     from ..kernels.attention import resolve_attention
     from ..kernels.dispatch import resolve_linear
     from ..kernels.settings import KernelSettings
 
     part = detect_partition(path, partition)
+    released = ComponentPaths(models=path) if path.is_dir() else None
+    if released is not None and released.layout() == "per-mode":
+        # Today's download (FL2VA/, Ref2VA/ or one of them): the partition's transformer/ inside it.
+        key = "dit" if part == "t2va" else "dit_ref"
+        path = released.resolve(key) or path
     if weight_dtype not in DTYPES:
         raise InputError(f"weight_dtype must be one of {', '.join(DTYPES)}, got {weight_dtype!r}")
     settings = KernelSettings.from_env().replace(attention=attention, linear=linear)
@@ -107,7 +115,8 @@ def load_model(path: Path, partition: str, weight_dtype: str, linear: str, atten
     device = host.compute_device()
     resolve_linear(settings, device, fmt)
     resolve_attention(settings.attention, device, settings)
-    dit = load_dit(path, dtype=DTYPES[weight_dtype], device=host.offload_device(), partition=part)
+    options = LoadOptions(device=str(host.offload_device()), dtype=DTYPES[weight_dtype], kernels=None)
+    dit = component_loader("dit" if part == "t2va" else "dit_ref", path, options)()
     model = host.make_held("dit", dit)
     model.model_options.setdefault("transformer_options", {})[OPTIONS] = {
         "partition": part, "attention": attention, "linear": linear, "loras": [],
@@ -116,27 +125,30 @@ def load_model(path: Path, partition: str, weight_dtype: str, linear: str, atten
 
 
 def load_text_encoder(path: Path, tokenizer: Path | None, dtype: str, layer: int | None = None) -> TextEncoderHandle:
-    from ..h3_model.text_encoder import DEFAULT_LAYER, TextEncoder
+    from ..h3_model.engine.loading import LoadOptions, component_loader
+    from ..h3_model.text.encoder import DEFAULT_LAYER
 
     if dtype not in DTYPES:
         raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    encoder = TextEncoder.from_pretrained(path, dtype=DTYPES[dtype], device=host.offload_device(),
-                                          tokenizer=tokenizer, layer=DEFAULT_LAYER if layer is None else layer)
+    options = LoadOptions(device=str(host.offload_device()), dtype=DTYPES[dtype],
+                          text_layer=DEFAULT_LAYER if layer is None else layer, kernels=None)
+    encoder = component_loader("text_encoder", path, options, tokenizer)()
     return TextEncoderHandle(encoder, host.make_held("text_encoder", encoder.model))
 
 
 def load_vaes(video_path: Path, audio_path: Path, decode_dtype: str, tile_size: int) -> VAEHandle:
-    from ..h3_model.vae_loading import load_audio_vae, load_video_vae
-    from ..h3_model.video_vae import DEFAULT_TILE_MIN_OVERLAP, check_tiling
+    from ..h3_model.engine.loading import LoadOptions, component_loader
+    from ..h3_model.vae.video import DEFAULT_TILE_MIN_OVERLAP, check_tiling
     from ..kernels.settings import vae_tile_batch
 
     if decode_dtype not in VAE_DTYPES:
         raise InputError(f"decode_dtype must be one of {', '.join(VAE_DTYPES)}, got {decode_dtype!r}")
-    video = load_video_vae(video_path, device=host.offload_device(), decode_dtype=VAE_DTYPES[decode_dtype])
+    options = LoadOptions(device=str(host.offload_device()), vae_dtype=VAE_DTYPES[decode_dtype], kernels=None)
+    video = component_loader("vae", video_path, options)()
     # Checked here, not at the first decode, which comes after the whole sampling.
     check_tiling(tile_size, DEFAULT_TILE_MIN_OVERLAP, video.config.spatial_ratio)
     video.tile_batch = vae_tile_batch()
-    audio = load_audio_vae(audio_path, device=host.offload_device())
+    audio = component_loader("audio_vae", audio_path, options)()
     return VAEHandle(video, audio, host.make_held("vae", video), host.make_held("audio_vae", audio),
                      tile_size or None)
 
@@ -170,9 +182,9 @@ def _canvas(width: int, height: int, length: int) -> int:
     return geometry.snap_frames(length)
 
 
-def _text(te: TextEncoderHandle, presentation_of) -> tuple[torch.Tensor, torch.Tensor]:
-    encoder = te.ready()
-    encoded = encoder.encode(presentation_of(encoder.prompts))
+def _text(te: TextEncoderHandle, mode: str, prompt: str, keyframes=(),
+          references=()) -> tuple[torch.Tensor, torch.Tensor]:
+    encoded = Engine.of(text_encoder=te.ready()).encode_text(mode, prompt, keyframes, references)
     return encoded.embeds.cpu(), encoded.tags.cpu()
 
 
@@ -188,24 +200,23 @@ def _empty(vae: VAEHandle | None, width: int, height: int, frames: int) -> dict:
 def t2va(te: TextEncoderHandle, prompt: str, width: int, height: int, length: int):
     check_prompt("t2va", prompt)
     frames = _canvas(width, height, length)
-    embeds, tags = _text(te, lambda b: b.t2va(prompt))
+    embeds, tags = _text(te, "t2va", prompt)
     return payload.make_conditioning(embeds, tags), _empty(None, width, height, frames)
 
 
 def fl2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, height: int, length: int,
           first_frame=None, last_frame=None):
-    from ..h3_model.refs import prepare_keyframes
-    from ..h3_model.video_vae import encode_condition
+    from ..h3_model.media.refs import prepare_keyframes
 
     check_prompt("fl2va", prompt)
     frames = _canvas(width, height, length)
     first = None if first_frame is None else image_u8(first_frame, "first_frame")
     last = None if last_frame is None else image_u8(last_frame, "last_frame")
     keyframes, anchors, width, height = prepare_keyframes(first, last, width, height)
-    embeds, tags = _text(te, lambda b: b.fl2va(prompt, keyframes))
-    video_vae = vae.video_ready()
+    embeds, tags = _text(te, "fl2va", prompt, keyframes)
+    engine = Engine.of(vae=vae.video_ready())
     blocks = [{"resolved_frame_index": 0 if anchor == "first" else frames - 1,
-               "latent": encode_condition(video_vae, frame, tile_size=vae.tile_size)}
+               "latent": engine.encode_keyframe(frame, tile_size=vae.tile_size)}
               for anchor, frame in zip(anchors, keyframes)]
     return (payload.make_conditioning(embeds, tags, keyframes=blocks),
             _empty(vae, width, height, frames))
@@ -217,8 +228,7 @@ def ref2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, heigh
 
     References enter in that order (images, then videos, then audio), as ComfyUI's native node orders them.
     """
-    from ..h3_model.refs import AudioReference, ImageReference, VideoReference, prepare_references, prompt_references
-    from ..h3_model.video_vae import encode_condition
+    from ..h3_model.media.refs import AudioReference, ImageReference, VideoReference, prepare_references
 
     check_prompt("ref2va", prompt)
     frames = _canvas(width, height, length)
@@ -232,15 +242,19 @@ def ref2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, heigh
         refs.append(AudioReference(wave, sample_rate=rate))
     prepared = prepare_references(refs, width=width, height=height, frames=frames, policy=reference_size)
 
-    embeds, tags = _text(te, lambda b: b.ref2va(prompt, prompt_references(prepared)))
+    embeds, tags = _text(te, "ref2va", prompt, references=prepared)
+    # Each VAE is brought to the GPU only when a reference needs it.
+    engine = Engine.of(vae=vae.video_ready() if any(p.pixels is not None for p in prepared) else None,
+                       audio_vae=vae.audio_ready() if any(p.audio is not None for p in prepared) else None)
     blocks = []
     for p in prepared:
         block: dict = {"kind": p.kind}
-        if p.pixels is not None:
-            z = encode_condition(vae.video_ready(), p.pixels, tile_size=vae.tile_size)
+        encoded = engine.encode_reference(p, tile_size=vae.tile_size)
+        if encoded.latent is not None:
+            z = encoded.latent
             block.update(latent=z, latent_t=int(z.shape[2]), latent_h=int(z.shape[3]), latent_w=int(z.shape[4]))
-        if p.audio is not None:
-            a = payload.audio_to_comfy(vae.audio_ready().encode_stereo(p.audio).float().cpu())
+        if encoded.audio is not None:
+            a = payload.audio_to_comfy(encoded.audio)
             block.update(audio_latent=a, ref_audio_t=int(a.shape[3]))
             if p.kind == "video":
                 block["kind"] = "video_audio"
@@ -286,7 +300,7 @@ def _ensure_loras(dit, loras: list) -> None:
     Several MODEL clones share one DiT (ComfyUI caches the loader's output), so the merged set is
     tracked on the DiT itself; only the parameters a LoRA touches are backed up (on the CPU).
     """
-    from ..h3_model.lora import LoraSpec, apply_loras, plan_lora, read_lora
+    from ..h3_model.dit.lora import LoraSpec, apply_loras, plan_lora, read_lora
 
     want = tuple((str(p), float(s)) for p, s in loras)
     state = dit.__dict__.setdefault("_h3_spark_loras", {"applied": (), "backup": {}})
@@ -368,10 +382,9 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
     seed's noise, as the released pipeline does, so an empty latent of any channel width will do.
     `step_cache` is None or (mode, threshold or None, start, end, subsample) for h3_model.step_cache.
     """
-    from ..h3_model.layout import build_ref2va, build_t2va
-    from ..h3_model.sampler import Cancelled, SamplingRequest
-    from ..h3_model.sampler import sample as run
-    from ..h3_model.scheduler import JointSchedule
+    from ..h3_model.pipeline.generation import build_layout
+    from ..h3_model.pipeline.sampler import Cancelled, SamplingRequest
+    from ..h3_model.pipeline.scheduler import JointSchedule
 
     dit = dit_of(model)
     opts = options(model)
@@ -387,17 +400,14 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
                          "text encoder and model do not belong together")
     if not 1 <= steps <= 1000 or not 0 <= seed < 2 ** 63:
         raise InputError(f"steps must be 1..1000 and seed 0..2^63-1, got {steps} and {seed}")
-    dims = (cond.latent_frames, cond.latent_height, cond.latent_width, cond.audio_latents, c.patch_size)
-    if cond.mode == "ref2va":
-        lay = build_ref2va(cond.tags, cond.blocks, *dims)
-    else:
-        lay = build_t2va(cond.tags, *dims, keyframes=cond.anchors)
+    dims = (cond.latent_frames, cond.latent_height, cond.latent_width, cond.audio_latents)
+    lay = build_layout(cond.mode, cond.tags, cond.blocks, cond.anchors, dims, c.patch_size)
     # `steps` counts model evaluations, as ComfyUI's samplers do; the grid has one more point (the final 0).
     schedule = JointSchedule.create(steps + 1, shift_video, shift_audio)
 
     cache = None
     if step_cache is not None:
-        from ..h3_model.step_cache import make_step_cache
+        from ..h3_model.pipeline.step_cache import make_step_cache
 
         cache = make_step_cache(*step_cache, evaluations=len(schedule))
 
@@ -409,8 +419,9 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
     request = SamplingRequest(lay, cond.embeds, cond.latent_frames, cond.latent_height, cond.latent_width,
                               cond.audio_latents, cond.condition_latents, cond.audio_condition_rows)
     try:
-        result = run(dit, request, schedule, torch.Generator().manual_seed(int(seed)), device=device,
-                     on_step=lambda s: progress.update(s.index + 1), cancel=interrupt, step_cache=cache)
+        result = Engine.of(device=device).sample(dit, request, schedule, int(seed), device=device,
+                                                 on_step=lambda s: progress.update(s.index + 1), cancel=interrupt,
+                                                 step_cache=cache)
     except Cancelled as exc:
         interrupt.raise_interrupted(exc)
     if cache is not None:
@@ -432,9 +443,10 @@ def decode(vae: VAEHandle, latent) -> tuple[torch.Tensor, dict]:
 
     report = apply_vae_kernels(video_vae, KernelSettings.from_env())
     log.debug("h3-spark video VAE kernels: %s", report)
+    engine = Engine.of(vae=video_vae, audio_vae=vae.audio_ready())
     # uint8 like the pipeline and the CLI, so a saved video holds the same frames whichever front door made it.
-    frames = video_vae.decode_to_buffer(video_vae.denormalize(video.float()), tile_size=vae.tile_size)[0]
-    wave = vae.audio_ready().decode_stereo(payload.audio_from_comfy(audio.float())).float().cpu()
+    frames = engine.decode_video(video.float(), vae.tile_size)
+    wave = engine.decode_audio(payload.audio_from_comfy(audio.float()))
     return frames.float() / 255.0, {"waveform": wave[None], "sample_rate": geometry.AUDIO_SAMPLE_RATE}
 
 
@@ -458,8 +470,7 @@ def output_path(prefix: str, suffix: str = ".mp4") -> tuple[Path, str]:
 
 
 def save_video(images: torch.Tensor, audio, prefix: str, fps: int, crf: int) -> dict:
-    from ..h3_model.media import write_mp4
-    from ..h3_model.refs import stereo
+    from ..h3_model.media.refs import stereo
 
     frames = frames_u8(images, "images")
     sound = None
@@ -467,7 +478,7 @@ def save_video(images: torch.Tensor, audio, prefix: str, fps: int, crf: int) -> 
         wave, rate = waveform(audio, "audio")
         sound = stereo(wave, rate, frames.shape[0] / fps, "audio")
     path, subfolder = output_path(prefix)
-    write_mp4(path, frames, sound, fps=int(fps), crf=int(crf))
+    Engine.mux(path, frames, sound, fps=int(fps), crf=int(crf))
     return {"filename": path.name, "subfolder": subfolder, "type": "output"}
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..h3_model.errors import H3Error, InputError
+from ..errors import H3Error, InputError
 
 
 def optional_module(name: str):

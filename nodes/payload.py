@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..h3_model import geometry
-from ..h3_model.errors import InputError
-from ..h3_model.layout import AudioBlock, ImageBlock, VideoBlock
+from ..errors import InputError
+from ..h3_model.dit.layout import AudioBlock, ImageBlock, VideoBlock
 from .host import optional_module
 
 TAGS = "minimax_token_tags"

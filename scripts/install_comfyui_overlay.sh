@@ -222,8 +222,8 @@ fi
 
 if ((copy)); then
     act mkdir -p "$target"
-    act cp -R "$REPO_ROOT/__init__.py" "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/h3_model" "$REPO_ROOT/kernels" \
-        "$REPO_ROOT/nodes" "$target/"
+    act cp -R "$REPO_ROOT/__init__.py" "$REPO_ROOT/errors.py" "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/h3_model" \
+        "$REPO_ROOT/kernels" "$REPO_ROOT/nodes" "$target/"
     for extra in config workflows; do
         if [[ -d "$REPO_ROOT/$extra" ]]; then
             act cp -R "$REPO_ROOT/$extra" "$target/"

@@ -19,16 +19,18 @@ from typing import Callable
 
 import torch
 
-from ..h3_model import geometry, media
-from ..h3_model.errors import H3Error
-from ..h3_model.pipeline import GenerationRequest, Pipeline, Progress
-from ..h3_model.refs import load_reference
-from ..h3_model.sampler import Cancelled
-from ..h3_model.step_cache import make_step_cache
+from ..h3_model import geometry
+from ..h3_model.media import files as media
+from ..errors import H3Error
+from ..h3_model.engine.engine import Engine
+from ..h3_model.engine.report import AttentionSwitch, unwrap
+from ..h3_model.pipeline.generation import GenerationRequest, Progress
+from ..h3_model.media.refs import load_reference
+from ..h3_model.pipeline.sampler import Cancelled
+from ..h3_model.pipeline.step_cache import make_step_cache
 from ..kernels.dispatch import attention_counts, exactness
 from .jobs import Job
 from .lockstep import Leader, Lockstep, LockstepCancel, fingerprint
-from .models import AttentionSwitch, ResidentModels, unwrap
 from .outputs import OutputFolder
 from .validation import Limits
 
@@ -78,7 +80,7 @@ def dit_key(mode: str) -> str:
     return "dit_ref" if mode == "ref2va" else "dit"
 
 
-def prepare_job(models: ResidentModels, message: dict, lockstep: Lockstep | None,
+def prepare_job(models: Engine, message: dict, lockstep: Lockstep | None,
                 stack: contextlib.ExitStack) -> tuple[GenerationRequest, dict]:
     """Build the request and switch to the job's attention backend (switched back when `stack` closes).
 
@@ -100,10 +102,10 @@ def prepare_job(models: ResidentModels, message: dict, lockstep: Lockstep | None
 
 
 class JobRunner:
-    def __init__(self, models: ResidentModels, pipeline: Pipeline, outputs: OutputFolder,
+    def __init__(self, models: Engine, outputs: OutputFolder,
                  log: Callable[[str], None] = lambda message: None, *, vae_tile_size: int | None = 256,
                  mlp_chunks: int = 1, leader: Leader | None = None, limits: Limits | None = None):
-        self.models, self.pipeline, self.outputs, self.log = models, pipeline, outputs, log
+        self.models, self.outputs, self.log = models, outputs, log
         self.vae_tile_size, self.mlp_chunks = vae_tile_size, mlp_chunks
         self.limits = limits or Limits()
         self.leader = leader  # several GPUs: rank 0's side of lockstep.py
@@ -158,7 +160,7 @@ class JobRunner:
                                                                  overwrite=req.overwrite))
             dit = unwrap(getattr(self.models.components, key))
             calls_before = attention_counts(dit)
-            result = self.pipeline.generate(generation, on_progress=progress, cancel=cancel, on_frames=stream.add)
+            result = self.models.generate(generation, on_progress=progress, cancel=cancel, on_frames=stream.add)
             # This job's share of the backend's counters (calls it ran on a fallback kernel, ...).
             job.backends["attention"] = {**job.backends["attention"],
                                          **{k: v - calls_before.get(k, 0) for k, v in attention_counts(dit).items()}}

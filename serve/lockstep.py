@@ -40,8 +40,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..h3_model.errors import H3Error
-from ..h3_model.pipeline import GenerationRequest
+from ..errors import H3Error
+from ..h3_model.pipeline.generation import GenerationRequest
 
 # The control group's timeout: a follower may wait this long for the next job.
 IDLE_TIMEOUT = timedelta(days=365)
@@ -165,22 +165,17 @@ def load_in_lockstep(load: Callable[[], object], lockstep: Lockstep, leader: Lea
     """Load the models on this rank, wrap each DiT for sequence parallelism, and agree with the other ranks.
 
     Every rank reaches the agreement, also after a failed load: a rank that raised before it would
-    leave the others waiting for it. Returns the ResidentModels with every rank's device.
+    leave the others waiting for it. Returns the engine, with every rank's device.
     """
-    from ..h3_model.parallel import SequenceParallelDiT
-
     models, error = None, None
     try:
         models = load()
-        for key in models.dit_keys():
-            setattr(models.components, key, SequenceParallelDiT(getattr(models.components, key)))
     except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement below
         error = exc
     # Under the leader's lock: rank 0's service must not send on the control group meanwhile.
     with leader.lock if leader is not None else threading.Lock():
         devices = lockstep.agree(error, lockstep.device, "load the models", same=False)
-        models.devices = devices
-        models.decode_group = dist.group.WORLD
+        models.distribute(devices, dist.group.WORLD)
         if leader is not None:
             leader.ready = True
     return models
@@ -193,14 +188,12 @@ def follow(lockstep: Lockstep, load: Callable[[], object], log: Callable[[str], 
     then would leave rank 0 in the middle of a collective instead of cancelling the job and sending None.
     (torchrun kills what is still running with SIGKILL 30 s after its own signal.)
     """
-    from ..h3_model.pipeline import Pipeline
-    from ..h3_model.sampler import Cancelled
+    from ..h3_model.pipeline.sampler import Cancelled
     from .execute import free_memory, prepare_job
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     models = load_in_lockstep(load, lockstep)
-    pipeline = Pipeline(models.components, decode_group=models.decode_group)
     log(f"rank {lockstep.rank} of {lockstep.world} on {lockstep.device}: models resident; following rank 0")
     while True:
         # A failure here (rank 0 is gone) ends the loop: there is nobody left to follow.
@@ -213,7 +206,7 @@ def follow(lockstep: Lockstep, load: Callable[[], object], log: Callable[[str], 
         try:
             with contextlib.ExitStack() as stack:
                 generation, _ = prepare_job(models, message, lockstep, stack)
-                pipeline.generate(generation, cancel=LockstepCancel())  # rank 0 writes the output
+                models.generate(generation, cancel=LockstepCancel())  # rank 0 writes the output
             log(f"job {job_id} done")
         except Cancelled as exc:
             log(f"job {job_id} {exc}")

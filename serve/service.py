@@ -14,16 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..h3_model.errors import H3Error
-from ..h3_model.pipeline import Pipeline
+from ..errors import H3Error
 from .execute import JobRunner, stderr_log
 from .jobs import Job, JobQueue, QueueFull
 from .lockstep import Leader
-from .models import (LoadTracker, ResidentModels, describe_models, memory_report, supported_kernels)
+from ..h3_model.engine.engine import Engine
+from ..h3_model.engine.report import describe_models, memory_report, supported_kernels
+from .models import LoadTracker
 from .outputs import InputFolder, OutputFolder
 from .validation import JobRequest, Limits, RequestError, parse_request
 
-Loader = Callable[[LoadTracker], ResidentModels]
+Loader = Callable[[LoadTracker], Engine]
 NOT_READY_RETRY_S = 5
 
 
@@ -56,8 +57,7 @@ class Service:
         self.outputs = OutputFolder(config.output_dir)
         self.inputs = InputFolder(config.input_dir, config.limits.max_input_file_bytes) if config.input_dir else None
         self.tracker = LoadTracker()
-        self.models: ResidentModels | None = None
-        self.pipeline: Pipeline | None = None
+        self.models: Engine | None = None
         self.supported: dict | None = None
         self.log = log
         self._loader = loader
@@ -91,10 +91,9 @@ class Service:
             self._sweep_partials()
             models = self._loader(self.tracker)
             fmt = "nvfp4" if "nvfp4" in models.checkpoint_formats.values() else "bf16"
-            self.supported = supported_kernels(models.spec_device, models.settings, fmt)
+            self.supported = supported_kernels(models.device, models.settings, fmt)
             self.models = models
-            self.pipeline = Pipeline(models.components, decode_group=models.decode_group)
-            self._runner = JobRunner(models, self.pipeline, self.outputs, self.log,
+            self._runner = JobRunner(models, self.outputs, self.log,
                                      vae_tile_size=self.config.vae_tile_size, mlp_chunks=self.config.mlp_chunks,
                                      leader=self.leader, limits=self.config.limits)
             self.queue.start()
@@ -128,9 +127,9 @@ class Service:
         body: dict = {"ready": ready, "loading": load, "queue": self.queue.stats()}
         if ready:
             m = self.models
-            body.update(device=m.spec_device, world_size=m.world_size, devices=m.devices, modes=m.modes,
+            body.update(device=m.device, world_size=m.world_size, devices=m.devices, modes=m.modes,
                         models=describe_models(m), weights=self.config.weights,
-                        memory=memory_report(m.spec_device), supported=self.supported,
+                        memory=memory_report(m.device), supported=self.supported,
                         limits=vars(self.limits), input_dir=str(self.inputs.root) if self.inputs else None,
                         output_dir=str(self.outputs.root))
         return ready, body
@@ -165,7 +164,7 @@ class Service:
         from ..kernels.attention import resolve_attention
 
         try:
-            resolve_attention(name, self.models.spec_device, self.models.settings)
+            resolve_attention(name, self.models.device, self.models.settings)
         except H3Error as exc:
             raise RequestError(400, f"attention {name!r} cannot run here: {exc}") from None
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from h3_spark.h3_model.torchvision_compat import ensure_importable
+from h3_spark.h3_model.text.torchvision_compat import ensure_importable
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -7,8 +7,8 @@ import types
 
 import torch
 
-from h3_spark.h3_model.config import TINY, DiTConfig
-from h3_spark.h3_model.dit import H3DiT
+from h3_spark.h3_model.dit.config import TINY, DiTConfig
+from h3_spark.h3_model.dit.model import H3DiT
 
 # The tiny config of the spec's recipe, where hidden size equals the attention width, next to our
 # TINY preset where they differ (24 vs 2 x 16), as in the released model (5376 vs 56 x 128).
@@ -43,7 +43,7 @@ def ours_from(reference, config: DiTConfig, dtype=torch.float32) -> H3DiT:
 
 def ref_blocks(spec):
     """Our layout blocks and the objects diffusers' Ref2VA builder reads (kind, has_audio, latents)."""
-    from h3_spark.h3_model.layout import AudioBlock, ImageBlock, VideoBlock
+    from h3_spark.h3_model.dit.layout import AudioBlock, ImageBlock, VideoBlock
 
     ours, theirs, cond, audio_cond = [], [], [], []
     for item in spec:

@@ -15,8 +15,9 @@ from diffusers import AutoencoderKLMiniMaxH3Audio
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from h3_spark.h3_model import audio_vae, vae_loading
-from h3_spark.h3_model.errors import CheckpointError, InputError
+from h3_spark.h3_model.vae import audio as audio_vae
+from h3_spark.h3_model.vae import loading as vae_loading
+from h3_spark.errors import CheckpointError, InputError
 from oracle import randomize_vae_
 
 FP32_BUDGET = 1e-5

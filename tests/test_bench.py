@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from h3_spark.bench.contract import check_limits, contract_shape, load_contract
+from h3_spark.measure.contract import check_limits, contract_shape, load_contract
 from h3_spark.cli import main
-from h3_spark.h3_model.config import FULL
-from h3_spark.h3_model.errors import InputError
+from h3_spark.h3_model.dit.config import FULL
+from h3_spark.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,8 +79,8 @@ def test_bench_cli_errors(tmp_path, capsys):
 
 
 def test_bench_with_a_model_folder_measures_every_stage(tmp_path, capsys, monkeypatch):
-    from h3_spark.h3_model.demo import TEXT_READ_LAYER, build_demo_models
-    from h3_spark.h3_model.torchvision_compat import ensure_importable
+    from h3_spark.h3_model.checkpoint.demo import TEXT_READ_LAYER, build_demo_models
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
 
     if not ensure_importable():
         pytest.skip("the Qwen3-VL processors need torchvision")
@@ -101,7 +101,7 @@ def test_bench_with_a_model_folder_measures_every_stage(tmp_path, capsys, monkey
 
 
 def test_synthetic_generation_with_step_caches(tmp_path, capsys, monkeypatch):
-    from h3_spark.h3_model.torchvision_compat import ensure_importable
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
 
     if not ensure_importable():
         pytest.skip("the Qwen3-VL processors need torchvision")
@@ -165,7 +165,7 @@ def test_vs_exact_reports_per_block_errors(tmp_path, capsys, monkeypatch):
 
 
 def test_promotion_verdicts():
-    from h3_spark.bench.runner import promotion_verdict
+    from h3_spark.measure.runner import promotion_verdict
 
     budget = json.loads((ROOT / "config" / "quality_budget.json").read_text())
     assert promotion_verdict(0.5, 0.5, [], budget) == "exact path"
@@ -190,7 +190,7 @@ def _must_not_load(*args, **kwargs):
 def test_bench_refuses_the_cpu_unless_asked(tmp_path, capsys, monkeypatch, source):
     # The help promises a GPU measurement: without one, only --device cpu or a tiny synthetic model run.
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    monkeypatch.setattr("h3_spark.bench.synthetic.synthetic_dit", _must_not_load)  # a full-size model on the CPU
+    monkeypatch.setattr("h3_spark.measure.synthetic.synthetic_dit", _must_not_load)  # a full-size model on the CPU
     code, err = _bench_errors(tmp_path, capsys, *source)
     assert code == 2 and "Traceback" not in err
     assert "bench measures on a CUDA GPU and this machine has none; pass --device cpu" in err
@@ -237,7 +237,7 @@ def test_bench_checks_flags_before_loading(tmp_path, capsys, monkeypatch, extra,
 def test_parallel_gpu_names_a_bad_attention_as_the_flag(tmp_path, capsys, monkeypatch):
     import torch.distributed
 
-    from h3_spark.bench import parallel_gpu
+    from h3_spark.measure import parallel_gpu
 
     def _must_not_start(*args, **kwargs):
         raise AssertionError("the process group was started before --attention was checked")
@@ -254,7 +254,7 @@ def test_parallel_gpu_names_a_bad_attention_as_the_flag(tmp_path, capsys, monkey
 
 
 def test_parallel_gpu_flag_goes_on_top_of_the_h3_settings(tmp_path, monkeypatch):
-    from h3_spark.bench import parallel_gpu
+    from h3_spark.measure import parallel_gpu
 
     monkeypatch.setenv("H3_ATTENTION", "fa3")
     monkeypatch.setenv("H3_LINEAR", "bf16")
@@ -271,7 +271,7 @@ def test_a_checkpoint_made_here_is_named_synthetic_in_the_result(tmp_path):
 
     from h3_spark.cli.bench import checkpoint_weights
     from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
-    from h3_spark.h3_model.config import TINY
+    from h3_spark.h3_model.dit.config import TINY
 
     made = tmp_path / "tiny-fp8.safetensors"
     make_dit_checkpoint(made, TINY, "fp8_scaled", "comfy", seed=3)

@@ -1,6 +1,6 @@
 import pytest
 
-from h3_spark.bench.profile import kernel_group, profile_call, summarize
+from h3_spark.measure.profile import kernel_group, profile_call, summarize
 
 
 @pytest.mark.parametrize("name,group", [

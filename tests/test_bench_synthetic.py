@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from h3_spark.bench import synthetic
-from h3_spark.h3_model.errors import InputError
+from h3_spark.measure import synthetic
+from h3_spark.errors import InputError
 
 
 @pytest.fixture(scope="module")
 def transformers_ready():
-    from h3_spark.h3_model.torchvision_compat import ensure_importable
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
 
     if not ensure_importable():
         pytest.skip("the Qwen3-VL processors need torchvision")
@@ -18,7 +18,7 @@ def transformers_ready():
 def test_full_text_encoder_geometry_is_qwen3vl_32b_cut_at_layer_50(transformers_ready):
     from transformers import Qwen3VLModel
 
-    from h3_spark.h3_model import demo
+    from h3_spark.h3_model.checkpoint import demo
 
     tok = demo.make_tokenizer()
     config = demo.text_config(tok, layers=50, text=synthetic.QWEN3VL_32B_TEXT, vision=synthetic.QWEN3VL_32B_VISION,
@@ -34,7 +34,7 @@ def test_full_text_encoder_geometry_is_qwen3vl_32b_cut_at_layer_50(transformers_
 
 
 def test_full_processor_makes_510_vision_tokens_for_a_contract_reference(transformers_ready):
-    from h3_spark.h3_model import demo
+    from h3_spark.h3_model.checkpoint import demo
 
     proc = demo.make_processor(demo.make_tokenizer(), patch_size=16, image_pixels=synthetic.QWEN3VL_PIXELS,
                                video_pixels=synthetic.QWEN3VL_PIXELS)
@@ -44,9 +44,8 @@ def test_full_processor_makes_510_vision_tokens_for_a_contract_reference(transfo
 
 
 def test_tiny_components_are_random_deterministic_and_finite(transformers_ready):
-    a, _ = synthetic.synthetic_components("tiny", ["t2va"], "cpu", torch.float32, torch.float32, seed=3)
-    b, _ = synthetic.synthetic_components("tiny", ["t2va"], "cpu", torch.float32, torch.float32, seed=3)
-    c, _ = synthetic.synthetic_components("tiny", ["t2va"], "cpu", torch.float32, torch.float32, seed=4)
+    a, b, c = (synthetic.synthetic_components("tiny", ["t2va"], "cpu", torch.float32, torch.float32,
+                                              seed=seed)[0].components for seed in (3, 3, 4))
     assert a.dit_ref is None and a.dit is not None
     for name in ("vae", "audio_vae"):
         pa, pb, pc = (dict(getattr(x, name).named_parameters()) for x in (a, b, c))
@@ -70,7 +69,7 @@ def test_bad_synthetic_requests(args, message):
 def test_synthetic_dit_fan_in_init_follows_make_checkpoints_rule():
     import dataclasses
 
-    from h3_spark.h3_model.config import FULL
+    from h3_spark.h3_model.dit.config import FULL
 
     config = dataclasses.replace(FULL, num_attention_heads=2, attention_head_dim=128, hidden_size=512, ffn_dim=1024,
                                  num_layers=2, text_dim=64, time_embed_hidden_dim=256, time_embed_dim=128)

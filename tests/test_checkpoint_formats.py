@@ -14,10 +14,11 @@ from comfy_kitchen.backends.eager import quantization as ck_eager
 from comfy_kitchen.tensor import QuantizedTensor, TensorCoreFP8Layout, TensorCoreNVFP4Layout, TensorWiseINT8Layout
 from safetensors import safe_open
 
-from h3_spark.h3_model.checkpoint import keymap, load_dit, nvfp4
+from h3_spark.h3_model.checkpoint import keymap, load_dit
+from h3_spark.kernels import nvfp4_codec as nvfp4
 from h3_spark.h3_model.checkpoint.quant import (QuantSpec, decode_marker, dequantize, hadamard,
                                                   quantize_fp8, quantize_int8_rows, rotate_groups)
-from h3_spark.h3_model.config import TINY
+from h3_spark.h3_model.dit.config import TINY
 from checkpoints import made_files
 
 SHAPES = [(96, 24), (24, 32), (128, 64), (300, 80), (21, 17)]
@@ -206,7 +207,7 @@ NVFP4_MISFITS = {
 
 def test_nvfp4_packed_sizes_are_checked_before_loading(files, tmp_path):
     from h3_spark.h3_model.checkpoint import open_dit
-    from h3_spark.h3_model.errors import CheckpointError
+    from h3_spark.errors import CheckpointError
 
     for name, path in _nvfp4_variants(files, tmp_path).items():
         reader = open_dit(path)
@@ -219,7 +220,7 @@ def test_nvfp4_packed_sizes_are_checked_before_loading(files, tmp_path):
 
 def test_nvfp4_dequantization_errors_name_the_layer_and_file(files, tmp_path):
     from h3_spark.h3_model.checkpoint import open_dit
-    from h3_spark.h3_model.errors import CheckpointError
+    from h3_spark.errors import CheckpointError
 
     path = _nvfp4_variants(files, tmp_path)["wrong_k"]
     with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: blocks\.0\.mlp\.fc2: NVFP4 weight is "

@@ -17,8 +17,8 @@ from h3_spark.h3_model.checkpoint.dit_reader import expected_shapes
 from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
 from h3_spark.h3_model.checkpoint.quant import encode_marker
 from h3_spark.h3_model.checkpoint.synthetic import random_state
-from h3_spark.h3_model.config import FULL, TINY
-from h3_spark.h3_model.errors import CheckpointError
+from h3_spark.h3_model.dit.config import FULL, TINY
+from h3_spark.errors import CheckpointError
 from checkpoints import made_files
 
 

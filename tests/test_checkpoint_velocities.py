@@ -15,13 +15,13 @@ tiny model in brackets; the bf16 storage of the unquantized layers is in every n
 import pytest
 import torch
 
-from h3_spark.h3_model import layout
+from h3_spark.h3_model.dit import layout
 from h3_spark.h3_model.checkpoint import load_dit, open_dit, pruned
 from h3_spark.h3_model.checkpoint.make import CURVE_DEFAULTS, curve_fit_for, make_dit_checkpoint, pruned_config
 from h3_spark.h3_model.checkpoint.synthetic import random_state
-from h3_spark.h3_model.config import TINY
-from h3_spark.h3_model.dit import H3DiT
-from h3_spark.h3_model.scheduler import JointSchedule
+from h3_spark.h3_model.dit.config import TINY
+from h3_spark.h3_model.dit.model import H3DiT
+from h3_spark.h3_model.pipeline.scheduler import JointSchedule
 from oracle import rel_l2, text_tags
 
 SEED = 11

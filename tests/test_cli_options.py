@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from h3_spark.cli.options import check_device, file_in_the_way, kernel_settings
-from h3_spark.h3_model.errors import InputError
+from h3_spark.cli.options import check_device, file_in_the_way
+from h3_spark.kernels.settings import kernel_settings
+from h3_spark.errors import InputError
 
 
 @pytest.fixture

@@ -97,7 +97,7 @@ def free_port() -> int:
 def build_models(tmp: Path) -> Path:
     """The tiny demo set copied into the model folders our loaders list (copies, not links: the loaders
     refuse a folder that resolves outside its model folder)."""
-    from h3_spark.h3_model.demo import build_demo_models
+    from h3_spark.h3_model.checkpoint.demo import build_demo_models
 
     demo = build_demo_models(tmp / "demo")
     models = tmp / "models"
@@ -314,7 +314,7 @@ def test_api_workflow_writes_the_mp4(server, name, tmp_path):
     path = server.output / saved[0]["subfolder"] / saved[0]["filename"]
     assert path.is_file(), path
 
-    from h3_spark.h3_model.media import probe
+    from h3_spark.h3_model.media.files import probe
 
     info = probe(path)
     side = server.frame_size

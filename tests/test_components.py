@@ -4,9 +4,10 @@ import types
 
 import pytest
 
-from h3_spark.h3_model.components import Components, check_fit
-from h3_spark.h3_model.config import TINY
-from h3_spark.h3_model.errors import InputError
+from h3_spark.h3_model.engine.loading import check_fit
+from h3_spark.h3_model.pipeline.generation import Components
+from h3_spark.h3_model.dit.config import TINY
+from h3_spark.errors import InputError
 
 
 def _parts(text_width=TINY.text_dim, video_channels=TINY.in_channels, audio_channels=TINY.audio_in_channels):

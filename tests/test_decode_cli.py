@@ -18,8 +18,10 @@ from safetensors.torch import save_file
 
 from h3_spark import cli
 from h3_spark.cli import decode
-from h3_spark.h3_model import audio_vae, media, video_vae
-from h3_spark.h3_model.errors import InputError
+from h3_spark.h3_model.vae import audio as audio_vae
+from h3_spark.h3_model.media import files as media
+from h3_spark.h3_model.vae import video as video_vae
+from h3_spark.errors import InputError
 from oracle import randomize_vae_
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*weight_norm.*is deprecated:FutureWarning")

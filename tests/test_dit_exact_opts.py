@@ -8,10 +8,10 @@ MLP row chunks) may change BLAS blocking, so it is held to rel L2 <= 1e-6 in fp3
 import pytest
 import torch
 
-from h3_spark.h3_model import layout
-from h3_spark.h3_model.config import TINY
-from h3_spark.h3_model.errors import H3Error
-from h3_spark.h3_model.scheduler import CONDITION_VIDEO_T, JointSchedule
+from h3_spark.h3_model.dit import layout
+from h3_spark.h3_model.dit.config import TINY
+from h3_spark.errors import H3Error
+from h3_spark.h3_model.pipeline.scheduler import CONDITION_VIDEO_T, JointSchedule
 from oracle import diffusers_dit, ours_from, ref_blocks, rel_l2, text_tags
 
 TOL = 1e-6
@@ -153,7 +153,7 @@ def test_mlp_chunks_refuse_an_activation_they_cannot_cut(setup):
     """The NVFP4 norm fusion hands the MLP a quantized activation object; chunking it must say what to do."""
     import types
 
-    from h3_spark.h3_model.errors import InputError
+    from h3_spark.errors import InputError
 
     ref, _, _ = setup
     mlp = ours_from(ref, TINY).transformer_blocks[0].ff
@@ -164,7 +164,7 @@ def test_mlp_chunks_refuse_an_activation_they_cannot_cut(setup):
 
 
 def test_forward_input_errors(setup):
-    from h3_spark.h3_model.errors import InputError
+    from h3_spark.errors import InputError
 
     ref, lay, data = setup
     model = ours_from(ref, TINY)

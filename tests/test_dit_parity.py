@@ -6,7 +6,7 @@ Tolerance: rel L2 <= 1e-5 in fp32 (the brief's bound; in practice the two agree 
 import pytest
 import torch
 
-from h3_spark.h3_model import layout
+from h3_spark.h3_model.dit import layout
 from oracle import CONFIGS, diffusers_dit, ours_from, ref_blocks, rel_l2, text_tags
 
 TOL = 1e-5

@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 
 from h3_spark.cli import main
-from h3_spark.h3_model import media
-from h3_spark.h3_model.demo import build_demo_models
+from h3_spark.h3_model.media import files as media
+from h3_spark.h3_model.checkpoint.demo import build_demo_models
 
 pytest.importorskip("av")
 
 
 @pytest.fixture(scope="module")
 def demo_models(tmp_path_factory):
-    from h3_spark.h3_model.torchvision_compat import ensure_importable
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
 
     if not ensure_importable():
         pytest.skip("the Qwen3-VL processors need torchvision")
@@ -156,8 +156,8 @@ def test_turbo_sigmas(demo_models, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,steps", [([], 9), (["--steps", "50"], 50), (["--steps", "12"], 12)])
 def test_demo_keeps_an_explicit_step_count(demo_models, tmp_path, capsys, monkeypatch, argv, steps):
-    from h3_spark.h3_model.errors import InputError
-    from h3_spark.h3_model.pipeline import Pipeline
+    from h3_spark.errors import InputError
+    from h3_spark.h3_model.pipeline.generation import Pipeline
 
     seen = []
 

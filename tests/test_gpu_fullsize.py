@@ -10,12 +10,12 @@ pytestmark = pytest.mark.gpu
 
 def test_full_size_velocities_match_diffusers_within_the_noise_floor():
     pytest.importorskip("diffusers")
-    from h3_spark.bench.contract import contract_shape, load_contract
-    from h3_spark.bench.diffusers_ref import diffusers_twin, forward_kwargs, set_backend
-    from h3_spark.bench.runner import make_inputs, rel_l2
-    from h3_spark.bench.synthetic import synthetic_dit
-    from h3_spark.h3_model.config import FULL
-    from h3_spark.h3_model.scheduler import JointSchedule
+    from h3_spark.measure.contract import contract_shape, load_contract
+    from h3_spark.measure.diffusers_ref import diffusers_twin, forward_kwargs, set_backend
+    from h3_spark.measure.runner import make_inputs, rel_l2
+    from h3_spark.measure.synthetic import synthetic_dit
+    from h3_spark.h3_model.dit.config import FULL
+    from h3_spark.h3_model.pipeline.scheduler import JointSchedule
     from pathlib import Path
 
     contract = load_contract(Path(__file__).resolve().parents[1] / "benchmarks" / "t2va-960x544-124f.json")

@@ -46,7 +46,7 @@ print(json.dumps({"host_added": peak[0] - before, "seconds": seconds, "gpu_bytes
 
 def test_full_size_nvfp4_streams_to_the_gpu_with_bounded_host_memory(tmp_path):
     from h3_spark.h3_model.checkpoint.make import CURVE_DEFAULTS, make_dit_checkpoint
-    from h3_spark.h3_model.config import FULL
+    from h3_spark.h3_model.dit.config import FULL
 
     out = tmp_path / "dit_pruned_nvfp4.safetensors"
     # Drawn and quantized on the GPU: on the GPU machine's CPU the file took longer than a device call.

@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import save_file
 
 from h3_spark.cli import main
-from h3_spark.h3_model.checkpoint import nvfp4
+from h3_spark.kernels import nvfp4_codec as nvfp4
 from h3_spark.h3_model.checkpoint.comfy_layout import comfy_groups, comfy_metadata
 from h3_spark.h3_model.checkpoint.dit_config import expected_inv_freq
 from h3_spark.h3_model.checkpoint.inspect import inspect_checkpoint
 from h3_spark.h3_model.checkpoint.make import CURVE_DEFAULTS, make_dit_checkpoint, pruned_config
 from h3_spark.h3_model.checkpoint.quant import encode_marker
 from h3_spark.h3_model.checkpoint.safetensors_header import encode_header
-from h3_spark.h3_model.config import FULL, TINY
+from h3_spark.h3_model.dit.config import FULL, TINY
 
 TINY_PARAMS = 50_000  # parameters of the tiny full-AdaLN DiT
 TINY_PRUNED_PARAMS = 37_604  # time MLP gone, AdaLN from 16 to 4 inputs, plus the [33, 4] table

@@ -4,7 +4,7 @@ import pytest
 
 from h3_spark.cli import main
 from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
-from h3_spark.h3_model.config import TINY
+from h3_spark.h3_model.dit.config import TINY
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import torch
 
 import h3_spark.kernels.attention as att
 import h3_spark.kernels.capability as cap
-from h3_spark.h3_model.errors import H3Error
+from h3_spark.errors import H3Error
 from h3_spark.kernels.attention import BACKENDS, math_reference, resolve_attention, sdpa
 from h3_spark.kernels.capability import KernelUnavailable
 from h3_spark.kernels.settings import ATTENTION_BACKENDS, KernelSettings, SettingsError, SolSettings

@@ -8,9 +8,10 @@ import torch
 
 import h3_spark.kernels.capability as cap
 import h3_spark.kernels.dispatch as dispatch
-from h3_spark.h3_model import layout
-from h3_spark.h3_model.config import TINY
-from h3_spark.h3_model.dit import H3DiT, RowModulation
+from h3_spark.h3_model.dit import layout
+from h3_spark.h3_model.dit.config import TINY
+from h3_spark.h3_model.dit.model import H3DiT
+from h3_spark.kernels.references import RowModulation
 from h3_spark.kernels.capability import KernelUnavailable
 from h3_spark.kernels.dispatch import apply_kernels
 from h3_spark.kernels.settings import KernelSettings, SettingsError

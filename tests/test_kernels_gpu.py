@@ -5,7 +5,9 @@ exact backends rel L2 <= 1e-2 vs SDPA in bf16, approximate ones <= 0.1 on random
 import pytest
 import torch
 
-from h3_spark.h3_model.dit import RowModulation, rope_tables
+from h3_spark.h3_model.dit.model import rope_tables
+
+from h3_spark.kernels.references import RowModulation
 from h3_spark.kernels.attention import resolve_attention, sdpa
 from h3_spark.kernels.capability import KernelUnavailable
 from h3_spark.kernels.settings import ATTENTION_BACKENDS, KernelSettings, SolSettings

@@ -10,8 +10,8 @@ Error budgets: quantizers byte-identical; Fp8Linear (CPU torch._scaled_mm) vs it
 import pytest
 import torch
 
-from h3_spark.h3_model.checkpoint import nvfp4 as ckpt_nvfp4
-from h3_spark.h3_model.dit import RowModulation
+from h3_spark.kernels import nvfp4_codec as ckpt_nvfp4
+from h3_spark.kernels.references import RowModulation
 from h3_spark.kernels.linear_fp8 import (Fp8Linear, fp8_linear_reference, quantize_rows, quantize_weight,
                                          reference_quantize_rows)
 from oracle import rel_l2
@@ -148,7 +148,7 @@ def test_fp8_rows_feed_the_linear_and_slice_by_tokens():
 
 
 def test_fp8_swiglu_chunks_and_unfused_path_agree():
-    from h3_spark.h3_model.dit import SwiGLU
+    from h3_spark.kernels.references import SwiGLU
     from h3_spark.kernels.linear_fp8 import Fp8SwiGLU, quantize_activation
 
     ff = SwiGLU(64, 80).to(torch.bfloat16)

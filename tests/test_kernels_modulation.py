@@ -8,7 +8,7 @@ the fp32 sum of squares rounds differently (>= 99.9 % of elements identical, the
 import pytest
 import torch
 
-from h3_spark.h3_model.dit import RowModulation
+from h3_spark.kernels.references import RowModulation
 from oracle import rel_l2
 
 pytest.importorskip("triton")

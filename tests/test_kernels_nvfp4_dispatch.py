@@ -32,9 +32,10 @@ from torch import nn
 import h3_spark.kernels.attention as att
 import h3_spark.kernels.capability as cap
 import h3_spark.kernels.dispatch as dispatch
-from h3_spark.h3_model import layout
-from h3_spark.h3_model.dit import H3DiT, RowModulation
-from h3_spark.h3_model.errors import InputError
+from h3_spark.h3_model.dit import layout
+from h3_spark.h3_model.dit.model import H3DiT
+from h3_spark.kernels.references import RowModulation
+from h3_spark.errors import InputError
 from h3_spark.kernels.dispatch import BLOCK_LINEARS, apply_kernels
 from h3_spark.kernels.settings import KernelSettings
 from oracle import EQUAL_WIDTH, forward_args, rel_l2, text_tags

@@ -9,7 +9,7 @@ elements (the rest: one step, from the mean / Hadamard summation order), scales 
 import pytest
 import torch
 
-from h3_spark.h3_model.dit import Attention, reference_qk_prep, rope_tables
+from h3_spark.h3_model.dit.model import Attention, reference_qk_prep, rope_tables
 from h3_spark.kernels.attention import math_reference
 from h3_spark.kernels.qk_prep import (BOUND_MARGIN, FusedQKPrep, QuantizedHeads, hadamard_matrix,
                                      prepare_heads, reference_norm_rope, reference_prepare_heads)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from h3_spark.h3_model.errors import H3Error
+from h3_spark.errors import H3Error
 from h3_spark.kernels.settings import KernelSettings, SettingsError, SolSettings
 
 

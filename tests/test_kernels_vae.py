@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3_spark.bench.synthetic import synthetic_video_vae
-from h3_spark.h3_model import video_vae
+from h3_spark.measure.synthetic import synthetic_video_vae
+from h3_spark.h3_model.vae import video as video_vae
 from h3_spark.kernels.capability import KernelUnavailable
 from h3_spark.kernels.settings import KernelSettings
 from h3_spark.kernels.vae import apply_vae_kernels, fused_decoder_qk_prep

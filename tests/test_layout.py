@@ -11,8 +11,9 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import (
     patchify_video_latents,
 )
 
-from h3_spark.h3_model import geometry, layout
-from h3_spark.h3_model.errors import InputError
+from h3_spark.h3_model import geometry
+from h3_spark.h3_model.dit import layout
+from h3_spark.errors import InputError
 from oracle import ref_blocks, text_tags
 
 
@@ -65,8 +66,10 @@ def test_row_timesteps_match_diffusers(t_video, t_audio):
 
 
 def test_segments_cover_rows_in_order():
+    from h3_spark.kernels.references import segments
+
     rows = torch.tensor([3, 3, 4, 4, 4, 3, 0, 0, 2])
-    segs = layout.segments(rows)
+    segs = segments(rows)
     assert segs == [(0, 2, 3), (2, 5, 4), (5, 6, 3), (6, 8, 0), (8, 9, 2)]
     rebuilt = torch.cat([torch.full((e - s,), r) for s, e, r in segs])
     assert torch.equal(rebuilt, rows)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
-from h3_spark.h3_model.config import TINY
+from h3_spark.h3_model.dit.config import TINY
 from memprobe import ANON_PEAK
 
 if not Path("/proc/self/status").is_file():
@@ -28,7 +28,7 @@ MID = dataclasses.replace(TINY, num_attention_heads=8, attention_head_dim=128, h
 
 PROBE = ANON_PEAK + r"""
 import json, sys, torch
-import h3_spark.h3_model.checkpoint, h3_spark.h3_model.dit
+import h3_spark.h3_model.checkpoint, h3_spark.h3_model.dit.model
 from h3_spark.h3_model.checkpoint import load_dit
 
 before = anon()

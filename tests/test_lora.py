@@ -12,9 +12,9 @@ from safetensors.torch import save_file
 
 from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_minimax_h3_lora_to_diffusers
 
-from h3_spark.h3_model.config import TINY
-from h3_spark.h3_model.errors import CheckpointError, InputError
-from h3_spark.h3_model.lora import LoraSpec, apply_loras
+from h3_spark.h3_model.dit.config import TINY
+from h3_spark.errors import CheckpointError, InputError
+from h3_spark.h3_model.dit.lora import LoraSpec, apply_loras
 from oracle import diffusers_dit, ours_from, rel_l2
 
 RANK = 3
@@ -95,7 +95,7 @@ def test_metadata_alpha_scales(tmp_path):
 
 
 def test_pruned_replacement_tensors_stack(tmp_path):
-    from h3_spark.h3_model.dit import H3DiT
+    from h3_spark.h3_model.dit.model import H3DiT
 
     config = dataclasses.replace(TINY, adaln_curve_grid=9, time_embed_dim=4)
     model = H3DiT(config)
@@ -164,7 +164,7 @@ def test_diff_on_original_fc1_equals_the_same_delta_as_a_pair(tmp_path, layer, o
 
 
 def test_diff_on_diffusers_named_proj_is_not_swapped_and_diff_b_is(tmp_path):
-    from h3_spark.h3_model.lora import plan_lora
+    from h3_spark.h3_model.dit.lora import plan_lora
 
     c = TINY
     model = ours_from(diffusers_dit(c), c)

@@ -11,7 +11,7 @@ from h3_spark.cli import main
 from h3_spark.h3_model.checkpoint import read_dit_config
 from h3_spark.h3_model.checkpoint.comfy_layout import comfy_groups
 from h3_spark.h3_model.checkpoint.make import pruned_config
-from h3_spark.h3_model.config import FULL, TINY
+from h3_spark.h3_model.dit.config import FULL, TINY
 
 
 def _make(capsys, *argv) -> tuple[int, str, str]:
@@ -139,7 +139,7 @@ def test_make_vae_components_inspect_complete_and_load(tmp_path, capsys, compone
     import json as _json
 
     from h3_spark.cli import main as cli_main
-    from h3_spark.h3_model.vae_loading import load_audio_vae, load_video_vae
+    from h3_spark.h3_model.vae.loading import load_audio_vae, load_video_vae
 
     out = tmp_path / (f"{component}.safetensors" if layout == "comfy" else component)
     assert cli_main(["make-checkpoint", "--component", component, "--layout", layout, str(out)]) == 0

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from h3_spark.h3_model import media
-from h3_spark.h3_model.errors import InputError
-from h3_spark.h3_model.resample import resample
+from h3_spark.h3_model.media import files as media
+from h3_spark.errors import InputError
+from h3_spark.h3_model.media.resample import resample
 
 
 def write_image(path, array: np.ndarray, codec: str) -> None:

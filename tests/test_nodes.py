@@ -16,8 +16,8 @@ import torch
 
 from fixtures import qwen_tiny as Q
 from h3_spark import NODE_CLASS_MAPPINGS
-from h3_spark.h3_model.config import TINY
-from h3_spark.h3_model.errors import H3Error, InputError
+from h3_spark.h3_model.dit.config import TINY
+from h3_spark.errors import H3Error, InputError
 
 W = H = 64  # multiples of 32; latent 4 x 4 with the 16x test VAE
 FRAMES = 124  # the shortest generation (5 s)
@@ -96,7 +96,7 @@ class StandInQwen:
     def __init__(self, width):
         from transformers import Qwen2VLImageProcessor
 
-        from h3_spark.h3_model.prompt import PresentationBuilder
+        from h3_spark.h3_model.text.prompt import PresentationBuilder
 
         tok = Q.make_tokenizer()
         images = Qwen2VLImageProcessor(size={"shortest_edge": 64, "longest_edge": 64 * 64}, patch_size=4,
@@ -109,7 +109,7 @@ class StandInQwen:
 
     @torch.no_grad()
     def encode(self, presentation):
-        from h3_spark.h3_model.text_encoder import EncodedPrompt
+        from h3_spark.h3_model.text.encoder import EncodedPrompt
 
         embeds = self.model(presentation.token_ids.to(self.device))[None].to(torch.bfloat16)
         if "pixel_values" in presentation.vision:  # let the pictures reach the embeddings too
@@ -119,7 +119,8 @@ class StandInQwen:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from h3_spark.h3_model import video_vae, vae_loading
+    from h3_spark.h3_model.vae import video as video_vae
+    from h3_spark.h3_model.vae import loading as vae_loading
     from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
 
     root = tmp_path_factory.mktemp("comfyui")
@@ -148,7 +149,7 @@ def load_all(models, partition="auto", dit="tiny-t2va.safetensors"):
 
 
 def pipeline_for(model, te, vae, mode):
-    from h3_spark.h3_model.pipeline import Components, Pipeline
+    from h3_spark.h3_model.pipeline.generation import Components, Pipeline
     from h3_spark.nodes import engine
 
     dit = engine.dit_of(model)
@@ -199,7 +200,7 @@ def test_t2va_graph_to_mp4(models, monkeypatch):
     ui = node("H3SparkSaveVideo").save(images, "clips/t2va", 24, 23, audio=sound_out)["ui"]
     saved = ui["images"][0]
     assert saved["subfolder"] == "clips" and saved["type"] == "output" and saved["filename"].endswith(".mp4")
-    from h3_spark.h3_model.media import probe
+    from h3_spark.h3_model.media.files import probe
 
     info = probe(models / "output" / "clips" / saved["filename"])
     assert (info["width"], info["height"], info["audio_codec"], info["channels"]) == (W, H, "aac", 2)
@@ -209,13 +210,13 @@ def test_t2va_graph_to_mp4(models, monkeypatch):
 
 def test_pipeline_refuses_settings_before_the_expensive_stages(models, monkeypatch):
     """A bad schedule or VAE tile is refused before the text encoder runs, not after the sampling."""
-    from h3_spark.h3_model.pipeline import GenerationRequest
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest
 
     fake_comfy(monkeypatch, models)
     model, te, vae = load_all(models)
     pipe = pipeline_for(model, te, vae, "t2va")
     encoded = []
-    monkeypatch.setattr(pipe, "_encode_text", lambda *a: encoded.append(1) or (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr(pipe, "encode_text", lambda *a: encoded.append(1) or (_ for _ in ()).throw(AssertionError))
     for change, message in (({"video_shift": float("nan")}, "shift must be a positive finite number, got nan"),
                             ({"sigmas": [0.5, 0.7, 0.0]}, "strictly decreasing"),
                             ({"vae_tile_size": 40}, "tile size 40 px must be a multiple of 16")):
@@ -228,8 +229,8 @@ def test_pipeline_refuses_settings_before_the_expensive_stages(models, monkeypat
 @pytest.mark.parametrize("mode, prompt", [("fl2va", "<Picture 1> the cat <d>says</d> the end"), ("fl2va", ""),
                                           ("ref2va", "<Picture 1> the cat <d>says</d> the end"), ("ref2va", "")])
 def test_graph_equals_pipeline(models, monkeypatch, mode, prompt):
-    from h3_spark.h3_model.pipeline import GenerationRequest
-    from h3_spark.h3_model.refs import AudioReference, ImageReference
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest
+    from h3_spark.h3_model.media.refs import AudioReference, ImageReference
 
     fake_comfy(monkeypatch, models)
     model, te, vae = load_all(models, dit=f"tiny-{'ref2va' if mode == 'ref2va' else 't2va'}.safetensors")

@@ -7,7 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from h3_spark.h3_model.video_vae import DECODE_DTYPES, check_tiling
+from h3_spark.h3_model.vae.video import DECODE_DTYPES, check_tiling
 from h3_spark.kernels.settings import KernelSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def test_sourcing_sets_every_flag_and_changes_the_parsed_settings():
     assert parsed.sol == default.sol and parsed.head_slice_size == default.head_slice_size == 8
     assert env["H3_VAE_DTYPE"] in DECODE_DTYPES
     from h3_spark.kernels.settings import vae_tile_batch
-    from h3_spark.h3_model.video_vae import DEFAULT_TILE_BATCH
+    from h3_spark.kernels.settings import DEFAULT_TILE_BATCH
 
     assert vae_tile_batch(env) == DEFAULT_TILE_BATCH
     check_tiling(int(env["H3_VAE_TILE_SIZE"]), 64, 16)

@@ -18,7 +18,7 @@ def test_root_imports_as_custom_node_folder_without_comfy():
         "m = importlib.util.module_from_spec(spec); sys.modules['h3_spark_folder'] = m; spec.loader.exec_module(m)\n"
         "assert isinstance(m.NODE_CLASS_MAPPINGS, dict) and isinstance(m.NODE_DISPLAY_NAME_MAPPINGS, dict)\n"
         "assert 'comfy' not in sys.modules and 'torch' not in sys.modules\n"
-        "import h3_spark_folder.h3_model.layout\n"
+        "import h3_spark_folder.h3_model.dit.layout\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from h3_spark.h3_model import layout
-from h3_spark.h3_model.config import TINY
-from h3_spark.h3_model.dit import H3DiT
-from h3_spark.h3_model.errors import InputError
-from h3_spark.h3_model.parallel import SequenceParallelDiT, SequenceShards
+from h3_spark.h3_model.dit import layout
+from h3_spark.h3_model.dit.config import TINY
+from h3_spark.h3_model.dit.model import H3DiT
+from h3_spark.errors import InputError
+from h3_spark.h3_model.dit.parallel import SequenceParallelDiT, SequenceShards
 
 CONFIG = dataclasses.replace(TINY, num_attention_heads=4, attention_head_dim=16)
 
@@ -110,7 +110,7 @@ def test_shards_cover_the_sequence_unevenly():
 
 
 def test_needs_initialised_process_group():
-    from h3_spark.h3_model.errors import H3Error
+    from h3_spark.errors import H3Error
 
     with pytest.raises(H3Error, match="needs torch.distributed to be initialised"):
         SequenceParallelDiT(_model())
@@ -123,8 +123,8 @@ def test_generate_gpus_2_equals_one_process(tmp_path):
 
     from safetensors.torch import load_file
 
-    from h3_spark.h3_model.demo import build_demo_models
-    from h3_spark.h3_model.torchvision_compat import ensure_importable
+    from h3_spark.h3_model.checkpoint.demo import build_demo_models
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
 
     if not ensure_importable():
         pytest.skip("the Qwen3-VL processors need torchvision")
@@ -146,7 +146,7 @@ def test_generate_gpus_2_equals_one_process(tmp_path):
 
 
 def _vae():
-    from h3_spark.h3_model import video_vae
+    from h3_spark.h3_model.vae import video as video_vae
 
     torch.manual_seed(0)
     vae = video_vae.VideoVAE(video_vae.TINY).eval()

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from h3_spark.h3_model.errors import InputError
-from h3_spark.h3_model.pipeline import GenerationRequest
-from h3_spark.h3_model.refs import ImageReference, VideoReference
+from h3_spark.errors import InputError
+from h3_spark.h3_model.pipeline.generation import GenerationRequest
+from h3_spark.h3_model.media.refs import ImageReference, VideoReference
 
 
 def _image(seed):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fixtures import qwen_tiny as Q
-from h3_spark.h3_model.errors import InputError
-from h3_spark.h3_model.prompt import (AudioRef, ImageRef, PresentationBuilder, VideoRef, presentation_hash)
+from h3_spark.errors import InputError
+from h3_spark.h3_model.text.prompt import AudioRef, ImageRef, PresentationBuilder, VideoRef, presentation_hash
 
 pytestmark = pytest.mark.skipif(not Q.HAS_TORCHVISION, reason="transformers' Qwen3-VL processor needs torchvision")
 
@@ -83,7 +83,7 @@ def test_a_prepared_reference_of_the_shortest_lengths_presents_as_diffusers(tiny
     prepare_references, with no prompt, against diffusers' set-up step and text encoder."""
     from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
 
-    from h3_spark.h3_model import refs
+    from h3_spark.h3_model.media import refs
 
     tok, proc, model, builder = tiny
     frames = Q.video(count, 1344 // 8, 768 // 8, 9)
@@ -105,7 +105,7 @@ def test_a_prepared_short_video_reference_shows_qwen_every_frame(tiny):
     frames, as diffusers' set-up step normalises them (the oracle here)."""
     from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
 
-    from h3_spark.h3_model import refs
+    from h3_spark.h3_model.media import refs
 
     tok, proc, model, builder = tiny
     frames = Q.video(100, 1344 // 8, 768 // 8, 3)

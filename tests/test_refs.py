@@ -9,8 +9,9 @@ import pytest
 import torch
 from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
 
-from h3_spark.h3_model import geometry, refs
-from h3_spark.h3_model.errors import InputError
+from h3_spark.h3_model import geometry
+from h3_spark.h3_model.media import refs
+from h3_spark.errors import InputError
 
 
 def _video(n, h, w, seed=0):
@@ -57,7 +58,7 @@ def test_resample_audio_keeps_a_tone():
 
 def test_soundtracks_are_cut_at_their_own_rate_then_resampled_once(tmp_path):
     # The reference pipeline's order (a 48 kHz file, a 5.3 s generation): truncate at 48 kHz, resample once.
-    from h3_spark.h3_model.resample import resample
+    from h3_spark.h3_model.media.resample import resample
     from test_media import write_audio
 
     wave = np.random.default_rng(3).uniform(-0.5, 0.5, (2, 48000 * 6)).astype(np.float32)
@@ -179,7 +180,8 @@ def tiny_vaes(tmp_path_factory):
     from diffusers import AutoencoderKLMiniMaxH3
     from oracle import randomize_vae_
 
-    from h3_spark.h3_model import vae_loading, video_vae
+    from h3_spark.h3_model.vae import loading as vae_loading
+    from h3_spark.h3_model.vae import video as video_vae
 
     gen = torch.Generator().manual_seed(3)
     c = video_vae.TINY.latent_channels
@@ -196,8 +198,8 @@ def tiny_vaes(tmp_path_factory):
 def test_short_video_reference_encodes_and_lays_out_like_diffusers(tiny_vaes, monkeypatch, count, latent_frames):
     """prepare_references -> the pipeline's condition encode (our video VAE) against diffusers' set-up and
     reference-encoder steps with the same weights: same latents, and the layout block takes their shape."""
-    from h3_spark.h3_model.layout import VideoBlock
-    from h3_spark.h3_model.pipeline import Components, Pipeline
+    from h3_spark.h3_model.dit.layout import VideoBlock
+    from h3_spark.h3_model.pipeline.generation import Components, Pipeline
 
     theirs_vae, ours_vae = tiny_vaes
     # A 64 px short edge on both sides keeps the VAE cheap; the canvas rule itself is held to diffusers' above.
@@ -207,7 +209,7 @@ def test_short_video_reference_encodes_and_lays_out_like_diffusers(tiny_vaes, mo
     frames = _video(count, 36, 64, seed=100 + count)
     theirs = _diffusers_reference_latents(frames, 24.0, _diffusers_components(theirs_vae, short_edge, max_pixels))
     prepared = refs.prepare_references([refs.VideoReference(frames)], width=128, height=64, frames=124)
-    conditions, audio_rows, blocks, hits = Pipeline(Components(vae=ours_vae))._encode_conditions([], prepared)
+    conditions, audio_rows, blocks, hits = Pipeline(Components(vae=ours_vae)).encode_conditions([], prepared)
     assert theirs.shape == (1, 4, latent_frames, 16, 32)
     assert conditions[0].shape == theirs.shape
     assert ((conditions[0] - theirs).norm() / theirs.norm()).item() <= 1e-5

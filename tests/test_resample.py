@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from h3_spark.h3_model.errors import InputError
-from h3_spark.h3_model.resample import ROLLOFF, ZERO_CROSSINGS, filter_bank, resample
+from h3_spark.errors import InputError
+from h3_spark.h3_model.media.resample import ROLLOFF, ZERO_CROSSINGS, filter_bank, resample
 
 RATES = [(48000, 32000), (44100, 32000), (16000, 32000), (22050, 32000), (96000, 32000), (8000, 32000)]
 

@@ -17,10 +17,11 @@ from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
     MiniMaxH3Ref2VACoreDenoiseStep,
 )
 
-from h3_spark.h3_model import geometry, layout
-from h3_spark.h3_model.config import DiTConfig
-from h3_spark.h3_model.sampler import Cancelled, SamplingRequest, sample, schedule_timestep_values
-from h3_spark.h3_model.scheduler import JointSchedule
+from h3_spark.h3_model import geometry
+from h3_spark.h3_model.dit import layout
+from h3_spark.h3_model.dit.config import DiTConfig
+from h3_spark.h3_model.pipeline.sampler import Cancelled, SamplingRequest, sample, schedule_timestep_values
+from h3_spark.h3_model.pipeline.scheduler import JointSchedule
 from oracle import diffusers_dit, ours_from, rel_l2
 
 # in_channels/audio_in_channels match the tiny VAEs of the spec recipe.

@@ -4,8 +4,8 @@ import pytest
 import torch
 from diffusers import MiniMaxH3Scheduler
 
-from h3_spark.h3_model.errors import InputError
-from h3_spark.h3_model.scheduler import JointSchedule, Schedule, custom_sigmas, sigmas
+from h3_spark.errors import InputError
+from h3_spark.h3_model.pipeline.scheduler import JointSchedule, Schedule, custom_sigmas, sigmas
 
 
 @pytest.mark.parametrize("steps", [2, 3, 5, 9, 21, 50, 200])

@@ -22,9 +22,11 @@ import pytest
 import torch
 
 from fixtures import qwen_tiny as Q
-from h3_spark.h3_model.components import ComponentPaths
-from h3_spark.h3_model.config import TINY
-from h3_spark.h3_model.text_encoder import TextEncoder
+from h3_spark.h3_model.engine.engine import LoadEvent
+from h3_spark.h3_model.engine.loading import LoadOptions
+from h3_spark.h3_model.engine.paths import ComponentPaths
+from h3_spark.h3_model.dit.config import TINY
+from h3_spark.h3_model.text.encoder import TextEncoder
 from h3_spark.kernels.settings import KernelSettings
 
 starlette = pytest.importorskip("starlette")
@@ -33,7 +35,7 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from h3_spark.serve import execute  # noqa: E402
 from h3_spark.serve.app import create_app  # noqa: E402
-from h3_spark.serve.models import LoadTracker, ModelSpec, load_models  # noqa: E402
+from h3_spark.serve.models import LoadTracker, load_models  # noqa: E402
 from h3_spark.serve.service import Service, ServiceConfig  # noqa: E402
 from h3_spark.serve.validation import Limits  # noqa: E402
 
@@ -65,7 +67,7 @@ def tiny_text_encoder():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
-    from h3_spark.h3_model.vae_loading import write_audio_vae_checkpoint, write_vae_checkpoint
+    from h3_spark.h3_model.vae.loading import write_audio_vae_checkpoint, write_vae_checkpoint
 
     root = tmp_path_factory.mktemp("models")
     make_dit_checkpoint(root / "transformer", dataclasses.replace(TINY, text_dim=32), "bf16", "diffusers", seed=1)
@@ -77,12 +79,12 @@ def model_dir(tmp_path_factory):
     return root
 
 
-def model_spec(model_dir) -> ModelSpec:
+def model_spec(model_dir) -> tuple[ComponentPaths, LoadOptions]:
     # The PyTorch references for the fused ops: conftest turns on Triton's CPU interpreter, where `auto`
     # would pick the Triton kernels and spend seconds per step interpreting them.
     kernels = KernelSettings(modulation_fusion="off", q_rms_rope_int8_fusion="off")
-    return ModelSpec(ComponentPaths(models=model_dir), device="cpu", dtype=torch.float32, vae_dtype=torch.float32,
-                     text_layer=TEXT_LAYER, kernels=kernels)
+    return ComponentPaths(models=model_dir), LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32,
+                                                         text_layer=TEXT_LAYER, kernels=kernels)
 
 
 def text_override(model_dir, gate: threading.Event | None = None):
@@ -103,7 +105,7 @@ def text_override(model_dir, gate: threading.Event | None = None):
 
 @pytest.fixture(scope="module")
 def resident(model_dir):
-    return load_models(model_spec(model_dir), LoadTracker(), text_override(model_dir))
+    return load_models(*model_spec(model_dir), LoadTracker(), text_override(model_dir))
 
 
 @pytest.fixture
@@ -157,7 +159,7 @@ def test_ready_is_503_while_loading_then_lists_the_models(model_dir, tmp_path):
     gate = threading.Event()
     spec = model_spec(model_dir)
     service = Service(ServiceConfig(output_dir=tmp_path),
-                      lambda tracker: load_models(spec, tracker, text_override(model_dir, gate)), log=lambda m: None)
+                      lambda tracker: load_models(*spec, tracker, text_override(model_dir, gate)), log=lambda m: None)
     with TestClient(create_app(service)) as client:
         deadline = time.monotonic() + 60
         while True:
@@ -195,7 +197,7 @@ def test_ready_is_503_while_loading_then_lists_the_models(model_dir, tmp_path):
 def test_a_failed_load_is_reported_and_nothing_is_accepted(tmp_path):
     def broken(tracker):
         tracker.plan(["dit"])
-        tracker.begin("dit")
+        tracker.record(LoadEvent("dit", "loading"))
         raise OSError("disk gone")
 
     failures = []
@@ -243,7 +245,7 @@ def test_start_removes_partial_outputs_a_stopped_service_left(resident, tmp_path
 
 # ------------------------------------------------------------------ a generation
 def test_generate_poll_done_with_a_per_request_attention_switch(serve, resident, monkeypatch):
-    from h3_spark.h3_model import media
+    from h3_spark.h3_model.media import files as media
     from h3_spark.kernels import attention as attention_module
 
     client = serve()
@@ -354,7 +356,7 @@ def test_queue_full_then_cancel_queued_and_running(serve, resident, monkeypatch)
 def test_a_cancel_during_the_decode_publishes_no_file(serve, monkeypatch):
     client = serve()
     decoding, release = threading.Event(), threading.Event()
-    generate = client.service.pipeline.generate
+    generate = client.service.models.generate
 
     def slow_decode(*args, **kwargs):
         out = generate(*args, **kwargs)  # the frames are in the hidden partial file by now
@@ -362,7 +364,7 @@ def test_a_cancel_during_the_decode_publishes_no_file(serve, monkeypatch):
         assert release.wait(30)
         return out
 
-    monkeypatch.setattr(client.service.pipeline, "generate", slow_decode)
+    monkeypatch.setattr(client.service.models, "generate", slow_decode)
     job = client.post("/generate", json=request("late.mp4")).json()["id"]
     assert decoding.wait(60)
     stopping = client.delete(f"/jobs/{job}")

@@ -93,7 +93,7 @@ def _lockstep_worker(rank, port, queue):
 
     import torch.distributed as dist
 
-    from h3_spark.h3_model.errors import H3Error
+    from h3_spark.errors import H3Error
     from h3_spark.serve.lockstep import Lockstep, LockstepCancel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -152,9 +152,9 @@ def test_lockstep_agreement_and_collective_cancel():
 
 
 def test_serve_gpus_2_runs_cancels_and_shuts_down(tmp_path):
-    from h3_spark.h3_model import media
-    from h3_spark.h3_model.demo import build_demo_models
-    from h3_spark.h3_model.torchvision_compat import ensure_importable
+    from h3_spark.h3_model.media import files as media
+    from h3_spark.h3_model.checkpoint.demo import build_demo_models
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
 
     if not ensure_importable():
         pytest.skip("the Qwen3-VL processors need torchvision")

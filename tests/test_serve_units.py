@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from h3_spark.h3_model.errors import H3Error, InputError
-from h3_spark.h3_model.step_cache import CacheOptions
+from h3_spark.errors import H3Error, InputError
+from h3_spark.h3_model.pipeline.step_cache import CacheOptions
 from h3_spark.serve import outputs as outputs_module
 from h3_spark.serve.jobs import Job, JobQueue, QueueFull
 from h3_spark.serve.outputs import InputFolder, OutputExists, OutputFolder
@@ -390,7 +390,7 @@ def test_stop_cancels_what_waits_and_asks_the_running_job_to_stop():
 
 
 def test_component_loader_names_the_components():
-    from h3_spark.h3_model.components import LoadOptions, component_loader
+    from h3_spark.h3_model.engine.loading import LoadOptions, component_loader
 
     with pytest.raises(InputError, match="unknown component 'unet'; components are dit, dit_ref, text_encoder"):
         component_loader("unet", Path("."), LoadOptions())

@@ -10,13 +10,13 @@ import torch
 
 from h3_spark.h3_model import geometry
 from h3_spark.h3_model.checkpoint.synthetic import random_state
-from h3_spark.h3_model.config import TINY
-from h3_spark.h3_model.dit import H3DiT
-from h3_spark.h3_model.errors import InputError
-from h3_spark.h3_model.layout import build_t2va
-from h3_spark.h3_model.sampler import SamplingRequest, sample
-from h3_spark.h3_model.scheduler import JointSchedule
-from h3_spark.h3_model.step_cache import MODES, CacheOptions, make_step_cache
+from h3_spark.h3_model.dit.config import TINY
+from h3_spark.h3_model.dit.model import H3DiT
+from h3_spark.errors import InputError
+from h3_spark.h3_model.dit.layout import build_t2va
+from h3_spark.h3_model.pipeline.sampler import SamplingRequest, sample
+from h3_spark.h3_model.pipeline.scheduler import JointSchedule
+from h3_spark.h3_model.pipeline.step_cache import MODES, CacheOptions, make_step_cache
 
 H, W, FRAMES, STEPS = 64, 64, 124, 11  # 10 evaluations
 LF, NA = geometry.video_latent_frames(FRAMES), geometry.audio_latent_frames(FRAMES)

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import save_file
 
 from fixtures import qwen_tiny as Q
-from h3_spark.h3_model.errors import CheckpointError, H3Error, InputError
-from h3_spark.h3_model.prompt import Presentation
-from h3_spark.h3_model.text_encoder import EncodedPrompt, TextEncoder, _config_from_shapes
+from h3_spark.errors import CheckpointError, H3Error, InputError
+from h3_spark.h3_model.text.prompt import Presentation
+from h3_spark.h3_model.text.encoder import EncodedPrompt, TextEncoder, _config_from_shapes
 
 needs_tv = pytest.mark.skipif(not Q.HAS_TORCHVISION, reason="transformers' Qwen3-VL processor needs torchvision")
 LAYER = Q.READ_LAYER
@@ -387,7 +387,7 @@ def test_errors_are_h3_errors():
      r"build that matches torch"),
 ])
 def test_unusable_torchvision_is_named(monkeypatch, failure, message):
-    from h3_spark.h3_model import text_encoder
+    from h3_spark.h3_model.text import encoder as text_encoder
 
     real = text_encoder.importlib.import_module
 

@@ -16,8 +16,9 @@ from diffusers import AutoencoderKLMiniMaxH3
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from h3_spark.h3_model import vae_loading, video_vae
-from h3_spark.h3_model.errors import CheckpointError, InputError
+from h3_spark.h3_model.vae import loading as vae_loading
+from h3_spark.h3_model.vae import video as video_vae
+from h3_spark.errors import CheckpointError, InputError
 from h3_spark.kernels.settings import vae_tile_batch
 from oracle import randomize_vae_
 

@@ -15,18 +15,36 @@ from pathlib import Path
 
 import torch
 
-from ..config import DiTConfig
+from ..dit.config import DiTConfig
 from .dit_reader import DitReader
 from .source import CheckpointSource, open_source
 from .stored import CheckpointOrigin, StoredLinears, linear_format_of
 
+ORIGINAL_DIT_CLASS = "MiniMaxH3DiTModel"
 __all__ = ["load_dit", "read_dit_config", "open_dit", "linear_format", "DitReader", "CheckpointSource", "open_source",
            "CheckpointOrigin", "StoredLinears"]
 
 
-def open_dit(path: str | Path, *, partition: str | None = None, qkv_layout: str = "stacked") -> DitReader:
+def open_dit(path: str | Path, *, partition: str | None = None, qkv_layout: str = "auto") -> DitReader:
     """Headers of a DiT checkpoint, its config and its tensor plan (no weights read yet)."""
-    return DitReader(open_source(path, partition=partition), qkv_layout=qkv_layout)
+    source = open_source(path, partition=partition)
+    return DitReader(source, qkv_layout=resolve_qkv_layout(source, qkv_layout))
+
+
+def resolve_qkv_layout(source: CheckpointSource, qkv_layout: str) -> str:
+    """"auto": interleaved for MiniMaxAI's own transformer/ folders (config.json names MiniMaxH3DiTModel, the
+    original trainer's class, whose fused qkv rows go head by head), stacked for every other file."""
+    if qkv_layout != "auto":
+        return qkv_layout
+    if source.config_path is None:
+        return "stacked"
+    import json
+
+    try:
+        name = json.loads(source.config_path.read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return "stacked"
+    return "interleaved" if name == ORIGINAL_DIT_CLASS else "stacked"
 
 
 def read_dit_config(path: str | Path, *, partition: str | None = None) -> DiTConfig:
@@ -34,15 +52,16 @@ def read_dit_config(path: str | Path, *, partition: str | None = None) -> DiTCon
 
 
 def load_dit(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-             partition: str | None = None, qkv_layout: str = "stacked"):
+             partition: str | None = None, qkv_layout: str = "auto"):
     """Build the H3DiT a checkpoint describes and stream its weights in.
 
-    `qkv_layout` matters only for original-named files: "stacked" (Comfy-Org files, the default)
-    or "interleaved" (MiniMaxAI's original shards); the file itself cannot tell them apart.
+    `qkv_layout` matters only for original-named files: "stacked" (Comfy-Org files) or "interleaved"
+    (MiniMaxAI's original shards); the tensors cannot tell them apart, so "auto" (the default) asks the
+    folder's config.json (`resolve_qkv_layout`) and takes stacked for a lone file.
     Quantized layers are dequantized on `device`, to the dtype their parameter has (`dtype`, or
     fp32 for the fp32 islands).
     """
-    from ..dit import H3DiT
+    from ..dit.model import H3DiT
 
     reader = open_dit(path, partition=partition, qkv_layout=qkv_layout)
     reader.check()
@@ -52,7 +71,7 @@ def load_dit(path: str | Path, *, dtype: torch.dtype = torch.float32, device: st
     finally:
         reader.source.close()
     # The FP8/NVFP4 linears start from the stored codes (stored.StoredLinears), so the model says where it came from.
-    model.checkpoint_origin = CheckpointOrigin(str(path), partition, qkv_layout, stored_formats(reader))
+    model.checkpoint_origin = CheckpointOrigin(str(path), partition, reader.qkv_layout, stored_formats(reader))
     return model.eval()
 
 

@@ -15,9 +15,10 @@ from typing import Callable
 
 import torch
 
-from ..config import DiTConfig
-from ..errors import CheckpointError
-from . import keymap, nvfp4
+from ..dit.config import DiTConfig
+from ...errors import CheckpointError
+from . import keymap
+from ...kernels import nvfp4_codec as nvfp4
 from .dit_config import comfy_metadata_for, expected_inv_freq
 from .pruned import CurveFit, project
 from .quant import convrot_group_for, encode_marker, quantize_fp8, quantize_int8_rows
@@ -183,7 +184,7 @@ def comfy_metadata(config: DiTConfig, extra: dict[str, str] | None = None) -> di
 
 def diffusers_groups(config: DiTConfig, get: GetParam) -> list[Group]:
     """Writer groups for a diffusers `transformer/` weights file: fp32 islands, bf16 elsewhere."""
-    from ..dit import keeps_fp32
+    from ..dit.model import keeps_fp32
     from .dit_reader import expected_shapes
 
     groups = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 DIT_LAYOUTS = ("diffusers", "diffusers-pruned", "comfy", "comfy-pruned")
 _TE_LAYER = re.compile(r"^(.*?)layers\.\d+\.self_attn\.q_norm\.weight$")

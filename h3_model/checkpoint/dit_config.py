@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from ..config import DiTConfig
-from ..errors import CheckpointError
+from ..dit.config import DiTConfig
+from ...errors import CheckpointError
 
 # ComfyUI's MiniMaxH3Model argument names -> DiTConfig (diffusers) field names.
 COMFY_TO_DIFFUSERS = {
@@ -217,7 +217,7 @@ def _check_rope(config: DiTConfig, stored: torch.Tensor, theta_given: bool) -> D
 
 def logical_param_count(config: DiTConfig) -> int:
     """Parameters of the model this config describes (33,122,992,896 for the released DiT)."""
-    from ..dit import H3DiT
+    from ..dit.model import H3DiT
 
     with torch.device("meta"):
         model = H3DiT(config, dtype=torch.bfloat16, device="meta")

@@ -20,9 +20,10 @@ from typing import Iterator
 
 import torch
 
-from ..config import DiTConfig
-from ..errors import CheckpointError
-from . import keymap, nvfp4
+from ..dit.config import DiTConfig
+from ...errors import CheckpointError
+from . import keymap
+from ...kernels import nvfp4_codec as nvfp4
 from .detect import Detected, detect
 from .dit_config import config_from_comfy, config_from_diffusers_shapes
 from .quant import LEGACY_MARKER, QuantSpec, declare_layers, dequantize, fold_pre_quant_scale, split_param
@@ -53,14 +54,14 @@ class Output:
 
 def expected_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of the H3DiT this config builds, with its shape (meta device, no memory)."""
-    from ..dit import H3DiT
+    from ..dit.model import H3DiT
 
     model = H3DiT(config, dtype=torch.bfloat16, device="meta")
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
 def target_dtype(name: str, config: DiTConfig, dtype: torch.dtype) -> torch.dtype:
-    from ..dit import keeps_fp32
+    from ..dit.model import keeps_fp32
 
     return torch.float32 if keeps_fp32(name, config) else dtype
 

@@ -21,7 +21,7 @@ _LEGACY_RENAME = {"scale_weight": "weight_scale", "scale_input": "input_scale"}
 _META_PREVIEW = 300
 
 
-def inspect_checkpoint(path: str | Path, *, partition: str | None = None, qkv_layout: str = "stacked") -> dict:
+def inspect_checkpoint(path: str | Path, *, partition: str | None = None, qkv_layout: str = "auto") -> dict:
     source = open_source(path, partition=partition)
     try:
         detected = detect(source.keys, str(source.path))
@@ -117,6 +117,9 @@ def _plain_format(dtype: str) -> str:
 
 # ------------------------------------------------------------------------------- DiT
 def _dit(source: CheckpointSource, detected: Detected, qkv_layout: str) -> dict:
+    from . import resolve_qkv_layout
+
+    qkv_layout = resolve_qkv_layout(source, qkv_layout)
     reader = DitReader(source, qkv_layout=qkv_layout)
     c = reader.config
     layers = {}
@@ -234,7 +237,7 @@ def _has_conv(keys: set[str], name: str) -> bool:
 def _video_vae_missing(keys: set[str]) -> tuple[list[str], dict]:
     comfy_encoder = any(k.startswith("encoder.down.") for k in keys)
     if comfy_encoder:
-        from ..vae_loading import comfy_video_names_to_diffusers
+        from ..vae.loading import comfy_video_names_to_diffusers
 
         # ComfyUI renames the decoder too (x_embedder, fused to_qkv, ff.w1/w2): check under diffusers names.
         keys = comfy_video_names_to_diffusers(keys)

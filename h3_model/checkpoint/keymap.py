@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 QKV_LAYOUTS = ("stacked", "interleaved")
 COMFY_PREFIX = "model.diffusion_model."

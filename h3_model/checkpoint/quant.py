@@ -25,8 +25,8 @@ from typing import Callable
 
 import torch
 
-from ..errors import CheckpointError
-from . import nvfp4
+from ...errors import CheckpointError
+from ...kernels import nvfp4_codec as nvfp4
 
 # comfy_quant format -> tensors a layer of that format may carry besides `weight` (and `bias`).
 FORMAT_TENSORS = {

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 # safetensors dtype name -> (torch dtype or None when torch has no such dtype, bytes per element).
 # Element size is what the format defines; it is what the offsets are checked against.

@@ -6,6 +6,8 @@ in RAM. Accepted paths:
 - a `.safetensors` file;
 - a diffusers component folder (`transformer/`, `transformer_ref/`): `config.json` plus
   `diffusion_pytorch_model.safetensors` or shards listed in `...safetensors.index.json`;
+- a released mode folder's `transformer/` (MiniMaxAI's per-mode download): `config.json` plus shards
+  listed in `model.safetensors.index.json`;
 - the parent of those folders, with `partition` choosing `transformer/` (t2va, fl2va) or
   `transformer_ref/` (ref2va).
 Pickle checkpoints (.bin, .pt, .ckpt) are refused: loading them can run code.
@@ -20,12 +22,14 @@ from typing import Iterator
 import torch
 from safetensors import SafetensorError
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 from .safetensors_header import Header, TensorEntry, read_header, read_small
 
 PARTITION_FOLDERS = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+# MiniMaxAI's per-mode folders (FL2VA/transformer, Ref2VA/transformer) name their shard index this way.
+INDEX_NAMES = (INDEX_NAME, "model.safetensors.index.json")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -162,7 +166,7 @@ def resolve_dit_folder(path: Path, partition: str | None) -> Path:
 
 
 def _looks_like_component(path: Path) -> bool:
-    return path.is_dir() and ((path / INDEX_NAME).exists() or any(path.glob("*.safetensors")))
+    return path.is_dir() and (any((path / name).exists() for name in INDEX_NAMES) or any(path.glob("*.safetensors")))
 
 
 def open_source(path: str | Path, *, partition: str | None = None) -> CheckpointSource:
@@ -178,8 +182,8 @@ def open_source(path: str | Path, *, partition: str | None = None) -> Checkpoint
     folder = resolve_dit_folder(path, partition)
     config = folder / "config.json"
     config_path = config if config.exists() else None
-    index = folder / INDEX_NAME
-    if index.exists():
+    index = next((folder / name for name in INDEX_NAMES if (folder / name).exists()), None)
+    if index is not None:
         try:
             data = json.loads(index.read_text())
             weight_map = data["weight_map"]

@@ -36,6 +36,11 @@ class CheckpointOrigin:
     def linear_format(self) -> str:
         return linear_format_of(self.formats)
 
+    def stored_linears(self, model: nn.Module, fmt: str) -> "StoredLinears | None":
+        """The weight source `apply_kernels` starts `fmt` linears from, or None when the file holds no codes
+        they can use (the kernels ask the model's origin, so they need not know the checkpoint readers)."""
+        return StoredLinears(model, self, fmt) if StoredLinears.useful(self, fmt) else None
+
 
 def linear_format_of(formats) -> str:
     """What H3_LINEAR=auto hears about a checkpoint stored in `formats`: "nvfp4" when any layer is NVFP4."""
@@ -69,7 +74,7 @@ class StoredLinears:
     def __call__(self, name: str) -> dict | None:
         from safetensors import SafetensorError
 
-        from ..errors import CheckpointError
+        from ...errors import CheckpointError
 
         reader = self._open()
         if reader is None:
@@ -101,7 +106,7 @@ class StoredLinears:
 
     def _open(self):
         from . import open_dit
-        from ..errors import CheckpointError
+        from ...errors import CheckpointError
 
         if self._reader is None and self.unavailable is None:
             try:

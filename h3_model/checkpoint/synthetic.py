@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..config import DiTConfig
+from ..dit.config import DiTConfig
 
 
 def tensor_seed(seed: int, name: str) -> int:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 from .safetensors_header import DTYPES, TORCH_TO_ST, encode_header
 
 

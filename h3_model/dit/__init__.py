@@ -1,0 +1,1 @@
+"""The H3 diffusion transformer: config, packed layout, the model, LoRA merging, sequence parallelism."""

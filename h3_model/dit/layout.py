@@ -1,0 +1,315 @@
+"""The packed token sequence of one H3 request.
+
+Row order: `[text | keyframe conditions or reference blocks | target audio | target video]`.
+Audio is two channels, channel-major (left t0..tN, then right t0..tN); video rows are 1x2x2
+patches, frame-major then row-major. Every row carries a (t, h, w) RoPE coordinate, a modality
+tag and, per step, a timestep; rows with equal (timestep, tag) form a few contiguous segments.
+
+The float64 coordinate arithmetic below reproduces the reference bit for bit, including two
+different summation orders of the same series (see `_rope_span_pairwise`), because RoPE angles
+of tens of thousands of radians amplify last-ulp differences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .config import AUDIO_TAG, NUM_MODALITIES, TEXT_TAG, VIDEO_TAG
+from ...errors import InputError
+from ..geometry import AUDIO_CHANNELS
+
+# One latent frame spans 5/3 rotary units per pixel frame (40 units/s at 24 fps, the audio latent
+# rate); a VAE chunk is 1 + 4 + 4 + 4 + 4 pixel frames.
+ROPE_FRAME_UNIT = 5.0 / 3.0
+ROPE_FRAMES_PER_LATENT = (1, 4, 4, 4, 4)
+ROPE_SPATIAL_SCALE = 32.0
+
+MAX_IMAGE_REFS = 9
+MAX_VIDEO_REFS = 3
+MAX_AUDIO_REFS = 3
+MAX_REFS = 12
+
+
+@dataclass(frozen=True)
+class ImageBlock:
+    """An image reference: one latent frame at its own latent size."""
+
+    latent_height: int
+    latent_width: int
+    kind: str = field(default="image", init=False)
+
+
+@dataclass(frozen=True)
+class VideoBlock:
+    """A video reference with an optional soundtrack (audio latents per channel, 0 for none)."""
+
+    latent_frames: int
+    latent_height: int
+    latent_width: int
+    audio_latents: int = 0
+    kind: str = field(default="video", init=False)
+
+
+@dataclass(frozen=True)
+class AudioBlock:
+    """An audio reference: audio latents per channel."""
+
+    audio_latents: int
+    kind: str = field(default="audio", init=False)
+
+
+@dataclass
+class Layout:
+    position_ids: torch.Tensor  # (S, 3) float64
+    token_tags: torch.Tensor  # (S,) long
+    video_indices: torch.Tensor  # conditioning rows first, then target rows
+    audio_indices: torch.Tensor  # reference rows first, then target rows
+    text_indices: torch.Tensor
+    num_condition_video_rows: int
+    num_condition_audio_rows: int
+
+    @property
+    def sequence_length(self) -> int:
+        return int(self.position_ids.shape[0])
+
+    @property
+    def num_text(self) -> int:
+        return int(self.text_indices.numel())
+
+    @property
+    def target_video_indices(self) -> torch.Tensor:
+        return self.video_indices[self.num_condition_video_rows:]
+
+    @property
+    def target_audio_indices(self) -> torch.Tensor:
+        return self.audio_indices[self.num_condition_audio_rows:]
+
+    def row_timesteps(self, t_video: float, t_audio: float, condition_video_t: float,
+                      condition_audio_t: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Distinct sorted timesteps of this step and each row's index into them.
+
+        Text rows follow the video timestep; conditioning rows stay at their fixed levels.
+        """
+        rows = torch.full((self.sequence_length,), float(t_video), dtype=torch.float32)
+        rows[self.video_indices[: self.num_condition_video_rows]] = condition_video_t
+        rows[self.audio_indices[self.num_condition_audio_rows:]] = t_audio
+        rows[self.audio_indices[: self.num_condition_audio_rows]] = condition_audio_t
+        return torch.unique(rows, sorted=True, return_inverse=True)
+
+
+def adaln_rows(timestep_indices: torch.Tensor, token_tags: torch.Tensor) -> torch.Tensor:
+    """Row of the per-block AdaLN table that each packed row reads."""
+    return timestep_indices.long() * NUM_MODALITIES + token_tags.long()
+
+
+def _spatial_axis(size: int, patch: int, sqrt_area: float) -> np.ndarray:
+    # Aspect-normalised axis centred on the unit interval, right end excluded, scaled by 32.
+    ratio = size / sqrt_area
+    left = (1.0 - ratio) / 2.0
+    return np.linspace(left, left + ratio, size // patch, endpoint=False) * ROPE_SPATIAL_SCALE
+
+
+def frame_grid(latent_height: int, latent_width: int, patch: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, w) coordinates of one patchified latent frame, row-major, and its width axis."""
+    sqrt_area = float(np.sqrt(latent_height * latent_width))
+    h_axis = torch.from_numpy(_spatial_axis(latent_height, patch[1], sqrt_area))
+    w_axis = torch.from_numpy(_spatial_axis(latent_width, patch[2], sqrt_area))
+    hh = h_axis[:, None].expand(-1, w_axis.numel())
+    ww = w_axis[None, :].expand(h_axis.numel(), -1)
+    return torch.stack([hh.reshape(-1), ww.reshape(-1)], dim=-1), w_axis
+
+
+def _latent_frame_spans(num_latent_frames: int) -> list[float]:
+    return [ROPE_FRAME_UNIT * ROPE_FRAMES_PER_LATENT[i % len(ROPE_FRAMES_PER_LATENT)] for i in range(num_latent_frames)]
+
+
+def frame_times(num_latent_frames: int, origin: float) -> torch.Tensor:
+    """Rotary time of each latent frame: a running (sequential) sum of the non-uniform spans."""
+    spans = torch.tensor(_latent_frame_spans(num_latent_frames), dtype=torch.float64)
+    return origin + torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
+
+
+def _rope_span_pairwise(num_latent_frames: int) -> float:
+    # The "last" keyframe anchor uses numpy's pairwise summation of the spans; the sequential sum
+    # used for video references differs in the last ulp from 16 latent frames on.
+    return float(np.asarray(_latent_frame_spans(num_latent_frames), dtype=np.float64).sum())
+
+
+def _rope_span_sequential(num_latent_frames: int) -> float:
+    total = 0
+    for span in _latent_frame_spans(num_latent_frames):
+        total += span
+    return float(total)
+
+
+def _fill_audio(pos: torch.Tensor, start: int, audio_latents: int, origin: float, w_axis: torch.Tensor) -> int:
+    """Channel-major stereo rows: time from origin, left channel at the first width value, right at the last."""
+    rows = audio_latents * AUDIO_CHANNELS
+    time = origin + torch.arange(audio_latents, dtype=torch.float64)
+    pos[start:start + rows, 0] = time.repeat(AUDIO_CHANNELS)
+    pos[start:start + audio_latents, 2] = float(w_axis[0])
+    pos[start + audio_latents:start + rows, 2] = float(w_axis[-1])
+    return start + rows
+
+
+def _fill_video(pos: torch.Tensor, start: int, num_frames: int, grid: torch.Tensor, origin: float) -> int:
+    rows = num_frames * grid.shape[0]
+    pos[start:start + rows, 0] = frame_times(num_frames, origin).repeat_interleave(grid.shape[0])
+    pos[start:start + rows, 1:] = grid.repeat(num_frames, 1)
+    return start + rows
+
+
+def _text_positions(text_tags: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    text_tags = torch.as_tensor(text_tags).long().flatten()
+    if text_tags.numel() == 0:
+        raise InputError("the prompt produced no text tokens")
+    bad = set(text_tags.unique().tolist()) - {VIDEO_TAG, TEXT_TAG}
+    if bad:
+        raise InputError(f"text token tags must be {VIDEO_TAG} (vision) or {TEXT_TAG} (words), got {sorted(bad)}")
+    pos = torch.zeros(total, 3, dtype=torch.float64)
+    pos[: text_tags.numel(), 0] = torch.arange(text_tags.numel(), dtype=torch.float64)
+    return pos, text_tags
+
+
+def _check_target(latent_frames: int, latent_height: int, latent_width: int, audio_latents: int,
+                  patch: tuple[int, int, int]) -> int:
+    if latent_frames < 1 or audio_latents < 1:
+        raise InputError(f"need at least one latent frame and one audio latent, got {latent_frames} and {audio_latents}")
+    if latent_frames % patch[0] or latent_height % patch[1] or latent_width % patch[2] or latent_height < 1 or latent_width < 1:
+        raise InputError(f"latent size {latent_frames}x{latent_height}x{latent_width} is not divisible by the patch {patch}")
+    return (latent_height // patch[1]) * (latent_width // patch[2])
+
+
+def _finish(pos, text_tags, video_indices, audio_indices, n_cond_video, n_cond_audio) -> Layout:
+    num_text = text_tags.numel()
+    tags = torch.empty(pos.shape[0], dtype=torch.long)
+    tags[:num_text] = text_tags
+    tags[audio_indices] = AUDIO_TAG
+    tags[video_indices] = VIDEO_TAG
+    return Layout(pos, tags, video_indices, audio_indices, torch.arange(num_text), n_cond_video, n_cond_audio)
+
+
+def build_t2va(text_tags: torch.Tensor, latent_frames: int, latent_height: int, latent_width: int,
+               audio_latents: int, patch: tuple[int, int, int] = (1, 2, 2),
+               keyframes: tuple[str, ...] = ()) -> Layout:
+    """T2VA layout, or FL2VA with keyframe anchors ("first", "last", or both in that order)."""
+    rows_per_frame = _check_target(latent_frames, latent_height, latent_width, audio_latents, patch)
+    for anchor in keyframes:
+        if anchor not in ("first", "last"):
+            raise InputError(f"a keyframe anchor must be 'first' or 'last', got {anchor!r}")
+    if len(keyframes) > 2 or len(set(keyframes)) != len(keyframes):
+        raise InputError(f"FL2VA takes a first and/or a last keyframe, got {list(keyframes)}")
+    num_text = torch.as_tensor(text_tags).numel()
+    n_cond = len(keyframes) * rows_per_frame
+    n_audio = audio_latents * AUDIO_CHANNELS
+    total = num_text + n_cond + n_audio + latent_frames * rows_per_frame
+    pos, text_tags = _text_positions(text_tags, total)
+    grid, w_axis = frame_grid(latent_height, latent_width, patch)
+
+    cursor = num_text
+    for anchor in keyframes:
+        t = float(num_text)
+        if anchor == "last":
+            t = float(num_text) + _rope_span_pairwise(latent_frames) - ROPE_FRAME_UNIT
+        pos[cursor:cursor + rows_per_frame, 0] = t
+        pos[cursor:cursor + rows_per_frame, 1:] = grid
+        cursor += rows_per_frame
+    audio_start = cursor
+    video_start = _fill_audio(pos, audio_start, audio_latents, float(num_text), w_axis)
+    _fill_video(pos, video_start, latent_frames, grid, float(num_text))
+
+    video_indices = torch.cat([torch.arange(num_text, audio_start), torch.arange(video_start, total)])
+    audio_indices = torch.arange(audio_start, video_start)
+    return _finish(pos, text_tags, video_indices, audio_indices, n_cond, 0)
+
+
+def check_references(blocks: list) -> None:
+    counts = {"image": 0, "video": 0, "audio": 0}
+    for block in blocks:
+        if getattr(block, "kind", None) not in counts:
+            raise InputError(f"a reference must be an image, a video or an audio block, got {block!r}")
+        counts[block.kind] += 1
+    if not blocks:
+        raise InputError("Ref2VA needs at least one reference")
+    limits = {"image": MAX_IMAGE_REFS, "video": MAX_VIDEO_REFS, "audio": MAX_AUDIO_REFS}
+    for kind, limit in limits.items():
+        if counts[kind] > limit:
+            raise InputError(f"at most {limit} {kind} references, got {counts[kind]}")
+    if len(blocks) > MAX_REFS:
+        raise InputError(f"at most {MAX_REFS} references in total, got {len(blocks)}")
+    if counts["image"] == 0 and counts["video"] == 0:
+        raise InputError("Ref2VA needs an image or video reference; audio-only references are not supported")
+
+
+def build_ref2va(text_tags: torch.Tensor, references: list, latent_frames: int, latent_height: int,
+                 latent_width: int, audio_latents: int, patch: tuple[int, int, int] = (1, 2, 2)) -> Layout:
+    """Ref2VA layout: reference blocks in request order on one rotary clock that starts after the text."""
+    check_references(references)
+    rows_per_frame = _check_target(latent_frames, latent_height, latent_width, audio_latents, patch)
+    num_text = torch.as_tensor(text_tags).numel()
+    ref_rows = 0
+    for ref in references:
+        if ref.kind in ("image", "video"):
+            frames = 1 if ref.kind == "image" else ref.latent_frames
+            _check_target(frames, ref.latent_height, ref.latent_width, 1, patch)
+            ref_rows += frames * (ref.latent_height // patch[1]) * (ref.latent_width // patch[2])
+        audio = ref.audio_latents if ref.kind in ("audio", "video") else 0
+        if audio < 0 or (ref.kind == "audio" and audio < 1):
+            raise InputError(f"an audio reference needs at least one latent, got {audio}")
+        ref_rows += audio * AUDIO_CHANNELS
+    total = num_text + ref_rows + audio_latents * AUDIO_CHANNELS + latent_frames * rows_per_frame
+    pos, text_tags = _text_positions(text_tags, total)
+    target_grid, target_w = frame_grid(latent_height, latent_width, patch)
+
+    video_parts, audio_parts = [], []
+    cursor, clock = num_text, float(num_text)
+    for ref in references:
+        if ref.kind == "image":
+            grid, _ = frame_grid(ref.latent_height, ref.latent_width, patch)
+            pos[cursor:cursor + grid.shape[0], 0] = clock
+            pos[cursor:cursor + grid.shape[0], 1:] = grid
+            video_parts.append(torch.arange(cursor, cursor + grid.shape[0]))
+            cursor += grid.shape[0]
+            clock += 1.0  # an image takes one integer rotary slot, not a latent frame's span
+        elif ref.kind == "audio":
+            end = _fill_audio(pos, cursor, ref.audio_latents, clock, target_w)
+            audio_parts.append(torch.arange(cursor, end))
+            cursor, clock = end, clock + float(ref.audio_latents)
+        else:
+            grid, w_axis = frame_grid(ref.latent_height, ref.latent_width, patch)
+            end = _fill_audio(pos, cursor, ref.audio_latents, clock, w_axis)
+            audio_parts.append(torch.arange(cursor, end))
+            video_end = _fill_video(pos, end, ref.latent_frames, grid, clock)
+            video_parts.append(torch.arange(end, video_end))
+            cursor = video_end
+            clock += max(float(ref.audio_latents), _rope_span_sequential(ref.latent_frames))
+
+    n_cond_video = sum(p.numel() for p in video_parts)
+    n_cond_audio = sum(p.numel() for p in audio_parts)
+    audio_start = cursor
+    video_start = _fill_audio(pos, audio_start, audio_latents, clock, target_w)
+    _fill_video(pos, video_start, latent_frames, target_grid, clock)
+    video_indices = torch.cat(video_parts + [torch.arange(video_start, total)])
+    audio_indices = torch.cat(audio_parts + [torch.arange(audio_start, video_start)])
+    return _finish(pos, text_tags, video_indices, audio_indices, n_cond_video, n_cond_audio)
+
+
+def patchify(latents: torch.Tensor, patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+    """(B, C, T, H, W) latents -> (B * rows, C*pt*ph*pw) rows, frame-major then row-major."""
+    b, c, t, h, w = latents.shape
+    pt, ph, pw = patch
+    if t % pt or h % ph or w % pw:
+        raise InputError(f"latents of shape {tuple(latents.shape)} do not divide by the patch {patch}")
+    x = latents.reshape(b, c, t // pt, pt, h // ph, ph, w // pw, pw)
+    return x.permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(-1, c * pt * ph * pw).contiguous()
+
+
+def unpatchify(rows: torch.Tensor, channels: int, frames: int, height: int, width: int,
+               patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+    """Inverse of `patchify` for one item: (rows, C*pt*ph*pw) -> (1, C, T, H, W)."""
+    pt, ph, pw = patch
+    x = rows.reshape(1, frames // pt, height // ph, width // pw, channels, pt, ph, pw)
+    return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(1, channels, frames, height, width)

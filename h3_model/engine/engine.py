@@ -1,0 +1,237 @@
+"""The engine: one object under every front door (CLI, service, bench, ComfyUI nodes).
+
+An `Engine` resolves where its components are (`ComponentPaths`: today's per-mode download, the older
+root layout, or one path per component), loads each once with one progress callback, configures each
+DiT and the video VAE with the kernels once and keeps the reports, owns the caches (prompts in the text
+encoder, references and keyframes in the pipeline, AdaLN tables and step caches in the sampling), and
+runs the pipeline's stages: text encode, reference/keyframe encode, sample, decode, mux, or all of them
+in `generate`. A front door only turns its own inputs (flags, HTTP JSON, ComfyUI types) into these calls.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from ...errors import H3Error, InputError
+from ..pipeline.generation import Components, GenerationRequest, GenerationResult, Pipeline
+from .loading import LOADED, MODE_PARTITIONS, LoadOptions, check_device, check_fit, component_loader
+from .paths import ComponentPaths
+
+
+@dataclass
+class LoadEvent:
+    """One component's loading news: state is "loading", "resident" (with seconds) or "failed" (with error)."""
+
+    component: str
+    state: str
+    seconds: float | None = None
+    error: str | None = None
+
+
+ProgressFn = Callable[[LoadEvent], None]
+
+
+class Engine:
+    def __init__(self, paths: ComponentPaths | None = None, options: LoadOptions | None = None, *,
+                 overrides: Mapping[str, Callable[[], object]] | None = None,
+                 components: Components | None = None, offload_text_encoder: bool = False,
+                 release_adaln: bool = False):
+        self.paths = paths or ComponentPaths()
+        self.options = options or LoadOptions()
+        self.overrides = dict(overrides or {})
+        unknown = sorted(set(self.overrides) - set(LOADED))
+        if unknown:
+            raise InputError(f"unknown component override(s) {unknown}; components are {', '.join(LOADED)}")
+        self.components = components or Components(device=self.options.device)
+        # Per DiT key ("dit", "dit_ref"): the apply_kernels report and the attention + Q/K preparation it set;
+        # "vae": the decoder's (apply_vae_kernels).
+        self.kernel_reports: dict[str, dict] = {}
+        self.default_attention: dict[str, tuple[object, object]] = {}
+        self.load_seconds: dict[str, float] = {}
+        self.checkpoint_formats: dict[str, str] = {}
+        # Sequence parallel (--gpus N): every rank's device, rank 0 first, and the group the video decode is
+        # shared over. One process: [device] and None.
+        self.devices: list[str] = [self.options.device]
+        self.pipeline = Pipeline(self.components, offload_text_encoder=offload_text_encoder,
+                                 release_adaln=release_adaln)
+
+    @classmethod
+    def of(cls, **components) -> "Engine":
+        """An engine over components already in memory (a ComfyUI node's, a test's); nothing is loaded."""
+        device = str(components.pop("device", "cpu"))
+        return cls(options=LoadOptions(device=device, kernels=None), components=Components(device=device,
+                                                                                              **components))
+
+    # ------------------------------------------------------------------ what it holds
+    @property
+    def device(self) -> str:
+        return self.options.device
+
+    @property
+    def settings(self):
+        return self.options.kernels
+
+    @property
+    def decode_group(self):
+        return self.pipeline.decode_group
+
+    @decode_group.setter
+    def decode_group(self, group) -> None:
+        self.pipeline.decode_group = group
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def modes(self) -> list[str]:
+        c = self.components
+        return (["t2va", "fl2va"] if c.dit is not None else []) + (["ref2va"] if c.dit_ref is not None else [])
+
+    def dit_keys(self) -> list[str]:
+        return [k for k in ("dit", "dit_ref") if getattr(self.components, k) is not None]
+
+    # ------------------------------------------------------------------ loading
+    def plan(self, modes: Sequence[str] | None = None) -> dict[str, object]:
+        """What `load` will build: component name -> its path (or the override that builds it).
+
+        `modes` given: the DiT partitions those modes need, each required. None (the service): every DiT
+        partition the paths give, at least one. The text encoder and both VAEs are always required.
+        """
+        self.paths.check_models()
+        found = {name: (self.overrides[name] if name in self.overrides else self.paths.resolve(name))
+                 for name in LOADED}
+        if modes is None:
+            dits = [k for k in ("dit", "dit_ref") if found[k] is not None]
+            if not dits:
+                raise InputError("no DiT to serve: pass --models (a download with FL2VA/ and/or Ref2VA/, or the "
+                                 "older transformer/ and/or transformer_ref/), --dit or --dit-ref")
+        else:
+            bad = [m for m in modes if m not in MODE_PARTITIONS]
+            if bad:
+                raise InputError(f"unknown mode(s) {bad}; choose from {', '.join(MODE_PARTITIONS)}")
+            dits = []
+            for partition in sorted({MODE_PARTITIONS[m] for m in modes}):
+                key = "dit" if partition == "t2va" else "dit_ref"
+                if found[key] is None:
+                    wanted = "/".join(m for m in modes if MODE_PARTITIONS[m] == partition)
+                    raise InputError(f"{wanted} needs the {self.paths.folder_hint(key)} DiT: pass --models or "
+                                     f"--{key.replace('_', '-')}")
+                dits.append(key)
+        for name, flag in (("text_encoder", "--text-encoder"), ("vae", "--vae"), ("audio_vae", "--audio-vae")):
+            if found[name] is None:
+                what = "the text encoder is needed" if name == "text_encoder" else f"the {name.replace('_', ' ')} is needed"
+                raise InputError(f"{what}: pass --models or {flag}")
+        return {name: found[name] for name in LOADED if name in dits or name not in ("dit", "dit_ref")}
+
+    def preflight(self, plan: Mapping[str, object]) -> None:
+        """Fail before reading any weights when the device or the asked-for kernels cannot run here."""
+        from ..checkpoint import linear_format
+
+        check_device(self.device)
+        for key in ("dit", "dit_ref"):
+            path = plan.get(key)
+            if path is not None and key not in self.overrides:
+                self.checkpoint_formats[key] = linear_format(path, "t2va" if key == "dit" else "ref2va")
+        if self.settings is None:
+            return
+        from ...kernels.attention import resolve_attention
+        from ...kernels.dispatch import resolve_linear
+
+        for fmt in self.checkpoint_formats.values() or ["bf16"]:
+            resolve_linear(self.settings, self.device, fmt)
+        resolve_attention(self.settings.attention, self.device, self.settings)
+
+    def load(self, modes: Sequence[str] | None = None, on_progress: ProgressFn | None = None) -> "Engine":
+        """Load what `plan(modes)` names, once, in order, reporting each component to `on_progress`."""
+        report = on_progress or (lambda event: None)
+        plan = self.plan(modes)
+        self.preflight(plan)
+        tokenizer = None if "text_encoder" in self.overrides else self.paths.resolve("tokenizer")
+        for name, source in plan.items():
+            build = source if name in self.overrides else component_loader(name, source, self.options, tokenizer)
+            report(LoadEvent(name, "loading"))
+            start = time.perf_counter()
+            try:
+                model = build()
+                self._configure(name, model)
+            except H3Error as exc:
+                report(LoadEvent(name, "failed", error=str(exc)))
+                raise
+            except Exception as exc:
+                report(LoadEvent(name, "failed", error=f"{type(exc).__name__}: {exc}"))
+                raise
+            setattr(self.components, name, model)
+            self.load_seconds[name] = round(time.perf_counter() - start, 3)
+            report(LoadEvent(name, "resident", self.load_seconds[name]))
+        check_fit(self.components)  # components given one by one must belong together: fail now, not mid-job
+        return self
+
+    def _configure(self, name: str, model) -> None:
+        """LoRAs and kernels for a DiT, the decode batch and kernels for the video VAE: once, at load."""
+        if name in ("dit", "dit_ref"):
+            if self.options.loras:
+                from ..dit.lora import apply_loras
+
+                start = time.perf_counter()
+                apply_loras(model, self.options.loras)
+                self.load_seconds[f"{name}_loras"] = round(time.perf_counter() - start, 3)
+            if self.settings is not None:
+                from ...kernels.dispatch import apply_kernels
+
+                self.kernel_reports[name] = apply_kernels(model, self.settings)
+                self.default_attention[name] = (model.attention, model.qk_prep)
+        elif name == "vae":
+            model.tile_batch = self.options.vae_tile_batch
+            if self.settings is not None:
+                from ...kernels.vae import apply_vae_kernels
+
+                self.kernel_reports[name] = apply_vae_kernels(model, self.settings)
+
+    def distribute(self, devices: list[str] | None, group) -> None:
+        """Sequence parallel: wrap every DiT so each forward is split over `group`, and share the decode;
+        `devices` (every rank's, rank 0 first) is what reports list."""
+        from ..dit.parallel import SequenceParallelDiT
+
+        for key in self.dit_keys():
+            setattr(self.components, key, SequenceParallelDiT(getattr(self.components, key)))
+        if devices is not None:
+            self.devices = list(devices)
+        self.decode_group = group
+
+    # ------------------------------------------------------------------ the pipeline's stages
+    def generate(self, req: GenerationRequest, *, on_progress=None, cancel=None, on_frames=None) -> GenerationResult:
+        return self.pipeline.generate(req, on_progress=on_progress, cancel=cancel, on_frames=on_frames)
+
+    def encode_text(self, mode: str, prompt: str, keyframes=(), references=()):
+        return self.pipeline.encode_text(mode, prompt, keyframes, references)
+
+    def encode_keyframe(self, frame: torch.Tensor, tile_size: int | None = 256):
+        return self.pipeline.encode_keyframe(frame, tile_size)[0]
+
+    def encode_reference(self, reference, tile_size: int | None = 256):
+        return self.pipeline.encode_reference(reference, tile_size)[0]
+
+    def sample(self, dit, request, schedule, seed: int, **kwargs):
+        return self.pipeline.sample(dit, request, schedule, seed, **kwargs)
+
+    def decode_video(self, latents: torch.Tensor, tile_size: int | None = 256, on_frames=None) -> torch.Tensor:
+        return self.pipeline.decode_video(latents, tile_size, on_frames)
+
+    def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.pipeline.decode_audio(latents)
+
+    @staticmethod
+    def mux(path, video: torch.Tensor, audio: torch.Tensor | None, *, fps: int, crf: int | None = None) -> None:
+        """Frames (F, H, W, 3) uint8 and stereo 32 kHz audio -> an mp4 with AAC sound."""
+        from ..media.files import write_mp4
+
+        kwargs = {} if crf is None else {"crf": int(crf)}
+        write_mp4(path, video, audio, fps=int(fps), **kwargs)
+
+    def clear_caches(self) -> None:
+        self.pipeline.clear_caches()

@@ -1,0 +1,120 @@
+"""Where each component of a model folder lives, in the layouts people download.
+
+Today's official download (`hf download MiniMaxAI/MiniMax-H3 --include "Ref2VA/*" "FL2VA/*"`) holds one
+folder per mode, and a root index:
+
+    <root>/modular_model_index.json
+    <root>/FL2VA/   model_index.json, transformer/, text_encoder/, tokenizer/, processor/, video_vae/, audio_vae/
+    <root>/Ref2VA/  the same names
+
+FL2VA/transformer runs T2VA and FL2VA, Ref2VA/transformer runs Ref2VA; the text encoder and the VAEs of the two
+mode folders are the same models, so they are loaded once (from the first mode folder that has them). A mode
+folder can also be given on its own: its model_index.json (`_minimax_h3.partition`) says which DiT it holds.
+Older revisions put everything at the root: transformer/, transformer_ref/, text_encoder/, tokenizer/, vae/,
+audio_vae/. A component given on its own (--dit, --vae, ...) always wins over the folder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import InputError
+
+COMPONENTS = ("dit", "dit_ref", "text_encoder", "tokenizer", "vae", "audio_vae")
+DIT_PARTITIONS = {"dit": "t2va", "dit_ref": "ref2va"}
+MODE_FOLDERS = {"t2va": "FL2VA", "ref2va": "Ref2VA"}
+# The released index's partition names; fl2va is the folder that also runs t2va.
+INDEX_PARTITIONS = {"fl2va": "t2va", "t2va": "t2va", "ref2va": "ref2va"}
+OLD_FOLDERS = {"dit": "transformer", "dit_ref": "transformer_ref", "text_encoder": "text_encoder",
+               "tokenizer": "tokenizer", "vae": "vae", "audio_vae": "audio_vae"}
+MODE_SUBFOLDERS = {"dit": "transformer", "dit_ref": "transformer", "text_encoder": "text_encoder",
+                   "tokenizer": "tokenizer", "vae": "video_vae", "audio_vae": "audio_vae"}
+
+
+def mode_partition(folder: Path) -> str | None:
+    """"t2va" or "ref2va" for a released mode folder (FL2VA/, Ref2VA/), None for any other folder."""
+    index = folder / "model_index.json"
+    if not index.is_file():
+        return None
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"{index}: not readable JSON ({exc})") from None
+    info = data.get("_minimax_h3") if isinstance(data, dict) else None
+    if isinstance(info, dict) and info.get("partition") is not None:
+        partition = INDEX_PARTITIONS.get(str(info["partition"]).lower())
+        if partition is None:
+            raise InputError(f"{index}: unknown _minimax_h3.partition {info['partition']!r} (expected fl2va or "
+                             "ref2va)")
+        return partition
+    by_name = {name.lower(): p for p, name in MODE_FOLDERS.items()}
+    return by_name.get(folder.name.lower())
+
+
+@dataclass
+class ComponentPaths:
+    models: Path | None = None
+    dit: Path | None = None
+    dit_ref: Path | None = None
+    text_encoder: Path | None = None
+    tokenizer: Path | None = None
+    vae: Path | None = None
+    audio_vae: Path | None = None
+
+    def check_models(self) -> None:
+        if self.models is not None and not Path(self.models).is_dir():
+            raise InputError(f"{self.models}: no such model folder (--models)")
+
+    def mode_folders(self) -> dict[str, Path]:
+        """The released mode folders under --models, by partition (empty for the older layout)."""
+        if self.models is None:
+            return {}
+        root = Path(self.models)
+        own = mode_partition(root)
+        if own is not None:
+            return {own: root}
+        found = {}
+        for partition, name in MODE_FOLDERS.items():
+            folder = root / name
+            if folder.is_dir():
+                found[partition] = folder
+        return found
+
+    def layout(self) -> str:
+        """"per-mode" (today's official download), "root" (older revisions) or "components" (no --models)."""
+        if self.models is None:
+            return "components"
+        return "per-mode" if self.mode_folders() else "root"
+
+    def resolve(self, name: str) -> Path | None:
+        """The path of component `name` (see COMPONENTS), or None when neither a flag nor the folder gives one."""
+        if name not in COMPONENTS:
+            raise InputError(f"unknown component {name!r}; components are {', '.join(COMPONENTS)}")
+        given = getattr(self, name)
+        if given is not None:
+            if not Path(given).exists():
+                raise InputError(f"{given}: no such file or folder (--{name.replace('_', '-')})")
+            return Path(given)
+        if self.models is None:
+            return None
+        modes = self.mode_folders()
+        if not modes:
+            candidate = Path(self.models) / OLD_FOLDERS[name]
+            return candidate if candidate.exists() else None
+        if name in DIT_PARTITIONS:
+            folders = [modes[DIT_PARTITIONS[name]]] if DIT_PARTITIONS[name] in modes else []
+        else:
+            folders = [modes[p] for p in MODE_FOLDERS if p in modes]
+        for folder in folders:
+            candidate = folder / MODE_SUBFOLDERS[name]
+            if candidate.exists():
+                return candidate
+        return None
+
+    def folder_hint(self, name: str) -> str:
+        """Which folder a missing component is looked for in, for error messages."""
+        if self.layout() == "per-mode" and name in DIT_PARTITIONS:
+            return f"{MODE_FOLDERS[DIT_PARTITIONS[name]]}/transformer/"
+        return f"{OLD_FOLDERS[name]}/"

@@ -1,0 +1,121 @@
+"""What an engine holds and can run, for reports: components, memory, kernels, and per-job attention.
+
+The service's `/ready` and the CLI's summaries read these; `AttentionSwitch` runs one job with another
+attention backend and puts the load-time one back.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...errors import H3Error
+from ...kernels.settings import KernelSettings
+from .loading import LOADED
+
+
+def unwrap(dit):
+    """The H3DiT itself, also when it is wrapped in a SequenceParallelDiT (serve --gpus N).
+
+    The wrapper forwards attribute reads to the model but not writes, and is not an nn.Module: code
+    that sets the DiT's attention or lists its parameters must reach the model.
+    """
+    from ..dit.parallel import SequenceParallelDiT
+
+    return dit.model if isinstance(dit, SequenceParallelDiT) else dit
+
+
+# ------------------------------------------------------------------------------------------ reporting
+def describe_models(models) -> dict:
+    """Per component: class, parameter dtype(s), device, parameter bytes."""
+    out = {}
+    c = models.components
+    for name in LOADED:
+        obj = getattr(c, name)
+        if obj is None:
+            continue
+        module = getattr(obj, "model", obj) if name == "text_encoder" else unwrap(obj)
+        params = list(module.parameters()) if isinstance(module, torch.nn.Module) else []
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
+        devices = sorted({str(p.device) for p in params})
+        out[name] = {"class": type(module if name != "text_encoder" else obj).__name__, "dtypes": dtypes,
+                     "devices": devices, "parameter_bytes": sum(p.numel() * p.element_size() for p in params)}
+        if module is not obj and name != "text_encoder":
+            # Per rank: every rank holds a full copy of the weights.
+            out[name]["sequence_parallel"] = models.world_size
+        if name == "vae" and name in models.kernel_reports:
+            out[name]["kernels"] = models.kernel_reports[name]
+        elif name in models.kernel_reports:
+            rep = models.kernel_reports[name]
+            out[name]["attention"] = rep["attention"]
+            out[name]["linear"] = rep["linear"]
+            out[name]["exact"] = rep["exact"]
+    return out
+
+
+def memory_report(device: str) -> dict:
+    """GPU memory on CUDA; the process's resident set on the CPU (what the models occupy there)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info(dev)
+        return {"device": str(dev), "allocated_bytes": torch.cuda.memory_allocated(dev),
+                "reserved_bytes": torch.cuda.memory_reserved(dev), "free_bytes": free, "total_bytes": total}
+    try:
+        with open("/proc/self/statm") as f:
+            rss_pages = int(f.read().split()[1])
+        return {"device": "cpu", "process_rss_bytes": rss_pages * os.sysconf("SC_PAGE_SIZE")}
+    except (OSError, ValueError, IndexError):
+        return {"device": "cpu"}
+
+
+def supported_kernels(device: str, settings: KernelSettings, checkpoint_fmt: str = "bf16") -> dict:
+    """Which attention backends and linear formats can run here, and why not for the others."""
+    from ...kernels.attention import resolve_attention
+    from ...kernels.dispatch import resolve_linear
+    from ...kernels.settings import ATTENTION_BACKENDS, LINEAR_FORMATS
+
+    attention, linear = {}, {}
+    for name in ATTENTION_BACKENDS:
+        try:
+            _, chosen = resolve_attention(name, device, settings)
+            attention[name] = {"supported": True, "runs": chosen}
+        except H3Error as exc:
+            attention[name] = {"supported": False, "why": str(exc)}
+    for fmt in LINEAR_FORMATS:
+        try:
+            chosen, why = resolve_linear(settings.replace(linear=fmt), device, checkpoint_fmt)
+            linear[fmt] = {"supported": True, "runs": chosen}
+        except H3Error as exc:
+            linear[fmt] = {"supported": False, "why": str(exc)}
+    return {"attention": attention, "linear": linear}
+
+
+class AttentionSwitch:
+    """Run one job with another attention backend, then put the load-time one back; weights untouched.
+
+    The Q/K preparation goes with the backend (a low-bit backend may take pre-quantized Q/K that another
+    backend cannot read), so both are switched and both restored, even when the job fails.
+    """
+
+    def __init__(self, models, key: str, name: str | None):
+        self.models, self.key, self.name = models, key, name
+        self.report: dict | None = None
+
+    def __enter__(self) -> dict:
+        from ...kernels.dispatch import switch_attention
+
+        base = self.models.kernel_reports[self.key]
+        if self.name is None:
+            self.report = {"attention": base["attention"], "qk_prep": base["qk_prep"]}
+            return self.report
+        dit = unwrap(getattr(self.models.components, self.key))
+        self.report = switch_attention(dit, self.name, self.models.settings, self.models.device)
+        return self.report
+
+    def __exit__(self, *exc) -> None:
+        if self.name is not None:
+            dit = unwrap(getattr(self.models.components, self.key))
+            attention, qk_prep = self.models.default_attention[self.key]
+            dit.set_attention(attention)
+            dit.qk_prep = qk_prep

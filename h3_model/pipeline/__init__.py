@@ -1,0 +1,1 @@
+"""The generation pipeline: flow-matching schedule, sampler, step caches and the staged generation."""

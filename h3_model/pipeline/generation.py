@@ -1,0 +1,411 @@
+"""The generation pipeline: prompt + references -> video frames + stereo audio.
+
+Stages, each timed: text encode (Qwen3-VL), reference encode (video/audio VAE), sampling (DiT +
+flow-matching schedule), video decode, audio decode. Muxing to mp4 is the front door's job
+(media.write_mp4). Models are held by `Components` and stay resident between requests; a stage
+never reloads weights. Identical references are VAE-encoded once per `Pipeline` (content hash);
+identical presentations are text-encoded once (the text encoder's token-hash cache).
+
+Noise: a request's seed drives one CPU generator; draws happen in the order sampler.py documents.
+Visual conditions use their own fresh generator seeded 42 (the released recipe), so a reference
+encodes to the same latents in every request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .. import geometry
+from ...errors import H3Error, InputError
+from ..dit.layout import AudioBlock, ImageBlock, Layout, VideoBlock, build_ref2va, build_t2va
+from ..text.prompt import check_prompt
+from ..media.refs import PreparedReference, Reference, prepare_keyframes, prepare_references, prompt_references
+from .sampler import SamplingRequest, StepInfo, sample
+from .scheduler import AUDIO_SHIFT, VIDEO_SHIFT, JointSchedule, Schedule, custom_sigmas
+
+MODES = ("t2va", "fl2va", "ref2va")
+MAX_STEPS = 1000
+DEFAULT_ENCODE_TILE = 256  # pixels; encode_condition's own default
+
+
+@dataclass
+class Components:
+    """Resident models. `dit` runs T2VA/FL2VA, `dit_ref` runs Ref2VA (the two released partitions)."""
+
+    text_encoder: object | None = None
+    dit: object | None = None
+    dit_ref: object | None = None
+    vae: object | None = None
+    audio_vae: object | None = None
+    device: str = "cpu"
+
+    def dit_for(self, mode: str):
+        model = self.dit_ref if mode == "ref2va" else self.dit
+        if model is None:
+            which = "the ref2va partition (transformer_ref)" if mode == "ref2va" else "the t2va/fl2va partition"
+            raise H3Error(f"{mode} needs {which}, which is not loaded")
+        return model
+
+
+@dataclass
+class GenerationRequest:
+    mode: str
+    prompt: str  # may be empty for fl2va and ref2va (see prompt.check_prompt)
+    references: list[Reference] = field(default_factory=list)
+    first_frame: torch.Tensor | None = None  # uint8 (H, W, 3), FL2VA
+    last_frame: torch.Tensor | None = None
+    width: int | None = None
+    height: int | None = None
+    frames: int = geometry.DEFAULT_FRAMES
+    steps: int = 50  # sigma grid points including the final 0: steps - 1 model evaluations
+    seed: int = 0
+    video_shift: float = VIDEO_SHIFT
+    audio_shift: float = AUDIO_SHIFT
+    sigmas: list[float] | None = None
+    audio_sigmas: list[float] | None = None
+    reference_policy: str = "match"
+    mlp_chunks: int = 1
+    vae_tile_size: int | None = 256
+    step_cache: object | None = None
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise InputError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        check_prompt(self.mode, self.prompt)
+        if self.sigmas is None and not 2 <= self.steps <= MAX_STEPS:
+            raise InputError(f"steps must be between 2 and {MAX_STEPS}, got {self.steps}")
+        if self.mode == "ref2va" and not self.references:
+            raise InputError("ref2va needs at least one reference")
+        if self.mode != "ref2va" and self.references:
+            raise InputError(f"{self.mode} takes no references; use ref2va")
+        if self.mode == "fl2va" and self.first_frame is None and self.last_frame is None:
+            raise InputError("fl2va needs a first and/or a last keyframe")
+        if self.mode != "fl2va" and (self.first_frame is not None or self.last_frame is not None):
+            raise InputError(f"{self.mode} takes no keyframes; use fl2va")
+        if (self.width is None) != (self.height is None):
+            raise InputError("width and height go together, or neither")
+        if self.width is not None:
+            geometry.check_canvas(self.width, self.height)
+        geometry.snap_frames(self.frames)
+        if self.mlp_chunks < 1:
+            raise InputError(f"mlp_chunks must be at least 1, got {self.mlp_chunks}")
+        if not 0 <= self.seed < 2 ** 63:
+            raise InputError(f"seed must be in [0, 2^63), got {self.seed}")
+        schedule_of(self)  # now, not after the text encode that comes before its first use
+
+
+@dataclass
+class Progress:
+    stage: str
+    step: int = 0
+    total: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class GenerationResult:
+    video: torch.Tensor  # uint8 (F, H, W, 3)
+    audio: torch.Tensor  # float32 (2, samples) at 32 kHz
+    video_latents: torch.Tensor  # normalised (1, C, T, h, w)
+    audio_latents: torch.Tensor  # normalised (2, C, T_audio)
+    timings: dict[str, float]
+    info: dict
+
+    @property
+    def fps(self) -> int:
+        return geometry.FPS
+
+    @property
+    def sample_rate(self) -> int:
+        return geometry.AUDIO_SAMPLE_RATE
+
+
+class _LRU(OrderedDict):
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def get_or(self, key, make):
+        if key in self:
+            self.move_to_end(key)
+            return self[key], True
+        value = make()
+        self[key] = value
+        if len(self) > self.size:
+            self.popitem(last=False)
+        return value, False
+
+
+class Pipeline:
+    def __init__(self, components: Components, *, cache_size: int = 32, offload_text_encoder: bool = False,
+                 decode: bool = True, decode_group=None, release_adaln: bool = False):
+        self.c = components
+        # One-shot front doors may drop the AdaLN weights once the schedule's tables exist (exact; frees 39 %
+        # of the DiT); a resident service must keep them for other step counts.
+        self.release_adaln = release_adaln
+        self.decode = decode
+        # Under sequence parallelism every rank samples in lockstep; the video decode's windows are then
+        # shared out over the ranks (bit-identical to one process).
+        self.decode_group = decode_group
+        self._reference_cache = _LRU(cache_size)
+        self._lock = threading.Lock()
+        # Offloading frees the GPU for the DiT when both do not fit; resident is faster for a service.
+        self.offload_text_encoder = offload_text_encoder
+
+    # ------------------------------------------------------------------ public
+    def clear_caches(self) -> None:
+        """Forget encoded prompts and references, so the next request pays for encoding them again."""
+        self._reference_cache.clear()
+        te = self.c.text_encoder
+        if te is not None and hasattr(te, "clear_cache"):
+            te.clear_cache()
+
+    def generate(self, req: GenerationRequest, *, on_progress: Callable[[Progress], None] | None = None,
+                 cancel: threading.Event | None = None,
+                 on_frames: Callable[[torch.Tensor], None] | None = None) -> GenerationResult:
+        """`on_frames` receives the decoded video chunk by chunk, (n, H, W, 3) uint8 in order, while later
+        chunks are still decoding (e.g. `media.Mp4Stream.add`); the result holds every frame as well."""
+        req.validate()
+        with self._lock:  # one GPU job at a time per pipeline
+            return self._generate(req, on_progress or (lambda p: None), cancel, on_frames)
+
+    # ------------------------------------------------------------------ the whole generation
+    def _generate(self, req: GenerationRequest, report, cancel, on_frames=None) -> GenerationResult:
+        timings: dict[str, float] = {}
+        info: dict = {"mode": req.mode, "seed": req.seed}
+        dit = self.c.dit_for(req.mode)
+        if self.decode and self.c.vae is not None:  # checked here, not at the decode after the sampling
+            from ..vae.video import DEFAULT_TILE_MIN_OVERLAP, check_tiling
+
+            check_tiling(req.vae_tile_size, DEFAULT_TILE_MIN_OVERLAP, self.c.vae.config.spatial_ratio)
+        canvas = self.prepare(req)
+        info.update(width=canvas.width, height=canvas.height, frames=canvas.frames)
+
+        t0 = time.perf_counter()
+        report(Progress("text_encode"))
+        text = self.encode_text(req.mode, req.prompt, canvas.keyframes, canvas.references)
+        timings["text_encode"] = time.perf_counter() - t0
+        info["text_tokens"], info["prompt_cache_hit"] = int(text.tags.numel()), text.cached
+
+        t0 = time.perf_counter()
+        report(Progress("reference_encode", 0, len(canvas.keyframes) + len(canvas.references)))
+        conditions, audio_rows, blocks, hits = self.encode_conditions(canvas.keyframes, canvas.references)
+        timings["reference_encode"] = time.perf_counter() - t0
+        info["reference_cache_hits"] = hits
+
+        dims = self.latent_dims(canvas.frames, canvas.width, canvas.height)
+        lay = build_layout(req.mode, text.tags, blocks, canvas.anchors, dims, dit.config.patch_size)
+        info["sequence_length"] = lay.sequence_length
+        schedule = schedule_of(req)
+        info["evaluations"] = len(schedule)
+
+        t0 = time.perf_counter()
+        report(Progress("sampling", 0, len(schedule)))
+
+        def on_step(s: StepInfo) -> None:
+            report(Progress("sampling", s.index + 1, s.total, s.seconds))
+
+        result = self.sample(dit, SamplingRequest(lay, text.embeds, *dims, conditions, audio_rows), schedule,
+                             req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,
+                             step_cache=req.step_cache)
+        timings["sampling"] = time.perf_counter() - t0
+        info["step_seconds"] = result.step_seconds
+        if req.step_cache is not None and hasattr(req.step_cache, "report"):
+            info["step_cache"] = req.step_cache.report()
+
+        _check_cancel(cancel, "before decoding")
+        if not self.decode:
+            empty = torch.empty(0, 0, 0, 3, dtype=torch.uint8)
+            return GenerationResult(empty, torch.empty(2, 0), result.video_latents, result.audio_latents, timings, info)
+        t0 = time.perf_counter()
+        report(Progress("video_decode"))
+        video = self.decode_video(result.video_latents, req.vae_tile_size, on_frames)
+        timings["video_decode"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        report(Progress("audio_decode"))
+        audio = self.decode_audio(result.audio_latents)
+        timings["audio_decode"] = time.perf_counter() - t0
+        return GenerationResult(video, audio, result.video_latents, result.audio_latents, timings, info)
+
+    # ------------------------------------------------------------------ stages, in the order they run
+    def prepare(self, req: GenerationRequest) -> Canvas:
+        """The canvas, the keyframes (FL2VA) and the prepared references (Ref2VA) of a request."""
+        frames = geometry.snap_frames(req.frames)
+        keyframes, anchors, prepared = [], (), []
+        width, height = req.width, req.height
+        if req.mode == "fl2va":
+            keyframes, anchors, width, height = prepare_keyframes(req.first_frame, req.last_frame, width, height)
+        elif width is None:
+            height, width = geometry.resolve_canvas(16, 9)
+        if req.mode == "ref2va":
+            prepared = prepare_references(req.references, width=width, height=height, frames=frames,
+                                          policy=req.reference_policy)
+        return Canvas(width, height, frames, keyframes, tuple(anchors), prepared)
+
+    def encode_text(self, mode: str, prompt: str, keyframes=(), references=()) -> TextEncoding:
+        """The prompt as the DiT reads it: Qwen3-VL hidden states of the mode's presentation, and token tags."""
+        te = self._need(self.c.text_encoder, "the text encoder")
+        builder = te.prompts
+        if mode == "t2va":
+            presentation = builder.t2va(prompt)
+        elif mode == "fl2va":
+            presentation = builder.fl2va(prompt, list(keyframes))
+        else:
+            presentation = builder.ref2va(prompt, prompt_references(list(references)))
+        hits = te.cache_hits
+        encoded = te.encode(presentation)  # the encoder caches by token hash
+        if self.offload_text_encoder:
+            te.offload()
+        return TextEncoding(encoded.embeds, encoded.tags, te.cache_hits > hits)
+
+    def encode_keyframe(self, frame: torch.Tensor,
+                        tile_size: int | None = DEFAULT_ENCODE_TILE) -> tuple[torch.Tensor, bool]:
+        """A keyframe's conditioning latents (1, C, 1, h, w), and whether they came from the cache."""
+        from ..vae.video import encode_condition
+
+        vae = self._need(self.c.vae, "the video VAE")
+        return self._reference_cache.get_or(
+            ("keyframe", PreparedReference("image", pixels=frame).content_hash(), tile_size),
+            lambda: encode_condition(vae, frame, tile_size=tile_size))
+
+    def encode_reference(self, p: PreparedReference,
+                         tile_size: int | None = DEFAULT_ENCODE_TILE) -> tuple[EncodedReference, int]:
+        """A prepared reference's video latents (1, C, T, h, w) and audio latents (2, C, T), each where it has
+        them, and how many of the two came from the cache."""
+        from ..vae.video import encode_condition
+
+        latent = audio = None
+        hits = 0
+        if p.pixels is not None:
+            vae = self._need(self.c.vae, "the video VAE")
+            latent, hit = self._reference_cache.get_or(
+                ("video", PreparedReference(p.kind, pixels=p.pixels).content_hash(), tile_size),
+                lambda: encode_condition(vae, p.pixels, tile_size=tile_size))
+            hits += hit
+        if p.audio is not None:
+            audio_vae = self._need(self.c.audio_vae, "the audio VAE")
+            audio, hit = self._reference_cache.get_or(
+                ("audio", PreparedReference("audio", audio=p.audio).content_hash()),
+                lambda: audio_vae.encode_stereo(p.audio).float().cpu())
+            hits += hit
+        return EncodedReference(p.kind, latent, audio), hits
+
+    def encode_conditions(self, keyframes: list[torch.Tensor], prepared: list[PreparedReference]):
+        """Visual conditions (normalised latents) and reference audio rows in packed order, plus layout blocks."""
+        conditions, audio_rows, blocks, hits = [], [], [], 0
+        for frame in keyframes:
+            latent, hit = self.encode_keyframe(frame)
+            conditions.append(latent)
+            hits += hit
+        for p in prepared:
+            encoded, hit = self.encode_reference(p)
+            hits += hit
+            if encoded.latent is not None:
+                conditions.append(encoded.latent)
+            if encoded.audio is not None:
+                audio_rows.append(audio_rows_of(encoded.audio))
+            blocks.append(encoded.block())
+        return conditions, audio_rows, blocks, hits
+
+    def latent_dims(self, frames: int, width: int, height: int) -> tuple[int, int, int, int]:
+        """(video latent frames, latent height, latent width, audio latent frames) of a canvas."""
+        ratio = self.c.vae.config.spatial_ratio if self.c.vae is not None else geometry.VAE_SPATIAL
+        return (geometry.video_latent_frames(frames), height // ratio, width // ratio,
+                geometry.audio_latent_frames(frames))
+
+    def sample(self, dit, request: SamplingRequest, schedule: JointSchedule, seed: int, *, on_step=None,
+               cancel=None, mlp_chunks: int = 1, step_cache=None, device=None):
+        """The seeded flow-matching loop (sampler.py): final normalised video and audio latents."""
+        return sample(dit, request, schedule, torch.Generator().manual_seed(int(seed)),
+                      device=self.c.device if device is None else device, on_step=on_step, cancel=cancel,
+                      mlp_chunks=mlp_chunks, step_cache=step_cache, release_adaln=self.release_adaln)
+
+    def decode_video(self, latents: torch.Tensor, tile_size: int | None = 256,
+                     on_frames: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Normalised video latents (1, C, T, h, w) -> uint8 frames (F, H, W, 3)."""
+        vae = self._need(self.c.vae, "the video VAE")
+        return vae.decode_to_buffer(vae.denormalize(latents), tile_size=tile_size, group=self.decode_group,
+                                    on_frames=None if on_frames is None else (lambda chunk: on_frames(chunk[0])))[0]
+
+    def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised audio latents (2, C, T) -> stereo float32 (2, samples) at 32 kHz on the CPU."""
+        audio_vae = self._need(self.c.audio_vae, "the audio VAE")
+        return audio_vae.decode_stereo(latents).float().cpu()
+
+    @staticmethod
+    def _need(component, what: str):
+        if component is None:
+            raise H3Error(f"{what} is not loaded")
+        return component
+
+
+@dataclass
+class Canvas:
+    width: int
+    height: int
+    frames: int
+    keyframes: list  # uint8 (H, W, 3) each, FL2VA
+    anchors: tuple  # "first" / "last" per keyframe
+    references: list  # PreparedReference, Ref2VA
+
+
+@dataclass
+class TextEncoding:
+    embeds: torch.Tensor
+    tags: torch.Tensor
+    cached: bool
+
+
+@dataclass
+class EncodedReference:
+    kind: str  # image | video | audio
+    latent: torch.Tensor | None  # (1, C, T, h, w) normalised
+    audio: torch.Tensor | None  # (2, C, T) normalised
+
+    def block(self):
+        """The reference's block in the packed layout."""
+        audio_latents = 0 if self.audio is None else int(self.audio.shape[-1])
+        if self.kind == "image":
+            return ImageBlock(*self.latent.shape[-2:])
+        if self.kind == "video":
+            return VideoBlock(self.latent.shape[2], *self.latent.shape[-2:], audio_latents)
+        return AudioBlock(audio_latents)
+
+
+def build_layout(mode: str, tags: torch.Tensor, blocks: list, anchors: tuple, dims: tuple[int, int, int, int],
+                 patch) -> Layout:
+    """The packed sequence of one generation: text, references (Ref2VA) or keyframe anchors, target video, audio."""
+    if mode == "ref2va":
+        return build_ref2va(tags, blocks, *dims, patch)
+    return build_t2va(tags, *dims, patch, keyframes=anchors)
+
+
+def schedule_of(req: GenerationRequest) -> JointSchedule:
+    """The request's joint sigma schedule: shifted grids, or its explicit sigmas."""
+    if req.sigmas is None:
+        if req.audio_sigmas is not None:
+            raise InputError("audio_sigmas needs sigmas too")
+        return JointSchedule.create(req.steps, req.video_shift, req.audio_shift)
+    video = Schedule(custom_sigmas(req.sigmas))
+    audio = Schedule(custom_sigmas(req.audio_sigmas if req.audio_sigmas is not None else req.sigmas))
+    if len(video) != len(audio):
+        raise InputError(f"sigmas give {len(video)} video and {len(audio)} audio evaluations; they must match")
+    return JointSchedule(video, audio)
+
+
+def audio_rows_of(latents: torch.Tensor) -> torch.Tensor:
+    """Normalised audio latents (2, C, T) -> the rows (2 * T, C) the sampler packs, channel-major."""
+    return latents.transpose(1, 2).reshape(-1, latents.shape[1]).contiguous()
+
+
+def _check_cancel(cancel: threading.Event | None, where: str) -> None:
+    from .sampler import Cancelled
+
+    if cancel is not None and cancel.is_set():
+        raise Cancelled(f"cancelled {where}")

@@ -1,0 +1,161 @@
+"""The denoising loop: one DiT forward per step over the packed sequence, Euler on the target rows.
+
+Noise is drawn from the request's generator in a fixed, documented order, so a seed reproduces
+a generation exactly:
+  1. one draw per visual condition (keyframe or image/video reference), in packed order, shaped
+     like its latent; the condition is mixed with it at t = 0.999 and held there;
+  2. the target video noise as a (1, C, T, H/16, W/16) fp32 tensor, then patchified;
+  3. the target audio noise directly in row layout (2 * T_audio, C_audio), channel-major.
+Conditioning rows (visual at 0.999, reference audio clean) are never updated.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ...errors import H3Error
+from ..dit.layout import Layout, patchify, unpatchify
+from .scheduler import CONDITION_AUDIO_T, CONDITION_VIDEO_T, JointSchedule
+
+
+class Cancelled(H3Error):
+    """The caller cancelled the generation."""
+
+
+@dataclass
+class SamplingRequest:
+    layout: Layout
+    prompt_embeds: torch.Tensor  # (1, L, text_dim), any dtype
+    latent_frames: int
+    latent_height: int
+    latent_width: int
+    audio_latents: int
+    # Normalised VAE latents of the visual conditions, packed order, each (1, C, F, h, w).
+    condition_latents: list[torch.Tensor] = field(default_factory=list)
+    # Normalised audio rows of the references (each (2 * T, C_audio), channel-major), packed order.
+    audio_condition_rows: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class StepInfo:
+    index: int
+    total: int
+    t_video: float
+    t_audio: float
+    seconds: float
+
+
+@dataclass
+class SamplingResult:
+    video_latents: torch.Tensor  # (1, C, T, h, w) fp32, normalised
+    audio_latents: torch.Tensor  # (2, C_audio, T_audio) fp32, normalised
+    step_seconds: list[float]
+
+
+def condition_rows(conditions: list[torch.Tensor], generator: torch.Generator, patch) -> torch.Tensor | None:
+    """Noise each visual condition to t = 0.999 with its own draw and patchify it."""
+    rows = []
+    for cond in conditions:
+        noise = torch.randn(cond.shape, generator=generator, dtype=torch.float32)
+        t = torch.tensor(CONDITION_VIDEO_T, dtype=torch.float32)
+        rows.append(patchify(t * cond.float().cpu() + (1.0 - t) * noise, patch))
+    return torch.cat(rows) if rows else None
+
+
+def initial_noise(req: SamplingRequest, generator: torch.Generator, video_channels: int, audio_channels: int,
+                  patch) -> tuple[torch.Tensor, torch.Tensor]:
+    video = torch.randn((1, video_channels, req.latent_frames, req.latent_height, req.latent_width),
+                        generator=generator, dtype=torch.float32)
+    audio = torch.randn((2 * req.audio_latents, audio_channels), generator=generator, dtype=torch.float32)
+    return patchify(video, patch), audio
+
+
+def schedule_timestep_values(layout: Layout, schedule: JointSchedule) -> set[float]:
+    """Every distinct timestep any step of this schedule feeds the model (for AdaLN precompute)."""
+    values: set[float] = set()
+    for i in range(len(schedule)):
+        tv, ta = schedule.step_timesteps(i)
+        values.update(layout.row_timesteps(tv, ta, max(tv, CONDITION_VIDEO_T), CONDITION_AUDIO_T)[0].tolist())
+    return values
+
+
+@torch.no_grad()
+def sample(dit, req: SamplingRequest, schedule: JointSchedule, generator: torch.Generator, *,
+           device: str | torch.device = "cpu", on_step: Callable[[StepInfo], None] | None = None,
+           cancel: threading.Event | None = None, mlp_chunks: int = 1, step_cache=None,
+           release_adaln: bool = False) -> SamplingResult:
+    """Run the loop; `generator` must be a CPU generator (noise is drawn on the CPU, then moved)."""
+    c = dit.config
+    lay = req.layout
+    cond = condition_rows(req.condition_latents, generator, c.patch_size)
+    video_noise, audio_noise = initial_noise(req, generator, c.in_channels, c.audio_in_channels, c.patch_size)
+    n_cv, n_ca = lay.num_condition_video_rows, lay.num_condition_audio_rows
+    video = torch.cat([cond, video_noise]) if cond is not None else video_noise
+    audio = torch.cat(req.audio_condition_rows + [audio_noise]) if req.audio_condition_rows else audio_noise
+    if video.shape[0] != lay.video_indices.numel() or audio.shape[0] != lay.audio_indices.numel():
+        raise H3Error(
+            f"the layout reserves {lay.video_indices.numel()} video and {lay.audio_indices.numel()} audio rows but the "
+            f"conditions and target give {video.shape[0]} and {audio.shape[0]}: canvas and conditioning disagree"
+        )
+    video, audio = video.to(device), audio.float().to(device)
+    structure = {k: getattr(lay, k).to(device) for k in ("token_tags", "video_indices", "audio_indices", "text_indices")}
+    position_ids = lay.position_ids.to(device)
+    target_video = torch.arange(n_cv, video.shape[0], device=device)
+    target_audio = torch.arange(n_ca, audio.shape[0], device=device)
+    text = dit.encode_text(req.prompt_embeds.to(device), mlp_chunks)  # once: independent of t
+    # AdaLN tables for every timestep of this schedule, in one batch; optionally the AdaLN weights
+    # (39 % of the DiT) are then dropped, which only a one-shot generation can afford.
+    if not getattr(dit, "adaln_released", False):
+        # Only this schedule's tables are kept (~10 MB per timestep value at full size), so a resident model
+        # serving many schedules does not accumulate them.
+        dit.clear_modulation_cache()
+        dit.precompute_modulation(schedule_timestep_values(lay, schedule))
+        if release_adaln:
+            dit.release_adaln()
+
+    step_seconds = []
+    for i in range(len(schedule)):
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(f"cancelled before step {i + 1} of {len(schedule)}")
+        start = time.perf_counter()
+        tv, ta = schedule.step_timesteps(i)
+        ts, tidx = lay.row_timesteps(tv, ta, max(tv, CONDITION_VIDEO_T), CONDITION_AUDIO_T)
+
+        def forward():
+            return dit(video[None], audio[None], None, ts.to(device), tidx.to(device), position_ids=position_ids,
+                       text_embeds=text, output_video_rows=target_video, output_audio_rows=target_audio,
+                       mlp_chunks=mlp_chunks, step_callback=_block_cancel(cancel, i, len(schedule)), **structure)
+
+        if step_cache is not None:
+            v_vel, a_vel = step_cache.velocities(i, video[n_cv:], audio[n_ca:], forward)
+        else:
+            v_vel, a_vel = forward()
+        video[n_cv:] = schedule.video.step(i, v_vel[0].float(), video[n_cv:])
+        audio[n_ca:] = schedule.audio.step(i, a_vel[0].float(), audio[n_ca:])
+        if str(device).startswith("cuda"):
+            torch.cuda.synchronize(device)
+        step_seconds.append(time.perf_counter() - start)
+        if on_step is not None:
+            on_step(StepInfo(i, len(schedule), tv, ta, step_seconds[-1]))
+
+    video_latents = unpatchify(video[n_cv:].cpu(), c.in_channels, req.latent_frames, req.latent_height,
+                               req.latent_width, c.patch_size)
+    audio_latents = audio[n_ca:].cpu().reshape(2, req.audio_latents, c.audio_in_channels).permute(0, 2, 1).contiguous()
+    return SamplingResult(video_latents.contiguous(), audio_latents, step_seconds)
+
+
+def _block_cancel(cancel: threading.Event | None, step: int, total: int):
+    # Checked between blocks so a cancel lands within one block (~1/50 of a step), not a whole step.
+    if cancel is None:
+        return None
+
+    def check(block: int) -> None:
+        if cancel.is_set():
+            raise Cancelled(f"cancelled during step {step + 1} of {total} (block {block + 1})")
+
+    return check

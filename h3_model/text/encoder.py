@@ -1,0 +1,594 @@
+"""The Qwen3-VL text encoder of MiniMax H3, run only as far as the layer the DiT reads.
+
+The DiT conditions on `hidden_states[layer]` (50 for the released model): the residual stream
+after decoder layer `layer`, before any final norm (h3-model-spec.md §1.5, §9.2). So the language
+model is cut at load: decoder layers past `layer`, the final norm and the LM head are never built
+or read. The vision tower and DeepStack stay whole; DeepStack only adds to the first few layers'
+outputs, and the value taken is the last kept decoder layer's own output, exactly what
+transformers records as `hidden_states[layer]`.
+
+The model, tokenizer and processor are transformers' Qwen3-VL classes (`Qwen3VLModel`,
+`Qwen3VLProcessor`, `Qwen2TokenizerFast`). Accepted checkpoints (safetensors only):
+- a transformers Qwen3-VL folder (config.json + safetensors + tokenizer + processor files);
+- a diffusers MiniMax-H3 folder (`text_encoder/`, `tokenizer/`, `processor/`);
+- a ComfyUI single file (bf16, or fp8_scaled / int8_convrot / NVFP4 layers, dequantized at load),
+  with `tokenizer=` naming a folder that holds the tokenizer and processor files.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..checkpoint.detect import detect
+from ..checkpoint.quant import (LEGACY_MARKER, QUANT_SUFFIXES, QuantSpec, decode_marker, dequantize,
+                               fold_pre_quant_scale, metadata_layers, parse_layer_conf, split_param)
+from ..checkpoint.source import CheckpointSource, open_source
+from ...errors import CheckpointError, H3Error, InputError
+from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, Presentation, PresentationBuilder
+
+DEFAULT_LAYER = 50
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+# Facts of the Qwen3-VL family that tensor shapes do not show, for a ComfyUI single file that comes
+# without a config.json (the values ComfyUI builds its Qwen3-VL-32B with).
+QWEN3VL_ROPE = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True}
+QWEN3VL_VISION_HEADS = 16
+QWEN3VL_DEEPSTACK = [8, 16, 24]
+_LEGACY_RENAME = {"scale_weight": "weight_scale", "scale_input": "input_scale"}
+_LM_LAYER = re.compile(r"^language_model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True, eq=False)
+class EncodedPrompt:
+    """Qwen's hidden states for one presentation: embeds (1, L, hidden) in the encoder dtype, tags (L,).
+
+    `embeds` is shared with the encoder's cache: treat it as read-only.
+    """
+
+    embeds: torch.Tensor
+    tags: torch.Tensor
+    token_hash: str
+
+
+# ---------------------------------------------------------------------------- environment
+def _transformers():
+    """transformers, after checking that torchvision imports (its Qwen3-VL processors need it)."""
+    from .torchvision_compat import ensure_importable
+
+    try:
+        ensure_importable()
+        importlib.import_module("torchvision")
+    except ImportError:
+        raise H3Error("the Qwen3-VL text encoder needs torchvision (transformers' Qwen3-VL video processor "
+                      "requires it): pip install torchvision matching your torch") from None
+    except Exception as exc:  # a torchvision built for another torch fails here, not with ImportError
+        raise H3Error(f"torchvision does not import ({type(exc).__name__}: {exc}); it must be the build that "
+                      f"matches torch {torch.__version__} (a CUDA torchvision next to a CPU-only torch fails "
+                      "this way)") from None
+    try:
+        return importlib.import_module("transformers")
+    except ImportError:
+        raise H3Error("the Qwen3-VL text encoder needs transformers>=5: pip install 'transformers>=5'") from None
+
+
+# ---------------------------------------------------------------------------- where things are
+@dataclass(frozen=True)
+class _Sources:
+    weights: Path  # a model folder, or a single .safetensors file
+    single_file: bool
+    processor_dir: Path
+    tokenizer_dir: Path
+    config_path: Path | None  # config.json of the model, when one exists
+
+
+def _resolve(path: str | Path, tokenizer: str | Path | None) -> _Sources:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder")
+    if path.is_file():
+        return _resolve_single_file(path, tokenizer)
+    weights = path / "text_encoder" if (path / "text_encoder").is_dir() else path
+    _check_weight_folder(weights)
+    config = weights / "config.json"
+    if not config.exists():
+        raise CheckpointError(f"{weights}: no config.json (a transformers Qwen3-VL folder has one)")
+    processor_dir, tokenizer_dir = _tokenizer_dirs(Path(tokenizer) if tokenizer is not None else path)
+    return _Sources(weights, False, processor_dir, tokenizer_dir, config)
+
+
+def _resolve_single_file(path: Path, tokenizer: str | Path | None) -> _Sources:
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise CheckpointError(f"{path}: pickle checkpoints are not loaded (they can run code); "
+                              "convert it to .safetensors")
+    if tokenizer is None:
+        raise InputError(f"{path} is a single-file text encoder and holds no tokenizer or processor: pass "
+                         "tokenizer=<folder> (CLI: --tokenizer) with the Qwen3-VL tokenizer and processor "
+                         "config files")
+    folder = Path(tokenizer)
+    processor_dir, tokenizer_dir = _tokenizer_dirs(folder)
+    configs = [folder / "config.json", folder / "text_encoder" / "config.json",
+               folder.parent / "text_encoder" / "config.json"]
+    config = next((c for c in configs if c.exists()), None)
+    return _Sources(path, True, processor_dir, tokenizer_dir, config)
+
+
+def _check_weight_folder(folder: Path) -> None:
+    if any(folder.glob("*.safetensors")) or any(folder.glob("*.safetensors.index.json")):
+        return
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(f"{folder}: only pickle weights ({', '.join(pickles[:3])}); pickle files are not "
+                              "loaded (they can run code): convert them to .safetensors")
+    raise CheckpointError(f"{folder}: no .safetensors weights")
+
+
+def _tokenizer_dirs(folder: Path) -> tuple[Path, Path]:
+    """(processor folder, tokenizer folder) for a model folder, a diffusers root or one of its subfolders.
+
+    A diffusers MiniMax-H3 folder keeps them in `processor/` and `tokenizer/` beside `text_encoder/`,
+    so a caller may name the root, `text_encoder/` or `tokenizer/`; a transformers folder or a
+    plain tokenizer folder holds both itself.
+    """
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such tokenizer folder")
+    processor = _first_with([folder / "processor", folder, folder.parent / "processor"], PROCESSOR_FILES)
+    if processor is None:
+        raise CheckpointError(f"{folder}: no Qwen3-VL processor config ({' or '.join(PROCESSOR_FILES)}); the "
+                              "tokenizer folder needs the tokenizer files and the processor config files")
+    tok = _first_with([folder / "tokenizer", folder, folder.parent / "tokenizer", processor], TOKENIZER_FILES)
+    if tok is None:
+        raise CheckpointError(f"{folder}: no tokenizer files ({' or '.join(TOKENIZER_FILES)} + merges.txt)")
+    return processor, tok
+
+
+def _first_with(folders: list[Path], names: tuple[str, ...]) -> Path | None:
+    return next((f for f in folders if _has_any(f, names)), None)
+
+
+def _has_any(folder: Path, names: tuple[str, ...]) -> bool:
+    return folder.is_dir() and any((folder / n).exists() for n in names)
+
+
+# ---------------------------------------------------------------------------- tokenizer, processor
+def _load_processing(tf, sources: _Sources):
+    """(tokenizer, processor); a diffusers tokenizer/ folder is what diffusers tokenizes with."""
+    try:
+        processor = tf.Qwen3VLProcessor.from_pretrained(str(sources.processor_dir))
+        tokenizer = processor.tokenizer
+        if sources.tokenizer_dir != sources.processor_dir:
+            tokenizer = tf.AutoTokenizer.from_pretrained(str(sources.tokenizer_dir))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{sources.processor_dir}: cannot load the Qwen3-VL tokenizer/processor "
+                              f"({type(exc).__name__}: {exc})") from None
+    return tokenizer, processor
+
+
+# ---------------------------------------------------------------------------- config
+def _read_config(tf, config_path: Path):
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{config_path}: not a readable JSON config ({exc})") from None
+    if raw.get("model_type") != "qwen3_vl":
+        raise CheckpointError(f"{config_path}: model_type is {raw.get('model_type')!r}, not 'qwen3_vl' "
+                              "(the MiniMax H3 text encoder is Qwen3-VL)")
+    return tf.Qwen3VLConfig.from_pretrained(str(config_path.parent))
+
+
+def _truncated(config, layer: int, available: int, where: object):
+    """A copy of `config` whose language model stops after decoder layer `layer`."""
+    if layer < 1:
+        raise InputError(f"layer must be at least 1 (hidden_states[0] is the token embedding), got {layer}")
+    if available < layer:
+        raise CheckpointError(f"{where}: the language model has {available} decoder layers; reading "
+                              f"hidden_states[{layer}] needs at least {layer}")
+    config = copy.deepcopy(config)
+    config.text_config.num_hidden_layers = layer
+    return config
+
+
+def _check_token_ids(config, tokenizer, where: object) -> None:
+    """The tokenizer's vision tokens must be the ids the model splices vision features into."""
+    ids = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END])
+    want = [config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
+    if ids != want:
+        raise CheckpointError(f"{where}: the tokenizer's vision token ids {ids} differ from the model config's "
+                              f"{want}; the tokenizer belongs to another model")
+
+
+# ---------------------------------------------------------------------------- transformers folder
+def _load_folder(tf, sources: _Sources, layer: int, dtype: torch.dtype, device: torch.device):
+    config = _read_config(tf, sources.config_path)
+    config = _truncated(config, layer, config.text_config.num_hidden_layers, sources.weights)
+    verbosity = tf.logging.get_verbosity()
+    # Layers past `layer` and the LM head are in the file on purpose; transformers would list each.
+    tf.logging.set_verbosity_error()
+    try:
+        model, info = tf.Qwen3VLModel.from_pretrained(
+            str(sources.weights), config=config, use_safetensors=True, dtype=dtype, device_map=str(device),
+            output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{sources.weights}: cannot load the Qwen3-VL weights ({type(exc).__name__}: "
+                              f"{exc})") from None
+    finally:
+        tf.logging.set_verbosity(verbosity)
+    missing = sorted(k for k in info["missing_keys"] if not k.startswith("language_model.norm."))
+    if missing or info.get("mismatched_keys"):
+        bad = missing or [str(m) for m in info["mismatched_keys"]]
+        raise CheckpointError(f"{sources.weights}: {len(bad)} tensors missing or of the wrong shape, "
+                              f"e.g. {', '.join(bad[:3])}")
+    return model, config
+
+
+# ---------------------------------------------------------------------------- ComfyUI single file
+def _target_name(stored: str, layer: int) -> str | None:
+    """A stored (prefix-free) tensor name -> transformers' Qwen3VLModel name; None to skip it.
+
+    ComfyUI names the language model `model.*` and the tower `visual.*`; transformers' own export
+    names them `model.language_model.*` / `model.visual.*`. Layers past `layer`, the final norm,
+    the LM head and rotary tables are not part of the truncated model.
+    """
+    for old, new in (("model.language_model.", "language_model."), ("model.visual.", "visual."),
+                     ("model.", "language_model."), ("visual.", "visual."), ("language_model.", "language_model.")):
+        if stored.startswith(old):
+            name = new + stored[len(old):]
+            break
+    else:
+        return None if stored.startswith("lm_head.") else stored
+    m = _LM_LAYER.match(name)
+    if name.startswith("language_model.norm.") or name.endswith("inv_freq") or (m and int(m.group(1)) >= layer):
+        return None
+    return name
+
+
+@dataclass
+class _Layer:
+    target: str  # transformers module name
+    keys: dict[str, str] = field(default_factory=dict)  # suffix -> stored key
+    spec: QuantSpec | None = None
+
+
+class _SingleFile:
+    """The tensors of a single-file Qwen3-VL, grouped per layer under transformers' names."""
+
+    def __init__(self, path: Path, layer: int):
+        self.path = path
+        self.source: CheckpointSource = open_source(path)
+        found = detect(self.source.keys, str(path))
+        if found.model != "text_encoder":
+            raise CheckpointError(f"{path}: is a {found.model.replace('_', ' ')} checkpoint, not the Qwen3-VL "
+                                  "text encoder")
+        self.prefix = found.prefix
+        self.stored = {k[len(self.prefix):]: k for k in self.source.keys if k.startswith(self.prefix)}
+        self.num_layers = len({int(m.group(1)) for k in self.stored
+                               if (m := _LM_LAYER.match(_target_name(k, 1 << 30) or ""))})
+        self.layers = self._group(layer)
+        self._declare_quant()
+
+    def _group(self, layer: int) -> dict[str, _Layer]:
+        layers: dict[str, _Layer] = {}
+        unmapped = []
+        for stored in self.stored:
+            if stored == LEGACY_MARKER:
+                continue
+            split = split_param(stored)
+            name = _target_name(stored, layer)
+            if split is None or name is None:
+                if split is None and name is not None:
+                    unmapped.append(stored)
+                continue
+            target = name[: -len(split[1]) - 1]
+            entry = layers.setdefault(split[0], _Layer(target))
+            entry.keys[_LEGACY_RENAME.get(split[1], split[1])] = self.stored[stored]
+        if unmapped:
+            raise CheckpointError(f"{self.path}: {len(unmapped)} tensors fit no Qwen3-VL name, "
+                                  f"e.g. {', '.join(sorted(unmapped)[:3])}")
+        return layers
+
+    def _declare_quant(self) -> None:
+        """Each layer's format from its `.comfy_quant` marker, header metadata or the legacy fp8 form."""
+        declared = {}
+        for name, conf in (metadata_layers(self.source.metadata) or {}).items():
+            stored = name[len(self.prefix):] if name.startswith(self.prefix) else name
+            declared[stored] = parse_layer_conf(conf, stored, "metadata")
+        # ComfyUI's legacy scaled-fp8 files mark the whole file with one `scaled_fp8` tensor.
+        legacy = LEGACY_MARKER in self.stored or LEGACY_MARKER in self.source
+        for stored, layer in self.layers.items():
+            layer.spec = self._spec(stored, layer, declared.get(stored), legacy)
+            if layer.spec is not None and "weight" not in layer.keys:
+                raise CheckpointError(f"{self.path}: {stored} is declared {layer.spec.label} but has no weight")
+            if "weight" not in layer.keys and "bias" not in layer.keys:
+                raise CheckpointError(f"{self.path}: {stored} has {', '.join(sorted(layer.keys))} but no weight")
+
+    def _spec(self, stored: str, layer: _Layer, declared: QuantSpec | None, legacy: bool) -> QuantSpec | None:
+        spec = declared
+        if "comfy_quant" in layer.keys:
+            marked = parse_layer_conf(decode_marker(self.source.get(layer.keys["comfy_quant"]), stored),
+                                      stored, "comfy_quant")
+            if spec is not None and spec != marked:
+                raise CheckpointError(f"{stored}: .comfy_quant ({marked.label}) and _quantization_metadata "
+                                      f"({spec.label}) disagree")
+            spec = marked
+        if spec is None and legacy and "weight_scale" in layer.keys:
+            spec = QuantSpec("float8_e4m3fn", source="scaled_fp8")
+        stray = sorted(k for k in layer.keys if k in QUANT_SUFFIXES and k != "comfy_quant")
+        if spec is None and stray:
+            raise CheckpointError(f"{self.path}: {stored} has {', '.join(stray)} but no quantization declaration "
+                                  "(.comfy_quant, _quantization_metadata or scaled_fp8)")
+        return spec
+
+    def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Names and plain shapes against the model, from headers alone (before any weight is read)."""
+        planned = {f"{layer.target}.{s}": (stored, layer) for stored, layer in self.layers.items()
+                   for s in ("weight", "bias") if s in layer.keys}
+        unexpected = sorted(set(planned) - set(shapes))
+        if unexpected:
+            raise CheckpointError(f"{self.path}: {unexpected[0]} is not a parameter of this Qwen3-VL"
+                                  + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+        missing = sorted(set(shapes) - set(planned))
+        if missing:
+            raise CheckpointError(f"{self.path}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
+        for name, (stored, layer) in planned.items():
+            suffix = name.rpartition(".")[2]
+            got = tuple(self.source.entry(layer.keys[suffix]).shape)
+            if (layer.spec is None or suffix == "bias") and got != shapes[name]:
+                raise CheckpointError(f"{self.path}: {stored}.{suffix} is {list(got)}, the model needs "
+                                      f"{list(shapes[name])}")
+
+    def shape(self, target: str) -> tuple[int, ...] | None:
+        """The stored shape of a tensor by its transformers name (quantized layers: the stored one)."""
+        for layer in self.layers.values():
+            base, _, suffix = target.rpartition(".")
+            if layer.target == base and suffix in layer.keys:
+                return tuple(self.source.entry(layer.keys[suffix]).shape)
+        return None
+
+    def count(self, pattern: str) -> int:
+        rx = re.compile(pattern)
+        return len({m.group(1) for layer in self.layers.values() if (m := rx.match(layer.target))})
+
+    def tensors(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor in dtype on device) layer by layer, in on-disk order; one layer in RAM at a time."""
+        rank = {k: i for i, k in enumerate(self.source.file_order())}
+        ordered = sorted(self.layers.items(), key=lambda kv: min(rank[k] for k in kv[1].keys.values()))
+        for stored, layer in ordered:
+            if "weight" in layer.keys:
+                yield f"{layer.target}.weight", self._weight(stored, layer, shapes, dtype, device)
+            if "bias" in layer.keys:
+                yield f"{layer.target}.bias", self.source.get(layer.keys["bias"]).to(device, dtype)
+
+    def _weight(self, stored: str, layer: _Layer, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+        if layer.spec is None:
+            return self.source.get(layer.keys["weight"]).to(device, dtype)
+        shape = shapes.get(f"{layer.target}.weight")
+        if shape is None:
+            raise CheckpointError(f"{self.path}: {stored} is not a layer of this Qwen3-VL")
+        # Dequantize where the weight will live: NVFP4 unpacking of a 32B model is slow on a CPU.
+        parts = {s: self.source.get(k).to(device) for s, k in layer.keys.items() if s not in ("comfy_quant", "bias")}
+        weight = dequantize(layer.spec, parts, shape, dtype, stored)
+        if "pre_quant_scale" in parts:
+            weight = fold_pre_quant_scale(weight, parts["pre_quant_scale"])
+        return weight
+
+
+def _config_from_shapes(tf, weights: _SingleFile, tokenizer):
+    """A Qwen3VLConfig from tensor shapes plus the Qwen3-VL family's fixed settings (QWEN3VL_*)."""
+    def need(name: str) -> tuple[int, ...]:
+        shape = weights.shape(name)
+        if shape is None:
+            raise CheckpointError(f"{weights.path}: no {name}; cannot read the model size from the file "
+                                  "(put the model's config.json in the tokenizer folder)")
+        return shape
+
+    head_dim = need("language_model.layers.0.self_attn.q_norm.weight")[0]
+    if sum(QWEN3VL_ROPE["mrope_section"]) * 2 != head_dim:
+        raise CheckpointError(f"{weights.path}: head size {head_dim} is not Qwen3-VL's 128; put the model's "
+                              "config.json in the tokenizer folder")
+    deepstack = weights.count(r"^visual\.deepstack_merger_list\.(\d+)\.")
+    if deepstack != len(QWEN3VL_DEEPSTACK):
+        raise CheckpointError(f"{weights.path}: {deepstack} DeepStack mergers, not Qwen3-VL's "
+                              f"{len(QWEN3VL_DEEPSTACK)}; put the model's config.json in the tokenizer folder")
+    vision_hidden = need("visual.blocks.0.norm1.weight")[0]
+    patch = need("visual.patch_embed.proj.weight")
+    text = dict(vocab_size=need("language_model.embed_tokens.weight")[0],
+                hidden_size=need("language_model.layers.0.input_layernorm.weight")[0],
+                intermediate_size=need("language_model.layers.0.mlp.up_proj.weight")[0],
+                num_hidden_layers=weights.num_layers, head_dim=head_dim,
+                num_attention_heads=need("language_model.layers.0.self_attn.q_proj.weight")[0] // head_dim,
+                num_key_value_heads=need("language_model.layers.0.self_attn.k_proj.weight")[0] // head_dim,
+                rms_norm_eps=1e-6, rope_parameters=dict(QWEN3VL_ROPE))
+    vision = dict(depth=weights.count(r"^visual\.blocks\.(\d+)\."), hidden_size=vision_hidden,
+                  intermediate_size=need("visual.blocks.0.mlp.linear_fc1.weight")[0],
+                  num_heads=QWEN3VL_VISION_HEADS, patch_size=patch[-1], temporal_patch_size=patch[2],
+                  spatial_merge_size=int(round((need("visual.merger.linear_fc1.weight")[1] / vision_hidden) ** 0.5)),
+                  out_hidden_size=need("visual.merger.linear_fc2.weight")[0],
+                  num_position_embeddings=need("visual.pos_embed.weight")[0],
+                  deepstack_visual_indexes=list(QWEN3VL_DEEPSTACK))
+    ids = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END])
+    return tf.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids[0], video_token_id=ids[1],
+                            vision_start_token_id=ids[2], vision_end_token_id=ids[3])
+
+
+def _load_single_file(tf, sources: _Sources, tokenizer, layer: int, dtype: torch.dtype, device: torch.device):
+    weights = _SingleFile(sources.weights, layer)
+    try:
+        if sources.config_path is not None:
+            config = _read_config(tf, sources.config_path)
+        else:
+            config = _config_from_shapes(tf, weights, tokenizer)
+        config = _truncated(config, layer, weights.num_layers, sources.weights)
+        with torch.device("meta"):
+            model = tf.Qwen3VLModel(config)
+        _drop_final_norm(model)
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        weights.check(shapes)
+        _assign(model, weights.tensors(shapes, dtype, device), shapes, sources.weights)
+    finally:
+        weights.source.close()
+    _rebuild_rotary(model, config, device)
+    return model, config
+
+
+def _assign(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]],
+            where: object) -> None:
+    """Put streamed tensors into the meta-built model; every parameter must be filled exactly once."""
+    filled = set()
+    for name, tensor in tensors:
+        if name not in shapes:
+            raise CheckpointError(f"{where}: {name} is not a parameter of this Qwen3-VL")
+        if tuple(tensor.shape) != shapes[name]:
+            raise CheckpointError(f"{where}: {name} is {list(tensor.shape)}, the model needs {list(shapes[name])}")
+        module_name, _, param = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module._parameters[param] = torch.nn.Parameter(tensor, requires_grad=False)
+        filled.add(name)
+    missing = sorted(set(shapes) - filled)
+    if missing:
+        raise CheckpointError(f"{where}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
+
+
+def _rebuild_rotary(model, config, device: torch.device) -> None:
+    """Rotary tables are computed, not stored: build them for real (fp32, as transformers keeps them)."""
+    qwen = importlib.import_module("transformers.models.qwen3_vl.modeling_qwen3_vl")
+    model.language_model.rotary_emb = qwen.Qwen3VLTextRotaryEmbedding(config.text_config).to(device)
+    model.visual.rotary_pos_emb = qwen.Qwen3VLVisionRotaryEmbedding(config.vision_config).to(device)
+
+
+def _drop_final_norm(model) -> None:
+    # hidden_states[layer] is read before any final norm; the single files do not even carry it.
+    model.language_model.norm = torch.nn.Identity()
+
+
+# ---------------------------------------------------------------------------- the encoder
+class TextEncoder:
+    """Qwen3-VL cut after decoder layer `layer`, with its tokenizer, processor and a prompt cache.
+
+    Build it with `from_pretrained`; make presentations with `prompts` (a `PresentationBuilder`:
+    `t2va`, `fl2va`, `ref2va`) and encode them with `encode`. `offload()` moves the weights to the
+    CPU after encoding (`resident` turns False); the next cache miss moves them back.
+    """
+
+    def __init__(self, model, tokenizer, processor, *, layer: int, dtype: torch.dtype, device: torch.device,
+                 source: str, cache_size: int = 8):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.prompts = PresentationBuilder(tokenizer, processor)
+        self.layer = layer
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.source = source
+        self.cache_size = cache_size
+        self.cache_hits = 0
+        self._cache: OrderedDict[str, EncodedPrompt] = OrderedDict()
+        self._resident = True
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype, device: str | torch.device,
+                        layer: int = DEFAULT_LAYER, tokenizer: str | Path | None = None,
+                        cache_size: int = 8) -> "TextEncoder":
+        """Load a transformers/diffusers folder or a ComfyUI single file (which needs `tokenizer`)."""
+        sources = _resolve(path, tokenizer)
+        tf = _transformers()
+        tok, processor = _load_processing(tf, sources)
+        device = torch.device(device)
+        if sources.single_file:
+            model, config = _load_single_file(tf, sources, tok, layer, dtype, device)
+        else:
+            model, config = _load_folder(tf, sources, layer, dtype, device)
+            _drop_final_norm(model)
+        _check_token_ids(config, tok, path)
+        return cls(model, tok, processor, layer=layer, dtype=dtype, device=device, source=str(path),
+                   cache_size=cache_size)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def resident(self) -> bool:
+        """True while the weights sit on the compute device."""
+        return self._resident
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.text_config.hidden_size)
+
+    def offload(self) -> None:
+        """Move weights and cached embeddings to the CPU and release the GPU's cached blocks.
+
+        On a CPU encoder there is nothing to free: it stays resident.
+        """
+        if self.device.type == "cpu":
+            return
+        self.model.to("cpu")
+        for key, hit in self._cache.items():
+            self._cache[key] = EncodedPrompt(hit.embeds.to("cpu"), hit.tags, hit.token_hash)
+        self._resident = False
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def ensure_resident(self) -> None:
+        """Move offloaded weights back to the compute device (encode does this on a cache miss)."""
+        if not self._resident:
+            self.model.to(self.device)
+            self._resident = True
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+    # ------------------------------------------------------------------ encoding
+    def encode(self, presentation: Presentation | str) -> EncodedPrompt:
+        """Hidden state `layer` for a presentation (a plain string is a T2VA prompt)."""
+        if isinstance(presentation, str):
+            presentation = self.prompts.t2va(presentation)
+        if not isinstance(presentation, Presentation):
+            raise InputError(f"encode takes a Presentation (from .prompts) or a prompt string, "
+                             f"got {type(presentation).__name__}")
+        hit = self._cache.get(presentation.token_hash)
+        if hit is not None:
+            self._cache.move_to_end(presentation.token_hash)
+            self.cache_hits += 1
+            return EncodedPrompt(hit.embeds.to(self.device), hit.tags, hit.token_hash)
+        self.ensure_resident()
+        embeds = self._forward(presentation)
+        out = EncodedPrompt(embeds, presentation.tags.clone(), presentation.token_hash)
+        if self.cache_size > 0:
+            self._cache[presentation.token_hash] = out
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return out
+
+    def _forward(self, presentation: Presentation) -> torch.Tensor:
+        ids = presentation.token_ids.to(self.device)[None]
+        types = self.processor.create_mm_token_type_ids([presentation.token_ids.tolist()])
+        vision = {k: v.to(self.device, self.dtype) if k.startswith("pixel_") else v.to(self.device)
+                  for k, v in presentation.vision.items()}
+        captured: list[torch.Tensor] = []
+
+        def keep(module, args, output):
+            captured.append(output[0] if isinstance(output, tuple) else output)
+
+        # The last kept decoder layer's own output is hidden_states[layer]; DeepStack's addition
+        # after it (when layer <= the number of DeepStack levels) is not part of that state.
+        handle = self.model.language_model.layers[-1].register_forward_hook(keep)
+        try:
+            # no_grad rather than inference_mode: the embeddings leave this class, and inference
+            # tensors refuse in-place use outside inference mode.
+            with torch.no_grad():
+                self.model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                           mm_token_type_ids=torch.tensor(types, dtype=torch.long, device=self.device),
+                           use_cache=False, **vision)
+        finally:
+            handle.remove()
+        return captured[-1]

@@ -1,0 +1,220 @@
+"""Synthetic models built directly on the device: random weights, released shapes.
+
+The released H3 weights cannot be downloaded here. Random weights do not change the timing of these
+dense models (same shapes, same kernels), so benchmarks and the service's cold start use models built
+this way, and results made with them say so. Nothing is zero: linear and conv weights are random
+(N(0, 1/fan_in) in the DiT and the VAEs, N(0, 0.02) in Qwen3-VL as its own initializer does), norm
+weights are near 1, biases small.
+
+`full` is the released geometry: the 50-block DiT, Qwen3-VL-32B cut after layer 50 with its 16-pixel
+vision patch (a byte-level tokenizer stands in for Qwen's vocabulary), the 16x video VAE and the audio
+VAE. `tiny` is the demo's model set, for tests on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+
+from ..h3_model.dit.config import DiTConfig
+from ..h3_model.dit.model import H3DiT, keeps_fp32
+
+# Qwen3-VL-32B (the released text encoder), as its public config.json gives it.
+QWEN3VL_32B_TEXT = dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=128, rms_norm_eps=1e-6,
+                        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                                         "mrope_interleaved": True})
+QWEN3VL_32B_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                          temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=5120,
+                          num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
+QWEN3VL_VOCAB = 151936
+# The processor's pixel budget (min, max): a 544x960 reference keeps its size, 510 vision tokens.
+QWEN3VL_PIXELS = (65536, 16777216)
+PRESETS = ("full", "tiny")
+COMPONENTS = ("dit", "dit_ref", "text_encoder", "vae", "audio_vae")
+MODE_KEYS = {"t2va": "dit", "fl2va": "dit", "ref2va": "dit_ref"}
+
+
+def _check_preset(preset: str) -> None:
+    if preset not in PRESETS:
+        from ..errors import InputError
+
+        raise InputError(f"synthetic preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+
+
+DIT_INITS = ("fan_in", "normal_0.02")
+
+
+@torch.no_grad()
+def synthetic_dit(config: DiTConfig, dtype: torch.dtype, device: str, seed: int = 0,
+                  init: str = "fan_in") -> H3DiT:
+    """The DiT with random weights made on `device`.
+
+    init "fan_in" (default) draws every tensor by make-checkpoint's rule (checkpoint/synthetic.init_rule:
+    unit-gain linears, small AdaLN): like a trained network, 50 blocks of it do not amplify rounding
+    much, so quality comparisons on it mean something. "normal_0.02" is N(0, 0.02) everywhere (norm gains
+    N(1, 0.02)), what the first H200 receipts used: at 5376 wide that is a gain of ~1.5 per linear, and
+    the stack turns any rounding difference into several percent of the output."""
+    from ..h3_model.checkpoint.synthetic import init_rule
+
+    if init not in DIT_INITS:
+        from ..errors import InputError
+
+        raise InputError(f"synthetic DiT init must be one of {', '.join(DIT_INITS)}, got {init!r}")
+    model = H3DiT(config, dtype=dtype, device="meta")
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def tensors():
+        for name, param in model.named_parameters():
+            target = torch.float32 if keeps_fp32(name, config) else dtype
+            value = torch.empty(param.shape, dtype=target, device=device)
+            if init == "fan_in":
+                mean, std = init_rule(name, tuple(param.shape))
+            else:
+                mean, std = (1.0 if "norm" in name and name.endswith("weight") and param.ndim == 1 else 0.0), 0.02
+            value.normal_(mean, std, generator=gen)
+            yield name, value
+
+    model.load_state(tensors(), device=device)
+    return model.eval()
+
+
+def _random_like(name: str, shape: tuple[int, ...], dtype: torch.dtype, device, gen: torch.Generator,
+                 std: Callable[[tuple[int, ...]], float]) -> torch.Tensor:
+    value = torch.empty(shape, dtype=torch.float32, device=device)
+    if len(shape) == 1 and name.endswith("weight"):
+        value.normal_(1.0, 0.02, generator=gen)
+    elif name.endswith("bias") or len(shape) <= 1:
+        value.normal_(0.0, 0.02, generator=gen)
+    else:
+        value.normal_(0.0, std(shape), generator=gen)
+    return value.to(dtype)
+
+
+def _fan_in_std(shape: tuple[int, ...]) -> float:
+    return 1.0 / math.sqrt(max(1, math.prod(shape[1:])))
+
+
+@torch.no_grad()
+def synthetic_video_vae(config, device: str, decode_dtype: torch.dtype = torch.float16, seed: int = 0):
+    """The video VAE of `config` with random weights, assigned through the loader's own checks."""
+    from ..h3_model.vae import video as V
+    from ..h3_model.vae.loading import _materialize, synthetic_latent_stats
+
+    mean, std = synthetic_latent_stats(config.latent_channels, seed)
+    config = dataclasses.replace(config, latents_mean=mean, latents_std=std)
+    with torch.device("meta"):
+        model = V.VideoVAE(config)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    entries = ((n, _random_like(n, tuple(t.shape), torch.float32, device, gen, _fan_in_std))
+               for n, t in model.state_dict().items())
+    return _materialize(model, entries, lambda n: V.param_dtype(n, decode_dtype), torch.device(device),
+                        "synthetic video VAE")
+
+
+@torch.no_grad()
+def synthetic_audio_vae(config, device: str, seed: int = 0):
+    from ..h3_model.vae import audio as A
+    from ..h3_model.vae.loading import _audio_buffer, _materialize, _with_audio_stats
+
+    config = _with_audio_stats(config, seed)
+    with torch.device("meta"):
+        model = A.AudioVAE(config)
+    params = {n for n, _ in model.named_parameters()}
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    entries = ((n, _random_like(n, tuple(t.shape), torch.float32, device, gen, _fan_in_std))
+               for n, t in model.state_dict().items() if n in params)
+    return _materialize(model, entries, lambda n: torch.float32, torch.device(device), "synthetic audio VAE",
+                        fill_missing=_audio_buffer)
+
+
+@torch.no_grad()
+def synthetic_text_encoder(preset: str, device: str, dtype: torch.dtype, seed: int = 0, layer: int = 50):
+    """Qwen3-VL cut after `layer` (the released 32B geometry for `full`), random weights, as a TextEncoder."""
+    _check_preset(preset)
+    from ..h3_model.checkpoint import demo
+    from ..h3_model.text.encoder import TextEncoder, _check_token_ids, _drop_final_norm, _rebuild_rotary
+    from ..h3_model.text.torchvision_compat import ensure_importable
+
+    ensure_importable()
+    from transformers import Qwen3VLModel
+
+    tok = demo.make_tokenizer()
+    if preset == "full":
+        config = demo.text_config(tok, layers=layer, text=QWEN3VL_32B_TEXT, vision=QWEN3VL_32B_VISION,
+                                  vocab_size=QWEN3VL_VOCAB)
+        processor = demo.make_processor(tok, patch_size=16, image_pixels=QWEN3VL_PIXELS, video_pixels=QWEN3VL_PIXELS)
+    else:
+        layer = demo.TEXT_READ_LAYER
+        config = demo.text_config(tok, layers=layer)
+        processor = demo.make_processor(tok)
+    _check_token_ids(config, tok, "synthetic text encoder")
+    with torch.device("meta"):
+        model = Qwen3VLModel(config)
+    model = model.to(dtype).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed + 2)
+    for name, p in model.named_parameters():
+        p.copy_(_random_like(name, tuple(p.shape), p.dtype, device, gen, lambda shape: 0.02))
+    _rebuild_rotary(model, config, torch.device(device))
+    _drop_final_norm(model)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"synthetic text encoder: tensors left unmaterialized: {left[:4]}")
+    return TextEncoder(model, tok, processor, layer=layer, dtype=dtype, device=torch.device(device),
+                       source=f"synthetic Qwen3-VL ({preset}), random weights")
+
+
+def component_builders(preset: str, modes: list[str], device: str, dtype: torch.dtype,
+                       vae_dtype: torch.dtype = torch.float16, seed: int = 0, text_layer: int = 50,
+                       dit_init: str = "fan_in") -> dict[str, Callable[[], object]]:
+    """Component name -> a function that builds it (the service's load overrides take these)."""
+    _check_preset(preset)
+    from ..h3_model.vae import audio as audio_vae
+    from ..h3_model.checkpoint import demo
+    from ..h3_model.vae import video as video_vae
+    from ..h3_model.dit.config import preset as dit_preset
+    from ..errors import InputError
+
+    bad = [m for m in modes if m not in MODE_KEYS]
+    if bad or not modes:
+        raise InputError(f"synthetic modes must be among {', '.join(MODE_KEYS)}, got {modes}")
+    dit_config = dit_preset("full") if preset == "full" else demo.DIT_CONFIG
+    builders: dict[str, Callable[[], object]] = {}
+    for key in sorted({MODE_KEYS[m] for m in modes}):
+        builders[key] = lambda key=key: synthetic_dit(dit_config, dtype, device, seed=seed + (key == "dit_ref"),
+                                                      init=dit_init)
+    builders["text_encoder"] = lambda: synthetic_text_encoder(preset, device, dtype, seed, text_layer)
+    vae_config = video_vae.FULL if preset == "full" else demo.DEMO_VAE
+    builders["vae"] = lambda: synthetic_video_vae(vae_config, device, vae_dtype, seed)
+    builders["audio_vae"] = lambda: synthetic_audio_vae(audio_vae.preset(preset), device, seed)
+    return builders
+
+
+def synthetic_components(preset: str, modes: list[str], device: str, dtype: torch.dtype,
+                         vae_dtype: torch.dtype = torch.float16, seed: int = 0, text_layer: int = 50,
+                         log: Callable[[str], None] = lambda message: None, dit_init: str = "fan_in"):
+    """(the engine over these components, seconds per component), built on `device`; the engine's kernels are
+    left as built (the bench applies its own after any diffusers twin)."""
+    from ..h3_model.engine.engine import Engine
+    from ..h3_model.engine.loading import LoadOptions
+
+    builders = component_builders(preset, modes, device, dtype, vae_dtype, seed, text_layer, dit_init)
+    options = LoadOptions(device=device, dtype=dtype, vae_dtype=vae_dtype, text_layer=text_layer, kernels=None)
+    engine = Engine(options=options, overrides=builders)
+
+    def progress(event) -> None:
+        if event.state == "loading":
+            log(f"building synthetic {event.component} ({preset})")
+
+    engine.load(modes, on_progress=progress)
+    return engine, dict(engine.load_seconds)
+
+
+def describe(preset: str, dit_init: str = "fan_in", text_encoder: bool = True) -> str:
+    """What a result says its weights were."""
+    stand_in = "; the text encoder uses a byte-level stand-in tokenizer" if text_encoder else ""
+    return (f"synthetic random weights, preset {preset}, DiT init {dit_init}, built on the device (real H3 weights "
+            f"are not available here; timing does not depend on weight values{stand_in})")
