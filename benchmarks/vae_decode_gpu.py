@@ -74,19 +74,19 @@ def main(argv=None) -> int:
 
     from h3_spark.measure import stamp
     from h3_spark.measure.synthetic import synthetic_video_vae
-    from h3_spark.h3_model.vae import video as video_vae
+    from h3_spark.h3_model.vae import video_config
 
     if not torch.cuda.is_available():
         print("vae_decode_gpu.py needs a CUDA GPU", file=sys.stderr)
         return 2
     record = stamp.stamp_before()
     t, h, w = (int(v) for v in args.latent.split(","))
-    z = torch.randn(1, video_vae.FULL.latent_channels, t, h, w, generator=torch.Generator().manual_seed(0)).cuda()
+    z = torch.randn(1, video_config.FULL.latent_channels, t, h, w, generator=torch.Generator().manual_seed(0)).cuda()
     runs, outputs = [], []
     for dtype_name in args.dtypes.split(","):
         torch.cuda.empty_cache()
         # the same seed in every dtype: the same weights, rounded to it
-        vae = synthetic_video_vae(video_vae.FULL, "cuda", getattr(torch, dtype_name), seed=0)
+        vae = synthetic_video_vae(video_config.FULL, "cuda", getattr(torch, dtype_name), seed=0)
         for kernel_set in args.kernels.split(","):
             for batch in (int(b) for b in args.tile_batches.split(",")):
                 run, frames = measure(vae, z, kernel_set, batch, args)

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..h3_model.media import files as media
     from ..h3_model.vae import loading as vae_loading
-    from ..h3_model.vae import video as video_vae
+    from ..h3_model.vae import video_config
     from ..errors import InputError
     from ..kernels.settings import KernelSettings, vae_tile_batch
     from ..kernels.vae import apply_vae_kernels
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     clock = time.perf_counter()
     vae = vae_loading.load_video_vae(args.vae, device=settings.device,
-                                     decode_dtype=video_vae.DECODE_DTYPES[settings.vae_dtype])
+                                     decode_dtype=video_config.DECODE_DTYPES[settings.vae_dtype])
     seconds["load_vae"] = time.perf_counter() - clock
     vae.tile_batch = tile_batch
     kernels = apply_vae_kernels(vae, KernelSettings.from_env())

@@ -7,6 +7,7 @@ import contextlib
 import fnmatch
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -14,7 +15,9 @@ from pathlib import Path
 # Which model a checkpoint is made for.
 COMPONENTS = ("dit", "vae", "audio_vae")
 # What a checkpoint folder holds; --force removes only these from an existing folder.
-CHECKPOINT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
+CHECKPOINT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "config.yaml", "metadata.json")
+# MiniMaxAI's video_vae/ keeps its weights in this subfolder.
+SOURCE_FOLDER = "source"
 
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
@@ -22,13 +25,15 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                        description="Write random weights (normal / sqrt(fan_in), norms around 1) under the real "
                                    "tensor names, in a published layout and format, streamed tensor by tensor "
                                    "(the full preset never needs its 66 GB in RAM).")
-    p.add_argument("out", help="output: a .safetensors file (comfy layouts) or a folder (diffusers)")
+    p.add_argument("out", help="output: a .safetensors file (comfy layouts) or a folder (diffusers, released)")
     p.add_argument("--component", choices=COMPONENTS, default="dit", help="which model to write")
     p.add_argument("--preset", choices=["tiny", "full"], default="tiny")
     p.add_argument("--format", choices=["bf16", "fp8_scaled", "nvfp4", "int8_convrot"], default="bf16",
                    help="DiT: storage of the 4 linears of every block; everything else stays bf16/fp32. "
                         "VAEs are written as published (video fp16 comfy / fp32 diffusers, audio fp32)")
-    p.add_argument("--layout", choices=["comfy", "comfy-pruned", "diffusers"], default="comfy")
+    p.add_argument("--layout", choices=["comfy", "comfy-pruned", "diffusers", "released"], default="comfy",
+                   help="released: the folder MiniMaxAI's per-mode download holds (transformer/, video_vae/ or "
+                        "audio_vae/ of FL2VA/ and Ref2VA/)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu",
                    help="draw and quantize the DiT's tensors there (cuda: minutes instead of an hour for --preset "
@@ -56,7 +61,7 @@ def check_output(out: Path, layout: str, force: bool) -> list[Path]:
     sharded folder's old index would still be read instead of the new weights."""
     from ..errors import InputError
 
-    folder = layout == "diffusers"
+    folder = layout in ("diffusers", "released")
     if out.exists() and out.is_dir() != folder:
         raise InputError(f"{out} is {'a file' if folder else 'a folder'}; the {layout} layout writes "
                          f"{'a folder' if folder else 'one .safetensors file'}")
@@ -66,7 +71,7 @@ def check_output(out: Path, layout: str, force: bool) -> list[Path]:
         raise InputError(f"{out} exists and is not empty; pass --force to replace it")
     if not folder:
         return [out]
-    others = [p.name for p in out.iterdir() if not (p.is_file() and _checkpoint_file(p.name))]
+    others = [p.name for p in out.iterdir() if not (p.is_file() and _checkpoint_file(p.name) or _source_folder(p))]
     if others:
         raise InputError(f"--force replaces checkpoint files only, and {out} also holds {', '.join(sorted(others))}; "
                          "choose another folder")
@@ -75,6 +80,11 @@ def check_output(out: Path, layout: str, force: bool) -> list[Path]:
 
 def _checkpoint_file(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_FILES)
+
+
+def _source_folder(path: Path) -> bool:
+    return path.is_dir() and path.name == SOURCE_FOLDER and all(p.is_file() and _checkpoint_file(p.name)
+                                                               for p in path.iterdir())
 
 
 def check_curve(grid: int | None, rank: int | None) -> None:
@@ -101,17 +111,20 @@ def replacing(stale: list[Path]):
             os.replace(moved, path)
         raise
     for _, moved in aside:
-        moved.unlink()
+        if moved.is_dir():
+            shutil.rmtree(moved)  # MiniMaxAI's source/ folder
+        else:
+            moved.unlink()
 
 
 def _run_vae(args) -> int:
     from ..errors import InputError
-    from ..h3_model.vae.loading import write_audio_vae_checkpoint, write_vae_checkpoint
+    from ..h3_model.vae.synthetic import write_audio_vae_checkpoint, write_vae_checkpoint
 
     if args.format != "bf16" or args.layout == "comfy-pruned" or args.quantize_refiner or args.curve_grid is not None \
             or args.curve_rank is not None:
-        raise InputError(f"--component {args.component} takes only --preset, --layout comfy|diffusers, --seed and "
-                         "--force (the published VAE files are not quantized)")
+        raise InputError(f"--component {args.component} takes only --preset, --layout comfy|diffusers|released, "
+                         "--seed and --force (the published VAE files are not quantized)")
     stale = check_output(Path(args.out), args.layout, args.force)
     start = time.perf_counter()
     writer = write_vae_checkpoint if args.component == "vae" else write_audio_vae_checkpoint

@@ -45,7 +45,7 @@ HADAMARD_WARPS = 4
 # (0.48 ms for the FP8 K write pass at S = 19,540; 64 x 8: 0.53, 16 x 4: 0.53, 64 x 4: 0.69).
 KRONECKER_TILE_TOKENS = 32
 # The exact pass (model dtype out, no rotation): up to 8 heads per program share the RoPE rows they read, in
-# tiles of 32 tokens x 4 warps. The experiment kernel (benchmarks/table_rows_experiment.py, H200, S = 19,540,
+# tiles of 32 tokens x 4 warps. The experiment kernel (benchmarks/experiments/table_rows_experiment.py, H200, S = 19,540,
 # 56 heads) took 0.237 ms per tensor against production's 0.289, bit-identical; shipped, the whole exact t2va
 # forward went 1.981 -> 1.977 s (A/B in one lease, receipts/h200/ab-qk-heads/).
 EXACT_TILE_TOKENS = 32

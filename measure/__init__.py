@@ -1,1 +1,1 @@
-"""Benchmark runner: contracts in benchmarks/, measured results in receipts/."""
+"""The benchmark runner (`h3-spark bench`, `compare`): measures the contracts in benchmarks/, stamps receipts/."""

@@ -102,7 +102,8 @@ def _fan_in_std(shape: tuple[int, ...]) -> float:
 def synthetic_video_vae(config, device: str, decode_dtype: torch.dtype = torch.float16, seed: int = 0):
     """The video VAE of `config` with random weights, assigned through the loader's own checks."""
     from ..h3_model.vae import video as V
-    from ..h3_model.vae.loading import _materialize, synthetic_latent_stats
+    from ..h3_model.vae.loading import _materialize
+    from ..h3_model.vae.synthetic import synthetic_latent_stats
 
     mean, std = synthetic_latent_stats(config.latent_channels, seed)
     config = dataclasses.replace(config, latents_mean=mean, latents_std=std)
@@ -118,7 +119,8 @@ def synthetic_video_vae(config, device: str, decode_dtype: torch.dtype = torch.f
 @torch.no_grad()
 def synthetic_audio_vae(config, device: str, seed: int = 0):
     from ..h3_model.vae import audio as A
-    from ..h3_model.vae.loading import _audio_buffer, _materialize, _with_audio_stats
+    from ..h3_model.vae.loading import _audio_buffer, _materialize
+    from ..h3_model.vae.synthetic import _with_audio_stats
 
     config = _with_audio_stats(config, seed)
     with torch.device("meta"):
@@ -174,7 +176,7 @@ def component_builders(preset: str, modes: list[str], device: str, dtype: torch.
     _check_preset(preset)
     from ..h3_model.vae import audio as audio_vae
     from ..h3_model.checkpoint import demo
-    from ..h3_model.vae import video as video_vae
+    from ..h3_model.vae import video_config
     from ..h3_model.dit.config import preset as dit_preset
     from ..errors import InputError
 
@@ -187,7 +189,7 @@ def component_builders(preset: str, modes: list[str], device: str, dtype: torch.
         builders[key] = lambda key=key: synthetic_dit(dit_config, dtype, device, seed=seed + (key == "dit_ref"),
                                                       init=dit_init)
     builders["text_encoder"] = lambda: synthetic_text_encoder(preset, device, dtype, seed, text_layer)
-    vae_config = video_vae.FULL if preset == "full" else demo.DEMO_VAE
+    vae_config = video_config.FULL if preset == "full" else demo.DEMO_VAE
     builders["vae"] = lambda: synthetic_video_vae(vae_config, device, vae_dtype, seed)
     builders["audio_vae"] = lambda: synthetic_audio_vae(audio_vae.preset(preset), device, seed)
     return builders

@@ -138,7 +138,8 @@ def load_text_encoder(path: Path, tokenizer: Path | None, dtype: str, layer: int
 
 def load_vaes(video_path: Path, audio_path: Path, decode_dtype: str, tile_size: int) -> VAEHandle:
     from ..h3_model.engine.loading import LoadOptions, component_loader
-    from ..h3_model.vae.video import DEFAULT_TILE_MIN_OVERLAP, check_tiling
+    from ..h3_model.vae.video_config import DEFAULT_TILE_MIN_OVERLAP
+    from ..h3_model.vae.video_tiling import check_tiling
     from ..kernels.settings import vae_tile_batch
 
     if decode_dtype not in VAE_DTYPES:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from h3_spark.h3_model.vae import audio as audio_vae
 from h3_spark.h3_model.vae import loading as vae_loading
+from h3_spark.h3_model.vae import synthetic as vae_synthetic
 from h3_spark.errors import CheckpointError, InputError
 from oracle import randomize_vae_
 
@@ -178,10 +179,10 @@ def test_comfy_single_file_with_folded_weights_matches_oracle(tiny, tmp_path):
 
 
 def test_full_config_is_inferred_from_folded_shapes():
-    plan = vae_loading.plan_audio_vae_checkpoint("full", "comfy")
+    plan = vae_synthetic.plan_audio_vae_checkpoint("full", "comfy")
     shapes = {n: s for n, s, _ in plan if n not in ("latents_mean", "latents_std")}
     assert vae_loading.infer_audio_config(shapes) == audio_vae.FULL
-    assert len(vae_loading.plan_audio_vae_checkpoint("full", "diffusers")) == 1087
+    assert len(vae_synthetic.plan_audio_vae_checkpoint("full", "diffusers")) == 1087
 
 
 def test_loader_and_model_errors_name_the_problem(tiny, tmp_path):
@@ -217,8 +218,8 @@ def test_loader_and_model_errors_name_the_problem(tiny, tmp_path):
 
 
 def test_written_checkpoints_load_in_diffusers_and_match_ours(tmp_path):
-    folder = vae_loading.write_audio_vae_checkpoint(tmp_path / "audio_vae", "tiny", "diffusers", seed=4)
-    comfy = vae_loading.write_audio_vae_checkpoint(tmp_path / "audio.safetensors", "tiny", "comfy", seed=4)
+    folder = vae_synthetic.write_audio_vae_checkpoint(tmp_path / "audio_vae", "tiny", "diffusers", seed=4)
+    comfy = vae_synthetic.write_audio_vae_checkpoint(tmp_path / "audio.safetensors", "tiny", "comfy", seed=4)
     ref = AutoencoderKLMiniMaxH3Audio.from_pretrained(folder).eval()
     ours = vae_loading.load_audio_vae(tmp_path)
     from_comfy = vae_loading.load_audio_vae(comfy)

@@ -21,6 +21,7 @@ from h3_spark.cli import decode
 from h3_spark.h3_model.vae import audio as audio_vae
 from h3_spark.h3_model.media import files as media
 from h3_spark.h3_model.vae import video as video_vae
+from h3_spark.h3_model.vae import video_config
 from h3_spark.errors import InputError
 from oracle import randomize_vae_
 
@@ -42,7 +43,7 @@ def kwargs_with_stats(cfg, seed: int) -> dict:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    vae = AutoencoderKLMiniMaxH3(**kwargs_with_stats(video_vae.TINY, 1)).eval()
+    vae = AutoencoderKLMiniMaxH3(**kwargs_with_stats(video_config.TINY, 1)).eval()
     avae = AutoencoderKLMiniMaxH3Audio(**kwargs_with_stats(audio_vae.TINY, 2)).eval()
     randomize_vae_(vae, 3)
     randomize_vae_(avae, 4)

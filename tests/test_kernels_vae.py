@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from h3_spark.measure.synthetic import synthetic_video_vae
-from h3_spark.h3_model.vae import video as video_vae
+from h3_spark.h3_model.vae import video_blocks
+from h3_spark.h3_model.vae import video_config
 from h3_spark.kernels.capability import KernelUnavailable
 from h3_spark.kernels.settings import KernelSettings
 from h3_spark.kernels.vae import apply_vae_kernels, fused_decoder_qk_prep
@@ -22,7 +23,7 @@ pytest.importorskip("triton")
 
 
 def tables(tokens: int, rope_dim: int):
-    return video_vae.rope_tables((2, 3, tokens // 6), 5, rope_dim, 100.0, torch.device("cpu"))
+    return video_blocks.rope_tables((2, 3, tokens // 6), 5, rope_dim, 100.0, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -31,7 +32,7 @@ def test_fused_qk_prep_equals_the_decoder_formula(dtype):
     cos, sin = tables(36, 24)  # 36 + 5 tokens, 24 of 32 channels rotated, like the released 48 of 64
     x = (torch.randn(2, 41, 3, 32, generator=g) * 3 + 0.5).to(dtype)
     got = fused_decoder_qk_prep(x, 1e-5, cos, sin)
-    want = video_vae.reference_qk_prep(x, 1e-5, cos, sin)
+    want = video_blocks.reference_qk_prep(x, 1e-5, cos, sin)
     assert got.dtype == dtype and got.shape == x.shape
     if dtype == torch.float16:
         assert (got == want).float().mean().item() >= 0.999
@@ -41,8 +42,8 @@ def test_fused_qk_prep_equals_the_decoder_formula(dtype):
 
 
 def test_decode_with_fused_passes_matches_the_reference():
-    vae = synthetic_video_vae(video_vae.TINY, "cpu", torch.float32, seed=4)
-    z = torch.randn(1, video_vae.TINY.latent_channels, 7, 6, 8, generator=torch.Generator().manual_seed(5))
+    vae = synthetic_video_vae(video_config.TINY, "cpu", torch.float32, seed=4)
+    z = torch.randn(1, video_config.TINY.latent_channels, 7, 6, 8, generator=torch.Generator().manual_seed(5))
     report = apply_vae_kernels(vae, KernelSettings(modulation_fusion="off", q_rms_rope_int8_fusion="off"))
     assert report["qk_prep"] == report["swiglu"] == "pytorch-reference"
     want = vae.decode(z)
@@ -54,7 +55,7 @@ def test_decode_with_fused_passes_matches_the_reference():
 
 
 def test_attention_choice_and_report():
-    vae = synthetic_video_vae(video_vae.TINY, "cpu", torch.float32, seed=4)
+    vae = synthetic_video_vae(video_config.TINY, "cpu", torch.float32, seed=4)
     report = apply_vae_kernels(vae, KernelSettings(attention="sage2"))  # a DiT choice: not the decoder's
     assert report["attention"]["chosen"] == "sdpa" and "PyTorch SDPA" in report["attention"]["why"]
     # (which backend auto picks for the decoder's fp16/fp32 heads on a GPU: test_kernels_attention.py)
@@ -64,7 +65,7 @@ def test_attention_choice_and_report():
 
 
 def test_approximate_or_unavailable_decoder_attention_fails_closed():
-    vae = synthetic_video_vae(video_vae.TINY, "cpu", torch.float32, seed=4)
+    vae = synthetic_video_vae(video_config.TINY, "cpu", torch.float32, seed=4)
     before = vae.attention
     with pytest.raises(KernelUnavailable, match="exact attention only .* not 'fa3_fp8'"):
         apply_vae_kernels(vae, attention="fa3_fp8")

@@ -119,8 +119,8 @@ class StandInQwen:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from h3_spark.h3_model.vae import video as video_vae
-    from h3_spark.h3_model.vae import loading as vae_loading
+    from h3_spark.h3_model.vae import video_config
+    from h3_spark.h3_model.vae import synthetic as vae_synthetic
     from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
 
     root = tmp_path_factory.mktemp("comfyui")
@@ -131,10 +131,10 @@ def models(tmp_path_factory):
     make_dit_checkpoint(m / "diffusion_models" / "tiny-t2va.safetensors", TINY, "bf16", "comfy", seed=3)
     make_dit_checkpoint(m / "diffusion_models" / "tiny-ref2va.safetensors", TINY, "bf16", "comfy", seed=4)
     # The engine's geometry is 16x spatial (the released VAE), so the test VAE is 16x too.
-    vae16 = dataclasses.replace(video_vae.TINY, block_out_channels=(8, 8, 16, 16), spatial_downsample_factors=(2,) * 4,
+    vae16 = dataclasses.replace(video_config.TINY, block_out_channels=(8, 8, 16, 16), spatial_downsample_factors=(2,) * 4,
                                 temporal_downsample_factors=(2, 2, 1, 1))
-    vae_loading.write_vae_checkpoint(m / "vae" / "tiny-video-vae.safetensors", vae16, layout="comfy", seed=1)
-    vae_loading.write_audio_vae_checkpoint(m / "vae" / "tiny-audio-vae.safetensors", "tiny", layout="comfy", seed=2)
+    vae_synthetic.write_vae_checkpoint(m / "vae" / "tiny-video-vae.safetensors", vae16, layout="comfy", seed=1)
+    vae_synthetic.write_audio_vae_checkpoint(m / "vae" / "tiny-audio-vae.safetensors", "tiny", layout="comfy", seed=2)
     return root
 
 

@@ -7,7 +7,9 @@ import re
 import subprocess
 from pathlib import Path
 
-from h3_spark.h3_model.vae.video import DECODE_DTYPES, check_tiling
+from h3_spark.h3_model.vae.video_config import DECODE_DTYPES
+
+from h3_spark.h3_model.vae.video_tiling import check_tiling
 from h3_spark.kernels.settings import KernelSettings
 
 ROOT = Path(__file__).resolve().parents[1]

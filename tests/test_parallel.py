@@ -147,9 +147,9 @@ def test_generate_gpus_2_equals_one_process(tmp_path):
 
 def _vae():
     from h3_spark.h3_model.vae import video as video_vae
-
+    from h3_spark.h3_model.vae import video_config
     torch.manual_seed(0)
-    vae = video_vae.VideoVAE(video_vae.TINY).eval()
+    vae = video_vae.VideoVAE(video_config.TINY).eval()
     with torch.no_grad():
         for p in vae.parameters():
             p.normal_(0, 0.2)

@@ -181,11 +181,10 @@ def tiny_vaes(tmp_path_factory):
     from oracle import randomize_vae_
 
     from h3_spark.h3_model.vae import loading as vae_loading
-    from h3_spark.h3_model.vae import video as video_vae
-
+    from h3_spark.h3_model.vae import video_config
     gen = torch.Generator().manual_seed(3)
-    c = video_vae.TINY.latent_channels
-    cfg = dataclasses.replace(video_vae.TINY, latents_mean=tuple((0.5 * torch.randn(c, generator=gen)).tolist()),
+    c = video_config.TINY.latent_channels
+    cfg = dataclasses.replace(video_config.TINY, latents_mean=tuple((0.5 * torch.randn(c, generator=gen)).tolist()),
                               latents_std=tuple((0.5 + torch.rand(c, generator=gen)).tolist()))
     theirs = AutoencoderKLMiniMaxH3(**{k: v for k, v in cfg.to_dict().items() if not k.startswith("_")}).eval()
     randomize_vae_(theirs, 12)

@@ -67,7 +67,7 @@ def tiny_text_encoder():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
-    from h3_spark.h3_model.vae.loading import write_audio_vae_checkpoint, write_vae_checkpoint
+    from h3_spark.h3_model.vae.synthetic import write_audio_vae_checkpoint, write_vae_checkpoint
 
     root = tmp_path_factory.mktemp("models")
     make_dit_checkpoint(root / "transformer", dataclasses.replace(TINY, text_dim=32), "bf16", "diffusers", seed=1)

@@ -17,9 +17,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from h3_spark.h3_model.vae import loading as vae_loading
+
+from h3_spark.h3_model.vae import synthetic as vae_synthetic
 from h3_spark.h3_model.vae import video as video_vae
+from h3_spark.h3_model.vae import video_config
+from h3_spark.h3_model.vae import video_tiling
 from h3_spark.errors import CheckpointError, InputError
-from h3_spark.kernels.settings import vae_tile_batch
+from h3_spark.kernels.settings import DEFAULT_TILE_BATCH, vae_tile_batch
 from oracle import randomize_vae_
 
 FP32_BUDGET = 1e-5
@@ -32,25 +36,25 @@ def rel_l2(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def with_stats(cfg: video_vae.VideoVAEConfig, seed: int) -> video_vae.VideoVAEConfig:
+def with_stats(cfg: video_config.VideoVAEConfig, seed: int) -> video_config.VideoVAEConfig:
     gen = torch.Generator().manual_seed(seed)
     c = cfg.latent_channels
     return dataclasses.replace(cfg, latents_mean=tuple((0.5 * torch.randn(c, generator=gen)).tolist()),
                                latents_std=tuple((0.5 + torch.rand(c, generator=gen)).tolist()))
 
 
-def diffusers_kwargs(cfg: video_vae.VideoVAEConfig) -> dict:
+def diffusers_kwargs(cfg: video_config.VideoVAEConfig) -> dict:
     return {k: v for k, v in cfg.to_dict().items() if not k.startswith("_")}
 
 
 # The spec's tiny config (4x spatial), and a 16x variant so the default 256 px tiles really tile.
-TINY = with_stats(video_vae.TINY, 1)
+TINY = with_stats(video_config.TINY, 1)
 TINY16 = with_stats(dataclasses.replace(
-    video_vae.TINY, block_out_channels=(8, 16, 16, 16), spatial_downsample_factors=(2, 2, 2, 2),
+    video_config.TINY, block_out_channels=(8, 16, 16, 16), spatial_downsample_factors=(2, 2, 2, 2),
     temporal_downsample_factors=(2, 2, 1, 1)), 2)
 
 
-def build_oracle(cfg: video_vae.VideoVAEConfig, folder, seed: int):
+def build_oracle(cfg: video_config.VideoVAEConfig, folder, seed: int):
     ref = AutoencoderKLMiniMaxH3(**diffusers_kwargs(cfg)).eval()
     randomize_vae_(ref, seed)
     ref.save_pretrained(folder / "vae")
@@ -80,7 +84,7 @@ def test_state_dict_keys_and_shapes_equal_diffusers(tiny):
     assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == \
            {k: tuple(v.shape) for k, v in ref.state_dict().items()}
     with torch.device("meta"):
-        full_ref, full_ours = AutoencoderKLMiniMaxH3(), video_vae.VideoVAE(video_vae.FULL)
+        full_ref, full_ours = AutoencoderKLMiniMaxH3(), video_vae.VideoVAE(video_config.FULL)
     assert {k: tuple(v.shape) for k, v in full_ours.state_dict().items()} == \
            {k: tuple(v.shape) for k, v in full_ref.state_dict().items()}
     assert len(full_ours.state_dict()) == 703
@@ -90,10 +94,10 @@ def test_config_field_names_and_full_defaults_equal_diffusers():
     with torch.device("meta"):
         ref = AutoencoderKLMiniMaxH3()
     ref_config = {k: v for k, v in ref.config.items() if not k.startswith("_")}
-    ours = diffusers_kwargs(video_vae.FULL)
+    ours = diffusers_kwargs(video_config.FULL)
     assert ours.keys() == ref_config.keys()
     assert ours == {k: list(v) if isinstance(v, tuple) else v for k, v in ref_config.items()}
-    assert video_vae.VideoVAEConfig.from_dict(video_vae.TINY.to_dict()) == video_vae.TINY
+    assert video_config.VideoVAEConfig.from_dict(video_config.TINY.to_dict()) == video_config.TINY
 
 
 def test_randomised_oracle_has_no_zero_residual_scales(tiny):
@@ -103,16 +107,16 @@ def test_randomised_oracle_has_no_zero_residual_scales(tiny):
 
 
 def test_geometry_of_the_released_config():
-    full = video_vae.FULL
+    full = video_config.FULL
     assert (full.spatial_ratio, full.temporal_ratio) == (16, 4)
     assert (full.tokens_chunk_size, full.token_overlap, full.frame_pre_padding, full.frame_overlap) == (5, 2, 3, 5)
-    assert video_vae.encoded_num_frames(full, 124) == 37
-    assert video_vae.encoded_num_frames(full, 1) == 1
-    plan = video_vae.temporal_plan(full, 37)
+    assert video_tiling.encoded_num_frames(full, 124) == 37
+    assert video_tiling.encoded_num_frames(full, 1) == 1
+    plan = video_tiling.temporal_plan(full, 37)
     assert (plan.num_chunks, plan.window, plan.num_frames) == (7, 7, 124)
-    assert video_vae.split_tiles(544, 256, 64, 16) == video_vae.TileAxis((0, 144, 288), (256,) * 3, (112, 112))
-    assert video_vae.split_tiles(960, 256, 64, 16).overlaps == (80, 80, 80, 80)
-    assert video_vae.split_tiles(200, 256, 64, 16) == video_vae.TileAxis((0,), (200,), ())
+    assert video_tiling.split_tiles(544, 256, 64, 16) == video_tiling.TileAxis((0, 144, 288), (256,) * 3, (112, 112))
+    assert video_tiling.split_tiles(960, 256, 64, 16).overlaps == (80, 80, 80, 80)
+    assert video_tiling.split_tiles(200, 256, 64, 16) == video_tiling.TileAxis((0,), (200,), ())
 
 
 # ---- encode ----------------------------------------------------------------------------------
@@ -227,7 +231,7 @@ def test_decode_other_lengths_match_oracle(tiny, frames):
         expected = ref.decode(z).sample
     got = ours.decode(z)
     assert got.shape == expected.shape
-    assert got.shape[2] == video_vae.decoded_num_frames(TINY, frames)
+    assert got.shape[2] == video_tiling.decoded_num_frames(TINY, frames)
     assert rel_l2(got, expected) <= FP32_BUDGET
 
 
@@ -266,9 +270,9 @@ def test_tile_batch_comes_from_the_environment(tiny, monkeypatch):
     try:
         ours.decode(z, tile_size=16, tile_min_overlap=8)
     finally:
-        ours.tile_batch = video_vae.DEFAULT_TILE_BATCH
+        ours.tile_batch = DEFAULT_TILE_BATCH
     r = ours.config.spatial_ratio
-    tiles = len(video_vae.split_tiles(9 * r, 16, 8, r).starts) * len(video_vae.split_tiles(13 * r, 16, 8, r).starts)
+    tiles = len(video_tiling.split_tiles(9 * r, 16, 8, r).starts) * len(video_tiling.split_tiles(13 * r, 16, 8, r).starts)
     per_window = [5] * (tiles // 5) + ([tiles % 5] if tiles % 5 else [])
     assert tiles > 5 and calls == per_window * (len(calls) // len(per_window))
     monkeypatch.setenv("H3_VAE_TILE_BATCH", "many")
@@ -280,11 +284,11 @@ def test_tile_batch_comes_from_the_environment(tiny, monkeypatch):
 
 
 def test_batched_tiles_raise_the_memory_estimate_by_the_batch():
-    one = video_vae.decode_memory_estimate(video_vae.FULL, 37, 34, 60, tile_batch=1)
-    four = video_vae.decode_memory_estimate(video_vae.FULL, 37, 34, 60, tile_batch=4)
-    allt = video_vae.decode_memory_estimate(video_vae.FULL, 37, 34, 60, tile_batch=1000)
+    one = video_vae.decode_memory_estimate(video_config.FULL, 37, 34, 60, tile_batch=1)
+    four = video_vae.decode_memory_estimate(video_config.FULL, 37, 34, 60, tile_batch=4)
+    allt = video_vae.decode_memory_estimate(video_config.FULL, 37, 34, 60, tile_batch=1000)
     assert 4 * one["transient"] < four["transient"] < 5 * one["transient"]
-    assert allt["transient"] == video_vae.decode_memory_estimate(video_vae.FULL, 37, 34, 60, tile_batch=15)["transient"]
+    assert allt["transient"] == video_vae.decode_memory_estimate(video_config.FULL, 37, 34, 60, tile_batch=15)["transient"]
     assert four["weights"] == one["weights"] and four["window"] == one["window"]
 
 
@@ -332,7 +336,7 @@ def test_latent_normalisation_uses_config_stats(tiny):
 
 
 def test_memory_figures_in_docstring_are_the_computed_ones():
-    estimate = video_vae.decode_memory_estimate(video_vae.FULL, 37, 34, 60)
+    estimate = video_vae.decode_memory_estimate(video_config.FULL, 37, 34, 60)
     doc = video_vae.__doc__.replace(",", "")
     for key in ("weights", "transient", "window", "device_peak", "host_buffer"):
         assert f"{estimate[key]} B" in doc, key
@@ -383,13 +387,13 @@ def test_bad_tiling_buffers_and_dtypes_are_refused(tiny):
 
 def test_invalid_configs_are_refused():
     with pytest.raises(CheckpointError, match="rotary width .* = 9 must be a positive multiple of 6"):
-        dataclasses.replace(video_vae.TINY, decoder_attention_head_dim=12)
+        dataclasses.replace(video_config.TINY, decoder_attention_head_dim=12)
     with pytest.raises(CheckpointError, match="not divisible by norm_num_groups"):
-        dataclasses.replace(video_vae.TINY, norm_num_groups=3)
+        dataclasses.replace(video_config.TINY, norm_num_groups=3)
     with pytest.raises(CheckpointError, match="need 4 values, got 3/4"):
-        dataclasses.replace(video_vae.TINY, latents_mean=(0.0,) * 3)
+        dataclasses.replace(video_config.TINY, latents_mean=(0.0,) * 3)
     with pytest.raises(CheckpointError, match="unknown video VAE preset 'huge'"):
-        video_vae.preset("huge")
+        video_config.preset("huge")
 
 
 # ---- loading ---------------------------------------------------------------------------------
@@ -442,7 +446,7 @@ def test_comfy_single_file_loads_and_matches_oracle(tiny, tmp_path):
     path = tmp_path / "minimax_h3_video_vae.safetensors"
     save_file(comfy_state_dict(ref, TINY.decoder_num_attention_heads, torch.float32), str(path))
     # A tiny model's strides leave no trace in its tensors, so its config is passed in.
-    ours = vae_loading.load_video_vae(path, decode_dtype=torch.float32, config=video_vae.TINY)
+    ours = vae_loading.load_video_vae(path, decode_dtype=torch.float32, config=video_config.TINY)
     assert ours.config.latents_mean == pytest.approx(TINY.latents_mean)
     z = randn(1, 4, 7, 8, 12, seed=16)
     x = randn(1, 3, 22, 32, 48, seed=17)
@@ -450,7 +454,7 @@ def test_comfy_single_file_loads_and_matches_oracle(tiny, tmp_path):
         assert rel_l2(ours.decode(z), ref.decode(z).sample) <= FP32_BUDGET
         assert rel_l2(ours.encode(x).mean, ref.encode(x).latent_dist.mean) <= FP32_BUDGET
     save_file(comfy_state_dict(ref, TINY.decoder_num_attention_heads, torch.float16), str(path))
-    half = vae_loading.load_video_vae(path, config=video_vae.TINY)
+    half = vae_loading.load_video_vae(path, config=video_config.TINY)
     assert half.encoder.conv_in.weight.dtype == torch.float32  # fp16 file, fp32 encoder
     with torch.no_grad():
         assert rel_l2(half.decode(z), ref.decode(z).sample) <= FP16_BUDGET
@@ -458,12 +462,12 @@ def test_comfy_single_file_loads_and_matches_oracle(tiny, tmp_path):
 
 def test_full_config_is_inferred_from_comfy_names():
     shapes = {}
-    for name, shape, _ in vae_loading.plan_vae_checkpoint("full", "comfy"):
+    for name, shape, _ in vae_synthetic.plan_vae_checkpoint("full", "comfy"):
         for new, tensor in vae_loading.comfy_to_diffusers_video(name, torch.empty(shape, device="meta"), 32):
             shapes[new] = tuple(tensor.shape)
-    assert shapes == {n: s for n, s, _ in vae_loading.plan_vae_checkpoint("full", "diffusers")}
-    assert vae_loading.infer_video_config(shapes) == video_vae.FULL
-    assert len(vae_loading.plan_vae_checkpoint("full")) == 703
+    assert shapes == {n: s for n, s, _ in vae_synthetic.plan_vae_checkpoint("full", "diffusers")}
+    assert vae_loading.infer_video_config(shapes) == video_config.FULL
+    assert len(vae_synthetic.plan_vae_checkpoint("full")) == 703
 
 
 def test_loader_errors_name_the_problem(tiny, tmp_path):
@@ -498,12 +502,12 @@ def test_loader_errors_name_the_problem(tiny, tmp_path):
 
 
 def test_written_checkpoints_load_in_diffusers_and_match_ours(tmp_path):
-    folder = vae_loading.write_vae_checkpoint(tmp_path / "vae", "tiny", "diffusers", seed=5)
-    comfy = vae_loading.write_vae_checkpoint(tmp_path / "vae.safetensors", "tiny", "comfy", seed=5)
+    folder = vae_synthetic.write_vae_checkpoint(tmp_path / "vae", "tiny", "diffusers", seed=5)
+    comfy = vae_synthetic.write_vae_checkpoint(tmp_path / "vae.safetensors", "tiny", "comfy", seed=5)
     ref = AutoencoderKLMiniMaxH3.from_pretrained(folder).eval()
     ours = vae_loading.load_video_vae(tmp_path, decode_dtype=torch.float32)
     from_comfy = vae_loading.load_video_vae(comfy, decode_dtype=torch.float32)
-    assert from_comfy.config == ours.config and ours.config.latents_std != video_vae.TINY.latents_std
+    assert from_comfy.config == ours.config and ours.config.latents_std != video_config.TINY.latents_std
     z = randn(1, 4, 7, 8, 12, seed=18)
     with torch.no_grad():
         expected = ref.decode(z).sample
@@ -516,11 +520,11 @@ def test_written_checkpoints_load_in_diffusers_and_match_ours(tmp_path):
 
 
 def test_writer_is_deterministic_per_seed(tmp_path):
-    a = vae_loading.write_vae_checkpoint(tmp_path / "a", "tiny", seed=1) / vae_loading.WEIGHTS_NAME
-    b = vae_loading.write_vae_checkpoint(tmp_path / "b", "tiny", seed=1) / vae_loading.WEIGHTS_NAME
-    c = vae_loading.write_vae_checkpoint(tmp_path / "c", "tiny", seed=2) / vae_loading.WEIGHTS_NAME
+    a = vae_synthetic.write_vae_checkpoint(tmp_path / "a", "tiny", seed=1) / vae_loading.WEIGHTS_NAME
+    b = vae_synthetic.write_vae_checkpoint(tmp_path / "b", "tiny", seed=1) / vae_loading.WEIGHTS_NAME
+    c = vae_synthetic.write_vae_checkpoint(tmp_path / "c", "tiny", seed=2) / vae_loading.WEIGHTS_NAME
     assert a.read_bytes() == b.read_bytes() != c.read_bytes()
     with pytest.raises(CheckpointError, match="unknown checkpoint layout 'ckpt'"):
-        vae_loading.write_vae_checkpoint(tmp_path / "d", "tiny", "ckpt")
+        vae_synthetic.write_vae_checkpoint(tmp_path / "d", "tiny", "ckpt")
     with pytest.raises(CheckpointError, match="must end in .safetensors"):
-        vae_loading.write_vae_checkpoint(tmp_path / "d.bin", "tiny", "comfy")
+        vae_synthetic.write_vae_checkpoint(tmp_path / "d.bin", "tiny", "comfy")

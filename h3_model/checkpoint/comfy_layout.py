@@ -54,14 +54,15 @@ def is_quantized_layer(layer: str, quantize_refiner: bool) -> bool:
     return quantize_refiner and layer.startswith("token_refiner.blocks.") and layer.split(".", 3)[3] in _QUANT_LINEARS
 
 
-def _logical_weight(layer: str, config: DiTConfig, get: GetParam, fit: CurveFit | None) -> dict[str, torch.Tensor]:
+def _logical_weight(layer: str, config: DiTConfig, get: GetParam, fit: CurveFit | None,
+                    qkv_layout: str = "stacked") -> dict[str, torch.Tensor]:
     """The stored layer's fp32 tensors (weight/bias) in original layout, before storage casting."""
     target = keymap.original_layer_to_diffusers(layer)
     c = config
     if target.endswith(".attn.to_qkv"):
         base = target[: -len("to_qkv")]
         q, k, v = (get(f"{base}{p}.weight") for p in ("to_q", "to_k", "to_v"))
-        return {"weight": keymap.fuse_qkv(q, k, v, c.num_attention_heads, c.attention_head_dim, "stacked")}
+        return {"weight": keymap.fuse_qkv(q, k, v, c.num_attention_heads, c.attention_head_dim, qkv_layout)}
     out = {"weight": get(f"{target}.weight")}
     if target.endswith(".ff.net.0.proj"):
         out["weight"] = keymap.swap_halves(out["weight"])
@@ -133,8 +134,9 @@ def layer_shapes(layer: str, config: DiTConfig, shapes: dict[str, tuple[int, ...
 
 
 def comfy_groups(config: DiTConfig, get: GetParam, fmt: str, *, fit: CurveFit | None = None,
-                 quantize_refiner: bool = False, prefix: str = "") -> list[Group]:
-    """Writer groups for a ComfyUI DiT file. `config` is the stored model's (curve form if `fit`)."""
+                 quantize_refiner: bool = False, prefix: str = "", qkv_layout: str = "stacked") -> list[Group]:
+    """Writer groups for an original-named DiT file. `config` is the stored model's (curve form if `fit`);
+    `qkv_layout` "stacked" is ComfyUI's fused qkv order, "interleaved" MiniMaxAI's own shards'."""
     from .dit_reader import expected_shapes
 
     if config.curve_form != (fit is not None):
@@ -161,7 +163,7 @@ def comfy_groups(config: DiTConfig, get: GetParam, fmt: str, *, fit: CurveFit | 
             entries.append((f"{prefix}{layer}.bias", TORCH_TO_ST[store], logical["bias"]))
 
         def make(layer=layer, quantized=quantized, conf=conf, store=store):
-            tensors = _logical_weight(layer, config, get, fit)
+            tensors = _logical_weight(layer, config, get, fit, qkv_layout)
             out = {}
             if quantized:
                 out.update(_quantize(prefix + layer, fmt, tensors.pop("weight"), conf))

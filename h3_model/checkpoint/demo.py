@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..vae import video as video_vae
+
+from ..vae import video_config
 from ..dit.config import TINY
 
 DEMO_VERSION = "2"
@@ -27,7 +28,7 @@ MERGES = [("Ġ", "a"), ("t", "h"), ("th", "e"), ("Ġ", "the"), ("e", "r"), ("<",
 DIT_CONFIG = dataclasses.replace(TINY, text_dim=TEXT_HIDDEN)
 # The released geometry: 16x spatial, 4x temporal (the stock tiny VAE is 4x spatial, which front doors that
 # assume the released 16x latent grid, like ComfyUI's, cannot take).
-DEMO_VAE = dataclasses.replace(video_vae.TINY, block_out_channels=(8, 8, 16, 16), spatial_downsample_factors=(2,) * 4,
+DEMO_VAE = dataclasses.replace(video_config.TINY, block_out_channels=(8, 8, 16, 16), spatial_downsample_factors=(2,) * 4,
                                temporal_downsample_factors=(2, 2, 1, 1))
 DEMO_PROMPT = "A paper boat drifts down a rain gutter while thunder rolls in the distance."
 
@@ -109,7 +110,7 @@ def write_text_encoder(folder: Path, seed: int = 0) -> Path:
 def build_demo_models(root: Path, seed: int = 0, log=lambda message: None) -> Path:
     """The demo model folder (reused when it is complete and of this demo version)."""
     from .make import make_dit_checkpoint
-    from ..vae.loading import write_audio_vae_checkpoint, write_vae_checkpoint
+    from ..vae.synthetic import write_audio_vae_checkpoint, write_vae_checkpoint
 
     root = Path(root)
     stamp = root / "h3-spark-demo.json"

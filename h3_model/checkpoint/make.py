@@ -21,7 +21,7 @@ from .pruned import CurveFit, fit_curve
 from .synthetic import random_param
 from .writer import write_groups
 
-LAYOUTS = ("comfy", "comfy-pruned", "diffusers")
+LAYOUTS = ("comfy", "comfy-pruned", "diffusers", "released")
 # Curve table size per preset: the published files use [1025, 8]; the tiny one keeps 33 points.
 CURVE_DEFAULTS = {"full": (1025, 8), "tiny": (33, 4)}
 
@@ -66,6 +66,16 @@ def make_dit_checkpoint(out: str | Path, config: DiTConfig, fmt: str, layout: st
         return random_param(name, shapes[name], seed, device)
 
     info = {"maker": "h3-spark make-checkpoint", "seed": str(seed), "format": fmt, "layout": layout}
+    if layout == "released":
+        from .released import write_released_dit
+
+        if fmt != "bf16":
+            raise InputError(f"MiniMaxAI's transformer/ folder holds bf16 weights only; use --layout comfy for {fmt}")
+        if out.suffix == ".safetensors":
+            raise InputError(f"{out}: the released layout is a folder (config.json + shards + index); give a "
+                             "folder path")
+        size = write_released_dit(out, config, seed)
+        return MadeCheckpoint(out, config, size, None)
     if layout == "diffusers":
         if fmt != "bf16":
             raise InputError(f"the diffusers layout holds bf16 weights only (diffusers reads no comfy_quant); "

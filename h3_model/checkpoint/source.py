@@ -22,10 +22,14 @@ from typing import Iterator
 import torch
 from safetensors import SafetensorError
 
-from ...errors import CheckpointError
+from ...errors import CheckpointError, InputError
 from .safetensors_header import Header, TensorEntry, read_header, read_small
 
 PARTITION_FOLDERS = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
+# MiniMaxAI's per-mode folders: FL2VA/transformer runs t2va and fl2va, Ref2VA/transformer runs ref2va.
+MODE_FOLDER_NAMES = {"fl2va": "t2va", "ref2va": "ref2va"}
+# The partition names of a mode folder's model_index.json (`_minimax_h3.partition`).
+INDEX_PARTITIONS = {"fl2va": "t2va", "t2va": "t2va", "ref2va": "ref2va"}
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 # MiniMaxAI's per-mode folders (FL2VA/transformer, Ref2VA/transformer) name their shard index this way.
@@ -140,12 +144,38 @@ class CheckpointSource:
         self.close()
 
 
+def mode_partition(folder: Path) -> str | None:
+    """"t2va" or "ref2va" for a released mode folder (FL2VA/, Ref2VA/), None for any other folder."""
+    index = folder / "model_index.json"
+    if not index.is_file():
+        return None
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"{index}: not readable JSON ({exc})") from None
+    info = data.get("_minimax_h3") if isinstance(data, dict) else None
+    if isinstance(info, dict) and info.get("partition") is not None:
+        partition = INDEX_PARTITIONS.get(str(info["partition"]).lower())
+        if partition is None:
+            raise InputError(f"{index}: unknown _minimax_h3.partition {info['partition']!r} (expected fl2va or "
+                             "ref2va)")
+        return partition
+    return MODE_FOLDER_NAMES.get(folder.name.lower())
+
+
 def resolve_dit_folder(path: Path, partition: str | None) -> Path:
     """Pick the DiT component folder for a folder path (the folder itself, or a partition child)."""
     if partition is not None and partition not in PARTITION_FOLDERS:
         raise CheckpointError(f"unknown partition {partition!r}; choose one of {', '.join(PARTITION_FOLDERS)}")
     if _looks_like_component(path):
-        if partition is not None and path.name in PARTITION_FOLDERS.values() and path.name != PARTITION_FOLDERS[partition]:
+        owner = mode_partition(path.parent) if path.name == "transformer" else None
+        if partition is not None and owner is not None:
+            wanted = "ref2va" if partition == "ref2va" else "t2va"
+            if owner != wanted:
+                raise CheckpointError(f"{path}: holds the {owner} DiT ({path.parent.name}/model_index.json says so) "
+                                      f"but partition={partition!r} asks for the {wanted} one")
+        elif partition is not None and path.name in PARTITION_FOLDERS.values() \
+                and path.name != PARTITION_FOLDERS[partition]:
             raise CheckpointError(f"{path}: is the {path.name}/ folder but partition={partition!r} asks for "
                                   f"{PARTITION_FOLDERS[partition]}/")
         return path

@@ -16,41 +16,21 @@ audio_vae/. A component given on its own (--dit, --vae, ...) always wins over th
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import InputError
+from ..checkpoint.source import mode_partition
 
 COMPONENTS = ("dit", "dit_ref", "text_encoder", "tokenizer", "vae", "audio_vae")
 DIT_PARTITIONS = {"dit": "t2va", "dit_ref": "ref2va"}
 MODE_FOLDERS = {"t2va": "FL2VA", "ref2va": "Ref2VA"}
-# The released index's partition names; fl2va is the folder that also runs t2va.
-INDEX_PARTITIONS = {"fl2va": "t2va", "t2va": "t2va", "ref2va": "ref2va"}
 OLD_FOLDERS = {"dit": "transformer", "dit_ref": "transformer_ref", "text_encoder": "text_encoder",
                "tokenizer": "tokenizer", "vae": "vae", "audio_vae": "audio_vae"}
+# The tokenizer the text encoder reads is processor/: tokenizer/ holds the tokenizer files only, processor/
+# the tokenizer and the image / video processor configs the Qwen3-VL processor needs.
 MODE_SUBFOLDERS = {"dit": "transformer", "dit_ref": "transformer", "text_encoder": "text_encoder",
-                   "tokenizer": "tokenizer", "vae": "video_vae", "audio_vae": "audio_vae"}
-
-
-def mode_partition(folder: Path) -> str | None:
-    """"t2va" or "ref2va" for a released mode folder (FL2VA/, Ref2VA/), None for any other folder."""
-    index = folder / "model_index.json"
-    if not index.is_file():
-        return None
-    try:
-        data = json.loads(index.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"{index}: not readable JSON ({exc})") from None
-    info = data.get("_minimax_h3") if isinstance(data, dict) else None
-    if isinstance(info, dict) and info.get("partition") is not None:
-        partition = INDEX_PARTITIONS.get(str(info["partition"]).lower())
-        if partition is None:
-            raise InputError(f"{index}: unknown _minimax_h3.partition {info['partition']!r} (expected fl2va or "
-                             "ref2va)")
-        return partition
-    by_name = {name.lower(): p for p, name in MODE_FOLDERS.items()}
-    return by_name.get(folder.name.lower())
+                   "tokenizer": "processor", "vae": "video_vae", "audio_vae": "audio_vae"}
 
 
 @dataclass

@@ -181,7 +181,8 @@ class Pipeline:
         info: dict = {"mode": req.mode, "seed": req.seed}
         dit = self.c.dit_for(req.mode)
         if self.decode and self.c.vae is not None:  # checked here, not at the decode after the sampling
-            from ..vae.video import DEFAULT_TILE_MIN_OVERLAP, check_tiling
+            from ..vae.video_config import DEFAULT_TILE_MIN_OVERLAP
+            from ..vae.video_tiling import check_tiling
 
             check_tiling(req.vae_tile_size, DEFAULT_TILE_MIN_OVERLAP, self.c.vae.config.spatial_ratio)
         canvas = self.prepare(req)

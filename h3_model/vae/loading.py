@@ -1,10 +1,12 @@
-"""Load the two H3 VAEs from disk, and write synthetic VAE checkpoints.
+"""Load the two H3 VAEs from disk (synthetic.py writes test checkpoints in every layout read here).
 
 Accepted sources (safetensors only, memory-mapped, tensor by tensor, each converted to its final
 dtype and device before the next is read, so a file never needs twice its size in RAM):
 
 - a diffusers component folder (`vae/` or `audio_vae/`: config.json + one safetensors file or
   an index of shards), or the parent folder that holds it;
+- MiniMaxAI's own folders of the per-mode download (`video_vae/`, `audio_vae/`; released.py reads
+  their configs), or the mode folder that holds them;
 - a ComfyUI single file. Video: the original MiniMax names (`encoder.down.{level}.block.{j}`,
   `nin_shortcut`, `decoder.x_embedder`, a fused per-head-interleaved `attn.to_qkv`, `attn.to_out`,
   `ff.w1` = [gate; value], `ff.w2`, plus `latents_mean`/`latents_std` tensors and an unused
@@ -19,11 +21,8 @@ released (FULL) geometry, and anything shapes cannot tell must then match FULL.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
-import struct
-import zlib
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,14 +31,17 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from safetensors import safe_open
 
-from . import audio as A
-from . import video as V
 from ...errors import CheckpointError, InputError
+from . import audio as A
+from . import released
+from . import video as V
+from . import video_config as VC
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 DIFFUSERS_VERSION = "0.42.1"
-LAYOUTS = ("diffusers", "comfy")
+# The layouts synthetic.py writes: a diffusers folder, a ComfyUI single file, MiniMaxAI's own folder.
+LAYOUTS = ("diffusers", "comfy", "released")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 # --------------------------------------------------------------------------------------------
@@ -54,8 +56,13 @@ class Source:
     origin: str                    # what the user pointed at, for messages
 
 
+# Where a model folder keeps each VAE: diffusers' name, then MiniMaxAI's per-mode folder name.
+CHILD_FOLDERS = {"vae": ("vae", "video_vae"), "audio_vae": ("audio_vae",)}
+
+
 def locate(path: str | os.PathLike, component: str) -> Source:
-    """Resolve a VAE path: a diffusers component folder, its parent, or a single file."""
+    """Resolve a VAE path: a diffusers component folder, MiniMaxAI's own video_vae/ or audio_vae/ folder,
+    the folder holding one of those, or a single file."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
@@ -63,11 +70,25 @@ def locate(path: str | os.PathLike, component: str) -> Source:
         _require_safetensors(path)
         return Source((path,), None, str(path))
     if (path / "config.json").is_file():
-        return Source(_folder_weights(path), _read_json(path / "config.json"), str(path))
-    if (path / component / "config.json").is_file():
-        return locate(path / component, component)
-    raise CheckpointError(f"{path}: not a diffusers {component}/ folder (config.json + safetensors) "
-                          f"nor a folder holding one")
+        config = _read_json(path / "config.json")
+        if released.is_released(config):
+            return _released_source(path, config)
+        return Source(_folder_weights(path), config, str(path))
+    for child in CHILD_FOLDERS.get(component, (component,)):
+        if (path / child / "config.json").is_file():
+            return locate(path / child, component)
+    raise CheckpointError(f"{path}: not a diffusers {component}/ folder (config.json + safetensors), nor "
+                          f"MiniMaxAI's {CHILD_FOLDERS.get(component, (component,))[-1]}/ folder, nor a folder "
+                          "holding one")
+
+
+def _released_source(folder: Path, wrapper: dict[str, Any]) -> Source:
+    """MiniMaxAI's folder: the weights its config.json names, and its configs in our field names."""
+    if wrapper["_class_name"] == released.VIDEO_CLASS:
+        weights, config = released.video_weights(folder, wrapper), released.video_config(folder, wrapper)
+    else:
+        weights, config = released.audio_weights(folder, wrapper), released.audio_config(folder, wrapper)
+    return Source((weights,), config.to_dict(), str(folder))
 
 
 def _require_safetensors(path: Path) -> None:
@@ -337,7 +358,7 @@ def _count(shapes: Iterable[str], pattern: str) -> int:
     return len({m.group(1) for m in map(regex.match, shapes) if m})
 
 
-def infer_video_config(shapes: dict[str, tuple[int, ...]]) -> V.VideoVAEConfig:
+def infer_video_config(shapes: dict[str, tuple[int, ...]]) -> VC.VideoVAEConfig:
     """A config from diffusers-named tensor shapes, on top of the released geometry.
 
     Strides, head width and group count leave no trace in shapes: they are FULL's, and the file
@@ -356,12 +377,12 @@ def infer_video_config(shapes: dict[str, tuple[int, ...]]) -> V.VideoVAEConfig:
             "decoder_num_layers": _count(shapes, r"^decoder\.transformer_blocks\.(\d+)\."),
             "decoder_num_register_tokens": shapes["decoder.register_tokens"][1],
             "decoder_ffn_mult": shapes["decoder.transformer_blocks.0.ff.net.2.weight"][1] // dim,
-            "decoder_num_attention_heads": dim // V.FULL.decoder_attention_head_dim,
+            "decoder_num_attention_heads": dim // VC.FULL.decoder_attention_head_dim,
         }
         patch = shapes["decoder.proj_out.weight"][0]
     except KeyError as exc:
         raise CheckpointError(f"not an H3 video VAE: no tensor {exc.args[0]}") from None
-    full = V.FULL
+    full = VC.FULL
     full_down = tuple(s * t > 1 for s, t in zip(full.spatial_downsample_factors, full.temporal_downsample_factors,
                                                  strict=True))
     if with_down != full_down or dim % full.decoder_attention_head_dim:
@@ -383,11 +404,11 @@ def _file_stats(config: Any, files: TensorFiles) -> Any:
 
 
 def _video_config(source: Source, files: TensorFiles, comfy: bool,
-                  given: V.VideoVAEConfig | None) -> V.VideoVAEConfig:
+                  given: VC.VideoVAEConfig | None) -> VC.VideoVAEConfig:
     if given is not None:
         return _file_stats(given, files)
     data = source.config or _metadata_config(files)
-    config = V.VideoVAEConfig.from_dict(data) if data else infer_video_config(_video_shapes(files, comfy))
+    config = VC.VideoVAEConfig.from_dict(data) if data else infer_video_config(_video_shapes(files, comfy))
     return _file_stats(config, files)
 
 
@@ -397,14 +418,14 @@ def _video_config(source: Source, files: TensorFiles, comfy: bool,
 
 
 def load_video_vae(path: str | os.PathLike, *, device: str | torch.device = "cpu",
-                   decode_dtype: torch.dtype = torch.float16, config: V.VideoVAEConfig | None = None) -> V.VideoVAE:
+                   decode_dtype: torch.dtype = torch.float16, config: VC.VideoVAEConfig | None = None) -> V.VideoVAE:
     """The video VAE from a diffusers folder (or its parent) or a ComfyUI single file.
 
     The encoder and every numerically sensitive tensor are fp32; the decoder's block linears and
     output projection are `decode_dtype` (fp16 default, fp32 for the exact path). `config`
     replaces the file's or folder's config; latents_mean/std tensors in a single file still win.
     """
-    if decode_dtype not in V.DECODE_DTYPES.values():
+    if decode_dtype not in VC.DECODE_DTYPES.values():
         raise InputError(f"video VAE decode dtype must be float16 or float32, got {decode_dtype}")
     source = locate(path, "vae")
     device = torch.device(device)
@@ -525,199 +546,3 @@ def load_audio_vae(path: str | os.PathLike, *, device: str | torch.device = "cpu
             model = A.AudioVAE(cfg)
         return _materialize(model, _audio_entries(files, source.origin), lambda n: torch.float32,
                             torch.device(device), source.origin, fill_missing=_audio_buffer)
-
-
-# --------------------------------------------------------------------------------------------
-# Writing synthetic checkpoints
-# --------------------------------------------------------------------------------------------
-
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-
-
-def write_safetensors_streaming(path: Path, plan: list[tuple[str, tuple[int, ...], torch.dtype]],
-                                tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
-    """Write a safetensors file whose header is known up front, holding one tensor at a time."""
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, shape, dtype in plan:
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    header["__metadata__"] = metadata
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * ((-len(blob)) % 8)
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as out:
-        out.write(struct.pack("<Q", len(blob)) + blob)
-        written = 0
-        for (name, tensor), (p_name, p_shape, p_dtype) in zip(tensors, plan, strict=True):
-            if name != p_name or tuple(tensor.shape) != p_shape or tensor.dtype != p_dtype:
-                raise RuntimeError(f"tensor {name} {tuple(tensor.shape)} {tensor.dtype} does not follow the plan "
-                                   f"{p_name} {p_shape} {p_dtype}")
-            out.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-            written += 1
-    os.replace(tmp, path)
-
-
-def _generator(seed: int, name: str) -> torch.Generator:
-    # Per-name streams make every tensor independent of write order and layout.
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
-
-
-def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """A deterministic, never-zero value for a named VAE tensor, scaled so activations stay sane."""
-    gen = _generator(seed, name)
-    normal = torch.randn(shape, generator=gen)
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf == "filter":
-        return A.resampling_filter().expand(shape).clone()
-    if leaf == "zero_k_bias":  # a zero by definition in the real model too
-        return torch.zeros(shape)
-    if leaf == "weight_g" or (leaf == "alpha" and len(shape) == 3):  # norms and Snake frequencies: positive
-        return 0.5 + torch.rand(shape, generator=gen)
-    if leaf in ("alpha", "beta"):  # SnakeBeta, log space
-        return 0.1 * normal
-    if leaf in ("scale1", "scale2"):
-        return 0.1 + 0.05 * normal
-    if leaf == "register_tokens" or leaf == "mask_token":
-        return normal
-    if "norm" in name and leaf == "weight" and len(shape) == 1:
-        return 1.0 + 0.1 * normal
-    if len(shape) >= 2:
-        return normal / math.sqrt(math.prod(shape[1:]))
-    return 0.02 * normal
-
-
-def synthetic_latent_stats(channels: int, seed: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Non-trivial latents_mean/std, so a skipped (de)normalisation shows in any test."""
-    gen = _generator(seed, "latents_stats")
-    mean = (0.5 * torch.randn(channels, generator=gen)).tolist()
-    std = (0.5 + torch.rand(channels, generator=gen)).tolist()
-    return tuple(mean), tuple(std)
-
-
-def _resolve_preset(preset: str | Any, presets: dict[str, Any], kind: str) -> Any:
-    if isinstance(preset, str):
-        if preset not in presets:
-            raise CheckpointError(f"unknown {kind} preset {preset!r}; choose one of {', '.join(presets)}")
-        return presets[preset]
-    return preset
-
-
-def _check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise CheckpointError(f"unknown checkpoint layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-
-
-def _meta_shapes(model_cls: type, cfg: Any) -> list[tuple[str, tuple[int, ...]]]:
-    with torch.device("meta"):
-        model = model_cls(cfg)
-    return [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
-
-
-def _video_items(cfg: V.VideoVAEConfig, layout: str, seed: int, dtype: torch.dtype,
-                 meta: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    def make(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.empty(shape, device="meta") if meta else random_tensor(name, shape, seed)
-
-    items: Iterable[tuple[str, torch.Tensor]] = ((n, make(n, s)) for n, s in _meta_shapes(V.VideoVAE, cfg))
-    if layout == "comfy":
-        items = diffusers_to_comfy_video(items, cfg.decoder_num_attention_heads)
-    for name, tensor in items:
-        yield name, tensor.to(dtype)
-    if layout == "comfy":
-        dim = cfg.decoder_dim
-        yield "decoder.mask_token", make("decoder.mask_token", (1, 1, dim)).to(dtype)
-        # fp32 whatever the file's dtype: fp16 would round the statistics the DiT space rests on.
-        yield "latents_mean", torch.tensor(cfg.latents_mean, device="meta" if meta else "cpu")
-        yield "latents_std", torch.tensor(cfg.latents_std, device="meta" if meta else "cpu")
-
-
-def _audio_items(cfg: A.AudioVAEConfig, layout: str, seed: int, meta: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, shape in _meta_shapes(A.AudioVAE, cfg):
-        if not A.is_weight_normed(name, len(shape)):
-            yield name, torch.empty(shape, device="meta") if meta else random_tensor(name, shape, seed)
-            continue
-        g_shape = (shape[0],) + (1,) * (len(shape) - 1)
-        if meta:
-            pair = {"weight_g": torch.empty(g_shape, device="meta"), "weight_v": torch.empty(shape, device="meta")}
-        else:
-            pair = {"weight_g": random_tensor(name + "_g", g_shape, seed),
-                    "weight_v": random_tensor(name + "_v", shape, seed)}
-        if layout == "diffusers":
-            yield name + "_g", pair["weight_g"]
-            yield name + "_v", pair["weight_v"]
-        else:
-            yield name, pair["weight_v"] if meta else A.fold_weight_norm(pair["weight_g"], pair["weight_v"])
-    if layout == "comfy":
-        for key in ("latents_mean", "latents_std"):
-            yield key, torch.tensor(getattr(cfg, key), device="meta" if meta else "cpu")
-
-
-def plan_vae_checkpoint(preset: str | V.VideoVAEConfig, layout: str = "diffusers",
-                        dtype: torch.dtype | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, shape, dtype) of every tensor `write_vae_checkpoint` writes; nothing is allocated."""
-    _check_layout(layout)
-    cfg = _resolve_preset(preset, V.PRESETS, "video VAE")
-    dtype = dtype or (torch.float16 if layout == "comfy" else torch.float32)
-    return [(n, tuple(t.shape), t.dtype) for n, t in _video_items(cfg, layout, 0, dtype, meta=True)]
-
-
-def plan_audio_vae_checkpoint(preset: str | A.AudioVAEConfig,
-                              layout: str = "diffusers") -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    _check_layout(layout)
-    cfg = _with_audio_stats(_resolve_preset(preset, A.PRESETS, "audio VAE"), 0)
-    return [(n, tuple(t.shape), t.dtype) for n, t in _audio_items(cfg, layout, 0, meta=True)]
-
-
-def _with_audio_stats(cfg: A.AudioVAEConfig, seed: int) -> A.AudioVAEConfig:
-    mean, std = synthetic_latent_stats(cfg.latent_channels, seed)
-    return replace(cfg, latents_mean=mean, latents_std=std)
-
-
-def _write(out: Path, layout: str, config: dict[str, Any], plan: list, items: Iterable, description: str) -> Path:
-    metadata = {"format": "pt", "producer": "h3-spark", "description": description, "config": json.dumps(config)}
-    if layout == "diffusers":
-        out.mkdir(parents=True, exist_ok=True)
-        config = {**config, "_diffusers_version": DIFFUSERS_VERSION}
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        write_safetensors_streaming(out / WEIGHTS_NAME, plan, items, metadata)
-        return out
-    if out.suffix != ".safetensors":
-        raise CheckpointError(f"{out}: a ComfyUI single file must end in .safetensors")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_safetensors_streaming(out, plan, items, metadata)
-    return out
-
-
-def write_vae_checkpoint(out: str | os.PathLike, preset: str | V.VideoVAEConfig = "tiny", layout: str = "diffusers",
-                         seed: int = 0, *, dtype: torch.dtype | None = None) -> Path:
-    """A synthetic video VAE with deterministic random weights under the real names.
-
-    layout "diffusers": `out` is the component folder (config.json + safetensors), fp32.
-    layout "comfy": `out` is a .safetensors file with ComfyUI's names, fp16 like the published
-    file. The same seed gives the same model in both layouts. latents_mean/std are random too.
-    """
-    _check_layout(layout)
-    cfg = _resolve_preset(preset, V.PRESETS, "video VAE")
-    mean, std = synthetic_latent_stats(cfg.latent_channels, seed)
-    cfg = replace(cfg, latents_mean=mean, latents_std=std)
-    dtype = dtype or (torch.float16 if layout == "comfy" else torch.float32)
-    plan = plan_vae_checkpoint(cfg, layout, dtype)
-    items = _video_items(cfg, layout, seed, dtype, meta=False)
-    return _write(Path(out), layout, cfg.to_dict(), plan, items, f"synthetic H3 video VAE, seed {seed}")
-
-
-def write_audio_vae_checkpoint(out: str | os.PathLike, preset: str | A.AudioVAEConfig = "tiny",
-                               layout: str = "diffusers", seed: int = 0) -> Path:
-    """A synthetic audio VAE (fp32) with deterministic random weights under the real names.
-
-    layout "diffusers": `out` is the component folder, weight-normed convs as weight_g/weight_v.
-    layout "comfy": `out` is a .safetensors file with folded weights and latents_mean/std tensors.
-    """
-    _check_layout(layout)
-    cfg = _with_audio_stats(_resolve_preset(preset, A.PRESETS, "audio VAE"), seed)
-    plan = [(n, tuple(t.shape), t.dtype) for n, t in _audio_items(cfg, layout, seed, meta=True)]
-    items = _audio_items(cfg, layout, seed, meta=False)
-    return _write(Path(out), layout, cfg.to_dict(), plan, items, f"synthetic H3 audio VAE, seed {seed}")

@@ -1,6 +1,6 @@
 """Experiment behind docs/perf-notes.md (eighth session), kept so its receipt can be re-run (GPU only):
 
-  python benchmarks/fa3_layout_experiment.py OUT.json
+  python benchmarks/experiments/fa3_layout_experiment.py OUT.json
 
 Question: FlashAttention-3 bf16 runs at ~653 TFLOP/s inside the exact forward against 674-685 alone
 (sixth session). In the model Q and K come contiguous out of the Q/K pass while V is a strided view of
@@ -14,10 +14,12 @@ import json
 import os
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
-import kernels_gpu  # beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for kernels_gpu
+import kernels_gpu  # noqa: E402
 from h3_spark.kernels.attention import fa3_module
 
 S = int(os.environ.get("SEQ", "19540"))

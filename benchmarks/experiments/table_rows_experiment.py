@@ -1,6 +1,6 @@
 """Experiment behind docs/perf-notes.md (seventh session), kept so its receipt can be re-run (GPU only):
 
-  python benchmarks/table_rows_experiment.py OUT.json
+  python benchmarks/experiments/table_rows_experiment.py OUT.json
 
 Question: do our row kernels lose their time re-reading the per-token tables? The production norm +
 modulate reads, per token, the RMSNorm gain and one AdaLN shift and scale row (3 x D values) from L2 besides
@@ -17,12 +17,14 @@ S = 19,540 tokens, D = 5376, 56 heads of 128, bf16, as the t2va contract.
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-import kernels_gpu  # beside this file: run as `python benchmarks/table_rows_experiment.py`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for kernels_gpu
+import kernels_gpu  # noqa: E402
 from h3_spark.h3_model.dit.model import rope_tables
 from h3_spark.kernels._triton import rnd, rnd_store
 from h3_spark.kernels.modulation import FusedRowModulation

@@ -1,6 +1,6 @@
 """Experiment behind docs/perf-notes.md (sixth session), kept so its receipt can be re-run (GPU only):
 
-  python benchmarks/row_kernels_experiment.py OUT.json
+  python benchmarks/experiments/row_kernels_experiment.py OUT.json
 
 1. Row-kernel variants side by side with the production kernels at S = 19,540, D = 5376, bf16, each
    checked against the production output: the last rounding left to the store (FINAL=False, what
@@ -16,12 +16,14 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-import kernels_gpu  # beside this file: run as `python benchmarks/row_kernels_experiment.py`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for kernels_gpu
+import kernels_gpu  # noqa: E402
 from h3_spark.kernels._triton import round_bf16
 from h3_spark.kernels.modulation import FusedRowModulation
 

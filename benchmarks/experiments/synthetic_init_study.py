@@ -1,7 +1,7 @@
 """How much the random-weight init decides the quality figures (CPU, a few seconds per init); JSON to --out.
 
 Usage (repository root, any machine):
-    python3 benchmarks/synthetic_init_study.py --out study.json [--layers 50] [--hidden 384]
+    python3 benchmarks/experiments/synthetic_init_study.py --out study.json [--layers 50] [--hidden 384]
 
 A 50-block DiT narrowed to --hidden (4 heads x 128) on the tiny T2VA contract's layout, in bf16, against
 itself in fp32, against itself with the other exact attention (the noise floor), and with every block linear
@@ -22,10 +22,10 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for kernels_gpu
 from kernels_gpu import import_package  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,286 @@
+"""Today's official download: FL2VA/ and Ref2VA/ mode folders, MiniMaxAI's own VAE folders, sharded DiTs.
+
+Synthetic files under the real names, shapes and configs (written by our writers, read by the real loaders):
+- the VAE configs round-trip through MiniMaxAI's field names, and the released model's files say exactly what
+  the published ones say;
+- one seed gives the same weights whether written in the released layout or diffusers' (so every conversion on
+  the way, per-head qkv, [gate; value], weight_g / weight_v, is exact); the DiT's qkv order is found from its
+  config.json;
+- the engine finds every component in the per-mode tree, and `h3-spark generate --models ROOT` makes the same
+  latents from it as from the older root layout holding the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from h3_spark.errors import CheckpointError, InputError
+from h3_spark.h3_model.checkpoint import load_dit, open_dit
+from h3_spark.h3_model.checkpoint.demo import DEMO_VAE, DIT_CONFIG, build_demo_models, write_text_encoder
+from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+from h3_spark.h3_model.checkpoint.released import write_released_dit, write_released_models
+from h3_spark.h3_model.engine.engine import Engine
+from h3_spark.h3_model.engine.paths import ComponentPaths
+from h3_spark.h3_model.vae import audio as A
+from h3_spark.h3_model.vae import released
+from h3_spark.h3_model.vae import video_config as VC
+from h3_spark.h3_model.vae.loading import load_audio_vae, load_video_vae
+from h3_spark.h3_model.vae.synthetic import write_audio_vae_checkpoint, write_vae_checkpoint
+
+
+def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+# ------------------------------------------------------------------------------------------ configs
+def test_the_released_video_config_reads_as_published():
+    full = VC.FULL
+    wrapper, source = released.video_files(full)
+    # The published values (MiniMaxAI/MiniMax-H3, FL2VA/video_vae/source/config.json and config.json).
+    assert source["ch"] == 128 and source["ch_mult"] == [1, 2, 2, 4, 4, 8]
+    assert source["space_down"] == [2, 2, 2, 2, 1, 1] and source["time_down"] == [1, 2, 2, 1, 1, 1]
+    assert source["vae_ratio"] == 16 and source["vae_ratio_t"] == 4 and source["z_channels"] == 24
+    assert source["vit_decoder_kwargs"] == {"dim_head": 64, "ffn_activation_fn": "silu", "ffn_use_gated": True,
+                                            "heads": 32, "norm_affine": True, "norm_type": "rms_norm",
+                                            "num_layers": 36, "qk_norm_affine": False, "qk_norm_type": "rms_norm",
+                                            "rope_dim_ratio": 0.75, "rope_theta": 100.0}
+    assert "norm_num_groups" not in source  # a constant of MiniMaxAI's code, not a field of the file
+    assert wrapper["_class_name"] == "MiniMaxH3VideoVAE" and wrapper["source_path"] == "source"
+    assert (wrapper["vae_clip_length"], wrapper["vae_token_drop"]) == (17, 3)
+
+
+def test_video_config_round_trips_through_the_released_files(tmp_path):
+    cfg = VC.VideoVAEConfig.from_dict({**DEMO_VAE.to_dict(), "latents_mean": [0.5, -0.25, 0.125, 1.5],
+                                       "latents_std": [1.5, 0.75, 2.0, 0.5]})
+    wrapper, source = released.video_files(cfg)
+    (tmp_path / "source").mkdir()
+    (tmp_path / "source" / "config.json").write_text(json.dumps(source))
+    assert released.video_config(tmp_path, wrapper) == cfg
+
+
+def test_the_released_audio_config_reads_as_published(tmp_path):
+    cfg = A.AudioVAEConfig(latents_mean=tuple(0.1 * i for i in range(32)), latents_std=(1.25,) * 32)
+    wrapper, yaml_text, metadata = released.audio_files(cfg)
+    assert metadata == {"metadata": {"kwargs": {
+        "attn_proj": True, "decoder_dim": 1024, "decoder_rates": [5, 5, 2, 2, 2, 2, 2], "decoder_type": "bigvgan",
+        "encoder_dim": 64, "encoder_rates": [2, 4, 4, 5, 5], "latent_dim": 2048, "sample_rate": 32000,
+        "vae_latent_channels": 32}}}
+    assert wrapper["_class_name"] == "MiniMaxH3AudioVAE" and wrapper["output_channel"] == 2
+    (tmp_path / "config.yaml").write_text(yaml_text)
+    (tmp_path / "metadata.json").write_text(json.dumps(metadata))
+    assert released.audio_config(tmp_path, wrapper) == cfg
+
+
+def test_audio_config_files_that_disagree_are_refused(tmp_path):
+    cfg = A.AudioVAEConfig(latents_mean=(0.0,) * 32, latents_std=(1.0,) * 32)
+    wrapper, yaml_text, metadata = released.audio_files(cfg)
+    (tmp_path / "config.yaml").write_text(yaml_text.replace("decoder_dim: 1024", "decoder_dim: 512"))
+    (tmp_path / "metadata.json").write_text(json.dumps(metadata))
+    with pytest.raises(CheckpointError, match="says decoder_dim 1024 but .*config.yaml says decoder_dim 512"):
+        released.audio_config(tmp_path, wrapper)
+    (tmp_path / "config.yaml").write_text(yaml_text)
+    metadata["metadata"]["kwargs"]["decoder_type"] = "hifigan"
+    (tmp_path / "metadata.json").write_text(json.dumps(metadata))
+    with pytest.raises(CheckpointError, match="decoder_type 'hifigan'"):
+        released.audio_config(tmp_path, wrapper)
+
+
+# ------------------------------------------------------------------------------------------ VAE weights
+def test_released_video_vae_loads_the_weights_the_diffusers_folder_holds(tmp_path):
+    ours = write_vae_checkpoint(tmp_path / "video_vae", DEMO_VAE, "released", seed=3)
+    theirs = write_vae_checkpoint(tmp_path / "vae", DEMO_VAE, "diffusers", seed=3)
+    assert sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*") if p.is_file()) == [
+        "config.json", "source/config.json", "source/model.safetensors"]
+    from safetensors import safe_open
+
+    with safe_open(str(ours / "source" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert "decoder.transformer_blocks.0.attn.to_qkv.weight" in keys and "decoder.x_embedder.weight" in keys
+        assert "latents_mean" not in keys and "decoder.mask_token" in keys
+        assert {f.get_tensor(k).dtype for k in keys} == {torch.float32}
+    a = load_video_vae(ours, decode_dtype=torch.float32)
+    b = load_video_vae(theirs, decode_dtype=torch.float32)
+    assert a.config == b.config
+    _same_state(a, b)
+    # The mode folder that holds video_vae/ is found too.
+    assert load_video_vae(tmp_path, decode_dtype=torch.float32).config == a.config
+
+
+def test_released_audio_vae_loads_the_weights_the_diffusers_folder_holds(tmp_path):
+    ours = write_audio_vae_checkpoint(tmp_path / "audio_vae", "tiny", "released", seed=5)
+    theirs = write_audio_vae_checkpoint(tmp_path / "diffusers_audio", "tiny", "diffusers", seed=5)
+    assert sorted(p.name for p in ours.iterdir()) == ["config.json", "config.yaml", "metadata.json",
+                                                     "model.safetensors"]
+    a, b = load_audio_vae(ours), load_audio_vae(theirs)
+    assert a.config == b.config and a.config.latents_mean is not None
+    _same_state(a, b)
+    wave = torch.randn(2, a.config.hop_length * 8, generator=torch.Generator().manual_seed(0)).clamp(-1, 1)
+    assert torch.equal(a.encode_stereo(wave), b.encode_stereo(wave))
+
+
+def test_a_released_folder_naming_missing_or_pickle_weights_is_refused(tmp_path):
+    folder = write_vae_checkpoint(tmp_path / "video_vae", DEMO_VAE, "released", seed=0)
+    wrapper = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**wrapper, "source_safetensors_path": "model.bin"}))
+    with pytest.raises(CheckpointError, match="must name a .safetensors file .*got model.bin"):
+        load_video_vae(folder)
+    (folder / "source" / "model.safetensors").rename(folder / "source" / "moved.safetensors")
+    (folder / "config.json").write_text(json.dumps(wrapper))
+    with pytest.raises(CheckpointError, match="source/model.safetensors, which is missing"):
+        load_video_vae(folder)
+
+
+def test_a_released_video_config_for_another_network_is_refused(tmp_path):
+    folder = write_vae_checkpoint(tmp_path / "video_vae", DEMO_VAE, "released", seed=0)
+    source = json.loads((folder / "source" / "config.json").read_text())
+    (folder / "source" / "config.json").write_text(json.dumps({**source, "causal_decoder": True}))
+    with pytest.raises(CheckpointError, match="causal_decoder is True; the H3 video VAE this engine runs has False"):
+        load_video_vae(folder)
+
+
+# ------------------------------------------------------------------------------------------ DiT
+def test_released_dit_folder_is_sharded_interleaved_and_loads_like_diffusers(tmp_path):
+    folder = tmp_path / "transformer"
+    write_released_dit(folder, DIT_CONFIG, seed=4)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"]
+    assert "blocks.0.attn.qkv_proj.weight" in index["weight_map"]
+    assert json.loads((folder / "config.json").read_text())["_class_name"] == "MiniMaxH3DiTModel"
+    assert open_dit(folder).qkv_layout == "interleaved"
+    make_dit_checkpoint(tmp_path / "diffusers", DIT_CONFIG, "bf16", "diffusers", seed=4)
+    ours = load_dit(folder, dtype=torch.float32)
+    theirs = load_dit(tmp_path / "diffusers", dtype=torch.float32)
+    assert ours.config == theirs.config
+    _same_state(ours, theirs)
+    # The order matters: read as Comfy-Org's stacked order, the same file gives other attention weights.
+    stacked = load_dit(folder, dtype=torch.float32, qkv_layout="stacked")
+    assert not torch.equal(stacked.transformer_blocks[0].attn.to_q.weight,
+                           theirs.transformer_blocks[0].attn.to_q.weight)
+
+
+def test_a_lone_original_named_file_still_defaults_to_stacked(tmp_path):
+    path = tmp_path / "h3.safetensors"
+    make_dit_checkpoint(path, DIT_CONFIG, "bf16", "comfy", seed=4)
+    assert open_dit(path).qkv_layout == "stacked"
+
+
+# ------------------------------------------------------------------------------------------ the tree
+@pytest.fixture(scope="module")
+def released_root(tmp_path_factory):
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
+
+    if not ensure_importable():
+        pytest.skip("the Qwen3-VL processors need torchvision")
+    root = tmp_path_factory.mktemp("MiniMax-H3")
+    # The demo's seeds: FL2VA's DiT seed 0, Ref2VA's seed 1, the VAEs and the text encoder seed 0.
+    return write_released_models(root, DIT_CONFIG, DEMO_VAE, "tiny", lambda folder: write_text_encoder(folder, 0))
+
+
+def test_the_engine_finds_every_component_of_the_per_mode_download(released_root):
+    paths = ComponentPaths(models=released_root)
+    assert paths.layout() == "per-mode"
+    plan = Engine(paths).plan()
+    assert plan == {"dit": released_root / "FL2VA" / "transformer",
+                    "dit_ref": released_root / "Ref2VA" / "transformer",
+                    "text_encoder": released_root / "FL2VA" / "text_encoder",
+                    "vae": released_root / "FL2VA" / "video_vae", "audio_vae": released_root / "FL2VA" / "audio_vae"}
+    assert paths.resolve("tokenizer") == released_root / "FL2VA" / "processor"
+    # One mode folder on its own: its model_index.json says which DiT it holds.
+    ref_only = Engine(ComponentPaths(models=released_root / "Ref2VA")).plan()
+    assert set(ref_only) == {"dit_ref", "text_encoder", "vae", "audio_vae"}
+    assert ref_only["vae"] == released_root / "Ref2VA" / "video_vae"
+    with pytest.raises(InputError, match="t2va needs the FL2VA/transformer/ DiT: pass --models or --dit"):
+        Engine(ComponentPaths(models=released_root / "Ref2VA")).plan(["t2va"])
+
+
+def test_a_mode_folder_with_an_unknown_partition_is_refused(tmp_path):
+    folder = tmp_path / "Other"
+    folder.mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_minimax_h3": {"partition": "i2v"}}))
+    with pytest.raises(InputError, match="unknown _minimax_h3.partition 'i2v'"):
+        ComponentPaths(models=folder).resolve("dit")
+
+
+def test_generate_from_the_per_mode_download_equals_the_older_layout(released_root, tmp_path, capsys, monkeypatch):
+    from safetensors.torch import load_file
+
+    from h3_spark.cli import main
+
+    monkeypatch.setenv("H3_MODULATION_FUSION", "off")
+    monkeypatch.setenv("H3_Q_RMS_ROPE_INT8_FUSION", "off")
+    older = build_demo_models(tmp_path / "older")
+    latents = {}
+    refs = ["--ref", f"image:{_picture(tmp_path)}", "--ref", f"audio:{_tone(tmp_path)}"]
+    for name, folder in (("per-mode", released_root), ("older", older)):
+        for mode, extra in (("t2va", ["--prompt", "a boat"]), ("ref2va", ["--prompt", "<Picture 1> sings <Audio 1>",
+                                                                          *refs])):
+            out = tmp_path / f"{name}-{mode}.mp4"
+            code = main(["generate", "--models", str(folder), "--steps", "3", "--width", "64", "--height", "64",
+                         "--text-encoder-layer", "2", "--device", "cpu", "--out", str(out),
+                         "--save-latents", str(tmp_path / f"{name}-{mode}.safetensors"), *extra])
+            assert code == 0, capsys.readouterr().err
+            summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+            assert summary["mode"] == mode and out.is_file()
+            latents[name, mode] = load_file(str(tmp_path / f"{name}-{mode}.safetensors"))
+    for mode in ("t2va", "ref2va"):
+        a, b = latents["per-mode", mode], latents["older", mode]
+        assert all(torch.equal(a[k], b[k]) for k in ("video_latents", "audio_latents")), mode
+
+
+def _picture(folder: Path) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    path = folder / "picture.png"
+    if not path.exists():
+        Image.fromarray(np.random.default_rng(2).integers(0, 255, (48, 80, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def _tone(folder: Path) -> Path:
+    import math
+    import wave
+
+    import numpy as np
+
+    path = folder / "tone.wav"
+    if not path.exists():
+        t = np.arange(32000) / 32000
+        samples = (np.sin(2 * math.pi * 440 * t) * 0.5 * 32767).astype("<i2")
+        with wave.open(str(path), "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(32000)
+            w.writeframes(samples.tobytes())
+    return path
+
+
+def test_make_checkpoint_writes_each_released_folder(tmp_path, capsys):
+    from h3_spark.cli import main
+
+    for component, name in (("dit", "transformer"), ("vae", "video_vae"), ("audio_vae", "audio_vae")):
+        out = tmp_path / name
+        assert main(["make-checkpoint", str(out), "--component", component, "--layout", "released"]) == 0
+        assert json.loads(capsys.readouterr().out)["layout"] == "released"
+        # --force replaces MiniMaxAI's files (the video VAE's source/ folder included), nothing else.
+        assert main(["make-checkpoint", str(out), "--component", component, "--layout", "released",
+                     "--force"]) == 0
+        capsys.readouterr()
+    from h3_spark.h3_model.dit.config import preset
+
+    assert load_dit(tmp_path / "transformer").config == preset("tiny")
+    video = load_video_vae(tmp_path / "video_vae").config
+    assert video.block_out_channels == VC.TINY.block_out_channels and video.latents_std != VC.TINY.latents_std
+    assert load_audio_vae(tmp_path / "audio_vae").config.encoder_rates == A.TINY.encoder_rates
+    shutil.rmtree(tmp_path / "transformer")
+    with pytest.raises(InputError, match="holds bf16 weights only"):
+        make_dit_checkpoint(tmp_path / "transformer", DIT_CONFIG, "fp8_scaled", "released")
