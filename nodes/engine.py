@@ -18,6 +18,7 @@ import torch
 
 from ..h3_model import geometry
 from ..h3_model.engine.engine import Engine
+from ..h3_model.engine.shared_dit import kernels_line, use_kernels, use_loras
 from ..errors import H3Error, InputError
 from ..h3_model.text.prompt import check_prompt
 from . import host, payload
@@ -295,85 +296,6 @@ def add_lora(model, path: Path, strength: float):
     return with_options(model, loras=[*options(model)["loras"], (str(path), float(strength))])
 
 
-def _ensure_loras(dit, loras: list) -> None:
-    """Merge exactly `loras` into the DiT, restoring the weights a previous set changed.
-
-    Several MODEL clones share one DiT (ComfyUI caches the loader's output), so the merged set is
-    tracked on the DiT itself; only the parameters a LoRA touches are backed up (on the CPU).
-    """
-    from ..h3_model.dit.lora import LoraSpec, apply_loras, plan_lora, read_lora
-
-    want = tuple((str(p), float(s)) for p, s in loras)
-    state = dit.__dict__.setdefault("_h3_spark_loras", {"applied": (), "backup": {}})
-    if state["applied"] == want:
-        return
-    linear = dit.__dict__.get("_h3_spark_kernels", {}).get("report", {}).get("linear", {})
-    if not linear.get("exact", True):
-        # The first run converted the linears in place; the bf16 weights a LoRA merges into are gone.
-        raise InputError(
-            f"this DiT's linears already run as {linear.get('format')} with "
-            f"{_lora_names(state['applied'])}; another LoRA set ({_lora_names(want)}) needs its bf16 weights. "
-            "Load the model again (e.g. change the H3 Model Loader's linear input) to run this set, or use "
-            "linear bf16 to switch LoRAs on one loaded model")
-    params = dict(dit.named_parameters())
-    _restore(params, state)
-    if not want:
-        return
-    specs = [LoraSpec(Path(p), s) for p, s in want]
-    names: set[str] = set()
-    for spec in specs:
-        tensors, metadata = read_lora(spec.path)
-        ops, _ = plan_lora(dit, tensors, metadata, interleaved_qkv=any(".default." in k for k in tensors))
-        names |= {op.param for op in ops}
-        del ops, tensors
-    state["backup"] = {n: params[n].detach().to("cpu", copy=True) for n in names if n in params}
-    try:
-        apply_loras(dit, specs, base={n: t.float() for n, t in state["backup"].items()})
-    except Exception:
-        _restore(params, state)
-        raise
-    state["applied"] = want
-
-
-def _lora_names(loras: tuple) -> str:
-    return ", ".join(f"{Path(p).name} at {s:g}" for p, s in loras) or "no LoRA"
-
-
-@torch.no_grad()
-def _restore(params: dict, state: dict) -> None:
-    for name, saved in state["backup"].items():
-        params[name].copy_(saved.to(params[name].device))
-    state["applied"], state["backup"] = (), {}
-
-
-def _prepare_kernels(dit, opts: dict, device) -> dict:
-    """Linears once per loaded DiT (they are converted in place), attention and Q/K preparation per run."""
-    from ..kernels.dispatch import apply_kernels, exactness, switch_attention
-    from ..kernels.settings import KernelSettings
-
-    settings = KernelSettings.from_env().replace(attention=opts["attention"], linear=opts["linear"])
-    state = dit.__dict__.get("_h3_spark_kernels")
-    if state is None:
-        report = apply_kernels(dit, settings)  # the format H3_LINEAR=auto hears comes with the loaded DiT
-        dit.__dict__["_h3_spark_kernels"] = state = {"attention": opts["attention"], "report": report}
-    elif state["attention"] != opts["attention"]:
-        report = {**state["report"], **switch_attention(dit, settings.attention, settings, device)}
-        state["attention"] = opts["attention"]
-        state["report"] = {**report, **exactness(report)}
-    return state["report"]
-
-
-def _report_kernels(dit, report: dict) -> None:
-    """Log what `auto` and the loader's choices resolved to, once per change (fail closed means saying it)."""
-    attention, linear = report.get("attention", {}), report.get("linear", {})
-    approx = report.get("approximate_paths") or []
-    line = (f"attention {attention.get('chosen')} (asked {attention.get('requested')}), linear {linear.get('format')}, "
-            + (f"approximate: {', '.join(approx)}" if approx else "exact"))
-    if dit.__dict__.get("_h3_spark_reported") != line:
-        dit.__dict__["_h3_spark_reported"] = line
-        log.info("h3-spark kernels: %s", line)
-
-
 # ------------------------------------------------------------------------------------------ sampling
 def sample(model, conditioning, latent, seed: int, steps: int, shift_video: float, shift_audio: float,
            step_cache=None) -> dict:
@@ -412,9 +334,11 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
 
         cache = make_step_cache(*step_cache, evaluations=len(schedule))
 
-    _ensure_loras(dit, opts["loras"])
+    use_loras(dit, opts["loras"])
     device = host.load_for_compute(model)
-    _report_kernels(dit, _prepare_kernels(dit, opts, device))
+    line = kernels_line(dit, use_kernels(dit, opts["attention"], opts["linear"], device))
+    if line is not None:
+        log.info("h3-spark kernels: %s", line)
     progress = host.Progress(len(schedule))
     interrupt = host.InterruptFlag()
     request = SamplingRequest(lay, cond.embeds, cond.latent_frames, cond.latent_height, cond.latent_width,

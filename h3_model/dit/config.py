@@ -7,7 +7,6 @@ config loads as is. Every size in the model comes from here; no module hard-code
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,16 +98,9 @@ class DiTConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DiTConfig":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: config.json not found") from None
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{path}: expected a JSON object")
-        return cls.from_dict(data)
+        from ..json_file import read_json
+
+        return cls.from_dict(read_json(path))
 
 
 FULL = DiTConfig()

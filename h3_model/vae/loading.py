@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 
 from ...errors import CheckpointError, InputError
+from ..json_file import read_json
 from . import audio as A
 from . import released
 from . import video as V
@@ -70,7 +71,7 @@ def locate(path: str | os.PathLike, component: str) -> Source:
         _require_safetensors(path)
         return Source((path,), None, str(path))
     if (path / "config.json").is_file():
-        config = _read_json(path / "config.json")
+        config = read_json(path / "config.json")
         if released.is_released(config):
             return _released_source(path, config)
         return Source(_folder_weights(path), config, str(path))
@@ -84,11 +85,9 @@ def locate(path: str | os.PathLike, component: str) -> Source:
 
 def _released_source(folder: Path, wrapper: dict[str, Any]) -> Source:
     """MiniMaxAI's folder: the weights its config.json names, and its configs in our field names."""
-    if wrapper["_class_name"] == released.VIDEO_CLASS:
-        weights, config = released.video_weights(folder, wrapper), released.video_config(folder, wrapper)
-    else:
-        weights, config = released.audio_weights(folder, wrapper), released.audio_config(folder, wrapper)
-    return Source((weights,), config.to_dict(), str(folder))
+    video = wrapper["_class_name"] == released.VIDEO_CLASS
+    config = released.video_config(folder, wrapper) if video else released.audio_config(folder, wrapper)
+    return Source((released.weights_file(folder, wrapper),), config.to_dict(), str(folder))
 
 
 def _require_safetensors(path: Path) -> None:
@@ -101,7 +100,7 @@ def _require_safetensors(path: Path) -> None:
 def _folder_weights(folder: Path) -> tuple[Path, ...]:
     index = folder / INDEX_NAME
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no weight_map")
         files = tuple(folder / name for name in sorted(set(weight_map.values())))
@@ -117,16 +116,6 @@ def _folder_weights(folder: Path) -> tuple[Path, ...]:
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     hint = f" (found {', '.join(pickles)}: only safetensors are loaded)" if pickles else ""
     raise CheckpointError(f"{folder}: expected {WEIGHTS_NAME} or its shard index{hint}")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
 
 
 class TensorFiles:

@@ -19,12 +19,12 @@ synthetic writer adds them as extra keys when it writes a model smaller than the
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError
+from ..json_file import read_json
 from .audio import FULL as AUDIO_FULL
 from .audio import AudioVAEConfig
 from .video_config import FULL as VIDEO_FULL
@@ -34,18 +34,6 @@ VIDEO_CLASS = "MiniMaxH3VideoVAE"
 VIDEO_SOURCE_CLASS = "AutoencoderKLLegacy"
 AUDIO_CLASS = "MiniMaxH3AudioVAE"
 ORIGINAL_DIFFUSERS_VERSION = "0.32.2"  # what MiniMaxAI's files say they were written with
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
 
 
 def is_released(config: dict[str, Any]) -> bool:
@@ -65,8 +53,10 @@ def _expect(data: dict[str, Any], key: str, want: Any, where: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ video
-def video_weights(folder: Path, wrapper: dict[str, Any]) -> Path:
-    source = folder / str(wrapper.get("source_path", "source"))
+def weights_file(folder: Path, wrapper: dict[str, Any]) -> Path:
+    """The safetensors file a wrapper config.json names: `source_path` (the video VAE's source/, none for the
+    audio VAE) / `source_safetensors_path`."""
+    source = folder / str(wrapper.get("source_path", "source" if wrapper.get("_class_name") == VIDEO_CLASS else ""))
     weights = source / str(wrapper.get("source_safetensors_path", "model.safetensors"))
     if weights.suffix != ".safetensors":
         raise CheckpointError(f"{folder / 'config.json'}: source_safetensors_path must name a .safetensors file "
@@ -157,29 +147,19 @@ def video_files(config: VideoVAEConfig) -> tuple[dict[str, Any], dict[str, Any]]
 
 
 # ------------------------------------------------------------------------------------------ audio
-def audio_weights(folder: Path, wrapper: dict[str, Any]) -> Path:
-    weights = folder / str(wrapper.get("source_safetensors_path", "model.safetensors"))
-    if weights.suffix != ".safetensors":
-        raise CheckpointError(f"{folder / 'config.json'}: source_safetensors_path must name a .safetensors file "
-                              f"(pickle files can run code), got {weights.name}")
-    if not weights.is_file():
-        raise CheckpointError(f"{folder / 'config.json'} names {weights}, which is missing")
-    return weights
-
-
 def _yaml_model_config(path: Path) -> dict[str, Any]:
+    """config.yaml's model_config mapping ({} when the folder has no config.yaml)."""
     if not path.is_file():
         return {}
     import yaml  # PyYAML comes with transformers
 
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise CheckpointError(f"{path}: not valid YAML ({exc})") from None
-    model = data.get("model_config") if isinstance(data, dict) else None
-    if not isinstance(model, dict):
-        raise CheckpointError(f"{path}: expected a model_config mapping")
-    return model
+        model = (yaml.safe_load(path.read_text()) or {}).get("model_config")
+    except (yaml.YAMLError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: not a YAML mapping ({exc})") from None
+    if isinstance(model, dict):
+        return model
+    raise CheckpointError(f"{path}: expected a model_config mapping")
 
 
 def audio_config(folder: Path, wrapper: dict[str, Any]) -> AudioVAEConfig:
