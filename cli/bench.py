@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .options import MODELS_HELP
+
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help="measure a benchmark contract (GPU) and write a stamped result",
@@ -14,7 +16,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="DiT checkpoint (any format the engine reads)")
     src.add_argument("--models", type=Path,
-                     help="a released-layout model folder: also measures a full warm generation per stage")
+                     help=MODELS_HELP + "; also measures a full warm generation per stage")
     src.add_argument("--synthetic", action="store_true",
                      help="random full-size weights built on the device (timing is weight-independent; "
                           "the result says so)")

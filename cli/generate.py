@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from .options import MODELS_HELP
 from .vae_options import vae_options
 
 REF_KINDS = ("image", "video", "audio")
@@ -44,8 +45,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "short edge (max), or resized to 2048 px like diffusers")
     models = p.add_argument_group("models (a released-layout folder, or each component)")
     models.add_argument("--models", "--models-dir", dest="models", type=Path,
-                        help="folder with transformer/, transformer_ref/, text_encoder/, vae/, "
-                                                    "audio_vae/")
+                        help=MODELS_HELP)
     for flag in ("dit", "dit-ref", "text-encoder", "tokenizer", "vae", "audio-vae"):
         models.add_argument(f"--{flag}", type=Path)
     models.add_argument("--text-encoder-layer", type=int, default=None,
@@ -114,7 +114,7 @@ def run(args) -> int:
     from ..h3_model.engine.loading import LoadOptions
     from ..h3_model.engine.paths import ComponentPaths
     from ..errors import InputError
-    from ..h3_model.dit.lora import LoraSpec
+    from ..h3_model.checkpoint.lora import LoraSpec
     from ..h3_model.pipeline.generation import GenerationRequest
     from ..h3_model.pipeline.step_cache import make_step_cache
     from ..kernels.dispatch import attention_counts
@@ -142,7 +142,7 @@ def run(args) -> int:
                          "other")
     args.demo = args.demo or not given  # no model given: the built-in tiny set
     if args.demo:
-        from ..h3_model.checkpoint.demo import DEMO_PROMPT, TEXT_READ_LAYER, build_demo_models, default_demo_dir
+        from ..h3_model.engine.demo import DEMO_PROMPT, TEXT_READ_LAYER, build_demo_models, default_demo_dir
 
         args.models = build_demo_models(args.demo_dir or default_demo_dir(), log=log)
         args.prompt = DEMO_PROMPT if args.prompt is None else args.prompt

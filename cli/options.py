@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+MODELS_HELP = ("a model folder: today's official download (FL2VA/ and/or Ref2VA/, or one of them), or the older "
+               "layout (transformer/, transformer_ref/, text_encoder/, vae/, audio_vae/)")
+
 
 def check_device(name: str) -> str:
     """`cpu` or `cuda[:N]` that exists here; anything else is refused naming the flag (torch would raise a

@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from .options import MODELS_HELP
 from .vae_options import vae_options
 
 DEFAULT_HOST = "127.0.0.1"  # local only unless --host says otherwise: the API has no authentication
@@ -17,8 +18,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                        description="Load the text encoder, DiT partition(s) and VAEs once and serve /ready, "
                                    "/generate and /jobs over HTTP, one GPU job at a time.")
     models = p.add_argument_group("models (a released-layout folder, or each component)")
-    models.add_argument("--models", type=Path, help="folder with transformer/, transformer_ref/, text_encoder/, "
-                                                    "vae/, audio_vae/")
+    models.add_argument("--models", type=Path, help=MODELS_HELP)
     for flag in ("dit", "dit-ref", "text-encoder", "tokenizer", "vae", "audio-vae"):
         models.add_argument(f"--{flag}", type=Path)
     models.add_argument("--qkv-layout", choices=["auto", "stacked", "interleaved"], default="auto",

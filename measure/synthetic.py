@@ -137,7 +137,7 @@ def synthetic_audio_vae(config, device: str, seed: int = 0):
 def synthetic_text_encoder(preset: str, device: str, dtype: torch.dtype, seed: int = 0, layer: int = 50):
     """Qwen3-VL cut after `layer` (the released 32B geometry for `full`), random weights, as a TextEncoder."""
     _check_preset(preset)
-    from ..h3_model.checkpoint import demo
+    from ..h3_model.engine import demo
     from ..h3_model.text.encoder import TextEncoder, _check_token_ids, _drop_final_norm, _rebuild_rotary
     from ..h3_model.text.torchvision_compat import ensure_importable
 
@@ -175,7 +175,7 @@ def component_builders(preset: str, modes: list[str], device: str, dtype: torch.
     """Component name -> a function that builds it (the service's load overrides take these)."""
     _check_preset(preset)
     from ..h3_model.vae import audio as audio_vae
-    from ..h3_model.checkpoint import demo
+    from ..h3_model.engine import demo
     from ..h3_model.vae import video_config
     from ..h3_model.dit.config import preset as dit_preset
     from ..errors import InputError

@@ -72,6 +72,14 @@ def detect_partition(path: Path, choice: str) -> str:
     if PARTITIONS[choice] is not None:
         return PARTITIONS[choice]
     if path.is_dir():
+        from ..h3_model.engine.paths import MODE_FOLDERS, ComponentPaths
+
+        modes = ComponentPaths(models=path).mode_folders()  # today's download: model_index.json says
+        if len(modes) > 1:
+            raise InputError(f"{path.name} holds both {MODE_FOLDERS['t2va']}/ (t2va/fl2va) and "
+                             f"{MODE_FOLDERS['ref2va']}/ (ref2va); choose the partition")
+        if modes:
+            return next(iter(modes))
         has_ref, has_t2va = (path / "transformer_ref").is_dir(), (path / "transformer").is_dir()
         if has_ref and has_t2va:
             raise InputError(f"{path.name} holds both transformer/ (t2va/fl2va) and transformer_ref/ (ref2va); "
@@ -107,7 +115,10 @@ def load_model(path: Path, partition: str, weight_dtype: str, linear: str, atten
     if released is not None and released.layout() == "per-mode":
         # Today's download (FL2VA/, Ref2VA/ or one of them): the partition's transformer/ inside it.
         key = "dit" if part == "t2va" else "dit_ref"
-        path = released.resolve(key) or path
+        found = released.resolve(key)
+        if found is None:
+            raise InputError(f"{path.name} holds no DiT for the {part} partition ({released.folder_hint(key)})")
+        path = found
     if weight_dtype not in DTYPES:
         raise InputError(f"weight_dtype must be one of {', '.join(DTYPES)}, got {weight_dtype!r}")
     settings = KernelSettings.from_env().replace(attention=attention, linear=linear)

@@ -79,7 +79,7 @@ def test_bench_cli_errors(tmp_path, capsys):
 
 
 def test_bench_with_a_model_folder_measures_every_stage(tmp_path, capsys, monkeypatch):
-    from h3_spark.h3_model.checkpoint.demo import TEXT_READ_LAYER, build_demo_models
+    from h3_spark.h3_model.engine.demo import TEXT_READ_LAYER, build_demo_models
     from h3_spark.h3_model.text.torchvision_compat import ensure_importable
 
     if not ensure_importable():

@@ -18,7 +18,7 @@ def transformers_ready():
 def test_full_text_encoder_geometry_is_qwen3vl_32b_cut_at_layer_50(transformers_ready):
     from transformers import Qwen3VLModel
 
-    from h3_spark.h3_model.checkpoint import demo
+    from h3_spark.h3_model.engine import demo
 
     tok = demo.make_tokenizer()
     config = demo.text_config(tok, layers=50, text=synthetic.QWEN3VL_32B_TEXT, vision=synthetic.QWEN3VL_32B_VISION,
@@ -34,7 +34,7 @@ def test_full_text_encoder_geometry_is_qwen3vl_32b_cut_at_layer_50(transformers_
 
 
 def test_full_processor_makes_510_vision_tokens_for_a_contract_reference(transformers_ready):
-    from h3_spark.h3_model.checkpoint import demo
+    from h3_spark.h3_model.engine import demo
 
     proc = demo.make_processor(demo.make_tokenizer(), patch_size=16, image_pixels=synthetic.QWEN3VL_PIXELS,
                                video_pixels=synthetic.QWEN3VL_PIXELS)

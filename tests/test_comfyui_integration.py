@@ -97,7 +97,7 @@ def free_port() -> int:
 def build_models(tmp: Path) -> Path:
     """The tiny demo set copied into the model folders our loaders list (copies, not links: the loaders
     refuse a folder that resolves outside its model folder)."""
-    from h3_spark.h3_model.checkpoint.demo import build_demo_models
+    from h3_spark.h3_model.engine.demo import build_demo_models
 
     demo = build_demo_models(tmp / "demo")
     models = tmp / "models"

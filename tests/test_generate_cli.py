@@ -8,7 +8,7 @@ import pytest
 
 from h3_spark.cli import main
 from h3_spark.h3_model.media import files as media
-from h3_spark.h3_model.checkpoint.demo import build_demo_models
+from h3_spark.h3_model.engine.demo import build_demo_models
 
 pytest.importorskip("av")
 

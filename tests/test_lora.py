@@ -14,7 +14,7 @@ from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_minim
 
 from h3_spark.h3_model.dit.config import TINY
 from h3_spark.errors import CheckpointError, InputError
-from h3_spark.h3_model.dit.lora import LoraSpec, apply_loras
+from h3_spark.h3_model.checkpoint.lora import LoraSpec, apply_loras
 from oracle import diffusers_dit, ours_from, rel_l2
 
 RANK = 3
@@ -164,7 +164,7 @@ def test_diff_on_original_fc1_equals_the_same_delta_as_a_pair(tmp_path, layer, o
 
 
 def test_diff_on_diffusers_named_proj_is_not_swapped_and_diff_b_is(tmp_path):
-    from h3_spark.h3_model.dit.lora import plan_lora
+    from h3_spark.h3_model.checkpoint.lora import plan_lora
 
     c = TINY
     model = ours_from(diffusers_dit(c), c)

@@ -326,6 +326,25 @@ def test_partition_from_whole_name_tokens(tmp_path, name, partition):
             engine.detect_partition(tmp_path / name, "auto")
 
 
+def test_partition_of_the_per_mode_download(tmp_path):
+    """FL2VA/ and Ref2VA/ both hold a transformer/ folder: their model_index.json tells them apart."""
+    import json
+
+    from h3_spark.h3_model.checkpoint.released import model_index
+    from h3_spark.nodes import engine
+
+    for name, partition in (("FL2VA", "t2va"), ("Ref2VA", "ref2va")):
+        (tmp_path / name / "transformer").mkdir(parents=True)
+        (tmp_path / name / "model_index.json").write_text(json.dumps(model_index(partition)))
+        assert engine.detect_partition(tmp_path / name, "auto") == partition
+    # A folder named otherwise is judged by its index, not its name.
+    (tmp_path / "FL2VA").rename(tmp_path / "mode-a")
+    assert engine.detect_partition(tmp_path / "mode-a", "auto") == "t2va"
+    (tmp_path / "mode-a").rename(tmp_path / "FL2VA")
+    with pytest.raises(InputError, match="holds both FL2VA/ .* and Ref2VA/ .*choose the partition"):
+        engine.detect_partition(tmp_path, "auto")
+
+
 def test_lora_is_merged_per_run_and_taken_out(models, monkeypatch):
     from safetensors.torch import save_file
 

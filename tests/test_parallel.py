@@ -123,7 +123,7 @@ def test_generate_gpus_2_equals_one_process(tmp_path):
 
     from safetensors.torch import load_file
 
-    from h3_spark.h3_model.checkpoint.demo import build_demo_models
+    from h3_spark.h3_model.engine.demo import build_demo_models
     from h3_spark.h3_model.text.torchvision_compat import ensure_importable
 
     if not ensure_importable():

@@ -21,7 +21,7 @@ import torch
 
 from h3_spark.errors import CheckpointError, InputError
 from h3_spark.h3_model.checkpoint import load_dit, open_dit
-from h3_spark.h3_model.checkpoint.demo import DEMO_VAE, DIT_CONFIG, build_demo_models, write_text_encoder
+from h3_spark.h3_model.engine.demo import DEMO_VAE, DIT_CONFIG, build_demo_models, write_text_encoder
 from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
 from h3_spark.h3_model.checkpoint.released import write_released_dit, write_released_models
 from h3_spark.h3_model.engine.engine import Engine

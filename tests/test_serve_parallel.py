@@ -153,7 +153,7 @@ def test_lockstep_agreement_and_collective_cancel():
 
 def test_serve_gpus_2_runs_cancels_and_shuts_down(tmp_path):
     from h3_spark.h3_model.media import files as media
-    from h3_spark.h3_model.checkpoint.demo import build_demo_models
+    from h3_spark.h3_model.engine.demo import build_demo_models
     from h3_spark.h3_model.text.torchvision_compat import ensure_importable
 
     if not ensure_importable():

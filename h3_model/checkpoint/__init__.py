@@ -6,6 +6,8 @@ Entry points:
 - `read_dit_config(path)`: the `DiTConfig` such a checkpoint describes, from headers only;
 - `open_dit(path)`: the `DitReader` behind both, for tools that want the plan or the stream;
 - `StoredLinears`: a loaded model's FP8/NVFP4 codes as stored, for the low-bit linears.
+LoRA files are read and merged into a loaded DiT by `lora.py`; `make.py`, `released.py` and `synthetic.py`
+write random-weight checkpoints under the real names for tests, demos and benchmarks.
 safetensors only: pickle files are refused, data is memory-mapped.
 """
 

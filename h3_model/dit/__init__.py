@@ -1,1 +1,1 @@
-"""The H3 diffusion transformer: config, packed layout, the model, LoRA merging, sequence parallelism."""
+"""The H3 diffusion transformer: its config, the packed sequence layout, the model, sequence parallelism."""

@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ...errors import H3Error, InputError
-from ..pipeline.generation import Components, GenerationRequest, GenerationResult, Pipeline
+from ..pipeline.generation import DEFAULT_ENCODE_TILE, Components, GenerationRequest, GenerationResult, Pipeline
 from .loading import LOADED, MODE_PARTITIONS, LoadOptions, check_device, check_fit, component_loader
 from .paths import ComponentPaths
 
@@ -124,8 +124,7 @@ class Engine:
                 dits.append(key)
         for name, flag in (("text_encoder", "--text-encoder"), ("vae", "--vae"), ("audio_vae", "--audio-vae")):
             if found[name] is None:
-                what = "the text encoder is needed" if name == "text_encoder" else f"the {name.replace('_', ' ')} is needed"
-                raise InputError(f"{what}: pass --models or {flag}")
+                raise InputError(f"the {name.replace('_', ' ')} is needed: pass --models or {flag}")
         return {name: found[name] for name in LOADED if name in dits or name not in ("dit", "dit_ref")}
 
     def preflight(self, plan: Mapping[str, object]) -> None:
@@ -166,7 +165,9 @@ class Engine:
                 report(LoadEvent(name, "failed", error=f"{type(exc).__name__}: {exc}"))
                 raise
             setattr(self.components, name, model)
-            self.load_seconds[name] = round(time.perf_counter() - start, 3)
+            # Build and configure; merging LoRAs is reported on its own line (`<name>_loras`).
+            seconds = time.perf_counter() - start - self.load_seconds.get(f"{name}_loras", 0.0)
+            self.load_seconds[name] = round(seconds, 3)
             report(LoadEvent(name, "resident", self.load_seconds[name]))
         check_fit(self.components)  # components given one by one must belong together: fail now, not mid-job
         return self
@@ -175,7 +176,7 @@ class Engine:
         """LoRAs and kernels for a DiT, the decode batch and kernels for the video VAE: once, at load."""
         if name in ("dit", "dit_ref"):
             if self.options.loras:
-                from ..dit.lora import apply_loras
+                from ..checkpoint.lora import apply_loras
 
                 start = time.perf_counter()
                 apply_loras(model, self.options.loras)
@@ -210,10 +211,12 @@ class Engine:
     def encode_text(self, mode: str, prompt: str, keyframes=(), references=()):
         return self.pipeline.encode_text(mode, prompt, keyframes, references)
 
-    def encode_keyframe(self, frame: torch.Tensor, tile_size: int | None = 256):
+    def encode_keyframe(self, frame: torch.Tensor, tile_size: int | None = DEFAULT_ENCODE_TILE) -> torch.Tensor:
+        """A keyframe's normalised conditioning latents (1, C, 1, h, w), cached by content."""
         return self.pipeline.encode_keyframe(frame, tile_size)[0]
 
-    def encode_reference(self, reference, tile_size: int | None = 256):
+    def encode_reference(self, reference, tile_size: int | None = DEFAULT_ENCODE_TILE):
+        """A prepared reference's video and / or audio latents (`EncodedReference`), cached by content."""
         return self.pipeline.encode_reference(reference, tile_size)[0]
 
     def sample(self, dit, request, schedule, seed: int, **kwargs):

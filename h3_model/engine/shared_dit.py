@@ -26,7 +26,7 @@ def use_loras(dit, loras: list) -> None:
     Several MODEL clones share one DiT (ComfyUI caches the loader's output), so the merged set is
     tracked on the DiT itself; only the parameters a LoRA touches are backed up (on the CPU).
     """
-    from ..dit.lora import LoraSpec, apply_loras, plan_lora, read_lora
+    from ..checkpoint.lora import LoraSpec, apply_loras, plan_lora, read_lora
 
     want = tuple((str(p), float(s)) for p, s in loras)
     state = dit.__dict__.setdefault(LORAS, {"applied": (), "backup": {}})

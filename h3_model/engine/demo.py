@@ -109,7 +109,7 @@ def write_text_encoder(folder: Path, seed: int = 0) -> Path:
 
 def build_demo_models(root: Path, seed: int = 0, log=lambda message: None) -> Path:
     """The demo model folder (reused when it is complete and of this demo version)."""
-    from .make import make_dit_checkpoint
+    from ..checkpoint.make import make_dit_checkpoint
     from ..vae.synthetic import write_audio_vae_checkpoint, write_vae_checkpoint
 
     root = Path(root)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.keymap import original_layer_to_diffusers, split_qkv, swap_halves
+from .keymap import original_layer_to_diffusers, split_qkv, swap_halves
 from ...errors import CheckpointError, InputError
 
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", "base_model.model.")

@@ -1,0 +1,115 @@
+"""The engine object: what it plans, how it reports loading, what it configures once, and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3_spark.errors import CheckpointError, InputError
+from h3_spark.h3_model.engine.engine import Engine
+from h3_spark.h3_model.engine.loading import LoadOptions
+from h3_spark.h3_model.engine.paths import ComponentPaths
+from h3_spark.kernels.settings import KernelSettings
+from h3_spark.measure import synthetic
+
+# The PyTorch references (Triton's CPU interpreter would spend seconds per fused pass).
+REFERENCE_KERNELS = KernelSettings(modulation_fusion="off", q_rms_rope_int8_fusion="off")
+
+
+@pytest.fixture(scope="module")
+def builders():
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
+
+    if not ensure_importable():
+        pytest.skip("the Qwen3-VL processors need torchvision")
+    return synthetic.component_builders("tiny", ["t2va", "ref2va"], "cpu", torch.float32, torch.float32,
+                                        text_layer=2)
+
+
+def _engine(builders, **changes) -> Engine:
+    options = LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2,
+                          kernels=REFERENCE_KERNELS)
+    return Engine(options=options, overrides={**builders, **changes})
+
+
+def test_load_reports_each_component_and_configures_it_once(builders):
+    events = []
+    engine = _engine(builders).load(on_progress=events.append)
+    names = ["dit", "dit_ref", "text_encoder", "vae", "audio_vae"]
+    assert [(e.component, e.state) for e in events] == [(n, s) for n in names for s in ("loading", "resident")]
+    assert all(e.seconds is not None and e.seconds >= 0 for e in events if e.state == "resident")
+    assert set(engine.load_seconds) == set(names) and engine.modes == ["t2va", "fl2va", "ref2va"]
+    # Kernels once per DiT and for the video VAE, with the attention each DiT was given kept for job switches.
+    assert set(engine.kernel_reports) == {"dit", "dit_ref", "vae"}
+    assert engine.kernel_reports["dit"]["attention"]["chosen"] == "sdpa"
+    assert engine.default_attention["dit"] == (engine.components.dit.attention, engine.components.dit.qk_prep)
+    assert engine.components.vae.tile_batch == engine.options.vae_tile_batch
+
+
+def test_only_the_partitions_the_modes_need_are_loaded(builders):
+    engine = _engine(builders).load(["fl2va"])
+    assert engine.components.dit is not None and engine.components.dit_ref is None
+    assert engine.modes == ["t2va", "fl2va"]
+    with pytest.raises(Exception, match="ref2va needs the ref2va partition"):
+        engine.components.dit_for("ref2va")
+
+
+def test_a_component_that_fails_is_reported_and_stops_the_load(builders):
+    def broken():
+        raise CheckpointError("text_encoder/: shard 3 is missing")
+
+    events = []
+    with pytest.raises(CheckpointError, match="shard 3 is missing"):
+        _engine(builders, text_encoder=broken).load(["t2va"], on_progress=events.append)
+    assert [(e.component, e.state) for e in events] == [
+        ("dit", "loading"), ("dit", "resident"), ("text_encoder", "loading"), ("text_encoder", "failed")]
+    assert events[-1].error == "text_encoder/: shard 3 is missing"
+
+
+@pytest.mark.parametrize("paths, modes, message", [
+    (ComponentPaths(), ["t2va"], "t2va needs the transformer/ DiT: pass --models or --dit"),
+    (ComponentPaths(), None, "no DiT to serve: pass --models"),
+    (ComponentPaths(), ["t3va"], r"unknown mode\(s\) \['t3va'\]"),
+])
+def test_plan_names_what_is_missing(paths, modes, message):
+    with pytest.raises(InputError, match=message):
+        Engine(paths).plan(modes)
+
+
+def test_plan_wants_the_text_encoder_and_both_vaes(tmp_path):
+    dit = tmp_path / "dit.safetensors"
+    dit.write_bytes(b"")
+    with pytest.raises(InputError, match="the text encoder is needed: pass --models or --text-encoder"):
+        Engine(ComponentPaths(dit=dit)).plan(["t2va"])
+    with pytest.raises(InputError, match="no such model folder"):
+        Engine(ComponentPaths(models=tmp_path / "nowhere")).plan(["t2va"])
+
+
+def test_unknown_overrides_are_refused():
+    with pytest.raises(InputError, match=r"unknown component override\(s\) \['unet'\]"):
+        Engine(overrides={"unet": lambda: None})
+
+
+def test_asked_for_kernels_that_cannot_run_fail_before_any_weights(builders):
+    read = []
+    engine = _engine({**builders, "dit": lambda: read.append("dit")})
+    engine.options.kernels = KernelSettings(attention="fa3")
+    with pytest.raises(Exception, match="fa3"):
+        engine.load(["t2va"])
+    assert read == []
+
+
+def test_stages_of_an_engine_over_components_in_memory(builders):
+    """`Engine.of` (the ComfyUI nodes' way in) runs the same stage code: the decode of its latents matches the
+    resident engine's whole generation."""
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest
+
+    engine = _engine(builders).load(["t2va"])
+    req = GenerationRequest(mode="t2va", prompt="a boat", width=64, height=64, frames=124, steps=3)
+    result = engine.generate(req)
+    held = Engine.of(text_encoder=engine.components.text_encoder, vae=engine.components.vae,
+                     audio_vae=engine.components.audio_vae)
+    text = held.encode_text("t2va", "a boat")
+    assert text.tags.numel() == result.info["text_tokens"]
+    assert torch.equal(held.decode_video(result.video_latents), result.video)
+    assert torch.equal(held.decode_audio(result.audio_latents), result.audio)
