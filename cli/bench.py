@@ -53,9 +53,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
 
 
 def _run_vs_exact(args, contract, model, settings, device, weights, record, out: Path) -> int:
+    from ..h3_model.pipeline.scheduler import JointSchedule
     from ..measure import runner, stamp
     from ..measure.contract import contract_shape
-    from ..h3_model.pipeline.scheduler import JointSchedule
 
     budget = json.loads((Path(__file__).resolve().parents[1] / "config" / "quality_budget.json").read_text())
     shape = contract_shape(contract, model.config)
@@ -130,9 +130,9 @@ def generation_flags(args) -> tuple[str, ...]:
 def preflight(args) -> tuple:
     """Everything that can be checked without loading a model, so a mistake costs seconds, not a
     measurement: (device, contract, settings, cache modes, out path)."""
-    from ..measure.contract import load_contract
     from ..errors import InputError
     from ..kernels.settings import kernel_settings
+    from ..measure.contract import load_contract
 
     device = bench_device(args)
     contract = load_contract(args.contract)
@@ -165,8 +165,8 @@ def load_model(args, contract, device: str, dtype):
                                               dit_init=args.synthetic_init)
         return engine.components.dit_for(contract["mode"]), engine, describe(args.preset, args.synthetic_init), build_s
     if args.synthetic:
-        from ..measure.synthetic import describe, synthetic_dit
         from ..h3_model.dit.config import preset
+        from ..measure.synthetic import describe, synthetic_dit
 
         model = synthetic_dit(preset(args.preset), dtype, device, seed=contract["seed"], init=args.synthetic_init)
         return model, None, describe(args.preset, args.synthetic_init, text_encoder=False), None

@@ -21,8 +21,8 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from ..measure.compare import compare, contract_for, render
     from ..errors import InputError
+    from ..measure.compare import compare, contract_for, render
 
     if not args.result.is_file():
         raise InputError(f"{args.result}: no such result file")

@@ -105,10 +105,10 @@ def read_latents(path: str | os.PathLike) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ..errors import InputError
     from ..h3_model.media import files as media
     from ..h3_model.vae import loading as vae_loading
     from ..h3_model.vae import video_config
-    from ..errors import InputError
     from ..kernels.settings import KernelSettings, vae_tile_batch
     from ..kernels.vae import apply_vae_kernels
 

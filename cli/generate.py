@@ -109,18 +109,17 @@ def run(args) -> int:
 
     import torch
 
-    from ..h3_model.media import files as media
+    from ..errors import InputError
+    from ..h3_model.checkpoint.lora import LoraSpec
     from ..h3_model.engine.engine import Engine
     from ..h3_model.engine.loading import LoadOptions
     from ..h3_model.engine.paths import ComponentPaths
-    from ..errors import InputError
-    from ..h3_model.checkpoint.lora import LoraSpec
+    from ..h3_model.media import files as media
     from ..h3_model.pipeline.generation import GenerationRequest
     from ..h3_model.pipeline.step_cache import make_step_cache
     from ..kernels.dispatch import attention_counts
-    from ..kernels.settings import vae_tile_batch
+    from ..kernels.settings import kernel_settings, vae_tile_batch
     from .distributed import command_argv, init_distributed, relaunch_with_torchrun
-    from ..kernels.settings import kernel_settings
     from .options import check_device
 
     if args.gpus < 1:

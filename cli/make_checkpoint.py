@@ -137,9 +137,9 @@ def _run_vae(args) -> int:
 
 
 def run(args) -> int:
+    from ..errors import InputError
     from ..h3_model.checkpoint.make import CURVE_DEFAULTS, make_dit_checkpoint
     from ..h3_model.dit.config import preset
-    from ..errors import InputError
 
     if args.component != "dit":
         if args.device != "cpu":

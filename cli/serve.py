@@ -63,11 +63,10 @@ def service_settings(args, device: str | None = None):
     --gpus N."""
     import torch
 
+    from ..errors import InputError
     from ..h3_model.engine.loading import LoadOptions
     from ..h3_model.engine.paths import ComponentPaths
-    from ..errors import InputError
-    from ..kernels.settings import vae_tile_batch
-    from ..kernels.settings import kernel_settings
+    from ..kernels.settings import kernel_settings, vae_tile_batch
     from ..serve.service import ServiceConfig
     from ..serve.validation import Limits
 
@@ -103,8 +102,8 @@ def synthetic_overrides(args, options):
     """Component builders for --synthetic (None without it); refuses model paths given alongside."""
     if not args.synthetic:
         return None
-    from ..measure.synthetic import component_builders
     from ..errors import InputError
+    from ..measure.synthetic import component_builders
 
     given = [f"--{f.replace('_', '-')}" for f in ("models", "dit", "dit_ref", "text_encoder", "tokenizer", "vae",
                                                   "audio_vae") if getattr(args, f) is not None]
@@ -146,6 +145,7 @@ def run(args) -> int:
 
     try:
         import uvicorn
+
         from ..serve.app import create_app
     except ImportError as exc:
         raise H3Error(f"`h3-spark serve` needs starlette and uvicorn ({exc}); install them with "

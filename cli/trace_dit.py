@@ -24,8 +24,8 @@ def run(args) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from ..h3_model.checkpoint import load_dit
     from ..errors import InputError
+    from ..h3_model.checkpoint import load_dit
     from ..h3_model.dit.trace import DTYPES, read_inputs, run_trace
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -1,8 +1,11 @@
 """GPU kernels, each next to its plain-PyTorch reference, and capability dispatch.
 
-Entry points (import the modules directly; this package imports nothing so that `h3_model.dit` can
-import `kernels.attention` without cycles):
-- `kernels.settings.KernelSettings.from_env()`: the H3_* kernel flags, parsed once at a front door;
+kernels/ imports nothing of the engine (h3_model/): the modules the model runs by default and the fused
+kernels subclass (`RowModulation`, `SwiGLU`) live in `kernels.references`, the NVFP4 format's codec in
+`kernels.nvfp4_codec`, and `apply_kernels` reaches a model's stored codes through the `checkpoint_origin` the
+loader leaves on it. Entry points (import the modules directly; this package's own import loads nothing):
+- `kernels.settings.KernelSettings.from_env()` / `kernel_settings(attention, linear)`: the H3_* kernel flags,
+  parsed once at a front door;
 - `kernels.dispatch.apply_kernels(model, settings)`: configure a loaded H3DiT, returns the report;
 - `kernels.attention.resolve_attention(name, device, settings)`: one attention backend.
 See kernels/README.md for what each backend and fusion does, its error budget and where it runs.

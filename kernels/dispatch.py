@@ -16,10 +16,10 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from .references import RowModulation
 from .attention import resolve_attention
 from .capability import (KernelUnavailable, as_device, capability, describe_device, is_blackwell, require_cuda,
                          require_module, require_triton, triton_interpreting, triton_ready)
+from .references import RowModulation
 from .settings import KernelSettings
 
 # The four GEMMs of every block, as the six modules that hold them (q, k, v are one GEMM's three slices).

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .references import SwiGLU
 from ._triton import div_by, require_kernels, store_e4m3, tl, triton  # noqa: F401  (used in the kernel)
 from .modulation import FusedRowModulation
+from .references import SwiGLU
 
 E4M3_MAX = 448.0
 # An all-zero row still gets a finite scale; its codes are zero whatever the scale.

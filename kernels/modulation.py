@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .references import RowModulation
 from ._triton import require_kernels, rnd, rnd_store, round_code, tl, triton  # noqa: F401  (used in the kernels)
 from .qk_prep import norm_eps
+from .references import RowModulation
 
 # Launch shape per row: up to BLOCK columns per step (a step as wide as the row reads it once) and warps.
 # 8192 x 8 measured best of six shapes at the released width on the H200 (perf-notes, third session).

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .nvfp4_codec import (decode_codes, dequantize, pack_codes, round_to_e2m1, swizzle_scales,
-                                         unpack_codes, unswizzle_scales)
-from .references import RowModulation, SwiGLU
 from ._triton import require_kernels, rnd, round_code, round_e4m3, tl, triton  # noqa: F401
 from .modulation import FusedRowModulation
+from .nvfp4_codec import (decode_codes, dequantize, pack_codes, round_to_e2m1, swizzle_scales, unpack_codes,
+                          unswizzle_scales)
 from .qk_prep import norm_eps
+from .references import RowModulation, SwiGLU
 
 BLOCK = 16
 E2M1_MAX = 6.0

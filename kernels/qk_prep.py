@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import (INTERPRETED, div_by, require_kernels, rint, rnd, rnd_store,  # noqa: F401  (kernels)
-                      round_bf16, round_code, store_e4m3, tl, triton)
+from ._triton import (INTERPRETED, div_by, require_kernels, rint, rnd, rnd_store, round_bf16,  # noqa: F401  (kernels)
+                      round_code, store_e4m3, tl, triton)
 
 BLOCK_TOKENS = 64
 NUM_WARPS = 8

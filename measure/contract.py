@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InputError
 from ..h3_model import geometry
 from ..h3_model.dit.config import TEXT_TAG, VIDEO_TAG, DiTConfig
-from ..errors import InputError
 from ..h3_model.dit.layout import ImageBlock, Layout, build_ref2va, build_t2va
 
 REQUIRED = ("name", "mode", "width", "height", "frames", "steps", "seed", "text_tokens", "sequence_length",

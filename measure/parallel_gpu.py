@@ -31,8 +31,8 @@ from .synthetic import synthetic_dit
 def parse_args(argv: list[str] | None = None):
     """The arguments and the kernel settings they give. Checked here, before any process group or model,
     so a bad flag stops every rank at once with an error that names the flag."""
-    from ..kernels.settings import kernel_settings
     from ..errors import H3Error
+    from ..kernels.settings import kernel_settings
 
     p = argparse.ArgumentParser()
     p.add_argument("--contract", required=True)

@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 
 from ..h3_model.dit.config import DiTConfig
-from ..h3_model.pipeline.scheduler import CONDITION_AUDIO_T, CONDITION_VIDEO_T, JointSchedule
 from ..h3_model.pipeline.sampler import schedule_timestep_values
+from ..h3_model.pipeline.scheduler import CONDITION_AUDIO_T, CONDITION_VIDEO_T, JointSchedule
 from .contract import BenchShape, Contract, check_limits, contract_shape
 
 
@@ -205,8 +205,8 @@ def run(contract: Contract, model, device: str, *, twin, diffusers_backends: lis
 def contract_request(contract: Contract):
     """The contract's request for the real pipeline; image references are seeded random pictures of the
     contract's source sizes (the timing depends on their size, not their content)."""
-    from ..h3_model.pipeline.generation import GenerationRequest
     from ..h3_model.media.refs import ImageReference
+    from ..h3_model.pipeline.generation import GenerationRequest
 
     refs = []
     for i, ref in enumerate(contract.get("references", [])):

@@ -174,11 +174,11 @@ def component_builders(preset: str, modes: list[str], device: str, dtype: torch.
                        dit_init: str = "fan_in") -> dict[str, Callable[[], object]]:
     """Component name -> a function that builds it (the service's load overrides take these)."""
     _check_preset(preset)
-    from ..h3_model.vae import audio as audio_vae
-    from ..h3_model.engine import demo
-    from ..h3_model.vae import video_config
-    from ..h3_model.dit.config import preset as dit_preset
     from ..errors import InputError
+    from ..h3_model.dit.config import preset as dit_preset
+    from ..h3_model.engine import demo
+    from ..h3_model.vae import audio as audio_vae
+    from ..h3_model.vae import video_config
 
     bad = [m for m in modes if m not in MODE_KEYS]
     if bad or not modes:

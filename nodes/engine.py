@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
+from ..errors import H3Error, InputError
 from ..h3_model import geometry
 from ..h3_model.engine.engine import Engine
 from ..h3_model.engine.shared_dit import kernels_line, use_kernels, use_loras
-from ..errors import H3Error, InputError
 from ..h3_model.text.prompt import check_prompt
 from . import host, payload
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..h3_model import geometry
 from ..errors import InputError
+from ..h3_model import geometry
 from ..h3_model.dit.layout import AudioBlock, ImageBlock, VideoBlock
 from .host import optional_module
 

@@ -19,13 +19,13 @@ from typing import Callable
 
 import torch
 
-from ..h3_model import geometry
-from ..h3_model.media import files as media
 from ..errors import H3Error
+from ..h3_model import geometry
 from ..h3_model.engine.engine import Engine
 from ..h3_model.engine.report import AttentionSwitch, unwrap
-from ..h3_model.pipeline.generation import GenerationRequest, Progress
+from ..h3_model.media import files as media
 from ..h3_model.media.refs import load_reference
+from ..h3_model.pipeline.generation import GenerationRequest, Progress
 from ..h3_model.pipeline.sampler import Cancelled
 from ..h3_model.pipeline.step_cache import make_step_cache
 from ..kernels.dispatch import attention_counts, exactness

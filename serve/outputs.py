@@ -25,8 +25,8 @@ import threading
 from pathlib import Path, PurePosixPath
 from typing import Iterator
 
-from ..h3_model.media import files as media
 from ..errors import InputError
+from ..h3_model.media import files as media
 from .validation import RequestError
 
 try:

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import H3Error
+from ..h3_model.engine.engine import Engine
+from ..h3_model.engine.report import describe_models, memory_report, supported_kernels
 from .execute import JobRunner, stderr_log
 from .jobs import Job, JobQueue, QueueFull
 from .lockstep import Leader
-from ..h3_model.engine.engine import Engine
-from ..h3_model.engine.report import describe_models, memory_report, supported_kernels
 from .models import LoadTracker
 from .outputs import InputFolder, OutputFolder
 from .validation import JobRequest, Limits, RequestError, parse_request

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..h3_model import geometry
 from ..errors import H3Error
+from ..h3_model import geometry
 from ..h3_model.dit.layout import check_references
 from ..h3_model.pipeline.generation import MAX_STEPS, MODES
-from ..h3_model.text.prompt import check_prompt
-from ..h3_model.pipeline.step_cache import (DEFAULT_END_PERCENT, DEFAULT_START_PERCENT, DEFAULT_SUBSAMPLE, DEFAULT_THRESHOLD,
-                                   CacheOptions)
+from ..h3_model.pipeline.step_cache import (DEFAULT_END_PERCENT, DEFAULT_START_PERCENT, DEFAULT_SUBSAMPLE,
+                                            DEFAULT_THRESHOLD)
 from ..h3_model.pipeline.step_cache import MODES as CACHE_MODES
+from ..h3_model.pipeline.step_cache import CacheOptions
+from ..h3_model.text.prompt import check_prompt
 from ..kernels.settings import ATTENTION_BACKENDS
 
 REFERENCE_KINDS = ("image", "video", "audio")

@@ -15,10 +15,10 @@ from typing import Callable
 
 import torch
 
-from ..dit.config import DiTConfig
 from ...errors import CheckpointError
-from . import keymap
 from ...kernels import nvfp4_codec as nvfp4
+from ..dit.config import DiTConfig
+from . import keymap
 from .dit_config import comfy_metadata_for, expected_inv_freq
 from .pruned import CurveFit, project
 from .quant import convrot_group_for, encode_marker, quantize_fp8, quantize_int8_rows

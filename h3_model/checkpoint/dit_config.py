@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from ..dit.config import DiTConfig
 from ...errors import CheckpointError
+from ..dit.config import DiTConfig
 
 # ComfyUI's MiniMaxH3Model argument names -> DiTConfig (diffusers) field names.
 COMFY_TO_DIFFUSERS = {

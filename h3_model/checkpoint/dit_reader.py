@@ -20,10 +20,10 @@ from typing import Iterator
 
 import torch
 
-from ..dit.config import DiTConfig
 from ...errors import CheckpointError
-from . import keymap
 from ...kernels import nvfp4_codec as nvfp4
+from ..dit.config import DiTConfig
+from . import keymap
 from .detect import Detected, detect
 from .dit_config import config_from_comfy, config_from_diffusers_shapes
 from .quant import LEGACY_MARKER, QuantSpec, declare_layers, dequantize, fold_pre_quant_scale, split_param

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from .keymap import original_layer_to_diffusers, split_qkv, swap_halves
 from ...errors import CheckpointError, InputError
+from .keymap import original_layer_to_diffusers, split_qkv, swap_halves
 
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", "base_model.model.")
 _PAIR = re.compile(r"^(?P<layer>.+?)\.(?:(?P<peft>lora_[AB])(?:\.default)?|(?P<kohya>lora_down|lora_up))\.weight$")

@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from ..dit.config import DiTConfig
 from ...errors import InputError
+from ..dit.config import DiTConfig
 from .comfy_layout import FORMATS, comfy_groups, comfy_metadata, diffusers_config_json, diffusers_groups
 from .dit_reader import expected_shapes
 from .pruned import CurveFit, fit_curve

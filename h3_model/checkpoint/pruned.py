@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dit.config import DiTConfig
 from ...errors import CheckpointError
+from ..dit.config import DiTConfig
 
 
 @dataclass

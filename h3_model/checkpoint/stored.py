@@ -105,8 +105,8 @@ class StoredLinears:
             dequantize(spec, tensors, shape, torch.float32, name).to(weight.dtype), weight.detach())
 
     def _open(self):
-        from . import open_dit
         from ...errors import CheckpointError
+        from . import open_dit
 
         if self._reader is None and self.unavailable is None:
             try:

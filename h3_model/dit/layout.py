@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .config import AUDIO_TAG, NUM_MODALITIES, TEXT_TAG, VIDEO_TAG
 from ...errors import InputError
 from ..geometry import AUDIO_CHANNELS
+from .config import AUDIO_TAG, NUM_MODALITIES, TEXT_TAG, VIDEO_TAG
 
 # One latent frame spans 5/3 rotary units per pixel frame (40 units/s at 24 fps, the audio latent
 # rate); a VAE chunk is 1 + 4 + 4 + 4 + 4 pixel frames.

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 
-
-from ..vae import video_config
 from ..dit.config import TINY
+from ..vae import video_config
 
 DEMO_VERSION = "2"
 TEXT_HIDDEN = 32

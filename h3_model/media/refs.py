@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import geometry
 from ...errors import InputError
+from .. import geometry
 from ..dit.layout import AudioBlock, ImageBlock, VideoBlock, check_references
 from ..text.prompt import QWEN_TEMPORAL_PATCH, VIDEO_SAMPLE_FPS, shortest_video
 from .resample import resample

@@ -21,11 +21,11 @@ from typing import Callable
 
 import torch
 
-from .. import geometry
 from ...errors import H3Error, InputError
+from .. import geometry
 from ..dit.layout import AudioBlock, ImageBlock, Layout, VideoBlock, build_ref2va, build_t2va
-from ..text.prompt import check_prompt
 from ..media.refs import PreparedReference, Reference, prepare_keyframes, prepare_references, prompt_references
+from ..text.prompt import check_prompt
 from .sampler import SamplingRequest, StepInfo, sample
 from .scheduler import AUDIO_SHIFT, VIDEO_SHIFT, JointSchedule, Schedule, custom_sigmas
 

@@ -28,11 +28,11 @@ from typing import Iterator
 
 import torch
 
+from ...errors import CheckpointError, H3Error, InputError
 from ..checkpoint.detect import detect
 from ..checkpoint.quant import (LEGACY_MARKER, QUANT_SUFFIXES, QuantSpec, decode_marker, dequantize,
-                               fold_pre_quant_scale, metadata_layers, parse_layer_conf, split_param)
+                                fold_pre_quant_scale, metadata_layers, parse_layer_conf, split_param)
 from ..checkpoint.source import CheckpointSource, open_source
-from ...errors import CheckpointError, H3Error, InputError
 from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, Presentation, PresentationBuilder
 
 DEFAULT_LAYER = 50

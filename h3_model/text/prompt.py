@@ -30,8 +30,8 @@ from typing import Sequence, Union
 
 import torch
 
-from ..dit.config import TEXT_TAG, VIDEO_TAG
 from ...errors import CheckpointError, InputError
+from ..dit.config import TEXT_TAG, VIDEO_TAG
 
 FPS = 24  # the rate video references arrive at (the model's own clock)
 VIDEO_SAMPLE_FPS = 2  # the rate Qwen reads a video reference at

@@ -24,7 +24,6 @@ from . import video as V
 from . import video_config as VC
 from .loading import DIFFUSERS_VERSION, LAYOUTS, WEIGHTS_NAME, diffusers_to_comfy_video
 
-
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 

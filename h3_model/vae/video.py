@@ -62,7 +62,6 @@ from .video_config import (DECODE_DTYPES, DEFAULT_TILE_MIN_OVERLAP, DEFAULT_TILE
                            IMAGENET_STD, VideoVAEConfig)
 from .video_tiling import blend_edge_, check_tiling, decoded_num_frames, split_tiles, stitch_tiles, temporal_plan
 
-
 # --------------------------------------------------------------------------------------------
 # Posterior, normalisation, pixels
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from torch import nn
 from ...kernels.attention import sdpa
 from .video_config import VideoVAEConfig
 
-
 # --------------------------------------------------------------------------------------------
 # Encoder. Every module accepts (B, C, T, H, W) and also (B, C, H, W) for one frame: with causal
 # padding of kernel_t - 1 zero frames, only the last temporal tap of a kernel ever meets a lone

@@ -11,7 +11,6 @@ import torch
 
 from ...errors import CheckpointError
 
-
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 DIFFUSERS_CLASS_NAME = "AutoencoderKLMiniMaxH3"
