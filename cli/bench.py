@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .options import MODELS_HELP
+from .options import MODELS_HELP, add_budget_flags
 
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
@@ -48,6 +48,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "the uncached run: steps reused, sampling time, latent error")
     p.add_argument("--profile", action="store_true",
                    help="also profile one warm forward: CUDA time per kernel group and the slowest kernels (CUDA only)")
+    add_budget_flags(p)
     p.add_argument("--out", required=True, help="result JSON path")
     return p
 
@@ -145,11 +146,48 @@ def preflight(args) -> tuple:
     if args.profile and not device.startswith("cuda"):
         raise InputError("--profile reports CUDA kernel time: it needs a CUDA device, not the CPU")
     settings = kernel_settings(args.attention, args.linear)
+    check_budget_flags(args)
     if args.vs == "diffusers":
         from ..measure.diffusers_ref import diffusers_transformer_class
 
         diffusers_transformer_class()
     return device, contract, settings, cache_modes, out
+
+
+def check_budget_flags(args) -> None:
+    """--vram-budget measures the DiT's forward streamed under the budget; refuses what it cannot combine with."""
+    from ..errors import InputError
+    from .options import check_depth, vram_budget
+
+    args.budget = vram_budget(args.vram_budget)
+    check_depth(args.prefetch_depth)
+    if args.budget is not None and (args.vs or args.models or args.generation):
+        raise InputError("--vram-budget measures the DiT forward alone: drop --vs, --models and --generation "
+                         "(the text encoder and the VAEs do not stream yet)")
+
+
+def stream_under_budget(model, args, contract, device: str) -> dict:
+    """Place the configured DiT under the budget, then cap this process at the budget to emulate a smaller
+    card (torch.cuda.set_per_process_memory_fraction); the receipt says so."""
+    import torch
+
+    from ..h3_model.engine.memory import place_dit, plan_dit
+    from ..measure.contract import contract_shape
+
+    rows = contract_shape(contract, model.config).layout.sequence_length
+    plan = plan_dit(model, args.budget, rows, depth=args.prefetch_depth)
+    place_dit(model, plan, device)
+    report = {**plan.describe(), "emulation": None}
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = min(1.0, args.budget / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        report["emulation"] = (f"a smaller card emulated on this {torch.cuda.get_device_name(device)}: "
+                               f"torch.cuda.set_per_process_memory_fraction({fraction:.4f}) caps this process at "
+                               f"{args.budget / 1e9:.2f} GB of its {total / 1e9:.2f} GB")
+    return report
 
 
 def load_model(args, contract, device: str, dtype):
@@ -226,6 +264,7 @@ def run(args) -> int:
     if args.vs == "exact":
         return _run_vs_exact(args, contract, model, settings, device, weights, record, out)
     backends = apply_kernels(model, settings)
+    budget_report = stream_under_budget(model, args, contract, device) if args.budget is not None else None
     diff_backends = [b for b in args.diffusers_backends.split(",") if b]
     if args.vs and len(diff_backends) == 1:
         diff_backends.append("_native_flash" if device.startswith("cuda") else "_native_math")
@@ -245,6 +284,11 @@ def run(args) -> int:
     from ..kernels.dispatch import attention_counts
 
     result["backends"]["attention"].update(attention_counts(model))  # the fallbacks, counted after the runs
+    if budget_report is not None:
+        stats = model.block_stream.stats if model.block_stream is not None else None
+        budget_report["forwards_streamed"] = stats.forwards if stats else 0
+        budget_report["bytes_copied_per_forward"] = stats.bytes_copied // max(1, stats.forwards) if stats else 0
+        result["vram_budget"] = budget_report
     result["dtype"] = args.dtype
     result["stamp"] = stamp.stamp_after(record)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .options import MODELS_HELP
+from .options import MODELS_HELP, add_budget_flags
 from .vae_options import vae_options
 
 REF_KINDS = ("image", "video", "audio")
@@ -62,6 +62,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--vae-tile-size", type=int, default=None, help="decode tile in pixels (default: $H3_VAE_TILE_SIZE "
                                                                    "or 256; 0 = untiled)")
     p.add_argument("--mlp-chunks", type=int, default=1, help="run the SwiGLU in N row chunks (exact; less memory)")
+    add_budget_flags(p)
     p.add_argument("--attention", default=None, help="attention backend (default: $H3_ATTENTION or auto)")
     p.add_argument("--linear", default=None, help="block linear format: auto, bf16, fp8, nvfp4 (default: $H3_LINEAR "
                                                   "or auto)")
@@ -120,10 +121,13 @@ def run(args) -> int:
     from ..kernels.dispatch import attention_counts
     from ..kernels.settings import kernel_settings, vae_tile_batch
     from .distributed import command_argv, init_distributed, relaunch_with_torchrun
-    from .options import check_device
+    from .options import check_depth, check_device, vram_budget
 
     if args.gpus < 1:
         raise InputError(f"--gpus must be at least 1, got {args.gpus}")
+    budget, depth = vram_budget(args.vram_budget), check_depth(args.prefetch_depth)
+    if budget is not None and args.gpus > 1:
+        raise InputError("--vram-budget streams blocks on one GPU; it does not combine with --gpus yet")
     if args.device is not None:
         check_device(args.device)
     if args.gpus > 1 and "WORLD_SIZE" not in os.environ:
@@ -187,7 +191,7 @@ def run(args) -> int:
     opts = LoadOptions(device=device, dtype=dtype, vae_dtype={"float16": torch.float16, "float32": torch.float32}[
         vae_dtype], loras=[LoraSpec.parse(x) for x in args.lora], qkv_layout=args.qkv_layout,
         text_layer=args.text_encoder_layer if args.text_encoder_layer is not None else 50, kernels=settings,
-        vae_tile_batch=tile_batch)
+        vae_tile_batch=tile_batch, vram_budget=budget, prefetch_depth=depth)
     engine = Engine(paths, opts, offload_text_encoder=args.offload_text_encoder, release_adaln=not args.keep_adaln)
     engine.load([mode], on_progress=lambda event: event.state == "loading" and log(f"loading {event.component}"))
     key = "dit_ref" if mode == "ref2va" else "dit"
@@ -231,6 +235,8 @@ def run(args) -> int:
                "vae_attention": (vae_kernels or {}).get("attention", {}).get("chosen")}
     if "step_cache" in result.info:
         summary["step_cache"] = result.info["step_cache"]
+    if engine.memory_report(key) is not None:
+        summary["vram_budget"] = engine.memory_report(key)
     dit = getattr(engine.components, key)
     counts = attention_counts(getattr(dit, "model", dit))  # inside SequenceParallelDiT under --gpus
     if counts:  # calls a backend made on another kernel (H3_SOL_MIN_TOKENS, H3_SOL_STRICT=0, ...)

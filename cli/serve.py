@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from .options import MODELS_HELP
+from .options import MODELS_HELP, add_budget_flags, check_depth, vram_budget
 from .vae_options import vae_options
 
 DEFAULT_HOST = "127.0.0.1"  # local only unless --host says otherwise: the API has no authentication
@@ -49,6 +49,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--vae-tile-size", type=int, default=None,
                    help="video VAE decode tile in pixels (default: $H3_VAE_TILE_SIZE or 256; 0 = untiled)")
     p.add_argument("--mlp-chunks", type=int, default=1, help="run the SwiGLU in N row chunks (exact; less memory)")
+    add_budget_flags(p)
     p.add_argument("--max-steps", type=int, default=100, help="largest `steps` a request may ask for")
     p.add_argument("--max-input-mb", type=int, default=256, help="largest reference/keyframe file, MiB")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -85,9 +86,13 @@ def service_settings(args, device: str | None = None):
         raise InputError(f"--max-input-mb must be positive, got {args.max_input_mb}")
     paths = ComponentPaths(args.models, args.dit, args.dit_ref, args.text_encoder, args.tokenizer, args.vae,
                            args.audio_vae)
+    budget = vram_budget(args.vram_budget)
+    if budget is not None and args.gpus > 1:
+        raise InputError("--vram-budget streams blocks on one GPU; it does not combine with --gpus yet")
     options = LoadOptions(device=device, dtype=dtype, vae_dtype=getattr(torch, vae_name),
                           text_layer=args.text_encoder_layer, qkv_layout=args.qkv_layout, kernels=settings,
-                          vae_tile_batch=vae_tile_batch())
+                          vae_tile_batch=vae_tile_batch(), vram_budget=budget,
+                          prefetch_depth=check_depth(args.prefetch_depth))
     config = ServiceConfig(output_dir=args.output_dir, input_dir=args.input_dir, queue_size=args.queue_size,
                            limits=Limits(max_steps=args.max_steps, max_input_file_bytes=args.max_input_mb << 20),
                            vae_tile_size=tile or None, mlp_chunks=args.mlp_chunks)

@@ -11,6 +11,7 @@ where the checkpoint's own FP4 weights run natively.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterator
 
 import torch
@@ -209,19 +210,26 @@ def convert_linears(model: nn.Module, fmt: str, weight_source: WeightSource | No
                     use_triton: bool = True) -> dict:
     """Replace the block linears by `fmt` modules; returns counts by weight source."""
     sources: dict[str, int] = {}
+    scope = getattr(model, "block_scope", None)
     for i, blk in enumerate(model.transformer_blocks):
-        for name in BLOCK_LINEARS:
-            parent_name, _, attr = name.rpartition(".")
-            parent = blk.get_submodule(parent_name)
-            old = getattr(parent, attr) if not attr.isdigit() else parent[int(attr)]
-            stored = weight_source(f"transformer_blocks.{i}.{name}") if weight_source else None
-            new = _make_linear(fmt, old, stored, use_triton)
-            if attr.isdigit():
-                parent[int(attr)] = new
-            else:
-                setattr(parent, attr, new)
-            sources[new.source] = sources.get(new.source, 0) + 1
+        with scope(i) if scope is not None else contextlib.nullcontext():
+            _convert_block(i, blk, fmt, weight_source, use_triton, sources)
     return sources
+
+
+def _convert_block(i: int, blk: nn.Module, fmt: str, weight_source: WeightSource | None, use_triton: bool,
+                   sources: dict[str, int]) -> None:
+    for name in BLOCK_LINEARS:
+        parent_name, _, attr = name.rpartition(".")
+        parent = blk.get_submodule(parent_name)
+        old = getattr(parent, attr) if not attr.isdigit() else parent[int(attr)]
+        stored = weight_source(f"transformer_blocks.{i}.{name}") if weight_source else None
+        new = _make_linear(fmt, old, stored, use_triton)
+        if attr.isdigit():
+            parent[int(attr)] = new
+        else:
+            setattr(parent, attr, new)
+        sources[new.source] = sources.get(new.source, 0) + 1
 
 
 def exactness(report: dict, also: list[str] | tuple[str, ...] = ()) -> dict:
@@ -244,7 +252,8 @@ def switch_attention(model: nn.Module, name: str, settings: KernelSettings, devi
 
 # ------------------------------------------------------------------------------------------ the entry point
 def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
-                  weight_source: WeightSource | None = None, checkpoint_format: str | None = None) -> dict:
+                  weight_source: WeightSource | None = None, checkpoint_format: str | None = None,
+                  device: torch.device | str | None = None) -> dict:
     """Configure attention, Q/K preparation, modulation and linears of a loaded H3DiT; return the report.
 
     weight_source(name) may return a layer's stored quantized tensors ({"format": "nvfp4" | "fp8_scaled",
@@ -257,7 +266,9 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     origin = getattr(model, "checkpoint_origin", None)
     if checkpoint_format is None:
         checkpoint_format = origin.linear_format if origin is not None else "bf16"
-    device = as_device(model_device(model))
+    # `device`: where the model will run, when its blocks wait in host memory (a VRAM budget: the model's
+    # `block_scope(i)` brings block i to the device while its linears are converted).
+    device = as_device(device if device is not None else model_device(model))
     report: dict = {"device": describe_device(device), "settings": settings.to_dict()}
 
     heads = model_heads(model)

@@ -113,3 +113,41 @@ def test_stages_of_an_engine_over_components_in_memory(builders):
     assert text.tags.numel() == result.info["text_tokens"]
     assert torch.equal(held.decode_video(result.video_latents), result.video)
     assert torch.equal(held.decode_audio(result.audio_latents), result.audio)
+
+
+def test_a_budget_streams_the_dit_and_generates_the_same_latents(builders):
+    """The engine's budget path on the CPU (budget emulated): the DiT is configured in host memory, the blocks
+    that do not fit stream, and the generation equals the resident engine's bit for bit."""
+    from h3_spark.h3_model.engine import memory
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest
+
+    req = GenerationRequest(mode="t2va", prompt="a boat", width=64, height=64, frames=124, steps=3)
+    resident = _engine(builders).load(["t2va"])
+    want = resident.generate(req)
+    probe = memory.plan_dit(resident.components.dit, None, 4096)
+    probe.resident_blocks = 0
+    options = LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2,
+                          kernels=REFERENCE_KERNELS, vram_budget=probe.device_bytes, plan_rows=4096)
+    streamed = Engine(options=options, overrides=builders).load(["t2va"])
+    got = streamed.generate(req)
+    assert torch.equal(got.video_latents, want.video_latents) and torch.equal(got.audio_latents, want.audio_latents)
+    report = streamed.memory_report("dit")
+    assert report["streamed_blocks"] == streamed.components.dit.config.num_layers and report["forwards"] == 2
+    assert report["bytes_copied_per_forward"] >= sum(probe.blocks)
+    # A request longer than the budget was planned for is refused before it samples.
+    plan = streamed.memory_plans["dit"]
+    plan.rows, plan.activations = 16, memory.activation_bytes(streamed.components.dit.config, 16, torch.float32)
+    plan.budget = plan.device_bytes
+    with pytest.raises(InputError, match="this request packs .* rows, whose activations bring the DiT"):
+        streamed.generate(req)
+
+
+def test_bad_budget_flags_are_refused(capsys):
+    from h3_spark.cli import main
+
+    assert main(["generate", "--demo", "--vram-budget", "lots", "--out", "x.mp4"]) == 2
+    assert "--vram-budget 'lots' is not a size; use a size in GB: 24, 24GB, 22.5GiB or 800MB" in capsys.readouterr().err
+    assert main(["generate", "--demo", "--vram-budget", "24", "--gpus", "2", "--out", "x.mp4"]) == 2
+    assert "does not combine with --gpus" in capsys.readouterr().err
+    assert main(["generate", "--demo", "--prefetch-depth", "0", "--out", "x.mp4"]) == 2
+    assert "--prefetch-depth must be at least 1, got 0" in capsys.readouterr().err

@@ -235,6 +235,8 @@ class H3DiT(nn.Module):
         self._rope_last: tuple | None = None
         self._modulation_cache: dict[float, tuple[list[torch.Tensor], torch.Tensor]] = {}
         self.adaln_released = False
+        # Under a VRAM budget, the blocks that do not fit stream from host memory (dit/streaming.py).
+        self.block_stream = None
 
     # ----------------------------------------------------------------- settings
     def set_attention(self, fn: AttentionFn) -> None:
@@ -283,7 +285,11 @@ class H3DiT(nn.Module):
         if self.adaln_released:
             raise H3Error("the AdaLN weights were released; only precomputed timesteps can run")
         a = self.adaln_input(timestep)
-        blocks = [blk.adaln_proj.table(a) for blk in self.transformer_blocks]
+        blocks = []
+        for i, blk in enumerate(self.transformer_blocks):
+            # A streamed block's AdaLN projection visits the GPU for this (engine/memory.py).
+            with self.block_stream.adaln_scope(i) if self.block_stream is not None else _nullcontext():
+                blocks.append(blk.adaln_proj.table(a))
         final = self.norm_out.table(a)
         if self.config.curve_form:
             # Curve-form AdaLN runs in fp32 (as ComfyUI does); block tables meet the residual stream in
@@ -312,7 +318,7 @@ class H3DiT(nn.Module):
         """Drop the AdaLN weights (39 % of the DiT) once every needed table is cached; returns bytes freed."""
         if not self._modulation_cache:
             raise H3Error("precompute_modulation must run before the AdaLN weights are released")
-        freed = 0
+        freed = 0 if self.block_stream is None else self.block_stream.release_adaln()
         for blk in self.transformer_blocks:
             freed += sum(p.numel() * p.element_size() for p in blk.adaln_proj.parameters())
             del blk.adaln_proj

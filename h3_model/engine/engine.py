@@ -53,11 +53,14 @@ class Engine:
         self.default_attention: dict[str, tuple[object, object]] = {}
         self.load_seconds: dict[str, float] = {}
         self.checkpoint_formats: dict[str, str] = {}
+        # Per DiT key, under a VRAM budget: which blocks stay resident and which stream (memory.py).
+        self.memory_plans: dict[str, object] = {}
         # Sequence parallel (--gpus N): every rank's device, rank 0 first, and the group the video decode is
         # shared over. One process: [device] and None.
         self.devices: list[str] = [self.options.device]
         self.pipeline = Pipeline(self.components, offload_text_encoder=offload_text_encoder,
                                  release_adaln=release_adaln)
+        self.pipeline.memory_check = self._check_rows
 
     @classmethod
     def of(cls, **components) -> "Engine":
@@ -181,17 +184,53 @@ class Engine:
                 start = time.perf_counter()
                 apply_loras(model, self.options.loras)
                 self.load_seconds[f"{name}_loras"] = round(time.perf_counter() - start, 3)
+            budgeted = self.options.vram_budget is not None
             if self.settings is not None:
                 from ...kernels.dispatch import apply_kernels
+                from .memory import configure_in_host
 
-                self.kernel_reports[name] = apply_kernels(model, self.settings)
+                self.kernel_reports[name] = (configure_in_host(model, self.settings, self.device) if budgeted
+                                             else apply_kernels(model, self.settings))
                 self.default_attention[name] = (model.attention, model.qk_prep)
+            if budgeted:
+                self._place(name, model)
         elif name == "vae":
             model.tile_batch = self.options.vae_tile_batch
             if self.settings is not None:
                 from ...kernels.vae import apply_vae_kernels
 
                 self.kernel_reports[name] = apply_vae_kernels(model, self.settings)
+
+    def _place(self, name: str, model) -> None:
+        """Under the budget: the blocks that fit stay on the device, the others stream. Two DiTs share the
+        budget (only one runs at a time, so their activations do not add up)."""
+        from .memory import default_rows, place_dit, plan_dit
+
+        taken = sum(p.device_bytes - p.activations for p in self.memory_plans.values())
+        rows = self.options.plan_rows or default_rows(model.config)
+        plan = plan_dit(model, self.options.vram_budget - taken, rows, depth=self.options.prefetch_depth)
+        place_dit(model, plan, self.device)
+        self.memory_plans[name] = plan
+
+    def _check_rows(self, dit, rows: int, mlp_chunks: int = 1) -> None:
+        """Before sampling: a request longer than the budget was planned for must still fit."""
+        from .memory import check_rows
+
+        for key, plan in self.memory_plans.items():
+            if getattr(self.components, key) is dit:
+                check_rows(plan, dit.config, rows, dit.dtype_, mlp_chunks)
+
+    def memory_report(self, key: str) -> dict | None:
+        """The budget's plan for one DiT and what its stream copied so far (None when it is resident)."""
+        plan = self.memory_plans.get(key)
+        if plan is None:
+            return None
+        out = plan.describe()
+        stream = getattr(getattr(self.components, key), "block_stream", None)
+        if stream is not None:
+            out.update(forwards=stream.stats.forwards, bytes_copied=stream.stats.bytes_copied,
+                       bytes_copied_per_forward=stream.stats.bytes_copied // max(1, stream.stats.forwards))
+        return out
 
     def distribute(self, devices: list[str] | None, group) -> None:
         """Sequence parallel: wrap every DiT so each forward is split over `group`, and share the decode;

@@ -33,6 +33,10 @@ class LoadOptions:
     # built (the bench builds its diffusers twin from the bf16 weights before it applies its own).
     kernels: KernelSettings | None = field(default_factory=KernelSettings)
     vae_tile_batch: int = DEFAULT_TILE_BATCH  # tiles per video VAE decoder call (H3_VAE_TILE_BATCH)
+    # The DiT's VRAM budget in bytes (--vram-budget, H3_VRAM_BUDGET; memory.py): None keeps it resident.
+    vram_budget: int | None = None
+    prefetch_depth: int = 2  # streamed blocks copied ahead of use
+    plan_rows: int | None = None  # the packed rows a budget plans activations for (None: the released canvas)
 
 
 def component_loader(name: str, path: Path, opts: LoadOptions, tokenizer: Path | None = None) -> Callable[[], object]:
@@ -42,10 +46,12 @@ def component_loader(name: str, path: Path, opts: LoadOptions, tokenizer: Path |
     from ..text.encoder import TextEncoder
     from ..vae.loading import load_audio_vae, load_video_vae
 
+    # Under a VRAM budget the DiT is read into host memory; the engine then places what fits on the device.
+    dit_device = "cpu" if opts.vram_budget is not None else opts.device
     loaders: dict[str, Callable[[], object]] = {
-        "dit": lambda: load_dit(path, dtype=opts.dtype, device=opts.device, partition="t2va",
+        "dit": lambda: load_dit(path, dtype=opts.dtype, device=dit_device, partition="t2va",
                                 qkv_layout=opts.qkv_layout),
-        "dit_ref": lambda: load_dit(path, dtype=opts.dtype, device=opts.device, partition="ref2va",
+        "dit_ref": lambda: load_dit(path, dtype=opts.dtype, device=dit_device, partition="ref2va",
                                     qkv_layout=opts.qkv_layout),
         "text_encoder": lambda: TextEncoder.from_pretrained(path, dtype=opts.text_dtype or opts.dtype,
                                                             device=opts.device, tokenizer=tokenizer,

@@ -157,6 +157,8 @@ class Pipeline:
         self._lock = threading.Lock()
         # Offloading frees the GPU for the DiT when both do not fit; resident is faster for a service.
         self.offload_text_encoder = offload_text_encoder
+        # Called with (dit, packed rows, mlp_chunks) before sampling: a VRAM budget refuses what it cannot hold.
+        self.memory_check: Callable | None = None
 
     # ------------------------------------------------------------------ public
     def clear_caches(self) -> None:
@@ -203,6 +205,8 @@ class Pipeline:
         dims = self.latent_dims(canvas.frames, canvas.width, canvas.height)
         lay = build_layout(req.mode, text.tags, blocks, canvas.anchors, dims, dit.config.patch_size)
         info["sequence_length"] = lay.sequence_length
+        if self.memory_check is not None:
+            self.memory_check(dit, lay.sequence_length, req.mlp_chunks)
         schedule = schedule_of(req)
         info["evaluations"] = len(schedule)
 

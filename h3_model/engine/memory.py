@@ -1,0 +1,216 @@
+"""The VRAM budget: how much of the DiT stays on the GPU, and which blocks stream from host memory.
+
+`--vram-budget GB` (or H3_VRAM_BUDGET) caps what the DiT may hold on the GPU, its activations included. When
+everything fits, the DiT is resident, as without a budget. When it does not, the first blocks stay resident
+while the budget allows and the others stream (dit/streaming.py) through `depth` slots. A budget below the
+non-block weights, the slots and the activations is refused at set-up, naming the minimum.
+
+Activations are planned for a sequence length (the default canvas's unless told otherwise) and every
+request is checked against what its own length needs before it samples.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...errors import InputError
+from ..dit.streaming import ADALN, BlockStream
+
+GB = 10 ** 9
+GIB = 2 ** 30
+DEFAULT_DEPTH = 2
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gb|g|gib|mb|mib)?\s*$", re.IGNORECASE)
+_UNITS = {None: GB, "gb": GB, "g": GB, "gib": GIB, "mb": 10 ** 6, "mib": 2 ** 20}
+BUDGET_FORMS = "a size in GB: 24, 24GB, 22.5GiB or 800MB"
+# Bytes of activations per packed row and per unit of (3 x hidden + 3 x FFN width) in the model dtype; a
+# margin of 30 % over the peak of one block's tensors (residual, normed input, fused QKV, attention out,
+# FC1 out, SwiGLU out) for the allocator's rounding and the embeddings/heads around the blocks.
+ACTIVATION_MARGIN = 1.3
+
+
+def parse_budget(text: str | None, source: str = "--vram-budget") -> int | None:
+    """Bytes, or None for no budget ("" / None). Plain numbers are GB (10^9 bytes), as `nvidia-smi` rounds."""
+    if text is None or str(text).strip() == "":
+        return None
+    match = _SIZE.match(str(text))
+    if not match:
+        raise InputError(f"{source} {text!r} is not a size; use {BUDGET_FORMS}")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower() if match.group(2) else None]
+    if value <= 0:
+        raise InputError(f"{source} must be positive, got {text!r}")
+    return int(value)
+
+
+def gb(nbytes: int) -> str:
+    return f"{nbytes / GB:.2f} GB" if nbytes >= GB else f"{nbytes / 10 ** 6:.1f} MB"
+
+
+def activation_bytes(config, rows: int, dtype: torch.dtype = torch.bfloat16, mlp_chunks: int = 1) -> int:
+    """A bound on one forward's activations at `rows` packed rows (what one block holds at its peak)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    hidden, ffn = config.hidden_size, config.ffn_dim
+    inner = config.num_attention_heads * config.attention_head_dim
+    attention_stage = 2 * hidden + 2 * 3 * inner + inner
+    mlp_stage = 3 * hidden + 3 * ffn // max(1, mlp_chunks)
+    return int(rows * size * max(attention_stage, mlp_stage) * ACTIVATION_MARGIN)
+
+
+def tensor_bytes(module: nn.Module, skip: str | None = None) -> int:
+    total = 0
+    for prefix, owner in module.named_modules():
+        if skip is not None and (prefix == skip or prefix.startswith(skip + ".")):
+            continue
+        total += sum(t.numel() * t.element_size() for t in owner.parameters(recurse=False))
+        total += sum(t.numel() * t.element_size() for t in owner.buffers(recurse=False) if t is not None)
+    return total
+
+
+@dataclass
+class MemoryPlan:
+    budget: int | None
+    fixed: int  # weights outside the blocks (embeddings, refiner, heads)
+    blocks: list[int]  # each block's forward tensors
+    adaln: list[int]  # each block's AdaLN projection (0 once released)
+    activations: int
+    rows: int
+    depth: int = DEFAULT_DEPTH
+    resident_blocks: int = 0
+
+    @property
+    def streaming(self) -> bool:
+        """Whether anything streams: then every block's AdaLN projection waits in host memory too."""
+        return self.resident_blocks < len(self.blocks)
+
+    @property
+    def streamed(self) -> list[int]:
+        return list(range(self.resident_blocks, len(self.blocks)))
+
+    @property
+    def slot_bytes(self) -> int:
+        if not self.streaming:
+            return 0
+        return self.depth * max(max(self.blocks[i] for i in self.streamed), max(self.adaln))
+
+    @property
+    def device_bytes(self) -> int:
+        resident = sum(self.blocks[:self.resident_blocks])
+        if not self.streaming:
+            resident += sum(self.adaln)
+        return self.fixed + resident + self.slot_bytes + self.activations
+
+    def describe(self) -> dict:
+        return {"budget_bytes": self.budget, "resident_blocks": self.resident_blocks,
+                "streamed_blocks": len(self.streamed), "prefetch_depth": self.depth,
+                "planned_device_bytes": self.device_bytes, "slot_bytes": self.slot_bytes,
+                "activation_bytes": self.activations, "activation_rows": self.rows,
+                "host_bytes": sum(self.blocks[i] for i in self.streamed) + (sum(self.adaln) if self.streaming else 0)}
+
+
+def plan_dit(model: nn.Module, budget: int | None, rows: int, *, depth: int = DEFAULT_DEPTH,
+             mlp_chunks: int = 1) -> MemoryPlan:
+    """How many of the DiT's blocks stay resident under `budget` (all of them without one)."""
+    if depth < 1:
+        raise InputError(f"the prefetch depth must be at least 1, got {depth}")
+    blocks = list(model.transformer_blocks)
+    fixed = tensor_bytes(model) - sum(tensor_bytes(b) for b in blocks)
+    plan = MemoryPlan(budget, fixed, [tensor_bytes(b, ADALN) for b in blocks],
+                      [tensor_bytes(getattr(b, ADALN)) if hasattr(b, ADALN) else 0 for b in blocks],
+                      activation_bytes(model.config, rows, model.dtype_, mlp_chunks), rows, depth, len(blocks))
+    if budget is None or plan.device_bytes <= budget:
+        return plan  # everything resident
+    plan.resident_blocks = 0
+    if plan.device_bytes > budget:
+        raise InputError(
+            f"the VRAM budget of {gb(budget)} is below what a streamed DiT forward needs, {gb(plan.device_bytes)}: "
+            f"{gb(fixed)} of weights outside the blocks, {depth} block slots of {gb(plan.slot_bytes // depth)} and "
+            f"{gb(plan.activations)} of activations at {rows} rows; raise the budget, or lower --prefetch-depth")
+    while plan.resident_blocks < len(blocks) - 1:
+        plan.resident_blocks += 1
+        if plan.device_bytes > budget:
+            plan.resident_blocks -= 1
+            break
+    return plan
+
+
+def check_rows(plan: MemoryPlan, config, rows: int, dtype: torch.dtype, mlp_chunks: int = 1) -> None:
+    """A request longer than the plan's rows must still fit: refused before sampling if it does not."""
+    if plan.budget is None or rows <= plan.rows:
+        return
+    need = plan.device_bytes - plan.activations + activation_bytes(config, rows, dtype, mlp_chunks)
+    if need > plan.budget:
+        raise InputError(f"this request packs {rows} rows, whose activations bring the DiT to {gb(need)} of the "
+                         f"{gb(plan.budget)} VRAM budget (planned for {plan.rows} rows); use a smaller canvas or "
+                         "fewer frames, more --mlp-chunks, or a larger budget")
+
+
+def place_dit(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -> BlockStream | None:
+    """Put the resident part on `device` and stream the rest; returns the stream (None when all is resident)."""
+    device = torch.device(device)
+    blocks = model.transformer_blocks
+    streamed = plan.streamed
+    _outside_blocks_to(model, device)
+    for i in range(plan.resident_blocks):
+        blocks[i].to(device)
+    if not streamed:
+        return None
+    stream = BlockStream(blocks, streamed, device, plan.depth)
+    model.block_stream = stream
+    return stream
+
+
+def _outside_blocks_to(model: nn.Module, device: torch.device) -> None:
+    """Everything of the DiT but its blocks (embeddings, refiner, heads, tables) to `device`."""
+    for name, child in model.named_children():
+        if name != "transformer_blocks":
+            child.to(device)
+    for name, p in model.named_parameters(recurse=False):
+        p.data = p.data.to(device)
+    for name, b in list(model.named_buffers(recurse=False)):
+        model._buffers[name] = b.to(device)
+
+
+class _BlockOnDevice:
+    """Block i on the device while the kernels convert it, back in host memory after."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.model, self.device = model, device
+
+    def __call__(self, i: int) -> "_BlockOnDevice":
+        self.block = self.model.transformer_blocks[i]
+        return self
+
+    def __enter__(self):
+        self.block.to(self.device)
+
+    def __exit__(self, *exc):
+        self.block.to("cpu")
+
+
+def configure_in_host(model: nn.Module, settings, device: torch.device | str) -> dict:
+    """apply_kernels for a DiT loaded into host memory: everything but the blocks moves to `device`, and each
+    block visits it while its linears are converted (the GPU never holds more than one block of them)."""
+    from ...kernels.dispatch import apply_kernels
+
+    device = torch.device(device)
+    _outside_blocks_to(model, device)
+    model.block_scope = _BlockOnDevice(model, device)
+    try:
+        return apply_kernels(model, settings, device=device)
+    finally:
+        model.block_scope = None
+
+
+def default_rows(config) -> int:
+    """Packed rows of the released canvas (1344x768, 124 frames) with a 1,024-token prompt: what a budget
+    plans its activations for unless told otherwise."""
+    from ..geometry import DEFAULT_FRAMES, audio_latent_frames, latent_size, resolve_canvas, video_latent_frames
+
+    height, width = resolve_canvas(16, 9)
+    lh, lw = latent_size(height, width)
+    _, ph, pw = config.patch_size
+    video = video_latent_frames(DEFAULT_FRAMES) * (lh // ph) * (lw // pw)
+    return video + 2 * audio_latent_frames(DEFAULT_FRAMES) + 1024

@@ -1,0 +1,116 @@
+"""Block streaming under a VRAM budget: the plan, its errors, and forwards bit-identical to resident ones.
+
+The budget is emulated on the CPU: the same planner and the same BlockStream (host buffers, slots, views that
+come and go per block) run with synchronous copies. tests/test_gpu_streaming_budget.py runs it on a GPU.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from h3_spark.errors import InputError
+from h3_spark.h3_model.dit import layout
+from h3_spark.h3_model.dit.config import TINY
+from h3_spark.h3_model.engine import memory
+from h3_spark.h3_model.pipeline.scheduler import CONDITION_VIDEO_T
+from h3_spark.measure.synthetic import synthetic_dit
+from oracle import text_tags
+
+
+CONFIG = dataclasses.replace(TINY, num_layers=4)  # room for resident and streamed blocks side by side
+
+
+def _model(seed=3):
+    return synthetic_dit(CONFIG, torch.float32, "cpu", seed=seed)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    lay = layout.build_t2va(text_tags(10, (1, 6)), 7, 4, 6, 12, CONFIG.patch_size)
+    gen = torch.Generator().manual_seed(5)
+    ts, idx = lay.row_timesteps(0.3, 0.6, CONDITION_VIDEO_T)
+    return dict(hidden_states=torch.randn(1, lay.video_indices.numel(), TINY.video_patch_dim, generator=gen),
+                audio_hidden_states=torch.randn(1, lay.audio_indices.numel(), TINY.audio_in_channels, generator=gen),
+                encoder_hidden_states=torch.randn(1, lay.num_text, TINY.text_dim, generator=gen),
+                token_tags=lay.token_tags, position_ids=lay.position_ids.float(), video_indices=lay.video_indices,
+                audio_indices=lay.audio_indices, text_indices=lay.text_indices, timestep=ts, timestep_indices=idx)
+
+
+def _budget_for(model, resident_blocks: int, rows: int = 64, depth: int = 2) -> int:
+    """The smallest budget that keeps exactly `resident_blocks` blocks resident."""
+    plan = memory.plan_dit(model, None, rows, depth=depth)
+    plan.resident_blocks = resident_blocks
+    return plan.device_bytes
+
+
+@pytest.mark.parametrize("resident", [0, 1, 2])
+def test_streamed_forward_is_bit_identical(inputs, resident):
+    resident_model, streamed_model = _model(), _model()
+    budget = _budget_for(streamed_model, resident)
+    plan = memory.plan_dit(streamed_model, budget, 64)
+    assert plan.resident_blocks == resident and plan.streamed == list(range(resident, CONFIG.num_layers))
+    stream = memory.place_dit(streamed_model, plan, "cpu")
+    with torch.no_grad():
+        want = resident_model(**inputs)
+        for _ in range(3):  # the wrap-around prefetch serves the next forward
+            got = streamed_model(**inputs)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    streamed_blocks = CONFIG.num_layers - resident
+    assert stream.stats.forwards == 3 and stream.stats.copies >= 3 * streamed_blocks
+    # Between turns a streamed block holds no weights: a stray use fails instead of reading another block's.
+    block = streamed_model.transformer_blocks[resident]
+    assert block.attn.to_q.weight.numel() == 0
+
+
+def test_adaln_tables_and_their_release_under_streaming(inputs):
+    a, b = _model(), _model()
+    memory.place_dit(b, memory.plan_dit(b, _budget_for(b, 0), 64), "cpu")
+    values = [*inputs["timestep"].flatten().tolist(), 1.0]
+    with torch.no_grad():
+        a.precompute_modulation(values)
+        b.precompute_modulation(values)
+        for v in values:
+            assert all(torch.equal(x, y) for x, y in zip(a._modulation_cache[v][0], b._modulation_cache[v][0]))
+        host_before = b.block_stream.host_bytes
+        freed = b.release_adaln()
+        a.release_adaln()
+        assert freed > 0 and b.block_stream.host_bytes < host_before
+        got, want = b(**inputs), a(**inputs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_everything_resident_when_it_fits():
+    model = _model()
+    plan = memory.plan_dit(model, 10 * memory.GB, 64)
+    assert plan.streamed == [] and memory.place_dit(model, plan, "cpu") is None and model.block_stream is None
+
+
+def test_a_budget_below_one_streamed_forward_names_the_minimum():
+    model = _model()
+    minimum = _budget_for(model, 0)
+    with pytest.raises(InputError, match=r"below what a streamed DiT forward needs, \d+\.\d MB: .* 2 block slots .*lower --prefetch-depth"):
+        memory.plan_dit(model, minimum - 1, 64)
+    assert memory.plan_dit(model, minimum, 64).resident_blocks == 0
+
+
+def test_a_longer_request_than_planned_is_checked():
+    model = _model()
+    plan = memory.plan_dit(model, _budget_for(model, 0, rows=64), 64)
+    memory.check_rows(plan, model.config, 64, torch.float32)
+    with pytest.raises(InputError, match="this request packs 100000 rows"):
+        memory.check_rows(plan, model.config, 100000, torch.float32)
+
+
+@pytest.mark.parametrize("text, value", [("24", 24 * 10 ** 9), ("24GB", 24 * 10 ** 9), ("22.5 GiB", int(22.5 * 2 ** 30)),
+                                         ("800MB", 800 * 10 ** 6), ("", None), (None, None)])
+def test_budget_sizes(text, value):
+    assert memory.parse_budget(text) == value
+
+
+@pytest.mark.parametrize("text, message", [("lots", "is not a size; use a size in GB: 24, 24GB"),
+                                           ("0", "must be positive"), ("-3", "is not a size"),
+                                           ("24 TB", "is not a size")])
+def test_bad_budgets(text, message):
+    with pytest.raises(InputError, match=message):
+        memory.parse_budget(text)
