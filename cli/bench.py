@@ -183,7 +183,8 @@ def stream_under_budget(model, args, contract, device: str) -> dict:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(device).total_memory
         fraction = min(1.0, args.budget / total)
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        index = torch.device(device).index
+        torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device() if index is None else index)
         report["emulation"] = (f"a smaller card emulated on this {torch.cuda.get_device_name(device)}: "
                                f"torch.cuda.set_per_process_memory_fraction({fraction:.4f}) caps this process at "
                                f"{args.budget / 1e9:.2f} GB of its {total / 1e9:.2f} GB")
@@ -288,6 +289,9 @@ def run(args) -> int:
         stats = model.block_stream.stats if model.block_stream is not None else None
         budget_report["forwards_streamed"] = stats.forwards if stats else 0
         budget_report["bytes_copied_per_forward"] = stats.bytes_copied // max(1, stats.forwards) if stats else 0
+        # The "full" forwards recompute the AdaLN tables, so they copy every projection each time; sampling
+        # copies them once per schedule.
+        budget_report["adaln_bytes_copied"] = stats.adaln_bytes_copied if stats else 0
         result["vram_budget"] = budget_report
     result["dtype"] = args.dtype
     result["stamp"] = stamp.stamp_after(record)

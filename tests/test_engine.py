@@ -125,9 +125,10 @@ def test_a_budget_streams_the_dit_and_generates_the_same_latents(builders):
     resident = _engine(builders).load(["t2va"])
     want = resident.generate(req)
     probe = memory.plan_dit(resident.components.dit, None, 4096)
-    probe.resident_blocks = 0
+    probe.resident_blocks, probe.adaln_on_host = 0, True
     options = LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2,
-                          kernels=REFERENCE_KERNELS, vram_budget=probe.device_bytes, plan_rows=4096)
+                          kernels=REFERENCE_KERNELS, vram_budget=memory.budget_for(probe.device_bytes),
+                          plan_rows=4096)
     streamed = Engine(options=options, overrides=builders).load(["t2va"])
     got = streamed.generate(req)
     assert torch.equal(got.video_latents, want.video_latents) and torch.equal(got.audio_latents, want.audio_latents)
@@ -137,7 +138,7 @@ def test_a_budget_streams_the_dit_and_generates_the_same_latents(builders):
     # A request longer than the budget was planned for is refused before it samples.
     plan = streamed.memory_plans["dit"]
     plan.rows, plan.activations = 16, memory.activation_bytes(streamed.components.dit.config, 16, torch.float32)
-    plan.budget = plan.device_bytes
+    plan.budget = memory.budget_for(plan.device_bytes)
     with pytest.raises(InputError, match="this request packs .* rows, whose activations bring the DiT"):
         streamed.generate(req)
 

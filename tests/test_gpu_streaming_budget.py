@@ -54,7 +54,7 @@ def test_streamed_forward_equals_resident_on_the_gpu(linear, resident):
     apply_kernels(a, settings)
     apply_kernels(b, settings)
     plan = memory.plan_dit(b, None, rows)
-    plan.resident_blocks = resident
+    plan.resident_blocks, plan.adaln_on_host = resident, True
     stream = memory.place_dit(b, plan, "cuda")
     with torch.no_grad():
         want = a(**inputs)
@@ -83,7 +83,7 @@ def test_a_dit_read_into_host_memory_is_configured_block_by_block_and_placed(tmp
         assert report_host["linear"] == report_resident["linear"]
         assert report_host["attention"]["chosen"] == report_resident["attention"]["chosen"]
         plan = memory.plan_dit(host, None, rows)
-        plan.resident_blocks = 2
+        plan.resident_blocks, plan.adaln_on_host = 2, True
         memory.place_dit(host, plan, "cuda")
         with torch.no_grad():
             want, got = resident(**inputs), host(**inputs)

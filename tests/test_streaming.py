@@ -40,8 +40,8 @@ def inputs():
 def _budget_for(model, resident_blocks: int, rows: int = 64, depth: int = 2) -> int:
     """The smallest budget that keeps exactly `resident_blocks` blocks resident."""
     plan = memory.plan_dit(model, None, rows, depth=depth)
-    plan.resident_blocks = resident_blocks
-    return plan.device_bytes
+    plan.resident_blocks, plan.adaln_on_host = resident_blocks, True
+    return memory.budget_for(plan.device_bytes)
 
 
 @pytest.mark.parametrize("resident", [0, 1, 2])
@@ -89,7 +89,7 @@ def test_everything_resident_when_it_fits():
 def test_a_budget_below_one_streamed_forward_names_the_minimum():
     model = _model()
     minimum = _budget_for(model, 0)
-    with pytest.raises(InputError, match=r"below what a streamed DiT forward needs, \d+\.\d MB: .* 2 block slots .*lower --prefetch-depth"):
+    with pytest.raises(InputError, match=r"below what a streamed DiT forward needs, [\d.]+ [GM]B: .* 2 block slots .*allocator slack; .*--prefetch-depth"):
         memory.plan_dit(model, minimum - 1, 64)
     assert memory.plan_dit(model, minimum, 64).resident_blocks == 0
 
@@ -114,3 +114,20 @@ def test_budget_sizes(text, value):
 def test_bad_budgets(text, message):
     with pytest.raises(InputError, match=message):
         memory.parse_budget(text)
+
+
+def test_all_blocks_resident_with_the_adaln_projections_in_host_memory(inputs):
+    """A budget that holds every block's forward weights but not the AdaLN projections too: the blocks stay, the
+    projections wait in host memory and visit only for the tables; no forward copies anything."""
+    resident_model, model = _model(), _model()
+    budget = _budget_for(model, CONFIG.num_layers)
+    plan = memory.plan_dit(model, budget, 64)
+    assert plan.resident_blocks == CONFIG.num_layers and plan.adaln_on_host and plan.streamed == []
+    stream = memory.place_dit(model, plan, "cpu")
+    values = inputs["timestep"].flatten().tolist()
+    with torch.no_grad():
+        model.precompute_modulation(values)
+        resident_model.precompute_modulation(values)
+        got, want = model(**inputs), resident_model(**inputs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert stream.stats.forwards == 1 and stream.stats.bytes_copied == 0 and stream.stats.adaln_bytes_copied > 0

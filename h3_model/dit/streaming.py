@@ -20,7 +20,7 @@ while `compute_modulation` needs it: the budget goes to the weights every forwar
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -85,10 +85,10 @@ def _set(entry: _Entry, tensor: torch.Tensor) -> None:
 
 @dataclass
 class StreamStats:
-    forwards: int = 0
-    bytes_copied: int = 0
+    forwards: int = 0  # the DiT's forwards since streaming began
+    bytes_copied: int = 0  # blocks' tensors copied to the GPU
     copies: int = 0
-    waits: list = field(default_factory=list)
+    adaln_bytes_copied: int = 0  # AdaLN projections copied for tables (once per schedule when sampling)
 
 
 class BlockStream:
@@ -156,8 +156,11 @@ class BlockStream:
             target.copy_(unit.host)
         unit.slot = s
         self.slot_owner[s] = unit
-        self.stats.bytes_copied += unit.nbytes
-        self.stats.copies += 1
+        if unit.label.endswith("AdaLN"):
+            self.stats.adaln_bytes_copied += unit.nbytes
+        else:
+            self.stats.bytes_copied += unit.nbytes
+            self.stats.copies += 1
 
     def _release(self, unit: Unit) -> None:
         if unit.slot is not None and self.slot_owner[unit.slot] is unit:
@@ -183,9 +186,11 @@ class BlockStream:
         self._drop(unit)
 
     # ------------------------------------------------------------------ the forward's turns
+    def count_forward(self) -> None:
+        self.stats.forwards += 1
+
     def _enter(self, i: int) -> None:
         if i == self.order[0]:
-            self.stats.forwards += 1
             for j in self.order[:self.depth]:  # a cold start (or the wrap-around's copies, already issued)
                 self._issue(self.units[j])
         self._attach(self.units[i])

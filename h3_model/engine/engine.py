@@ -229,7 +229,8 @@ class Engine:
         stream = getattr(getattr(self.components, key), "block_stream", None)
         if stream is not None:
             out.update(forwards=stream.stats.forwards, bytes_copied=stream.stats.bytes_copied,
-                       bytes_copied_per_forward=stream.stats.bytes_copied // max(1, stream.stats.forwards))
+                       bytes_copied_per_forward=stream.stats.bytes_copied // max(1, stream.stats.forwards),
+                       adaln_bytes_copied=stream.stats.adaln_bytes_copied)
         return out
 
     def distribute(self, devices: list[str] | None, group) -> None:

@@ -30,6 +30,18 @@ BUDGET_FORMS = "a size in GB: 24, 24GB, 22.5GiB or 800MB"
 # margin of 30 % over the peak of one block's tensors (residual, normed input, fused QKV, attention out,
 # FC1 out, SwiGLU out) for the allocator's rounding and the embeddings/heads around the blocks.
 ACTIVATION_MARGIN = 1.3
+# Left free under a budget for the caching allocator's fragmentation and the step's small tensors (AdaLN and
+# RoPE tables, indices): an H200 capped at 32 GB ran out with 0.5 GB reserved but unallocated.
+SLACK_FRACTION, SLACK_MIN = 0.03, GB
+
+
+def slack(budget: int) -> int:
+    return max(SLACK_MIN, int(budget * SLACK_FRACTION))
+
+
+def budget_for(device_bytes: int) -> int:
+    """The smallest budget whose room (the budget less its slack) holds `device_bytes`."""
+    return max(device_bytes + SLACK_MIN, -(-device_bytes * 100 // int(100 - 100 * SLACK_FRACTION)))
 
 
 def parse_budget(text: str | None, source: str = "--vram-budget") -> int | None:
@@ -79,11 +91,13 @@ class MemoryPlan:
     rows: int
     depth: int = DEFAULT_DEPTH
     resident_blocks: int = 0
+    # Under a budget the AdaLN projections wait in host memory (they only make the tables once per schedule).
+    adaln_on_host: bool = False
 
     @property
     def streaming(self) -> bool:
-        """Whether anything streams: then every block's AdaLN projection waits in host memory too."""
-        return self.resident_blocks < len(self.blocks)
+        """Whether anything lives in host memory: the AdaLN projections, and the blocks past the resident ones."""
+        return self.adaln_on_host or self.resident_blocks < len(self.blocks)
 
     @property
     def streamed(self) -> list[int]:
@@ -93,21 +107,23 @@ class MemoryPlan:
     def slot_bytes(self) -> int:
         if not self.streaming:
             return 0
-        return self.depth * max(max(self.blocks[i] for i in self.streamed), max(self.adaln))
+        return self.depth * max([self.blocks[i] for i in self.streamed] + self.adaln)
 
     @property
     def device_bytes(self) -> int:
         resident = sum(self.blocks[:self.resident_blocks])
-        if not self.streaming:
+        if not self.adaln_on_host:
             resident += sum(self.adaln)
         return self.fixed + resident + self.slot_bytes + self.activations
 
     def describe(self) -> dict:
         return {"budget_bytes": self.budget, "resident_blocks": self.resident_blocks,
+                "adaln_in_host_memory": self.adaln_on_host,
                 "streamed_blocks": len(self.streamed), "prefetch_depth": self.depth,
                 "planned_device_bytes": self.device_bytes, "slot_bytes": self.slot_bytes,
                 "activation_bytes": self.activations, "activation_rows": self.rows,
-                "host_bytes": sum(self.blocks[i] for i in self.streamed) + (sum(self.adaln) if self.streaming else 0)}
+                "host_bytes": sum(self.blocks[i] for i in self.streamed) + (sum(self.adaln) if self.adaln_on_host else 0),
+                "slack_bytes": slack(self.budget) if self.budget is not None else 0}
 
 
 def plan_dit(model: nn.Module, budget: int | None, rows: int, *, depth: int = DEFAULT_DEPTH,
@@ -120,17 +136,21 @@ def plan_dit(model: nn.Module, budget: int | None, rows: int, *, depth: int = DE
     plan = MemoryPlan(budget, fixed, [tensor_bytes(b, ADALN) for b in blocks],
                       [tensor_bytes(getattr(b, ADALN)) if hasattr(b, ADALN) else 0 for b in blocks],
                       activation_bytes(model.config, rows, model.dtype_, mlp_chunks), rows, depth, len(blocks))
-    if budget is None or plan.device_bytes <= budget:
+    if budget is None:
+        return plan
+    room = budget - slack(budget)
+    if plan.device_bytes <= room:
         return plan  # everything resident
-    plan.resident_blocks = 0
-    if plan.device_bytes > budget:
+    plan.adaln_on_host, plan.resident_blocks = True, 0
+    if plan.device_bytes > room:
         raise InputError(
-            f"the VRAM budget of {gb(budget)} is below what a streamed DiT forward needs, {gb(plan.device_bytes)}: "
-            f"{gb(fixed)} of weights outside the blocks, {depth} block slots of {gb(plan.slot_bytes // depth)} and "
-            f"{gb(plan.activations)} of activations at {rows} rows; raise the budget, or lower --prefetch-depth")
-    while plan.resident_blocks < len(blocks) - 1:
+            f"the VRAM budget of {gb(budget)} is below what a streamed DiT forward needs, "
+            f"{gb(plan.device_bytes + slack(budget))}: {gb(fixed)} of weights outside the blocks, {depth} block slots "
+            f"of {gb(plan.slot_bytes // depth)}, {gb(plan.activations)} of activations at {rows} rows and "
+            f"{gb(slack(budget))} of allocator slack; raise the budget, or lower --prefetch-depth")
+    while plan.resident_blocks < len(blocks):
         plan.resident_blocks += 1
-        if plan.device_bytes > budget:
+        if plan.device_bytes > room:
             plan.resident_blocks -= 1
             break
     return plan
@@ -141,7 +161,7 @@ def check_rows(plan: MemoryPlan, config, rows: int, dtype: torch.dtype, mlp_chun
     if plan.budget is None or rows <= plan.rows:
         return
     need = plan.device_bytes - plan.activations + activation_bytes(config, rows, dtype, mlp_chunks)
-    if need > plan.budget:
+    if need + slack(plan.budget) > plan.budget:
         raise InputError(f"this request packs {rows} rows, whose activations bring the DiT to {gb(need)} of the "
                          f"{gb(plan.budget)} VRAM budget (planned for {plan.rows} rows); use a smaller canvas or "
                          "fewer frames, more --mlp-chunks, or a larger budget")
@@ -155,9 +175,10 @@ def place_dit(model: nn.Module, plan: MemoryPlan, device: torch.device | str) ->
     _outside_blocks_to(model, device)
     for i in range(plan.resident_blocks):
         blocks[i].to(device)
-    if not streamed:
+    if not plan.streaming:
         return None
     stream = BlockStream(blocks, streamed, device, plan.depth)
+    stream._hooks.append(model.register_forward_pre_hook(lambda module, args: stream.count_forward()))
     model.block_stream = stream
     return stream
 
