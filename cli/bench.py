@@ -146,6 +146,7 @@ def preflight(args) -> tuple:
     if args.profile and not device.startswith("cuda"):
         raise InputError("--profile reports CUDA kernel time: it needs a CUDA device, not the CPU")
     settings = kernel_settings(args.attention, args.linear)
+    args.settings = settings
     check_budget_flags(args)
     if args.vs == "diffusers":
         from ..measure.diffusers_ref import diffusers_transformer_class
@@ -161,34 +162,54 @@ def check_budget_flags(args) -> None:
 
     args.budget = vram_budget(args.vram_budget)
     check_depth(args.prefetch_depth)
-    if args.budget is not None and (args.vs or args.models or args.generation):
-        raise InputError("--vram-budget measures the DiT forward alone: drop --vs, --models and --generation "
-                         "(the text encoder and the VAEs do not stream yet)")
+    args.plan_rows = None
+    if args.budget is not None and args.vs:
+        raise InputError("--vram-budget does not combine with --vs: the reference would sit beside the model")
 
 
 def stream_under_budget(model, args, contract, device: str) -> dict:
     """Place the configured DiT under the budget, then cap this process at the budget to emulate a smaller
     card (torch.cuda.set_per_process_memory_fraction); the receipt says so."""
-    import torch
-
     from ..h3_model.engine.memory import place_dit, plan_dit
     from ..measure.contract import contract_shape
 
     rows = contract_shape(contract, model.config).layout.sequence_length
     plan = plan_dit(model, args.budget, rows, depth=args.prefetch_depth)
     place_dit(model, plan, device)
-    report = {**plan.describe(), "emulation": None}
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(device).total_memory
-        fraction = min(1.0, args.budget / total)
-        index = torch.device(device).index
-        torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device() if index is None else index)
-        report["emulation"] = (f"a smaller card emulated on this {torch.cuda.get_device_name(device)}: "
-                               f"torch.cuda.set_per_process_memory_fraction({fraction:.4f}) caps this process at "
-                               f"{args.budget / 1e9:.2f} GB of its {total / 1e9:.2f} GB")
-    return report
+    return {**plan.describe(), "emulation": emulate_card(args.budget, device)}
+
+
+def emulate_card(budget: int, device: str) -> str | None:
+    """Cap this process at `budget` bytes of the GPU (a smaller card); the returned line goes in the receipt."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, budget / total)
+    index = torch.device(device).index
+    torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device() if index is None else index)
+    return (f"a smaller card emulated on this {torch.cuda.get_device_name(device)}: "
+            f"torch.cuda.set_per_process_memory_fraction({fraction:.4f}) caps this process at {budget / 1e9:.2f} GB "
+            f"of its {total / 1e9:.2f} GB")
+
+
+def _contract_rows(contract, preset_name: str) -> int:
+    from ..h3_model.dit.config import preset
+    from ..measure.contract import contract_shape
+
+    return contract_shape(contract, preset(preset_name)).layout.sequence_length
+
+
+def _engine_budget(args) -> dict:
+    """Under a budget the engine itself applies the kernels and places the models (the whole render fits);
+    otherwise the bench applies them after its diffusers twin is built."""
+    if args.budget is None:
+        return {"kernels": None}
+    return {"kernels": args.settings, "vram_budget": args.budget, "prefetch_depth": args.prefetch_depth,
+            "plan_rows": args.plan_rows}
 
 
 def load_model(args, contract, device: str, dtype):
@@ -201,7 +222,7 @@ def load_model(args, contract, device: str, dtype):
         vae_dtype = torch.float16 if device.startswith("cuda") else torch.float32
         engine, build_s = synthetic_components(args.preset, [contract["mode"]], device, dtype, vae_dtype,
                                               seed=contract["seed"], text_layer=args.text_encoder_layer,
-                                              dit_init=args.synthetic_init)
+                                              dit_init=args.synthetic_init, **_engine_budget(args))
         return engine.components.dit_for(contract["mode"]), engine, describe(args.preset, args.synthetic_init), build_s
     if args.synthetic:
         from ..h3_model.dit.config import preset
@@ -215,8 +236,9 @@ def load_model(args, contract, device: str, dtype):
         from ..h3_model.engine.paths import ComponentPaths
 
         # Kernels are applied by `run`, after the diffusers twin is built from the bf16 weights.
+        budget = _engine_budget(args)
         engine = Engine(ComponentPaths(models=args.models),
-                        LoadOptions(device=device, dtype=dtype, text_layer=args.text_encoder_layer, kernels=None))
+                        LoadOptions(device=device, dtype=dtype, text_layer=args.text_encoder_layer, **budget))
         engine.load([contract["mode"]])
         return engine.components.dit_for(contract["mode"]), engine, f"model folder {args.models}", None
     from ..h3_model.checkpoint import load_dit
@@ -253,6 +275,8 @@ def run(args) -> int:
     device, contract, settings, cache_modes, out = preflight(args)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     record = stamp.stamp_before()
+    if args.budget is not None:
+        args.plan_rows = _contract_rows(contract, args.preset)  # the budget plans for this contract's length
     model, engine, weights, build_s = load_model(args, contract, device, dtype)
     from ..kernels.dispatch import apply_kernels
 
@@ -264,8 +288,13 @@ def run(args) -> int:
         twin = diffusers_twin(model)
     if args.vs == "exact":
         return _run_vs_exact(args, contract, model, settings, device, weights, record, out)
-    backends = apply_kernels(model, settings)
-    budget_report = stream_under_budget(model, args, contract, device) if args.budget is not None else None
+    if args.budget is not None and engine is not None:  # the engine applied the kernels and placed everything
+        key = "dit_ref" if contract["mode"] == "ref2va" else "dit"
+        backends = engine.kernel_reports[key]
+        budget_report = {**engine.memory_report(key), "emulation": emulate_card(args.budget, device)}
+    else:
+        backends = apply_kernels(model, settings)
+        budget_report = stream_under_budget(model, args, contract, device) if args.budget is not None else None
     diff_backends = [b for b in args.diffusers_backends.split(",") if b]
     if args.vs and len(diff_backends) == 1:
         diff_backends.append("_native_flash" if device.startswith("cuda") else "_native_math")
@@ -277,8 +306,11 @@ def run(args) -> int:
         from ..kernels.settings import vae_tile_batch
         from ..kernels.vae import apply_vae_kernels
 
-        engine.components.vae.tile_batch = vae_tile_batch()
-        result["vae_kernels"] = apply_vae_kernels(engine.components.vae, settings)
+        if args.budget is not None:  # configured on the device at load; now it waits in host memory
+            result["vae_kernels"] = engine.kernel_reports.get("vae")
+        else:
+            engine.components.vae.tile_batch = vae_tile_batch()
+            result["vae_kernels"] = apply_vae_kernels(engine.components.vae, settings)
         result["generation"] = runner.bench_generation(engine, contract, device, cache_modes)
         if build_s is not None:
             result["generation"]["component_build_s"] = build_s

@@ -197,14 +197,18 @@ def component_builders(preset: str, modes: list[str], device: str, dtype: torch.
 
 def synthetic_components(preset: str, modes: list[str], device: str, dtype: torch.dtype,
                          vae_dtype: torch.dtype = torch.float16, seed: int = 0, text_layer: int = 50,
-                         log: Callable[[str], None] = lambda message: None, dit_init: str = "fan_in"):
-    """(the engine over these components, seconds per component), built on `device`; the engine's kernels are
-    left as built (the bench applies its own after any diffusers twin)."""
+                         log: Callable[[str], None] = lambda message: None, dit_init: str = "fan_in",
+                         kernels=None, vram_budget: int | None = None, prefetch_depth: int = 2,
+                         plan_rows: int | None = None):
+    """(the engine over these components, seconds per component), built on `device`. Without `kernels` the
+    engine's kernels are left as built (the bench applies its own after any diffusers twin); a `vram_budget`
+    places them as the engine does for a smaller card."""
     from ..h3_model.engine.engine import Engine
     from ..h3_model.engine.loading import LoadOptions
 
     builders = component_builders(preset, modes, device, dtype, vae_dtype, seed, text_layer, dit_init)
-    options = LoadOptions(device=device, dtype=dtype, vae_dtype=vae_dtype, text_layer=text_layer, kernels=None)
+    options = LoadOptions(device=device, dtype=dtype, vae_dtype=vae_dtype, text_layer=text_layer, kernels=kernels,
+                          vram_budget=vram_budget, prefetch_depth=prefetch_depth, plan_rows=plan_rows)
     engine = Engine(options=options, overrides=builders)
 
     def progress(event) -> None:

@@ -92,7 +92,10 @@ class StreamStats:
 
 
 class BlockStream:
-    """Streams `blocks[i]` for i in `streamed` and every block's AdaLN projection; the rest stays in place."""
+    """Streams `blocks[i]` for i in `streamed` and every block's AdaLN projection; the rest stays in place.
+
+    Any ModuleList of blocks will do: the text encoder's decoder layers stream the same way (they have no
+    AdaLN projection). `park()` gives the slots back between uses; the next copy allocates them again."""
 
     def __init__(self, blocks: nn.ModuleList, streamed: list[int], device: torch.device | str, depth: int = 2):
         self.device = torch.device(device)
@@ -109,8 +112,9 @@ class BlockStream:
                 self.adaln[i] = _pack(f"block {i} AdaLN", list(_tensors(getattr(block, ADALN), None)), self.cuda)
         for unit in [*self.units.values(), *self.adaln.values()]:
             self._drop(unit)  # the weights now live in the host buffers only
-        largest = max((u.nbytes for u in [*self.units.values(), *self.adaln.values()]), default=0)
-        self.slots = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(depth)]
+        self.largest = max((u.nbytes for u in [*self.units.values(), *self.adaln.values()]), default=0)
+        self.slots: list[torch.Tensor] = []
+        self._allocate()
         self.slot_free: list[object] = [None] * depth
         self.slot_owner: list[Unit | None] = [None] * depth
         self._next_slot = 0
@@ -124,6 +128,19 @@ class BlockStream:
     @property
     def slot_bytes(self) -> int:
         return sum(s.numel() for s in self.slots)
+
+    def _allocate(self) -> None:
+        if not self.slots:
+            self.slots = [torch.empty(self.largest, dtype=torch.uint8, device=self.device) for _ in range(self.depth)]
+
+    def park(self) -> None:
+        """Free the GPU slots (between the text encoder's turns, say); the next copy allocates them again."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            torch.cuda.synchronize(self.device)
+        for unit in [*self.units.values(), *self.adaln.values()]:
+            self._release(unit)
+        self.slots, self.slot_free, self.slot_owner = [], [None] * self.depth, [None] * self.depth
 
     @property
     def host_bytes(self) -> int:
@@ -139,6 +156,7 @@ class BlockStream:
         """Copy `unit` into the next slot, after the slot's last reader is done."""
         if unit.slot is not None:
             return
+        self._allocate()
         s = self._next_slot
         self._next_slot = (s + 1) % self.depth
         previous = self.slot_owner[s]

@@ -53,8 +53,10 @@ class Engine:
         self.default_attention: dict[str, tuple[object, object]] = {}
         self.load_seconds: dict[str, float] = {}
         self.checkpoint_formats: dict[str, str] = {}
-        # Per DiT key, under a VRAM budget: which blocks stay resident and which stream (memory.py).
+        # Per DiT key, under a VRAM budget: which blocks stay resident and which stream (memory.py); and the
+        # GPU bytes kept free for the other stages (text encode, VAE).
         self.memory_plans: dict[str, object] = {}
+        self.stage_reserve: dict[str, int] = {}
         # Sequence parallel (--gpus N): every rank's device, rank 0 first, and the group the video decode is
         # shared over. One process: [device] and None.
         self.devices: list[str] = [self.options.device]
@@ -173,6 +175,8 @@ class Engine:
             self.load_seconds[name] = round(seconds, 3)
             report(LoadEvent(name, "resident", self.load_seconds[name]))
         check_fit(self.components)  # components given one by one must belong together: fail now, not mid-job
+        if self.options.vram_budget is not None:
+            self._place_all()
         return self
 
     def _configure(self, name: str, model) -> None:
@@ -192,8 +196,7 @@ class Engine:
                 self.kernel_reports[name] = (configure_in_host(model, self.settings, self.device) if budgeted
                                              else apply_kernels(model, self.settings))
                 self.default_attention[name] = (model.attention, model.qk_prep)
-            if budgeted:
-                self._place(name, model)
+
         elif name == "vae":
             model.tile_batch = self.options.vae_tile_batch
             if self.settings is not None:
@@ -201,14 +204,42 @@ class Engine:
 
                 self.kernel_reports[name] = apply_vae_kernels(model, self.settings)
 
-    def _place(self, name: str, model) -> None:
-        """Under the budget: the blocks that fit stay on the device, the others stream. Two DiTs share the
-        budget (only one runs at a time, so their activations do not add up)."""
+    def _place_all(self) -> None:
+        """Under the budget, after loading: the text encoder streams its layers and visits for its stage, the
+        VAEs wait in host memory between theirs, and each DiT gets what the largest other stage leaves."""
+        from .memory import Visits, gb, stream_text_encoder, text_stage_bytes, vae_stage_bytes
+
+        c = self.components
+        reserve = {}
+        if c.text_encoder is not None and hasattr(c.text_encoder, "model"):
+            stream = stream_text_encoder(c.text_encoder, self.device, self.options.prefetch_depth)
+            reserve["text_encode"] = text_stage_bytes(c.text_encoder, stream)
+            self.pipeline.offload_text_encoder = True
+        dit = c.dit if c.dit is not None else c.dit_ref
+        reserve["vae"] = vae_stage_bytes(c.vae, c.audio_vae, dit.config if dit is not None else None,
+                                         self.options.plan_rows or 0)
+        visits = Visits(self.device)
+        for module in (c.vae, c.audio_vae):
+            if module is not None:
+                visits.park(module)
+        self.pipeline.visit = visits
+        self.stage_reserve = reserve
+        kept = max(reserve.values(), default=0)
+        share = (f" left to the DiT (of {gb(self.options.vram_budget)}, less {gb(kept)} kept for the text "
+                 "encoder's and the VAEs' stages)")
+        for key in self.dit_keys():
+            self._place(key, getattr(c, key), self.options.vram_budget - kept, share)
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _place(self, name: str, model, budget: int, share: str = "") -> None:
+        """The blocks that fit stay on the device, the others stream. Two DiTs share the budget (only one runs
+        at a time, so their activations do not add up)."""
         from .memory import default_rows, place_dit, plan_dit
 
         taken = sum(p.device_bytes - p.activations for p in self.memory_plans.values())
         rows = self.options.plan_rows or default_rows(model.config)
-        plan = plan_dit(model, self.options.vram_budget - taken, rows, depth=self.options.prefetch_depth)
+        plan = plan_dit(model, budget - taken, rows, depth=self.options.prefetch_depth, share=share)
         place_dit(model, plan, self.device)
         self.memory_plans[name] = plan
 
@@ -225,7 +256,7 @@ class Engine:
         plan = self.memory_plans.get(key)
         if plan is None:
             return None
-        out = plan.describe()
+        out = {**plan.describe(), "reserved_for_other_stages": dict(self.stage_reserve)}
         stream = getattr(getattr(self.components, key), "block_stream", None)
         if stream is not None:
             out.update(forwards=stream.stats.forwards, bytes_copied=stream.stats.bytes_copied,

@@ -46,7 +46,8 @@ def component_loader(name: str, path: Path, opts: LoadOptions, tokenizer: Path |
     from ..text.encoder import TextEncoder
     from ..vae.loading import load_audio_vae, load_video_vae
 
-    # Under a VRAM budget the DiT is read into host memory; the engine then places what fits on the device.
+    # Under a VRAM budget the DiT and the text encoder are read into host memory; the engine then places what
+    # fits on the device (memory.py).
     dit_device = "cpu" if opts.vram_budget is not None else opts.device
     loaders: dict[str, Callable[[], object]] = {
         "dit": lambda: load_dit(path, dtype=opts.dtype, device=dit_device, partition="t2va",
@@ -54,7 +55,7 @@ def component_loader(name: str, path: Path, opts: LoadOptions, tokenizer: Path |
         "dit_ref": lambda: load_dit(path, dtype=opts.dtype, device=dit_device, partition="ref2va",
                                     qkv_layout=opts.qkv_layout),
         "text_encoder": lambda: TextEncoder.from_pretrained(path, dtype=opts.text_dtype or opts.dtype,
-                                                            device=opts.device, tokenizer=tokenizer,
+                                                            device=dit_device, tokenizer=tokenizer,
                                                             layer=opts.text_layer),
         "vae": lambda: load_video_vae(path, device=opts.device, decode_dtype=opts.vae_dtype),
         "audio_vae": lambda: load_audio_vae(path, device=opts.device),

@@ -127,7 +127,7 @@ class MemoryPlan:
 
 
 def plan_dit(model: nn.Module, budget: int | None, rows: int, *, depth: int = DEFAULT_DEPTH,
-             mlp_chunks: int = 1) -> MemoryPlan:
+             mlp_chunks: int = 1, share: str = "") -> MemoryPlan:
     """How many of the DiT's blocks stay resident under `budget` (all of them without one)."""
     if depth < 1:
         raise InputError(f"the prefetch depth must be at least 1, got {depth}")
@@ -144,7 +144,7 @@ def plan_dit(model: nn.Module, budget: int | None, rows: int, *, depth: int = DE
     plan.adaln_on_host, plan.resident_blocks = True, 0
     if plan.device_bytes > room:
         raise InputError(
-            f"the VRAM budget of {gb(budget)} is below what a streamed DiT forward needs, "
+            f"the VRAM budget of {gb(budget)}{share} is below what a streamed DiT forward needs, "
             f"{gb(plan.device_bytes + slack(budget))}: {gb(fixed)} of weights outside the blocks, {depth} block slots "
             f"of {gb(plan.slot_bytes // depth)}, {gb(plan.activations)} of activations at {rows} rows and "
             f"{gb(slack(budget))} of allocator slack; raise the budget, or lower --prefetch-depth")
@@ -235,3 +235,77 @@ def default_rows(config) -> int:
     _, ph, pw = config.patch_size
     video = video_latent_frames(DEFAULT_FRAMES) * (lh // ph) * (lw // pw)
     return video + 2 * audio_latent_frames(DEFAULT_FRAMES) + 1024
+
+
+# ------------------------------------------------------------------------------------------ the other stages
+TEXT_STAGE_ROWS = 4096  # prompt + vision tokens the text encoder's stage is planned for
+
+
+def stream_text_encoder(te, device: torch.device | str, depth: int = DEFAULT_DEPTH) -> BlockStream:
+    """The text encoder's decoder layers stream like DiT blocks; the rest (embeddings, vision tower) waits in host
+    memory and visits the GPU for the encoder's own stage (TextEncoder.ensure_resident / offload)."""
+    device = torch.device(device)
+    layers = te.model.language_model.layers
+    stream = BlockStream(layers, list(range(len(layers))), device, depth)
+    te.model.to("cpu")
+    te.layer_stream = stream
+    te.device = device
+    te.mark_offloaded()
+    stream.park()
+    return stream
+
+
+def text_stage_bytes(te, stream: BlockStream, rows: int = TEXT_STAGE_ROWS) -> int:
+    """GPU bytes of a text encode with streamed layers: the rest of the model, the slots, the activations."""
+    text = te.model.config.text_config
+    size = torch.empty(0, dtype=te.dtype).element_size()
+    activations = int(rows * size * (3 * text.hidden_size + 3 * text.intermediate_size) * ACTIVATION_MARGIN)
+    return tensor_bytes(te.model) + stream.depth * stream.largest + activations
+
+
+def vae_stage_bytes(vae, audio_vae, dit_config, rows: int) -> int:
+    """GPU bytes of the largest VAE stage (the video decode of the planned canvas, or the audio VAE's)."""
+    from ..geometry import DEFAULT_FRAMES, latent_size, resolve_canvas, video_latent_frames
+    from ..vae.video import decode_memory_estimate
+
+    need = 0
+    if vae is not None:
+        height, width = resolve_canvas(16, 9)
+        lh, lw = latent_size(height, width)
+        estimate = decode_memory_estimate(vae.config, video_latent_frames(DEFAULT_FRAMES), lh, lw,
+                                          tile_batch=getattr(vae, "tile_batch", 1))
+        need = tensor_bytes(vae) + estimate["transient"] + estimate["window"]
+    if audio_vae is not None:
+        need = max(need, tensor_bytes(audio_vae) * 2)
+    return need
+
+
+class Visits:
+    """Components parked in host memory, brought to the device for the stage that uses them."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.parked: list[nn.Module] = []
+
+    def park(self, module: nn.Module) -> None:
+        module.to("cpu")
+        self.parked.append(module)
+
+    def __call__(self, module):
+        return _Visit(self, module)
+
+
+class _Visit:
+    def __init__(self, visits: Visits, module):
+        self.visits, self.module = visits, module
+
+    def __enter__(self):
+        if any(self.module is m for m in self.visits.parked):
+            self.module.to(self.visits.device)
+        return self.module
+
+    def __exit__(self, *exc):
+        if any(self.module is m for m in self.visits.parked):
+            self.module.to("cpu")
+            if self.visits.device.type == "cuda":
+                torch.cuda.empty_cache()

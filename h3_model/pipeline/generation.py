@@ -13,6 +13,7 @@ encodes to the same latents in every request.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -159,6 +160,9 @@ class Pipeline:
         self.offload_text_encoder = offload_text_encoder
         # Called with (dit, packed rows, mlp_chunks) before sampling: a VRAM budget refuses what it cannot hold.
         self.memory_check: Callable | None = None
+        # A context that holds a component on the device for one stage (a VRAM budget parks the VAEs in host
+        # memory between their stages); by default they never move.
+        self.visit: Callable = _stay
 
     # ------------------------------------------------------------------ public
     def clear_caches(self) -> None:
@@ -275,9 +279,13 @@ class Pipeline:
         from ..vae.video import encode_condition
 
         vae = self._need(self.c.vae, "the video VAE")
+
+        def encode():
+            with self.visit(vae):
+                return encode_condition(vae, frame, tile_size=tile_size)
+
         return self._reference_cache.get_or(
-            ("keyframe", PreparedReference("image", pixels=frame).content_hash(), tile_size),
-            lambda: encode_condition(vae, frame, tile_size=tile_size))
+            ("keyframe", PreparedReference("image", pixels=frame).content_hash(), tile_size), encode)
 
     def encode_reference(self, p: PreparedReference,
                          tile_size: int | None = DEFAULT_ENCODE_TILE) -> tuple[EncodedReference, int]:
@@ -289,15 +297,23 @@ class Pipeline:
         hits = 0
         if p.pixels is not None:
             vae = self._need(self.c.vae, "the video VAE")
+
+            def encode_video():
+                with self.visit(vae):
+                    return encode_condition(vae, p.pixels, tile_size=tile_size)
+
             latent, hit = self._reference_cache.get_or(
-                ("video", PreparedReference(p.kind, pixels=p.pixels).content_hash(), tile_size),
-                lambda: encode_condition(vae, p.pixels, tile_size=tile_size))
+                ("video", PreparedReference(p.kind, pixels=p.pixels).content_hash(), tile_size), encode_video)
             hits += hit
         if p.audio is not None:
             audio_vae = self._need(self.c.audio_vae, "the audio VAE")
+
+            def encode_audio():
+                with self.visit(audio_vae):
+                    return audio_vae.encode_stereo(p.audio).float().cpu()
+
             audio, hit = self._reference_cache.get_or(
-                ("audio", PreparedReference("audio", audio=p.audio).content_hash()),
-                lambda: audio_vae.encode_stereo(p.audio).float().cpu())
+                ("audio", PreparedReference("audio", audio=p.audio).content_hash()), encode_audio)
             hits += hit
         return EncodedReference(p.kind, latent, audio), hits
 
@@ -335,13 +351,16 @@ class Pipeline:
                      on_frames: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Normalised video latents (1, C, T, h, w) -> uint8 frames (F, H, W, 3)."""
         vae = self._need(self.c.vae, "the video VAE")
-        return vae.decode_to_buffer(vae.denormalize(latents), tile_size=tile_size, group=self.decode_group,
-                                    on_frames=None if on_frames is None else (lambda chunk: on_frames(chunk[0])))[0]
+        with self.visit(vae):
+            return vae.decode_to_buffer(vae.denormalize(latents), tile_size=tile_size, group=self.decode_group,
+                                        on_frames=None if on_frames is None else
+                                        (lambda chunk: on_frames(chunk[0])))[0]
 
     def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalised audio latents (2, C, T) -> stereo float32 (2, samples) at 32 kHz on the CPU."""
         audio_vae = self._need(self.c.audio_vae, "the audio VAE")
-        return audio_vae.decode_stereo(latents).float().cpu()
+        with self.visit(audio_vae):
+            return audio_vae.decode_stereo(latents).float().cpu()
 
     @staticmethod
     def _need(component, what: str):
@@ -389,6 +408,10 @@ def build_layout(mode: str, tags: torch.Tensor, blocks: list, anchors: tuple, di
     if mode == "ref2va":
         return build_ref2va(tags, blocks, *dims, patch)
     return build_t2va(tags, *dims, patch, keyframes=anchors)
+
+
+def _stay(component):
+    return contextlib.nullcontext(component)
 
 
 def schedule_of(req: GenerationRequest) -> JointSchedule:

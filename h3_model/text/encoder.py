@@ -495,6 +495,8 @@ class TextEncoder:
         self.cache_hits = 0
         self._cache: OrderedDict[str, EncodedPrompt] = OrderedDict()
         self._resident = True
+        # Under a VRAM budget the decoder layers stream (engine/memory.py) and the rest visits per encode.
+        self.layer_stream = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype, device: str | torch.device,
@@ -532,11 +534,17 @@ class TextEncoder:
         if self.device.type == "cpu":
             return
         self.model.to("cpu")
+        if self.layer_stream is not None:
+            self.layer_stream.park()
         for key, hit in self._cache.items():
             self._cache[key] = EncodedPrompt(hit.embeds.to("cpu"), hit.tags, hit.token_hash)
         self._resident = False
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def mark_offloaded(self) -> None:
+        """The weights were moved off the compute device by someone else (the budget's placement)."""
+        self._resident = False
 
     def ensure_resident(self) -> None:
         """Move offloaded weights back to the compute device (encode does this on a cache miss)."""
