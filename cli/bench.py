@@ -160,7 +160,9 @@ def check_budget_flags(args) -> None:
     from ..errors import InputError
     from .options import check_depth, vram_budget
 
-    args.budget = vram_budget(args.vram_budget)
+    args.budget = vram_budget(args.vram_budget, default=None)
+    if args.budget == "auto":
+        raise InputError("bench measures a given --vram-budget (a size such as 24GB), not auto")
     check_depth(args.prefetch_depth)
     args.plan_rows = None
     if args.budget is not None and args.vs:

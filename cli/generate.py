@@ -126,8 +126,10 @@ def run(args) -> int:
     if args.gpus < 1:
         raise InputError(f"--gpus must be at least 1, got {args.gpus}")
     budget, depth = vram_budget(args.vram_budget), check_depth(args.prefetch_depth)
-    if budget is not None and args.gpus > 1:
-        raise InputError("--vram-budget streams blocks on one GPU; it does not combine with --gpus yet")
+    if args.gpus > 1:
+        if budget not in (None, "auto"):
+            raise InputError("--vram-budget streams blocks on one GPU; it does not combine with --gpus yet")
+        budget = None
     if args.device is not None:
         check_device(args.device)
     if args.gpus > 1 and "WORLD_SIZE" not in os.environ:
@@ -237,6 +239,8 @@ def run(args) -> int:
         summary["step_cache"] = result.info["step_cache"]
     if engine.memory_report(key) is not None:
         summary["vram_budget"] = engine.memory_report(key)
+    if engine.auto_budget is not None:
+        summary["vram_budget_auto"] = engine.auto_budget
     dit = getattr(engine.components, key)
     counts = attention_counts(getattr(dit, "model", dit))  # inside SequenceParallelDiT under --gpus
     if counts:  # calls a backend made on another kernel (H3_SOL_MIN_TOKENS, H3_SOL_STRICT=0, ...)

@@ -29,22 +29,27 @@ def check_device(name: str) -> str:
 
 def add_budget_flags(parser) -> None:
     parser.add_argument("--vram-budget", default=None, metavar="GB",
-                        help="GPU memory the DiT may hold, activations included (default: $H3_VRAM_BUDGET, else "
-                             "none: resident). Blocks that do not fit stream from pinned host memory, prefetched "
-                             "on a side stream; forwards are bit-identical to resident ones. 24, 24GB, 22.5GiB")
+                        help="GPU memory the models may hold, activations included (default: $H3_VRAM_BUDGET, "
+                             "else auto: resident when the files fit the free GPU memory, streaming when they do "
+                             "not). DiT blocks and text-encoder layers that do not fit stream from pinned host "
+                             "memory, prefetched on a side stream (bit-identical forwards); the VAEs visit the GPU "
+                             "for their stages. auto, 24, 24GB, 22.5GiB (docs/vram-budget.md)")
     parser.add_argument("--prefetch-depth", type=int, default=2,
                         help="streamed blocks copied ahead of use under --vram-budget (GPU slots; default 2)")
 
 
-def vram_budget(flag: str | None) -> int | None:
-    """--vram-budget, else H3_VRAM_BUDGET, in bytes; an error names whichever was given."""
+def vram_budget(flag: str | None, default: str | None = "auto") -> int | str | None:
+    """--vram-budget, else H3_VRAM_BUDGET, else `default`: bytes, "auto" or None; an error names the source."""
     import os
 
     from ..h3_model.engine.memory import parse_budget
 
     if flag is not None:
         return parse_budget(flag, "--vram-budget")
-    return parse_budget(os.environ.get("H3_VRAM_BUDGET"), "H3_VRAM_BUDGET")
+    env = os.environ.get("H3_VRAM_BUDGET")
+    if env is not None and env.strip():
+        return parse_budget(env, "H3_VRAM_BUDGET")
+    return parse_budget(default)
 
 
 def check_depth(depth: int) -> int:

@@ -87,8 +87,10 @@ def service_settings(args, device: str | None = None):
     paths = ComponentPaths(args.models, args.dit, args.dit_ref, args.text_encoder, args.tokenizer, args.vae,
                            args.audio_vae)
     budget = vram_budget(args.vram_budget)
-    if budget is not None and args.gpus > 1:
-        raise InputError("--vram-budget streams blocks on one GPU; it does not combine with --gpus yet")
+    if args.gpus > 1:
+        if budget not in (None, "auto"):
+            raise InputError("--vram-budget streams blocks on one GPU; it does not combine with --gpus yet")
+        budget = None
     options = LoadOptions(device=device, dtype=dtype, vae_dtype=getattr(torch, vae_name),
                           text_layer=args.text_encoder_layer, qkv_layout=args.qkv_layout, kernels=settings,
                           vae_tile_batch=vae_tile_batch(), vram_budget=budget,

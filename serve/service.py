@@ -129,7 +129,7 @@ class Service:
             m = self.models
             body.update(device=m.device, world_size=m.world_size, devices=m.devices, modes=m.modes,
                         models=describe_models(m), weights=self.config.weights,
-                        memory=memory_report(m.device), supported=self.supported,
+                        memory=memory_report(m.device), supported=self.supported, vram_budget_auto=m.auto_budget,
                         limits=vars(self.limits), input_dir=str(self.inputs.root) if self.inputs else None,
                         output_dir=str(self.outputs.root))
         return ready, body

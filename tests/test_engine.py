@@ -152,8 +152,17 @@ def test_bad_budget_flags_are_refused(capsys):
     from h3_spark.cli import main
 
     assert main(["generate", "--demo", "--vram-budget", "lots", "--out", "x.mp4"]) == 2
-    assert "--vram-budget 'lots' is not a size; use a size in GB: 24, 24GB, 22.5GiB or 800MB" in capsys.readouterr().err
+    assert ("--vram-budget 'lots' is not a size; use auto, or a size in GB: 24, 24GB, 22.5GiB or 800MB"
+            in capsys.readouterr().err)
     assert main(["generate", "--demo", "--vram-budget", "24", "--gpus", "2", "--out", "x.mp4"]) == 2
     assert "does not combine with --gpus" in capsys.readouterr().err
     assert main(["generate", "--demo", "--prefetch-depth", "0", "--out", "x.mp4"]) == 2
     assert "--prefetch-depth must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_auto_on_the_cpu_stays_resident(builders):
+    options = LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2,
+                          kernels=REFERENCE_KERNELS, vram_budget="auto")
+    engine = Engine(options=options, overrides=builders).load(["t2va"])
+    assert engine.options.vram_budget is None and engine.memory_plans == {} and engine.auto_budget is None
+    assert engine.components.dit.block_stream is None

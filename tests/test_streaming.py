@@ -103,12 +103,12 @@ def test_a_longer_request_than_planned_is_checked():
 
 
 @pytest.mark.parametrize("text, value", [("24", 24 * 10 ** 9), ("24GB", 24 * 10 ** 9), ("22.5 GiB", int(22.5 * 2 ** 30)),
-                                         ("800MB", 800 * 10 ** 6), ("", None), (None, None)])
+                                         ("800MB", 800 * 10 ** 6), ("", None), (None, None), ("Auto", "auto")])
 def test_budget_sizes(text, value):
     assert memory.parse_budget(text) == value
 
 
-@pytest.mark.parametrize("text, message", [("lots", "is not a size; use a size in GB: 24, 24GB"),
+@pytest.mark.parametrize("text, message", [("lots", "is not a size; use auto, or a size in GB: 24, 24GB"),
                                            ("0", "must be positive"), ("-3", "is not a size"),
                                            ("24 TB", "is not a size")])
 def test_bad_budgets(text, message):
@@ -131,3 +131,53 @@ def test_all_blocks_resident_with_the_adaln_projections_in_host_memory(inputs):
         got, want = model(**inputs), resident_model(**inputs)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert stream.stats.forwards == 1 and stream.stats.bytes_copied == 0 and stream.stats.adaln_bytes_copied > 0
+
+
+def test_auto_is_resident_when_the_files_fit_and_a_budget_of_the_free_memory_when_not():
+    assert memory.auto_budget(10 * memory.GB, 24 * memory.GB) is None
+    assert memory.auto_budget(30 * memory.GB, 24 * memory.GB) == int(24 * memory.GB * memory.AUTO_FREE_FRACTION)
+    assert memory.auto_budget(None, 24 * memory.GB) is None  # components built in memory: nothing to size
+
+
+def test_planned_bytes_come_from_the_files(tmp_path):
+    from h3_spark.h3_model.checkpoint.dit_config import logical_param_count
+    from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+    from h3_spark.h3_model.engine.loading import LoadOptions
+    from h3_spark.h3_model.vae.synthetic import write_vae_checkpoint
+
+    make_dit_checkpoint(tmp_path / "transformer", CONFIG, "bf16", "diffusers", seed=0)
+    vae = write_vae_checkpoint(tmp_path / "vae", "tiny", "diffusers", seed=0)
+    options = LoadOptions(dtype=torch.bfloat16)
+    need = memory.planned_bytes({"dit": tmp_path / "transformer", "vae": vae}, options)
+    from h3_spark.h3_model.vae.loading import load_video_vae
+    from h3_spark.h3_model.vae.video import parameter_bytes
+
+    dit = logical_param_count(CONFIG) * 2
+    video = parameter_bytes(load_video_vae(vae).config, torch.float16)  # fp32 encoder, fp16 decoder
+    assert need == dit + video + memory.activation_bytes(CONFIG, memory.default_rows(CONFIG), torch.bfloat16)
+    assert memory.planned_bytes({"dit": lambda: None}, options) is None
+
+
+def test_the_front_doors_default_to_auto(monkeypatch):
+    from h3_spark.cli.options import vram_budget
+
+    monkeypatch.delenv("H3_VRAM_BUDGET", raising=False)
+    assert vram_budget(None) == "auto" and vram_budget(None, default=None) is None
+    monkeypatch.setenv("H3_VRAM_BUDGET", "32")
+    assert vram_budget(None) == 32 * memory.GB and vram_budget("24GB") == 24 * memory.GB
+    monkeypatch.setenv("H3_VRAM_BUDGET", "much")
+    with pytest.raises(InputError, match="H3_VRAM_BUDGET 'much' is not a size"):
+        vram_budget(None)
+
+
+def test_text_encoder_bytes_count_the_layers_it_keeps(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.randn(1000)}, str(tmp_path / "model.safetensors"))
+    size = (tmp_path / "model.safetensors").stat().st_size
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 64}}))
+    assert memory._text_encoder_bytes(tmp_path, 50) == size * 50 // 64
+    assert memory._text_encoder_bytes(tmp_path, 80) == size
+    assert memory._text_encoder_bytes(tmp_path / "model.safetensors", 50) == size  # a lone file: all of it

@@ -57,6 +57,7 @@ class Engine:
         # GPU bytes kept free for the other stages (text encode, VAE).
         self.memory_plans: dict[str, object] = {}
         self.stage_reserve: dict[str, int] = {}
+        self.auto_budget: dict | None = None  # what `--vram-budget auto` chose, when it was asked
         # Sequence parallel (--gpus N): every rank's device, rank 0 first, and the group the video decode is
         # shared over. One process: [device] and None.
         self.devices: list[str] = [self.options.device]
@@ -155,6 +156,7 @@ class Engine:
         report = on_progress or (lambda event: None)
         plan = self.plan(modes)
         self.preflight(plan)
+        self._resolve_auto_budget(plan)
         tokenizer = None if "text_encoder" in self.overrides else self.paths.resolve("tokenizer")
         for name, source in plan.items():
             build = source if name in self.overrides else component_loader(name, source, self.options, tokenizer)
@@ -203,6 +205,22 @@ class Engine:
                 from ...kernels.vae import apply_vae_kernels
 
                 self.kernel_reports[name] = apply_vae_kernels(model, self.settings)
+
+    def _resolve_auto_budget(self, plan) -> None:
+        """`--vram-budget auto` (the front doors' default on a GPU): resident when the files say everything fits
+        the free memory, else a budget of that memory; what it chose goes into `auto_budget` for the reports."""
+        from .memory import AUTO, auto_budget, planned_bytes
+
+        if self.options.vram_budget != AUTO:
+            return
+        if torch.device(self.device).type != "cuda":
+            self.options.vram_budget = None
+            return
+        need = planned_bytes(plan, self.options)
+        free = torch.cuda.mem_get_info(torch.device(self.device))[0]
+        self.options.vram_budget = auto_budget(need, free)
+        self.auto_budget = {"chose": "resident" if self.options.vram_budget is None else "streaming",
+                            "planned_bytes": need, "free_bytes": free, "budget_bytes": self.options.vram_budget}
 
     def _place_all(self) -> None:
         """Under the budget, after loading: the text encoder streams its layers and visits for its stage, the

@@ -25,7 +25,7 @@ GIB = 2 ** 30
 DEFAULT_DEPTH = 2
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gb|g|gib|mb|mib)?\s*$", re.IGNORECASE)
 _UNITS = {None: GB, "gb": GB, "g": GB, "gib": GIB, "mb": 10 ** 6, "mib": 2 ** 20}
-BUDGET_FORMS = "a size in GB: 24, 24GB, 22.5GiB or 800MB"
+BUDGET_FORMS = "auto, or a size in GB: 24, 24GB, 22.5GiB or 800MB"
 # Bytes of activations per packed row and per unit of (3 x hidden + 3 x FFN width) in the model dtype; a
 # margin of 30 % over the peak of one block's tensors (residual, normed input, fused QKV, attention out,
 # FC1 out, SwiGLU out) for the allocator's rounding and the embeddings/heads around the blocks.
@@ -44,10 +44,13 @@ def budget_for(device_bytes: int) -> int:
     return max(device_bytes + SLACK_MIN, -(-device_bytes * 100 // int(100 - 100 * SLACK_FRACTION)))
 
 
-def parse_budget(text: str | None, source: str = "--vram-budget") -> int | None:
-    """Bytes, or None for no budget ("" / None). Plain numbers are GB (10^9 bytes), as `nvidia-smi` rounds."""
+def parse_budget(text: str | None, source: str = "--vram-budget") -> int | str | None:
+    """Bytes; "auto"; or None for no budget ("" / None). Plain numbers are GB (10^9 bytes), as `nvidia-smi`
+    rounds."""
     if text is None or str(text).strip() == "":
         return None
+    if str(text).strip().lower() == AUTO:
+        return AUTO
     match = _SIZE.match(str(text))
     if not match:
         raise InputError(f"{source} {text!r} is not a size; use {BUDGET_FORMS}")
@@ -309,3 +312,72 @@ class _Visit:
             self.module.to("cpu")
             if self.visits.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------ the default
+AUTO = "auto"
+AUTO_FREE_FRACTION = 0.95  # of the free memory at start: the rest is CUDA's own and other processes' growth
+
+
+def planned_bytes(plan: dict, options) -> int | None:
+    """GPU bytes of loading `plan` resident, from the files' headers (None when a component has no file)."""
+    from ..checkpoint import read_dit_config
+    from ..checkpoint.dit_config import logical_param_count
+
+    size = torch.empty(0, dtype=options.dtype).element_size()
+    total, config = 0, None
+    for name, source in plan.items():
+        if callable(source):
+            return None  # built in memory (synthetic, a host's own): nothing to read the size from
+        if name in ("dit", "dit_ref"):
+            config = read_dit_config(source, partition="t2va" if name == "dit" else "ref2va")
+            total += logical_param_count(config) * size
+        elif name == "vae":
+            total += _video_vae_bytes(source, options.vae_dtype)
+        elif name == "text_encoder":
+            total += _text_encoder_bytes(source, options.text_layer)
+        else:
+            total += sum(f.stat().st_size for f in _files(source))
+    return total + (activation_bytes(config, default_rows(config), options.dtype) if config is not None else 0)
+
+
+def _video_vae_bytes(path, decode_dtype: torch.dtype) -> int:
+    """The video VAE as it loads: fp32 encoder, `decode_dtype` decoder (its file is fp16 or fp32 throughout)."""
+    from ..vae.loading import TensorFiles, _is_comfy_video, _video_config, locate
+    from ..vae.video import parameter_bytes
+
+    source = locate(path, "vae")
+    with TensorFiles(source.files) as files:
+        config = _video_config(source, files, _is_comfy_video(files.keys()), None)
+    return parameter_bytes(config, decode_dtype)
+
+
+def _text_encoder_bytes(path, layer: int) -> int:
+    """The text encoder as it loads: cut at `layer` of its decoder layers (the file holds them all)."""
+    import json
+    from pathlib import Path
+
+    files = sum(f.stat().st_size for f in _files(path))
+    config = Path(path) / "config.json"
+    if Path(path).is_dir() and config.is_file():
+        data = json.loads(config.read_text())
+        layers = (data.get("text_config") or data).get("num_hidden_layers")
+        if layers:
+            return files * min(layer, layers) // layers
+    return files
+
+
+def _files(path):
+    from pathlib import Path
+
+    path = Path(path)
+    return [path] if path.is_file() else [f for f in path.rglob("*.safetensors") if f.is_file()]
+
+
+def auto_budget(need: int | None, free: int) -> int | None:
+    """What `--vram-budget auto` (the default on a GPU) chooses: None (resident) when `need` fits the free
+    memory, else a budget of that memory."""
+    room = int(free * AUTO_FREE_FRACTION)
+    if need is None or need <= room:
+        return None
+    return room
