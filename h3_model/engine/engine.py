@@ -5,7 +5,9 @@ root layout, or one path per component), loads each once with one progress callb
 DiT and the video VAE with the kernels once and keeps the reports, owns the caches (prompts in the text
 encoder, references and keyframes in the pipeline, AdaLN tables and step caches in the sampling), and
 runs the pipeline's stages: text encode, reference/keyframe encode, sample, decode, mux, or all of them
-in `generate`. A front door only turns its own inputs (flags, HTTP JSON, ComfyUI types) into these calls.
+in `generate`. Under a VRAM budget it places the models for a smaller card (memory.py: streamed DiT blocks
+and text-encoder layers, VAEs visiting for their stages). A front door only turns its own inputs (flags,
+HTTP JSON, ComfyUI types) into these calls.
 """
 
 from __future__ import annotations
@@ -233,9 +235,7 @@ class Engine:
             stream = stream_text_encoder(c.text_encoder, self.device, self.options.prefetch_depth)
             reserve["text_encode"] = text_stage_bytes(c.text_encoder, stream)
             self.pipeline.offload_text_encoder = True
-        dit = c.dit if c.dit is not None else c.dit_ref
-        reserve["vae"] = vae_stage_bytes(c.vae, c.audio_vae, dit.config if dit is not None else None,
-                                         self.options.plan_rows or 0)
+        reserve["vae"] = vae_stage_bytes(c.vae, c.audio_vae)
         visits = Visits(self.device)
         for module in (c.vae, c.audio_vae):
             if module is not None:

@@ -33,8 +33,9 @@ class LoadOptions:
     # built (the bench builds its diffusers twin from the bf16 weights before it applies its own).
     kernels: KernelSettings | None = field(default_factory=KernelSettings)
     vae_tile_batch: int = DEFAULT_TILE_BATCH  # tiles per video VAE decoder call (H3_VAE_TILE_BATCH)
-    # The DiT's VRAM budget in bytes (--vram-budget, H3_VRAM_BUDGET; memory.py): None keeps it resident.
-    vram_budget: int | None = None
+    # The VRAM budget in bytes, "auto" (resident when the files fit the free GPU memory, else a budget of it)
+    # or None (resident); --vram-budget, H3_VRAM_BUDGET; memory.py.
+    vram_budget: int | str | None = None
     prefetch_depth: int = 2  # streamed blocks copied ahead of use
     plan_rows: int | None = None  # the packed rows a budget plans activations for (None: the released canvas)
 

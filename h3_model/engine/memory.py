@@ -266,8 +266,8 @@ def text_stage_bytes(te, stream: BlockStream, rows: int = TEXT_STAGE_ROWS) -> in
     return tensor_bytes(te.model) + stream.depth * stream.largest + activations
 
 
-def vae_stage_bytes(vae, audio_vae, dit_config, rows: int) -> int:
-    """GPU bytes of the largest VAE stage (the video decode of the planned canvas, or the audio VAE's)."""
+def vae_stage_bytes(vae, audio_vae) -> int:
+    """GPU bytes of the largest VAE stage: the video decode of the released canvas, or the audio VAE's."""
     from ..geometry import DEFAULT_FRAMES, latent_size, resolve_canvas, video_latent_frames
     from ..vae.video import decode_memory_estimate
 
