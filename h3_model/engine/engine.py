@@ -218,11 +218,16 @@ class Engine:
         if torch.device(self.device).type != "cuda":
             self.options.vram_budget = None
             return
-        need = planned_bytes(plan, self.options)
+        try:
+            need, why = planned_bytes(plan, self.options), None
+        except (OSError, ValueError, KeyError) as exc:  # the loaders will say what is wrong with the files
+            need, why = None, f"the files could not be sized ({type(exc).__name__}: {exc})"
         free = torch.cuda.mem_get_info(torch.device(self.device))[0]
         self.options.vram_budget = auto_budget(need, free)
         self.auto_budget = {"chose": "resident" if self.options.vram_budget is None else "streaming",
                             "planned_bytes": need, "free_bytes": free, "budget_bytes": self.options.vram_budget}
+        if why is not None:
+            self.auto_budget["note"] = why
 
     def _place_all(self) -> None:
         """Under the budget, after loading: the text encoder streams its layers and visits for its stage, the
