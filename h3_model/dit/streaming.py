@@ -48,6 +48,7 @@ class Unit:
     entries: list[_Entry]
     host: torch.Tensor  # uint8, pinned on CUDA
     nbytes: int
+    adaln: bool = False  # an AdaLN projection (copied for the tables, not by the forward)
     slot: int | None = None
     ready: object = None  # the copy's CUDA event
 
@@ -64,7 +65,7 @@ def _tensors(module: nn.Module, skip: str | None):
                 yield owner, name, b, False
 
 
-def _pack(label: str, items: list, pin: bool) -> Unit:
+def _pack(label: str, items: list, pin: bool, adaln: bool = False) -> Unit:
     entries, offset = [], 0
     for owner, name, t, is_param in items:
         nbytes = t.numel() * t.element_size()
@@ -73,7 +74,7 @@ def _pack(label: str, items: list, pin: bool) -> Unit:
     host = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
     for entry, (_, _, t, _) in zip(entries, items):
         host[entry.offset:entry.offset + entry.nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
-    return Unit(label, entries, host, offset)
+    return Unit(label, entries, host, offset, adaln)
 
 
 def _set(entry: _Entry, tensor: torch.Tensor) -> None:
@@ -109,7 +110,8 @@ class BlockStream:
             self.units[i] = _pack(f"block {i}", list(_tensors(blocks[i], ADALN)), self.cuda)
         for i, block in enumerate(blocks):
             if hasattr(block, ADALN):
-                self.adaln[i] = _pack(f"block {i} AdaLN", list(_tensors(getattr(block, ADALN), None)), self.cuda)
+                self.adaln[i] = _pack(f"block {i} AdaLN", list(_tensors(getattr(block, ADALN), None)), self.cuda,
+                                      adaln=True)
         for unit in [*self.units.values(), *self.adaln.values()]:
             self._drop(unit)  # the weights now live in the host buffers only
         self.largest = max((u.nbytes for u in [*self.units.values(), *self.adaln.values()]), default=0)
@@ -174,7 +176,7 @@ class BlockStream:
             target.copy_(unit.host)
         unit.slot = s
         self.slot_owner[s] = unit
-        if unit.label.endswith("AdaLN"):
+        if unit.adaln:
             self.stats.adaln_bytes_copied += unit.nbytes
         else:
             self.stats.bytes_copied += unit.nbytes
