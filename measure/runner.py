@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -237,7 +238,8 @@ def bench_generation(engine, contract: Contract, device: str, cache_modes: tuple
     out = {"stage_s": result.timings, "total_s": total, "sequence_length": result.info["sequence_length"],
            "text_tokens": result.info.get("text_tokens"), "evaluations": result.info["evaluations"],
            "step_s_median": statistics.median(steps) if steps else None, "frames": int(result.video.shape[0]),
-           "peak_gpu_memory_gb": _peak(device), "latents_finite": bool(result.video_latents.isfinite().all()),
+           "peak_gpu_memory_gb": _peak(device), "peak_host_rss_gb": _peak_rss(),
+           "latents_finite": bool(result.video_latents.isfinite().all()),
            "prompt_cache_hit": result.info.get("prompt_cache_hit"),
            "reference_cache_hits": result.info.get("reference_cache_hits"),
            "note": "warm: every stage ran once before (2 steps); prompt and reference caches cleared before this run"}
@@ -268,6 +270,16 @@ def bench_step_caches(pipe, req, uncached, modes: tuple[str, ...]) -> dict:
             "audio_latents_rel_l2_vs_uncached": rel_l2(res.audio_latents.float(), uncached.audio_latents.float()),
         }
     return report
+
+
+def _peak_rss() -> float | None:
+    """This process's peak resident host memory so far (model building included), GB; None off Linux/macOS."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak * (1 if sys.platform == "darwin" else 1024) / 1e9, 2)
 
 
 def _timed_render(pipe, req) -> tuple[object, dict, float]:

@@ -345,9 +345,15 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
 
         cache = make_step_cache(*step_cache, evaluations=len(schedule))
 
+    from ..h3_model.engine.memory import activation_bytes
+    from .patcher import load_dit
+
     use_loras(dit, opts["loras"])
-    device = host.load_for_compute(model)
-    line = kernels_line(dit, use_kernels(dit, opts["attention"], opts["linear"], device))
+    # Kernels first (converted once, block by block if the DiT waits in host memory), then ComfyUI places the
+    # DiT for this request: resident, or streamed where its memory does not reach.
+    report = use_kernels(dit, opts["attention"], opts["linear"], host.compute_device())
+    device = load_dit(model, activation_bytes(c, lay.sequence_length, dit.dtype_))
+    line = kernels_line(dit, report)
     if line is not None:
         log.info("h3-spark kernels: %s", line)
     progress = host.Progress(len(schedule))

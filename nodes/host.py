@@ -7,7 +7,8 @@ ComfyUI: the nodes then hold plain modules) or a clear error (model folders).
 
 - Model management: our DiT, text encoder and VAEs are wrapped in `comfy.model_patcher.ModelPatcher`
   (inside a `Held` container) so ComfyUI loads them onto the GPU, offloads them when another model
-  needs the memory, and frees them with its "free memory" button like any native model.
+  needs the memory, and frees them with its "free memory" button like any native model. The DiT's
+  patcher (patcher.py) loads partially by streaming the blocks ComfyUI has no room for.
 - Progress: `comfy.utils.ProgressBar` feeds the websocket `progress` messages.
 - Interruption: `comfy.model_management.processing_interrupted()` is polled by the engine's cancel
   checks (between steps and between blocks); the node then raises ComfyUI's own interrupt exception.
@@ -110,11 +111,16 @@ class Held(torch.nn.Module):
 
 
 def make_held(kind: str, inner):
-    """Wrap an engine module for ComfyUI's model management (or hold it as is outside ComfyUI)."""
+    """Wrap an engine module for ComfyUI's model management (or hold it as is outside ComfyUI). The DiT gets
+    our own patcher, whose partial loads stream the blocks that do not fit (nodes/patcher.py)."""
     class_ = _model_patcher_cls()
     held = Held(kind, inner)
     if class_ is None:
         return LocalModel(held, compute_device())
+    if kind == "dit":
+        from .patcher import dit_patcher_class
+
+        class_ = dit_patcher_class()
     return class_(held, load_device=compute_device(), offload_device=offload_device())
 
 

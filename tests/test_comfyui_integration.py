@@ -373,3 +373,88 @@ def test_too_many_references_is_a_node_error(server, tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v", "-s"]))
+
+
+# ------------------------------------------------------------------------------------------ partial loading
+# Run by ComfyUI's Python with ComfyUI's own model management (CPU here): the DiT our loader gives ComfyUI is
+# loaded fully, partially unloaded (blocks start streaming), unloaded, partially loaded again, and unloaded by
+# ComfyUI's unload_all_models; every forward in between equals the first bit for bit.
+PARTIAL_LOAD = r"""
+import json, sys
+from pathlib import Path
+comfy_dir, pack_parent, dit_dir = sys.argv[1:4]
+sys.path[:0] = [comfy_dir, pack_parent]
+sys.argv = [sys.argv[0], "--cpu"]
+import comfy.options
+comfy.options.enable_args_parsing()
+import torch
+import comfy.model_management as mm
+from h3_spark.nodes import engine as nodes_engine
+from h3_spark.h3_model.dit import layout
+from h3_spark.h3_model.engine.placement import Placement
+from h3_spark.h3_model.pipeline.scheduler import CONDITION_VIDEO_T
+
+patcher = nodes_engine.load_model(Path(dit_dir), "t2va/fl2va", "float32", "bf16", "sdpa")
+dit = patcher.model.inner
+c = dit.config
+tags = torch.ones(9, dtype=torch.long)
+tags[1:5] = 0
+lay = layout.build_t2va(tags, 5, 2, 2, 10, c.patch_size)
+gen = torch.Generator().manual_seed(4)
+ts, idx = lay.row_timesteps(0.4, 0.7, CONDITION_VIDEO_T)
+inputs = dict(hidden_states=torch.randn(1, lay.video_indices.numel(), c.video_patch_dim, generator=gen),
+              audio_hidden_states=torch.randn(1, lay.audio_indices.numel(), c.audio_in_channels, generator=gen),
+              encoder_hidden_states=torch.randn(1, lay.num_text, c.text_dim, generator=gen),
+              token_tags=lay.token_tags, position_ids=lay.position_ids.float(), video_indices=lay.video_indices,
+              audio_indices=lay.audio_indices, text_indices=lay.text_indices, timestep=ts, timestep_indices=idx)
+
+def forward():
+    with torch.no_grad():
+        return [t.clone() for t in dit(**inputs)]
+
+report = {"patcher": type(patcher).__name__}
+mm.load_models_gpu([patcher])
+want = forward()
+size = patcher.model_size()
+report["full"] = patcher.loaded_size() == size and dit.block_stream is None
+freed = patcher.partially_unload(patcher.offload_device, size // 2)
+report["unloaded_half"] = freed >= size // 2 and dit.block_stream is not None and patcher.loaded_size() <= size - freed
+report["streamed_equal"] = all(torch.equal(a, b) for a, b in zip(forward(), want))
+patcher.detach()
+report["detached"] = patcher.loaded_size() == 0 and Placement.of(dit).device is None
+added = patcher.partially_load(patcher.load_device, extra_memory=Placement.of(dit).minimum() + size // 3)
+plan = Placement.of(dit).plan
+report["partial"] = added > 0 and plan.streaming and 0 < plan.resident_blocks < len(plan.blocks)
+report["partial_equal"] = all(torch.equal(a, b) for a, b in zip(forward(), want))
+mm.load_models_gpu([patcher])  # ComfyUI's own call again: loads it fully, the memory is there
+report["reloaded"] = patcher.loaded_size() == patcher.model_size() and dit.block_stream is None
+report["reloaded_equal"] = all(torch.equal(a, b) for a, b in zip(forward(), want))
+mm.unload_all_models()
+report["unloaded_all"] = patcher.loaded_size() == 0
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_comfyui_loads_the_dit_partially_through_our_patcher(installed, tmp_path):
+    """ComfyUI's own load / partial unload / detach / partial load calls move our DiT between resident and
+    streamed placements with no change to its forward."""
+    import dataclasses
+
+    from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+    from h3_spark.h3_model.engine.demo import DIT_CONFIG
+
+    dit_dir = tmp_path / "transformer"  # the demo DiT with six blocks: room for resident and streamed ones
+    make_dit_checkpoint(dit_dir, dataclasses.replace(DIT_CONFIG, num_layers=6), "bf16", "diffusers", seed=3)
+    pack_parent = tmp_path / "pack"
+    pack_parent.mkdir()
+    (pack_parent / "h3_spark").symlink_to(ROOT)
+    script = tmp_path / "partial_load.py"
+    script.write_text(PARTIAL_LOAD)
+    out = subprocess.run([COMFY_PYTHON, str(script), COMFY_DIR, str(pack_parent), str(dit_dir)],
+                         cwd=COMFY_DIR, capture_output=True, text=True, timeout=600)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("REPORT ")]
+    assert out.returncode == 0 and lines, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    report = json.loads(lines[-1][len("REPORT "):])
+    assert report == {"patcher": "H3DiTPatcher", "full": True, "unloaded_half": True, "streamed_equal": True,
+                      "detached": True, "partial": True, "partial_equal": True, "reloaded": True,
+                      "reloaded_equal": True, "unloaded_all": True}, report

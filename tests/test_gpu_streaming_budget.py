@@ -88,3 +88,66 @@ def test_a_dit_read_into_host_memory_is_configured_block_by_block_and_placed(tmp
         with torch.no_grad():
             want, got = resident(**inputs), host(**inputs)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), linear
+
+
+@pytest.mark.parametrize("linear", ["bf16", "fp8"])
+def test_a_dit_replaced_while_loaded_keeps_its_forward_and_its_gpu_bytes_are_counted(linear):
+    """ComfyUI's partial loads on a GPU (engine/placement.py): resident -> 2 blocks -> 5 blocks -> host ->
+    streamed again; each forward equals the resident one, what `loaded()` reports is what the allocator holds,
+    and unloading gives it all back."""
+    from h3_spark.h3_model.engine.placement import Placement
+
+    if linear == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 linears need sm_89 or newer")
+    settings = KernelSettings(linear=linear)
+    inputs, _ = _inputs()
+    a = synthetic_dit(CONFIG, torch.bfloat16, "cuda", seed=4)
+    apply_kernels(a, settings)
+    with torch.no_grad():
+        want = [t.clone() for t in a(**inputs)]
+    del a
+    b = synthetic_dit(CONFIG, torch.bfloat16, "cuda", seed=4).to("cpu")  # the same weights, in host memory
+    memory.configure_in_host(b, settings, "cuda")
+    b.to("cpu")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+    placement = Placement.of(b)
+    full = placement.weights_plan(None)
+
+    def room(resident):
+        full.resident_blocks, full.adaln_on_host = resident, True
+        return full.device_bytes
+
+    for resident in (None, 2, 5, 0):
+        plan = placement.place("cuda", None if resident is None else room(resident))
+        assert plan.resident_blocks == (CONFIG.num_layers if resident is None else resident)
+        with torch.no_grad():
+            got = b(**inputs)
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (linear, resident)
+        del got
+        b.clear_rope_cache()  # derived tables, not weights
+        held = torch.cuda.memory_allocated() - baseline
+        assert abs(held - placement.loaded()) <= 0.02 * placement.loaded() + (1 << 20), (resident, held, placement.loaded())
+        if resident is not None:
+            assert placement.loaded() <= room(resident)
+    placement.to_host()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - baseline < (1 << 20) and placement.loaded() == 0
+
+
+def test_pinned_buffers_are_page_locked_and_hold_exactly_their_bytes():
+    from h3_spark.h3_model.dit.streaming import pinned_buffer
+
+    nbytes = 3 * 2 ** 20 + 123
+    host = pinned_buffer(nbytes)
+    assert host.is_pinned() and host.numel() == nbytes and host.data_ptr() % 4096 == 0
+    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    host.copy_(source)
+    on_gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    on_gpu.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.cpu(), source)
+    del host  # unregistered, then freed: another registration of fresh memory works
+    assert pinned_buffer(nbytes).is_pinned()

@@ -367,6 +367,11 @@ class H3DiT(nn.Module):
         self._rope_last = (position_ids, version, tables)
         return tables
 
+    def clear_rope_cache(self) -> None:
+        """Forget the RoPE tables (they live on the device the model ran on: unloading gives them back)."""
+        self._rope_cache.clear()
+        self._rope_last = None
+
     def encode_text(self, encoder_hidden_states: torch.Tensor, mlp_chunks: int = 1) -> torch.Tensor:
         """Context embedding + token refiner: depends only on the prompt, so run it once per generation."""
         w = self.context_embedder.weight

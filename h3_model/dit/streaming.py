@@ -27,6 +27,8 @@ from torch import nn
 
 ALIGN = 256  # bytes: every view starts aligned for vector loads and the FP8 GEMMs' 16-byte rule
 ADALN = "adaln_proj"
+# A restored block keeps its packed unit here, so streaming it again (a new plan) copies nothing on the host.
+UNITS = "_h3_stream_units"
 
 
 @dataclass
@@ -65,16 +67,86 @@ def _tensors(module: nn.Module, skip: str | None):
                 yield owner, name, b, False
 
 
+def packed_bytes(module: nn.Module, skip: str | None = None) -> int:
+    """Bytes of the module's tensors packed as a unit (each aligned): what a slot must hold for it."""
+    return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, _, t, _ in _tensors(module, skip))
+
+
+PAGE = 4096
+
+
+def pinned_buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` of page-locked host memory, exactly: malloc'd pages registered with CUDA.
+
+    torch's pinned allocator (`pin_memory=True`) rounds every request up to a power of two, so a 1.05 GB text
+    encoder layer would take 2.1 GB of host memory; registering plain memory costs the bytes themselves. Only
+    whole pages inside this allocation are registered (a page shared with another allocation could be
+    registered twice). The registration lives on the returned tensor and ends just before its memory goes."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    size = -(-nbytes // PAGE) * PAGE
+    base = torch.empty(size + PAGE, dtype=torch.uint8)
+    start = (-base.data_ptr()) % PAGE
+    buffer = base[start:start + nbytes]
+    buffer._h3_registration = _Registration(base, buffer.data_ptr(), size)
+    return buffer
+
+
+class _Registration:
+    """Keeps the allocation alive while its pages are registered; unregisters them before letting it go."""
+
+    def __init__(self, base: torch.Tensor, ptr: int, size: int):
+        self.cudart = torch.cuda.cudart()
+        torch.cuda.check_error(self.cudart.cudaHostRegister(ptr, size, 0))
+        self.base, self.ptr = base, ptr
+
+    def __del__(self):
+        self.cudart.cudaHostUnregister(self.ptr)  # before `base` (freed after this) gives the pages back
+
+
 def _pack(label: str, items: list, pin: bool, adaln: bool = False) -> Unit:
     entries, offset = [], 0
     for owner, name, t, is_param in items:
         nbytes = t.numel() * t.element_size()
         entries.append(_Entry(owner, name, is_param, tuple(t.shape), t.dtype, offset, nbytes))
         offset += -(-nbytes // ALIGN) * ALIGN
-    host = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
+    host = pinned_buffer(offset) if pin else torch.empty(offset, dtype=torch.uint8)
     for entry, (_, _, t, _) in zip(entries, items):
         host[entry.offset:entry.offset + entry.nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
     return Unit(label, entries, host, offset, adaln)
+
+
+def _host_view(unit: Unit, entry: _Entry) -> torch.Tensor:
+    return unit.host[entry.offset:entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+
+
+def _still_packed(unit: Unit, items: list) -> bool:
+    """Whether `items` are exactly the unit's tensors, still the host views `restore` left (not moved, not
+    replaced by a LoRA merge or a kernel conversion)."""
+    if len(items) != len(unit.entries):
+        return False
+    base = unit.host.data_ptr()
+    for entry, (owner, name, t, _) in zip(unit.entries, items):
+        if (owner is not entry.module or name != entry.name or t.device.type != "cpu" or t.dtype != entry.dtype
+                or tuple(t.shape) != entry.shape or t.data_ptr() != base + entry.offset):
+            return False
+    return True
+
+
+def _unit(module: nn.Module, key: str, label: str, skip: str | None, pin: bool, adaln: bool = False) -> Unit:
+    """The module's packed unit: the one `restore` left when its tensors are still those views, else a new one."""
+    items = list(_tensors(module, skip))
+    kept = module.__dict__.get(UNITS, {}).pop(key, None)
+    if kept is not None and kept.host.is_pinned() == pin and _still_packed(kept, items):
+        kept.label, kept.slot, kept.ready = label, None, None
+        return kept
+    return _pack(label, items, pin, adaln)
+
+
+def forget_units(module: nn.Module) -> None:
+    """Drop the packed units a restore left on `module` and its children (it now lives elsewhere)."""
+    for child in module.modules():
+        child.__dict__.pop(UNITS, None)
 
 
 def _set(entry: _Entry, tensor: torch.Tensor) -> None:
@@ -106,14 +178,16 @@ class BlockStream:
         self.blocks = blocks
         self.units: dict[int, Unit] = {}
         self.adaln: dict[int, Unit] = {}
+        # Each unit's tensors are dropped as soon as it is packed: the weights then live in the host buffer only,
+        # so packing a model held in (pageable) host memory never holds more than one extra block.
         for i in self.order:
-            self.units[i] = _pack(f"block {i}", list(_tensors(blocks[i], ADALN)), self.cuda)
+            self.units[i] = _unit(blocks[i], "block", f"block {i}", ADALN, self.cuda)
+            self._drop(self.units[i])
         for i, block in enumerate(blocks):
             if hasattr(block, ADALN):
-                self.adaln[i] = _pack(f"block {i} AdaLN", list(_tensors(getattr(block, ADALN), None)), self.cuda,
+                self.adaln[i] = _unit(getattr(block, ADALN), "adaln", f"block {i} AdaLN", None, self.cuda,
                                       adaln=True)
-        for unit in [*self.units.values(), *self.adaln.values()]:
-            self._drop(unit)  # the weights now live in the host buffers only
+                self._drop(self.adaln[i])
         self.largest = max((u.nbytes for u in [*self.units.values(), *self.adaln.values()]), default=0)
         self.slots: list[torch.Tensor] = []
         self._allocate()
@@ -240,6 +314,24 @@ class BlockStream:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+    def restore(self) -> None:
+        """Stop streaming: every streamed tensor becomes a view of its host buffer again (pinned, on the CPU),
+        and the hooks go. The units stay with their modules, so a later stream over them packs nothing anew;
+        a block moved to the device afterwards should `forget_units` to give the host buffer back."""
+        self.park()
+        self.remove()
+        for i, unit in self.units.items():
+            self._restore(self.blocks[i], "block", unit)
+        for i, unit in self.adaln.items():
+            self._restore(getattr(self.blocks[i], ADALN), "adaln", unit)
+        self.units, self.adaln, self.order = {}, {}, []
+
+    @staticmethod
+    def _restore(module: nn.Module, key: str, unit: Unit) -> None:
+        for entry in unit.entries:
+            _set(entry, _host_view(unit, entry))
+        module.__dict__.setdefault(UNITS, {})[key] = unit
 
 
 class _AdalnScope:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ...errors import InputError
-from ..dit.streaming import ADALN, BlockStream
+from ..dit.streaming import ADALN, BlockStream, packed_bytes
 
 GB = 10 ** 9
 GIB = 2 ** 30
@@ -129,33 +129,56 @@ class MemoryPlan:
                 "slack_bytes": slack(self.budget) if self.budget is not None else 0}
 
 
-def plan_dit(model: nn.Module, budget: int | None, rows: int, *, depth: int = DEFAULT_DEPTH,
-             mlp_chunks: int = 1, share: str = "") -> MemoryPlan:
-    """How many of the DiT's blocks stay resident under `budget` (all of them without one)."""
+def measure(model: nn.Module, rows: int, *, depth: int = DEFAULT_DEPTH, mlp_chunks: int = 1,
+            budget: int | None = None) -> MemoryPlan:
+    """The DiT's parts in bytes, everything resident: what a budget is then fitted to."""
     if depth < 1:
         raise InputError(f"the prefetch depth must be at least 1, got {depth}")
     blocks = list(model.transformer_blocks)
     fixed = tensor_bytes(model) - sum(tensor_bytes(b) for b in blocks)
-    plan = MemoryPlan(budget, fixed, [tensor_bytes(b, ADALN) for b in blocks],
-                      [tensor_bytes(getattr(b, ADALN)) if hasattr(b, ADALN) else 0 for b in blocks],
-                      activation_bytes(model.config, rows, model.dtype_, mlp_chunks), rows, depth, len(blocks))
-    if budget is None:
-        return plan
-    room = budget - slack(budget)
+    # Blocks and projections as packed for streaming (each tensor aligned): a slot holds the largest.
+    return MemoryPlan(budget, fixed, [packed_bytes(b, ADALN) for b in blocks],
+                      [packed_bytes(getattr(b, ADALN)) if hasattr(b, ADALN) else 0 for b in blocks],
+                      activation_bytes(model.config, rows, model.dtype_, mlp_chunks) if rows else 0, rows, depth,
+                      len(blocks))
+
+
+def fit(plan: MemoryPlan, room: int) -> bool:
+    """Keep as many blocks resident as `room` holds (all of them, AdaLN included, when everything fits);
+    False when not even a fully streamed DiT fits."""
+    plan.adaln_on_host, plan.resident_blocks = False, len(plan.blocks)
     if plan.device_bytes <= room:
-        return plan  # everything resident
+        return True
     plan.adaln_on_host, plan.resident_blocks = True, 0
     if plan.device_bytes > room:
-        raise InputError(
-            f"the VRAM budget of {gb(budget)}{share} is below what a streamed DiT forward needs, "
-            f"{gb(plan.device_bytes + slack(budget))}: {gb(fixed)} of weights outside the blocks, {depth} block slots "
-            f"of {gb(plan.slot_bytes // depth)}, {gb(plan.activations)} of activations at {rows} rows and "
-            f"{gb(slack(budget))} of allocator slack; raise the budget, or lower --prefetch-depth")
-    while plan.resident_blocks < len(blocks):
+        return False
+    while plan.resident_blocks < len(plan.blocks):
         plan.resident_blocks += 1
         if plan.device_bytes > room:
             plan.resident_blocks -= 1
             break
+    return True
+
+
+def streamed_minimum(plan: MemoryPlan) -> int:
+    """GPU bytes of the plan with every block streamed: the least the DiT can run in."""
+    least = MemoryPlan(plan.budget, plan.fixed, plan.blocks, plan.adaln, plan.activations, plan.rows, plan.depth,
+                       0, adaln_on_host=True)
+    return least.device_bytes
+
+
+def plan_dit(model: nn.Module, budget: int | None, rows: int, *, depth: int = DEFAULT_DEPTH,
+             mlp_chunks: int = 1, share: str = "") -> MemoryPlan:
+    """How many of the DiT's blocks stay resident under `budget` (all of them without one)."""
+    plan = measure(model, rows, depth=depth, mlp_chunks=mlp_chunks, budget=budget)
+    if budget is None:
+        return plan
+    if not fit(plan, budget - slack(budget)):
+        raise InputError(
+            f"the VRAM budget of {gb(budget)}{share} is below what a streamed DiT forward needs, "
+            f"{gb(plan.device_bytes + slack(budget))}: {gb(plan.fixed)} of weights outside the blocks, {depth} block "
+            f"slots of {gb(plan.slot_bytes // depth)}, {gb(plan.activations)} of activations at {rows} rows and "
+            f"{gb(slack(budget))} of allocator slack; raise the budget, or lower --prefetch-depth")
     return plan
 
 
@@ -172,21 +195,13 @@ def check_rows(plan: MemoryPlan, config, rows: int, dtype: torch.dtype, mlp_chun
 
 def place_dit(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -> BlockStream | None:
     """Put the resident part on `device` and stream the rest; returns the stream (None when all is resident)."""
-    device = torch.device(device)
-    blocks = model.transformer_blocks
-    streamed = plan.streamed
-    _outside_blocks_to(model, device)
-    for i in range(plan.resident_blocks):
-        blocks[i].to(device)
-    if not plan.streaming:
-        return None
-    stream = BlockStream(blocks, streamed, device, plan.depth)
-    stream._hooks.append(model.register_forward_pre_hook(lambda module, args: stream.count_forward()))
-    model.block_stream = stream
-    return stream
+    from .placement import Placement
+
+    Placement.of(model, plan.depth).apply(plan, device)
+    return model.block_stream
 
 
-def _outside_blocks_to(model: nn.Module, device: torch.device) -> None:
+def outside_blocks_to(model: nn.Module, device: torch.device) -> None:
     """Everything of the DiT but its blocks (embeddings, refiner, heads, tables) to `device`."""
     for name, child in model.named_children():
         if name != "transformer_blocks":
@@ -220,7 +235,7 @@ def configure_in_host(model: nn.Module, settings, device: torch.device | str) ->
     from ...kernels.dispatch import apply_kernels
 
     device = torch.device(device)
-    _outside_blocks_to(model, device)
+    outside_blocks_to(model, device)
     model.block_scope = _BlockOnDevice(model, device)
     try:
         return apply_kernels(model, settings, device=device)

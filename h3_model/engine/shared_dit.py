@@ -40,6 +40,9 @@ def use_loras(dit, loras: list) -> None:
             f"{_lora_names(state['applied'])}; another LoRA set ({_lora_names(want)}) needs its bf16 weights. "
             "Load the model again (e.g. change the H3 Model Loader's linear input) to run this set, or use "
             "linear bf16 to switch LoRAs on one loaded model")
+    from .placement import Placement
+
+    Placement.of(dit).unstream()  # a streamed block's weights are back in its module for the merge
     params = dict(dit.named_parameters())
     _restore(params, state)
     if not want:
@@ -79,13 +82,24 @@ def use_kernels(dit, attention: str, linear: str, device) -> dict:
     settings = KernelSettings.from_env().replace(attention=attention, linear=linear)
     state = dit.__dict__.get(KERNELS)
     if state is None:
-        report = apply_kernels(dit, settings)  # the format H3_LINEAR=auto hears comes with the loaded DiT
+        # The format H3_LINEAR=auto hears comes with the loaded DiT. One waiting in host memory for a GPU
+        # (ComfyUI loads it only when it samples) is converted block by block on that GPU.
+        if torch.device(device).type == "cuda" and _in_host(dit):
+            from .memory import configure_in_host
+
+            report = configure_in_host(dit, settings, device)
+        else:
+            report = apply_kernels(dit, settings)
         dit.__dict__[KERNELS] = state = {"attention": attention, "report": report}
     elif state["attention"] != attention:
         report = {**state["report"], **switch_attention(dit, settings.attention, settings, device)}
         state["attention"] = attention
         state["report"] = {**report, **exactness(report)}
     return state["report"]
+
+
+def _in_host(dit) -> bool:
+    return all(p.device.type == "cpu" for p in dit.transformer_blocks.parameters() if p.numel())
 
 
 def kernels_line(dit, report: dict) -> str | None:
