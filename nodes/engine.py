@@ -39,9 +39,10 @@ class TextEncoderHandle:
     patcher: object
 
     def ready(self):
-        device = torch.device(host.load_for_compute(self.patcher))
-        # The encoder sends its inputs to `.device`; ComfyUI just put the weights there.
-        self.encoder.device = device
+        from .patcher import load_text_encoder
+
+        # ComfyUI places it (resident, or its decoder layers streamed) and sets the encoder's `.device`.
+        load_text_encoder(self.patcher, self.encoder)
         return self.encoder
 
 
@@ -145,7 +146,7 @@ def load_text_encoder(path: Path, tokenizer: Path | None, dtype: str, layer: int
     options = LoadOptions(device=str(host.offload_device()), dtype=DTYPES[dtype],
                           text_layer=DEFAULT_LAYER if layer is None else layer, kernels=None)
     encoder = component_loader("text_encoder", path, options, tokenizer)()
-    return TextEncoderHandle(encoder, host.make_held("text_encoder", encoder.model))
+    return TextEncoderHandle(encoder, host.make_held("text_encoder", encoder.model, owner=encoder))
 
 
 def load_vaes(video_path: Path, audio_path: Path, decode_dtype: str, tile_size: int) -> VAEHandle:

@@ -7,8 +7,8 @@ ComfyUI: the nodes then hold plain modules) or a clear error (model folders).
 
 - Model management: our DiT, text encoder and VAEs are wrapped in `comfy.model_patcher.ModelPatcher`
   (inside a `Held` container) so ComfyUI loads them onto the GPU, offloads them when another model
-  needs the memory, and frees them with its "free memory" button like any native model. The DiT's
-  patcher (patcher.py) loads partially by streaming the blocks ComfyUI has no room for.
+  needs the memory, and frees them with its "free memory" button like any native model. The DiT's and
+  the text encoder's patchers (patcher.py) load partially by streaming what ComfyUI has no room for.
 - Progress: `comfy.utils.ProgressBar` feeds the websocket `progress` messages.
 - Interruption: `comfy.model_management.processing_interrupted()` is polled by the engine's cancel
   checks (between steps and between blocks); the node then raises ComfyUI's own interrupt exception.
@@ -104,23 +104,29 @@ class Held(torch.nn.Module):
     """A container ComfyUI's ModelPatcher can own: the patcher sets `.device` and load counters on the module
     it wraps, which our VAEs (a read-only `device` property) cannot take, and moves it with `.to()`."""
 
-    def __init__(self, kind: str, inner: torch.nn.Module):
+    def __init__(self, kind: str, inner: torch.nn.Module, owner=None):
         super().__init__()
         self.kind = kind
         self.inner = inner
+        self.owner = owner  # the engine object `inner` belongs to (the TextEncoder of a text model), if any
 
 
-def make_held(kind: str, inner):
-    """Wrap an engine module for ComfyUI's model management (or hold it as is outside ComfyUI). The DiT gets
-    our own patcher, whose partial loads stream the blocks that do not fit (nodes/patcher.py)."""
+def make_held(kind: str, inner, owner=None):
+    """Wrap an engine module for ComfyUI's model management (or hold it as is outside ComfyUI). The DiT and
+    the text encoder get our own patchers, whose partial loads stream the blocks or layers that do not fit
+    (nodes/patcher.py)."""
     class_ = _model_patcher_cls()
-    held = Held(kind, inner)
+    held = Held(kind, inner, owner)
     if class_ is None:
         return LocalModel(held, compute_device())
     if kind == "dit":
         from .patcher import dit_patcher_class
 
         class_ = dit_patcher_class()
+    elif kind == "text_encoder":
+        from .patcher import text_patcher_class
+
+        class_ = text_patcher_class()
     return class_(held, load_device=compute_device(), offload_device=offload_device())
 
 

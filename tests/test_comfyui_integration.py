@@ -378,11 +378,12 @@ if __name__ == "__main__":
 # ------------------------------------------------------------------------------------------ partial loading
 # Run by ComfyUI's Python with ComfyUI's own model management (CPU here): the DiT our loader gives ComfyUI is
 # loaded fully, partially unloaded (blocks start streaming), unloaded, partially loaded again, and unloaded by
-# ComfyUI's unload_all_models; every forward in between equals the first bit for bit.
+# ComfyUI's unload_all_models; every forward in between equals the first bit for bit. Then the text encoder:
+# resident, then streamed (partially loaded with only its minimum), the same embeddings.
 PARTIAL_LOAD = r"""
 import json, sys
 from pathlib import Path
-comfy_dir, pack_parent, dit_dir = sys.argv[1:4]
+comfy_dir, pack_parent, dit_dir, text_dir = sys.argv[1:5]
 sys.path[:0] = [comfy_dir, pack_parent]
 sys.argv = [sys.argv[0], "--cpu"]
 import comfy.options
@@ -431,30 +432,49 @@ report["reloaded"] = patcher.loaded_size() == patcher.model_size() and dit.block
 report["reloaded_equal"] = all(torch.equal(a, b) for a, b in zip(forward(), want))
 mm.unload_all_models()
 report["unloaded_all"] = patcher.loaded_size() == 0
+
+# The text encoder: resident, then its decoder layers streamed through its own patcher; the same embeddings.
+from h3_spark.h3_model.engine.placement import TextPlacement
+handle = nodes_engine.load_text_encoder(Path(text_dir), None, "float32", 2)
+text = handle.patcher
+report["text_patcher"] = type(text).__name__
+prompt = "A lighthouse keeper hums while waves break on the rocks below."
+want_text = handle.ready().encode(prompt).embeds.clone()
+placement = TextPlacement.of(handle.encoder)
+placement.depth = 1  # the demo keeps two decoder layers: one streams while one waits
+handle.encoder.clear_cache()
+text.detach()
+added = text.partially_load(text.load_device, extra_memory=placement.minimum())
+report["text_streamed"] = added > 0 and handle.encoder.layer_stream is not None
+report["text_equal"] = torch.equal(handle.encoder.encode(prompt).embeds, want_text)
+mm.unload_all_models()
+report["text_unloaded"] = text.loaded_size() == 0
 print("REPORT " + json.dumps(report))
 """
 
 
-def test_comfyui_loads_the_dit_partially_through_our_patcher(installed, tmp_path):
+def test_comfyui_loads_the_dit_and_text_encoder_partially_through_our_patchers(installed, tmp_path):
     """ComfyUI's own load / partial unload / detach / partial load calls move our DiT between resident and
-    streamed placements with no change to its forward."""
+    streamed placements with no change to its forward; the text encoder streams its layers the same way."""
     import dataclasses
 
     from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
-    from h3_spark.h3_model.engine.demo import DIT_CONFIG
+    from h3_spark.h3_model.engine.demo import DIT_CONFIG, write_text_encoder
 
     dit_dir = tmp_path / "transformer"  # the demo DiT with six blocks: room for resident and streamed ones
     make_dit_checkpoint(dit_dir, dataclasses.replace(DIT_CONFIG, num_layers=6), "bf16", "diffusers", seed=3)
+    text_dir = write_text_encoder(tmp_path / "text_encoder", seed=5)
     pack_parent = tmp_path / "pack"
     pack_parent.mkdir()
     (pack_parent / "h3_spark").symlink_to(ROOT)
     script = tmp_path / "partial_load.py"
     script.write_text(PARTIAL_LOAD)
-    out = subprocess.run([COMFY_PYTHON, str(script), COMFY_DIR, str(pack_parent), str(dit_dir)],
+    out = subprocess.run([COMFY_PYTHON, str(script), COMFY_DIR, str(pack_parent), str(dit_dir), str(text_dir)],
                          cwd=COMFY_DIR, capture_output=True, text=True, timeout=600)
     lines = [line for line in out.stdout.splitlines() if line.startswith("REPORT ")]
     assert out.returncode == 0 and lines, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     report = json.loads(lines[-1][len("REPORT "):])
     assert report == {"patcher": "H3DiTPatcher", "full": True, "unloaded_half": True, "streamed_equal": True,
                       "detached": True, "partial": True, "partial_equal": True, "reloaded": True,
-                      "reloaded_equal": True, "unloaded_all": True}, report
+                      "reloaded_equal": True, "unloaded_all": True, "text_patcher": "H3TextPatcher",
+                      "text_streamed": True, "text_equal": True, "text_unloaded": True}, report

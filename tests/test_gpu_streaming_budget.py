@@ -63,7 +63,7 @@ def test_streamed_forward_equals_resident_on_the_gpu(linear, resident):
             torch.cuda.synchronize()
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert stream.stats.forwards == 3 and stream.stats.copies >= 3 * (CONFIG.num_layers - resident)
-    assert stream.units[resident].host.is_pinned()
+    assert stream.units[resident].pinned and _registered(stream.units[resident].host)
 
 
 def test_a_dit_read_into_host_memory_is_configured_block_by_block_and_placed(tmp_path):
@@ -129,12 +129,36 @@ def test_a_dit_replaced_while_loaded_keeps_its_forward_and_its_gpu_bytes_are_cou
         del got
         b.clear_rope_cache()  # derived tables, not weights
         held = torch.cuda.memory_allocated() - baseline
-        assert abs(held - placement.loaded()) <= 0.02 * placement.loaded() + (1 << 20), (resident, held, placement.loaded())
+        # The caching allocator may hand a tensor up to 1 MiB more than it asked for (a remainder too small to
+        # split off): that, and a few MiB of the kernels' own tables, is all that loaded() may miss.
+        tensors = sum(1 for t in [*b.parameters(), *b.buffers()] if t.is_cuda and t.numel())
+        slack = (tensors + 2) * (1 << 20) + (4 << 20)
+        assert placement.loaded() <= held <= placement.loaded() + slack, (resident, held, placement.loaded(), slack)
         if resident is not None:
             assert placement.loaded() <= room(resident)
     placement.to_host()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - baseline < (1 << 20) and placement.loaded() == 0
+    assert torch.cuda.memory_allocated() - baseline <= 4 << 20 and placement.loaded() == 0
+
+
+def _registered(host: torch.Tensor) -> bool:
+    """Whether CUDA sees the pages as page-locked host memory (cudaPointerGetAttributes of the libcudart torch
+    loaded; torch's own is_pinned() knows only its allocator's blocks)."""
+    import ctypes
+
+    path = next((line.split()[-1] for line in open("/proc/self/maps") if "libcudart.so" in line), None)
+    if path is None:
+        pytest.skip("libcudart is not a shared library in this process")
+
+    class Attributes(ctypes.Structure):
+        # CUDA 12 and later append reserved words: room for them, so the call never writes past the struct.
+        _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("device_pointer", ctypes.c_void_p),
+                    ("host_pointer", ctypes.c_void_p), ("reserved", ctypes.c_long * 32)]
+
+    attributes = Attributes()
+    err = ctypes.CDLL(path).cudaPointerGetAttributes(ctypes.byref(attributes), ctypes.c_void_p(host.data_ptr()))
+    assert err == 0, err
+    return attributes.type == 1  # cudaMemoryTypeHost
 
 
 def test_pinned_buffers_are_page_locked_and_hold_exactly_their_bytes():
@@ -142,12 +166,13 @@ def test_pinned_buffers_are_page_locked_and_hold_exactly_their_bytes():
 
     nbytes = 3 * 2 ** 20 + 123
     host = pinned_buffer(nbytes)
-    assert host.is_pinned() and host.numel() == nbytes and host.data_ptr() % 4096 == 0
+    assert _registered(host) and host.numel() == nbytes and host.data_ptr() % 4096 == 0
     source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     host.copy_(source)
     on_gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     on_gpu.copy_(host, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(on_gpu.cpu(), source)
-    del host  # unregistered, then freed: another registration of fresh memory works
-    assert pinned_buffer(nbytes).is_pinned()
+    assert not _registered(torch.empty(nbytes, dtype=torch.uint8))  # the check tells pageable memory apart
+    del host  # unregistered, then freed: fresh memory registers again
+    assert _registered(pinned_buffer(nbytes))

@@ -14,9 +14,8 @@ from h3_spark.h3_model.dit import layout
 from h3_spark.h3_model.dit.config import TINY
 from h3_spark.h3_model.dit.streaming import UNITS
 from h3_spark.h3_model.engine.placement import Placement
-from h3_spark.h3_model.pipeline.scheduler import CONDITION_VIDEO_T
 from h3_spark.measure.synthetic import synthetic_dit
-from oracle import text_tags
+from oracle import forward_args, text_tags
 
 CONFIG = dataclasses.replace(TINY, num_layers=5)
 
@@ -27,14 +26,7 @@ def _model():
 
 @pytest.fixture(scope="module")
 def inputs():
-    lay = layout.build_t2va(text_tags(9, (1, 5)), 7, 4, 6, 10, CONFIG.patch_size)
-    gen = torch.Generator().manual_seed(8)
-    ts, idx = lay.row_timesteps(0.4, 0.7, CONDITION_VIDEO_T)
-    return dict(hidden_states=torch.randn(1, lay.video_indices.numel(), TINY.video_patch_dim, generator=gen),
-                audio_hidden_states=torch.randn(1, lay.audio_indices.numel(), TINY.audio_in_channels, generator=gen),
-                encoder_hidden_states=torch.randn(1, lay.num_text, TINY.text_dim, generator=gen),
-                token_tags=lay.token_tags, position_ids=lay.position_ids.float(), video_indices=lay.video_indices,
-                audio_indices=lay.audio_indices, text_indices=lay.text_indices, timestep=ts, timestep_indices=idx)
+    return forward_args(CONFIG, layout.build_t2va(text_tags(9, (1, 5)), 7, 4, 6, 10, CONFIG.patch_size), seed=8)
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +120,49 @@ def test_unstream_puts_every_weight_back_for_a_merge(inputs):
         placement.place("cpu", _room(placement, 1))
         got, ref = model(**inputs), want(**inputs)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+# ------------------------------------------------------------------------------------------ the text encoder
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory):
+    from h3_spark.h3_model.engine.demo import write_text_encoder
+
+    return write_text_encoder(tmp_path_factory.mktemp("qwen") / "text_encoder", seed=5)
+
+
+def _encoder(folder):
+    from h3_spark.h3_model.engine.demo import TEXT_READ_LAYER
+    from h3_spark.h3_model.text.encoder import TextEncoder
+
+    return TextEncoder.from_pretrained(folder, dtype=torch.float32, device="cpu", layer=TEXT_READ_LAYER)
+
+
+PROMPT = "A lighthouse keeper hums while waves break on the rocks below."
+
+
+def test_a_text_encoder_streams_its_layers_when_the_room_is_short_and_encodes_the_same(text_folder):
+    from h3_spark.h3_model.engine.placement import TextPlacement
+
+    want = _encoder(text_folder).encode(PROMPT).embeds
+    te = _encoder(text_folder)
+    placement = TextPlacement.of(te, depth=1)  # the demo keeps two decoder layers: one streams while one waits
+    size, minimum = placement.size(), placement.minimum()
+    assert minimum < size
+    assert placement.place("cpu", minimum) is True and te.layer_stream is not None
+    assert placement.loaded() <= minimum
+    assert torch.equal(te.encode(PROMPT).embeds, want)
+    te.clear_cache()
+    assert placement.place("cpu", None) is False and te.layer_stream is None  # resident again
+    assert placement.size() == size
+    assert torch.equal(te.encode(PROMPT).embeds, want)
+
+
+def test_a_text_encoder_room_below_its_streamed_minimum_is_refused(text_folder):
+    from h3_spark.h3_model.engine.placement import TextPlacement
+
+    te = _encoder(text_folder)
+    placement = TextPlacement.of(te, depth=1)
+    with pytest.raises(InputError, match=r"of GPU memory for the text encoder is below the [\d.]+ [GM]B it needs "
+                                         r"with its decoder layers streamed \(1 layer slot\)"):
+        placement.place("cpu", placement.minimum() - 1)
+    assert te.layer_stream is None and placement.device is None

@@ -273,12 +273,16 @@ def stream_text_encoder(te, device: torch.device | str, depth: int = DEFAULT_DEP
     return stream
 
 
-def text_stage_bytes(te, stream: BlockStream, rows: int = TEXT_STAGE_ROWS) -> int:
-    """GPU bytes of a text encode with streamed layers: the rest of the model, the slots, the activations."""
+def text_activation_bytes(te, rows: int = TEXT_STAGE_ROWS) -> int:
+    """A bound on a text encode's activations at `rows` tokens (one decoder layer's peak, with the margin)."""
     text = te.model.config.text_config
     size = torch.empty(0, dtype=te.dtype).element_size()
-    activations = int(rows * size * (3 * text.hidden_size + 3 * text.intermediate_size) * ACTIVATION_MARGIN)
-    return tensor_bytes(te.model) + stream.depth * stream.largest + activations
+    return int(rows * size * (3 * text.hidden_size + 3 * text.intermediate_size) * ACTIVATION_MARGIN)
+
+
+def text_stage_bytes(te, stream: BlockStream, rows: int = TEXT_STAGE_ROWS) -> int:
+    """GPU bytes of a text encode with streamed layers: the rest of the model, the slots, the activations."""
+    return tensor_bytes(te.model) + stream.depth * stream.largest + text_activation_bytes(te, rows)
 
 
 def vae_stage_bytes(vae, audio_vae) -> int:

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from ...errors import InputError
-from ..dit.streaming import ADALN, UNITS, BlockStream, forget_units
-from .memory import DEFAULT_DEPTH, MemoryPlan, fit, gb, measure, outside_blocks_to, streamed_minimum
+from ..dit.streaming import ADALN, UNITS, BlockStream, forget_units, packed_bytes
+from .memory import (DEFAULT_DEPTH, MemoryPlan, fit, gb, measure, outside_blocks_to, stream_text_encoder,
+                     streamed_minimum)
 
 PLACEMENT = "_h3_placement"
 
@@ -160,6 +161,78 @@ class Placement:
                        adaln_in_host_memory=plan.adaln_on_host, prefetch_depth=plan.depth,
                        room_bytes=plan.budget)
         return out
+
+
+class TextPlacement:
+    """The text encoder's counterpart: resident, or its decoder layers streamed (dit/streaming.py) with the rest
+    (embeddings, vision tower) on the device. It runs once per prompt, so all its layers stream or none."""
+
+    def __init__(self, te, depth: int = DEFAULT_DEPTH):
+        self.te = te
+        self.depth = depth
+        self.device: torch.device | None = None
+
+    @staticmethod
+    def of(te, depth: int = DEFAULT_DEPTH) -> "TextPlacement":
+        placement = te.__dict__.get(PLACEMENT)
+        if placement is None:
+            placement = te.__dict__[PLACEMENT] = TextPlacement(te, depth)
+        return placement
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.te.model.language_model.layers
+
+    def size(self) -> int:
+        stream = self.te.layer_stream
+        return _bytes(self.te.model) + (stream.host_bytes if stream is not None else 0)
+
+    def loaded(self) -> int:
+        if self.device is None:
+            return 0
+        stream = self.te.layer_stream
+        return _bytes(self.te.model, on=self.device.type) + (stream.slot_bytes if stream is not None else 0)
+
+    def minimum(self) -> int:
+        """GPU bytes with every layer streamed: everything outside the layers and the slots."""
+        stream = self.te.layer_stream
+        if stream is not None:
+            return _bytes(self.te.model) + self.depth * stream.largest
+        layers = [packed_bytes(layer) for layer in self.layers]
+        return _bytes(self.te.model) - sum(_bytes(layer) for layer in self.layers) + self.depth * max(layers)
+
+    @property
+    def streaming(self) -> bool:
+        return self.te.layer_stream is not None
+
+    def place(self, device: torch.device | str, room: int | None) -> bool:
+        """Resident when `room` holds the whole encoder (None: no limit), else its layers stream; returns
+        whether they stream. Refused, naming the minimum, when not even that fits."""
+        device = torch.device(device)
+        if self.device is not None and self.device != device:
+            self.to_host()
+        stream = room is not None and room < self.size()
+        if stream and room < self.minimum():
+            slots = f"{self.depth} layer slot" + ("s" if self.depth != 1 else "")
+            raise InputError(f"{gb(room)} of GPU memory for the text encoder is below the {gb(self.minimum())} it "
+                             f"needs with its decoder layers streamed ({slots})")
+        te = self.te
+        if stream and te.layer_stream is None:
+            stream_text_encoder(te, device, self.depth)  # packs the layers, the rest waits in host memory
+        elif not stream and te.layer_stream is not None:
+            te.layer_stream.restore()
+            te.layer_stream = None
+            for layer in self.layers:
+                forget_units(layer)
+            te.mark_offloaded()
+        te.device = device
+        te.ensure_resident()  # the weights outside streamed layers (all of them when resident) to the device
+        self.device = device
+        return stream
+
+    def to_host(self) -> None:
+        self.te.offload()
+        self.device = None
 
 
 def _same(a: MemoryPlan, b: MemoryPlan) -> bool:
