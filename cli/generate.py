@@ -67,11 +67,15 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--linear", default=None, help="block linear format: auto, bf16, fp8, nvfp4 (default: $H3_LINEAR "
                                                   "or auto)")
     cache = p.add_argument_group("step cache (opt-in, approximate)")
-    cache.add_argument("--cache-mode", choices=["off", "easycache", "h3_cache"], default="off")
+    cache.add_argument("--cache-mode", choices=["off", "easycache", "h3_cache", "first_block"], default="off")
     cache.add_argument("--cache-threshold", type=float, default=None, help="default: the mode's own")
     cache.add_argument("--cache-start-percent", type=float, default=0.2)
     cache.add_argument("--cache-end-percent", type=float, default=0.9)
     cache.add_argument("--cache-subsample-factor", type=int, default=1)
+    p.add_argument("--recipe", action="append", default=[], metavar="NAME[:key=value,...]",
+                   help="an opt-in speed recipe (approximate), repeatable: sparse (tau, dense_steps, dense_blocks), "
+                        "first-block-cache (threshold, start, end), turbo (evaluations, video_shift, audio_shift; "
+                        "pass the Turbo LoRA with --lora), sol-engine (sparse + first-block-cache)")
     p.add_argument("--gpus", type=int, default=1, help="split each DiT forward over N GPUs (Ulysses sequence "
                                                        "parallel, via torchrun; N must divide 56 heads)")
     p.add_argument("--demo", action="store_true",
@@ -156,6 +160,7 @@ def run(args) -> int:
             args.width, args.height = 128, 64
         if args.text_encoder_layer is None:
             args.text_encoder_layer = TEXT_READ_LAYER
+    args.steps_given = args.steps is not None
     if args.steps is None:
         args.steps = DEMO_STEPS if args.demo else DEFAULT_STEPS
     if args.out is None:
@@ -170,6 +175,11 @@ def run(args) -> int:
         raise InputError(f"--out must end in .mp4, got {args.out}")
     check_outputs(args.out, args.save_latents)
     settings = kernel_settings(args.attention, args.linear)
+    from ..h3_model.engine.recipes import apply_recipes, check_recipes, parse_recipes
+
+    recipes = parse_recipes(args.recipe)
+    check_recipes(recipes, device, settings, step_cache=args.cache_mode != "off",
+                  explicit_steps=args.sigmas is not None or args.steps_given)
 
     refs = parse_refs(args.ref)
     first = media.read_image(args.first_frame) if args.first_frame else None
@@ -199,6 +209,9 @@ def run(args) -> int:
     key = "dit_ref" if mode == "ref2va" else "dit"
     kernels = engine.kernel_reports[key]
     vae_kernels = engine.kernel_reports.get("vae")
+    if recipes:
+        req = apply_recipes(recipes, req, getattr(engine.components, key), device, settings)
+        log("recipes: " + "; ".join(", ".join(f"{k}={v}" for k, v in r.items()) for r in req.recipes))
     if world > 1:
         import torch.distributed as dist
 
@@ -233,7 +246,7 @@ def run(args) -> int:
                "load_s": {k: round(v, 3) for k, v in engine.load_seconds.items()},
                "attention": kernels.get("attention", {}).get("chosen"),
                "linear": kernels.get("linear", {}).get("format"),
-               **exactness(kernels, req.step_cache is not None),
+               **exactness(kernels, req.step_cache is not None, req.recipes),
                "vae_attention": (vae_kernels or {}).get("attention", {}).get("chosen")}
     if "step_cache" in result.info:
         summary["step_cache"] = result.info["step_cache"]
@@ -268,10 +281,15 @@ def check_outputs(out: Path, latents: Path | None) -> None:
         raise InputError(f"--save-latents and --out both name {out}: the mp4 would replace the latents")
 
 
-def exactness(kernels: dict, step_cache: bool) -> dict:
-    """The summary's "exact" and "approximate_paths": a step cache is approximate whatever the kernels are."""
+def exactness(kernels: dict, step_cache: bool, recipes: list[dict] = ()) -> dict:
+    """The summary's "exact" and "approximate_paths": a step cache or a recipe is approximate whatever the kernels
+    are; the recipes are listed with their values."""
     approximate = list(kernels.get("approximate_paths", [])) + (["step_cache"] if step_cache else [])
-    return {"exact": kernels.get("exact") is True and not approximate, "approximate_paths": approximate}
+    approximate += [f"recipe {r['name']}" for r in recipes]
+    out = {"exact": kernels.get("exact") is True and not approximate, "approximate_paths": approximate}
+    if recipes:
+        out["recipes"] = list(recipes)
+    return out
 
 
 def _parse_sigmas(text: str | None) -> list[float] | None:

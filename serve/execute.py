@@ -92,6 +92,12 @@ def prepare_job(models: Engine, message: dict, lockstep: Lockstep | None,
     try:
         generation = build_generation(message)
         used = stack.enter_context(AttentionSwitch(models, dit_key(req.mode), req.attention))
+        if req.recipes:
+            from ..h3_model.engine.recipes import apply_recipes
+
+            # After the switch: the sparse recipe stays dense with the job's own attention.
+            generation = apply_recipes(req.recipes, generation, unwrap(getattr(models.components, dit_key(req.mode))),
+                                       models.device, models.settings)
     except Exception as exc:  # noqa: BLE001 - re-raised below (by agree under lockstep)
         if lockstep is None:
             raise
@@ -178,7 +184,8 @@ class JobRunner:
         info = {k: v for k, v in result.info.items() if k not in ("step_cache", "step_seconds")}
         info["step_seconds"] = [round(s, 4) for s in result.info.get("step_seconds", [])]
         # Everything that is not the exact path, as apply_kernels reports it, plus this job's own choices.
-        job.backends.update(exactness(job.backends, ["step_cache"] if cache is not None and cache.reused else []))
+        job.backends.update(exactness(job.backends, (["step_cache"] if cache is not None and cache.reused else [])
+                                      + [f"recipe {r['name']}" for r in generation.recipes]))
         job.step_cache = result.info.get("step_cache", {"mode": "off"})
         job.timings, job.info, job.output = timings, info, str(path)
         job.progress = {"stage": "done", "step": 0, "total": 0}

@@ -147,6 +147,8 @@ class Service:
                                     f"{', '.join(self.models.modes)}")
         if req.attention is not None:
             self._check_attention(req.attention)
+        if req.recipes:
+            self._check_recipes(req.recipes)
         # Checked before any file work so a full queue answers 429 whatever else the request holds.
         if self.queue.stats()["queued"] >= self.queue.capacity:
             raise QueueFull(self.queue.capacity, self.queue.retry_after())
@@ -167,6 +169,15 @@ class Service:
             resolve_attention(name, self.models.device, self.models.settings)
         except H3Error as exc:
             raise RequestError(400, f"attention {name!r} cannot run here: {exc}") from None
+
+    def _check_recipes(self, recipes) -> None:
+        """A recipe whose kernel cannot run here fails the request now, in one line."""
+        from ..h3_model.engine.recipes import check_recipes
+
+        try:
+            check_recipes(recipes, self.models.device, self.models.settings)
+        except H3Error as exc:
+            raise RequestError(400, str(exc)) from None
 
     def _input_paths(self, req: JobRequest) -> dict:
         named = [k for k in ("first_frame", "last_frame") if getattr(req, k)] + (["references"] if req.references

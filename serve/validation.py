@@ -18,8 +18,9 @@ Fields (defaults in brackets):
   steps              int, 2..limits.max_steps (sigma grid points: steps - 1 DiT forwards) [50]
   seed               int, 0..2^63-1 [0]
   attention          an H3_ATTENTION backend name, for this job only [the service's]
-  cache_mode         off | easycache | h3_cache [off]
+  cache_mode         off | easycache | h3_cache | first_block [off]
   cache_threshold, cache_start_percent, cache_end_percent, cache_subsample_factor  (see h3_model.step_cache)
+  recipes            list of NAME or NAME:key=value,... (h3_model/engine/recipes.py), at most 4 [none]
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from ..kernels.settings import ATTENTION_BACKENDS
 REFERENCE_KINDS = ("image", "video", "audio")
 FIELDS = ("mode", "prompt", "references", "first_frame", "last_frame", "output", "overwrite", "width", "height",
           "frames", "steps", "seed", "attention", "cache_mode", "cache_threshold", "cache_start_percent",
-          "cache_end_percent", "cache_subsample_factor")
+          "cache_end_percent", "cache_subsample_factor", "recipes")
+MAX_RECIPES = 4
 
 
 class RequestError(H3Error):
@@ -94,6 +96,7 @@ class JobRequest:
     seed: int = 0
     attention: str | None = None
     cache: CacheOptions = field(default_factory=CacheOptions)
+    recipes: list = field(default_factory=list)  # engine.recipes.Recipe, parsed and range-checked
 
     @property
     def evaluations(self) -> int:
@@ -107,6 +110,7 @@ class JobRequest:
         c = self.cache
         out["cache"] = {"mode": c.mode, "threshold": c.threshold, "start_percent": c.start_percent,
                         "end_percent": c.end_percent, "subsample_factor": c.subsample_factor}
+        out["recipes"] = [r.describe() for r in self.recipes]
         return out
 
 
@@ -217,8 +221,36 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
             _int(body, "cache_subsample_factor", DEFAULT_SUBSAMPLE, 1, 1 << 30))
     except H3Error as exc:
         raise _bad(str(exc)) from None
+    recipes = _recipes(body, cache_mode, "steps" in body)
+    for recipe in recipes:
+        if recipe.name == "turbo":  # the record shows the steps the job runs
+            steps = recipe.params["evaluations"] + 1
+            if steps > limits.max_steps:
+                raise _bad(f"recipe turbo: {recipe.params['evaluations']} evaluations exceed this service's "
+                           f"{limits.max_steps - 1}")
     return JobRequest(mode, prompt, output, references, first, last, overwrite, width, height, frames, steps, seed,
-                      attention, cache)
+                      attention, cache, recipes)
+
+
+def _recipes(body: dict, cache_mode: str, steps_given: bool) -> list:
+    """The request's recipes, parsed; their kernels are checked by the service (it knows the device)."""
+    from ..h3_model.engine.recipes import parse_recipes
+
+    value = body.get("recipes", [])
+    if not isinstance(value, list) or len(value) > MAX_RECIPES or not all(
+            isinstance(v, str) and 0 < len(v) <= 200 for v in value):
+        raise _bad(f"recipes must be a list of at most {MAX_RECIPES} recipe names (NAME or NAME:key=value,...), "
+                   f"got {value!r}")
+    try:
+        recipes = parse_recipes(value)
+    except H3Error as exc:
+        raise _bad(str(exc)) from None
+    names = [r.name for r in recipes]
+    if cache_mode != "off" and "first-block-cache" in names:
+        raise _bad("recipe first-block-cache is a step cache: drop cache_mode (one step cache per job)")
+    if steps_given and "turbo" in names:
+        raise _bad("recipe turbo sets the steps and the video shift: drop steps")
+    return recipes
 
 
 def _references(value: object, limits: Limits) -> list[tuple[str, str]]:

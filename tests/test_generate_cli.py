@@ -198,3 +198,31 @@ def test_a_vram_budget_gives_the_same_latents(demo_models, tmp_path, capsys):
     assert plan["budget_bytes"] < 3 * 10 ** 9 and plan["prefetch_depth"] == 1
     assert set(plan["reserved_for_other_stages"]) == {"text_encode", "vae"}
     assert all(torch.equal(latents["budget"][k], latents["resident"][k]) for k in ("video_latents", "audio_latents"))
+
+
+def test_recipes_are_applied_and_stamped_in_the_summary(demo_models, tmp_path, capsys):
+    out = tmp_path / "recipe.mp4"
+    code, cap = _run(capsys, "--demo-dir", str(demo_models), "--width", "64", "--height", "64", "--out", str(out),
+                     "--recipe", "turbo:evaluations=3", "--recipe", "first-block-cache:threshold=0")
+    assert code == 0, cap.err
+    summary = json.loads(cap.out.strip().splitlines()[-1])
+    assert summary["evaluations"] == 3 and summary["exact"] is False
+    assert summary["recipes"] == [{"name": "turbo", "evaluations": 3, "video_shift": 6.0, "audio_shift": 3.0},
+                                  {"name": "first-block-cache", "threshold": 0.0, "start": 0.0, "end": 1.0}]
+    assert "recipe turbo" in summary["approximate_paths"] and "recipe first-block-cache" in summary["approximate_paths"]
+    assert summary["step_cache"]["mode"] == "first_block" and summary["step_cache"]["computed"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--recipe", "sparse"], "recipe sparse needs Sol-Attn: sol_attn"),
+    (["--recipe", "turbo", "--steps", "12"], "recipe turbo sets the steps and the video shift: drop --steps"),
+    (["--recipe", "first-block-cache", "--cache-mode", "h3_cache"], "drop --cache-mode"),
+    (["--recipe", "nitro"], "unknown recipe 'nitro'"),
+])
+def test_recipe_errors_come_before_loading(demo_models, tmp_path, capsys, monkeypatch, argv, message):
+    from h3_spark.h3_model.engine.engine import Engine
+
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded before the recipe was checked"))
+    code, cap = _run(capsys, "--demo-dir", str(demo_models), "--width", "64", "--height", "64",
+                     "--out", str(tmp_path / "o.mp4"), "--device", "cpu", *argv)
+    assert code == 2 and message in cap.err and "Traceback" not in cap.err

@@ -182,3 +182,77 @@ def test_diff_on_diffusers_named_proj_is_not_swapped_and_diff_b_is(tmp_path):
     save_file({"blocks.0.mlp.fc1.diff_b": bias}, str(tmp_path / "bias.safetensors"))
     with pytest.raises(CheckpointError, match=r"transformer_blocks\.0\.ff\.net\.0\.proj\.bias is not a parameter"):
         apply_loras(model, [LoraSpec(tmp_path / "bias.safetensors")])
+
+
+# ------------------------------------------------------------------------------------------ published Turbo LoRAs
+# Key layouts read from their public sources (research notes: the loaders of ModelTC/Minimax-H3-Turbo and
+# zml/zml examples/minimax_h3; diffusers' H3 LoRA converter for the name map). The expected merge is written
+# out per layer in plain torch: W + strength * alpha / rank * B @ A on our diffusers-named parameters.
+def _turbo_lightx2v(c, rank, gen):
+    """LightX2V's Turbo LoRA: a PEFT dump on diffusers names (`.lora_A.default.weight`), q/k/v split, the DiT and
+    refiner blocks' attention and feed-forward, no prefix, no AdaLN adapters, alpha in the header."""
+    shapes = {"attn.to_q": (c.inner_dim, c.hidden_size), "attn.to_k": (c.inner_dim, c.hidden_size),
+              "attn.to_v": (c.inner_dim, c.hidden_size), "attn.to_out.0": (c.hidden_size, c.inner_dim),
+              "ff.net.0.proj": (2 * c.ffn_dim, c.hidden_size), "ff.net.2": (c.hidden_size, c.ffn_dim)}
+    out, merges = {}, []
+    blocks = [f"transformer_blocks.{i}" for i in range(c.num_layers)] + ["token_refiner.refiner_blocks.0",
+                                                                          "token_refiner.refiner_blocks.1"]
+    for block in blocks:
+        for layer, (n, k) in shapes.items():
+            a, b = torch.randn(rank, k, generator=gen), torch.randn(n, rank, generator=gen)
+            out[f"{block}.{layer}.lora_A.default.weight"], out[f"{block}.{layer}.lora_B.default.weight"] = a, b
+            merges.append((f"{block}.{layer}.weight", b @ a))
+    return out, merges
+
+
+def _turbo_native(c, rank, adaln_rank, gen):
+    """The community Turbo LoRA zml runs: original names with a `diffusion_model.` prefix, fused qkv (B stacked
+    [q; k; v]), fc1 in the original [gate; value] order, every AdaLN projection and the final one, alpha == rank."""
+    out, merges = {}, []
+    inner, hidden, ffn = c.inner_dim, c.hidden_size, c.ffn_dim
+
+    def add(name, n, k, r):
+        a, b = torch.randn(r, k, generator=gen), torch.randn(n, r, generator=gen)
+        out[f"diffusion_model.{name}.lora_A.weight"], out[f"diffusion_model.{name}.lora_B.weight"] = a, b
+        return a, b
+
+    for ours, native in [(f"transformer_blocks.{i}", f"blocks.{i}") for i in range(c.num_layers)] + \
+            [(f"token_refiner.refiner_blocks.{i}", f"token_refiner.blocks.{i}") for i in range(2)]:
+        a, b = add(f"{native}.attn.qkv_proj", 3 * inner, hidden, rank)
+        for j, part in enumerate(("to_q", "to_k", "to_v")):
+            merges.append((f"{ours}.attn.{part}.weight", b[j * inner:(j + 1) * inner] @ a))
+        a, b = add(f"{native}.attn.out_proj", hidden, inner, rank)
+        merges.append((f"{ours}.attn.to_out.0.weight", b @ a))
+        a, b = add(f"{native}.mlp.fc1", 2 * ffn, hidden, rank)
+        merges.append((f"{ours}.ff.net.0.proj.weight", torch.cat([b[ffn:], b[:ffn]]) @ a))  # [gate; value] -> ours
+        a, b = add(f"{native}.mlp.fc2", hidden, ffn, rank)
+        merges.append((f"{ours}.ff.net.2.weight", b @ a))
+        if native.startswith("blocks."):
+            a, b = add(f"{native}.adaln_proj.linear", 18 * hidden, c.time_embed_dim, adaln_rank)
+            merges.append((f"{ours}.adaln_proj.linear.weight", b @ a))
+    a, b = add("final_layer.adaln_proj.linear", 2 * hidden, c.time_embed_dim, adaln_rank)
+    merges.append(("norm_out.linear.weight", b @ a))
+    return out, merges
+
+
+@pytest.mark.parametrize("layout", ["lightx2v", "native"])
+def test_published_turbo_lora_layouts_merge_as_written(tmp_path, layout):
+    model = ours_from(diffusers_dit(TINY), TINY)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(7)
+    if layout == "lightx2v":
+        tensors, merges = _turbo_lightx2v(TINY, 8, gen)
+        metadata, scale = {"alpha": "2"}, 2 / 8  # the header's alpha over the rank
+    else:
+        tensors, merges = _turbo_native(TINY, 6, 2, gen)
+        metadata, scale = None, 1.0  # alpha == rank
+    path = tmp_path / f"turbo_{layout}.safetensors"
+    save_file(tensors, str(path), metadata=metadata)
+    apply_loras(model, [LoraSpec(path, 0.8)])
+    params = dict(model.named_parameters())
+    touched = set()
+    for name, delta in merges:
+        want = before[name] + 0.8 * scale * delta
+        assert rel_l2(params[name], want) <= 1e-6, name
+        touched.add(name)
+    assert all(torch.equal(params[n], before[n]) for n in before if n not in touched)  # nothing else moved

@@ -289,6 +289,20 @@ def test_generate_poll_done_with_a_per_request_attention_switch(serve, resident,
     assert again.status_code == 409 and "overwrite" in again.json()["error"]
 
 
+def test_a_job_with_recipes_runs_them_and_says_so(serve):
+    client = serve()
+    body = {k: v for k, v in request("turbo.mp4").items() if k != "steps"}  # turbo sets them
+    r = client.post("/generate", json={**body, "recipes": ["turbo:evaluations=3", "first-block-cache"]})
+    assert r.status_code == 202, r.text
+    job = wait_job(client, r.json()["id"])
+    assert job["state"] == "done", job["error"]
+    assert job["request"]["steps"] == 4 and job["info"]["evaluations"] == 3
+    assert [x["name"] for x in job["info"]["recipes"]] == ["turbo", "first-block-cache"]
+    assert job["step_cache"]["mode"] == "first_block"
+    assert job["backends"]["exact"] is False
+    assert {"recipe turbo", "recipe first-block-cache"} <= set(job["backends"]["approximate_paths"])
+
+
 def test_a_job_reports_its_own_fallback_calls(serve, resident, monkeypatch):
     """Backends count calls they ran on another kernel; each job reports its share, not the running total."""
     dit = resident.components.dit
@@ -501,6 +515,8 @@ def test_unknown_routes_and_methods_answer_json(serve):
     ({"overwrite": "yes"}, 400, "true or false"),
     ({"cache_mode": "easycache", "cache_threshold": 10 ** 400}, 400, "out of range"),
     ({"output": "a" * 300 + ".mp4"}, 400, "longer than 255 bytes"),
+    ({"recipes": ["sparse"]}, 400, "recipe sparse needs Sol-Attn: sol_attn"),
+    ({"recipes": ["hyperdrive"]}, 400, "unknown recipe 'hyperdrive'"),
 ])
 def test_bad_fields_are_refused_with_a_clear_message(serve, change, code, fragment):
     client = serve()

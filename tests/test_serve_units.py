@@ -418,3 +418,24 @@ def test_jobs_decode_inputs_within_the_pixel_limits(tmp_path):
     req.references = [("image", str(tmp_path / "key.png"))]
     with pytest.raises(InputError, match="over the limit of 2399 pixels"):
         _read_inputs({**message(image=2399), "first_frame": None, "references": req.references})
+
+
+def test_recipes_are_parsed_and_shown_in_the_record():
+    req = parse_request({"prompt": "p", "output": "a.mp4", "recipes": ["turbo:evaluations=4", "first-block-cache"]},
+                        LIMITS)
+    assert [r.name for r in req.recipes] == ["turbo", "first-block-cache"] and req.steps == 5
+    assert req.public()["recipes"][0] == {"name": "turbo", "evaluations": 4, "video_shift": 6.0, "audio_shift": 3.0}
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"recipes": "turbo"}, "recipes must be a list of at most 4 recipe names"),
+    ({"recipes": ["turbo"] * 5}, "recipes must be a list of at most 4"),
+    ({"recipes": ["zoom"]}, "unknown recipe 'zoom'"),
+    ({"recipes": ["turbo"], "steps": 20}, "recipe turbo sets the steps and the video shift: drop steps"),
+    ({"recipes": ["first-block-cache"], "cache_mode": "easycache"}, "drop cache_mode"),
+    ({"recipes": ["turbo:evaluations=60"]}, "recipe turbo: 60 evaluations exceed this service's"),
+])
+def test_recipe_refusals(body, fragment):
+    with pytest.raises(RequestError, match=fragment) as err:
+        parse_request({"prompt": "p", "output": "a.mp4", **body}, Limits(max_steps=50))
+    assert err.value.status == 400

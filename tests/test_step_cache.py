@@ -201,7 +201,7 @@ def test_bad_options_are_refused(kwargs, match):
 
 
 def test_factory_defaults_and_sizes():
-    assert set(MODES) == {"off", "easycache", "h3_cache"}
+    assert set(MODES) == {"off", "easycache", "h3_cache", "first_block"}
     cache = make_step_cache("easycache", evaluations=9)
     assert cache.options == CacheOptions("easycache", 0.1, 0.2, 0.9, 1)
     with pytest.raises(InputError, match="number of DiT evaluations"):

@@ -237,6 +237,10 @@ class H3DiT(nn.Module):
         self.adaln_released = False
         # Under a VRAM budget, the blocks that do not fit stream from host memory (dit/streaming.py).
         self.block_stream = None
+        # An attention schedule (`at(step, block) -> AttentionFn`, e.g. a sparse recipe that stays dense for
+        # the first steps and blocks) and the sampler's current evaluation; None: `attention` everywhere.
+        self.attention_schedule = None
+        self.sampling_step: int | None = None
 
     # ----------------------------------------------------------------- settings
     def set_attention(self, fn: AttentionFn) -> None:
@@ -384,12 +388,14 @@ class H3DiT(nn.Module):
                 audio_indices: torch.Tensor, text_indices: torch.Tensor, *, text_embeds: torch.Tensor | None = None,
                 output_video_rows: torch.Tensor | None = None, output_audio_rows: torch.Tensor | None = None,
                 mlp_chunks: int = 1, step_callback: Callable[[int], None] | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                block_cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Velocities (fp32) for the video and audio rows.
 
         By default every video/audio row is returned in the order of video_indices/audio_indices.
         `output_video_rows` / `output_audio_rows` select positions within those (e.g. the target
-        rows) so the heads only run where needed.
+        rows) so the heads only run where needed. `block_cache` (step_cache.FirstBlockCache) sees the first
+        block's residual and may answer with the other blocks' residual from an earlier step instead of
+        running them.
         """
         if text_embeds is None:
             if encoder_hidden_states is None:
@@ -403,10 +409,24 @@ class H3DiT(nn.Module):
         x = self.embed_rows(hidden_states, audio_hidden_states, text_embeds, video_indices, audio_indices,
                             text_indices, position_ids.shape[0])
         mod = self.modulation_cls(adaln_rows(timestep_indices, token_tags), self.use_segments)
+        schedule, step = self.attention_schedule, self.sampling_step
+        x_in = after_first = None
         for i, blk in enumerate(self.transformer_blocks):
-            x = blk(x, tables.blocks[i], mod, rope, self.attention, mlp_chunks, self.qk_prep)
+            if block_cache is not None and i == 0:
+                x_in = x
+            attention = self.attention if schedule is None else schedule.at(step, i)
+            x = blk(x, tables.blocks[i], mod, rope, attention, mlp_chunks, self.qk_prep)
             if step_callback is not None:
                 step_callback(i)
+            if block_cache is not None and i == 0:
+                rest = block_cache.after_first_block(x - x_in)
+                if rest is not None:
+                    x = x + rest
+                    break
+                after_first = x
+        else:
+            if block_cache is not None:
+                block_cache.store_rest(x - after_first)
 
         return self.heads(x, timestep_indices, tables.final, video_indices, audio_indices, output_video_rows,
                           output_audio_rows)

@@ -88,6 +88,10 @@ def gather_rows(x: torch.Tensor, shards: SequenceShards, group=None) -> torch.Te
 class SequenceParallelDiT:
     """Runs an H3DiT with its sequence split over the ranks of `group`; call it like the model."""
 
+    # Its forward is its own: the model's block loop hooks (attention schedules, the first-block cache) do not
+    # reach it (pipeline/sampler.py refuses them).
+    takes_block_hooks = False
+
     def __init__(self, model, group=None):
         if not dist.is_available() or not dist.is_initialized():
             raise H3Error("sequence parallelism needs torch.distributed to be initialised (torchrun)")

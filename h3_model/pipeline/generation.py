@@ -74,6 +74,10 @@ class GenerationRequest:
     mlp_chunks: int = 1
     vae_tile_size: int | None = 256
     step_cache: object | None = None
+    # Set by engine.recipes.apply_recipes: the sparse recipe's attention per evaluation and block, and what the
+    # outputs say of the recipes used.
+    attention_schedule: object | None = None
+    recipes: list[dict] = field(default_factory=list)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -222,9 +226,11 @@ class Pipeline:
 
         result = self.sample(dit, SamplingRequest(lay, text.embeds, *dims, conditions, audio_rows), schedule,
                              req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,
-                             step_cache=req.step_cache)
+                             step_cache=req.step_cache, attention_schedule=req.attention_schedule)
         timings["sampling"] = time.perf_counter() - t0
         info["step_seconds"] = result.step_seconds
+        if req.recipes:
+            info["recipes"] = list(req.recipes)
         if req.step_cache is not None and hasattr(req.step_cache, "report"):
             info["step_cache"] = req.step_cache.report()
 
@@ -341,11 +347,12 @@ class Pipeline:
                 geometry.audio_latent_frames(frames))
 
     def sample(self, dit, request: SamplingRequest, schedule: JointSchedule, seed: int, *, on_step=None,
-               cancel=None, mlp_chunks: int = 1, step_cache=None, device=None):
+               cancel=None, mlp_chunks: int = 1, step_cache=None, device=None, attention_schedule=None):
         """The seeded flow-matching loop (sampler.py): final normalised video and audio latents."""
         return sample(dit, request, schedule, torch.Generator().manual_seed(int(seed)),
                       device=self.c.device if device is None else device, on_step=on_step, cancel=cancel,
-                      mlp_chunks=mlp_chunks, step_cache=step_cache, release_adaln=self.release_adaln)
+                      mlp_chunks=mlp_chunks, step_cache=step_cache, release_adaln=self.release_adaln,
+                      attention_schedule=attention_schedule)
 
     def decode_video(self, latents: torch.Tensor, tile_size: int | None = 256,
                      on_frames: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:

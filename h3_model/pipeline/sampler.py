@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ...errors import H3Error
+from ...errors import H3Error, InputError
 from ..dit.layout import Layout, patchify, unpatchify
 from .scheduler import CONDITION_AUDIO_T, CONDITION_VIDEO_T, JointSchedule
 
@@ -88,8 +88,30 @@ def schedule_timestep_values(layout: Layout, schedule: JointSchedule) -> set[flo
 def sample(dit, req: SamplingRequest, schedule: JointSchedule, generator: torch.Generator, *,
            device: str | torch.device = "cpu", on_step: Callable[[StepInfo], None] | None = None,
            cancel: threading.Event | None = None, mlp_chunks: int = 1, step_cache=None,
-           release_adaln: bool = False) -> SamplingResult:
-    """Run the loop; `generator` must be a CPU generator (noise is drawn on the CPU, then moved)."""
+           release_adaln: bool = False, attention_schedule=None) -> SamplingResult:
+    """Run the loop; `generator` must be a CPU generator (noise is drawn on the CPU, then moved).
+
+    `attention_schedule` (`at(step, block) -> attention`) chooses the attention per evaluation and block for
+    this run only (a recipe's sparse attention)."""
+    # Both reach into the forward of one H3DiT (its block loop); a sequence-parallel wrapper has its own.
+    inside = [what for what, used in (("an attention schedule", attention_schedule is not None),
+                                      ("the first-block cache", getattr(step_cache, "mode", None) == "first_block"))
+              if used]
+    if inside and not getattr(dit, "takes_block_hooks", True):
+        raise InputError(f"this model is a {type(dit).__name__}, whose forward is its own: {' and '.join(inside)} "
+                         "cannot reach into it (sequence-parallel runs take neither yet)")
+    previous = getattr(dit, "attention_schedule", None)
+    if attention_schedule is not None:
+        dit.attention_schedule = attention_schedule  # set on the model itself: the forward reads it there
+    try:
+        return _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, step_cache, release_adaln)
+    finally:
+        if attention_schedule is not None:
+            dit.attention_schedule, dit.sampling_step = previous, None
+
+
+def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, step_cache,
+            release_adaln) -> SamplingResult:
     c = dit.config
     lay = req.layout
     cond = condition_rows(req.condition_latents, generator, c.patch_size)
@@ -126,10 +148,14 @@ def sample(dit, req: SamplingRequest, schedule: JointSchedule, generator: torch.
         tv, ta = schedule.step_timesteps(i)
         ts, tidx = lay.row_timesteps(tv, ta, max(tv, CONDITION_VIDEO_T), CONDITION_AUDIO_T)
 
-        def forward():
+        def forward(**extra):
             return dit(video[None], audio[None], None, ts.to(device), tidx.to(device), position_ids=position_ids,
                        text_embeds=text, output_video_rows=target_video, output_audio_rows=target_audio,
-                       mlp_chunks=mlp_chunks, step_callback=_block_cancel(cancel, i, len(schedule)), **structure)
+                       mlp_chunks=mlp_chunks, step_callback=_block_cancel(cancel, i, len(schedule)), **structure,
+                       **extra)
+
+        if getattr(dit, "attention_schedule", None) is not None:
+            dit.sampling_step = i
 
         if step_cache is not None:
             v_vel, a_vel = step_cache.velocities(i, video[n_cv:], audio[n_ca:], forward)

@@ -14,6 +14,8 @@ Modes (`make_step_cache`):
   input change is under `threshold`. In flow matching the exact velocity (noise - data) is constant
   along a straight path, so holding v is the zero-order estimate; a per-step test reacts to the
   schedule's large early/late moves without a budget that drifts over many small steps.
+- first_block: decides inside each forward after the DiT's first block (FirstBlockCache below); the
+  embeddings, the first block and the heads always run.
 
 Shared knobs:
 - start/end percent: only evaluation i with start <= i / evaluations < end may be reused; outside the
@@ -36,10 +38,11 @@ import torch
 
 from ...errors import InputError
 
-MODES = ("off", "easycache", "h3_cache")
+MODES = ("off", "easycache", "h3_cache", "first_block")
 # Defaults are conservative starting points, not measured quality budgets: each run's report says
-# how many steps were reused, and the benchmarks measure the error per model and schedule.
-DEFAULT_THRESHOLD = {"off": 0.0, "easycache": 0.1, "h3_cache": 0.03}
+# how many steps were reused, and the benchmarks measure the error per model and schedule. first_block's
+# 0.08 is the threshold NVIDIA's Sol-Engine publishes for H3.
+DEFAULT_THRESHOLD = {"off": 0.0, "easycache": 0.1, "h3_cache": 0.03, "first_block": 0.08}
 DEFAULT_START_PERCENT = 0.2
 DEFAULT_END_PERCENT = 0.9
 DEFAULT_SUBSAMPLE = 1
@@ -92,11 +95,7 @@ class StepCache:
     # ------------------------------------------------------------------ protocol
     def velocities(self, i: int, video_rows: torch.Tensor, audio_rows: torch.Tensor,
                    forward: Forward) -> tuple[torch.Tensor, torch.Tensor]:
-        if i != self._next or i >= self.evaluations:
-            # A cache's state belongs to one run; a reordered or longer loop would reuse stale velocities.
-            raise InputError(f"step cache called for evaluation {i}, expected {self._next} of {self.evaluations}: "
-                             f"use a fresh cache per generation, sized to its schedule")
-        self._next += 1
+        self._advance(i)
         if self.mode == "off":
             # Nothing measured either: off must cost nothing and change nothing.
             self.computed.append(i)
@@ -123,6 +122,13 @@ class StepCache:
                                      for k, v in self.changes.items()}}
 
     # ------------------------------------------------------------------ shared pieces
+    def _advance(self, i: int) -> None:
+        if i != self._next or i >= self.evaluations:
+            # A cache's state belongs to one run; a reordered or longer loop would reuse stale velocities.
+            raise InputError(f"step cache called for evaluation {i}, expected {self._next} of {self.evaluations}: "
+                             f"use a fresh cache per generation, sized to its schedule")
+        self._next += 1
+
     def in_window(self, i: int) -> bool:
         fraction = i / self.evaluations
         return self.options.start_percent <= fraction < self.options.end_percent
@@ -200,7 +206,48 @@ class H3Cache(StepCache):
         return self._velocity
 
 
-_CLASSES = {"off": StepCache, "easycache": EasyCache, "h3_cache": H3Cache}
+class FirstBlockCache(StepCache):
+    """Decides inside the forward: the DiT runs its first block, hands this cache the block's residual (output
+    minus input), and skips the other blocks when that residual moved less than `threshold` since the last
+    computed step (mean absolute change over the mean absolute value); their residual from that step is then
+    added instead. Each step still runs the embeddings, the first block and the heads."""
+
+    mode = "first_block"
+
+    def __init__(self, options: CacheOptions, evaluations: int):
+        super().__init__(options, evaluations)
+        self._first: torch.Tensor | None = None  # the first block's residual at the last computed step
+        self._rest: torch.Tensor | None = None  # the other blocks' residual at that step
+        self._step = -1
+        self._reusing = False
+
+    def velocities(self, i: int, video_rows: torch.Tensor, audio_rows: torch.Tensor,
+                   forward: Forward) -> tuple[torch.Tensor, torch.Tensor]:
+        self._advance(i)
+        self._step, self._reusing = i, False
+        out = forward(block_cache=self)
+        (self.reused if self._reusing else self.computed).append(i)
+        return out
+
+    # ------------------------------------------------------------------ called by the DiT's forward
+    def after_first_block(self, residual: torch.Tensor) -> torch.Tensor | None:
+        """The other blocks' residual to add (reuse), or None: run them."""
+        if self._first is not None and self._rest is not None and self.in_window(self._step):
+            scale = self._first.float().abs().mean().item()
+            diff = (residual.float() - self._first.float()).abs().mean().item()
+            change = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+            self.changes[self._step] = change
+            if change < self.options.threshold:
+                self._reusing = True
+                return self._rest
+        self._first = residual.detach().clone()
+        return None
+
+    def store_rest(self, residual: torch.Tensor) -> None:
+        self._rest = residual.detach().clone()
+
+
+_CLASSES = {"off": StepCache, "easycache": EasyCache, "h3_cache": H3Cache, "first_block": FirstBlockCache}
 
 
 def make_step_cache(mode: str = "off", threshold: float | None = None, start: float = DEFAULT_START_PERCENT,
