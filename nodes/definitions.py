@@ -281,6 +281,11 @@ class H3Sampler:
             "cache_start": ("FLOAT", {"default": cache.DEFAULT_START_PERCENT, "min": 0.0, "max": 1.0, "step": 0.01}),
             "cache_end": ("FLOAT", {"default": cache.DEFAULT_END_PERCENT, "min": 0.0, "max": 1.0, "step": 0.01}),
             "cache_subsample": ("INT", {"default": cache.DEFAULT_SUBSAMPLE, "min": 1, "max": cache.MAX_SUBSAMPLE}),
+            "recipe": ("STRING", {"default": "", "tooltip": (
+                "Opt-in speed recipes (approximate), separated by ';': sparse[:tau=1,dense_steps=10,"
+                "dense_blocks=2] (Sol-Attn, needs comfy-kitchen), first-block-cache[:threshold=0.08], "
+                "turbo[:evaluations=8,video_shift=6] (replaces steps and shifts; load the Turbo LoRA with H3 LoRA "
+                "Loader), sol-engine. Empty: none.")}),
         }
         return types
 
@@ -290,12 +295,12 @@ class H3Sampler:
     TITLE = "H3 Sampler"
 
     def sample(self, model, positive, latent_image, seed, steps, shift_video, shift_audio, cache="off",
-               cache_threshold=0.0, cache_start=0.2, cache_end=0.9, cache_subsample=1):
+               cache_threshold=0.0, cache_start=0.2, cache_end=0.9, cache_subsample=1, recipe=""):
         step_cache = None
         if cache != "off":
             step_cache = (cache, cache_threshold or None, cache_start, cache_end, cache_subsample)
         return (_engine().sample(model, positive, latent_image, seed, steps, shift_video, shift_audio,
-                                 step_cache=step_cache),)
+                                 step_cache=step_cache, recipes=recipe),)
 
 
 # ------------------------------------------------------------------------------------------ output

@@ -310,12 +310,13 @@ def add_lora(model, path: Path, strength: float):
 
 # ------------------------------------------------------------------------------------------ sampling
 def sample(model, conditioning, latent, seed: int, steps: int, shift_video: float, shift_audio: float,
-           step_cache=None) -> dict:
+           step_cache=None, recipes: str = "") -> dict:
     """LATENT (video + audio) from a MODEL, one CONDITIONING and an H3 LATENT; `steps` model evaluations.
 
     The input latent gives the canvas and the length only (its shape); generation always starts from the
     seed's noise, as the released pipeline does, so an empty latent of any channel width will do.
     `step_cache` is None or (mode, threshold or None, start, end, subsample) for h3_model.step_cache.
+    `recipes`: engine.recipes names separated by ';' (empty: none); turbo replaces `steps` and the shifts.
     """
     from ..h3_model.pipeline.generation import build_layout
     from ..h3_model.pipeline.sampler import Cancelled, SamplingRequest
@@ -335,6 +336,7 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
                          "text encoder and model do not belong together")
     if not 1 <= steps <= 1000 or not 0 <= seed < 2 ** 63:
         raise InputError(f"steps must be 1..1000 and seed 0..2^63-1, got {steps} and {seed}")
+    chosen, steps, shift_video, shift_audio = _recipes(recipes, step_cache, steps, shift_video, shift_audio, opts)
     dims = (cond.latent_frames, cond.latent_height, cond.latent_width, cond.audio_latents)
     lay = build_layout(cond.mode, cond.tags, cond.blocks, cond.anchors, dims, c.patch_size)
     # `steps` counts model evaluations, as ComfyUI's samplers do; the grid has one more point (the final 0).
@@ -345,6 +347,12 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
         from ..h3_model.pipeline.step_cache import make_step_cache
 
         cache = make_step_cache(*step_cache, evaluations=len(schedule))
+    by_name = {r.name: r for r in chosen}
+    if "first-block-cache" in by_name:
+        from ..h3_model.pipeline.step_cache import make_step_cache
+
+        p = by_name["first-block-cache"].params
+        cache = make_step_cache("first_block", p["threshold"], p["start"], p["end"], evaluations=len(schedule))
 
     from ..h3_model.engine.memory import activation_bytes
     from .patcher import load_dit
@@ -361,16 +369,52 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
     interrupt = host.InterruptFlag()
     request = SamplingRequest(lay, cond.embeds, cond.latent_frames, cond.latent_height, cond.latent_width,
                               cond.audio_latents, cond.condition_latents, cond.audio_condition_rows)
+    attention_schedule = None
+    if "sparse" in by_name:
+        from ..h3_model.engine.recipes import SparseSchedule, sparse_backend
+
+        r = by_name["sparse"]
+        attention_schedule = SparseSchedule(dit.attention, sparse_backend(r, device, _settings(opts)),
+                                            r.params["dense_steps"], r.params["dense_blocks"])
     try:
         result = Engine.of(device=device).sample(dit, request, schedule, int(seed), device=device,
                                                  on_step=lambda s: progress.update(s.index + 1), cancel=interrupt,
-                                                 step_cache=cache)
+                                                 step_cache=cache, attention_schedule=attention_schedule)
     except Cancelled as exc:
         interrupt.raise_interrupted(exc)
     if cache is not None:
         # An approximate run says so: which steps were computed and which reused.
         log.info("h3-spark step cache: %s", cache.report())
     return payload.pack_latent(result.video_latents, payload.audio_to_comfy(result.audio_latents))
+
+
+def _settings(opts: dict):
+    from ..kernels.settings import KernelSettings
+
+    return KernelSettings.from_env().replace(attention=opts["attention"], linear=opts["linear"])
+
+
+def _recipes(text: str, step_cache, steps: int, shift_video: float, shift_audio: float, opts: dict):
+    """The sampler node's recipes, checked before anything runs: (recipes, steps, shifts) with turbo's applied."""
+    from ..h3_model.engine.recipes import check_recipes, parse_recipes
+
+    chosen = parse_recipes([t for t in (text or "").split(";") if t.strip()])
+    if not chosen:
+        return chosen, steps, shift_video, shift_audio
+    names = [r.name for r in chosen]
+    if step_cache is not None and "first-block-cache" in names:
+        raise InputError("recipe first-block-cache is a step cache: set the sampler's cache to off (one step cache "
+                         "per run)")
+    check_recipes(chosen, host.compute_device(), _settings(opts))
+    log.info("h3-spark recipes (approximate): %s",
+             "; ".join(", ".join(f"{k}={v}" for k, v in r.describe().items()) for r in chosen))
+    for r in chosen:
+        if r.name == "turbo":
+            log.info("h3-spark recipe turbo replaces steps %d and shifts %g/%g with %d and %g/%g", steps, shift_video,
+                     shift_audio, r.params["evaluations"], r.params["video_shift"], r.params["audio_shift"])
+            steps, shift_video, shift_audio = (r.params["evaluations"], r.params["video_shift"],
+                                               r.params["audio_shift"])
+    return chosen, steps, shift_video, shift_audio
 
 
 # ------------------------------------------------------------------------------------------ decode, save

@@ -13,7 +13,8 @@ from h3_spark.errors import InputError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["t2va-960x544-124f", "ref2va-960x544-124f"])
+@pytest.mark.parametrize("name", ["t2va-960x544-124f", "ref2va-960x544-124f", "t2va-640x352-124f", "t2va-1344x768-124f",
+                                  "t2va-1344x768-345f", "ref2va-1344x768-124f"])
 def test_contract_sequence_length_is_what_the_layout_builds(name):
     contract = load_contract(ROOT / "benchmarks" / f"{name}.json")
     shape = contract_shape(contract, FULL)

@@ -502,3 +502,27 @@ def test_bad_inputs_fail_with_clear_messages(models, monkeypatch):
     for prefix in ("../escape", "/abs/path", "a/../../escape"):
         with pytest.raises(InputError, match="output folder"):
             save.save(torch.zeros(1, 32, 32, 3), prefix, 24, 18)
+
+
+def test_sampler_recipes(models, monkeypatch, caplog):
+    """turbo replaces steps and shifts (said in the log); first-block-cache at threshold 0 computes every step, so
+    the latents equal a plain run with turbo's settings; what cannot run here is refused in one line."""
+    import logging
+
+    fake_comfy(monkeypatch, models)
+    model, te, _ = load_all(models)
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+    sampler = node("H3SparkSampler")
+    plain = sampler.sample(model, cond, latent, 5, 3, 6.0, 2.5)[0]["samples"]
+    with caplog.at_level(logging.INFO, logger="h3_spark"):
+        got = sampler.sample(model, cond, latent, 5, 49, 12.0, 3.0,
+                             recipe="turbo:evaluations=3,audio_shift=2.5; first-block-cache:threshold=0")[0]["samples"]
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+    assert "recipe turbo replaces steps 49 and shifts 12/3 with 3 and 6/2.5" in caplog.text
+    assert "h3-spark recipes (approximate): name=turbo" in caplog.text
+    with pytest.raises(InputError, match="recipe sparse needs Sol-Attn"):
+        sampler.sample(model, cond, latent, 5, 3, 12.0, 3.0, recipe="sparse")
+    with pytest.raises(InputError, match="unknown recipe 'fast'"):
+        sampler.sample(model, cond, latent, 5, 3, 12.0, 3.0, recipe="fast")
+    with pytest.raises(InputError, match="set the sampler's cache to off"):
+        sampler.sample(model, cond, latent, 5, 3, 12.0, 3.0, cache="h3_cache", recipe="first-block-cache")
