@@ -46,6 +46,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--cache-modes", default="",
                    help="with a generation: comma-separated step caches (easycache,h3_cache) to measure against "
                         "the uncached run: steps reused, sampling time, latent error")
+    p.add_argument("--recipe", default=None, metavar="sparse[:key=value,...]",
+                   help="with --vs exact: the fast side runs the sparse recipe's attention schedule at the first "
+                        "evaluation it makes sparse (per-block and final drift from the exact path)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one warm forward: CUDA time per kernel group and the slowest kernels (CUDA only)")
     add_budget_flags(p)
@@ -61,10 +64,23 @@ def _run_vs_exact(args, contract, model, settings, device, weights, record, out:
     budget = json.loads((Path(__file__).resolve().parents[1] / "config" / "quality_budget.json").read_text())
     shape = contract_shape(contract, model.config)
     schedule = JointSchedule.create(contract["steps"])
-    inputs = runner.make_inputs(shape, model.config, device, contract["seed"], len(schedule) // 2, schedule)
+    step = len(schedule) // 2
+    fast_schedule = None
+    if args.recipes:
+        from ..h3_model.engine.recipes import SparseSchedule, sparse_backend
+
+        sparse = args.recipes[0]
+        step = min(sparse.params["dense_steps"], len(schedule) - 1)  # the first evaluation it makes sparse
+        fast_schedule = lambda dense: (SparseSchedule(dense, sparse_backend(sparse, device, settings),  # noqa: E731
+                                                      sparse.params["dense_steps"], sparse.params["dense_blocks"]),
+                                       step)
+    inputs = runner.make_inputs(shape, model.config, device, contract["seed"], step, schedule)
     result = {"contract": contract["name"], "sequence_length": shape.layout.sequence_length, "weights": weights,
-              "device": device, "dtype": args.dtype,
-              "vs_exact": runner.bench_vs_exact(model, settings, inputs, contract, device, budget)}
+              "device": device, "dtype": args.dtype, "evaluation": step,
+              "vs_exact": runner.bench_vs_exact(model, settings, inputs, contract, device, budget,
+                                                fast_schedule=fast_schedule)}
+    if args.recipes:
+        result["recipes"] = [r.describe() for r in args.recipes]
     result["stamp"] = stamp.stamp_after(record)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -148,11 +164,29 @@ def preflight(args) -> tuple:
     settings = kernel_settings(args.attention, args.linear)
     args.settings = settings
     check_budget_flags(args)
+    args.recipes = check_bench_recipe(args, device, settings)
     if args.vs == "diffusers":
         from ..measure.diffusers_ref import diffusers_transformer_class
 
         diffusers_transformer_class()
     return device, contract, settings, cache_modes, out
+
+
+def check_bench_recipe(args, device: str, settings) -> list:
+    """--recipe: only with --vs exact, and only the recipe that changes a forward (sparse)."""
+    from ..errors import InputError
+    from ..h3_model.engine.recipes import check_recipes, parse_recipes
+
+    if args.recipe is None:
+        return []
+    recipes = parse_recipes([args.recipe])
+    if args.vs != "exact":
+        raise InputError("--recipe measures a recipe's drift from the exact path: add --vs exact")
+    if [r.name for r in recipes] != ["sparse"]:
+        raise InputError("bench --recipe takes sparse, the recipe that changes a forward; turbo and "
+                         "first-block-cache change the sampling (measure them with a generation)")
+    check_recipes(recipes, device, settings)
+    return recipes
 
 
 def check_budget_flags(args) -> None:

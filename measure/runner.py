@@ -329,9 +329,12 @@ def _timed_and_captured(model, inputs: dict, contract: Contract, device: str, re
 
 
 @torch.inference_mode()
-def bench_vs_exact(model, fast_settings, inputs: dict, contract: Contract, device: str, budget: dict) -> dict:
+def bench_vs_exact(model, fast_settings, inputs: dict, contract: Contract, device: str, budget: dict, *,
+                   fast_schedule=None) -> dict:
     """Exact path first (on the model as loaded), then the requested fast path on the same weights and inputs:
-    per-block attention / feed-forward / block-output errors, the final velocity error and both speeds."""
+    per-block attention / feed-forward / block-output errors, the final velocity error and both speeds.
+    `fast_schedule(dense attention) -> (attention schedule, evaluation)` adds a recipe's schedule to the fast
+    side (engine.recipes.SparseSchedule)."""
     from ..kernels.dispatch import apply_kernels
     from ..kernels.settings import KernelSettings
 
@@ -343,11 +346,17 @@ def bench_vs_exact(model, fast_settings, inputs: dict, contract: Contract, devic
     errors: dict = {}
     exact_times, exact_out = _timed_and_captured(model, inputs, contract, device, reference, None)
     report = apply_kernels(model, fast_settings)
-    fast_times, fast_out = _timed_and_captured(model, inputs, contract, device, reference, errors)
+    approximate = list(report.get("approximate_paths", []))
+    if fast_schedule is not None:
+        model.attention_schedule, model.sampling_step = fast_schedule(model.attention)
+        approximate.append("recipe sparse")
+    try:
+        fast_times, fast_out = _timed_and_captured(model, inputs, contract, device, reference, errors)
+    finally:
+        model.attention_schedule, model.sampling_step = None, None
     reference.clear()
     final = rel_l2(fast_out, exact_out)
     worst_block = max(e["block"] for e in errors.values())
-    approximate = report.get("approximate_paths", [])
     return {
         "exact_forward_s_median": statistics.median(exact_times),
         "fast_forward_s_median": statistics.median(fast_times),

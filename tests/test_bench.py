@@ -287,3 +287,34 @@ def test_a_checkpoint_made_here_is_named_synthetic_in_the_result(tmp_path):
         meta = {k: v for k, v in f.metadata().items() if k != "h3_spark"}
         save_file({k: f.get_tensor(k) for k in f.keys()}, str(plain), metadata=meta)
     assert checkpoint_weights(plain) == f"checkpoint {plain}"
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--recipe", "sparse"], "--recipe measures a recipe's drift from the exact path: add --vs exact"),
+    (["--recipe", "turbo", "--vs", "exact"], "bench --recipe takes sparse, the recipe that changes a forward"),
+    (["--recipe", "sparse", "--vs", "exact"], "recipe sparse needs Sol-Attn"),
+    (["--recipe", "sparse:tau=-1", "--vs", "exact"], "recipe sparse: tau must be >= 0.0"),
+])
+def test_bench_recipe_errors(tmp_path, capsys, extra, message):
+    code, err = _bench_errors(tmp_path, capsys, "--synthetic", "--preset", "tiny", "--device", "cpu", *extra)
+    assert code == 2 and message in err
+
+
+def test_vs_exact_with_the_sparse_recipe_measures_its_schedule(tmp_path, capsys, monkeypatch):
+    """The wiring, on the CPU: a stand-in for Sol-Attn (exact attention on halved keys, so it visibly differs)
+    runs past the recipe's dense blocks only; the block-0 errors stay at the fast path's rounding."""
+    from h3_spark.h3_model.engine import recipes
+    from h3_spark.kernels.attention import sdpa
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(recipes, "sparse_backend", lambda recipe, device, settings: lambda q, k, v: sdpa(q, k * 0.5, v))
+    out = tmp_path / "x.json"
+    code = main(["bench", "--contract", str(ROOT / "tests" / "data" / "tiny-ref2va.json"), "--synthetic",
+                 "--preset", "tiny", "--dtype", "float32", "--device", "cpu", "--vs", "exact",
+                 "--recipe", "sparse:dense_blocks=1,dense_steps=1", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    v = result["vs_exact"]
+    assert result["evaluation"] == 1 and result["recipes"][0]["dense_blocks"] == 1
+    assert v["per_block_rel_l2"][0]["attention"] <= 1e-5 < 1e-2 < v["per_block_rel_l2"][1]["attention"]
+    assert "recipe sparse" in v["approximate_paths"] and v["verdict"] != "exact path"
