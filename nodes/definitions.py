@@ -9,6 +9,7 @@ native MiniMax H3 formats (payload.py), so native and h3-spark nodes mix.
 
 from __future__ import annotations
 
+import inspect
 import re
 
 from ..h3_model import geometry
@@ -22,10 +23,51 @@ MAX_SEED = 2 ** 63 - 1  # the engine's generator takes seeds below 2^63
 H3_MODEL = "H3_MODEL"
 LENGTH = ("INT", {"default": geometry.DEFAULT_FRAMES, "min": 124, "max": 345, "step": 17,
                   "tooltip": "Frames at 24 fps, snapped up to 17n+5; H3 generates 5 to 15 seconds (124..345)."})
-WIDTH = ("INT", {"default": 1344, "min": 32, "max": 4096, "step": 32})
-HEIGHT = ("INT", {"default": 768, "min": 32, "max": 4096, "step": 32})
+WIDTH = ("INT", {"default": 1344, "min": 32, "max": 4096, "step": 32,
+                 "tooltip": "Canvas width in pixels, a multiple of 32. H3 is released for 1344x768 (16:9)."})
+HEIGHT = ("INT", {"default": 768, "min": 32, "max": 4096, "step": 32,
+                  "tooltip": "Canvas height in pixels, a multiple of 32. H3 is released for 1344x768 (16:9)."})
 PROMPT = ("STRING", {"multiline": True, "dynamicPrompts": True,
-                     "tooltip": "Refer to references as <Picture i>, <Video k>, <Audio j> (1-based per type)."})
+                     "tooltip": "Refer to references as <Picture i>, <Video k>, <Audio j> (1-based per type); "
+                                "naming one that is not connected is an error."})
+T2VA_PROMPT = ("STRING", {"multiline": True, "dynamicPrompts": True,
+                          "tooltip": "What the clip shows and sounds like: scene, action, camera, dialogue, sound."})
+FL2VA_PROMPT = ("STRING", {"multiline": True, "dynamicPrompts": True,
+                           "tooltip": "What happens between the keyframes; they are <Picture 1> (the first one "
+                                      "given) and <Picture 2>. May be empty."})
+# Tooltips of inputs that several nodes share, or whose node declares them without one (_described fills them).
+TOOLTIPS = {
+    "model": "The H3 DiT from H3 Model Loader (or H3 LoRA Loader / H3 Attention Patch).",
+    "text_encoder": "The Qwen3-VL text encoder from H3 Text Encoder Loader.",
+    "vae": "The video and audio VAEs from H3 VAE Loader.",
+    "dit_name": "The H3 DiT: a file or a diffusers folder under models/diffusion_models (pick the folder, not the "
+                "file inside it).",
+    "weight_dtype": "The dtype the DiT's weights are held in; quantized files keep their stored form for the "
+                    "linears the kernels run.",
+    "lora_name": "A LoRA file under models/loras (H3 LoRAs in any published key layout, Turbo LoRAs included).",
+    "strength": "How much of the LoRA is merged: 1 is as trained, 0 is none.",
+    "text_encoder_name": "Qwen3-VL: a ComfyUI single file under models/text_encoders or a transformers folder.",
+    "dtype": "The dtype the text encoder computes in.",
+    "vae_name": "The video VAE: a file or folder under models/vae.",
+    "audio_vae_name": "The audio VAE: a file or folder under models/vae.",
+    "first_frame": "The clip's first frame (stretched onto the canvas). Connect it, the last frame or both.",
+    "last_frame": "The clip's last frame (cover-cropped onto the canvas).",
+    "video_fps": "Frame rate of the reference videos' frames (the model reads them at 24 fps).",
+    "positive": "The conditioning from an H3 ... to Video node (or ComfyUI's native MiniMax H3 nodes).",
+    "latent_image": "Only its shape is read: the canvas and length. Sampling starts from the seed's noise.",
+    "seed": "The noise seed: the same seed and settings give the same clip as the h3-spark CLI.",
+    "shift_video": "Flow shift of the video schedule (the released model: 12; Turbo LoRAs at 768p: 6).",
+    "shift_audio": "Flow shift of the audio schedule (the released model: 3).",
+    "cache_start": "Share of the evaluations before which no step is reused.",
+    "cache_end": "Share of the evaluations from which no step is reused.",
+    "cache_subsample": "Measure the step-to-step change on every n-th row (cheaper; the estimate covers all rows).",
+    "samples": "The LATENT from H3 Sampler.",
+    "images": "The frames to save (IMAGE), e.g. from H3 Decode.",
+    "audio": "The soundtrack to mux (AUDIO), e.g. from H3 Decode; without it the mp4 is silent.",
+    "filename_prefix": "File name inside ComfyUI's output folder; a subfolder may be given (h3-spark/clip).",
+    "fps": "Frame rate of the mp4 (H3 makes 24 fps).",
+    "backend": "The attention kernel to run; one this GPU cannot run is an error when the node runs.",
+}
 
 
 def _engine():
@@ -154,14 +196,34 @@ class H3VAELoader:
 
 
 # ------------------------------------------------------------------------------------------ conditioning
+def _validate_canvas(cls, width=None, height=None, length=None):
+    """VALIDATE_INPUTS of the conditioning nodes: ComfyUI refuses a canvas or length H3 cannot make before the
+    prompt is queued (its own checks do not enforce the 32-pixel step). Values wired from other nodes are not
+    known yet and are checked when the node runs."""
+    from ..errors import H3Error
+
+    try:
+        if width is not None and height is not None:
+            for name, value in (("width", width), ("height", height)):
+                if not 32 <= int(value) <= 4096:
+                    return f"{name} must be 32..4096, got {value}"
+            geometry.check_canvas(int(width), int(height))
+        if length is not None:
+            geometry.snap_frames(int(length))
+    except H3Error as exc:
+        return str(exc)
+    return True
+
+
 class H3TextToVideo:
     """T2VA: prompt -> CONDITIONING + the empty audio-video LATENT of the canvas."""
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"text_encoder": ("H3_TEXT_ENCODER",), "prompt": PROMPT, "width": WIDTH,
+        return {"required": {"text_encoder": ("H3_TEXT_ENCODER",), "prompt": T2VA_PROMPT, "width": WIDTH,
                              "height": HEIGHT, "length": LENGTH}}
 
+    VALIDATE_INPUTS = classmethod(_validate_canvas)
     RETURN_TYPES = ("CONDITIONING", "LATENT")
     RETURN_NAMES = ("positive", "latent")
     FUNCTION = "encode"
@@ -178,10 +240,11 @@ class H3FirstLastFrameToVideo:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"text_encoder": ("H3_TEXT_ENCODER",), "vae": ("H3_VAE",), "prompt": PROMPT,
+        return {"required": {"text_encoder": ("H3_TEXT_ENCODER",), "vae": ("H3_VAE",), "prompt": FL2VA_PROMPT,
                              "width": WIDTH, "height": HEIGHT, "length": LENGTH},
                 "optional": {"first_frame": ("IMAGE",), "last_frame": ("IMAGE",)}}
 
+    VALIDATE_INPUTS = classmethod(_validate_canvas)
     RETURN_TYPES = ("CONDITIONING", "LATENT")
     RETURN_NAMES = ("positive", "latent")
     FUNCTION = "encode"
@@ -216,6 +279,7 @@ class H3ReferenceToVideo:
             "video_fps": ("FLOAT", {"default": 24.0, "min": 1.0, "max": 240.0, "step": 0.001}),
         }, "optional": optional}
 
+    VALIDATE_INPUTS = classmethod(_validate_canvas)
     RETURN_TYPES = ("CONDITIONING", "LATENT")
     RETURN_NAMES = ("positive", "latent")
     FUNCTION = "encode"
@@ -380,7 +444,39 @@ class H3NativeAttentionPatch:
         return (_engine().patch_native_attention(model, backend),)
 
 
+def _tooltip(name: str) -> str | None:
+    if name in TOOLTIPS:
+        return TOOLTIPS[name]
+    kind, _, rest = name.partition("_")
+    if kind in ("image", "video", "audio") and rest.isdigit():
+        label = {"image": "Picture", "video": "Video", "audio": "Audio"}[kind]
+        return f"Reference {kind} {rest}: the prompt names it <{label} {rest}> (numbered among the connected ones)."
+    if kind == "video" and rest.endswith("_audio"):
+        return f"The soundtrack of video_{rest.split('_')[0]} (optional); it becomes an <Audio j> reference too."
+    return None
+
+
+def _described(node_class):
+    """Every input gets a tooltip (its own, or the shared one) and the node its DESCRIPTION (the docstring)."""
+    declared = node_class.INPUT_TYPES.__func__
+
+    def input_types(cls):
+        spec = declared(cls)
+        for group in spec.values():
+            for name, entry in list(group.items()):
+                options = dict(entry[1]) if len(entry) > 1 else {}
+                if not options.get("tooltip") and _tooltip(name):
+                    options["tooltip"] = _tooltip(name)
+                group[name] = (entry[0], options) if options else entry
+        return spec
+
+    node_class.INPUT_TYPES = classmethod(input_types)
+    node_class.DESCRIPTION = inspect.cleandoc(node_class.__doc__ or "")
+    return node_class
+
+
 NODES = (H3ModelLoader, H3LoraLoader, H3TextEncoderLoader, H3VAELoader, H3TextToVideo, H3FirstLastFrameToVideo,
          H3ReferenceToVideo, H3Sampler, H3Decode, H3SaveVideo, H3AttentionPatch, H3NativeAttentionPatch)
+NODES = tuple(_described(cls) for cls in NODES)
 NODE_CLASS_MAPPINGS = {f"H3Spark{cls.__name__[2:]}": cls for cls in NODES}
 NODE_DISPLAY_NAME_MAPPINGS = {key: cls.TITLE for key, cls in NODE_CLASS_MAPPINGS.items()}

@@ -193,7 +193,12 @@ def waveform(audio, what: str) -> tuple[torch.Tensor, int]:
 # ------------------------------------------------------------------------------------------ conditioning
 def _canvas(width: int, height: int, length: int) -> int:
     geometry.check_canvas(width, height)
-    return geometry.snap_frames(length)
+    frames = geometry.snap_frames(length)
+    if frames != length:
+        # Said, not done quietly: the clip comes out longer than asked.
+        log.warning("h3-spark: length %d snaps up to %d frames (%.2f s): H3 makes 17n+5 frames", length, frames,
+                    frames / geometry.FPS)
+    return frames
 
 
 def _text(te: TextEncoderHandle, mode: str, prompt: str, keyframes=(),

@@ -180,6 +180,13 @@ def test_every_node_describes_itself():
         assert uses_model == (key == "H3SparkNativeAttentionPatch"), key
         assert callable(getattr(cls, cls.FUNCTION)), key
         assert key.startswith("H3Spark") and cls.TITLE.startswith("H3 ") and cls.CATEGORY.startswith("h3-spark")
+        # What ComfyUI shows: the node's description and a tooltip on every input.
+        assert len(cls.DESCRIPTION) > 40, key
+        for group in spec.values():
+            for name, entry in group.items():
+                assert len(entry) > 1 and len(entry[1].get("tooltip", "")) > 15, (key, name)
+    t2va_prompt = NODE_CLASS_MAPPINGS["H3SparkTextToVideo"].INPUT_TYPES()["required"]["prompt"][1]["tooltip"]
+    assert "<Picture" not in t2va_prompt  # T2VA takes no references
 
 
 def test_t2va_graph_to_mp4(models, monkeypatch):
@@ -490,6 +497,9 @@ def test_bad_inputs_fail_with_clear_messages(models, monkeypatch):
         t2v.encode(te, "", W, H, FRAMES)
     with pytest.raises(InputError, match="needs a first and/or a last"):
         node("H3SparkFirstLastFrameToVideo").encode(te, vae, "a cat", W, H, FRAMES)
+    with pytest.raises(InputError, match=r"the prompt names <Picture 3>, but this request gives 1 image reference"):
+        node("H3SparkReferenceToVideo").encode(te, vae, "<Picture 3> sings", W, H, FRAMES, "match", 24.0,
+                                               image_1=image(1))
     with pytest.raises(InputError, match="soundtrack of video_1"):
         node("H3SparkReferenceToVideo").encode(te, vae, "a cat", W, H, FRAMES, "match", 24.0,
                                                video_1_audio=sound(1.0))
@@ -526,3 +536,24 @@ def test_sampler_recipes(models, monkeypatch, caplog):
         sampler.sample(model, cond, latent, 5, 3, 12.0, 3.0, recipe="fast")
     with pytest.raises(InputError, match="set the sampler's cache to off"):
         sampler.sample(model, cond, latent, 5, 3, 12.0, 3.0, cache="h3_cache", recipe="first-block-cache")
+
+
+@pytest.mark.parametrize("name", ["H3SparkTextToVideo", "H3SparkFirstLastFrameToVideo", "H3SparkReferenceToVideo"])
+def test_canvas_and_length_are_checked_before_the_queue(name):
+    cls = type(node(name))
+    assert cls.VALIDATE_INPUTS(width=1344, height=768, length=124) is True
+    assert cls.VALIDATE_INPUTS(width=None, height=None, length=None) is True  # wired from other nodes: later
+    assert "multiples of 32" in cls.VALIDATE_INPUTS(width=1000, height=768, length=124)
+    assert "width must be 32..4096, got 8192" == cls.VALIDATE_INPUTS(width=8192, height=768, length=124)
+    assert "5-15 s" in cls.VALIDATE_INPUTS(width=1344, height=768, length=40)
+    assert "outside 1:4 .. 4:1" in cls.VALIDATE_INPUTS(width=2048, height=256, length=124)
+
+
+def test_a_snapped_length_is_reported(models, monkeypatch, caplog):
+    import logging
+
+    fake_comfy(monkeypatch, models)
+    _, te, _ = load_all(models)
+    with caplog.at_level(logging.WARNING, logger="h3_spark"):
+        _, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, 130)
+    assert "length 130 snaps up to 141 frames (5.88 s): H3 makes 17n+5 frames" in caplog.text

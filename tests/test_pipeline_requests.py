@@ -31,6 +31,10 @@ def test_prompts_the_reference_pipeline_takes_are_taken(mode, prompt):
     ("t2va", "", r"t2va needs a prompt: it is all the text encoder reads \(fl2va and ref2va may leave it empty"),
     ("fl2va", None, "the prompt must be a string, got NoneType"),
     ("ref2va", ["a", "cat"], "the prompt must be a string, got list"),
+    ("ref2va", "<Picture 2> walks", r"names <Picture 2>, but this request gives 1 image reference"),
+    ("ref2va", "<Audio 1> plays", r"names <Audio 1>, but this request gives no audio reference"),  # silent video
+    ("fl2va", "<Picture 2> ends it", r"names <Picture 2>, but this request gives 1 keyframe"),
+    ("t2va", "a fox as in <Video 1>", r"gives no video reference \(t2va takes none\)"),
 ])
 def test_prompts_it_cannot_use_are_refused(mode, prompt, message):
     with pytest.raises(InputError, match=message):

@@ -229,3 +229,31 @@ def test_audio_only_and_empty_prompt_is_labels_only(tiny):
     p = builder.ref2va("", [AudioRef(), AudioRef()])
     assert tok.decode(p.token_ids.tolist()) == "<Audio 1>: <Audio 2>: "
     assert p.vision == {}
+
+
+# ------------------------------------------------------------------------------------------ named references
+from h3_spark.h3_model.text.prompt import check_mentions  # noqa: E402
+
+
+@pytest.mark.parametrize("mode, prompt, counts, message", [
+    ("ref2va", "the singer of <Picture 3> dances", (1, 0, 0),
+     r"the prompt names <Picture 3>, but this request gives 1 image reference \(<Picture 1>\)$"),
+    ("ref2va", "<Picture 1> sings <Video 2>", (2, 1, 0),
+     r"names <Video 2>, but this request gives 1 video reference \(<Video 1>\)$"),
+    ("ref2va", "<Audio 3> plays", (0, 1, 2), r"names <Audio 3>, but this request gives 2 audio references "
+                                             r"\(<Audio 1>..<Audio 2>\)$"),
+    ("ref2va", "<Video 1> at night", (3, 0, 0), r"names <Video 1>, but this request gives no video reference$"),
+    ("t2va", "a fox like <Picture 1>", (0, 0, 0), r"gives no image reference \(t2va takes none\)$"),
+    ("fl2va", "from <Picture 1> to <Picture 2>", (1, 0, 0),
+     r"names <Picture 2>, but this request gives 1 keyframe \(<Picture 1>\)$"),
+    ("ref2va", "<Picture 0> is the dog", (1, 0, 0), r"names <Picture 0>"),
+])
+def test_a_prompt_naming_a_reference_that_is_not_given_is_refused(mode, prompt, counts, message):
+    with pytest.raises(InputError, match=message):
+        check_mentions(mode, prompt, *counts)
+
+
+def test_prompts_naming_what_is_given_pass():
+    check_mentions("ref2va", "<Picture 1> and <Picture 2> dance to <Audio 1>; <Video 1> is the street", 2, 1, 1)
+    check_mentions("t2va", "a picture of a fox <Picture> and <picture 2>")  # not labels: left to the model
+    check_mentions("fl2va", "<Picture 1> turns into <Picture 2>", 2)

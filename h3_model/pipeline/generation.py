@@ -26,7 +26,7 @@ from ...errors import H3Error, InputError
 from .. import geometry
 from ..dit.layout import AudioBlock, ImageBlock, Layout, VideoBlock, build_ref2va, build_t2va
 from ..media.refs import PreparedReference, Reference, prepare_keyframes, prepare_references, prompt_references
-from ..text.prompt import check_prompt
+from ..text.prompt import check_mentions, check_prompt
 from .sampler import SamplingRequest, StepInfo, sample
 from .scheduler import AUDIO_SHIFT, VIDEO_SHIFT, JointSchedule, Schedule, custom_sigmas
 
@@ -79,6 +79,15 @@ class GenerationRequest:
     attention_schedule: object | None = None
     recipes: list[dict] = field(default_factory=list)
 
+    def _reference_counts(self) -> tuple[int, int, int]:
+        """(images, videos, audio labels) as the presentation will number them (keyframes are pictures)."""
+        if self.mode == "fl2va":
+            return int(self.first_frame is not None) + int(self.last_frame is not None), 0, 0
+        kinds = [getattr(r, "kind", None) for r in self.references]
+        soundtracks = sum(1 for r in self.references if getattr(r, "kind", None) == "video"
+                          and getattr(r, "audio", None) is not None)
+        return kinds.count("image"), kinds.count("video"), kinds.count("audio") + soundtracks
+
     def validate(self) -> None:
         if self.mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
@@ -93,6 +102,7 @@ class GenerationRequest:
             raise InputError("fl2va needs a first and/or a last keyframe")
         if self.mode != "fl2va" and (self.first_frame is not None or self.last_frame is not None):
             raise InputError(f"{self.mode} takes no keyframes; use fl2va")
+        check_mentions(self.mode, self.prompt, *self._reference_counts())
         if (self.width is None) != (self.height is None):
             raise InputError("width and height go together, or neither")
         if self.width is not None:

@@ -25,6 +25,7 @@ Qwen's own processors then resize them per their min/max pixel settings, as tran
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -64,6 +65,31 @@ def check_prompt(mode: str, prompt: object) -> None:
     if mode == "t2va" and not prompt:
         raise InputError("t2va needs a prompt: it is all the text encoder reads (fl2va and ref2va may leave it "
                          "empty, their keyframes or references are labelled in the text)")
+
+
+_MENTION = re.compile(r"<(Picture|Video|Audio) (\d+)>")
+_KINDS = {"Picture": "image", "Video": "video", "Audio": "audio"}
+
+
+def check_mentions(mode: str, prompt: str, images: int = 0, videos: int = 0, audios: int = 0) -> None:
+    """Refuse a prompt that names a reference the request does not give (`<Picture 3>` with one image): the
+    model would read a label with nothing behind it and the clip would ignore what the user meant.
+
+    `images` counts FL2VA's keyframes too (they are `<Picture i>`); `audios` counts the audio references and
+    the videos with a soundtrack (each gets an `<Audio j>` label)."""
+    given = {"image": images, "video": videos, "audio": audios}
+    for match in _MENTION.finditer(prompt or ""):
+        label, number = match.group(1), int(match.group(2))
+        kind = _KINDS[label]
+        if 1 <= number <= given[kind]:
+            continue
+        what = "keyframe" if mode == "fl2va" and kind == "image" else f"{kind} reference"
+        if given[kind] == 0:
+            have = f"no {what}" + ("" if mode != "t2va" else " (t2va takes none)")
+        else:
+            have = f"{given[kind]} {what}{'s' if given[kind] != 1 else ''} (<{label} 1>" + (
+                f"..<{label} {given[kind]}>)" if given[kind] > 1 else ")")
+        raise InputError(f"the prompt names {match.group(0)}, but this request gives {have}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -172,6 +198,7 @@ class PresentationBuilder:
     # ------------------------------------------------------------------ modes
     def t2va(self, prompt: str) -> Presentation:
         stream = self._stream("t2va", prompt)
+        check_mentions("t2va", prompt)
         stream.text(prompt)
         return self._finish("t2va", stream, {})
 
@@ -183,6 +210,7 @@ class PresentationBuilder:
             raise InputError(f"FL2VA takes at most {MAX_KEYFRAMES} keyframes (first, last), got {len(keyframes)}")
         for i, frame in enumerate(keyframes):
             _check_frames(frame, f"keyframe {i + 1}", 3)
+        check_mentions("fl2va", prompt, images=len(keyframes))
         vision, counts = self._images(keyframes)
         for i, count in enumerate(counts):
             stream.text(f"<Picture {i + 1}>: ")
@@ -198,6 +226,9 @@ class PresentationBuilder:
             _check_reference(ref, i)
         images = [r.image for r in references if isinstance(r, ImageRef)]
         videos = [r.frames for r in references if isinstance(r, VideoRef)]
+        check_mentions("ref2va", prompt, images=len(images), videos=len(videos),
+                       audios=sum(isinstance(r, AudioRef) or (isinstance(r, VideoRef) and r.has_soundtrack)
+                                  for r in references))
         vision, image_counts = self._images(images)
         video_vision, video_blocks = self._videos(videos)
         vision.update(video_vision)
