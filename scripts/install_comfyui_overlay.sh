@@ -23,10 +23,11 @@ readonly MARKER=".h3-spark-overlay"
 # transformers 5: the text encoder uses its Qwen3-VL classes and config layout (rope_parameters), as
 # pyproject.toml does; accelerate: transformers needs it for the device_map that loads a Qwen3-VL folder
 # straight onto its device (without it the Text Encoder Loader fails on a diffusers/transformers folder).
-# The floors are pyproject.toml's.
-readonly RUNTIME_DEPS=("numpy>=1.24" "safetensors>=0.8" "av>=14" "pillow>=10" "transformers>=5" "accelerate>=1.0")
+# The floors are pyproject.toml's; requirements.txt holds them (the list ComfyUI-Manager installs too).
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 readonly REPO_ROOT
+mapfile -t RUNTIME_DEPS < <(sed -e 's/#.*//' -e 's/[[:space:]]*$//' "$REPO_ROOT/requirements.txt" | grep -v '^$')
+readonly RUNTIME_DEPS
 
 dry_run=0
 uninstall=0
@@ -142,8 +143,23 @@ if [[ -z "$python" ]]; then
         fi
     done
 fi
-[[ -n "$python" ]] || die "cannot find ComfyUI's Python (looked for venv/, .venv/ and python_embeded/); pass \
---python /path/to/python"
+# An activated environment, or the python on PATH, is taken when it imports ComfyUI's own requirements (so a
+# system Python that merely exists is not mistaken for ComfyUI's).
+runs_comfyui() {
+    "$1" -c "import torch, aiohttp, yaml, einops, torchsde, safetensors" >/dev/null 2>&1
+}
+if [[ -z "$python" ]]; then
+    for candidate in "${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}" "$(command -v python3 || true)" \
+        "$(command -v python || true)"; do
+        if [[ -n "$candidate" && -x "$candidate" ]] && runs_comfyui "$candidate"; then
+            python="$candidate"
+            say "using $python (it imports ComfyUI's requirements)"
+            break
+        fi
+    done
+fi
+[[ -n "$python" ]] || die "cannot find ComfyUI's Python (looked for venv/, .venv/, python_embeded/, \$VIRTUAL_ENV \
+and a python on PATH that imports ComfyUI's requirements); pass --python /path/to/python"
 [[ -x "$python" ]] || die "$python: not an executable Python"
 
 probe="$("$python" - <<'PY'
@@ -222,7 +238,8 @@ fi
 
 if ((copy)); then
     act mkdir -p "$target"
-    act cp -R "$REPO_ROOT/__init__.py" "$REPO_ROOT/errors.py" "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/h3_model" \
+    act cp -R "$REPO_ROOT/__init__.py" "$REPO_ROOT/errors.py" "$REPO_ROOT/pyproject.toml" \
+        "$REPO_ROOT/requirements.txt" "$REPO_ROOT/install.py" "$REPO_ROOT/h3_model" \
         "$REPO_ROOT/kernels" "$REPO_ROOT/nodes" "$target/"
     for extra in config workflows; do
         if [[ -d "$REPO_ROOT/$extra" ]]; then

@@ -5,6 +5,7 @@ logs `-m pip ...` calls instead of installing anything.
 """
 
 import os
+import sys
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,6 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "install_comfyui_overlay.sh"
 
 FAKE_PYTHON = """#!/usr/bin/env bash
+if [ "${1:-}" = "-c" ]; then  # "does it import ComfyUI's requirements?"
+    [ -z "${FAKE_NOT_COMFY:-}" ]
+    exit $?
+fi
 if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ]; then
     line="$*"
     prev=""
@@ -55,7 +60,10 @@ def comfy(tmp_path):
 
 
 def run(comfy, *args, **env):
-    full = {**os.environ, "FAKE_PIP_LOG": str(comfy.parent / "pip.log"), **env}
+    # No activated environment and no python on PATH but the system's, unless a test gives them.
+    base = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    base["PATH"] = "/usr/bin:/bin"
+    full = {**base, "FAKE_PIP_LOG": str(comfy.parent / "pip.log"), **env}
     return subprocess.run(["bash", str(SCRIPT), *args, str(comfy)], capture_output=True, text=True, env=full)
 
 
@@ -182,3 +190,83 @@ def test_script_is_shellcheck_clean():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed")
     subprocess.run(["shellcheck", str(SCRIPT)], check=True)
+
+
+def test_an_activated_environment_or_the_python_on_path_is_taken_when_it_runs_comfyui(comfy, tmp_path):
+    shutil.rmtree(comfy / "venv")
+    env_dir = tmp_path / "env"
+    (env_dir / "bin").mkdir(parents=True)
+    (env_dir / "bin" / "python").write_text(FAKE_PYTHON)
+    (env_dir / "bin" / "python").chmod(0o755)
+    out = run(comfy, "--dry-run", VIRTUAL_ENV=str(env_dir))
+    assert out.returncode == 0, out.stderr
+    assert f"using {env_dir}/bin/python (it imports ComfyUI's requirements)" in out.stdout
+    on_path = tmp_path / "path"
+    on_path.mkdir()
+    (on_path / "python3").write_text(FAKE_PYTHON)
+    (on_path / "python3").chmod(0o755)
+    out = run(comfy, "--dry-run", PATH=f"{on_path}:/usr/bin:/bin")
+    assert out.returncode == 0 and f"using {on_path}/python3" in out.stdout, out.stderr
+    out = run(comfy, "--dry-run", PATH=f"{on_path}:/usr/bin:/bin", FAKE_NOT_COMFY="1")
+    assert out.returncode != 0 and "a python on PATH that imports ComfyUI's requirements" in out.stderr
+
+
+def test_requirements_txt_equals_the_runtime_dependencies():
+    """ComfyUI-Manager and the Registry install requirements.txt; pip installs pyproject.toml's dependencies.
+    They must agree, but for torch and torchvision, which ComfyUI brings."""
+    import tomllib
+
+    def names(lines):
+        return {line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()}
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    required = names((ROOT / "requirements.txt").read_text().splitlines())
+    assert required == names(project) - {"torch>=2.4", "torchvision"}
+    assert not any(r.startswith(("torch", "torchvision")) for r in required)
+
+
+# ------------------------------------------------------------------------------------------ install.py (no bash)
+INSTALL_PY = ROOT / "install.py"
+
+
+def _install_py(*args, prelude="pass"):
+    code = (f"import sys, runpy; {prelude}; sys.argv = ['install.py', *{list(args)!r}]; "
+            f"runpy.run_path({str(INSTALL_PY)!r}, run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_install_py_dry_run_prints_the_pip_command_holding_torch():
+    import torch
+
+    out = _install_py("--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert f"torch {torch.__version__}" in out.stdout
+    assert "-m pip install --upgrade-strategy only-if-needed --constraint" in out.stdout
+    assert f"-r {ROOT / 'requirements.txt'}" in out.stdout
+    assert f"(constraint: torch=={metadata_version('torch')})" in out.stdout
+
+
+def test_install_py_refuses_without_torch_and_never_installs_it():
+    out = _install_py("--dry-run", prelude="sys.modules['torch'] = None")
+    assert out.returncode == 1
+    assert "torch does not import" in out.stderr and "h3-spark never installs torch" in out.stderr
+    assert "pip install" not in out.stdout
+
+
+def metadata_version(dist):
+    from importlib.metadata import version
+
+    return version(dist)
+
+
+def test_registry_metadata_is_complete():
+    """What the Comfy Registry shows: publisher, name, an icon that exists in the repository, a description."""
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    comfy, project = data["tool"]["comfy"], data["project"]
+    assert comfy["PublisherId"] and comfy["DisplayName"]
+    icon = comfy["Icon"]
+    assert icon.startswith("https://raw.githubusercontent.com/") and icon.endswith("/main/docs/icon.png")
+    assert (ROOT / "docs" / "icon.png").stat().st_size > 1000
+    assert len(project["description"]) > 40 and project["license"] and project["urls"]["Repository"]
