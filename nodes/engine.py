@@ -371,6 +371,7 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
     if line is not None:
         log.info("h3-spark kernels: %s", line)
     progress = host.Progress(len(schedule))
+    on_step = _step_reporter(progress, c, cond)
     interrupt = host.InterruptFlag()
     request = SamplingRequest(lay, cond.embeds, cond.latent_frames, cond.latent_height, cond.latent_width,
                               cond.audio_latents, cond.condition_latents, cond.audio_condition_rows)
@@ -383,7 +384,7 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
                                             r.params["dense_steps"], r.params["dense_blocks"])
     try:
         result = Engine.of(device=device).sample(dit, request, schedule, int(seed), device=device,
-                                                 on_step=lambda s: progress.update(s.index + 1), cancel=interrupt,
+                                                 on_step=on_step, cancel=interrupt,
                                                  step_cache=cache, attention_schedule=attention_schedule)
     except Cancelled as exc:
         interrupt.raise_interrupted(exc)
@@ -391,6 +392,23 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
         # An approximate run says so: which steps were computed and which reused.
         log.info("h3-spark step cache: %s", cache.report())
     return payload.pack_latent(result.video_latents, payload.audio_to_comfy(result.audio_latents))
+
+
+def _step_reporter(progress, config, cond):
+    """Each step moves ComfyUI's progress bar and, when ComfyUI shows previews, sends a picture of the latents."""
+    if not host.previews_wanted() or progress.bar is None:
+        return lambda s: progress.update(s.index + 1)
+    from ..h3_model.pipeline.preview import latent_frames, preview_image
+
+    def report(s) -> None:
+        image = None
+        if s.denoised is not None:
+            latents = latent_frames(s.denoised(), config.in_channels, cond.latent_frames, cond.latent_height,
+                                    cond.latent_width, config.patch_size)
+            image = preview_image(latents, host.PREVIEW_SIZE)
+        progress.update(s.index + 1, image)
+
+    return report
 
 
 def _settings(opts: dict):

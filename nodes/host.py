@@ -173,9 +173,26 @@ class Progress:
         self.bar = utils.ProgressBar(total) if utils is not None and hasattr(utils, "ProgressBar") else None
         self.total = total
 
-    def update(self, value: int) -> None:
-        if self.bar is not None:
-            self.bar.update_absolute(value, self.total)
+    def update(self, value: int, image=None) -> None:
+        """`image`: uint8 (h, w, 3) shown as the node's live preview (ComfyUI sends it to the page)."""
+        if self.bar is None:
+            return
+        preview = None
+        if image is not None:
+            from PIL import Image
+
+            preview = ("JPEG", Image.fromarray(image.numpy()), PREVIEW_SIZE)
+        self.bar.update_absolute(value, self.total, preview)
+
+
+PREVIEW_SIZE = 512
+
+
+def previews_wanted() -> bool:
+    """ComfyUI's own preview setting (`--preview-method`): any method but `none` shows our latent preview."""
+    cli = optional_module("comfy.cli_args")
+    method = getattr(getattr(cli, "args", None), "preview_method", None)
+    return method is not None and getattr(method, "value", str(method)) != "none"
 
 
 class InterruptFlag:

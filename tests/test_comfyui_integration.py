@@ -7,7 +7,7 @@ afterwards when this test made it). Everything else the server writes or reads l
 models (the tiny synthetic demo set, through --extra-model-paths-config), input, output, temp, user
 and an in-memory database, so the checkout is left as it was.
 
-The shipped workflows/*.api.json are posted to /prompt with only the file names, the canvas (64x64, 124
+The shipped workflows/api/*.json are posted to /prompt with only the file names, the canvas (64x64, 124
 frames), the steps (2) and the demo text encoder's layer (2) changed. Completion is followed on
 /history/{prompt_id}, and on the websocket through a listener run by ComfyUI's own Python (aiohttp is a
 ComfyUI requirement; this test's venv has no websocket client). Bad graphs must come back as ComfyUI node
@@ -97,19 +97,17 @@ def free_port() -> int:
 def build_models(tmp: Path) -> Path:
     """The tiny demo set copied into the model folders our loaders list (copies, not links: the loaders
     refuse a folder that resolves outside its model folder)."""
-    from h3_spark.h3_model.engine.demo import build_demo_models
+    from h3_spark.cli import main as h3_spark
 
-    demo = build_demo_models(tmp / "demo")
     models = tmp / "models"
-    for sub, name, folder in (("transformer_ref", REF2VA_DIT, "diffusion_models"),
-                              ("transformer", T2VA_DIT, "diffusion_models"),
-                              ("text_encoder", TEXT_ENCODER, "text_encoders"),
-                              ("vae", VIDEO_VAE, "vae"), ("audio_vae", AUDIO_VAE, "vae")):
-        shutil.copytree(demo / sub, models / folder / name.rstrip("/"))
+    models.mkdir()
+    # The user's demo command: the tiny set under the names the loaders list (and the demo workflow names).
+    assert h3_spark(["comfyui-demo", str(models), "--quiet"]) == 0
+
     # A listed model whose weights are gone: the config is there (so ComfyUI offers it), the safetensors not.
     broken = models / "diffusion_models" / BROKEN_DIT.rstrip("/")
     broken.mkdir()
-    shutil.copy(demo / "transformer_ref" / "config.json", broken / "config.json")
+    shutil.copy(models / "diffusion_models" / REF2VA_DIT.rstrip("/") / "config.json", broken / "config.json")
     (tmp / "extra_model_paths.yaml").write_text(
         "h3_spark_integration:\n"
         f"  base_path: {models}\n"
@@ -178,6 +176,7 @@ def server(installed, tmp_path_factory):
     port = free_port()
     log = tmp / "comfyui.log"
     cmd = [COMFY_PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
+           "--preview-method", "auto",
            "--extra-model-paths-config", str(tmp / "extra_model_paths.yaml"),
            "--input-directory", str(tmp / "input"), "--output-directory", str(tmp / "output"),
            "--temp-directory", str(tmp / "temp"), "--user-directory", str(tmp / "user"),
@@ -189,7 +188,7 @@ def server(installed, tmp_path_factory):
                                    start_new_session=True)
     # The engine's latent grid is the released 16x (64 px -> 4 latents); the demo's tiny video VAE upsamples
     # by its own factor (4x), so the saved frames are smaller than the canvas.
-    vae = json.loads((tmp / "demo" / "vae" / "config.json").read_text())
+    vae = json.loads((tmp / "models" / "vae" / VIDEO_VAE.rstrip("/") / "config.json").read_text())
     factor = 1
     for f in vae["spatial_downsample_factors"]:
         factor *= f
@@ -218,7 +217,7 @@ def server(installed, tmp_path_factory):
 # ------------------------------------------------------------------------------------------ helpers
 def workflow(name: str) -> dict:
     """A shipped API workflow with the demo models, a tiny canvas and few steps."""
-    graph = json.loads((WORKFLOWS / f"h3-spark-{name}.api.json").read_text())
+    graph = json.loads((WORKFLOWS / "api" / f"h3-spark-{name}.json").read_text())
     for node in graph.values():
         inputs, kind = node["inputs"], node["class_type"]
         if kind == "H3SparkModelLoader":
@@ -332,6 +331,15 @@ def test_api_workflow_writes_the_mp4(server, name, tmp_path):
     executed = [m["data"] for m in ws if m["type"] == "executed" and m["data"].get("node") == save]
     assert executed and executed[0]["output"]["images"] == saved, executed
     print(f"{name}: {elapsed:.1f} s on ComfyUI at {server.url}, {path.name}: {info}")
+
+
+def test_the_demo_workflow_runs_as_shipped(server, tmp_path):
+    """workflows/api/h3-spark-demo-t2va.json, unchanged, on the folders `h3-spark comfyui-demo` wrote."""
+    graph = json.loads((WORKFLOWS / "api" / "h3-spark-demo-t2va.json").read_text())
+    entry, _ = run_graph(server, graph, tmp_path)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    files = list(server.output.rglob("demo_*.mp4"))
+    assert len(files) == 1 and files[0].parent.name == "h3-spark", f"{files}: {entry['outputs']}"
 
 
 def test_a_value_not_on_disk_is_refused_by_prompt_validation(server):

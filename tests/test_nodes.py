@@ -55,10 +55,12 @@ class Interrupted(Exception):
     pass
 
 
-def fake_comfy(monkeypatch, root, interrupt_after=None):
-    """Install fake folder_paths / comfy.utils / comfy.model_management; returns the progress log."""
+def fake_comfy(monkeypatch, root, interrupt_after=None, preview_method="none"):
+    """Install fake folder_paths / comfy.utils / comfy.model_management / comfy.cli_args; returns the progress
+    log (the previews sent go to comfy.utils.previews)."""
     log = []
     utils = types.ModuleType("comfy.utils")
+    utils.previews = []
 
     class ProgressBar:
         def __init__(self, total):
@@ -66,6 +68,8 @@ def fake_comfy(monkeypatch, root, interrupt_after=None):
 
         def update_absolute(self, value, total=None, preview=None):
             log.append((value, total))
+            if preview is not None:
+                utils.previews.append(preview)
 
     utils.ProgressBar = ProgressBar
     mm = types.ModuleType("comfy.model_management")
@@ -78,10 +82,12 @@ def fake_comfy(monkeypatch, root, interrupt_after=None):
             raise Interrupted("Processing interrupted")
 
     mm.throw_exception_if_processing_interrupted = throw
+    cli_args = types.ModuleType("comfy.cli_args")
+    cli_args.args = types.SimpleNamespace(preview_method=types.SimpleNamespace(value=preview_method))
     comfy = types.ModuleType("comfy")
-    comfy.utils, comfy.model_management = utils, mm
+    comfy.utils, comfy.model_management, comfy.cli_args = utils, mm, cli_args
     for name, module in (("comfy", comfy), ("comfy.utils", utils), ("comfy.model_management", mm),
-                         ("folder_paths", FakeFolders(root))):
+                         ("comfy.cli_args", cli_args), ("folder_paths", FakeFolders(root))):
         monkeypatch.setitem(sys.modules, name, module)
     # The exact reference kernels, so the graph and the pipeline compute the same numbers.
     monkeypatch.setenv("H3_MODULATION_FUSION", "off")
@@ -557,3 +563,19 @@ def test_a_snapped_length_is_reported(models, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="h3_spark"):
         _, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, 130)
     assert "length 130 snaps up to 141 frames (5.88 s): H3 makes 17n+5 frames" in caplog.text
+
+
+def test_the_sampler_sends_a_live_preview_when_comfyui_shows_previews(models, monkeypatch):
+    fake_comfy(monkeypatch, models, preview_method="auto")
+    model, te, _ = load_all(models)
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+    node("H3SparkSampler").sample(model, cond, latent, 5, 3, 12.0, 3.0)
+    previews = sys.modules["comfy.utils"].previews
+    assert len(previews) == 3  # one per step
+    kind, image, size = previews[-1]
+    assert kind == "JPEG" and size == 512 and image.mode == "RGB" and max(image.size) <= 512
+    assert len(set(image.getdata())) > 8  # a picture, not a flat colour
+    fake_comfy(monkeypatch, models, preview_method="none")
+    model, te, _ = load_all(models)
+    node("H3SparkSampler").sample(model, cond, latent, 5, 3, 12.0, 3.0)
+    assert sys.modules["comfy.utils"].previews == []  # ComfyUI's setting says none

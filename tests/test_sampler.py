@@ -159,3 +159,35 @@ def test_one_shot_release_keeps_latents_and_frees_the_adaln(models):
     # A resident model keeps one schedule's tables at a time, not every schedule it has served.
     sample(kept, req, JointSchedule.create(STEPS + 2), torch.Generator().manual_seed(2))
     assert set(kept._modulation_cache) == schedule_timestep_values(lay, JointSchedule.create(STEPS + 2))
+
+
+def test_the_last_steps_denoised_estimate_is_the_result_and_previews_show_its_layout():
+    """StepInfo.denoised: x - sigma_next * v; after the last step sigma is 0, so it is the final latent itself.
+    The preview of a latent with a bright left half shows two halves apart."""
+    from h3_spark.h3_model.checkpoint.synthetic import random_state
+    from h3_spark.h3_model.dit.config import TINY
+    from h3_spark.h3_model.dit.layout import build_t2va
+    from h3_spark.h3_model.dit.model import H3DiT
+    from h3_spark.h3_model.pipeline.preview import latent_frames, preview_image
+    from h3_spark.h3_model.pipeline.sampler import SamplingRequest, sample
+    from h3_spark.h3_model.pipeline.scheduler import JointSchedule
+
+    model = H3DiT(TINY, device="meta")
+    model.load_state(random_state(TINY, 6), device="cpu")
+    tags = torch.ones(5, dtype=torch.long)
+    prompt = torch.randn(1, 5, TINY.text_dim, generator=torch.Generator().manual_seed(3))
+    lf, lh, lw, na = 7, 4, 6, 40
+    req = SamplingRequest(build_t2va(tags, lf, lh, lw, na, TINY.patch_size), prompt, lf, lh, lw, na)
+    seen = []
+    result = sample(model.eval(), req, JointSchedule.create(4), torch.Generator().manual_seed(2),
+                    on_step=lambda s: seen.append(s.denoised()))
+    final = latent_frames(seen[-1], TINY.in_channels, lf, lh, lw, TINY.patch_size)
+    assert torch.equal(final, result.video_latents[0].float())
+    latents = torch.randn(TINY.in_channels, 3, 8, 8, generator=torch.Generator().manual_seed(1)) * 0.1
+    latents[:5, :, :, :4] += 3.0
+    image = preview_image(latents, max_size=64)
+    assert image.dtype == torch.uint8 and tuple(image.shape) == (64, 64, 3)
+    left, right = image[:, :32].float().mean(), image[:, 32:].float().mean()
+    assert abs(left - right) > 40
+    with pytest.raises(ValueError, match="a preview needs"):
+        preview_image(torch.zeros(2, 1, 4, 4))

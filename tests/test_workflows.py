@@ -9,7 +9,7 @@ import pytest
 from h3_spark import NODE_CLASS_MAPPINGS
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("t2va", "fl2va", "ref2va")
+MODES = ("t2va", "fl2va", "ref2va", "demo-t2va")
 # The ComfyUI core nodes the workflows use to bring media in: inputs and outputs.
 CORE = {"LoadImage": ({"image": "STRING"}, ("IMAGE", "MASK")), "LoadAudio": ({"audio": "STRING"}, ("AUDIO",))}
 WIRE_TYPES = {"MODEL", "H3_MODEL", "CONDITIONING", "LATENT", "IMAGE", "AUDIO", "MASK", "H3_TEXT_ENCODER", "H3_VAE"}
@@ -58,7 +58,7 @@ def options_of(class_type, name):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_api_workflow(mode):
-    prompt = json.loads((ROOT / "workflows" / f"h3-spark-{mode}.api.json").read_text())
+    prompt = json.loads((ROOT / "workflows" / "api" / f"h3-spark-{mode}.json").read_text())
     for node_id, node in prompt.items():
         inputs, _ = signature(node["class_type"])
         given = node["inputs"]
@@ -111,7 +111,7 @@ def test_ui_workflow(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_both_formats_describe_the_same_graph(mode):
-    api = json.loads((ROOT / "workflows" / f"h3-spark-{mode}.api.json").read_text())
+    api = json.loads((ROOT / "workflows" / "api" / f"h3-spark-{mode}.json").read_text())
     ui = json.loads((ROOT / "workflows" / f"h3-spark-{mode}.json").read_text())
     assert {int(k): v["class_type"] for k, v in api.items()} == {n["id"]: n["type"] for n in ui["nodes"]}
     api_links = {(int(v[0]), v[1], int(k), name) for k, node in api.items() for name, v in node["inputs"].items()
@@ -120,3 +120,16 @@ def test_both_formats_describe_the_same_graph(mode):
     ui_links = {(src, slot, dst, ui_nodes[dst]["inputs"][dst_slot]["name"])
                 for _, src, slot, dst, dst_slot, _ in ui["links"]}
     assert api_links == ui_links
+
+
+def test_the_demo_workflow_names_the_folders_the_demo_command_writes():
+    from h3_spark.h3_model.engine.demo import COMFY_FOLDERS, TEXT_READ_LAYER
+
+    api = json.loads((ROOT / "workflows" / "api" / "h3-spark-demo-t2va.json").read_text())
+    inputs = {node["class_type"]: node["inputs"] for node in api.values()}
+    names = {name + "/" for _, name in COMFY_FOLDERS.values()}
+    assert {inputs["H3SparkModelLoader"]["dit_name"], inputs["H3SparkTextEncoderLoader"]["text_encoder_name"],
+            inputs["H3SparkVAELoader"]["vae_name"], inputs["H3SparkVAELoader"]["audio_vae_name"]} <= names
+    assert inputs["H3SparkTextEncoderLoader"]["layer"] == TEXT_READ_LAYER
+    t2v = inputs["H3SparkTextToVideo"]
+    assert t2v["width"] * t2v["height"] <= 128 * 64 and inputs["H3SparkSampler"]["steps"] <= 2  # seconds on a CPU

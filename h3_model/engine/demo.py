@@ -132,3 +132,44 @@ def default_demo_dir() -> Path:
 
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "h3-spark" / f"demo-v{DEMO_VERSION}"
+
+
+# ------------------------------------------------------------------------------------------ ComfyUI's model folders
+# Where the ComfyUI demo puts each component (ComfyUI's model folder key, the name its lists show); the demo
+# workflow (workflows/h3-spark-demo-t2va.json) names these.
+COMFY_FOLDERS = {"transformer": ("diffusion_models", "h3-demo-t2va"),
+                 "transformer_ref": ("diffusion_models", "h3-demo-ref2va"),
+                 "text_encoder": ("text_encoders", "h3-demo-qwen3vl"),
+                 "vae": ("vae", "h3-demo-video-vae"),
+                 "audio_vae": ("vae", "h3-demo-audio-vae")}
+
+
+def install_comfyui_demo(models_dir: Path, seed: int = 0, log=lambda message: None) -> dict[str, Path]:
+    """The tiny demo set under a ComfyUI models folder, in the sub-folders the h3-spark loaders list
+    (`models/diffusion_models/h3-demo-t2va/`, ...). Copies, not links: the loaders refuse a folder that resolves
+    outside its model folder. Existing demo folders are replaced; anything else there is left alone."""
+    import shutil
+
+    models_dir = Path(models_dir)
+    if not models_dir.is_dir():
+        from ...errors import InputError
+
+        raise InputError(f"{models_dir}: no such folder (give ComfyUI's models folder, e.g. ComfyUI/models)")
+    with _scratch() as tmp:
+        demo = build_demo_models(Path(tmp) / "demo", seed, log)
+        written = {}
+        for part, (folder, name) in COMFY_FOLDERS.items():
+            target = models_dir / folder / name
+            if target.exists():
+                shutil.rmtree(target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(demo / part, target)
+            written[part] = target
+            log(f"wrote {target}")
+    return written
+
+
+def _scratch():
+    import tempfile
+
+    return tempfile.TemporaryDirectory(prefix="h3-spark-demo-")

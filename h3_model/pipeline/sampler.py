@@ -48,6 +48,9 @@ class StepInfo:
     t_video: float
     t_audio: float
     seconds: float
+    # The video rows' clean-latent estimate after this step (x - sigma * v), computed only when called: what a
+    # live preview shows.
+    denoised: Callable[[], torch.Tensor] | None = None
 
 
 @dataclass
@@ -167,7 +170,9 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
             torch.cuda.synchronize(device)
         step_seconds.append(time.perf_counter() - start)
         if on_step is not None:
-            on_step(StepInfo(i, len(schedule), tv, ta, step_seconds[-1]))
+            sigma_next = float(schedule.video.sigmas[i + 1])
+            denoised = (lambda v=v_vel[0], s=sigma_next: video[n_cv:].float() - s * v.float())
+            on_step(StepInfo(i, len(schedule), tv, ta, step_seconds[-1], denoised))
 
     video_latents = unpatchify(video[n_cv:].cpu(), c.in_channels, req.latent_frames, req.latent_height,
                                req.latent_width, c.patch_size)
