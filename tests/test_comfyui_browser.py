@@ -118,13 +118,18 @@ LOAD = """(async () => {{
   await new Promise(r => setTimeout(r, 1500));
   document.querySelectorAll('.p-dialog-close-button, .p-dialog-header-close').forEach(b => b.click());
   const g = window.app.graph, c = window.app.canvas;
-  const nodes = g._nodes.map(n => {{ const b = n.getBounding();
-    return {{id: n.id, type: n.type, known: !!LiteGraph.registered_node_types[n.type],
-             box: [b[0], b[1], b[2], b[3]]}}; }});
-  const x = Math.min(...nodes.map(n => n.box[0])), y = Math.min(...nodes.map(n => n.box[1]));
-  c.ds.scale = 0.8; c.ds.offset = [-x + 20, -y + 20]; c.setDirty(true, true);
-  return nodes;
+  const x = Math.min(...g._nodes.map(n => n.pos[0])), y = Math.min(...g._nodes.map(n => n.pos[1]));
+  c.ds.scale = 0.8; c.ds.offset = [-x + 20, -y + 40]; c.setDirty(true, true);
+  return g._nodes.length;
 }})()"""
+# Read after a frame is drawn: drawing grows a node to what its slots and widgets need.
+BOXES = """(() => {
+  const title = LiteGraph.NODE_TITLE_HEIGHT || 30;
+  window.app.canvas.draw(true, true);
+  return window.app.graph._nodes.map(n => ({id: n.id, type: n.type,
+    known: !!LiteGraph.registered_node_types[n.type],
+    box: [n.pos[0], n.pos[1] - title, n.size[0], n.size[1] + title]}));
+})()"""
 
 
 def _overlaps(nodes: list[dict]) -> list[tuple]:
@@ -140,9 +145,10 @@ def _overlaps(nodes: list[dict]) -> list[tuple]:
 
 @pytest.mark.parametrize("workflow", UI_WORKFLOWS, ids=lambda p: p.stem)
 def test_each_ui_workflow_loads_whole_and_without_overlaps(page, shots, workflow):
-    nodes = page.js(LOAD.format(graph=workflow.read_text()))
+    assert page.js(LOAD.format(graph=workflow.read_text())) > 0
     time.sleep(0.5)
     page.shot(shots / f"{workflow.stem}.png")
+    nodes = page.js(BOXES)
     assert nodes and all(n["known"] for n in nodes), [n["type"] for n in nodes if not n["known"]]
     assert not _overlaps(nodes), _overlaps(nodes)
 

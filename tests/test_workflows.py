@@ -133,3 +133,16 @@ def test_the_demo_workflow_names_the_folders_the_demo_command_writes():
     assert inputs["H3SparkTextEncoderLoader"]["layer"] == TEXT_READ_LAYER
     t2v = inputs["H3SparkTextToVideo"]
     assert t2v["width"] * t2v["height"] <= 128 * 64 and inputs["H3SparkSampler"]["steps"] <= 2  # seconds on a CPU
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_ui_workflow_has_a_thumbnail_for_the_template_browser(mode):
+    """ComfyUI's template browser asks for <workflow>.jpg beside each custom node's workflows/*.json."""
+    thumb = ROOT / "workflows" / f"h3-spark-{mode}.jpg"
+    assert thumb.read_bytes()[:3] == b"\xff\xd8\xff" and thumb.stat().st_size > 10_000
+
+
+def test_only_ui_workflows_sit_where_the_template_browser_looks():
+    for path in (ROOT / "workflows").glob("*.json"):
+        graph = json.loads(path.read_text())
+        assert "nodes" in graph and "links" in graph, f"{path.name} is not a UI workflow: move it to workflows/api/"
