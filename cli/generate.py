@@ -72,6 +72,10 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     cache.add_argument("--cache-start-percent", type=float, default=0.2)
     cache.add_argument("--cache-end-percent", type=float, default=0.9)
     cache.add_argument("--cache-subsample-factor", type=int, default=1)
+    p.add_argument("--preview", type=Path, default=None, metavar="DIR",
+                   help="write a small strip of the clip as it forms (false-colour latent view, 4 frames) to "
+                        "DIR/step-NNN.png every --preview-every steps")
+    p.add_argument("--preview-every", type=int, default=5, metavar="N")
     p.add_argument("--recipe", action="append", default=[], metavar="NAME[:key=value,...]",
                    help="an opt-in speed recipe (approximate), repeatable: sparse (tau, dense_steps, dense_blocks), "
                         "first-block-cache (threshold, start, end), turbo (evaluations, video_shift, audio_shift; "
@@ -174,6 +178,7 @@ def run(args) -> int:
     if args.out.suffix.lower() != ".mp4":
         raise InputError(f"--out must end in .mp4, got {args.out}")
     check_outputs(args.out, args.save_latents)
+    check_preview(args.preview, args.preview_every)
     settings = kernel_settings(args.attention, args.linear)
     from ..h3_model.engine.recipes import apply_recipes, check_recipes, parse_recipes
 
@@ -217,7 +222,10 @@ def run(args) -> int:
 
         engine.distribute(None, dist.group.WORLD)
 
+    write_preview = preview_writer(args.preview, args.preview_every)
+
     def progress(p):
+        write_preview(p)
         memory = f" [{_memory(device)}]" if args.profile_memory else ""
         if p.stage == "sampling" and p.total:
             log(f"step {p.step}/{p.total}" + (f" ({p.seconds:.2f} s)" if p.step else "") + memory)
@@ -279,6 +287,32 @@ def check_outputs(out: Path, latents: Path | None) -> None:
             raise InputError(f"{flag} {path}: no such folder {path.parent}")
     if latents is not None and latents.resolve() == out.resolve():
         raise InputError(f"--save-latents and --out both name {out}: the mp4 would replace the latents")
+
+
+def check_preview(folder: Path | None, every: int) -> None:
+    from ..errors import InputError
+
+    if every < 1:
+        raise InputError(f"--preview-every must be at least 1, got {every}")
+    if folder is not None and folder.exists() and not folder.is_dir():
+        raise InputError(f"--preview {folder} is a file; give a folder")
+    if folder is not None and not folder.parent.is_dir():
+        raise InputError(f"--preview {folder}: no such folder {folder.parent}")
+
+
+def preview_writer(folder: Path | None, every: int):
+    """A progress hook writing the preview strip of every `every`-th step (and the last) into `folder`."""
+    if folder is None:
+        return lambda p: None
+    from ..h3_model.pipeline.preview import png_bytes, preview_image
+
+    folder.mkdir(exist_ok=True)
+
+    def write(p) -> None:
+        if p.stage == "sampling" and p.latents is not None and (p.step % every == 0 or p.step == p.total):
+            (folder / f"step-{p.step:03d}.png").write_bytes(png_bytes(preview_image(p.latents(), 768, frames=4)))
+
+    return write
 
 
 def exactness(kernels: dict, step_cache: bool, recipes: list[dict] = ()) -> dict:

@@ -54,12 +54,18 @@ def model_choices(folder: str, *, folders: bool = False) -> list[str]:
         return []
     names = [n for n in module.get_filename_list(folder) if n.lower().endswith(".safetensors")]
     if folders:
+        offered = []
         for root in module.get_folder_paths(folder):
             base = Path(root)
             if base.is_dir():
-                names += sorted(p.name + "/" for p in base.iterdir()
-                                if p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*/*.safetensors"))
-                                                   or (p / "config.json").exists() or (p / "tokenizer.json").exists()))
+                offered += sorted(p.name + "/" for p in base.iterdir()
+                                  if p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*/*.safetensors"))
+                                                     or (p / "config.json").exists() or (p / "tokenizer.json").exists()))
+        # A model offered as its folder is not offered again as the files inside it: picking one of those
+        # would load a part of it (a shard, or weights without the folder's config).
+        names = [n for n in names
+                 if not any(n.replace("\\", "/").startswith(folder_name) for folder_name in offered)]
+        names += offered
     return sorted(set(names))
 
 

@@ -9,6 +9,7 @@
   GET    /jobs/{id}   state (queued | running | done | failed | cancelled), progress, timings, output,
                       backends, step-cache report, error
   DELETE /jobs/{id}   cancel: a queued job at once (200), a running one within a DiT block (202)
+  GET    /jobs/{id}/preview  PNG of the newest sampling step's preview strip (404 until the first step)
 Errors are JSON: {"error": "..."}.
 """
 
@@ -21,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .service import Service
@@ -113,6 +114,16 @@ def create_app(service: Service) -> Starlette:
             return JSONResponse({"error": f"no job {job_id}"}, status_code=404)
         return JSONResponse(record)
 
+    async def preview(request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        found = service.queue.get(job_id)
+        if found is None:
+            return JSONResponse({"error": f"no job {job_id}"}, status_code=404)
+        if found.preview is None:
+            return JSONResponse({"error": f"job {job_id} has no preview yet (one comes after each sampling step)"},
+                                status_code=404)
+        return Response(found.preview, media_type="image/png", headers={"Cache-Control": "no-store"})
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         service.start()
@@ -122,7 +133,8 @@ def create_app(service: Service) -> Starlette:
             await run_in_threadpool(service.stop)
 
     routes = [Route("/ready", ready, methods=["GET"]), Route("/generate", generate, methods=["POST"]),
-              Route("/jobs", jobs, methods=["GET"]), Route("/jobs/{job_id}", job, methods=["GET", "DELETE"])]
+              Route("/jobs", jobs, methods=["GET"]), Route("/jobs/{job_id}", job, methods=["GET", "DELETE"]),
+              Route("/jobs/{job_id}/preview", preview, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.service = service

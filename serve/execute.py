@@ -153,6 +153,10 @@ class JobRunner:
 
         def progress(p: Progress) -> None:
             job.progress = {"stage": p.stage, "step": p.step, "total": p.total}
+            if p.latents is not None:
+                from ..h3_model.pipeline.preview import png_bytes, preview_image
+
+                job.preview = png_bytes(preview_image(p.latents(), 768, frames=4))
 
         key = dit_key(req.mode)
         with contextlib.ExitStack() as stack:

@@ -44,6 +44,7 @@ class Job:
         self.info: dict = {}
         self.error: str | None = None
         self.cancel = threading.Event()
+        self.preview: bytes | None = None  # PNG of the newest sampling step's preview strip
 
     def to_dict(self) -> dict:
         out = {"id": self.id, "state": self.state, "progress": dict(self.progress), "created": self.created,

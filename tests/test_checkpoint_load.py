@@ -455,3 +455,26 @@ def test_comfy_loading_matches_diffusers_single_file_converter(comfy_bf16, tmp_p
     assert set(theirs) == set(ours)
     for name, value in theirs.items():
         assert torch.equal(value.to(ours[name].dtype), ours[name]), name
+
+
+def test_a_lone_file_takes_its_folders_config_and_a_shard_is_refused(tmp_path):
+    """A diffusers weights file picked inside its folder reads the folder's config.json (not a guess from
+    shapes); one shard of a sharded folder is refused with the folder to choose."""
+    from h3_spark.h3_model.checkpoint import read_dit_config
+    from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+    from h3_spark.h3_model.dit.config import TINY
+
+    config = TINY  # head_dim 16: shapes alone cannot size it (rope_freq_dim is not stored)
+    make_dit_checkpoint(tmp_path / "dit", config, "bf16", "diffusers", seed=0)
+    files = sorted((tmp_path / "dit").glob("*.safetensors"))
+    assert len(files) == 1
+    assert read_dit_config(files[0]) == read_dit_config(tmp_path / "dit") == config
+    alone = tmp_path / "alone.safetensors"
+    alone.write_bytes(files[0].read_bytes())
+    with pytest.raises(CheckpointError, match="put it in a folder with its config.json and choose the folder"):
+        read_dit_config(alone)
+    (tmp_path / "dit" / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        '{"weight_map": {}}')
+    with pytest.raises(CheckpointError, match=r"is one shard of the sharded diffusers folder dit/ .*choose the "
+                                              r"folder, not a file inside it"):
+        read_dit_config(files[0])

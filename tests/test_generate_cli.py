@@ -226,3 +226,18 @@ def test_recipe_errors_come_before_loading(demo_models, tmp_path, capsys, monkey
     code, cap = _run(capsys, "--demo-dir", str(demo_models), "--width", "64", "--height", "64",
                      "--out", str(tmp_path / "o.mp4"), "--device", "cpu", *argv)
     assert code == 2 and message in cap.err and "Traceback" not in cap.err
+
+
+def test_preview_writes_a_strip_every_n_steps(demo_models, tmp_path, capsys):
+    from PIL import Image
+
+    previews = tmp_path / "previews"
+    code, cap = _run(capsys, "--demo-dir", str(demo_models), "--width", "64", "--height", "64", "--steps", "6",
+                     "--out", str(tmp_path / "p.mp4"), "--preview", str(previews), "--preview-every", "2")
+    assert code == 0, cap.err
+    assert sorted(p.name for p in previews.iterdir()) == ["step-002.png", "step-004.png", "step-005.png"]
+    strip = Image.open(previews / "step-005.png")
+    assert strip.mode == "RGB" and strip.size[0] > strip.size[1]  # frames side by side
+    code, cap = _run(capsys, "--demo-dir", str(demo_models), "--out", str(tmp_path / "q.mp4"),
+                     "--preview-every", "0")
+    assert code == 2 and "--preview-every must be at least 1" in cap.err

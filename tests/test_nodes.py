@@ -579,3 +579,19 @@ def test_the_sampler_sends_a_live_preview_when_comfyui_shows_previews(models, mo
     model, te, _ = load_all(models)
     node("H3SparkSampler").sample(model, cond, latent, 5, 3, 12.0, 3.0)
     assert sys.modules["comfy.utils"].previews == []  # ComfyUI's setting says none
+
+
+def test_a_model_folder_is_offered_once_and_its_files_are_not(tmp_path, monkeypatch):
+    """The loaders list a diffusers folder as `name/`, not also the weights inside it (picking one of those
+    loaded a part of the model and failed with a message that did not say to pick the folder)."""
+    base = tmp_path / "models" / "diffusion_models"
+    (base / "h3-t2va").mkdir(parents=True)
+    (base / "h3-t2va" / "config.json").write_text("{}")
+    (base / "h3-t2va" / "diffusion_pytorch_model.safetensors").write_bytes(b"x")
+    (base / "single.safetensors").write_bytes(b"x")
+    from h3_spark.nodes import host
+
+    monkeypatch.setitem(sys.modules, "folder_paths", FakeFolders(tmp_path))
+    assert host.model_choices("diffusion_models", folders=True) == ["h3-t2va/", "single.safetensors"]
+    assert host.model_choices("diffusion_models") == ["h3-t2va/diffusion_pytorch_model.safetensors",
+                                                      "single.safetensors"]  # files-only lists keep them

@@ -663,3 +663,15 @@ def test_serve_synthetic_end_to_end_with_the_service_benchmark(tmp_path, monkeyp
     for mode in ("easycache", "h3_cache"):
         c = r["step_caches"][mode]
         assert c["state"] == "done" and c["computed_steps"] + c["reused_steps"] == 5
+
+
+def test_a_running_job_serves_its_newest_preview(serve):
+    client = serve()
+    assert client.get("/jobs/nope/preview").status_code == 404
+    r = client.post("/generate", json=request("preview.mp4", steps=3))
+    job_id = r.json()["id"]
+    job = wait_job(client, job_id)
+    assert job["state"] == "done", job["error"]
+    png = client.get(f"/jobs/{job_id}/preview")
+    assert png.status_code == 200 and png.headers["content-type"] == "image/png"
+    assert png.content[:8] == b"\x89PNG\r\n\x1a\n"

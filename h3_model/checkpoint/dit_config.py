@@ -181,7 +181,8 @@ def config_from_diffusers_shapes(keys: list[str], shape: ShapeFn) -> DiTConfig:
     head_dim = fields["attention_head_dim"]
     if head_dim != 128:
         raise CheckpointError("a diffusers-named file without config.json can only be sized for the released "
-                              f"head_dim 128 (rope_freq_dim is not stored), got head_dim {head_dim}")
+                              f"head_dim 128 (rope_freq_dim is not stored), got head_dim {head_dim}; put it in a "
+                              "folder with its config.json and choose the folder")
     fields["rope_freq_dim"] = 16
     return _build(fields)
 

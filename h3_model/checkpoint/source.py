@@ -199,6 +199,18 @@ def _looks_like_component(path: Path) -> bool:
     return path.is_dir() and (any((path / name).exists() for name in INDEX_NAMES) or any(path.glob("*.safetensors")))
 
 
+def _sibling_config(path: Path) -> Path | None:
+    """The config.json of the diffusers folder a lone weights file sits in (its sizes are then known, not
+    guessed from shapes); a shard of a sharded folder is refused, since the rest of the model is elsewhere."""
+    folder = path.parent
+    index = next((name for name in INDEX_NAMES if (folder / name).exists()), None)
+    if index is not None:
+        raise CheckpointError(f"{path.name} is one shard of the sharded diffusers folder {folder.name}/ (see its "
+                              f"{index}): choose the folder, not a file inside it")
+    config = folder / "config.json"
+    return config if config.is_file() else None
+
+
 def open_source(path: str | Path, *, partition: str | None = None) -> CheckpointSource:
     """Open a checkpoint file or folder (headers only; tensor data is read lazily)."""
     path = Path(path)
@@ -208,7 +220,7 @@ def open_source(path: str | Path, *, partition: str | None = None) -> Checkpoint
         if path.suffix.lower() in _PICKLE_SUFFIXES:
             raise CheckpointError(f"{path}: pickle checkpoints are not loaded (they can run code); "
                                   "convert it to .safetensors")
-        return CheckpointSource(path, [read_header(path)], None)
+        return CheckpointSource(path, [read_header(path)], _sibling_config(path))
     folder = resolve_dit_folder(path, partition)
     config = folder / "config.json"
     config_path = config if config.exists() else None

@@ -121,6 +121,9 @@ class Progress:
     step: int = 0
     total: int = 0
     seconds: float = 0.0
+    # During sampling: the clean-video estimate after this step as (C, T, H, W) latents, computed when called
+    # (previews; pipeline/preview.py).
+    latents: Callable[[], torch.Tensor] | None = None
 
 
 @dataclass
@@ -232,7 +235,13 @@ class Pipeline:
         report(Progress("sampling", 0, len(schedule)))
 
         def on_step(s: StepInfo) -> None:
-            report(Progress("sampling", s.index + 1, s.total, s.seconds))
+            latents = None
+            if s.denoised is not None:
+                from .preview import latent_frames
+
+                latents = (lambda s=s: latent_frames(s.denoised(), dit.config.in_channels, *dims[:3],
+                                                     dit.config.patch_size))
+            report(Progress("sampling", s.index + 1, s.total, s.seconds, latents))
 
         result = self.sample(dit, SamplingRequest(lay, text.embeds, *dims, conditions, audio_rows), schedule,
                              req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,

@@ -19,19 +19,37 @@ def latent_frames(rows: torch.Tensor, channels: int, frames: int, height: int, w
     return unpatchify(rows.detach().float().cpu(), channels, frames, height, width, patch)[0]
 
 
-def preview_image(latents: torch.Tensor, max_size: int = 512) -> torch.Tensor:
-    """(C, T, H, W) latents -> uint8 (h, w, 3) picture of the middle frame, upscaled to about `max_size`."""
+def preview_image(latents: torch.Tensor, max_size: int = 512, frames: int = 1) -> torch.Tensor:
+    """(C, T, H, W) latents -> uint8 (h, w, 3): the middle latent frame, or a strip of `frames` frames spread
+    over the clip (one projection for all, so colours compare), upscaled to about `max_size` wide."""
     if latents.ndim != 4 or latents.shape[0] < 3:
         raise ValueError(f"a preview needs (C >= 3, T, H, W) latents, got {list(latents.shape)}")
-    frame = latents[:, latents.shape[1] // 2].float()  # (C, H, W)
-    c, h, w = frame.shape
+    c, t, h, w = latents.shape
+    frame = latents[:, t // 2].float()
     pixels = frame.reshape(c, -1).T  # (H*W, C)
-    centred = pixels - pixels.mean(0, keepdim=True)
-    _, vectors = torch.linalg.eigh(centred.T @ centred)
-    projected = centred @ vectors[:, -3:].flip(-1)  # the three strongest directions
+    mean = pixels.mean(0, keepdim=True)
+    _, vectors = torch.linalg.eigh((pixels - mean).T @ (pixels - mean))
+    basis = vectors[:, -3:].flip(-1)  # the three strongest directions
+    projected = (pixels - mean) @ basis
     low, high = torch.quantile(projected, 0.02, dim=0), torch.quantile(projected, 0.98, dim=0)
-    scaled = ((projected - low) / (high - low).clamp_min(1e-6)).clamp(0, 1)
-    image = (scaled.T.reshape(3, h, w) * 255).round().to(torch.uint8)
-    factor = max(1, max_size // max(h, w))
+    picks = [t // 2] if frames <= 1 else torch.linspace(0, t - 1, min(frames, t)).round().long().tolist()
+    tiles = []
+    for i in picks:
+        part = (latents[:, i].float().reshape(c, -1).T - mean) @ basis
+        scaled = ((part - low) / (high - low).clamp_min(1e-6)).clamp(0, 1)
+        tiles.append((scaled.T.reshape(3, h, w) * 255).round().to(torch.uint8))
+    image = torch.cat(tiles, dim=2)
+    factor = max(1, max_size // max(image.shape[1], image.shape[2]))
     image = image.repeat_interleave(factor, 1).repeat_interleave(factor, 2)
     return image.permute(1, 2, 0).contiguous()
+
+
+def png_bytes(image: torch.Tensor) -> bytes:
+    """uint8 (h, w, 3) -> PNG file bytes."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image.numpy()).save(buffer, format="PNG")
+    return buffer.getvalue()
