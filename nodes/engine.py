@@ -395,20 +395,32 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
 
 
 def _step_reporter(progress, config, cond):
-    """Each step moves ComfyUI's progress bar and, when ComfyUI shows previews, sends a picture of the latents."""
+    """Each step moves ComfyUI's progress bar and, when ComfyUI shows previews, sends a picture of the clip:
+    decoded by the tiny decoder when models/vae_approx holds taeh3.safetensors, else a latent projection."""
     if not host.previews_wanted() or progress.bar is None:
         return lambda s: progress.update(s.index + 1)
     from ..h3_model.pipeline.preview import latent_frames, preview_image
+
+    tiny = host.tiny_preview_decoder(config.in_channels)
 
     def report(s) -> None:
         image = None
         if s.denoised is not None:
             latents = latent_frames(s.denoised(), config.in_channels, cond.latent_frames, cond.latent_height,
                                     cond.latent_width, config.patch_size)
-            image = preview_image(latents, host.PREVIEW_SIZE)
+            image = _decoded_preview(tiny, latents) if tiny is not None else preview_image(latents, host.PREVIEW_SIZE)
         progress.update(s.index + 1, image)
 
     return report
+
+
+def _decoded_preview(decoder, latents: torch.Tensor) -> torch.Tensor:
+    """The middle frame, decoded from the three latent frames up to it (the memory blocks need the past)."""
+    middle = latents.shape[1] // 2
+    window = latents[:, max(0, middle - 2):middle + 1].permute(1, 0, 2, 3)  # (T, C, H, W)
+    parameter = next(decoder.parameters())
+    frames = decoder(window.to(parameter.device, parameter.dtype))
+    return (frames[-1].float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu()
 
 
 def _settings(opts: dict):

@@ -58,15 +58,18 @@ def model_choices(folder: str, *, folders: bool = False) -> list[str]:
         for root in module.get_folder_paths(folder):
             base = Path(root)
             if base.is_dir():
-                offered += sorted(p.name + "/" for p in base.iterdir()
-                                  if p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*/*.safetensors"))
-                                                     or (p / "config.json").exists() or (p / "tokenizer.json").exists()))
+                offered += sorted(p.name + "/" for p in base.iterdir() if p.is_dir() and _holds_model(p))
         # A model offered as its folder is not offered again as the files inside it: picking one of those
         # would load a part of it (a shard, or weights without the folder's config).
         names = [n for n in names
                  if not any(n.replace("\\", "/").startswith(folder_name) for folder_name in offered)]
         names += offered
     return sorted(set(names))
+
+
+def _holds_model(folder: Path) -> bool:
+    return (any(folder.glob("*.safetensors")) or any(folder.glob("*/*.safetensors"))
+            or (folder / "config.json").exists() or (folder / "tokenizer.json").exists())
 
 
 def resolve_model(folder: str, name: str) -> Path:
@@ -192,6 +195,36 @@ class Progress:
 
 
 PREVIEW_SIZE = 512
+TINY_DECODER = "taeh3"  # the published file name's stem (models/vae_approx/taeh3.safetensors)
+_tiny_decoders: dict = {}
+
+
+def tiny_preview_decoder(latent_channels: int):
+    """The TAEHV-style preview decoder from models/vae_approx when a taeh3*.safetensors is there (loaded once),
+    else None. A file that is there but unreadable is an error: it would otherwise fall back silently."""
+    module = optional_module("folder_paths")
+    if module is None:
+        return None
+    try:
+        names = module.get_filename_list("vae_approx")
+    except Exception:  # noqa: BLE001 - a ComfyUI without that folder key has no such file
+        return None
+    name = next((n for n in sorted(names) if Path(n).name.lower().startswith(TINY_DECODER)
+                 and n.lower().endswith(".safetensors")), None)
+    if name is None:
+        return None
+    path = module.get_full_path_or_raise("vae_approx", name)
+    if path not in _tiny_decoders:
+        from ..h3_model.vae.tiny_decoder import load_tiny_decoder
+
+        device = compute_device()
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        decoder = load_tiny_decoder(path, device, dtype)
+        if decoder.latent_channels != latent_channels:
+            raise InputError(f"{name} decodes {decoder.latent_channels}-channel latents but this H3 model makes "
+                             f"{latent_channels}; remove it from models/vae_approx or use the matching file")
+        _tiny_decoders[path] = decoder
+    return _tiny_decoders[path]
 
 
 def previews_wanted() -> bool:

@@ -92,8 +92,9 @@ def _free_port() -> int:
 def page(server, tmp_path_factory):
     port = _free_port()
     profile = tmp_path_factory.mktemp("chromium")
-    chrome = subprocess.Popen([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
-                               f"--remote-debugging-port={port}", "--window-size=1600,1000", "about:blank"],
+    chrome = subprocess.Popen([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu",
+                               f"--user-data-dir={profile}", f"--remote-debugging-port={port}",
+                               "--window-size=1600,1000", "about:blank"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         p = Page(port)

@@ -595,3 +595,28 @@ def test_a_model_folder_is_offered_once_and_its_files_are_not(tmp_path, monkeypa
     assert host.model_choices("diffusion_models", folders=True) == ["h3-t2va/", "single.safetensors"]
     assert host.model_choices("diffusion_models") == ["h3-t2va/diffusion_pytorch_model.safetensors",
                                                       "single.safetensors"]  # files-only lists keep them
+
+
+def test_previews_use_the_tiny_decoder_when_models_vae_approx_has_taeh3(models, monkeypatch):
+    from safetensors.torch import save_file
+
+    from h3_spark.h3_model.vae.tiny_decoder import TinyVideoDecoder
+    from h3_spark.nodes import host
+
+    fake_comfy(monkeypatch, models, preview_method="auto")
+    model, te, _ = load_all(models)
+    channels = model.model.inner.config.in_channels
+    folder = models / "models" / "vae_approx"
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny = TinyVideoDecoder(latent_channels=channels)
+    save_file({f"decoder.{k}": v.contiguous() for k, v in tiny.decoder.state_dict().items()},
+              str(folder / "taeh3.safetensors"))
+    monkeypatch.setattr(host, "_tiny_decoders", {})
+    try:
+        cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+        node("H3SparkSampler").sample(model, cond, latent, 5, 2, 12.0, 3.0)
+        _, image, _ = sys.modules["comfy.utils"].previews[-1]
+        assert image.size == (W, H)  # 16 pixels per latent cell: the decoded frame, at the canvas size
+        assert list(host._tiny_decoders.values())[0].latent_channels == channels
+    finally:
+        (folder / "taeh3.safetensors").unlink()

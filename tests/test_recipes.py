@@ -149,7 +149,8 @@ def test_a_sequence_parallel_model_takes_no_schedule(dit):
         def __getattr__(self, name):
             return getattr(self.model, name)
 
-    with pytest.raises(InputError, match="this model is a Wrapped, whose forward is its own: an attention schedule cannot"):
+    with pytest.raises(InputError, match="this model is a Wrapped, whose forward is its own: an attention "
+                                         "schedule cannot"):
         _sample(Wrapped(dit), attention_schedule=Recorder(dit.attention))
     with pytest.raises(InputError, match="its own: the first-block cache cannot reach into it"):
         _sample(Wrapped(dit), step_cache=make_step_cache("first_block", evaluations=STEPS - 1))
