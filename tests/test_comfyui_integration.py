@@ -486,3 +486,16 @@ def test_comfyui_loads_the_dit_and_text_encoder_partially_through_our_patchers(i
                       "detached": True, "partial": True, "partial_equal": True, "reloaded": True,
                       "reloaded_equal": True, "unloaded_all": True, "text_patcher": "H3TextPatcher",
                       "text_streamed": True, "text_equal": True, "text_unloaded": True}, report
+
+
+def test_the_template_browser_lists_the_ui_workflows_with_thumbnails(server):
+    """ComfyUI lists custom_nodes/*/workflows/*.json as templates: only our UI graphs (the API ones live in
+    workflows/api/, which it does not read, and could not open), each with its .jpg thumbnail."""
+    listed = requests.get(f"{server.url}/workflow_templates", timeout=30).json()
+    ui = sorted(p.stem for p in WORKFLOWS.glob("*.json"))
+    assert sorted(listed.get("h3-spark", [])) == ui
+    for name in ui:
+        graph = requests.get(f"{server.url}/api/workflow_templates/h3-spark/{name}.json", timeout=30)
+        assert graph.status_code == 200 and "version" in graph.json() and graph.json()["nodes"]
+        thumb = requests.get(f"{server.url}/api/workflow_templates/h3-spark/{name}.jpg", timeout=30)
+        assert thumb.status_code == 200 and thumb.content[:3] == b"\xff\xd8\xff", name

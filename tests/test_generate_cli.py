@@ -241,3 +241,21 @@ def test_preview_writes_a_strip_every_n_steps(demo_models, tmp_path, capsys):
     code, cap = _run(capsys, "--demo-dir", str(demo_models), "--out", str(tmp_path / "q.mp4"),
                      "--preview-every", "0")
     assert code == 2 and "--preview-every must be at least 1" in cap.err
+
+
+def test_comfyui_demo_writes_the_folders_the_loaders_list(tmp_path, capsys):
+    from h3_spark.h3_model.engine.demo import COMFY_FOLDERS
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "vae").mkdir()
+    (models / "vae" / "mine.safetensors").write_bytes(b"keep")
+    assert main(["comfyui-demo", str(models)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["workflow"] == "workflows/h3-spark-demo-t2va.json"
+    for folder, name in COMFY_FOLDERS.values():
+        assert any((models / folder / name).glob("*.safetensors")), name
+    assert (models / "vae" / "mine.safetensors").read_bytes() == b"keep"  # the user's files stay
+    assert main(["comfyui-demo", str(models), "--quiet"]) == 0  # again: replaced, not duplicated
+    assert main(["comfyui-demo", str(tmp_path / "nope")]) == 2
+    assert "no such folder (give ComfyUI's models folder" in capsys.readouterr().err
