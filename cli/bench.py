@@ -206,7 +206,8 @@ def check_budget_flags(args) -> None:
 def stream_under_budget(model, args, contract, device: str) -> dict:
     """Place the configured DiT under the budget, then cap this process at the budget to emulate a smaller
     card (torch.cuda.set_per_process_memory_fraction); the receipt says so."""
-    from ..h3_model.engine.memory import place_dit, plan_dit
+    from ..h3_model.engine.memory import plan_dit
+    from ..h3_model.engine.placement import place_dit
     from ..measure.contract import contract_shape
 
     rows = contract_shape(contract, model.config).layout.sequence_length

@@ -22,6 +22,7 @@ from ..h3_model.engine.engine import Engine
 from ..h3_model.engine.shared_dit import kernels_line, use_kernels, use_loras
 from ..h3_model.text.prompt import check_prompt
 from . import host, payload
+from . import patcher as patchers
 
 log = logging.getLogger("h3_spark")
 OPTIONS = "h3_spark"  # key of our settings in model_options["transformer_options"]
@@ -39,10 +40,8 @@ class TextEncoderHandle:
     patcher: object
 
     def ready(self):
-        from .patcher import load_text_encoder
-
         # ComfyUI places it (resident, or its decoder layers streamed) and sets the encoder's `.device`.
-        load_text_encoder(self.patcher, self.encoder)
+        patchers.load_text_encoder(self.patcher, self.encoder)
         return self.encoder
 
 
@@ -130,7 +129,7 @@ def load_model(path: Path, partition: str, weight_dtype: str, linear: str, atten
     resolve_attention(settings.attention, device, settings)
     options = LoadOptions(device=str(host.offload_device()), dtype=DTYPES[weight_dtype], kernels=None)
     dit = component_loader("dit" if part == "t2va" else "dit_ref", path, options)()
-    model = host.make_held("dit", dit)
+    model = host.make_held("dit", dit, patcher_class=patchers.dit_patcher_class)
     model.model_options.setdefault("transformer_options", {})[OPTIONS] = {
         "partition": part, "attention": attention, "linear": linear, "loras": [],
         "source": str(path)}
@@ -146,7 +145,8 @@ def load_text_encoder(path: Path, tokenizer: Path | None, dtype: str, layer: int
     options = LoadOptions(device=str(host.offload_device()), dtype=DTYPES[dtype],
                           text_layer=DEFAULT_LAYER if layer is None else layer, kernels=None)
     encoder = component_loader("text_encoder", path, options, tokenizer)()
-    return TextEncoderHandle(encoder, host.make_held("text_encoder", encoder.model, owner=encoder))
+    return TextEncoderHandle(encoder, host.make_held("text_encoder", encoder.model, owner=encoder,
+                                                     patcher_class=patchers.text_patcher_class))
 
 
 def load_vaes(video_path: Path, audio_path: Path, decode_dtype: str, tile_size: int) -> VAEHandle:
@@ -360,13 +360,11 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
         cache = make_step_cache("first_block", p["threshold"], p["start"], p["end"], evaluations=len(schedule))
 
     from ..h3_model.engine.memory import activation_bytes
-    from .patcher import load_dit
-
     use_loras(dit, opts["loras"])
     # Kernels first (converted once, block by block if the DiT waits in host memory), then ComfyUI places the
     # DiT for this request: resident, or streamed where its memory does not reach.
     report = use_kernels(dit, opts["attention"], opts["linear"], host.compute_device())
-    device = load_dit(model, activation_bytes(c, lay.sequence_length, dit.dtype_))
+    device = patchers.load_dit(model, activation_bytes(c, lay.sequence_length, dit.dtype_))
     line = kernels_line(dit, report)
     if line is not None:
         log.info("h3-spark kernels: %s", line)

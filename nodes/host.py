@@ -120,22 +120,16 @@ class Held(torch.nn.Module):
         self.owner = owner  # the engine object `inner` belongs to (the TextEncoder of a text model), if any
 
 
-def make_held(kind: str, inner, owner=None):
-    """Wrap an engine module for ComfyUI's model management (or hold it as is outside ComfyUI). The DiT and
-    the text encoder get our own patchers, whose partial loads stream the blocks or layers that do not fit
-    (nodes/patcher.py)."""
+def make_held(kind: str, inner, owner=None, patcher_class=None):
+    """Wrap an engine module for ComfyUI's model management (or hold it as is outside ComfyUI).
+    `patcher_class()` gives a ModelPatcher subclass of our own (the DiT's and the text encoder's, whose partial
+    loads stream what does not fit: nodes/patcher.py); it is called only inside ComfyUI."""
     class_ = _model_patcher_cls()
     held = Held(kind, inner, owner)
     if class_ is None:
         return LocalModel(held, compute_device())
-    if kind == "dit":
-        from .patcher import dit_patcher_class
-
-        class_ = dit_patcher_class()
-    elif kind == "text_encoder":
-        from .patcher import text_patcher_class
-
-        class_ = text_patcher_class()
+    if patcher_class is not None:
+        class_ = patcher_class()
     return class_(held, load_device=compute_device(), offload_device=offload_device())
 
 

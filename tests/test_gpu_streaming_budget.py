@@ -13,6 +13,7 @@ import torch
 from h3_spark.h3_model.dit import layout
 from h3_spark.h3_model.dit.config import FULL
 from h3_spark.h3_model.engine import memory
+from h3_spark.h3_model.engine.placement import place_dit
 from h3_spark.h3_model.pipeline.scheduler import CONDITION_VIDEO_T
 from h3_spark.kernels.dispatch import apply_kernels
 from h3_spark.kernels.settings import KernelSettings
@@ -55,7 +56,7 @@ def test_streamed_forward_equals_resident_on_the_gpu(linear, resident):
     apply_kernels(b, settings)
     plan = memory.plan_dit(b, None, rows)
     plan.resident_blocks, plan.adaln_on_host = resident, True
-    stream = memory.place_dit(b, plan, "cuda")
+    stream = place_dit(b, plan, "cuda")
     with torch.no_grad():
         want = a(**inputs)
         for _ in range(3):
@@ -84,7 +85,7 @@ def test_a_dit_read_into_host_memory_is_configured_block_by_block_and_placed(tmp
         assert report_host["attention"]["chosen"] == report_resident["attention"]["chosen"]
         plan = memory.plan_dit(host, None, rows)
         plan.resident_blocks, plan.adaln_on_host = 2, True
-        memory.place_dit(host, plan, "cuda")
+        place_dit(host, plan, "cuda")
         with torch.no_grad():
             want, got = resident(**inputs), host(**inputs)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), linear

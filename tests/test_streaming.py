@@ -13,6 +13,7 @@ from h3_spark.errors import InputError
 from h3_spark.h3_model.dit import layout
 from h3_spark.h3_model.dit.config import TINY
 from h3_spark.h3_model.engine import memory
+from h3_spark.h3_model.engine.placement import place_dit
 from h3_spark.h3_model.pipeline.scheduler import CONDITION_VIDEO_T
 from h3_spark.measure.synthetic import synthetic_dit
 from oracle import text_tags
@@ -50,7 +51,7 @@ def test_streamed_forward_is_bit_identical(inputs, resident):
     budget = _budget_for(streamed_model, resident)
     plan = memory.plan_dit(streamed_model, budget, 64)
     assert plan.resident_blocks == resident and plan.streamed == list(range(resident, CONFIG.num_layers))
-    stream = memory.place_dit(streamed_model, plan, "cpu")
+    stream = place_dit(streamed_model, plan, "cpu")
     with torch.no_grad():
         want = resident_model(**inputs)
         for _ in range(3):  # the wrap-around prefetch serves the next forward
@@ -65,7 +66,7 @@ def test_streamed_forward_is_bit_identical(inputs, resident):
 
 def test_adaln_tables_and_their_release_under_streaming(inputs):
     a, b = _model(), _model()
-    memory.place_dit(b, memory.plan_dit(b, _budget_for(b, 0), 64), "cpu")
+    place_dit(b, memory.plan_dit(b, _budget_for(b, 0), 64), "cpu")
     values = [*inputs["timestep"].flatten().tolist(), 1.0]
     with torch.no_grad():
         a.precompute_modulation(values)
@@ -83,7 +84,7 @@ def test_adaln_tables_and_their_release_under_streaming(inputs):
 def test_everything_resident_when_it_fits():
     model = _model()
     plan = memory.plan_dit(model, 10 * memory.GB, 64)
-    assert plan.streamed == [] and memory.place_dit(model, plan, "cpu") is None and model.block_stream is None
+    assert plan.streamed == [] and place_dit(model, plan, "cpu") is None and model.block_stream is None
 
 
 def test_a_budget_below_one_streamed_forward_names_the_minimum():
@@ -123,7 +124,7 @@ def test_all_blocks_resident_with_the_adaln_projections_in_host_memory(inputs):
     budget = _budget_for(model, CONFIG.num_layers)
     plan = memory.plan_dit(model, budget, 64)
     assert plan.resident_blocks == CONFIG.num_layers and plan.adaln_on_host and plan.streamed == []
-    stream = memory.place_dit(model, plan, "cpu")
+    stream = place_dit(model, plan, "cpu")
     values = inputs["timestep"].flatten().tolist()
     with torch.no_grad():
         model.precompute_modulation(values)

@@ -258,7 +258,8 @@ class Engine:
     def _place(self, name: str, model, budget: int, share: str = "") -> None:
         """The blocks that fit stay on the device, the others stream. Two DiTs share the budget (only one runs
         at a time, so their activations do not add up)."""
-        from .memory import default_rows, place_dit, plan_dit
+        from .memory import default_rows, plan_dit
+        from .placement import place_dit
 
         taken = sum(p.device_bytes - p.activations for p in self.memory_plans.values())
         rows = self.options.plan_rows or default_rows(model.config)

@@ -193,14 +193,6 @@ def check_rows(plan: MemoryPlan, config, rows: int, dtype: torch.dtype, mlp_chun
                          "fewer frames, more --mlp-chunks, or a larger budget")
 
 
-def place_dit(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -> BlockStream | None:
-    """Put the resident part on `device` and stream the rest; returns the stream (None when all is resident)."""
-    from .placement import Placement
-
-    Placement.of(model, plan.depth).apply(plan, device)
-    return model.block_stream
-
-
 def outside_blocks_to(model: nn.Module, device: torch.device) -> None:
     """Everything of the DiT but its blocks (embeddings, refiner, heads, tables) to `device`."""
     for name, child in model.named_children():

@@ -1,6 +1,6 @@
 """A DiT whose share of the GPU changes while it stays loaded.
 
-The CLI and the service plan once, at load, for a fixed budget (memory.plan_dit / place_dit). Inside ComfyUI
+The CLI and the service plan once, at load, for a fixed budget (memory.plan_dit, then place_dit). Inside ComfyUI
 the share is ComfyUI's: its model management gives the DiT what the other loaded models and the request's
 activations leave, and takes memory back when another model needs it. `Placement` keeps one DiT placed for the
 weight room it is given now:
@@ -233,6 +233,13 @@ class TextPlacement:
     def to_host(self) -> None:
         self.te.offload()
         self.device = None
+
+
+def place_dit(model: nn.Module, plan: MemoryPlan, device: torch.device | str) -> BlockStream | None:
+    """Put a budget plan's resident part on `device` and stream the rest (the CLI's and the service's fixed
+    budget); returns the stream (None when all is resident)."""
+    Placement.of(model, plan.depth).apply(plan, device)
+    return model.block_stream
 
 
 def _same(a: MemoryPlan, b: MemoryPlan) -> bool:
