@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from .options import MODELS_HELP, add_budget_flags, check_depth, vram_budget
 from .vae_options import vae_options
 
-DEFAULT_HOST = "127.0.0.1"  # local only unless --host says otherwise: the API has no authentication
+DEFAULT_HOST = "127.0.0.1"  # local only unless --host says otherwise; beyond it a bearer token is required
 DEFAULT_PORT = 8000
 
 
@@ -37,6 +38,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                                                   "(without it, only t2va requests are accepted)")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}, this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="a file whose first line is the bearer token every request must send (default: $H3_API_KEY); "
+                        "required to listen beyond 127.0.0.1")
     p.add_argument("--queue-size", type=int, default=4, help="jobs that may wait behind the running one")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="DiT/text dtype (cuda: bfloat16)")
@@ -102,6 +106,10 @@ def service_settings(args, device: str | None = None):
         from ..measure.synthetic import describe
 
         config.weights = describe(args.synthetic)
+    from ..serve.auth import check_binding, read_api_key
+
+    config.api_key = read_api_key(args.api_key_file)
+    args.auth_line = check_binding(args.host, config.api_key)
     return paths, options, config
 
 
@@ -177,6 +185,8 @@ def run(args) -> int:
             return follow(lockstep, lambda: load_models(paths, options, LoadTracker(), overrides),
                           rank_log(lockstep.rank))
     service = build_service(args, lockstep)
+    if args.auth_line:
+        print(f"h3-spark serve: {args.auth_line}", file=sys.stderr, flush=True)
     server = uvicorn.Server(server_config(args, create_app(service)))
     failures: list[str] = []
 

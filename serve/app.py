@@ -135,7 +135,14 @@ def create_app(service: Service) -> Starlette:
     routes = [Route("/ready", ready, methods=["GET"]), Route("/generate", generate, methods=["POST"]),
               Route("/jobs", jobs, methods=["GET"]), Route("/jobs/{job_id}", job, methods=["GET", "DELETE"]),
               Route("/jobs/{job_id}/preview", preview, methods=["GET"])]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    middleware = []
+    if service.config.api_key is not None:
+        from starlette.middleware import Middleware
+
+        from .auth import BearerAuth
+
+        middleware.append(Middleware(BearerAuth, key=service.config.api_key))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.service = service
     return app

@@ -38,6 +38,7 @@ class ServiceConfig:
     vae_tile_size: int | None = 256  # None: untiled decode
     mlp_chunks: int = 1
     weights: str = "checkpoint files"  # what /ready says the weights are (serve --synthetic: random ones)
+    api_key: str | None = field(default=None, repr=False)  # bearer token every request needs (serve/auth.py)
 
     def __post_init__(self) -> None:
         if not 1 <= self.queue_size <= 10_000:

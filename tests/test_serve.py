@@ -121,7 +121,8 @@ def serve(resident, tmp_path):
         client = TestClient(create_app(service))
         client.__enter__()
         clients.append(client)
-        wait_ready(client)
+        key = config.get("api_key")
+        wait_ready(client, headers={"Authorization": f"Bearer {key}"} if key else None)
         client.service = service
         return client
 
@@ -130,10 +131,10 @@ def serve(resident, tmp_path):
         client.__exit__(None, None, None)
 
 
-def wait_ready(client, timeout=60):
+def wait_ready(client, timeout=60, headers=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        r = client.get("/ready")
+        r = client.get("/ready", headers=headers)
         if r.status_code == 200:
             return r.json()
         time.sleep(0.05)
@@ -675,3 +676,78 @@ def test_a_running_job_serves_its_newest_preview(serve):
     png = client.get(f"/jobs/{job_id}/preview")
     assert png.status_code == 200 and png.headers["content-type"] == "image/png"
     assert png.content[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ authentication
+TOKEN = "s3cret-token-for-the-tests-0123456789"
+
+
+def test_every_route_needs_the_bearer_token(serve, tmp_path):
+    logs = []
+    client = serve(api_key=TOKEN)
+    client.service.log = logs.append
+    routes = [("GET", "/ready"), ("POST", "/generate"), ("GET", "/jobs"), ("GET", "/jobs/abc"),
+              ("DELETE", "/jobs/abc"), ("GET", "/jobs/abc/preview"), ("GET", "/nowhere")]
+    wrong = {"Authorization": "Bearer " + "x" * len(TOKEN)}
+    for method, path in routes:
+        for headers in ({}, wrong, {"Authorization": f"Bearer {TOKEN[:-1]}"}, {"Authorization": TOKEN},
+                        {"Authorization": f"bearer {TOKEN}"}):
+            r = client.request(method, path, headers=headers, json={} if method == "POST" else None)
+            assert r.status_code == 401 and r.json() == {"error": "unauthorized"}, (method, path, headers)
+            assert r.headers["www-authenticate"] == "Bearer"
+        r = client.request(method, path, headers={"Authorization": f"Bearer {TOKEN}"},
+                           json={} if method == "POST" else None)
+        assert r.status_code != 401, (method, path)
+    right = {"Authorization": f"Bearer {TOKEN}"}
+    ready = client.get("/ready", headers=right)
+    assert ready.status_code == 200 and TOKEN not in ready.text
+    job = client.post("/generate", headers=right, json=request("auth.mp4", steps=2))
+    assert job.status_code == 202
+    done = wait_job_auth(client, job.json()["id"], right)
+    assert done["state"] == "done" and TOKEN not in json.dumps(done)
+    assert not any(TOKEN in line for line in logs)
+
+
+def wait_job_auth(client, job_id, headers, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        body = client.get(f"/jobs/{job_id}", headers=headers).json()
+        if body["state"] in ("done", "failed", "cancelled"):
+            return body
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not end")
+
+
+def test_api_key_sources_and_their_errors(tmp_path):
+    from h3_spark.errors import InputError
+    from h3_spark.serve.auth import check_binding, read_api_key
+
+    key = tmp_path / "key"
+    key.write_text(TOKEN + "\nsecond line ignored\n")
+    assert read_api_key(key, {}) == TOKEN
+    assert read_api_key(None, {"H3_API_KEY": f"  {TOKEN}  "}) == TOKEN
+    assert read_api_key(None, {}) is None
+    with pytest.raises(InputError, match=r"--api-key-file .*nope: no such file"):
+        read_api_key(tmp_path / "nope", {})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(InputError, match=r"--api-key-file .*empty is empty: put the token on its first line"):
+        read_api_key(tmp_path / "empty", {})
+    with pytest.raises(InputError, match="H3_API_KEY: the token is 5 characters; use at least 16"):
+        read_api_key(None, {"H3_API_KEY": "short"})
+    with pytest.raises(InputError, match=r"--host 0.0.0.0 listens beyond this machine and the API has no token: "
+                                         r"give one with --api-key-file FILE \(or H3_API_KEY\), or bind 127.0.0.1"):
+        check_binding("0.0.0.0", None)
+    with pytest.raises(InputError, match="--host gpu-box.example listens beyond"):
+        check_binding("gpu-box.example", None)
+    assert check_binding("127.0.0.1", None) is None and check_binding("::1", None) is None
+    assert check_binding("localhost", TOKEN) == "every request needs its bearer token (on loopback too)"
+    assert check_binding("0.0.0.0", TOKEN) == "every request needs its bearer token (on 0.0.0.0)"
+
+
+def test_serve_refuses_an_open_service_beyond_loopback(tmp_path, capsys, monkeypatch):
+    from h3_spark.cli import main
+
+    monkeypatch.delenv("H3_API_KEY", raising=False)
+    assert main(["serve", "--synthetic", "tiny", "--output-dir", str(tmp_path), "--device", "cpu",
+                 "--host", "0.0.0.0"]) == 2
+    assert "listens beyond this machine and the API has no token" in capsys.readouterr().err
