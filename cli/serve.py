@@ -57,6 +57,8 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=100, help="largest `steps` a request may ask for")
     p.add_argument("--max-input-mb", type=int, default=256, help="largest reference/keyframe file, MiB")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="the service's own log lines: text, or one JSON object per line with the job id")
     p.add_argument("--gpus", type=int, default=1,
                    help="run each job over N GPUs (Ulysses sequence parallel, via torchrun; N must divide the 56 "
                         "heads: 2, 4, 7 or 8); rank 0 serves HTTP, every rank holds the models")
@@ -135,17 +137,20 @@ def build_service(args, lockstep=None):
     from ..serve.models import load_models
     from ..serve.service import Service
 
+    from ..serve.logs import make_log
+
     paths, options, config = service_settings(args, lockstep.device if lockstep else None)
     overrides = synthetic_overrides(args, options)
+    log = make_log(getattr(args, "log_format", "text"))
     if lockstep is None:
-        return Service(config, lambda tracker: load_models(paths, options, tracker, overrides))
+        return Service(config, lambda tracker: load_models(paths, options, tracker, overrides), log=log)
     from ..serve.execute import stderr_log
 
     leader = Leader(lockstep, stderr_log)
     def load(tracker):
         return load_in_lockstep(lambda: load_models(paths, options, tracker, overrides), lockstep, leader)
 
-    return Service(config, load, leader=leader)
+    return Service(config, load, leader=leader, log=log)
 
 
 def server_config(args, app):

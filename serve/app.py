@@ -10,6 +10,8 @@
                       backends, step-cache report, error
   DELETE /jobs/{id}   cancel: a queued job at once (200), a running one within a DiT block (202)
   GET    /jobs/{id}/preview  PNG of the newest sampling step's preview strip (404 until the first step)
+  GET    /live       liveness: the process answers
+  GET    /metrics    Prometheus text: jobs by state, queue, stage seconds, GPU memory, kernels
 Errors are JSON: {"error": "..."}.
 """
 
@@ -124,6 +126,17 @@ def create_app(service: Service) -> Starlette:
                                 status_code=404)
         return Response(found.preview, media_type="image/png", headers={"Cache-Control": "no-store"})
 
+    async def live(request: Request) -> JSONResponse:
+        # Liveness: the process answers (whatever the models' state; /ready says whether it can take work).
+        return JSONResponse({"alive": True})
+
+    async def metrics(request: Request) -> Response:
+        if service.metrics is None:
+            return JSONResponse({"error": "/metrics needs prometheus-client: pip install 'h3-spark[serve]'"},
+                                status_code=501)
+        body, media_type = await run_in_threadpool(service.metrics.render)
+        return Response(body, media_type=media_type)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         service.start()
@@ -134,7 +147,8 @@ def create_app(service: Service) -> Starlette:
 
     routes = [Route("/ready", ready, methods=["GET"]), Route("/generate", generate, methods=["POST"]),
               Route("/jobs", jobs, methods=["GET"]), Route("/jobs/{job_id}", job, methods=["GET", "DELETE"]),
-              Route("/jobs/{job_id}/preview", preview, methods=["GET"])]
+              Route("/jobs/{job_id}/preview", preview, methods=["GET"]), Route("/live", live, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
     middleware = []
     if service.config.api_key is not None:
         from starlette.middleware import Middleware

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 import time
 import traceback
 from typing import Callable
@@ -200,4 +199,6 @@ class JobRunner:
 
 
 def stderr_log(message: str) -> None:
-    print(f"h3-spark serve: {message}", file=sys.stderr, flush=True)
+    from .logs import make_log
+
+    make_log("text")(message)

@@ -66,6 +66,10 @@ class Service:
         self.queue = JobQueue(config.queue_size, self._run_job, on_finish=self._release,
                               keep_finished=config.keep_finished)
         self._runner: JobRunner | None = None
+        from .metrics import ServiceMetrics, available
+
+        # /metrics (prometheus-client, the serve extra); None when the package is missing.
+        self.metrics = ServiceMetrics(self) if available() else None
         # Called with the error message when loading fails (the CLI stops the server then).
         self.on_load_failed: Callable[[str], None] | None = None
 
@@ -199,4 +203,6 @@ class Service:
 
     def _release(self, job: Job) -> None:
         self.outputs.release(job.payload.get("output_path"))
+        if self.metrics is not None:
+            self.metrics.job_finished(job)
 

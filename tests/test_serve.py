@@ -751,3 +751,46 @@ def test_serve_refuses_an_open_service_beyond_loopback(tmp_path, capsys, monkeyp
     assert main(["serve", "--synthetic", "tiny", "--output-dir", str(tmp_path), "--device", "cpu",
                  "--host", "0.0.0.0"]) == 2
     assert "listens beyond this machine and the API has no token" in capsys.readouterr().err
+
+
+def test_live_and_metrics(serve):
+    client = serve()
+    assert client.get("/live").json() == {"alive": True}
+    r = client.post("/generate", json=request("metrics.mp4", steps=2))
+    assert wait_job(client, r.json()["id"])["state"] == "done"
+    assert client.post("/generate", json={**request("bad.mp4"), "mode": "x2va"}).status_code == 400
+    text = client.get("/metrics")
+    assert text.status_code == 200 and text.headers["content-type"].startswith("text/plain")
+    body = text.text
+    assert 'h3_spark_jobs{state="done"} 1.0' in body and 'h3_spark_jobs{state="queued"} 0.0' in body
+    assert 'h3_spark_jobs_finished_total{state="done"} 1.0' in body
+    assert 'h3_spark_stage_seconds_count{stage="sampling"} 1.0' in body
+    assert "h3_spark_queue_depth 0.0" in body and "h3_spark_queue_capacity 4.0" in body
+    assert 'h3_spark_models_state{state="ready"} 1.0' in body
+    assert 'h3_spark_kernels_info{attention="' in body and 'dit="dit"' in body
+
+
+def test_json_logs_carry_the_job_id():
+    import io
+
+    from h3_spark.serve.logs import make_log
+
+    out = io.StringIO()
+    log = make_log("json", out)
+    job = "0123456789abcdef0123456789abcdef"
+    log(f"[perf] job {job} mode=t2va sampling=1.00s")
+    log(f"job {job} failed:\nTraceback (most recent call last): ...")
+    log("ready: t2va on cpu")
+    first, second, third = (json.loads(line) for line in out.getvalue().splitlines())
+    assert first["job"] == job and first["level"] == "info" and first["msg"].startswith("[perf]")
+    assert second["job"] == job and second["level"] == "error" and "Traceback" in second["msg"]
+    assert "job" not in third and third["service"] == "h3-spark" and third["time"].endswith("Z")
+    with pytest.raises(ValueError, match="log format must be one of text, json"):
+        make_log("xml")
+
+
+def test_metrics_without_prometheus_client_say_how_to_get_it(serve):
+    client = serve()
+    client.service.metrics = None
+    r = client.get("/metrics")
+    assert r.status_code == 501 and "pip install 'h3-spark[serve]'" in r.json()["error"]
