@@ -2,7 +2,10 @@
 
 Shared by `generate --gpus N` and `serve --gpus N`. The command first replaces itself with
 `python -m torch.distributed.run --standalone --nproc_per_node=N -m h3_spark.cli <same arguments>`;
-torchrun sets WORLD_SIZE/RANK/LOCAL_RANK, and each of its processes calls `init_distributed`.
+torchrun sets WORLD_SIZE/RANK/LOCAL_RANK, and each of its processes calls `init_distributed`. Across hosts
+(`--nnodes M --node-rank R --rdzv-endpoint HOST:PORT`, the same command on every host) torchrun meets the
+other hosts at node 0's endpoint instead of `--standalone`; NCCL then needs a network every host reaches
+(NCCL_SOCKET_IFNAME names its interface; InfiniBand is used when present).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import os
 import sys
 
 
-def relaunch_with_torchrun(gpus: int, argv: list[str]):
+def relaunch_with_torchrun(gpus: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,
+                           endpoint: str | None = None):
     """Replace this process with torchrun running the same command in `gpus` processes; does not return.
 
     exec rather than a child process: the signals a supervisor or a terminal sends to this command
@@ -20,14 +24,20 @@ def relaunch_with_torchrun(gpus: int, argv: list[str]):
     in its own session, so a signal to the parent's process group does not reach them either).
     """
     package = __package__ or "h3_spark.cli"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           "-m", package, *argv]
+    if nnodes == 1:
+        launch = ["--standalone", f"--nproc_per_node={gpus}"]
+    else:
+        # Static rendezvous at node 0's endpoint: every host runs the same command with its own node rank.
+        host, _, port = endpoint.rpartition(":")
+        launch = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--nproc_per_node={gpus}",
+                  f"--master_addr={host}", f"--master_port={port}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", package, *argv]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, cmd)
 
 
-def init_distributed(gpus: int, device: str | None) -> tuple[int, int, str]:
+def init_distributed(gpus: int, device: str | None, nnodes: int = 1) -> tuple[int, int, str]:
     """(rank, world size, this rank's device) under torchrun, with the default process group initialised.
 
     CUDA: NCCL, one GPU per process (cuda:LOCAL_RANK). CPU (`--device cpu`, or no GPU): gloo.
@@ -38,8 +48,8 @@ def init_distributed(gpus: int, device: str | None) -> tuple[int, int, str]:
     from ..errors import InputError
 
     world = int(os.environ["WORLD_SIZE"])
-    if world != gpus:
-        raise InputError(f"--gpus {gpus} but torchrun started {world} processes")
+    if world != gpus * nnodes:
+        raise InputError(f"--gpus {gpus} x --nnodes {nnodes} but torchrun started {world} processes")
     if device not in (None, "cuda", "cpu"):
         # Each rank picks its own GPU; a fixed index would put every rank on the same one.
         raise InputError(f"with --gpus N, --device is cuda or cpu (rank r runs on cuda:r), got {device!r}")

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .options import MODELS_HELP, add_budget_flags
+from .options import MODELS_HELP, add_budget_flags, add_node_flags
 from .vae_options import vae_options
 
 REF_KINDS = ("image", "video", "audio")
@@ -82,6 +82,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "pass the Turbo LoRA with --lora), sol-engine (sparse + first-block-cache)")
     p.add_argument("--gpus", type=int, default=1, help="split each DiT forward over N GPUs (Ulysses sequence "
                                                        "parallel, via torchrun; N must divide 56 heads)")
+    add_node_flags(p)
     p.add_argument("--demo", action="store_true",
                    help="tiny synthetic models made on the spot (the output is noise): checks an install end to end "
                         "on any machine; the default when no model is given, refused together with model paths")
@@ -129,22 +130,23 @@ def run(args) -> int:
     from ..kernels.dispatch import attention_counts
     from ..kernels.settings import kernel_settings, vae_tile_batch
     from .distributed import command_argv, init_distributed, relaunch_with_torchrun
-    from .options import check_depth, check_device, vram_budget
+    from .options import check_depth, check_device, check_nodes, vram_budget
 
     if args.gpus < 1:
         raise InputError(f"--gpus must be at least 1, got {args.gpus}")
+    world_size = check_nodes(args)
     budget, depth = vram_budget(args.vram_budget), check_depth(args.prefetch_depth)
-    if args.gpus > 1:
+    if world_size > 1:
         if budget not in (None, "auto"):
             raise InputError("--vram-budget streams blocks on one GPU; it does not combine with --gpus yet")
         budget = None
     if args.device is not None:
         check_device(args.device)
-    if args.gpus > 1 and "WORLD_SIZE" not in os.environ:
-        return relaunch_with_torchrun(args.gpus, command_argv(args))
+    if world_size > 1 and "WORLD_SIZE" not in os.environ:
+        return relaunch_with_torchrun(args.gpus, command_argv(args), args.nnodes, args.node_rank, args.rdzv_endpoint)
     rank, world, device = 0, 1, args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.gpus > 1:
-        rank, world, device = init_distributed(args.gpus, args.device)
+    if world_size > 1:
+        rank, world, device = init_distributed(args.gpus, args.device, args.nnodes)
     verbose = (args.progress or args.profile_memory) and not args.quiet and not rank
     log = (lambda m: print(f"h3-spark: {m}", file=sys.stderr, flush=True)) if verbose else (lambda m: None)
     if not verbose:

@@ -63,3 +63,33 @@ def check_depth(depth: int) -> int:
 def file_in_the_way(folder: Path) -> Path | None:
     """The first of `folder` and its parents that exists but is not a folder (so `folder` cannot be made)."""
     return next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+
+
+def add_node_flags(p) -> None:
+    """--nnodes / --node-rank / --rdzv-endpoint: sequence parallelism across hosts (torchrun's rendezvous)."""
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="hosts taking part, each running this same command with its own --node-rank; the ranks are "
+                        "--gpus per host x --nnodes")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's place, 0..nnodes-1 (0 serves/writes)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="node 0's address and a free port every node reaches (needed with --nnodes > 1)")
+
+
+def check_nodes(args) -> int:
+    """The world size (--gpus x --nnodes), after checking the node flags."""
+    from ..errors import InputError
+
+    if args.nnodes < 1:
+        raise InputError(f"--nnodes must be at least 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise InputError(f"--node-rank must be 0..{args.nnodes - 1} with --nnodes {args.nnodes}, got {args.node_rank}")
+    if args.nnodes == 1:
+        if args.rdzv_endpoint is not None:
+            raise InputError("--rdzv-endpoint joins hosts: it needs --nnodes 2 or more")
+        return args.gpus
+    endpoint = args.rdzv_endpoint
+    host, _, port = (endpoint or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InputError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address and a free "
+                         f"port), got {endpoint!r}")
+    return args.gpus * args.nnodes

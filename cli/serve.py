@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from .options import MODELS_HELP, add_budget_flags, check_depth, vram_budget
+from .options import MODELS_HELP, add_budget_flags, add_node_flags, check_depth, vram_budget
 from .vae_options import vae_options
 
 DEFAULT_HOST = "127.0.0.1"  # local only unless --host says otherwise; beyond it a bearer token is required
@@ -62,6 +62,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=1,
                    help="run each job over N GPUs (Ulysses sequence parallel, via torchrun; N must divide the 56 "
                         "heads: 2, 4, 7 or 8); rank 0 serves HTTP, every rank holds the models")
+    add_node_flags(p)
     return p
 
 
@@ -93,7 +94,7 @@ def service_settings(args, device: str | None = None):
     paths = ComponentPaths(args.models, args.dit, args.dit_ref, args.text_encoder, args.tokenizer, args.vae,
                            args.audio_vae)
     budget = vram_budget(args.vram_budget)
-    if args.gpus > 1:
+    if args.gpus * args.nnodes > 1:
         if budget not in (None, "auto"):
             raise InputError("--vram-budget streams blocks on one GPU; it does not combine with --gpus yet")
         budget = None
@@ -172,15 +173,19 @@ def run(args) -> int:
                       f"pip install 'h3-spark[serve]'") from None
     if args.gpus < 1:
         raise InputError(f"--gpus must be at least 1, got {args.gpus}")
+    from .options import check_nodes
+
+    world_size = check_nodes(args)
     lockstep = None
-    if args.gpus > 1:
+    if world_size > 1:
         from .distributed import command_argv, init_distributed, relaunch_with_torchrun
 
         if "WORLD_SIZE" not in os.environ:
-            return relaunch_with_torchrun(args.gpus, command_argv(args))
+            return relaunch_with_torchrun(args.gpus, command_argv(args), args.nnodes, args.node_rank,
+                                          args.rdzv_endpoint)
         from ..serve.lockstep import Lockstep, follow, rank_log
 
-        lockstep = Lockstep.join(*init_distributed(args.gpus, args.device))
+        lockstep = Lockstep.join(*init_distributed(args.gpus, args.device, args.nnodes))
         if lockstep.rank > 0:
             from ..serve.models import LoadTracker, load_models
 

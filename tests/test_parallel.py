@@ -184,3 +184,55 @@ def test_vae_decode_split_over_ranks_is_bit_identical(world):
     expected = _vae().decode_to_buffer(z, tile_size=16, tile_min_overlap=4)
     for rank in range(world):
         assert torch.equal(torch.from_numpy(outs[rank]), expected), rank
+
+
+def test_generate_across_two_nodes_on_loopback_equals_one_process(tmp_path):
+    """`generate --nnodes 2 --node-rank R --rdzv-endpoint 127.0.0.1:PORT` on two "hosts" (two processes here,
+    gloo on the CPU, one rank each): node 0 writes the one-process latents; node 1 writes nothing."""
+    import socket
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from h3_spark.h3_model.engine.demo import build_demo_models
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
+
+    if not ensure_importable():
+        pytest.skip("the Qwen3-VL processors need torchvision")
+    models = build_demo_models(tmp_path / "demo")
+    env = {**os.environ, "H3_MODULATION_FUSION": "off", "H3_Q_RMS_ROPE_INT8_FUSION": "off", "OMP_NUM_THREADS": "1"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = [sys.executable, "-m", "h3_spark.cli", "generate", "--demo", "--demo-dir", str(models), "--quiet",
+            "--device", "cpu", "--steps", "3", "--width", "64", "--height", "64"]
+    nodes = [subprocess.Popen([*base, "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                               "--out", str(tmp_path / f"node{rank}.mp4"),
+                               "--save-latents", str(tmp_path / f"node{rank}.safetensors")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+    for node in nodes:
+        _, err = node.communicate(timeout=400)
+        assert node.returncode == 0, err[-2000:]
+    single = subprocess.run([*base, "--out", str(tmp_path / "one.mp4"), "--save-latents", str(tmp_path / "one.st")],
+                            capture_output=True, text=True, env=env, timeout=400)
+    assert single.returncode == 0, single.stderr[-2000:]
+    assert (tmp_path / "node0.mp4").is_file() and not (tmp_path / "node1.mp4").exists()
+    two, one = load_file(str(tmp_path / "node0.safetensors")), load_file(str(tmp_path / "one.st"))
+    for key in ("video_latents", "audio_latents"):
+        assert ((two[key] - one[key]).norm() / one[key].norm()).item() <= 1e-5, key
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node0"],
+     "needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank must be 0..1 with --nnodes 2"),
+    (["--rdzv-endpoint", "h:1"], "--rdzv-endpoint joins hosts: it needs --nnodes 2 or more"),
+    (["--nnodes", "0"], "--nnodes must be at least 1"),
+])
+def test_node_flag_errors(tmp_path, capsys, extra, message):
+    from h3_spark.cli import main
+
+    assert main(["generate", "--demo", "--out", str(tmp_path / "x.mp4"), *extra]) == 2
+    assert message in capsys.readouterr().err
