@@ -67,13 +67,12 @@ def _run_vs_exact(args, contract, model, settings, device, weights, record, out:
     step = len(schedule) // 2
     fast_schedule = None
     if args.recipes:
-        from ..h3_model.engine.recipes import SparseSchedule, sparse_backend
+        from ..h3_model.engine.recipes import sparse_schedule
 
-        sparse = args.recipes[0]
-        step = min(sparse.params["dense_steps"], len(schedule) - 1)  # the first evaluation it makes sparse
-        fast_schedule = lambda dense: (SparseSchedule(dense, sparse_backend(sparse, device, settings),  # noqa: E731
-                                                      sparse.params["dense_steps"], sparse.params["dense_blocks"]),
-                                       step)
+        step = min(args.recipes[0].params["dense_steps"], len(schedule) - 1)  # the first evaluation it makes sparse
+
+        def fast_schedule():  # after the fast kernels are applied: dense blocks keep their attention
+            return sparse_schedule(args.recipes, model, device, settings), step
     inputs = runner.make_inputs(shape, model.config, device, contract["seed"], step, schedule)
     result = {"contract": contract["name"], "sequence_length": shape.layout.sequence_length, "weights": weights,
               "device": device, "dtype": args.dtype, "evaluation": step,

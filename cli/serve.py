@@ -135,19 +135,17 @@ def synthetic_overrides(args, options):
 def build_service(args, lockstep=None):
     """The service; under --gpus N (`lockstep`: rank 0's Lockstep) it loads in lockstep with the other ranks."""
     from ..serve.lockstep import Leader, load_in_lockstep
+    from ..serve.logs import make_log
     from ..serve.models import load_models
     from ..serve.service import Service
 
-    from ..serve.logs import make_log
-
     paths, options, config = service_settings(args, lockstep.device if lockstep else None)
     overrides = synthetic_overrides(args, options)
-    log = make_log(getattr(args, "log_format", "text"))
+    log = make_log(args.log_format)
     if lockstep is None:
         return Service(config, lambda tracker: load_models(paths, options, tracker, overrides), log=log)
-    from ..serve.execute import stderr_log
+    leader = Leader(lockstep, log)
 
-    leader = Leader(lockstep, stderr_log)
     def load(tracker):
         return load_in_lockstep(lambda: load_models(paths, options, tracker, overrides), lockstep, leader)
 

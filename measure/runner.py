@@ -333,8 +333,8 @@ def bench_vs_exact(model, fast_settings, inputs: dict, contract: Contract, devic
                    fast_schedule=None) -> dict:
     """Exact path first (on the model as loaded), then the requested fast path on the same weights and inputs:
     per-block attention / feed-forward / block-output errors, the final velocity error and both speeds.
-    `fast_schedule(dense attention) -> (attention schedule, evaluation)` adds a recipe's schedule to the fast
-    side (engine.recipes.SparseSchedule)."""
+    `fast_schedule() -> (attention schedule, evaluation)` adds a recipe's schedule to the fast side, made after
+    the fast kernels are applied (engine.recipes.sparse_schedule)."""
     from ..kernels.dispatch import apply_kernels
     from ..kernels.settings import KernelSettings
 
@@ -348,7 +348,7 @@ def bench_vs_exact(model, fast_settings, inputs: dict, contract: Contract, devic
     report = apply_kernels(model, fast_settings)
     approximate = list(report.get("approximate_paths", []))
     if fast_schedule is not None:
-        model.attention_schedule, model.sampling_step = fast_schedule(model.attention)
+        model.attention_schedule, model.sampling_step = fast_schedule()
         approximate.append("recipe sparse")
     try:
         fast_times, fast_out = _timed_and_captured(model, inputs, contract, device, reference, errors)

@@ -341,23 +341,24 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
                          "text encoder and model do not belong together")
     if not 1 <= steps <= 1000 or not 0 <= seed < 2 ** 63:
         raise InputError(f"steps must be 1..1000 and seed 0..2^63-1, got {steps} and {seed}")
-    chosen, steps, shift_video, shift_audio = _recipes(recipes, step_cache, steps, shift_video, shift_audio, opts)
+    from ..h3_model.engine.recipes import recipe_sampling, sparse_schedule
+
+    chosen = _recipes(recipes, step_cache is not None, opts)
+    run = recipe_sampling(chosen, steps)
+    if run.evaluations is not None:
+        log.info("h3-spark recipe turbo replaces steps %d and shifts %g/%g with %d and %g/%g", steps, shift_video,
+                 shift_audio, run.evaluations, run.video_shift, run.audio_shift)
+        steps, shift_video, shift_audio = run.evaluations, run.video_shift, run.audio_shift
     dims = (cond.latent_frames, cond.latent_height, cond.latent_width, cond.audio_latents)
     lay = build_layout(cond.mode, cond.tags, cond.blocks, cond.anchors, dims, c.patch_size)
     # `steps` counts model evaluations, as ComfyUI's samplers do; the grid has one more point (the final 0).
     schedule = JointSchedule.create(steps + 1, shift_video, shift_audio)
 
-    cache = None
+    cache = run.step_cache
     if step_cache is not None:
         from ..h3_model.pipeline.step_cache import make_step_cache
 
         cache = make_step_cache(*step_cache, evaluations=len(schedule))
-    by_name = {r.name: r for r in chosen}
-    if "first-block-cache" in by_name:
-        from ..h3_model.pipeline.step_cache import make_step_cache
-
-        p = by_name["first-block-cache"].params
-        cache = make_step_cache("first_block", p["threshold"], p["start"], p["end"], evaluations=len(schedule))
 
     from ..h3_model.engine.memory import activation_bytes
     use_loras(dit, opts["loras"])
@@ -373,13 +374,8 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
     interrupt = host.InterruptFlag()
     request = SamplingRequest(lay, cond.embeds, cond.latent_frames, cond.latent_height, cond.latent_width,
                               cond.audio_latents, cond.condition_latents, cond.audio_condition_rows)
-    attention_schedule = None
-    if "sparse" in by_name:
-        from ..h3_model.engine.recipes import SparseSchedule, sparse_backend
-
-        r = by_name["sparse"]
-        attention_schedule = SparseSchedule(dit.attention, sparse_backend(r, device, _settings(opts)),
-                                            r.params["dense_steps"], r.params["dense_blocks"])
+    # After the kernels: the schedule stays dense with the attention this run resolved.
+    attention_schedule = sparse_schedule(chosen, dit, device, _settings(opts))
     try:
         result = Engine.of(device=device).sample(dit, request, schedule, int(seed), device=device,
                                                  on_step=on_step, cancel=interrupt,
@@ -397,7 +393,7 @@ def _step_reporter(progress, config, cond):
     decoded by the tiny decoder when models/vae_approx holds taeh3.safetensors, else a latent projection."""
     if not host.previews_wanted() or progress.bar is None:
         return lambda s: progress.update(s.index + 1)
-    from ..h3_model.pipeline.preview import latent_frames, preview_image
+    from ..h3_model.pipeline.preview import decoded_preview, latent_frames, preview_image
 
     tiny = host.tiny_preview_decoder(config.in_channels)
 
@@ -406,19 +402,10 @@ def _step_reporter(progress, config, cond):
         if s.denoised is not None:
             latents = latent_frames(s.denoised(), config.in_channels, cond.latent_frames, cond.latent_height,
                                     cond.latent_width, config.patch_size)
-            image = _decoded_preview(tiny, latents) if tiny is not None else preview_image(latents, host.PREVIEW_SIZE)
+            image = decoded_preview(tiny, latents) if tiny is not None else preview_image(latents, host.PREVIEW_SIZE)
         progress.update(s.index + 1, image)
 
     return report
-
-
-def _decoded_preview(decoder, latents: torch.Tensor) -> torch.Tensor:
-    """The middle frame, decoded from the three latent frames up to it (the memory blocks need the past)."""
-    middle = latents.shape[1] // 2
-    window = latents[:, max(0, middle - 2):middle + 1].permute(1, 0, 2, 3)  # (T, C, H, W)
-    parameter = next(decoder.parameters())
-    frames = decoder(window.to(parameter.device, parameter.dtype))
-    return (frames[-1].float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu()
 
 
 def _settings(opts: dict):
@@ -427,27 +414,17 @@ def _settings(opts: dict):
     return KernelSettings.from_env().replace(attention=opts["attention"], linear=opts["linear"])
 
 
-def _recipes(text: str, step_cache, steps: int, shift_video: float, shift_audio: float, opts: dict):
-    """The sampler node's recipes, checked before anything runs: (recipes, steps, shifts) with turbo's applied."""
+def _recipes(text: str, step_cache: bool, opts: dict) -> list:
+    """The sampler node's recipes (`;`-separated), checked before anything runs, and said in the log."""
     from ..h3_model.engine.recipes import check_recipes, parse_recipes
 
     chosen = parse_recipes([t for t in (text or "").split(";") if t.strip()])
-    if not chosen:
-        return chosen, steps, shift_video, shift_audio
-    names = [r.name for r in chosen]
-    if step_cache is not None and "first-block-cache" in names:
-        raise InputError("recipe first-block-cache is a step cache: set the sampler's cache to off (one step cache "
-                         "per run)")
-    check_recipes(chosen, host.compute_device(), _settings(opts))
-    log.info("h3-spark recipes (approximate): %s",
-             "; ".join(", ".join(f"{k}={v}" for k, v in r.describe().items()) for r in chosen))
-    for r in chosen:
-        if r.name == "turbo":
-            log.info("h3-spark recipe turbo replaces steps %d and shifts %g/%g with %d and %g/%g", steps, shift_video,
-                     shift_audio, r.params["evaluations"], r.params["video_shift"], r.params["audio_shift"])
-            steps, shift_video, shift_audio = (r.params["evaluations"], r.params["video_shift"],
-                                               r.params["audio_shift"])
-    return chosen, steps, shift_video, shift_audio
+    if chosen:
+        check_recipes(chosen, host.compute_device(), _settings(opts), step_cache=step_cache,
+                      cache_fix="set the sampler's cache to off")
+        log.info("h3-spark recipes (approximate): %s",
+                 "; ".join(", ".join(f"{k}={v}" for k, v in r.describe().items()) for r in chosen))
+    return chosen
 
 
 # ------------------------------------------------------------------------------------------ decode, save

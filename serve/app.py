@@ -121,10 +121,14 @@ def create_app(service: Service) -> Starlette:
         found = service.queue.get(job_id)
         if found is None:
             return JSONResponse({"error": f"no job {job_id}"}, status_code=404)
-        if found.preview is None:
+        latents = found.preview_latents
+        if latents is None:
             return JSONResponse({"error": f"job {job_id} has no preview yet (one comes after each sampling step)"},
                                 status_code=404)
-        return Response(found.preview, media_type="image/png", headers={"Cache-Control": "no-store"})
+        from ..h3_model.pipeline.preview import png_bytes, preview_image
+
+        png = await run_in_threadpool(lambda: png_bytes(preview_image(latents, 768, frames=4)))
+        return Response(png, media_type="image/png", headers={"Cache-Control": "no-store"})
 
     async def live(request: Request) -> JSONResponse:
         # Liveness: the process answers (whatever the models' state; /ready says whether it can take work).

@@ -29,6 +29,7 @@ from ..h3_model.pipeline.sampler import Cancelled
 from ..h3_model.pipeline.step_cache import make_step_cache
 from ..kernels.dispatch import attention_counts, exactness
 from .jobs import Job
+from .logs import make_log
 from .lockstep import Leader, Lockstep, LockstepCancel, fingerprint
 from .outputs import OutputFolder
 from .validation import Limits
@@ -153,9 +154,8 @@ class JobRunner:
         def progress(p: Progress) -> None:
             job.progress = {"stage": p.stage, "step": p.step, "total": p.total}
             if p.latents is not None:
-                from ..h3_model.pipeline.preview import png_bytes, preview_image
-
-                job.preview = png_bytes(preview_image(p.latents(), 768, frames=4))
+                # The latents only (one small host copy a step); the picture is made when someone asks for it.
+                job.preview_latents = p.latents()
 
         key = dit_key(req.mode)
         with contextlib.ExitStack() as stack:
@@ -198,7 +198,4 @@ class JobRunner:
                  + " ".join(f"{k}={v:.2f}s" for k, v in timings.items()))
 
 
-def stderr_log(message: str) -> None:
-    from .logs import make_log
-
-    make_log("text")(message)
+stderr_log = make_log("text")

@@ -44,7 +44,7 @@ class Job:
         self.info: dict = {}
         self.error: str | None = None
         self.cancel = threading.Event()
-        self.preview: bytes | None = None  # PNG of the newest sampling step's preview strip
+        self.preview_latents = None  # the newest sampling step's clean-latent estimate (C, T, H, W), for /preview
 
     def to_dict(self) -> dict:
         out = {"id": self.id, "state": self.state, "progress": dict(self.progress), "created": self.created,

@@ -234,7 +234,7 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
 
 def _recipes(body: dict, cache_mode: str, steps_given: bool) -> list:
     """The request's recipes, parsed; their kernels are checked by the service (it knows the device)."""
-    from ..h3_model.engine.recipes import parse_recipes
+    from ..h3_model.engine.recipes import check_conflicts, parse_recipes
 
     value = body.get("recipes", [])
     if not isinstance(value, list) or len(value) > MAX_RECIPES or not all(
@@ -245,11 +245,11 @@ def _recipes(body: dict, cache_mode: str, steps_given: bool) -> list:
         recipes = parse_recipes(value)
     except H3Error as exc:
         raise _bad(str(exc)) from None
-    names = [r.name for r in recipes]
-    if cache_mode != "off" and "first-block-cache" in names:
-        raise _bad("recipe first-block-cache is a step cache: drop cache_mode (one step cache per job)")
-    if steps_given and "turbo" in names:
-        raise _bad("recipe turbo sets the steps and the video shift: drop steps")
+    try:  # the kernels are checked by the service, which knows the device (device None: no kernel check)
+        check_conflicts(recipes, step_cache=cache_mode != "off", explicit_steps=steps_given,
+                        cache_fix="drop cache_mode", steps_fix="drop steps")
+    except H3Error as exc:
+        raise _bad(str(exc)) from None
     return recipes
 
 

@@ -74,13 +74,16 @@ def activation_bytes(config, rows: int, dtype: torch.dtype = torch.bfloat16, mlp
     return int(rows * size * max(attention_stage, mlp_stage) * ACTIVATION_MARGIN)
 
 
-def tensor_bytes(module: nn.Module, skip: str | None = None) -> int:
+def tensor_bytes(module: nn.Module, skip: str | None = None, on: str | None = None) -> int:
+    """Bytes of the module's parameters and buffers, but the `skip` child's; only those on device type `on`
+    when given."""
     total = 0
     for prefix, owner in module.named_modules():
         if skip is not None and (prefix == skip or prefix.startswith(skip + ".")):
             continue
-        total += sum(t.numel() * t.element_size() for t in owner.parameters(recurse=False))
-        total += sum(t.numel() * t.element_size() for t in owner.buffers(recurse=False) if t is not None)
+        for t in [*owner.parameters(recurse=False), *owner.buffers(recurse=False)]:
+            if t is not None and (on is None or t.device.type == on):
+                total += t.numel() * t.element_size()
     return total
 
 

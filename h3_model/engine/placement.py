@@ -22,7 +22,7 @@ from torch import nn
 from ...errors import InputError
 from ..dit.streaming import ADALN, UNITS, BlockStream, forget_units, packed_bytes
 from .memory import (DEFAULT_DEPTH, MemoryPlan, fit, gb, measure, outside_blocks_to, stream_text_encoder,
-                     streamed_minimum)
+                     streamed_minimum, tensor_bytes)
 
 PLACEMENT = "_h3_placement"
 
@@ -52,7 +52,7 @@ class Placement:
     def size(self) -> int:
         """The weights' bytes wherever they are (streamed ones sit in their host buffers)."""
         stream = self.stream
-        return _bytes(self.model) + (stream.host_bytes if stream is not None else 0)
+        return tensor_bytes(self.model) + (stream.host_bytes if stream is not None else 0)
 
     def loaded(self) -> int:
         """Device bytes held now: resident tensors and the stream's slots (a streamed tensor is empty in its
@@ -61,7 +61,7 @@ class Placement:
             return 0
         stream = self.stream
         slots = stream.slot_bytes if stream is not None else 0
-        return _bytes(self.model, on=self.device.type) + slots
+        return tensor_bytes(self.model, on=self.device.type) + slots
 
     def weights_plan(self, room: int | None) -> MemoryPlan:
         """The plan for `room` bytes of weights (activations are the caller's to reserve)."""
@@ -185,21 +185,22 @@ class TextPlacement:
 
     def size(self) -> int:
         stream = self.te.layer_stream
-        return _bytes(self.te.model) + (stream.host_bytes if stream is not None else 0)
+        return tensor_bytes(self.te.model) + (stream.host_bytes if stream is not None else 0)
 
     def loaded(self) -> int:
         if self.device is None:
             return 0
         stream = self.te.layer_stream
-        return _bytes(self.te.model, on=self.device.type) + (stream.slot_bytes if stream is not None else 0)
+        return tensor_bytes(self.te.model, on=self.device.type) + (stream.slot_bytes if stream is not None else 0)
 
     def minimum(self) -> int:
         """GPU bytes with every layer streamed: everything outside the layers and the slots."""
         stream = self.te.layer_stream
         if stream is not None:
-            return _bytes(self.te.model) + self.depth * stream.largest
+            return tensor_bytes(self.te.model) + self.depth * stream.largest
         layers = [packed_bytes(layer) for layer in self.layers]
-        return _bytes(self.te.model) - sum(_bytes(layer) for layer in self.layers) + self.depth * max(layers)
+        outside = tensor_bytes(self.te.model) - sum(tensor_bytes(layer) for layer in self.layers)
+        return outside + self.depth * max(layers)
 
     @property
     def streaming(self) -> bool:
@@ -248,14 +249,6 @@ def _same(a: MemoryPlan, b: MemoryPlan) -> bool:
 
 def _unit_bytes(unit) -> int:
     return unit.nbytes  # aligned like memory.measure's packed sizes
-
-
-def _bytes(module: nn.Module, on: str | None = None) -> int:
-    total = 0
-    for t in [*module.parameters(), *module.buffers()]:
-        if t is not None and (on is None or t.device.type == on):
-            total += t.numel() * t.element_size()
-    return total
 
 
 def _block_to(block: nn.Module, device: torch.device, with_adaln: bool) -> None:

@@ -94,16 +94,25 @@ def _checked(name: str, given: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------ set-up checks
 def check_recipes(recipes: list[Recipe], device, settings, *, step_cache: bool = False,
-                  explicit_steps: bool = False) -> None:
-    """Before loading: every kernel a recipe needs can run here, and nothing it sets is also set by hand."""
-    names = [r.name for r in recipes]
-    if step_cache and "first-block-cache" in names:
-        raise InputError("recipe first-block-cache is a step cache: drop --cache-mode (one step cache per run)")
-    if explicit_steps and "turbo" in names:
-        raise InputError("recipe turbo sets the steps and the video shift: drop --steps / --sigmas")
+                  explicit_steps: bool = False, cache_fix: str = "drop --cache-mode",
+                  steps_fix: str = "drop --steps / --sigmas") -> None:
+    """Before loading: every kernel a recipe needs can run here, and nothing it sets is also set by hand.
+    `cache_fix` / `steps_fix` say, in the front door's own words, how to undo the conflicting setting."""
+    check_conflicts(recipes, step_cache=step_cache, explicit_steps=explicit_steps, cache_fix=cache_fix,
+                    steps_fix=steps_fix)
     for recipe in recipes:
         if recipe.name == "sparse":
             sparse_backend(recipe, device, settings)
+
+
+def check_conflicts(recipes: list[Recipe], *, step_cache: bool, explicit_steps: bool, cache_fix: str,
+                    steps_fix: str) -> None:
+    """Nothing a recipe sets may also be set by hand (one of the two would be ignored)."""
+    names = [r.name for r in recipes]
+    if step_cache and "first-block-cache" in names:
+        raise InputError(f"recipe first-block-cache is a step cache: {cache_fix} (one step cache per run)")
+    if explicit_steps and "turbo" in names:
+        raise InputError(f"recipe turbo sets the steps and the video shift: {steps_fix}")
 
 
 def sparse_backend(recipe: Recipe, device, settings):
@@ -135,25 +144,53 @@ class SparseSchedule:
         return self.sparse
 
 
-def apply_recipes(recipes: list[Recipe], req, dit, device, settings):
-    """`req` (a GenerationRequest) with the recipes' settings: steps and shifts, the step cache, the attention
-    schedule for `dit`; and their description for the outputs."""
+@dataclass
+class RecipeSampling:
+    """What the recipes set for one sampling run besides its attention: evaluations and shifts (turbo) and the
+    step cache (first-block-cache); None where no recipe sets it."""
+
+    evaluations: int | None = None
+    video_shift: float | None = None
+    audio_shift: float | None = None
+    step_cache: object | None = None
+
+
+def recipe_sampling(recipes: list[Recipe], evaluations: int) -> RecipeSampling:
+    """The recipes' settings for a run of `evaluations` DiT forwards (the count turbo replaces). Needs no model:
+    a front door can check it before loading one."""
     from ..pipeline.step_cache import make_step_cache
 
-    changes: dict = {"recipes": [r.describe() for r in recipes]}
+    out = RecipeSampling()
     by_name = {r.name: r for r in recipes}
     turbo = by_name.get("turbo")
     if turbo is not None:
-        changes.update(steps=turbo.params["evaluations"] + 1, video_shift=turbo.params["video_shift"],
-                       audio_shift=turbo.params["audio_shift"], sigmas=None, audio_sigmas=None)
-    steps = changes.get("steps", req.steps)
+        out.evaluations = evaluations = turbo.params["evaluations"]
+        out.video_shift, out.audio_shift = turbo.params["video_shift"], turbo.params["audio_shift"]
     cache = by_name.get("first-block-cache")
     if cache is not None:
-        evaluations = (len(req.sigmas) - 1) if req.sigmas is not None and turbo is None else steps - 1
-        changes["step_cache"] = make_step_cache("first_block", cache.params["threshold"], cache.params["start"],
-                                                cache.params["end"], evaluations=evaluations)
-    sparse = by_name.get("sparse")
-    if sparse is not None:
-        changes["attention_schedule"] = SparseSchedule(dit.attention, sparse_backend(sparse, device, settings),
-                                                       sparse.params["dense_steps"], sparse.params["dense_blocks"])
+        out.step_cache = make_step_cache("first_block", cache.params["threshold"], cache.params["start"],
+                                         cache.params["end"], evaluations=evaluations)
+    return out
+
+
+def sparse_schedule(recipes: list[Recipe], dit, device, settings) -> SparseSchedule | None:
+    """The sparse recipe's attention schedule over `dit`'s own attention (set its kernels first), or None."""
+    sparse = next((r for r in recipes if r.name == "sparse"), None)
+    if sparse is None:
+        return None
+    return SparseSchedule(dit.attention, sparse_backend(sparse, device, settings), sparse.params["dense_steps"],
+                          sparse.params["dense_blocks"])
+
+
+def apply_recipes(recipes: list[Recipe], req, dit, device, settings):
+    """`req` (a GenerationRequest) with the recipes' settings: steps and shifts, the step cache, the attention
+    schedule for `dit`; and their description for the outputs."""
+    run = recipe_sampling(recipes, len(req.sigmas) - 1 if req.sigmas is not None else req.steps - 1)
+    changes: dict = {"recipes": [r.describe() for r in recipes],
+                     "attention_schedule": sparse_schedule(recipes, dit, device, settings)}
+    if run.evaluations is not None:
+        changes.update(steps=run.evaluations + 1, video_shift=run.video_shift, audio_shift=run.audio_shift,
+                       sigmas=None, audio_sigmas=None)
+    if run.step_cache is not None:
+        changes["step_cache"] = run.step_cache
     return dataclasses.replace(req, **changes)

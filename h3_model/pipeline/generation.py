@@ -234,11 +234,11 @@ class Pipeline:
         t0 = time.perf_counter()
         report(Progress("sampling", 0, len(schedule)))
 
+        from .preview import latent_frames
+
         def on_step(s: StepInfo) -> None:
             latents = None
             if s.denoised is not None:
-                from .preview import latent_frames
-
                 latents = (lambda s=s: latent_frames(s.denoised(), dit.config.in_channels, *dims[:3],
                                                      dit.config.patch_size))
             report(Progress("sampling", s.index + 1, s.total, s.seconds, latents))

@@ -3,7 +3,8 @@
 No decoder is needed: the middle latent frame's channels are projected onto their three principal components
 (computed on that frame), each stretched to its 2nd..98th percentile. That shows layout, motion and contrast
 as they form, in false colour; it is a view of the latent, not the clip's colours. Cheap enough for every
-step (one 24x24 eigen-decomposition on the CPU).
+step (one 24x24 eigen-decomposition on the CPU). `decoded_preview` shows a real picture instead when a tiny
+decoder for H3 latents is at hand.
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ def preview_image(latents: torch.Tensor, max_size: int = 512, frames: int = 1) -
     factor = max(1, max_size // max(image.shape[1], image.shape[2]))
     image = image.repeat_interleave(factor, 1).repeat_interleave(factor, 2)
     return image.permute(1, 2, 0).contiguous()
+
+
+def decoded_preview(decoder, latents: torch.Tensor) -> torch.Tensor:
+    """(C, T, H, W) latents -> uint8 (h, w, 3): the middle frame as a tiny video decoder (vae/tiny_decoder.py)
+    makes it, from the three latent frames up to it (its memory blocks need the past)."""
+    middle = latents.shape[1] // 2
+    window = latents[:, max(0, middle - 2):middle + 1].permute(1, 0, 2, 3)  # (T, C, H, W)
+    parameter = next(decoder.parameters())
+    frames = decoder(window.to(parameter.device, parameter.dtype))
+    return (frames[-1].float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu()
 
 
 def png_bytes(image: torch.Tensor) -> bytes:
