@@ -21,6 +21,7 @@ COMMANDS = {
     "make-checkpoint": "make_checkpoint",
     "decode": "decode",
     "serve": "serve",
+    "fleet": "fleet",
     "comfyui-demo": "comfyui_demo",
 }
 

@@ -1,0 +1,292 @@
+"""The fleet's HTTP front: places each job on a ready replica and sends every later call about it to its owner.
+
+  GET    /ready               200 when at least one replica is ready; every replica's state (and error)
+  GET    /fleet               every replica: state, instance, process, queue, active jobs; jobs by state
+  GET    /live                the router answers
+  POST   /generate            as `h3-spark serve`, placed on the ready replica with the fewest queued + running
+                              jobs; the answer names the replica
+  GET    /jobs                every job the router knows, with its replica
+  GET    /jobs/{id}           the owner's record (named `replica`); a lost owner's jobs end `failed` with why
+  DELETE /jobs/{id}           cancel on the owner
+  GET    /jobs/{id}/preview   the owner's preview PNG
+
+The router holds one handle per replica deployment rather than one deployment of N replicas: Ray's handle of a
+multi-replica deployment picks the replica itself, and a poll of job X has to reach the one process that holds
+X. A replica's jobs are declared lost when Ray says its actor died, when it answers with a new instance id (Ray
+restarted it), or when it has not answered for `lost_after_seconds`; a background loop asks every replica for
+its state every `poll_seconds`, so a loss is noticed without any client asking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..app import parse_json, read_body
+from ..jobs import TERMINAL
+from ..validation import Limits, RequestError
+from .ledger import Ledger
+
+RESTARTED = "its process ended and Ray started a new one"
+
+
+class ReplicaGone(Exception):
+    """Ray says the replica's actor died: its jobs are lost."""
+
+
+class ReplicaSilent(Exception):
+    """The replica did not answer (timeout, restarting, unavailable): not routed to, its jobs kept for now."""
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+class Router:
+    def __init__(self, settings: dict, *replicas):
+        self.names = list(settings["replicas"])
+        self.handles = dict(zip(self.names, replicas))
+        self.ledger = Ledger(self.names)
+        self.poll = settings["poll_seconds"]
+        self.timeout = settings["call_timeout_seconds"]
+        self.lost_after = settings["lost_after_seconds"]
+        self.api_key = settings.get("api_key")  # config.Secret or None
+        self.limits = Limits()
+        self._monitor: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ calls to replicas
+    async def call(self, name: str, method: str, *args) -> dict:
+        from ray.exceptions import ActorDiedError, NodeDiedError, RayTaskError, WorkerCrashedError
+
+        try:
+            return await asyncio.wait_for(getattr(self.handles[name], method).remote(*args), self.timeout)
+        except (ActorDiedError, NodeDiedError, WorkerCrashedError) as exc:
+            raise ReplicaGone(f"its actor died: {_last_line(exc)}") from None
+        except RayTaskError:
+            raise  # the replica's own code failed on this call: an internal error, not a lost replica
+        except asyncio.TimeoutError:
+            raise ReplicaSilent(f"no answer within {self.timeout:g} s") from None
+        except Exception as exc:  # noqa: BLE001 - Ray's unavailable/back-pressure errors: try again later
+            raise ReplicaSilent(f"{type(exc).__name__}: {_last_line(exc)}") from None
+
+    async def refresh(self, name: str) -> None:
+        view = self.ledger.views[name]
+        try:
+            status = await self.call(name, "status", view.since)
+        except ReplicaGone as exc:
+            self.ledger.died(name, str(exc))
+            return
+        except ReplicaSilent as exc:
+            self.ledger.unanswered(name, str(exc), self.lost_after)
+            return
+        for job_id in self.ledger.observe(name, status):
+            # Reported failed while the replica was silent: stop them so nothing runs that nobody follows.
+            with contextlib.suppress(ReplicaGone, ReplicaSilent):
+                await self.call(name, "cancel", job_id)
+
+    async def monitor(self) -> None:
+        while True:
+            await asyncio.gather(*(self.refresh(name) for name in self.names), return_exceptions=True)
+            await asyncio.sleep(self.poll)
+
+    # ------------------------------------------------------------------ jobs
+    async def submit(self, body: object) -> tuple[int, dict, dict]:
+        if isinstance(body, dict):
+            taken = self.ledger.output_taken(body.get("output"))
+            if taken is not None:
+                return 409, {"error": f"output {body['output']!r} is being written by job {taken}"}, {}
+        refusals: list[tuple[int, dict, dict]] = []
+        for name in self.ledger.candidates():
+            view = self.ledger.views[name]
+            view.pending += 1
+            try:
+                got = await self.call(name, "submit", body)
+            except ReplicaGone as exc:
+                self.ledger.died(name, str(exc))
+                continue
+            except ReplicaSilent as exc:
+                self.ledger.unanswered(name, str(exc), self.lost_after)
+                continue
+            finally:
+                view.pending -= 1
+            if got["status"] == 202:
+                record = got["body"]
+                self.ledger.placed(record["id"], name, got["instance"], record)
+                url = f"/jobs/{record['id']}"
+                return 202, {"id": record["id"], "state": "queued", "url": url, "replica": name}, {"Location": url}
+            if got["status"] in (429, 503):  # full or not (yet, any more) ready: the next replica may take it
+                refusals.append((got["status"], got["body"], got["headers"]))
+                continue
+            return got["status"], got["body"], got["headers"]
+        full = [r for r in refusals if r[0] == 429]
+        if full:
+            wait = min(int(r[2].get("Retry-After", "10")) for r in full)
+            return 429, {"error": f"every ready replica's queue is full; retry after {wait} s"}, \
+                {"Retry-After": str(wait)}
+        return 503, {"error": f"no replica is ready ({self.ledger.not_ready_reason()})"}, {"Retry-After": "5"}
+
+    async def job(self, job_id: str) -> tuple[int, dict]:
+        entry = self.ledger.entry(job_id) or await self.find(job_id)
+        if entry is None:
+            return 404, {"error": f"no job {job_id}"}
+        if entry.lost or entry.record.get("state") in TERMINAL:
+            return 200, self.ledger.answer(job_id)  # an ended record never changes
+        try:
+            got = await self.call(entry.replica, "job", job_id)
+        except ReplicaGone as exc:
+            self.ledger.died(entry.replica, str(exc))
+            return 200, self.ledger.answer(job_id)
+        except ReplicaSilent as exc:
+            self.ledger.unanswered(entry.replica, str(exc), self.lost_after)
+            return 200, {**self.ledger.answer(job_id), "replica_unreachable": str(exc)}
+        if got["instance"] != entry.instance:
+            self.ledger.lose(entry.replica, entry.instance, RESTARTED)
+        elif got["status"] == 200:
+            self.ledger.record(job_id, entry.replica, entry.instance, got["body"])
+        return 200, self.ledger.answer(job_id)
+
+    async def cancel(self, job_id: str) -> tuple[int, dict, dict]:
+        entry = self.ledger.entry(job_id) or await self.find(job_id)
+        if entry is None:
+            return 404, {"error": f"no job {job_id}"}, {}
+        if entry.lost:
+            return 409, {"error": f"job {job_id} already ended (failed: {entry.record.get('error')})"}, {}
+        try:
+            got = await self.call(entry.replica, "cancel", job_id)
+        except ReplicaGone as exc:
+            self.ledger.died(entry.replica, str(exc))
+            return 409, {"error": f"job {job_id} already ended (failed: {self.ledger.answer(job_id)['error']})"}, {}
+        except ReplicaSilent as exc:
+            self.ledger.unanswered(entry.replica, str(exc), self.lost_after)
+            return 503, {"error": f"replica {entry.replica}, which holds job {job_id}, is not answering ({exc}); "
+                                  f"retry"}, {"Retry-After": "5"}
+        if got["instance"] != entry.instance:
+            self.ledger.lose(entry.replica, entry.instance, RESTARTED)
+            return 409, {"error": f"job {job_id} already ended (failed: {self.ledger.answer(job_id)['error']})"}, {}
+        if got["status"] in (200, 202):
+            self.ledger.record(job_id, entry.replica, entry.instance, got["body"])
+            return got["status"], self.ledger.answer(job_id), {}
+        return got["status"], got["body"], got["headers"]
+
+    async def preview(self, job_id: str) -> tuple[int, dict | bytes]:
+        entry = self.ledger.entry(job_id) or await self.find(job_id)
+        if entry is None:
+            return 404, {"error": f"no job {job_id}"}
+        if entry.lost:
+            return 404, {"error": f"job {job_id} has no preview: {entry.record.get('error')}"}
+        try:
+            got = await self.call(entry.replica, "preview", job_id)
+        except ReplicaGone as exc:
+            self.ledger.died(entry.replica, str(exc))
+            return 404, {"error": f"job {job_id} has no preview: {self.ledger.answer(job_id)['error']}"}
+        except ReplicaSilent as exc:
+            self.ledger.unanswered(entry.replica, str(exc), self.lost_after)
+            return 503, {"error": f"replica {entry.replica}, which holds job {job_id}, is not answering ({exc})"}
+        if got["instance"] != entry.instance:
+            self.ledger.lose(entry.replica, entry.instance, RESTARTED)
+            return 404, {"error": f"job {job_id} has no preview: {self.ledger.answer(job_id)['error']}"}
+        return got["status"], got["body"]
+
+    async def find(self, job_id: str):
+        """A job this router has no record of (it was restarted): ask every replica that answers."""
+        for name in self.names:
+            if self.ledger.views[name].instance is None:
+                continue
+            with contextlib.suppress(ReplicaGone, ReplicaSilent):
+                got = await self.call(name, "job", job_id)
+                if got["status"] == 200:
+                    self.ledger.record(job_id, name, got["instance"], got["body"])
+                    return self.ledger.entry(job_id)
+        return None
+
+    # ------------------------------------------------------------------ reports
+    def ready(self) -> tuple[int, dict]:
+        replicas = self.ledger.report()
+        ready = sum(1 for r in replicas.values() if r["state"] == "ready")
+        return (200 if ready else 503), {"ready": ready > 0, "ready_replicas": ready, "replicas": replicas}
+
+    def fleet(self) -> dict:
+        counts: dict[str, int] = {}
+        for job in self.ledger.jobs():
+            counts[job["state"]] = counts.get(job["state"], 0) + 1
+        return {"replicas": self.ledger.report(), "jobs": counts}
+
+    # ------------------------------------------------------------------ Ray Serve's ASGI hook
+    def __serve_build_asgi_app__(self):
+        return create_router_app(self)
+
+
+def _json(status: int, body, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers or None)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    return JSONResponse({"error": f"{request.method} {request.url.path}: {exc.detail}"}, status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, status_code=500)
+
+
+def create_router_app(router: Router) -> Starlette:
+    async def ready(request: Request) -> JSONResponse:
+        return _json(*router.ready())
+
+    async def fleet(request: Request) -> JSONResponse:
+        return _json(200, router.fleet())
+
+    async def live(request: Request) -> JSONResponse:
+        return _json(200, {"alive": True})
+
+    async def generate(request: Request) -> JSONResponse:
+        try:
+            body = parse_json(await read_body(request, router.limits.max_body_bytes))
+        except RequestError as exc:
+            return _json(exc.status, {"error": str(exc)}, exc.headers)
+        return _json(*await router.submit(body))
+
+    async def jobs(request: Request) -> JSONResponse:
+        queues = {name: view.queue for name, view in router.ledger.views.items()}
+        return _json(200, {"replicas": queues, "jobs": router.ledger.jobs()})
+
+    async def job(request: Request) -> JSONResponse:
+        job_id = request.path_params["job_id"]
+        if request.method == "DELETE":
+            return _json(*await router.cancel(job_id))
+        return _json(*await router.job(job_id))
+
+    async def preview(request: Request) -> Response:
+        status, body = await router.preview(request.path_params["job_id"])
+        if isinstance(body, bytes):
+            return Response(body, media_type="image/png", headers={"Cache-Control": "no-store"})
+        return _json(status, body)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        router._monitor = asyncio.get_running_loop().create_task(router.monitor())
+        try:
+            yield
+        finally:
+            router._monitor.cancel()
+
+    routes = [Route("/ready", ready, methods=["GET"]), Route("/fleet", fleet, methods=["GET"]),
+              Route("/live", live, methods=["GET"]), Route("/generate", generate, methods=["POST"]),
+              Route("/jobs", jobs, methods=["GET"]), Route("/jobs/{job_id}", job, methods=["GET", "DELETE"]),
+              Route("/jobs/{job_id}/preview", preview, methods=["GET"])]
+    middleware = []
+    if router.api_key is not None:
+        from starlette.middleware import Middleware
+
+        from ..auth import BearerAuth
+
+        middleware.append(Middleware(BearerAuth, key=router.api_key.value))
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
