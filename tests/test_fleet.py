@@ -1,0 +1,332 @@
+"""The fleet on Ray Serve (serve/fleet/), on the CPU: a local Ray head with 2 CPUs, tiny synthetic models.
+
+One fleet for the module: replica-1 and replica-2 (`--synthetic tiny --device cpu`, half a CPU and one torch
+thread each) and `broken`, whose models folder does not exist. Routing, job state across clients, the broken
+replica and finally a replica killed mid-job are checked through the fleet's HTTP front, with loops that stop
+at a deadline. The config's one-line errors, the ledger's bookkeeping, the token and a missing Ray need no Ray
+cluster and run first.
+"""
+
+import io
+import random
+import sys
+import time
+import uuid
+
+import pytest
+
+from h3_spark.errors import H3Error, InputError
+from h3_spark.serve.fleet.config import config_from_mapping, load_config
+from h3_spark.serve.fleet.ledger import Ledger
+from ports import free_port
+
+pytest.importorskip("starlette")
+httpx = pytest.importorskip("httpx")
+
+# Ray Serve's own pydantic models warn on import; nothing of ours.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")
+TERMINAL = ("done", "failed", "cancelled")
+KERNEL_ENV = {"H3_MODULATION_FUSION": "off", "H3_Q_RMS_ROPE_INT8_FUSION": "off", "OMP_NUM_THREADS": "1"}
+rng = random.Random()
+
+
+def tiny_serve(out) -> dict:
+    return {"synthetic": "tiny", "synthetic_modes": "t2va", "device": "cpu", "output_dir": str(out)}
+
+
+def body(steps=3, **extra) -> dict:
+    words = ["cat", "piano", "river", "lantern", "fox", "violin", "storm", "garden"]
+    prompt = "a " + " ".join(rng.sample(words, 3))
+    return {"prompt": prompt, "output": f"fleet-{uuid.uuid4().hex[:12]}.mp4", "steps": steps, "width": 64,
+            "height": 64, "frames": 124, "seed": rng.randrange(1 << 30), **extra}
+
+
+# ------------------------------------------------------------------ config (no Ray)
+@pytest.mark.parametrize("mapping, message", [
+    ({"replicas": 0}, "fleet config t: replicas must be 1..256, got 0"),
+    ({"replicas": "two"}, "fleet config t: replicas must be a count or a non-empty list of replicas, got 'two'"),
+    ({"replica": 2}, "fleet config t: unknown setting 'replica' (known: replicas, serve,"),
+    ({"serve": {"host": "0.0.0.0"}}, "fleet config t: replica replica-1: serve option 'host' is not per replica: "
+                                     "the fleet's front listens"),
+    ({"serve": {"gpus": 2}}, "fleet config t: replica replica-1: serve option 'gpus': a replica is one process on "
+                             "one device; the fleet does not run sequence-parallel replicas"),
+    ({"serve": {"bogus_flag": 1}}, "fleet config t: replica replica-1: unrecognized arguments: --bogus-flag 1"),
+    ({"serve": {"device": "cpu"}}, "fleet config t: replica replica-1: the following arguments are required: "
+                                   "--output-dir"),
+    ({"serve": {"queue_size": "many"}}, "fleet config t: replica replica-1: argument --queue-size: invalid int "
+                                        "value: 'many'"),
+    ({"gpus_per_replica": 2}, "fleet config t: gpus_per_replica 2: a replica holds its models on one GPU"),
+    ({"cpus_per_replica": -1}, "fleet config t: cpus_per_replica must be at least 0, got -1"),
+    ({"port": 70000}, "fleet config t: port must be 1..65535, got 70000"),
+    ({"poll_seconds": float("nan")}, "fleet config t: poll_seconds must be a number, got nan"),
+    ({"replicas": [{"name": "a"}, {"name": "a"}]}, "fleet config t: two replicas are named 'a'"),
+    ({"replicas": [{"name": "Bad_Name"}]}, "fleet config t: replica name 'Bad_Name' must be 1-40 of a-z"),
+    ({"env": {"H3_ATTENTION": ["sdpa"]}}, "fleet config t: env H3_ATTENTION must be a string or a number"),
+])
+def test_bad_config_values_are_one_line_errors(tmp_path, mapping, message):
+    if "--output-dir" not in message:
+        mapping = {**mapping, "serve": {"output_dir": str(tmp_path), **mapping.get("serve", {})}}
+    with pytest.raises(InputError) as err:
+        config_from_mapping(mapping, "t")
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_config_file_gives_each_replica_its_serve_flags(tmp_path):
+    path = tmp_path / "fleet.yaml"
+    path.write_text(f"replicas:\n  - name: gpu-a\n  - name: gpu-b\n    serve: {{queue_size: 9}}\n"
+                    f"serve:\n  output_dir: {tmp_path}\n  device: cpu\nport: 8123\nenv: {{H3_ATTENTION: sdpa}}\n")
+    config = load_config(path, {"serve": {"max_steps": 7}, "host": "127.0.0.2"})
+    assert [r.name for r in config.replicas] == ["gpu-a", "gpu-b"]
+    assert config.replicas[1].serve_argv == ("--output-dir", str(tmp_path), "--device", "cpu", "--max-steps", "7",
+                                             "--queue-size", "9")
+    assert config.gpus_per_replica == 0 and config.port == 8123 and config.host == "127.0.0.2"
+    assert config.env == {"H3_ATTENTION": "sdpa"}
+    (tmp_path / "bad.yaml").write_text("replicas: [1\n")
+    with pytest.raises(InputError, match=r"bad.yaml: not valid YAML at line 2$"):
+        load_config(tmp_path / "bad.yaml")
+    with pytest.raises(InputError, match=r"fleet config .*fleet.toml: name a .yaml, .yml or .json file"):
+        (tmp_path / "fleet.toml").write_text("")
+        load_config(tmp_path / "fleet.toml")
+
+
+# ------------------------------------------------------------------ the ledger (no Ray)
+def status(instance, state="ready", jobs=(), now=1.0):
+    return {"instance": instance, "state": state, "queue": {"queued": 0}, "now": now, "jobs": list(jobs)}
+
+
+def test_the_ledger_places_on_the_least_loaded_and_fails_a_lost_instances_jobs():
+    ledger = Ledger(["r1", "r2", "r3"])
+    ledger.observe("r1", status("a"))
+    ledger.observe("r2", status("b"))
+    ledger.observe("r3", status("c", state="failed"))
+    assert ledger.candidates() == ["r1", "r2"]  # never the failed one
+    ledger.placed("j1", "r1", "a", {"id": "j1", "state": "queued", "request": {"output": "x/o.mp4"}})
+    assert ledger.candidates() == ["r2", "r1"]
+    assert ledger.output_taken("x/./o.mp4") == "j1" and ledger.output_taken("o.mp4") is None
+    ledger.placed("j2", "r1", "a", {"id": "j2", "state": "running"})
+    ledger.placed("j3", "r1", "a", {"id": "j3", "state": "done"})
+    # Ray restarted r1: a new instance answers; what ran on the old one is gone.
+    ledger.observe("r1", status("a2"))
+    j1, j2, j3 = (ledger.answer(j) for j in ("j1", "j2", "j3"))
+    assert j1["state"] == "failed" and j1["replica"] == "r1"
+    assert j1["error"] == "replica r1 was lost (its process ended and Ray started a new one) while this job was queued"
+    assert j2["error"].endswith("while this job was running")
+    assert j3["state"] == "done" and j3.get("error") is None
+    assert ledger.output_taken("x/o.mp4") is None
+    # A late record of a lost job from anywhere does not bring it back.
+    ledger.record("j2", "r1", "a", {"id": "j2", "state": "done"})
+    assert ledger.answer("j2")["state"] == "failed"
+
+
+def test_a_silent_replica_loses_its_jobs_only_after_the_grace_period():
+    ledger = Ledger(["r1"])
+    ledger.observe("r1", status("a"))
+    ledger.placed("j1", "r1", "a", {"id": "j1", "state": "running"})
+    ledger.unanswered("r1", "no answer within 10 s", lost_after=30, now=100.0)
+    assert ledger.candidates() == [] and ledger.answer("j1")["state"] == "running"
+    ledger.unanswered("r1", "no answer within 10 s", lost_after=30, now=131.0)
+    assert ledger.answer("j1")["error"] == ("replica r1 was lost (it did not answer for 30 s: no answer within "
+                                            "10 s) while this job was running")
+    # It comes back (same process) still running j1: the router is told to cancel it.
+    assert ledger.observe("r1", status("a", jobs=[{"id": "j1", "state": "running"}])) == ["j1"]
+    assert ledger.answer("j1")["state"] == "failed" and ledger.candidates() == ["r1"]
+
+
+# ------------------------------------------------------------------ Ray absent, the token (no Ray cluster)
+def test_without_ray_the_fleet_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    from h3_spark.cli import main
+    from h3_spark.serve.fleet import require_ray
+    from h3_spark.serve.fleet.app import build_fleet
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+    with pytest.raises(H3Error, match=r"^the fleet needs Ray Serve: pip install 'h3-spark\[fleet\]'"):
+        require_ray()
+    config = config_from_mapping({"serve": {"output_dir": str(tmp_path)}})
+    with pytest.raises(H3Error, match=r"^the fleet needs Ray Serve"):
+        build_fleet(config)
+    assert main(["fleet", "--replicas", "2", "--device", "cpu", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("h3-spark fleet: error: the fleet needs Ray Serve: pip install 'h3-spark[fleet]'")
+    assert err.count("\n") == 1
+
+
+def test_the_front_asks_for_the_token_and_refuses_beyond_loopback_without_one(tmp_path, capsys):
+    from starlette.testclient import TestClient
+
+    from h3_spark.cli import main
+    from h3_spark.serve.fleet.config import Secret
+    from h3_spark.serve.fleet.router import Router, create_router_app
+
+    pytest.importorskip("ray")
+    token = "fleet-token-0123456789abcdef"
+    router = Router({"replicas": [], "poll_seconds": 60, "call_timeout_seconds": 1, "lost_after_seconds": 1,
+                     "api_key": Secret(token)})
+    assert token not in repr(router.api_key)
+    with TestClient(create_router_app(router)) as client:
+        assert client.get("/fleet").status_code == 401
+        assert client.get("/ready", headers={"Authorization": f"Bearer {token}x"}).status_code == 401
+        got = client.get("/ready", headers={"Authorization": f"Bearer {token}"})
+        assert got.status_code == 503 and got.json() == {"ready": False, "ready_replicas": 0, "replicas": {}}
+    assert main(["fleet", "--host", "0.0.0.0", "--device", "cpu", "--output-dir", str(tmp_path)]) == 2
+    assert "--host 0.0.0.0 listens beyond this machine and the API has no token" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the fleet on a local Ray head
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from h3_spark.serve.fleet.app import APP_NAME, build_fleet
+
+    out = tmp_path_factory.mktemp("fleet-out")
+    config = config_from_mapping({
+        "replicas": [{"name": "replica-1"}, {"name": "replica-2"},
+                     {"name": "broken", "serve": {"synthetic": None, "models": str(out / "no-such-models")}}],
+        "serve": tiny_serve(out), "cpus_per_replica": 0.5, "env": KERNEL_ENV, "poll_seconds": 0.25,
+        "call_timeout_seconds": 5, "lost_after_seconds": 60}, "tests")
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_fleet(config), name=APP_NAME, route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=url, timeout=30) as client:
+            until(lambda: client.get("/ready").json()["ready_replicas"] == 2, 90, "two replicas ready")
+        yield {"url": url, "out": out, "ray": ray}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def until(check, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+def wait_job(client, job_id, timeout=60):
+    record = {}
+
+    def ended():
+        nonlocal record
+        record = client.get(f"/jobs/{job_id}").json()
+        return record if record["state"] in TERMINAL else None
+
+    try:
+        return until(ended, timeout, f"job {job_id} ended")
+    except AssertionError:
+        raise AssertionError(f"job {job_id} did not end: {record}") from None
+
+
+def test_ready_reports_each_replica_and_the_broken_ones_error(fleet):
+    with httpx.Client(base_url=fleet["url"], timeout=30) as client:
+        ready = client.get("/ready")
+        view = client.get("/fleet").json()
+        live = client.get("/live")
+    assert ready.status_code == 200 and ready.json()["ready"] is True and ready.json()["ready_replicas"] == 2
+    replicas = ready.json()["replicas"]
+    assert replicas["replica-1"]["state"] == "ready" and replicas["replica-2"]["state"] == "ready"
+    assert replicas["broken"]["state"] == "failed"
+    assert replicas["broken"]["error"] == f"loading failed: {fleet['out'] / 'no-such-models'}: no such model folder " \
+                                          f"(--models)"
+    assert view["replicas"]["broken"]["error"] == replicas["broken"]["error"]
+    assert replicas["replica-1"]["instance"] != replicas["replica-2"]["instance"]
+    assert replicas["replica-1"]["pid"] != replicas["replica-2"]["pid"]
+    assert live.json() == {"alive": True}
+
+
+def test_jobs_spread_over_the_replicas_and_each_call_reaches_the_owner(fleet):
+    with httpx.Client(base_url=fleet["url"], timeout=30) as client:
+        sent = [body() for _ in range(5)]
+        placed = [client.post("/generate", json=b) for b in sent]
+        assert [p.status_code for p in placed] == [202] * 5, [p.json() for p in placed]
+        owners = [p.json()["replica"] for p in placed]
+        assert sorted(owners) == ["replica-1", "replica-1", "replica-1", "replica-2", "replica-2"] or \
+            sorted(owners) == ["replica-1", "replica-1", "replica-2", "replica-2", "replica-2"], owners
+        # The last one waits behind its replica's first: cancelled on its owner.
+        last = placed[-1].json()["id"]
+        cancel = client.delete(f"/jobs/{last}")
+        assert cancel.status_code in (200, 202) and cancel.json()["replica"] == owners[-1]
+        records = [wait_job(client, p.json()["id"]) for p in placed]
+        for record, sent_body, owner in zip(records[:4], sent, owners):
+            assert record["state"] == "done", record
+            assert record["replica"] == owner and record["request"]["prompt"] == sent_body["prompt"]
+            assert record["request"]["seed"] == sent_body["seed"]
+            assert (fleet["out"] / sent_body["output"]).stat().st_size > 0
+        assert records[4]["state"] == "cancelled"
+        png = client.get(f"/jobs/{records[0]['id']}/preview")
+        assert png.status_code == 200 and png.headers["content-type"] == "image/png"
+        from PIL import Image
+
+        assert Image.open(io.BytesIO(png.content)).size[0] > 0
+        again = client.delete(f"/jobs/{records[0]['id']}")
+        assert again.status_code == 409 and "already ended (done)" in again.json()["error"]
+        listed = {j["id"]: j for j in client.get("/jobs").json()["jobs"]}
+        assert all(listed[p.json()["id"]]["replica"] == o for p, o in zip(placed, owners))
+        stranger = uuid.uuid4().hex
+        for method, path in (("GET", f"/jobs/{stranger}"), ("DELETE", f"/jobs/{stranger}"),
+                             ("GET", f"/jobs/{stranger}/preview")):
+            got = client.request(method, path)
+            assert got.status_code == 404 and got.json() == {"error": f"no job {stranger}"}
+        # Two live jobs may not write one output, whichever replicas they land on.
+        same = body(steps=6)
+        first = client.post("/generate", json=same)
+        clash = client.post("/generate", json={**same, "seed": 1})
+        assert clash.status_code == 409 and clash.json()["error"] == \
+            f"output {same['output']!r} is being written by job {first.json()['id']}"
+        assert wait_job(client, first.json()["id"])["state"] == "done"
+        view = client.get("/fleet").json()
+    assert view["replicas"]["broken"]["assigned"] == 0
+
+
+def test_job_state_survives_the_client(fleet):
+    sent = body()
+    with httpx.Client(base_url=fleet["url"], timeout=30) as first:
+        job_id = first.post("/generate", json=sent).json()["id"]
+    time.sleep(0.5)
+    with httpx.Client(base_url=fleet["url"], timeout=30) as later:
+        record = wait_job(later, job_id)
+    assert record["state"] == "done" and record["output"] and record["request"]["prompt"] == sent["prompt"]
+
+
+def test_a_killed_replicas_jobs_fail_with_the_reason_and_the_fleet_keeps_serving(fleet):
+    ray = fleet["ray"]
+    with httpx.Client(base_url=fleet["url"], timeout=30) as client:
+        placed = [client.post("/generate", json=body(steps=8)).json() for _ in range(4)]
+        victims = [p["id"] for p in placed if p["replica"] == "replica-1"]
+        survivors = [p["id"] for p in placed if p["replica"] == "replica-2"]
+        assert len(victims) == 2 and len(survivors) == 2, placed
+        until(lambda: client.get(f"/jobs/{victims[0]}").json()["state"] == "running", 30, "replica-1's job running")
+        before = client.get("/fleet").json()["replicas"]["replica-1"]
+        ray.kill(ray.get_actor(before["actor"], namespace="serve"), no_restart=True)
+
+        ended = {p["id"]: wait_job(client, p["id"], timeout=60) for p in placed}
+        for job_id in victims:
+            assert ended[job_id]["state"] == "failed", ended[job_id]
+            assert ended[job_id]["error"].startswith("replica replica-1 was lost (")
+            assert ended[job_id]["error"].endswith(("while this job was running", "while this job was queued"))
+        assert ended[victims[0]]["error"].endswith("while this job was running")
+        assert [ended[j]["state"] for j in survivors] == ["done", "done"]
+
+        # New work goes to whoever is ready: replica-2 now, the restarted replica-1 once it has loaded.
+        fresh = client.post("/generate", json=body())
+        assert fresh.status_code == 202 and fresh.json()["replica"] == "replica-2"
+        assert wait_job(client, fresh.json()["id"])["state"] == "done"
+
+        def restarted():
+            view = client.get("/fleet").json()["replicas"]["replica-1"]
+            return view if view["state"] == "ready" and view["instance"] != before["instance"] else None
+
+        after = until(restarted, 60, "replica-1 restarted by Ray and ready")
+        assert after["pid"] != before["pid"]
+        pair = [client.post("/generate", json=body()).json() for _ in range(2)]
+        assert sorted(p["replica"] for p in pair) == ["replica-1", "replica-2"]
+        assert [wait_job(client, p["id"])["state"] for p in pair] == ["done", "done"]
+        counts = client.get("/fleet").json()["jobs"]
+    assert "queued" not in counts and "running" not in counts
