@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -108,6 +109,10 @@ def watch(serve, app_name: str) -> None:
         time.sleep(WATCH_SECONDS)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run(args) -> int:
     from ..serve.auth import check_binding, read_api_key
     from ..serve.fleet import require_ray
@@ -122,6 +127,9 @@ def run(args) -> int:
     import ray
 
     owns_ray = start_ray(args)
+    # A supervisor stops the fleet with SIGTERM: the same clean shutdown as Ctrl-C (Serve, then Ray). Set after
+    # ray.init, which installs its own handler.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         serve.start(http_options={"host": config.host, "port": config.port}, proxy_location="HeadOnly")
         serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
