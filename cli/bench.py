@@ -39,6 +39,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--attention", default=None, help="attention backend (default: $H3_ATTENTION or auto)")
     p.add_argument("--linear", default=None, help="block linear format (default: $H3_LINEAR or auto)")
     p.add_argument("--repeats", type=int, default=None, help="override the contract's repeat count")
+    p.add_argument("--warmup", type=int, default=None, help="override the contract's warm-up forwards")
+    p.add_argument("--steps", type=int, default=None,
+                   help="override the contract's steps (the generation's and the measured evaluation's)")
     p.add_argument("--text-encoder-layer", type=int, default=50, help="with --models: the Qwen3-VL layer read")
     p.add_argument("--generation", action="store_true",
                    help="with --synthetic: also build the text encoder and both VAEs (random weights) and measure a "
@@ -46,9 +49,10 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--cache-modes", default="",
                    help="with a generation: comma-separated step caches (easycache,h3_cache) to measure against "
                         "the uncached run: steps reused, sampling time, latent error")
-    p.add_argument("--recipe", default=None, metavar="sparse[:key=value,...]",
+    p.add_argument("--recipe", action="append", default=None, metavar="NAME[:key=value,...]",
                    help="with --vs exact: the fast side runs the sparse recipe's attention schedule at the first "
-                        "evaluation it makes sparse (per-block and final drift from the exact path)")
+                        "evaluation it makes sparse (per-block and final drift from the exact path); with a "
+                        "generation: the measured render runs with the recipes (repeatable; any recipe)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one warm forward: CUDA time per kernel group and the slowest kernels (CUDA only)")
     add_budget_flags(p)
@@ -156,6 +160,12 @@ def preflight(args) -> tuple:
         if args.repeats < 1:
             raise InputError(f"--repeats must be at least 1, got {args.repeats}")
         contract.data["repeats"] = args.repeats
+    for flag, key, least in (("warmup", "warmup", 0), ("steps", "steps", 2)):
+        value = getattr(args, flag)
+        if value is not None:
+            if value < least:
+                raise InputError(f"--{flag} must be at least {least}, got {value}")
+            contract.data[key] = value
     cache_modes = generation_flags(args)
     out = check_out(args.out)
     if args.profile and not device.startswith("cuda"):
@@ -163,7 +173,7 @@ def preflight(args) -> tuple:
     settings = kernel_settings(args.attention, args.linear)
     args.settings = settings
     check_budget_flags(args)
-    args.recipes = check_bench_recipe(args, device, settings)
+    args.recipes = check_bench_recipe(args, device, settings, generation=bool(args.generation or args.models))
     if args.vs == "diffusers":
         from ..measure.diffusers_ref import diffusers_transformer_class
 
@@ -171,16 +181,24 @@ def preflight(args) -> tuple:
     return device, contract, settings, cache_modes, out
 
 
-def check_bench_recipe(args, device: str, settings) -> list:
-    """--recipe: only with --vs exact, and only the recipe that changes a forward (sparse)."""
+def check_bench_recipe(args, device: str, settings, generation: bool) -> list:
+    """--recipe: with --vs exact only the recipe that changes a forward (sparse); with a generation, any."""
     from ..errors import InputError
     from ..h3_model.engine.recipes import check_recipes, parse_recipes
 
-    if args.recipe is None:
+    if not args.recipe:
         return []
-    recipes = parse_recipes([args.recipe])
+    recipes = parse_recipes(args.recipe)
+    if generation:
+        check_recipes(recipes, device, settings, explicit_steps=args.steps is not None,
+                      steps_fix="leave --steps out")
+        if args.cache_modes:
+            raise InputError("--recipe with --cache-modes: the recipes' render is measured on its own; "
+                             "leave --cache-modes out")
+        return recipes
     if args.vs != "exact":
-        raise InputError("--recipe measures a recipe's drift from the exact path: add --vs exact")
+        raise InputError("--recipe measures a recipe's drift from the exact path (add --vs exact) or a render "
+                         "with the recipes (add --generation with --synthetic, or --models)")
     if [r.name for r in recipes] != ["sparse"]:
         raise InputError("bench --recipe takes sparse, the recipe that changes a forward; turbo and "
                          "first-block-cache change the sampling (measure them with a generation)")
@@ -347,7 +365,7 @@ def run(args) -> int:
         else:
             engine.components.vae.tile_batch = vae_tile_batch()
             result["vae_kernels"] = apply_vae_kernels(engine.components.vae, settings)
-        result["generation"] = runner.bench_generation(engine, contract, device, cache_modes)
+        result["generation"] = runner.bench_generation(engine, contract, device, cache_modes, args.recipes)
         if build_s is not None:
             result["generation"]["component_build_s"] = build_s
     from ..kernels.dispatch import attention_counts

@@ -220,32 +220,100 @@ def contract_request(contract: Contract):
                              reference_policy=(contract.get("references") or [{}])[0].get("policy", "match"))
 
 
-def bench_generation(engine, contract: Contract, device: str, cache_modes: tuple[str, ...] = ()) -> dict:
-    """One warm full generation (after a 2-step warm-up of every stage): seconds per stage, mux included.
+# The warm-up render's length: every stage's kernels load on the shortest clip H3 makes (5 s); the DiT at the
+# contract's length was warmed by the forwards measured before, and a 345-frame warm-up would cost a minute.
+WARMUP_FRAMES = 124
 
-    Each of `cache_modes` then samples the same request again with that step cache (its default
-    settings): steps computed and reused, the whole render's seconds per stage, and the final latents' rel L2
-    against the uncached run."""
+
+def bench_generation(engine, contract: Contract, device: str, cache_modes: tuple[str, ...] = (),
+                     recipes: list | None = None) -> dict:
+    """One warm full generation (after a 2-step, short warm-up of every stage): seconds and peak GPU memory per
+    stage, mux included, and the video decode's memory plan beside what it measured.
+
+    With `recipes` the measured render runs with them (engine/recipes.py). Each of `cache_modes` then samples
+    the same request again with that step cache (its default settings): steps computed and reused, the whole
+    render's seconds per stage, and the final latents' rel L2 against the uncached run."""
     req = contract_request(contract)
-    engine.generate(dataclasses.replace(req, steps=2))
+    engine.generate(dataclasses.replace(req, steps=2, frames=min(req.frames, WARMUP_FRAMES)))
+    if recipes:
+        from ..h3_model.engine.recipes import apply_recipes
+
+        req = apply_recipes(recipes, req, engine.components.dit_for(contract["mode"]), device, engine.settings)
     # Warm kernels, cold caches: the measured request encodes its prompt and references like a new one.
     engine.clear_caches()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    result, _, total = _timed_render(engine, req)
+    memory = StageMemory(device)
+    result, _, total = _timed_render(engine, req, on_progress=memory.on_progress)
+    stage_peaks = memory.finish()
     steps = result.info.get("step_seconds") or []
     out = {"stage_s": result.timings, "total_s": total, "sequence_length": result.info["sequence_length"],
            "text_tokens": result.info.get("text_tokens"), "evaluations": result.info["evaluations"],
-           "step_s_median": statistics.median(steps) if steps else None, "frames": int(result.video.shape[0]),
-           "peak_gpu_memory_gb": _peak(device), "peak_host_rss_gb": _peak_rss(),
+           "step_s_median": statistics.median(steps) if steps else None, "step_s_all": steps,
+           "frames": int(result.video.shape[0]),
+           "peak_gpu_memory_gb": max((p["peak_gb"] for p in stage_peaks.values()), default=None),
+           "stage_gpu_memory_gb": stage_peaks or None, "peak_host_rss_gb": _peak_rss(),
+           "video_decode_plan": _decode_plan(engine, req, result.video_latents),
            "latents_finite": bool(result.video_latents.isfinite().all()),
            "prompt_cache_hit": result.info.get("prompt_cache_hit"),
            "reference_cache_hits": result.info.get("reference_cache_hits"),
-           "note": "warm: every stage ran once before (2 steps); prompt and reference caches cleared before this run"}
+           "note": f"warm: every stage ran once before (2 steps, at most {WARMUP_FRAMES} frames, the contract's canvas); "
+                   "prompt and reference caches cleared before this run"}
+    if recipes:
+        out["recipes"] = result.info.get("recipes")
+        out["step_cache"] = result.info.get("step_cache")
     if cache_modes:
         out["step_caches"] = bench_step_caches(engine, req, result, cache_modes)
     return out
+
+
+class StageMemory:
+    """Peak GPU memory per pipeline stage, from the progress reports: at each new stage the previous stage's
+    peak is read and the counter reset. CUDA only (empty elsewhere)."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.stage: str | None = None
+        self.start_gb = 0.0
+        self.peaks: dict[str, dict] = {}
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_progress(self, progress) -> None:
+        if progress.stage != self.stage:
+            self._close()
+            self.stage = progress.stage
+            if self.cuda:
+                self.start_gb = torch.cuda.memory_allocated() / 1e9
+
+    def _close(self) -> None:
+        if self.stage is None or not self.cuda:
+            return
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 1e9
+        self.peaks[self.stage] = {"peak_gb": round(peak, 3), "at_start_gb": round(self.start_gb, 3),
+                                  "above_start_gb": round(peak - self.start_gb, 3)}
+        torch.cuda.reset_peak_memory_stats()
+
+    def finish(self) -> dict[str, dict]:
+        self._close()
+        self.stage = None
+        return self.peaks
+
+
+def _decode_plan(engine, req, video_latents: torch.Tensor) -> dict | None:
+    """vae/video.py's computed peak of this decode (weights, largest transient, window), GB."""
+    from ..h3_model.vae.video import decode_memory_estimate
+    from ..kernels.settings import DEFAULT_TILE_BATCH
+
+    vae = engine.components.vae
+    if vae is None:
+        return None
+    _, _, frames, height, width = video_latents.shape
+    estimate = decode_memory_estimate(vae.config, frames, height, width, decode_dtype=vae.decode_dtype,
+                                      tile_size=req.vae_tile_size,
+                                      tile_batch=getattr(vae, "tile_batch", DEFAULT_TILE_BATCH))
+    return {"tile_size": req.vae_tile_size, "latent_frames": frames,
+            **{k: round(v / 1e9, 3) for k, v in estimate.items()}}
 
 
 def bench_step_caches(pipe, req, uncached, modes: tuple[str, ...]) -> dict:
@@ -282,7 +350,7 @@ def _peak_rss() -> float | None:
     return round(peak * (1 if sys.platform == "darwin" else 1024) / 1e9, 2)
 
 
-def _timed_render(pipe, req) -> tuple[object, dict, float]:
+def _timed_render(pipe, req, on_progress=None) -> tuple[object, dict, float]:
     """One generation and its mux, as `h3-spark generate` runs them (frames encoded while later windows
     decode): (result, seconds per stage, total seconds). "mux" is what is left after the decode."""
     import tempfile
@@ -292,7 +360,7 @@ def _timed_render(pipe, req) -> tuple[object, dict, float]:
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         with media.mp4_writer(f"{tmp}/bench.mp4") as stream:
-            result = pipe.generate(req, on_frames=stream.add)
+            result = pipe.generate(req, on_frames=stream.add, on_progress=on_progress)
             t0 = time.perf_counter()
             stream.finish(result.audio)
             result.timings["mux"] = time.perf_counter() - t0

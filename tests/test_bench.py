@@ -136,11 +136,46 @@ def test_synthetic_generation_with_step_caches(tmp_path, capsys, monkeypatch):
     assert gen["step_caches"]["easycache"]["reused_steps"] > 0
 
 
+def test_bench_generation_with_recipes_renders_with_them_and_reports_memory_per_stage(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """turbo + first-block-cache on the tiny models: the render runs turbo's evaluations through the cache,
+    stamps both, and reports the decode's memory plan (no CUDA here: no per-stage GPU peaks)."""
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
+
+    if not ensure_importable():
+        pytest.skip("the Qwen3-VL processors need torchvision")
+    monkeypatch.setenv("H3_MODULATION_FUSION", "off")
+    monkeypatch.setenv("H3_Q_RMS_ROPE_INT8_FUSION", "off")
+    out = tmp_path / "r.json"
+    code = main(["bench", "--contract", str(ROOT / "tests" / "data" / "tiny-t2va.json"), "--synthetic", "--preset",
+                 "tiny", "--generation", "--recipe", "turbo:evaluations=5", "--recipe",
+                 "first-block-cache:threshold=0.5", "--warmup", "0", "--repeats", "1", "--dtype", "float32",
+                 "--device", "cpu", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    gen = json.loads(out.read_text())["generation"]
+    assert gen["evaluations"] == 5 and len(gen["step_s_all"]) == 5
+    assert [r["name"] for r in gen["recipes"]] == ["turbo", "first-block-cache"]
+    assert gen["recipes"][0]["evaluations"] == 5
+    cache = gen["step_cache"]
+    assert len(cache["computed"]) + len(cache["reused"]) == 5 and cache["threshold"] == 0.5
+    assert gen["stage_gpu_memory_gb"] is None and gen["peak_gpu_memory_gb"] is None
+    plan = gen["video_decode_plan"]
+    assert plan["device_peak"] == pytest.approx(plan["weights"] + plan["transient"] + plan["window"], abs=2e-3)
+    assert plan["latent_frames"] > 0 and plan["host_buffer"] > 0
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--generation"], "--generation builds synthetic components"),
     (["--synthetic", "--cache-modes", "easycache"], "--cache-modes needs a generation"),
     (["--synthetic", "--generation", "--cache-modes", "fastest"], "unknown cache mode(s) ['fastest']"),
     (["--synthetic", "--generation", "--vs", "exact"], "--vs exact measures DiT forwards only"),
+    (["--synthetic", "--generation", "--recipe", "turbo", "--steps", "9"],
+     "recipe turbo sets the steps and the video shift: leave --steps out"),
+    (["--synthetic", "--generation", "--recipe", "first-block-cache", "--cache-modes", "easycache"],
+     "--recipe with --cache-modes: the recipes' render is measured on its own"),
+    (["--synthetic", "--generation", "--recipe", "sparse"], "recipe sparse needs Sol-Attn"),
+    (["--synthetic", "--steps", "1"], "--steps must be at least 2, got 1"),
+    (["--synthetic", "--warmup", "-1"], "--warmup must be at least 0, got -1"),
 ])
 def test_generation_flag_errors(tmp_path, capsys, extra, message):
     argv = ["bench", "--contract", str(ROOT / "tests" / "data" / "tiny-ref2va.json"), "--device", "cpu",
@@ -290,7 +325,7 @@ def test_a_checkpoint_made_here_is_named_synthetic_in_the_result(tmp_path):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--recipe", "sparse"], "--recipe measures a recipe's drift from the exact path: add --vs exact"),
+    (["--recipe", "sparse"], "--recipe measures a recipe's drift from the exact path (add --vs exact) or a render"),
     (["--recipe", "turbo", "--vs", "exact"], "bench --recipe takes sparse, the recipe that changes a forward"),
     (["--recipe", "sparse", "--vs", "exact"], "recipe sparse needs Sol-Attn"),
     (["--recipe", "sparse:tau=-1", "--vs", "exact"], "recipe sparse: tau must be >= 0.0"),

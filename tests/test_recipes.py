@@ -83,6 +83,10 @@ def test_bad_recipes_are_refused_in_one_line(texts, message):
 def test_set_up_checks_name_what_is_missing_or_doubled():
     with pytest.raises(InputError, match=r"^recipe sparse needs Sol-Attn: sol_attn .*CUDA"):
         check_recipes(parse_recipes(["sparse"]), "cpu", KernelSettings())
+    # fa3_fp8's Q/K prep hands the blocks FP8 heads (seen on the H200 mid-render): refused at set-up instead.
+    with pytest.raises(InputError, match=r"^recipe sparse runs Sol-Attn on bf16 heads, but attention fa3_fp8 "
+                                         r"quantizes Q/K/V to FP8 .*attention fa3 or sdpa"):
+        check_recipes(parse_recipes(["sol-engine"]), "cuda", KernelSettings().replace(attention="fa3_fp8"))
     with pytest.raises(InputError, match="recipe first-block-cache is a step cache: drop --cache-mode"):
         check_recipes(parse_recipes(["first-block-cache"]), "cpu", KernelSettings(), step_cache=True)
     with pytest.raises(InputError, match="recipe turbo sets the steps and the video shift"):

@@ -30,6 +30,7 @@ PARAMETERS: dict[str, dict[str, tuple]] = {
     "turbo": {"evaluations": (8, 1, 100), "video_shift": (6.0, 0.0, None), "audio_shift": (3.0, 0.0, None)},
 }
 BUNDLES = {"sol-engine": ("sparse", "first-block-cache")}
+QUANTIZED_HEADS = ("fa3_fp8",)  # attention backends whose Q/K prep writes FP8 heads
 NAMES = (*PARAMETERS, *BUNDLES)
 
 
@@ -121,6 +122,11 @@ def sparse_backend(recipe: Recipe, device, settings):
     from ...kernels.settings import ATTENTION_BACKENDS, KernelSettings
 
     settings = settings or KernelSettings()
+    if settings.attention in QUANTIZED_HEADS:
+        # The fused Q/K prep of these backends hands every block FP8 heads; Sol-Attn takes bf16/fp16 ones.
+        raise InputError(f"recipe sparse runs Sol-Attn on bf16 heads, but attention {settings.attention} "
+                         f"quantizes Q/K/V to FP8 before any block sees them: run the recipe with attention fa3 "
+                         f"or sdpa (FP8 linears combine with it)")
     fallback = settings.attention if settings.attention in ATTENTION_BACKENDS and settings.attention not in (
         "sol_attn", "kj_head_sliced") else "sdpa"
     sol = dataclasses.replace(settings.sol, tau=float(recipe.params["tau"]), fallback=fallback)
