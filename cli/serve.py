@@ -181,7 +181,8 @@ def run(args) -> int:
         if "WORLD_SIZE" not in os.environ:
             return relaunch_with_torchrun(args.gpus, command_argv(args), args.nnodes, args.node_rank,
                                           args.rdzv_endpoint)
-        from ..serve.lockstep import Lockstep, follow, rank_log
+        from ..serve.follower import follow, rank_log
+        from ..serve.lockstep import Lockstep
 
         lockstep = Lockstep.join(*init_distributed(args.gpus, args.device, args.nnodes))
         if lockstep.rank > 0:

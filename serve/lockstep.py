@@ -5,8 +5,8 @@ SequenceParallelDiT, so one generation needs every rank inside the same collecti
 order. Rank 0 runs the HTTP service as with one GPU; for each job its JobRunner broadcasts a message
 (the validated request, the input paths, the tile and chunk settings), and each follower builds the
 same GenerationRequest from it (execute.build_generation), switches to the same attention backend
-and runs the same `pipeline.generate`; only rank 0 writes the output. A None message ends the
-followers; rank 0 sends it when the service stops.
+and runs the same `pipeline.generate` (follower.py: the followers' loop); only rank 0 writes the output.
+A None message ends the followers; rank 0 sends it when the service stops.
 
 Two process groups:
   * the default one (NCCL on GPUs, gloo on CPUs) carries the DiT's all-to-alls, the shared video
@@ -27,12 +27,8 @@ group's timeout (NCCL: 10 minutes unless torch is told otherwise); the service i
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import signal
-import sys
 import threading
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -179,50 +175,3 @@ def load_in_lockstep(load: Callable[[], object], lockstep: Lockstep, leader: Lea
         if leader is not None:
             leader.ready = True
     return models
-
-
-def follow(lockstep: Lockstep, load: Callable[[], object], log: Callable[[str], None]) -> int:
-    """A follower rank (> 0): load, then run every job rank 0 sends until it sends None. Returns 0.
-
-    SIGINT and SIGTERM are ignored: torchrun sends them to every rank at once, and a follower that died
-    then would leave rank 0 in the middle of a collective instead of cancelling the job and sending None.
-    (torchrun kills what is still running with SIGKILL 30 s after its own signal.)
-    """
-    from ..h3_model.pipeline.sampler import Cancelled
-    from .execute import free_memory, prepare_job
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    models = load_in_lockstep(load, lockstep)
-    log(f"rank {lockstep.rank} of {lockstep.world} on {lockstep.device}: models resident; following rank 0")
-    while True:
-        # A failure here (rank 0 is gone) ends the loop: there is nobody left to follow.
-        message = lockstep.receive()
-        if message is None:
-            log("rank 0 shut the service down")
-            return 0
-        job_id = message["id"]
-        out_of_memory = False
-        try:
-            with contextlib.ExitStack() as stack:
-                generation, _ = prepare_job(models, message, lockstep, stack)
-                models.generate(generation, cancel=LockstepCancel())  # rank 0 writes the output
-            log(f"job {job_id} done")
-        except Cancelled as exc:
-            log(f"job {job_id} {exc}")
-        except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
-            out_of_memory = True
-            log(f"job {job_id}: out of memory: {exc}")
-        except H3Error as exc:
-            log(f"job {job_id} failed: {exc}")
-        except Exception:  # noqa: BLE001 - one job's failure must not end the follower
-            log(f"job {job_id} failed:\n{traceback.format_exc()}")
-        if out_of_memory:
-            free_memory()  # outside the except block, once the failed job's frames are gone
-
-
-def rank_log(rank: int) -> Callable[[str], None]:
-    def log(message: str) -> None:
-        print(f"h3-spark serve (rank {rank}): {message}", file=sys.stderr, flush=True)
-
-    return log
