@@ -132,6 +132,41 @@ def test_a_silent_replica_loses_its_jobs_only_after_the_grace_period():
     assert ledger.answer("j1")["state"] == "failed" and ledger.candidates() == ["r1"]
 
 
+def test_the_fronts_metrics_count_replica_states_jobs_and_losses():
+    """The router's /metrics from its ledger: states, queues, jobs by replica, and a restart's losses."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from h3_spark.serve.fleet.metrics import FleetMetrics
+
+    ledger = Ledger(["r1", "r2"])
+    ledger.observe("r1", {**status("a"), "queue": {"queued": 2}})
+    ledger.observe("r2", status("b", state="failed"))
+    placed = rng.randint(2, 5)
+    for i in range(placed):
+        ledger.placed(f"j{i}", "r1", "a", {"id": f"j{i}", "state": "running" if i == 0 else "queued"})
+    ledger.placed("done1", "r1", "a", {"id": "done1", "state": "done"})
+    ledger.observe("r1", status("a2"))  # restarted: the placed jobs are lost, the done one stays done
+    text, media_type = FleetMetrics(ledger).render()
+    assert media_type.startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+
+    def value(name, **labels):
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert value("h3_spark_fleet_replica_state", replica="r1", state="ready") == 1
+    assert value("h3_spark_fleet_replica_state", replica="r2", state="failed") == 1
+    assert value("h3_spark_fleet_replica_state", replica="r2", state="ready") == 0
+    assert value("h3_spark_fleet_replica_queue_depth", replica="r1") == 0  # the new process's queue
+    assert value("h3_spark_fleet_jobs", replica="r1", state="failed") == placed
+    assert value("h3_spark_fleet_jobs", replica="r1", state="done") == 1
+    assert value("h3_spark_fleet_jobs", replica="r1", state="running") == 0
+    assert value("h3_spark_fleet_jobs_lost_total", replica="r1") == placed
+    assert value("h3_spark_fleet_replica_processes_lost_total", replica="r1") == 1
+    assert value("h3_spark_fleet_replica_processes_lost_total", replica="r2") == 0
+
+
 # ------------------------------------------------------------------ Ray absent, the token (no Ray cluster)
 def test_without_ray_the_fleet_says_how_to_install_it(monkeypatch, tmp_path, capsys):
     from h3_spark.cli import main
@@ -168,6 +203,9 @@ def test_the_front_asks_for_the_token_and_refuses_beyond_loopback_without_one(tm
         assert client.get("/ready", headers={"Authorization": f"Bearer {token}x"}).status_code == 401
         got = client.get("/ready", headers={"Authorization": f"Bearer {token}"})
         assert got.status_code == 503 and got.json() == {"ready": False, "ready_replicas": 0, "replicas": {}}
+        assert client.get("/metrics").status_code == 401
+        got = client.get("/metrics", headers={"Authorization": f"Bearer {token}"})
+        assert got.status_code == 200 and "h3_spark_fleet_jobs" in got.text
     assert main(["fleet", "--host", "0.0.0.0", "--device", "cpu", "--output-dir", str(tmp_path)]) == 2
     assert "--host 0.0.0.0 listens beyond this machine and the API has no token" in capsys.readouterr().err
 
@@ -329,4 +367,9 @@ def test_a_killed_replicas_jobs_fail_with_the_reason_and_the_fleet_keeps_serving
         assert sorted(p["replica"] for p in pair) == ["replica-1", "replica-2"]
         assert [wait_job(client, p["id"])["state"] for p in pair] == ["done", "done"]
         counts = client.get("/fleet").json()["jobs"]
+        metrics = client.get("/metrics").text
     assert "queued" not in counts and "running" not in counts
+    # The front's metrics saw the loss: one process of replica-1, its two jobs.
+    assert 'h3_spark_fleet_replica_processes_lost_total{replica="replica-1"} 1.0' in metrics
+    assert 'h3_spark_fleet_jobs_lost_total{replica="replica-1"} 2.0' in metrics
+    assert 'h3_spark_fleet_jobs_lost_total{replica="replica-2"} 0.0' in metrics

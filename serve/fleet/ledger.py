@@ -54,6 +54,9 @@ class Ledger:
         self.entries: dict[str, Entry] = {}
         self.lost_instances: set[tuple[str, str]] = set()
         self.keep_finished = keep_finished
+        # Since the router started, per replica (the /metrics counters): processes lost, jobs ended by it.
+        self.processes_lost = {name: 0 for name in names}
+        self.jobs_lost = {name: 0 for name in names}
 
     # ------------------------------------------------------------------ what the replicas say
     def observe(self, name: str, status: dict) -> list[str]:
@@ -104,6 +107,7 @@ class Ledger:
         if (name, instance) in self.lost_instances:
             return
         self.lost_instances.add((name, instance))
+        self.processes_lost[name] += 1
         now = time.time()
         for job_id, entry in self.entries.items():
             if entry.replica == name and entry.instance == instance and not entry.lost:
@@ -111,6 +115,7 @@ class Ledger:
                 if state in TERMINAL:
                     continue
                 entry.lost = True
+                self.jobs_lost[name] += 1
                 entry.record = {**entry.record, "state": "failed", "finished": now,
                                 "error": f"replica {name} was lost ({why}) while this job was {state}"}
 

@@ -3,6 +3,7 @@
   GET    /ready               200 when at least one replica is ready; every replica's state (and error)
   GET    /fleet               every replica: state, instance, process, queue, active jobs; jobs by state
   GET    /live                the router answers
+  GET    /metrics             Prometheus text: replica states and queues, jobs by replica and state, losses
   POST   /generate            as `h3-spark serve`, placed on the ready replica with the fewest queued + running
                               jobs; the answer names the replica
   GET    /jobs                every job the router knows, with its replica
@@ -60,6 +61,11 @@ class Router:
         self.api_key = settings.get("api_key")  # config.Secret or None
         self.limits = Limits()
         self._monitor: asyncio.Task | None = None
+        from ..metrics import available
+        from .metrics import FleetMetrics
+
+        # prometheus-client comes with the fleet extra; without it /metrics says how to get it.
+        self.metrics = FleetMetrics(self.ledger) if available() else None
 
     # ------------------------------------------------------------------ calls to replicas
     async def call(self, name: str, method: str, *args) -> dict:
@@ -246,6 +252,12 @@ def create_router_app(router: Router) -> Starlette:
     async def live(request: Request) -> JSONResponse:
         return _json(200, {"alive": True})
 
+    async def metrics(request: Request) -> Response:
+        if router.metrics is None:
+            return _json(501, {"error": "/metrics needs prometheus-client: pip install 'h3-spark[fleet]'"})
+        body, media_type = router.metrics.render()
+        return Response(body, media_type=media_type)
+
     async def generate(request: Request) -> JSONResponse:
         try:
             body = parse_json(await read_body(request, router.limits.max_body_bytes))
@@ -278,7 +290,8 @@ def create_router_app(router: Router) -> Starlette:
             router._monitor.cancel()
 
     routes = [Route("/ready", ready, methods=["GET"]), Route("/fleet", fleet, methods=["GET"]),
-              Route("/live", live, methods=["GET"]), Route("/generate", generate, methods=["POST"]),
+              Route("/live", live, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+              Route("/generate", generate, methods=["POST"]),
               Route("/jobs", jobs, methods=["GET"]), Route("/jobs/{job_id}", job, methods=["GET", "DELETE"]),
               Route("/jobs/{job_id}/preview", preview, methods=["GET"])]
     middleware = []
