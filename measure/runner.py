@@ -270,13 +270,12 @@ class StageMemory:
     peak is read and the counter reset. CUDA only (empty elsewhere)."""
 
     def __init__(self, device: str):
+        self.device = device
         self.cuda = device.startswith("cuda")
         self.stage: str | None = None
         self.start_gb = 0.0
         self.peaks: dict[str, dict] = {}
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        _reset_peak(device)
 
     def on_progress(self, progress) -> None:
         if progress.stage != self.stage:
@@ -289,10 +288,10 @@ class StageMemory:
         if self.stage is None or not self.cuda:
             return
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() / 1e9
+        peak = _peak(self.device)
         self.peaks[self.stage] = {"peak_gb": round(peak, 3), "at_start_gb": round(self.start_gb, 3),
                                   "above_start_gb": round(peak - self.start_gb, 3)}
-        torch.cuda.reset_peak_memory_stats()
+        _reset_peak(self.device)
 
     def finish(self) -> dict[str, dict]:
         self._close()
@@ -303,7 +302,6 @@ class StageMemory:
 def _decode_plan(engine, req, video_latents: torch.Tensor) -> dict | None:
     """vae/video.py's computed peak of this decode (weights, largest transient, window), GB."""
     from ..h3_model.vae.video import decode_memory_estimate
-    from ..kernels.settings import DEFAULT_TILE_BATCH
 
     vae = engine.components.vae
     if vae is None:
@@ -311,7 +309,7 @@ def _decode_plan(engine, req, video_latents: torch.Tensor) -> dict | None:
     _, _, frames, height, width = video_latents.shape
     estimate = decode_memory_estimate(vae.config, frames, height, width, decode_dtype=vae.decode_dtype,
                                       tile_size=req.vae_tile_size,
-                                      tile_batch=getattr(vae, "tile_batch", DEFAULT_TILE_BATCH))
+                                      tile_batch=vae.tile_batch)
     return {"tile_size": req.vae_tile_size, "latent_frames": frames,
             **{k: round(v / 1e9, 3) for k, v in estimate.items()}}
 

@@ -105,9 +105,7 @@ def create_app(service: Service) -> Starlette:
         job_id = request.path_params["job_id"]
         if request.method == "DELETE":
             try:
-                record = service.queue.cancel(job_id)
-            except KeyError:
-                return JSONResponse({"error": f"no job {job_id}"}, status_code=404)
+                record = service.cancel(job_id)
             except RequestError as exc:
                 return _error(exc)
             return JSONResponse(record, status_code=202 if record["state"] == "running" else 200)
@@ -117,17 +115,10 @@ def create_app(service: Service) -> Starlette:
         return JSONResponse(record)
 
     async def preview(request: Request) -> Response:
-        job_id = request.path_params["job_id"]
-        found = service.queue.get(job_id)
-        if found is None:
-            return JSONResponse({"error": f"no job {job_id}"}, status_code=404)
-        latents = found.preview_latents
-        if latents is None:
-            return JSONResponse({"error": f"job {job_id} has no preview yet (one comes after each sampling step)"},
-                                status_code=404)
-        from ..h3_model.pipeline.preview import png_bytes, preview_image
-
-        png = await run_in_threadpool(lambda: png_bytes(preview_image(latents, 768, frames=4)))
+        try:
+            png = await run_in_threadpool(service.preview_png, request.path_params["job_id"])
+        except RequestError as exc:
+            return _error(exc)
         return Response(png, media_type="image/png", headers={"Cache-Control": "no-store"})
 
     async def live(request: Request) -> JSONResponse:

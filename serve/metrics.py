@@ -19,6 +19,13 @@ def available() -> bool:
     return True
 
 
+def render(registry) -> tuple[bytes, str]:
+    """A registry's samples in Prometheus' text format, and the content type to send them with."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
 class ServiceMetrics:
     def __init__(self, service):
         from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -37,9 +44,7 @@ class ServiceMetrics:
                 self.stage.labels(stage).observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return render(self.registry)
 
 
 class _Now:

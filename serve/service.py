@@ -166,6 +166,25 @@ class Service:
             self.outputs.release(job.payload["output_path"])
             raise
 
+    def cancel(self, job_id: str) -> dict:
+        """Cancel a job: a queued one at once, a running one within a DiT block. 404 for an unknown id."""
+        try:
+            return self.queue.cancel(job_id)
+        except KeyError:
+            raise RequestError(404, f"no job {job_id}") from None
+
+    def preview_png(self, job_id: str) -> bytes:
+        """PNG of the job's newest sampling-step preview (a 4-frame strip); 404 before the first step."""
+        job = self.queue.get(job_id)
+        if job is None:
+            raise RequestError(404, f"no job {job_id}")
+        latents = job.preview_latents
+        if latents is None:
+            raise RequestError(404, f"job {job_id} has no preview yet (one comes after each sampling step)")
+        from ..h3_model.pipeline.preview import png_bytes, preview_image
+
+        return png_bytes(preview_image(latents, 768, frames=4))
+
     def _check_attention(self, name: str) -> None:
         """Fail the request now, not in the worker, when its backend cannot run here."""
         from ..kernels.attention import resolve_attention

@@ -19,9 +19,9 @@ class FleetMetrics:
         self.registry.register(_Fleet(ledger))
 
     def render(self) -> tuple[bytes, str]:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from ..metrics import render
 
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return render(self.registry)
 
 
 class _Fleet:

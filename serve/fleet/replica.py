@@ -112,25 +112,19 @@ class Replica:
         if self.service is None:
             return answer(self.instance, 404, {"error": f"no job {job_id}"})
         try:
-            record = self.service.queue.cancel(job_id)
-        except KeyError:
-            return answer(self.instance, 404, {"error": f"no job {job_id}"})
+            record = self.service.cancel(job_id)
         except RequestError as exc:
             return answer(self.instance, exc.status, {"error": str(exc)}, exc.headers)
         return answer(self.instance, 202 if record["state"] == "running" else 200, record)
 
     def preview(self, job_id: str) -> dict:
         """PNG bytes of the job's newest preview (the same picture `h3-spark serve` draws)."""
-        found = None if self.service is None else self.service.queue.get(job_id)
-        if found is None:
+        if self.service is None:
             return answer(self.instance, 404, {"error": f"no job {job_id}"})
-        latents = found.preview_latents
-        if latents is None:
-            return answer(self.instance, 404, {"error": f"job {job_id} has no preview yet (one comes after each "
-                                                        f"sampling step)"})
-        from ...h3_model.pipeline.preview import png_bytes, preview_image
-
-        return answer(self.instance, 200, png_bytes(preview_image(latents, 768, frames=4)))
+        try:
+            return answer(self.instance, 200, self.service.preview_png(job_id))
+        except RequestError as exc:
+            return answer(self.instance, exc.status, {"error": str(exc)}, exc.headers)
 
     def __del__(self):
         # Ray Serve deletes the replica on a graceful shutdown: cancel the queue, let the worker end.

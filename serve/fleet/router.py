@@ -69,6 +69,19 @@ class Router:
 
     # ------------------------------------------------------------------ calls to replicas
     async def call(self, name: str, method: str, *args) -> dict:
+        """The replica's answer. A failed call is entered in the ledger here, whoever made it (the replica died:
+        its jobs are lost; it is silent: not routed to, lost after `lost_after`), then raised for the caller's
+        reply."""
+        try:
+            return await self._call(name, method, *args)
+        except ReplicaGone as exc:
+            self.ledger.died(name, str(exc))
+            raise
+        except ReplicaSilent as exc:
+            self.ledger.unanswered(name, str(exc), self.lost_after)
+            raise
+
+    async def _call(self, name: str, method: str, *args) -> dict:
         from ray.exceptions import ActorDiedError, NodeDiedError, RayTaskError, WorkerCrashedError
 
         try:
@@ -82,20 +95,25 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - Ray's unavailable/back-pressure errors: try again later
             raise ReplicaSilent(f"{type(exc).__name__}: {_last_line(exc)}") from None
 
+    async def ask_owner(self, entry, method: str, job_id: str) -> dict | None:
+        """The owning replica's answer about a job, or None when that replica's process is no longer the one
+        the job was placed on (Ray restarted it): the job is then lost, and the ledger says so."""
+        got = await self.call(entry.replica, method, job_id)
+        if got["instance"] != entry.instance:
+            self.ledger.lose(entry.replica, entry.instance, RESTARTED)
+            return None
+        return got
+
     async def refresh(self, name: str) -> None:
         view = self.ledger.views[name]
         try:
             status = await self.call(name, "status", view.since)
-        except ReplicaGone as exc:
-            self.ledger.died(name, str(exc))
-            return
-        except ReplicaSilent as exc:
-            self.ledger.unanswered(name, str(exc), self.lost_after)
+        except (ReplicaGone, ReplicaSilent):
             return
         for job_id in self.ledger.observe(name, status):
             # Reported failed while the replica was silent: stop them so nothing runs that nobody follows.
             with contextlib.suppress(ReplicaGone, ReplicaSilent):
-                await self.call(name, "cancel", job_id)
+                await self._call(name, "cancel", job_id)
 
     async def monitor(self) -> None:
         while True:
@@ -114,11 +132,7 @@ class Router:
             view.pending += 1
             try:
                 got = await self.call(name, "submit", body)
-            except ReplicaGone as exc:
-                self.ledger.died(name, str(exc))
-                continue
-            except ReplicaSilent as exc:
-                self.ledger.unanswered(name, str(exc), self.lost_after)
+            except (ReplicaGone, ReplicaSilent):
                 continue
             finally:
                 view.pending -= 1
@@ -145,16 +159,12 @@ class Router:
         if entry.lost or entry.record.get("state") in TERMINAL:
             return 200, self.ledger.answer(job_id)  # an ended record never changes
         try:
-            got = await self.call(entry.replica, "job", job_id)
-        except ReplicaGone as exc:
-            self.ledger.died(entry.replica, str(exc))
+            got = await self.ask_owner(entry, "job", job_id)
+        except ReplicaGone:
             return 200, self.ledger.answer(job_id)
         except ReplicaSilent as exc:
-            self.ledger.unanswered(entry.replica, str(exc), self.lost_after)
             return 200, {**self.ledger.answer(job_id), "replica_unreachable": str(exc)}
-        if got["instance"] != entry.instance:
-            self.ledger.lose(entry.replica, entry.instance, RESTARTED)
-        elif got["status"] == 200:
+        if got is not None and got["status"] == 200:
             self.ledger.record(job_id, entry.replica, entry.instance, got["body"])
         return 200, self.ledger.answer(job_id)
 
@@ -165,16 +175,13 @@ class Router:
         if entry.lost:
             return 409, {"error": f"job {job_id} already ended (failed: {entry.record.get('error')})"}, {}
         try:
-            got = await self.call(entry.replica, "cancel", job_id)
-        except ReplicaGone as exc:
-            self.ledger.died(entry.replica, str(exc))
-            return 409, {"error": f"job {job_id} already ended (failed: {self.ledger.answer(job_id)['error']})"}, {}
+            got = await self.ask_owner(entry, "cancel", job_id)
+        except ReplicaGone:
+            got = None
         except ReplicaSilent as exc:
-            self.ledger.unanswered(entry.replica, str(exc), self.lost_after)
             return 503, {"error": f"replica {entry.replica}, which holds job {job_id}, is not answering ({exc}); "
                                   f"retry"}, {"Retry-After": "5"}
-        if got["instance"] != entry.instance:
-            self.ledger.lose(entry.replica, entry.instance, RESTARTED)
+        if got is None:  # its replica was lost: the ledger has failed it
             return 409, {"error": f"job {job_id} already ended (failed: {self.ledger.answer(job_id)['error']})"}, {}
         if got["status"] in (200, 202):
             self.ledger.record(job_id, entry.replica, entry.instance, got["body"])
@@ -188,15 +195,12 @@ class Router:
         if entry.lost:
             return 404, {"error": f"job {job_id} has no preview: {entry.record.get('error')}"}
         try:
-            got = await self.call(entry.replica, "preview", job_id)
-        except ReplicaGone as exc:
-            self.ledger.died(entry.replica, str(exc))
-            return 404, {"error": f"job {job_id} has no preview: {self.ledger.answer(job_id)['error']}"}
+            got = await self.ask_owner(entry, "preview", job_id)
+        except ReplicaGone:
+            got = None
         except ReplicaSilent as exc:
-            self.ledger.unanswered(entry.replica, str(exc), self.lost_after)
             return 503, {"error": f"replica {entry.replica}, which holds job {job_id}, is not answering ({exc})"}
-        if got["instance"] != entry.instance:
-            self.ledger.lose(entry.replica, entry.instance, RESTARTED)
+        if got is None:  # its replica was lost: the ledger has failed it
             return 404, {"error": f"job {job_id} has no preview: {self.ledger.answer(job_id)['error']}"}
         return got["status"], got["body"]
 
@@ -206,7 +210,7 @@ class Router:
             if self.ledger.views[name].instance is None:
                 continue
             with contextlib.suppress(ReplicaGone, ReplicaSilent):
-                got = await self.call(name, "job", job_id)
+                got = await self._call(name, "job", job_id)
                 if got["status"] == 200:
                     self.ledger.record(job_id, name, got["instance"], got["body"])
                     return self.ledger.entry(job_id)
