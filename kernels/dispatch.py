@@ -22,6 +22,10 @@ from .capability import (KernelUnavailable, as_device, capability, describe_devi
                          require_module, require_triton, triton_interpreting, triton_ready)
 from .references import RowModulation
 from .settings import KernelSettings
+from .stored_linear import StoredLinear
+
+# What the block linears may be before H3_LINEAR converts them: loaded dense, or kept in the file's stored form.
+LINEAR_TYPES = (nn.Linear, StoredLinear)
 
 # The four GEMMs of every block, as the six modules that hold them (q, k, v are one GEMM's three slices).
 BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
@@ -159,11 +163,17 @@ def _make_linear(fmt: str, linear: nn.Module, stored: dict | None, use_triton: b
     from .linear_fp8 import Fp8Linear
     from .nvfp4 import Nvfp4Linear
 
-    if not isinstance(linear, nn.Linear):
+    if not isinstance(linear, LINEAR_TYPES):
         raise KernelUnavailable(f"the block linears were already converted ({type(linear).__name__}); reload the "
                                 f"model to change H3_LINEAR")
-    dtype = linear.weight.dtype
-    shape = tuple(linear.weight.shape)
+    if isinstance(linear, StoredLinear):
+        # Its own codes where a low-bit GEMM takes them (fp8_scaled, NVFP4); else its exact dequantized weight.
+        stored = linear.stored_tensors()
+        dtype, shape = linear.out_dtype, linear.shape
+        if stored is None:
+            linear = _dense(linear)
+    else:
+        dtype, shape = linear.weight.dtype, tuple(linear.weight.shape)
     kind = (stored or {}).get("format")
     if fmt == "fp8":
         if kind == "nvfp4":
@@ -178,6 +188,14 @@ def _make_linear(fmt: str, linear: nn.Module, stored: dict | None, use_triton: b
     return Nvfp4Linear.from_linear(linear)
 
 
+def _dense(stored: StoredLinear) -> nn.Linear:
+    """A StoredLinear's weight, dequantized exactly, as the nn.Linear the low-bit quantizers start from."""
+    with torch.device("meta"):
+        linear = nn.Linear(stored.in_features, stored.out_features, bias=False)
+    linear.weight = nn.Parameter(stored.dequantized(), requires_grad=False)
+    return linear
+
+
 def _block_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for i, blk in enumerate(model.transformer_blocks):
         for name in BLOCK_LINEARS:
@@ -188,7 +206,7 @@ def check_linears(model: nn.Module, fmt: str) -> None:
     """Refuse, before anything changes, a model whose block linears `fmt` cannot replace: already converted
     (the bf16 weights are gone), a bias, or GEMM dims the low-bit kernels do not take."""
     if fmt == "bf16":
-        converted = [n for n, m in _block_linears(model) if not isinstance(m, nn.Linear)]
+        converted = [n for n, m in _block_linears(model) if not isinstance(m, LINEAR_TYPES)]
         if converted:
             kind = type(model.get_submodule(converted[0])).__name__
             raise KernelUnavailable(f"the block linears already run as {kind}; reload the model for exact bf16 "
@@ -196,10 +214,10 @@ def check_linears(model: nn.Module, fmt: str) -> None:
         return
     n_div, k_div = (16, 16) if fmt == "fp8" else (16, 32)
     for name, m in _block_linears(model):
-        if not isinstance(m, nn.Linear):
+        if not isinstance(m, LINEAR_TYPES):
             raise KernelUnavailable(f"the block linears were already converted ({type(m).__name__}); reload the "
                                     "model to apply H3_LINEAR again")
-        n, k = m.weight.shape
+        n, k = m.shape if isinstance(m, StoredLinear) else m.weight.shape
         if m.bias is not None or n % n_div or k % k_div:
             raise KernelUnavailable(f"H3_LINEAR={fmt} needs bias-free block linears with out features divisible "
                                     f"by {n_div} and in features by {k_div}; {name} is {n}x{k}"
@@ -223,7 +241,9 @@ def _convert_block(i: int, blk: nn.Module, fmt: str, weight_source: WeightSource
         parent_name, _, attr = name.rpartition(".")
         parent = blk.get_submodule(parent_name)
         old = getattr(parent, attr) if not attr.isdigit() else parent[int(attr)]
-        stored = weight_source(f"transformer_blocks.{i}.{name}") if weight_source else None
+        # A StoredLinear brings its own codes; the weight source serves layers loaded dequantized.
+        wanted = weight_source is not None and not isinstance(old, StoredLinear)
+        stored = weight_source(f"transformer_blocks.{i}.{name}") if wanted else None
         new = _make_linear(fmt, old, stored, use_triton)
         if attr.isdigit():
             parent[int(attr)] = new

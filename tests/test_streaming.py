@@ -153,9 +153,23 @@ def test_planned_bytes_come_from_the_files(tmp_path):
     from h3_spark.h3_model.vae.loading import load_video_vae
     from h3_spark.h3_model.vae.video import parameter_bytes
 
-    dit = logical_param_count(CONFIG) * 2
+    # bf16 weights but the fp32 islands (patch embeddings, time MLP, heads), which load in fp32.
+    from h3_spark.h3_model.checkpoint import load_dit
+
+    loaded = load_dit(tmp_path / "transformer", dtype=torch.bfloat16)
+    dit = sum(p.numel() * p.element_size() for p in loaded.parameters())
+    assert dit > logical_param_count(CONFIG) * 2
     video = parameter_bytes(load_video_vae(vae).config, torch.float16)  # fp32 encoder, fp16 decoder
     assert need == dit + video + memory.activation_bytes(CONFIG, memory.default_rows(CONFIG), torch.bfloat16)
+    # An int8 file is planned at its stored bytes (plus the dequantization scratch), not at bf16's.
+    make_dit_checkpoint(tmp_path / "int8.safetensors", CONFIG, "int8_convrot", "comfy", seed=0)
+    stored = load_dit(tmp_path / "int8.safetensors", dtype=torch.bfloat16, stored=True)
+    from h3_spark.kernels.stored_linear import scratch_bytes
+
+    held = sum(t.numel() * t.element_size() for t in [*stored.parameters(), *stored.buffers()])
+    weights = memory.planned_bytes({"dit": tmp_path / "int8.safetensors"}, options) - memory.activation_bytes(
+        CONFIG, memory.default_rows(CONFIG), torch.bfloat16)
+    assert held < dit and held <= weights <= held + scratch_bytes(stored)
     assert memory.planned_bytes({"dit": lambda: None}, options) is None
 
 

@@ -167,6 +167,28 @@ def test_comfy_quantized_file(tiny, fmt):
 
 
 @needs_tv
+@pytest.mark.parametrize("fmt", Q.QUANT_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_comfy_quantized_file_kept_stored(tiny, fmt, dtype):
+    """Kept as stored (StoredLinear, dequantized at use), a quantized file encodes to the bits of the same file
+    dequantized at load; the decoder layers hold the stored codes, and the embeddings are unchanged."""
+    from h3_spark.kernels.stored_linear import StoredLinear
+
+    stored, metadata, _ = Q.quantize_comfy(Q.comfy_state_dict(tiny.model, LAYER), fmt)
+    path = tiny.root / f"comfy_{fmt}_kept.safetensors"
+    save_file(stored, path, metadata=metadata)
+    args = dict(dtype=dtype, device="cpu", layer=LAYER, tokenizer=tiny.root / "tok")
+    dense = TextEncoder.from_pretrained(path, **args)
+    kept = TextEncoder.from_pretrained(path, stored=True, **args)
+    layers = [m for m in kept.model.language_model.layers.modules() if isinstance(m, StoredLinear)]
+    assert len(layers) == 7 * LAYER and {m.out_dtype for m in layers} == {dtype}
+    assert {m.weight.dtype for m in layers} <= {torch.int8, torch.uint8, torch.float8_e4m3fn}
+    for mode in ("t2va", "ref2va"):
+        p = _present(kept, mode)
+        assert torch.equal(kept.encode(p).embeds, dense.encode(p).embeds)
+
+
+@needs_tv
 def test_layer_declared_by_marker_and_metadata_alike_loads(tiny):
     import json
 

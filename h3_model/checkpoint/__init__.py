@@ -54,14 +54,15 @@ def read_dit_config(path: str | Path, *, partition: str | None = None) -> DiTCon
 
 
 def load_dit(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-             partition: str | None = None, qkv_layout: str = "auto"):
+             partition: str | None = None, qkv_layout: str = "auto", stored: bool = False):
     """Build the H3DiT a checkpoint describes and stream its weights in.
 
     `qkv_layout` matters only for original-named files: "stacked" (Comfy-Org files) or "interleaved"
     (MiniMaxAI's original shards); the tensors cannot tell them apart, so "auto" (the default) asks the
     folder's config.json (`resolve_qkv_layout`) and takes stacked for a lone file.
     Quantized layers are dequantized on `device`, to the dtype their parameter has (`dtype`, or
-    fp32 for the fp32 islands).
+    fp32 for the fp32 islands); with `stored` they stay as the file stores them instead (`StoredLinear`:
+    codes and scales, views of the memory-mapped file on the CPU, dequantized at use to the same bits).
     """
     from ..dit.model import H3DiT
 
@@ -69,7 +70,7 @@ def load_dit(path: str | Path, *, dtype: torch.dtype = torch.float32, device: st
     reader.check()
     model = H3DiT(reader.config, dtype=dtype, device="meta")
     try:
-        model.load_state(reader.tensors(dtype, device), device=torch.device(device))
+        model.load_state(reader.tensors(dtype, device, stored=stored), device=torch.device(device))
     finally:
         reader.source.close()
     # The FP8/NVFP4 linears start from the stored codes (stored.StoredLinears), so the model says where it came from.

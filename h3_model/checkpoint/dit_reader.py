@@ -26,7 +26,10 @@ from ..dit.config import DiTConfig
 from . import keymap
 from .detect import Detected, detect
 from .dit_config import config_from_comfy, config_from_diffusers_shapes
-from .quant import LEGACY_MARKER, QuantSpec, declare_layers, dequantize, fold_pre_quant_scale, split_param
+from ...kernels.stored_codec import plain_nvfp4_scales
+from ...kernels.stored_linear import StoredForm
+from .quant import (LEGACY_MARKER, STORED_PARTS, QuantSpec, check_stored, declare_layers, dequantize,
+                    fold_pre_quant_scale, split_param)
 from .source import CheckpointSource
 
 _LEGACY_RENAME = {"scale_weight": "weight_scale", "scale_input": "input_scale"}
@@ -284,27 +287,56 @@ class DitReader:
         items += [("single", s, rank[self.stored[s]]) for s in self.singles]
         return [(kind, name) for kind, name, _ in sorted(items, key=lambda x: x[2])]
 
-    def tensors(self, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-        """Diffusers-named tensors; quantized layers arrive dequantized on `device`, the others as stored."""
+    def tensors(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
+                stored: bool = False) -> Iterator[tuple[str, "torch.Tensor | StoredForm"]]:
+        """Diffusers-named tensors; quantized layers arrive dequantized on `device`, the others as stored.
+        `stored`: a quantized layer's weight arrives as a `StoredForm` instead (its codes and scales on `device`,
+        cut to the model's linear; views of the memory-mapped file on the CPU), for a `StoredLinear`."""
         device = torch.device(device)
         for kind, name in self._order():
             if kind == "single":
                 yield name, self.source.get(self.stored[name])
                 continue
-            yield from self._layer_tensors(self.layers[name], dtype, device)
+            yield from self._layer_tensors(self.layers[name], dtype, device, stored)
 
-    def _layer_tensors(self, layer: Layer, dtype: torch.dtype,
-                       device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    def _layer_tensors(self, layer: Layer, dtype: torch.dtype, device: torch.device,
+                       stored: bool = False) -> Iterator[tuple[str, "torch.Tensor | StoredForm"]]:
         outs = self._weight_outputs(layer, "weight")
         want = target_dtype(outs[0][0], self.config, dtype)
         if layer.spec is None:
-            weight = self.source.get(layer.keys["weight"])
+            yield from self._finish(layer, "weight", self.source.get(layer.keys["weight"]))
+        elif stored:
+            yield from self._stored_forms(layer, device)
         else:
-            weight = self._dequantized(layer, want, device)
-        yield from self._finish(layer, "weight", weight)
+            yield from self._finish(layer, "weight", self._dequantized(layer, want, device))
         if "bias" in layer.keys:
             yield from self._finish(layer, "bias", self.source.get(layer.keys["bias"]))
+
+    def _stored_forms(self, layer: Layer, device: torch.device) -> Iterator[tuple[str, StoredForm]]:
+        """A quantized layer's stored tensors, checked, cut to each model linear it holds (q, k, v of the fused
+        QKV: row slices, so views; fc1's halves are swapped at use instead of copied)."""
+        spec, path = layer.spec, self.source.header_of(layer.keys["weight"]).path
+        rows, cols = self.logical_shape(layer, "weight")
+        tensors = {s: self.source.get(layer.keys[s]).to(device) for s in STORED_PARTS if s in layer.keys}
+        try:
+            check_stored(spec, tensors, (rows, cols), layer.name)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+        if spec.format == "nvfp4":
+            tensors["weight_scale"] = plain_nvfp4_scales(tensors["weight_scale"], *tensors["weight"].shape)
+        per_row = {s for s, t in tensors.items() if s != "pre_quant_scale" and t.ndim >= 1 and t.numel() > 1}
+        outs = self._weight_outputs(layer, "weight")
+        swap = self.detected.names == "original" and layer.target.endswith(".ff.net.0.proj")
+        group = spec.convrot_groupsize if spec.convrot else None
+        if len(outs) == 3:
+            c = self.config
+            parts = {s: keymap.split_qkv(tensors[s][:rows], c.num_attention_heads, c.attention_head_dim,
+                                         self.qkv_layout) for s in per_row}
+            for i, (name, shape) in enumerate(outs):
+                cut = {s: (parts[s][i] if s in parts else t) for s, t in tensors.items()}
+                yield name, StoredForm(spec.format, (rows // 3, cols), cut, group)
+            return
+        yield outs[0][0], StoredForm(spec.format, (rows, cols), tensors, group, swap_halves=swap)
 
     def _dequantized(self, layer: Layer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # Dequantize where the weight will live: a full-size int8_convrot layer takes ~8 s on a CPU.
@@ -406,6 +438,22 @@ class DitReader:
         return {**stored, "weight": codes.contiguous(), "weight_scale": nvfp4.swizzle_scales(plain)}
 
     # ----------------------------------------------------------------- facts for reports
+    def loaded_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes the model holds loaded with `stored=True`, from the headers: quantized layers' stored tensors as
+        they are, every other tensor in the dtype its parameter gets, plus the dequantization scratch."""
+        size = {d: torch.empty(0, dtype=d).element_size() for d in (dtype, torch.float32)}
+        total, largest = 0, 0
+        for out in self.plan():
+            layer = self.layers.get(out.layer)
+            if layer is not None and layer.spec is not None and out.name.endswith(".weight"):
+                largest = max(largest, math.prod(out.shape) * size[target_dtype(out.name, self.config, dtype)])
+                continue
+            total += math.prod(out.shape) * size[target_dtype(out.name, self.config, dtype)]
+        for layer in self.layers.values():
+            if layer.spec is not None:
+                total += sum(self.source.entry(layer.keys[s]).nbytes for s in STORED_PARTS if s in layer.keys)
+        return total + largest
+
     def quantized_layers(self) -> dict[str, QuantSpec]:
         return {l.name: l.spec for l in self.layers.values() if l.spec is not None}
 

@@ -63,7 +63,7 @@ class _LayerResolver:
     """Maps a LoRA layer name in any accepted style to (diffusers layer, kind)."""
 
     def __init__(self, model):
-        self.diffusers_layers = {name.rpartition(".")[0] for name, _ in model.named_parameters()}
+        self.diffusers_layers = {name.rpartition(".")[0] for name in lora_targets(model)}
         self.flat: dict[str, str] = {}
         for layer in self.diffusers_layers:
             self.flat[layer.replace(".", "_")] = layer
@@ -105,6 +105,45 @@ def read_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
     return tensors, metadata
+
+
+def lora_targets(model) -> dict[str, tuple[int, ...]]:
+    """Every parameter a LoRA may change, with its shape: the model's parameters and the weights of the linears
+    kept in their stored form (StoredLinear), which a merge first turns dense (`dense_weights`)."""
+    from ...kernels.stored_linear import StoredLinear
+
+    out = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    for name, module in model.named_modules():
+        if isinstance(module, StoredLinear):
+            out[f"{name}.weight"] = module.shape
+    return out
+
+
+@torch.no_grad()
+def dense_weights(model, params) -> int:
+    """The StoredLinears owning any of `params` become nn.Linears of their exact dequantized weight (a LoRA
+    merges into values, not into int8 or FP4 codes); returns how many. They then hold the compute dtype's
+    bytes: the price of a merged LoRA on a quantized file, paid by the layers it touches only."""
+    from ...kernels.stored_linear import StoredLinear
+
+    changed = 0
+    for owner in sorted({p.rpartition(".")[0] for p in params if p.endswith(".weight")}):
+        module = model.get_submodule(owner) if owner else model
+        if not isinstance(module, StoredLinear):
+            continue
+        with torch.device("meta"):
+            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+        linear.weight = torch.nn.Parameter(module.dequantized(), requires_grad=False)
+        if module.bias is not None:
+            linear.bias = module.bias
+        parent_name, _, attr = owner.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if attr.isdigit():
+            parent[int(attr)] = linear
+        else:
+            setattr(parent, attr, linear)
+        changed += 1
+    return changed
 
 
 def _network_alpha(metadata: dict[str, str]) -> float | None:
@@ -206,7 +245,7 @@ def apply_loras(model, specs: list[LoraSpec], *, base: dict[str, torch.Tensor] |
     file leaves the model untouched; then each delta is made and added on its own, so a LoRA
     over the whole 33 B model never needs more than one layer's fp32 delta at a time.
     """
-    params = dict(model.named_parameters())
+    targets = lora_targets(model)
     reports = []
     originals: dict[str, torch.Tensor] = {}
     for spec in specs:
@@ -220,18 +259,20 @@ def apply_loras(model, specs: list[LoraSpec], *, base: dict[str, torch.Tensor] |
         if not ops:
             raise CheckpointError(f"{spec.path}: holds no LoRA tensors")
         for op in ops:
-            if op.param not in params:
+            if op.param not in targets:
                 raise CheckpointError(f"{spec.path}: {op.param} is not a parameter of this model")
         for op in ops:
-            param = params[op.param]
-            if op.shape != tuple(param.shape):
+            shape = targets[op.param]
+            if op.shape != shape:
                 if op.kind == "replace":
                     raise CheckpointError(
                         f"{spec.path}: replacement {op.param} {op.shape} does not fit this model "
-                        f"({tuple(param.shape)}); pruned-checkpoint LoRAs need a pruned checkpoint")
+                        f"({shape}); pruned-checkpoint LoRAs need a pruned checkpoint")
                 raise CheckpointError(
-                    f"{spec.path}: {op.param} delta {op.shape} does not fit the weight {tuple(param.shape)}"
+                    f"{spec.path}: {op.param} delta {op.shape} does not fit the weight {shape}"
                     + (" (a LoRA for full checkpoints on a pruned one?)" if "adaln" in op.param else ""))
+        dense_weights(model, [op.param for op in ops])
+        params = dict(model.named_parameters())
         for op in ops:
             param = params[op.param]
             value = op.compute().to(param.device)

@@ -19,7 +19,6 @@ CPU result equals what ComfyUI computes when it dequantizes the same layer.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,6 +26,7 @@ import torch
 
 from ...errors import CheckpointError
 from ...kernels import nvfp4_codec as nvfp4
+from ...kernels import stored_codec as codec
 
 # comfy_quant format -> tensors a layer of that format may carry besides `weight` (and `bias`).
 FORMAT_TENSORS = {
@@ -188,32 +188,9 @@ def own_declarations(meta_layers: dict[str, object], prefix: str, layers: set[st
 
 
 # --------------------------------------------------------------------- Hadamard (ConvRot)
-_H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
-_HADAMARD: dict[int, torch.Tensor] = {}
-
-
-def hadamard(size: int) -> torch.Tensor:
-    """The normalised regular Hadamard matrix of a power-of-4 size, fp32 (symmetric, orthogonal)."""
-    if size < 4 or 4 ** round(math.log(size, 4)) != size:
-        raise CheckpointError(f"ConvRot group size must be a power of 4 (4, 16, 64, 256, ...), got {size}")
-    h = _HADAMARD.get(size)
-    if h is None:
-        base = torch.tensor(_H4, dtype=torch.float32)
-        h = base
-        while h.shape[0] < size:
-            h = torch.kron(h, base)
-        h = h / math.sqrt(size)
-        _HADAMARD[size] = h
-    return h
-
-
-def rotate_groups(weight: torch.Tensor, group: int) -> torch.Tensor:
-    """W -> W @ H^T applied to each group of `group` input columns (fp32). It is its own inverse."""
-    n, k = weight.shape
-    if k % group:
-        raise CheckpointError(f"ConvRot group size {group} does not divide the {k} input columns")
-    h = hadamard(group).to(weight.device)
-    return torch.matmul(weight.reshape(n, k // group, group), h.T).reshape(n, k)
+# The rotation and every format's dequantization live beside StoredLinear (kernels/stored_codec.py), which
+# dequantizes at use with the same functions.
+hadamard, rotate_groups = codec.hadamard, codec.rotate_groups
 
 
 def convrot_group_for(k: int, preferred: int = 256) -> int | None:
@@ -230,29 +207,27 @@ def convrot_group_for(k: int, preferred: int = 256) -> int | None:
 
 
 # --------------------------------------------------------------------- dequantize
-def dequantize(spec: QuantSpec, tensors: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype,
-               layer: str) -> torch.Tensor:
-    """A quantized layer's stored tensors -> its logical weight [N, K] in `dtype`."""
+# The tensors of a quantized layer that hold its weight (input_scale is an activation scale, comfy_quant a marker).
+STORED_PARTS = ("weight", "weight_scale", "weight_scale_2", "pre_quant_scale")
+
+
+def check_stored(spec: QuantSpec, tensors: dict[str, torch.Tensor], shape: tuple[int, int], layer: str) -> None:
+    """The stored tensors can hold the logical weight [N, K]: dtypes, shapes and scale sizes (no values read)."""
     weight = tensors["weight"]
-    if spec.format in ("float8_e4m3fn", "float8_e5m2"):
-        fp8 = torch.float8_e4m3fn if spec.format == "float8_e4m3fn" else torch.float8_e5m2
-        if weight.dtype == torch.uint8:
-            weight = weight.view(fp8)
-        if weight.dtype != fp8:
+    if spec.format in codec.FP8_FORMATS:
+        fp8 = codec.FP8_FORMATS[spec.format]
+        if weight.dtype not in (fp8, torch.uint8):
             raise CheckpointError(f"{layer}: {spec.format} layer stores its weight as {weight.dtype}")
-        scale = _scale(tensors, "weight_scale", layer)
+        _scale(tensors, "weight_scale", layer)
         _check_shape(layer, weight, shape)
-        return weight.to(dtype) * scale.to(dtype)
-    if spec.format == "nvfp4":
-        g = _scale(tensors, "weight_scale_2", layer)
+    elif spec.format == "nvfp4":
+        _scale(tensors, "weight_scale_2", layer)
         if "weight_scale" not in tensors:
             raise CheckpointError(f"{layer}: NVFP4 layer lacks weight_scale (block scales)")
-        try:
-            return nvfp4.dequantize(weight, tensors["weight_scale"], g, shape, dtype)
-        except CheckpointError as exc:
-            # nvfp4 works on bare tensors; only here is the layer known.
-            raise CheckpointError(f"{layer}: {exc}") from None
-    if spec.format == "int8_tensorwise":
+        problem = _nvfp4_problem(weight, tensors["weight_scale"], shape)
+        if problem:
+            raise CheckpointError(f"{layer}: {problem}")
+    elif spec.format == "int8_tensorwise":
         if weight.dtype != torch.int8:
             raise CheckpointError(f"{layer}: int8 layer stores its weight as {weight.dtype}")
         _check_shape(layer, weight, shape)
@@ -261,12 +236,37 @@ def dequantize(spec: QuantSpec, tensors: dict[str, torch.Tensor], shape: tuple[i
             raise CheckpointError(f"{layer}: int8 layer lacks weight_scale")
         if scale.numel() not in (1, shape[0]):
             raise CheckpointError(f"{layer}: int8 weight_scale has {scale.numel()} values; expected 1 or {shape[0]}")
-        scale = scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float().reshape(())
-        w = weight.float() * scale
-        if spec.convrot:
-            w = rotate_groups(w, spec.convrot_groupsize)
-        return w.to(dtype)
-    raise CheckpointError(f"{layer}: quantization format {spec.format!r} is not supported")
+        if spec.convrot and shape[1] % spec.convrot_groupsize:
+            raise CheckpointError(f"{layer}: ConvRot group size {spec.convrot_groupsize} does not divide the "
+                                  f"{shape[1]} input columns")
+    else:
+        raise CheckpointError(f"{layer}: quantization format {spec.format!r} is not supported")
+    pre = tensors.get("pre_quant_scale")
+    if pre is not None and pre.numel() != shape[1]:
+        raise CheckpointError(f"{layer}: pre_quant_scale has {pre.numel()} values for {shape[1]} inputs")
+
+
+def _nvfp4_problem(packed: torch.Tensor, block_scales: torch.Tensor, shape: tuple[int, int]) -> str | None:
+    if packed.dtype != torch.uint8 or packed.ndim != 2:
+        return f"NVFP4 weight must be uint8 2-D, got {packed.dtype} {list(packed.shape)}"
+    if block_scales.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        return f"NVFP4 block scales must be float8_e4m3fn, got {block_scales.dtype}"
+    return nvfp4.stored_mismatch(tuple(packed.shape), block_scales.numel(), *shape)
+
+
+def dequantize(spec: QuantSpec, tensors: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype,
+               layer: str) -> torch.Tensor:
+    """A quantized layer's stored tensors -> its logical weight [N, K] in `dtype` (AWQ's pre_quant_scale is
+    folded in by the caller, `fold_pre_quant_scale`)."""
+    check_stored(spec, tensors, shape, layer)
+    weight = tensors["weight"]
+    out = torch.empty(shape, dtype=dtype, device=weight.device)
+    if spec.format in codec.FP8_FORMATS:
+        return codec.fp8_into(out, weight.view(codec.FP8_FORMATS[spec.format]), tensors["weight_scale"])
+    if spec.format == "nvfp4":
+        plain = codec.plain_nvfp4_scales(tensors["weight_scale"], *weight.shape)
+        return codec.nvfp4_into(out, weight, plain, tensors["weight_scale_2"])
+    return codec.int8_into(out, weight, tensors["weight_scale"], spec.convrot_groupsize if spec.convrot else None)
 
 
 def _scale(tensors: dict[str, torch.Tensor], name: str, layer: str) -> torch.Tensor:
@@ -285,9 +285,7 @@ def _check_shape(layer: str, weight: torch.Tensor, shape: tuple[int, int]) -> No
 
 def fold_pre_quant_scale(weight: torch.Tensor, pre_quant_scale: torch.Tensor) -> torch.Tensor:
     """AWQ smoothing multiplies the input by s before the GEMM; x (W s)^T is the same product."""
-    if pre_quant_scale.numel() != weight.shape[1]:
-        raise CheckpointError(f"pre_quant_scale has {pre_quant_scale.numel()} values for {weight.shape[1]} inputs")
-    return (weight.float() * pre_quant_scale.float().reshape(1, -1)).to(weight.dtype)
+    return codec.pre_quant_into(weight, pre_quant_scale)
 
 
 # --------------------------------------------------------------------- quantize (writers)

@@ -28,6 +28,7 @@ from torch import nn
 from ...errors import CheckpointError, H3Error, InputError
 from ...kernels.attention import AttentionFn, sdpa
 from ...kernels.references import RowModulation, SwiGLU
+from ...kernels.stored_linear import StoredForm, StoredLinear
 from .config import ADALN_VECTORS, NUM_MODALITIES, DiTConfig
 from .layout import adaln_rows
 
@@ -126,8 +127,7 @@ class AdaLNProjection(nn.Module):
 
     def table(self, adaln_input: torch.Tensor) -> torch.Tensor:
         """(n_t, in) -> (n_t * 3, 6 * hidden): rows [t0 video, t0 text, t0 audio, t1 video, ...]."""
-        w = self.linear.weight
-        return self.linear(adaln_input.to(w.dtype)).view(-1, ADALN_VECTORS * self.hidden_size)
+        return self.linear(adaln_input.to(compute_dtype(self.linear))).view(-1, ADALN_VECTORS * self.hidden_size)
 
 
 class RefinerBlock(nn.Module):
@@ -194,7 +194,7 @@ class OutputNorm(nn.Module):
         self.linear = nn.Linear(c.time_embed_dim, 2 * c.hidden_size, bias=True)
 
     def table(self, adaln_input: torch.Tensor) -> torch.Tensor:
-        return self.linear(adaln_input.to(self.linear.weight.dtype))
+        return self.linear(adaln_input.to(compute_dtype(self.linear)))
 
 
 @dataclass
@@ -248,10 +248,12 @@ class H3DiT(nn.Module):
         self.attention = fn
 
     # ----------------------------------------------------------------- loading
-    def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]], *, device=None) -> None:
+    def load_state(self, tensors: Iterable[tuple[str, "torch.Tensor | StoredForm"]], *, device=None) -> None:
         """Assign checkpoint tensors one at a time (RAM holds the model plus one tensor).
 
-        Works on a model built on the meta device. Every parameter must be provided exactly once.
+        Works on a model built on the meta device. Every parameter must be provided exactly once. A linear's
+        weight given as a `StoredForm` (a quantized layer kept as the file stores it) replaces that nn.Linear
+        by a `StoredLinear` computing in the dtype the weight would have had.
         """
         params = dict(self.named_parameters())
         seen: set[str] = set()
@@ -260,6 +262,10 @@ class H3DiT(nn.Module):
             param = params.get(name)
             if param is None:
                 unexpected.append(name)
+                continue
+            if isinstance(tensor, StoredForm):
+                self._assign_stored(name, tensor, param, device)
+                seen.add(name)
                 continue
             if tuple(tensor.shape) != tuple(param.shape):
                 raise CheckpointError(
@@ -275,13 +281,35 @@ class H3DiT(nn.Module):
         if missing:
             raise CheckpointError(f"{len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
 
+    def _assign_stored(self, name: str, form: StoredForm, param: nn.Parameter, device) -> None:
+        owner_name = name.rpartition(".")[0]
+        linear = self.get_submodule(owner_name)
+        if not isinstance(linear, nn.Linear) or not name.endswith(".weight"):
+            raise CheckpointError(f"{name}: a stored quantized weight must belong to a linear layer")
+        if tuple(form.shape) != tuple(param.shape):
+            raise CheckpointError(f"{name}: checkpoint shape {tuple(form.shape)} does not match the model's "
+                                  f"{tuple(param.shape)}")
+        if device is not None:
+            form.tensors = {k: v.to(device) for k, v in form.tensors.items()}
+        target = torch.float32 if keeps_fp32(name, self.config) else self.dtype_
+        # The bias, if any, is assigned after (it is its own entry of the stream).
+        stored = StoredLinear(form, target, bias=None)
+        if linear.bias is not None:
+            stored.register_parameter("bias", linear.bias)
+        parent_name, _, attr = owner_name.rpartition(".")
+        parent = self.get_submodule(parent_name) if parent_name else self
+        if attr.isdigit():
+            parent[int(attr)] = stored
+        else:
+            setattr(parent, attr, stored)
+
     # ----------------------------------------------------------------- conditioning
     def adaln_input(self, timestep: torch.Tensor) -> torch.Tensor:
         """What every AdaLN projection reads for each distinct timestep, fp32."""
         timestep = timestep.float().flatten()
         if self.config.curve_form:
             return curve_basis(self.adaln_t_table, timestep)
-        temb = self.time_embedder(timestep_sinusoid(timestep, self.config.freq_dim).to(self.time_embedder.linear_1.weight.dtype))
+        temb = self.time_embedder(timestep_sinusoid(timestep, self.config.freq_dim).to(compute_dtype(self.time_embedder.linear_1)))
         # SiLU at the time MLP's fp32 precision; each projection casts afterwards.
         return F.silu(temb)
 
@@ -324,15 +352,14 @@ class H3DiT(nn.Module):
             raise H3Error("precompute_modulation must run before the AdaLN weights are released")
         freed = 0 if self.block_stream is None else self.block_stream.release_adaln()
         for blk in self.transformer_blocks:
-            freed += sum(p.numel() * p.element_size() for p in blk.adaln_proj.parameters())
+            freed += _bytes(blk.adaln_proj)
             del blk.adaln_proj
         for name in ("time_embedder", "adaln_t_table"):
             if hasattr(self, name):
                 obj = getattr(self, name)
-                params = obj.parameters() if isinstance(obj, nn.Module) else [obj]
-                freed += sum(p.numel() * p.element_size() for p in params)
+                freed += _bytes(obj) if isinstance(obj, nn.Module) else obj.numel() * obj.element_size()
                 delattr(self, name)
-        freed += sum(p.numel() * p.element_size() for p in self.norm_out.linear.parameters())
+        freed += _bytes(self.norm_out.linear)
         del self.norm_out.linear
         self.adaln_released = True
         return freed
@@ -378,8 +405,8 @@ class H3DiT(nn.Module):
 
     def encode_text(self, encoder_hidden_states: torch.Tensor, mlp_chunks: int = 1) -> torch.Tensor:
         """Context embedding + token refiner: depends only on the prompt, so run it once per generation."""
-        w = self.context_embedder.weight
-        return self.token_refiner(self.context_embedder(encoder_hidden_states.to(w.dtype)), self.attention, mlp_chunks)
+        x = self.context_embedder(encoder_hidden_states.to(compute_dtype(self.context_embedder)))
+        return self.token_refiner(x, self.attention, mlp_chunks)
 
     # ----------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, audio_hidden_states: torch.Tensor,
@@ -435,8 +462,8 @@ class H3DiT(nn.Module):
                    video_indices: torch.Tensor, audio_indices: torch.Tensor, text_indices: torch.Tensor,
                    sequence_length: int) -> torch.Tensor:
         """Project each modality and scatter its rows into the packed sequence (the text dtype's)."""
-        video = self.proj_in(hidden_states.to(self.proj_in.weight.dtype))
-        audio = self.audio_proj_in(audio_hidden_states.to(self.audio_proj_in.weight.dtype))
+        video = self.proj_in(hidden_states.to(compute_dtype(self.proj_in)))
+        audio = self.audio_proj_in(audio_hidden_states.to(compute_dtype(self.audio_proj_in)))
         x = text_embeds.new_zeros(text_embeds.shape[0], sequence_length, self.config.hidden_size)
         x = x.index_copy(1, text_indices, text_embeds)
         x = x.index_copy(1, video_indices, video.to(x.dtype))
@@ -457,7 +484,7 @@ class H3DiT(nn.Module):
         t_rows = timestep_indices.index_select(0, rows)
         h = self.norm_out.norm(x.index_select(1, rows))
         h = h * (1.0 + scale.index_select(0, t_rows)) + shift.index_select(0, t_rows)
-        return proj(h.to(proj.weight.dtype))
+        return proj(h.to(compute_dtype(proj)))
 
     def _check_inputs(self, hidden_states, audio_hidden_states, text_embeds, timestep, timestep_indices, token_tags,
                       position_ids, video_indices, audio_indices, text_indices) -> None:
@@ -492,6 +519,16 @@ class H3DiT(nn.Module):
         covered = torch.cat([video_indices, audio_indices, text_indices])
         if covered.numel() and (int(covered.min()) < 0 or int(covered.max()) >= s or covered.unique().numel() != s):
             raise InputError("video_indices, audio_indices and text_indices must cover every row exactly once")
+
+
+def compute_dtype(linear: nn.Module) -> torch.dtype:
+    """The dtype a linear computes in: its weight's, or `out_dtype` for one holding low-bit codes (StoredLinear,
+    the FP8 and NVFP4 linears)."""
+    return getattr(linear, "out_dtype", None) or linear.weight.dtype
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 def curve_basis(table: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:

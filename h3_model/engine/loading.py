@@ -38,6 +38,9 @@ class LoadOptions:
     vram_budget: int | str | None = None
     prefetch_depth: int = 2  # streamed blocks copied ahead of use
     plan_rows: int | None = None  # the packed rows a budget plans activations for (None: the released canvas)
+    # Quantized layers stay as the file stores them (StoredLinear: codes and scales, dequantized at use, the same
+    # bits); False dequantizes them at load (what a diffusers twin, sharing our parameters, needs).
+    stored_weights: bool = True
 
 
 def component_loader(name: str, path: Path, opts: LoadOptions, tokenizer: Path | None = None) -> Callable[[], object]:
@@ -47,17 +50,17 @@ def component_loader(name: str, path: Path, opts: LoadOptions, tokenizer: Path |
     from ..text.encoder import TextEncoder
     from ..vae.loading import load_audio_vae, load_video_vae
 
-    # Under a VRAM budget the DiT and the text encoder are read into host memory; the engine then places what
-    # fits on the device (memory.py).
+    # Under a VRAM budget the DiT and the text encoder are read into host memory (their stored tensors stay views
+    # of the memory-mapped files); the engine then places what fits on the device (memory.py).
     dit_device = "cpu" if opts.vram_budget is not None else opts.device
     loaders: dict[str, Callable[[], object]] = {
         "dit": lambda: load_dit(path, dtype=opts.dtype, device=dit_device, partition="t2va",
-                                qkv_layout=opts.qkv_layout),
+                                qkv_layout=opts.qkv_layout, stored=opts.stored_weights),
         "dit_ref": lambda: load_dit(path, dtype=opts.dtype, device=dit_device, partition="ref2va",
-                                    qkv_layout=opts.qkv_layout),
+                                    qkv_layout=opts.qkv_layout, stored=opts.stored_weights),
         "text_encoder": lambda: TextEncoder.from_pretrained(path, dtype=opts.text_dtype or opts.dtype,
                                                             device=dit_device, tokenizer=tokenizer,
-                                                            layer=opts.text_layer),
+                                                            layer=opts.text_layer, stored=opts.stored_weights),
         "vae": lambda: load_video_vae(path, device=opts.device, decode_dtype=opts.vae_dtype),
         "audio_vae": lambda: load_audio_vae(path, device=opts.device),
     }

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ...errors import InputError
+from ...kernels.stored_linear import scratch_bytes
 from ..dit.streaming import ADALN, BlockStream, packed_bytes
 
 GB = 10 ** 9
@@ -138,7 +139,9 @@ def measure(model: nn.Module, rows: int, *, depth: int = DEFAULT_DEPTH, mlp_chun
     if depth < 1:
         raise InputError(f"the prefetch depth must be at least 1, got {depth}")
     blocks = list(model.transformer_blocks)
-    fixed = tensor_bytes(model) - sum(tensor_bytes(b) for b in blocks)
+    # The scratch quantized layers kept in their stored form dequantize into (kernels/stored_linear.py) lives
+    # on the device beside the weights outside the blocks.
+    fixed = tensor_bytes(model) - sum(tensor_bytes(b) for b in blocks) + scratch_bytes(model)
     # Blocks and projections as packed for streaming (each tensor aligned): a slot holds the largest.
     return MemoryPlan(budget, fixed, [packed_bytes(b, ADALN) for b in blocks],
                       [packed_bytes(getattr(b, ADALN)) if hasattr(b, ADALN) else 0 for b in blocks],
@@ -277,7 +280,8 @@ def text_activation_bytes(te, rows: int = TEXT_STAGE_ROWS) -> int:
 
 def text_stage_bytes(te, stream: BlockStream, rows: int = TEXT_STAGE_ROWS) -> int:
     """GPU bytes of a text encode with streamed layers: the rest of the model, the slots, the activations."""
-    return tensor_bytes(te.model) + stream.depth * stream.largest + text_activation_bytes(te, rows)
+    return (tensor_bytes(te.model) + stream.depth * stream.largest + scratch_bytes(te.model)
+            + text_activation_bytes(te, rows))
 
 
 def vae_stage_bytes(vae, audio_vae) -> int:
@@ -337,7 +341,7 @@ AUTO_FREE_FRACTION = 0.95  # of the free memory at start: the rest is CUDA's own
 
 def planned_bytes(plan: dict, options) -> int | None:
     """GPU bytes of loading `plan` resident, from the files' headers (None when a component has no file)."""
-    from ..checkpoint import read_dit_config
+    from ..checkpoint import open_dit
     from ..checkpoint.dit_config import logical_param_count
 
     size = torch.empty(0, dtype=options.dtype).element_size()
@@ -346,8 +350,13 @@ def planned_bytes(plan: dict, options) -> int | None:
         if callable(source):
             return None  # built in memory (synthetic, a host's own): nothing to read the size from
         if name in ("dit", "dit_ref"):
-            config = read_dit_config(source, partition="t2va" if name == "dit" else "ref2va")
-            total += logical_param_count(config) * size
+            reader = open_dit(source, partition="t2va" if name == "dit" else "ref2va")
+            try:
+                config = reader.config
+                total += (reader.loaded_bytes(options.dtype) if getattr(options, "stored_weights", True)
+                          else logical_param_count(config) * size)
+            finally:
+                reader.source.close()
         elif name == "vae":
             total += _video_vae_bytes(source, options.vae_dtype)
         elif name == "text_encoder":

@@ -54,6 +54,10 @@ def use_loras(dit, loras: list) -> None:
         ops, _ = plan_lora(dit, tensors, metadata, interleaved_qkv=any(".default." in k for k in tensors))
         names |= {op.param for op in ops}
         del ops, tensors
+    from ..checkpoint.lora import dense_weights
+
+    if dense_weights(dit, names):  # StoredLinears a LoRA touches hold values from now on
+        params = dict(dit.named_parameters())
     state["backup"] = {n: params[n].detach().to("cpu", copy=True) for n in names if n in params}
     try:
         apply_loras(dit, specs, base={n: t.float() for n, t in state["backup"].items()})

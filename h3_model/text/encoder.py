@@ -11,7 +11,8 @@ The model, tokenizer and processor are transformers' Qwen3-VL classes (`Qwen3VLM
 `Qwen3VLProcessor`, `Qwen2TokenizerFast`). Accepted checkpoints (safetensors only):
 - a transformers Qwen3-VL folder (config.json + safetensors + tokenizer + processor files);
 - a diffusers MiniMax-H3 folder (`text_encoder/`, `tokenizer/`, `processor/`);
-- a ComfyUI single file (bf16, or fp8_scaled / int8_convrot / NVFP4 layers, dequantized at load),
+- a ComfyUI single file (bf16, or fp8_scaled / int8_convrot / NVFP4 (+ AWQ) layers: dequantized at load, or
+  kept as stored with `stored=True`, StoredLinear dequantizing them at use to the same bits),
   with `tokenizer=` naming a folder that holds the tokenizer and processor files.
 """
 
@@ -30,8 +31,10 @@ import torch
 
 from ...errors import CheckpointError, H3Error, InputError
 from ..checkpoint.detect import detect
-from ..checkpoint.quant import (LEGACY_MARKER, QUANT_SUFFIXES, QuantSpec, decode_marker, dequantize,
-                                fold_pre_quant_scale, metadata_layers, parse_layer_conf, split_param)
+from ...kernels.stored_codec import plain_nvfp4_scales
+from ...kernels.stored_linear import StoredForm, StoredLinear
+from ..checkpoint.quant import (LEGACY_MARKER, QUANT_SUFFIXES, STORED_PARTS, QuantSpec, check_stored, decode_marker,
+                                dequantize, fold_pre_quant_scale, metadata_layers, parse_layer_conf, split_param)
 from ..checkpoint.source import CheckpointSource, open_source
 from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, Presentation, PresentationBuilder
 
@@ -358,13 +361,16 @@ class _SingleFile:
         rx = re.compile(pattern)
         return len({m.group(1) for layer in self.layers.values() if (m := rx.match(layer.target))})
 
-    def tensors(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, tensor in dtype on device) layer by layer, in on-disk order; one layer in RAM at a time."""
+    def tensors(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+                keep_stored: bool = False) -> Iterator[tuple[str, "torch.Tensor | StoredForm"]]:
+        """(name, tensor in dtype on device) layer by layer, in on-disk order; one layer in RAM at a time.
+        `keep_stored`: a quantized layer's weight comes as its StoredForm (codes and scales on `device`)."""
         rank = {k: i for i, k in enumerate(self.source.file_order())}
         ordered = sorted(self.layers.items(), key=lambda kv: min(rank[k] for k in kv[1].keys.values()))
         for stored, layer in ordered:
-            if "weight" in layer.keys:
+            if "weight" in layer.keys and keep_stored and layer.spec is not None:
+                yield f"{layer.target}.weight", self._stored_form(stored, layer, shapes, device)
+            elif "weight" in layer.keys:
                 yield f"{layer.target}.weight", self._weight(stored, layer, shapes, dtype, device)
             if "bias" in layer.keys:
                 yield f"{layer.target}.bias", self.source.get(layer.keys["bias"]).to(device, dtype)
@@ -382,6 +388,22 @@ class _SingleFile:
         if "pre_quant_scale" in parts:
             weight = fold_pre_quant_scale(weight, parts["pre_quant_scale"])
         return weight
+
+
+    def _stored_form(self, stored: str, layer: _Layer, shapes: dict[str, tuple[int, ...]],
+                     device: torch.device) -> StoredForm:
+        shape = shapes.get(f"{layer.target}.weight")
+        if shape is None:
+            raise CheckpointError(f"{self.path}: {stored} is not a layer of this Qwen3-VL")
+        parts = {s: self.source.get(k).to(device) for s, k in layer.keys.items() if s in STORED_PARTS}
+        try:
+            check_stored(layer.spec, parts, shape, stored)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{self.path}: {exc}") from None
+        if layer.spec.format == "nvfp4":
+            parts["weight_scale"] = plain_nvfp4_scales(parts["weight_scale"], *parts["weight"].shape)
+        group = layer.spec.convrot_groupsize if layer.spec.convrot else None
+        return StoredForm(layer.spec.format, shape, parts, group)
 
 
 def _config_from_shapes(tf, weights: _SingleFile, tokenizer):
@@ -422,7 +444,8 @@ def _config_from_shapes(tf, weights: _SingleFile, tokenizer):
                             vision_start_token_id=ids[2], vision_end_token_id=ids[3])
 
 
-def _load_single_file(tf, sources: _Sources, tokenizer, layer: int, dtype: torch.dtype, device: torch.device):
+def _load_single_file(tf, sources: _Sources, tokenizer, layer: int, dtype: torch.dtype, device: torch.device,
+                      stored: bool = False):
     weights = _SingleFile(sources.weights, layer)
     try:
         if sources.config_path is not None:
@@ -435,16 +458,17 @@ def _load_single_file(tf, sources: _Sources, tokenizer, layer: int, dtype: torch
         _drop_final_norm(model)
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         weights.check(shapes)
-        _assign(model, weights.tensors(shapes, dtype, device), shapes, sources.weights)
+        _assign(model, weights.tensors(shapes, dtype, device, stored), shapes, sources.weights, dtype)
     finally:
         weights.source.close()
     _rebuild_rotary(model, config, device)
     return model, config
 
 
-def _assign(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]],
-            where: object) -> None:
-    """Put streamed tensors into the meta-built model; every parameter must be filled exactly once."""
+def _assign(model: torch.nn.Module, tensors: Iterator[tuple[str, "torch.Tensor | StoredForm"]],
+            shapes: dict[str, tuple[int, ...]], where: object, dtype: torch.dtype | None = None) -> None:
+    """Put streamed tensors into the meta-built model; every parameter must be filled exactly once. A StoredForm
+    replaces its nn.Linear by a StoredLinear computing in `dtype` (the bias, if any, comes after it)."""
     filled = set()
     for name, tensor in tensors:
         if name not in shapes:
@@ -453,11 +477,25 @@ def _assign(model: torch.nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
             raise CheckpointError(f"{where}: {name} is {list(tensor.shape)}, the model needs {list(shapes[name])}")
         module_name, _, param = name.rpartition(".")
         module = model.get_submodule(module_name)
-        module._parameters[param] = torch.nn.Parameter(tensor, requires_grad=False)
+        if isinstance(tensor, StoredForm):
+            _replace(model, module_name, StoredLinear(tensor, dtype, bias=None))
+            if module.bias is not None:
+                model.get_submodule(module_name).register_parameter("bias", module.bias)
+        else:
+            module._parameters[param] = torch.nn.Parameter(tensor, requires_grad=False)
         filled.add(name)
     missing = sorted(set(shapes) - filled)
     if missing:
         raise CheckpointError(f"{where}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
+
+
+def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if attr.isdigit():
+        parent[int(attr)] = module
+    else:
+        setattr(parent, attr, module)
 
 
 def _rebuild_rotary(model, config, device: torch.device) -> None:
@@ -501,14 +539,15 @@ class TextEncoder:
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype, device: str | torch.device,
                         layer: int = DEFAULT_LAYER, tokenizer: str | Path | None = None,
-                        cache_size: int = 8) -> "TextEncoder":
-        """Load a transformers/diffusers folder or a ComfyUI single file (which needs `tokenizer`)."""
+                        cache_size: int = 8, stored: bool = False) -> "TextEncoder":
+        """Load a transformers/diffusers folder or a ComfyUI single file (which needs `tokenizer`). `stored`: a
+        single file's quantized layers stay as stored (StoredLinear, dequantized at use to the same bits)."""
         sources = _resolve(path, tokenizer)
         tf = _transformers()
         tok, processor = _load_processing(tf, sources)
         device = torch.device(device)
         if sources.single_file:
-            model, config = _load_single_file(tf, sources, tok, layer, dtype, device)
+            model, config = _load_single_file(tf, sources, tok, layer, dtype, device, stored)
         else:
             model, config = _load_folder(tf, sources, layer, dtype, device)
             _drop_final_norm(model)

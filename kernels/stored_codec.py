@@ -1,0 +1,120 @@
+"""The stored forms of quantized weights, turned back into values row chunk by row chunk.
+
+One definition of each format's dequantization serves two callers: the checkpoint readers (a whole layer at
+load, `checkpoint/quant.py`) and `StoredLinear` (just in time, into a reusable scratch, before every GEMM).
+Both run these very functions, so a layer dequantized at use holds the bits it would have held had it been
+dequantized at load on the same device: the exact path stays exact to the file.
+
+Work is done `CHUNK_ROWS` output rows at a time. Every format's value of a row depends on that row's codes
+and scales only (ConvRot rotates each row's groups of input columns), so chunking changes no value; it
+bounds the fp32 temporaries to a chunk instead of a whole fc1 (0.6 GB at full size).
+
+Formats (h3-model-spec.md §10.2):
+- fp8 (`float8_e4m3fn` / `float8_e5m2`): code x per-tensor scale, both cast to the output dtype first (the
+  order comfy-kitchen's eager kernel uses);
+- int8 (`int8_tensorwise`, optionally ConvRot): code x fp32 scale (scalar or per row) in fp32, the group
+  rotation undone in fp32 (W = W_rot @ H per group: H is symmetric and orthogonal), then rounded;
+- NVFP4: E2M1 value x (global x block scale), in the output dtype, from plain (row-major) block scales;
+- AWQ `pre_quant_scale` (smoothing per input column): folded into the dequantized weight in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import CheckpointError
+from . import nvfp4_codec as nvfp4
+
+CHUNK_ROWS = 4096
+FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+# --------------------------------------------------------------------- Hadamard (ConvRot)
+_H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
+_HADAMARD: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def hadamard(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The normalised regular Hadamard matrix of a power-of-4 size, fp32 (symmetric, orthogonal), kept per
+    device so a GPU dequantization does not copy it from the host on every call."""
+    if size < 4 or 4 ** round(math.log(size, 4)) != size:
+        raise CheckpointError(f"ConvRot group size must be a power of 4 (4, 16, 64, 256, ...), got {size}")
+    key = (size, str(torch.device(device)))
+    h = _HADAMARD.get(key)
+    if h is None:
+        base = torch.tensor(_H4, dtype=torch.float32)
+        h = base
+        while h.shape[0] < size:
+            h = torch.kron(h, base)
+        h = (h / math.sqrt(size)).to(device)
+        _HADAMARD[key] = h
+    return h
+
+
+def rotate_groups(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """W -> W @ H^T applied to each group of `group` input columns (fp32). It is its own inverse."""
+    n, k = weight.shape
+    if k % group:
+        raise CheckpointError(f"ConvRot group size {group} does not divide the {k} input columns")
+    h = hadamard(group, weight.device)
+    return torch.matmul(weight.reshape(n, k // group, group), h.T).reshape(n, k)
+
+
+# --------------------------------------------------------------------- per format, into `out`
+def _chunks(rows: int):
+    for start in range(0, rows, CHUNK_ROWS):
+        yield start, min(rows, start + CHUNK_ROWS)
+
+
+def fp8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    scale = scale.float().reshape(()).to(out.dtype)
+    for a, b in _chunks(out.shape[0]):
+        torch.mul(codes[a:b].to(out.dtype), scale, out=out[a:b])
+    return out
+
+
+def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, convrot_group: int | None) -> torch.Tensor:
+    per_row = scale.numel() > 1
+    scale = scale.float().reshape(-1, 1) if per_row else scale.float().reshape(())
+    for a, b in _chunks(out.shape[0]):
+        w = codes[a:b].float() * (scale[a:b] if per_row else scale)
+        if convrot_group:
+            w = rotate_groups(w, convrot_group)
+        out[a:b].copy_(w)
+    return out
+
+
+def nvfp4_into(out: torch.Tensor, packed: torch.Tensor, plain_scales: torch.Tensor,
+               global_scale: torch.Tensor) -> torch.Tensor:
+    """`packed` uint8 [>= N, K_pad / 2], `plain_scales` e4m3 [>= N, K_pad / 16] (row-major, not blocked)."""
+    n, k = out.shape
+    g = global_scale.float().reshape(()).to(out.dtype)
+    blocks = packed.shape[1] * 2 // nvfp4.BLOCK
+    for a, b in _chunks(n):
+        values = nvfp4.decode_codes(nvfp4.unpack_codes(packed[a:b]), out.dtype)
+        total = g * plain_scales[a:b].to(out.dtype)
+        full = (values.reshape(b - a, blocks, nvfp4.BLOCK) * total[..., None]).reshape(b - a, blocks * nvfp4.BLOCK)
+        out[a:b].copy_(full[:, :k])
+    return out
+
+
+def pre_quant_into(out: torch.Tensor, pre_quant_scale: torch.Tensor) -> torch.Tensor:
+    """x (W s)^T = (x s) W^T: AWQ's smoothing folded into the weight, per input column, in fp32."""
+    if pre_quant_scale.numel() != out.shape[1]:
+        raise CheckpointError(f"pre_quant_scale has {pre_quant_scale.numel()} values for {out.shape[1]} inputs")
+    s = pre_quant_scale.float().reshape(1, -1)
+    for a, b in _chunks(out.shape[0]):
+        out[a:b].copy_(out[a:b].float() * s)
+    return out
+
+
+def plain_nvfp4_scales(blocked: torch.Tensor, packed_rows: int, packed_cols: int) -> torch.Tensor:
+    """A stored NVFP4 layer's blocked block scales -> plain [packed_rows, K_pad / 16] e4m3 (same bytes, row-major:
+    a row chunk of them is then a slice)."""
+    if blocked.dtype == torch.uint8:
+        blocked = blocked.view(torch.float8_e4m3fn)
+    if blocked.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"NVFP4 block scales must be float8_e4m3fn, got {blocked.dtype}")
+    return nvfp4.unswizzle_scales(blocked, packed_rows, packed_cols * 2 // nvfp4.BLOCK)

@@ -1,0 +1,196 @@
+"""`StoredLinear`: a linear layer that keeps its weight in the form the checkpoint stores it.
+
+A quantized layer read from a file (int8 / int8_convrot, fp8_scaled, NVFP4, each optionally with AWQ's
+`pre_quant_scale`) is held as its stored bytes: codes and scales as buffers, from the memory-mapped file to
+the GPU (and through block streaming, which packs whatever tensors a block holds). Right before its GEMM the
+weight is dequantized into a scratch buffer shared by every StoredLinear of the thread and device, then
+`F.linear` runs on it. The dequantization is `stored_codec`'s, the same the load-time readers run, so the
+output is bit-identical to that of an `nn.Linear` loaded from the same file on the same device.
+
+What it costs, and why it is worth it: an int8 block holds half the bytes of a bf16 one (NVFP4 about a
+quarter), while its dequantization is a memory-bound pass over the weight (h3-model-spec.md: ~2 ms a block
+for int8 against ~40 ms of block compute at S = 19,540; ConvRot adds one fp32 GEMM with K = 256 per row).
+The low-bit GEMMs (`Fp8Linear`, `Nvfp4Linear`) start from `stored_tensors()` instead, where asked for.
+
+Like `Fp8Linear`, `weight` is the stored codes and `out_dtype` the compute dtype; `dequantized()` gives the
+weight as a new tensor (LoRA merges, tests).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import nvfp4_codec as nvfp4
+from . import stored_codec as codec
+
+# What `format` may be (checkpoint/quant.py's QuantSpec.format names) and the report label of each.
+LABELS = {"float8_e4m3fn": "fp8_scaled", "float8_e5m2": "fp8_e5m2_scaled", "int8_tensorwise": "int8",
+          "nvfp4": "nvfp4"}
+
+
+@dataclass
+class StoredForm:
+    """One linear's weight as a reader hands it over: the stored tensors cut to this linear's rows.
+
+    tensors: "weight" (fp8 / int8 codes [N, K], or NVFP4 uint8 [>= N, K_pad / 2]), "weight_scale" (fp8: scalar;
+    int8: scalar or [N, 1]; NVFP4: plain e4m3 [>= N, K_pad / 16], see `stored_codec.plain_nvfp4_scales`),
+    "weight_scale_2" (NVFP4 global), optional "pre_quant_scale" [K]."""
+
+    format: str
+    shape: tuple[int, int]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    convrot_group: int | None = None
+    # The stored rows are [a; b] and the model's [b; a] (ComfyUI's fc1 is [gate; value], ours [value; gate]):
+    # the halves are swapped as they are dequantized, so the codes stay views of the file.
+    swap_halves: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class _Scratch(threading.local):
+    """Per thread: device -> (buffer, the StoredLinear whose weight it holds). Two threads (a service's job and
+    a ComfyUI prompt) never share a buffer, and within a thread the GEMMs run one after another on one stream,
+    so a buffer is overwritten only after the GEMM that read it was issued before the write."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.owner: dict[str, object] = {}
+
+
+_SCRATCH = _Scratch()
+
+
+def release_scratch() -> int:
+    """Free this thread's scratch buffers (between stages, or when a model is unloaded); returns the bytes freed."""
+    freed = sum(b.numel() * b.element_size() for b in _SCRATCH.buffers.values())
+    _SCRATCH.buffers.clear()
+    _SCRATCH.owner.clear()
+    return freed
+
+
+def scratch_bytes(module: nn.Module) -> int:
+    """The scratch a model's StoredLinears need on their device: the largest dequantized weight, plus the fp32
+    temporaries of one row chunk (codes as fp32 and the rotated copy)."""
+    need = 0
+    for m in module.modules():
+        if isinstance(m, StoredLinear):
+            n, k = m.shape
+            size = torch.empty(0, dtype=m.out_dtype).element_size()
+            need = max(need, n * k * size + 2 * min(n, codec.CHUNK_ROWS) * k * 4)
+    return need
+
+
+class StoredLinear(nn.Module):
+    def __init__(self, form: StoredForm, out_dtype: torch.dtype, bias: torch.Tensor | None = None):
+        super().__init__()
+        if form.format not in LABELS:
+            raise ValueError(f"StoredLinear holds {', '.join(LABELS)} weights, not {form.format!r}")
+        self.format = form.format
+        self.shape = tuple(form.shape)
+        self.out_features, self.in_features = self.shape
+        self.convrot_group = form.convrot_group
+        self.swap_halves = form.swap_halves
+        if self.swap_halves and self.out_features % 2:
+            raise ValueError(f"cannot swap the halves of {self.out_features} rows")
+        self.out_dtype = out_dtype
+        for name in ("weight", "weight_scale", "weight_scale_2", "pre_quant_scale"):
+            if name in form.tensors:
+                self.register_buffer(name, form.tensors[name])
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
+        self.source = f"{LABELS[self.format]} codes as stored, dequantized at use"
+
+    @property
+    def label(self) -> str:
+        return "int8_convrot" if self.format == "int8_tensorwise" and self.convrot_group else LABELS[self.format]
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, stored {self.label}, computes in {self.out_dtype}"
+
+    # ------------------------------------------------------------------ values
+    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
+        if self.swap_halves:
+            half = self.out_features // 2
+            self._dequantize_rows(out[half:], 0, half)
+            self._dequantize_rows(out[:half], half, self.out_features)
+        else:
+            self._dequantize_rows(out, 0, self.out_features)
+        return out
+
+    def _dequantize_rows(self, out: torch.Tensor, start: int, end: int) -> None:
+        """Stored rows start:end into `out`."""
+        scale = self.weight_scale
+        if self.format == "nvfp4" or scale.numel() > 1:
+            scale = scale[start:end]
+        if self.format in codec.FP8_FORMATS:
+            codes = self.weight.view(codec.FP8_FORMATS[self.format]) if self.weight.dtype == torch.uint8 else self.weight
+            codec.fp8_into(out, codes[start:end], scale)
+        elif self.format == "int8_tensorwise":
+            codec.int8_into(out, self.weight[start:end], scale, self.convrot_group)
+        else:
+            codec.nvfp4_into(out, self.weight[start:end], scale, self.weight_scale_2)
+        if getattr(self, "pre_quant_scale", None) is not None:
+            codec.pre_quant_into(out, self.pre_quant_scale)
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The logical weight as a new tensor in the compute dtype (or `dtype`, cast from it)."""
+        out = self.dequantize_into(torch.empty(self.shape, dtype=self.out_dtype, device=self.weight.device))
+        return out if dtype is None or dtype == self.out_dtype else out.to(dtype)
+
+    def _jit_weight(self) -> torch.Tensor:
+        device = self.weight.device
+        key = f"{device}:{self.out_dtype}"
+        numel = self.out_features * self.in_features
+        buffer = _SCRATCH.buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            _SCRATCH.buffers.pop(key, None)  # the old one goes before the larger one is made
+            buffer = _SCRATCH.buffers[key] = torch.empty(numel, dtype=self.out_dtype, device=device)
+            _SCRATCH.owner.pop(key, None)
+        weight = buffer[:numel].view(self.shape)
+        # The MLP's row chunks call the same linear several times in a row: dequantize once for them.
+        if _SCRATCH.owner.get(key) is not self:
+            self.dequantize_into(weight)
+            _SCRATCH.owner[key] = self
+        return weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self._jit_weight(), self.bias)
+
+    def _apply(self, fn, recurse=True):
+        # Moving the codes (to a device, into a streaming slot) leaves whatever scratch says it holds this layer
+        # valid only on the old device; forgetting ownership is always safe.
+        for key in [k for k, v in _SCRATCH.owner.items() if v is self]:
+            del _SCRATCH.owner[key]
+        return super()._apply(fn, recurse)
+
+    # ------------------------------------------------------------------ for the low-bit linears
+    def stored_tensors(self) -> dict:
+        """What `kernels.dispatch` makes an FP8 or NVFP4 linear from: {"format": "fp8_scaled" | "nvfp4", ...} as a
+        checkpoint stores it (NVFP4 block scales blocked again, rows padded to 16), or None for int8 and AWQ
+        layers, whose codes no low-bit GEMM here takes (they are quantized from the dequantized weight)."""
+        if getattr(self, "pre_quant_scale", None) is not None or self.format == "int8_tensorwise":
+            return None
+        if self.format in codec.FP8_FORMATS:
+            codes = self.weight.view(torch.uint8)
+            if self.swap_halves:
+                codes = torch.cat([codes[self.out_features // 2:], codes[:self.out_features // 2]])
+            return {"format": "fp8_scaled", "weight": codes.view(codec.FP8_FORMATS[self.format]),
+                    "weight_scale": self.weight_scale}
+        n = self.out_features
+        codes, plain = self.weight[:n], self.weight_scale[:n]
+        if self.swap_halves:
+            codes, plain = (torch.cat([t[n // 2:], t[:n // 2]]) for t in (codes, plain.view(torch.uint8)))
+            plain = plain.view(torch.float8_e4m3fn)
+        pad = nvfp4.roundup(n, nvfp4.BLOCK) - n
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
+            plain = torch.cat([plain.view(torch.uint8), plain.view(torch.uint8).new_zeros(pad, plain.shape[1])])
+            plain = plain.view(torch.float8_e4m3fn)
+        return {"format": "nvfp4", "weight": codes.contiguous(), "weight_scale": nvfp4.swizzle_scales(plain),
+                "weight_scale_2": self.weight_scale_2}
