@@ -166,3 +166,69 @@ def test_auto_on_the_cpu_stays_resident(builders):
     engine = Engine(options=options, overrides=builders).load(["t2va"])
     assert engine.options.vram_budget is None and engine.memory_plans == {} and engine.auto_budget is None
     assert engine.components.dit.block_stream is None
+
+
+@pytest.fixture(scope="module")
+def int8_dit(builders, tmp_path_factory):
+    """The builders' DiT written as a Comfy-Org int8_convrot file by our make-checkpoint."""
+    from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+
+    path = tmp_path_factory.mktemp("int8") / "dit.safetensors"
+    make_dit_checkpoint(path, builders["dit"]().config, "int8_convrot", "comfy", seed=5)
+    return path
+
+
+def _file_engine(builders, dit, **options) -> Engine:
+    others = {k: v for k, v in builders.items() if k not in ("dit", "dit_ref")}
+    base = dict(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2, kernels=REFERENCE_KERNELS)
+    return Engine(ComponentPaths(dit=dit), LoadOptions(**{**base, **options}), overrides=others)
+
+
+def test_a_quantized_file_runs_in_its_stored_form_resident_and_streamed(builders, int8_dit):
+    """The engine keeps an int8_convrot file's layers as stored (StoredLinear) by default; resident or streamed under
+    a budget, it generates the latents of the same file dequantized at load, bit for bit, and what streams is packed
+    as int8 codes."""
+    from h3_spark.h3_model.engine import memory
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest
+    from h3_spark.kernels.stored_linear import StoredLinear
+
+    req = GenerationRequest(mode="t2va", prompt="a boat", width=64, height=64, frames=124, steps=3)
+    dense = _file_engine(builders, int8_dit, stored_weights=False).load(["t2va"])
+    want = dense.generate(req)
+    assert not any(isinstance(m, StoredLinear) for m in dense.components.dit.modules())
+    stored = _file_engine(builders, int8_dit).load(["t2va"])
+    linears = [m for m in stored.components.dit.modules() if isinstance(m, StoredLinear)]
+    assert linears and {m.weight.dtype for m in linears} == {torch.int8}
+    got = stored.generate(req)
+    assert torch.equal(got.video_latents, want.video_latents) and torch.equal(got.audio_latents, want.audio_latents)
+
+    probe = memory.plan_dit(stored.components.dit, None, 4096)
+    probe.resident_blocks, probe.adaln_on_host = 0, True
+    reserve = max(_file_engine(builders, int8_dit, vram_budget=100 * memory.GB, plan_rows=4096)
+                  .load(["t2va"]).stage_reserve.values())
+    streamed = _file_engine(builders, int8_dit, vram_budget=memory.budget_for(probe.device_bytes + reserve),
+                            plan_rows=4096).load(["t2va"])
+    stream = streamed.components.dit.block_stream
+    assert stream is not None and len(stream.units) == streamed.components.dit.config.num_layers
+    packed = {e.dtype for u in stream.units.values() for e in u.entries}
+    assert torch.int8 in packed and torch.bfloat16 not in packed and torch.float32 in packed  # codes, scales, norms
+    got = streamed.generate(req)
+    assert torch.equal(got.video_latents, want.video_latents) and torch.equal(got.audio_latents, want.audio_latents)
+    host = streamed.memory_report("dit")["host"]
+    assert host["dit_streamed_bytes"] == stream.host_bytes and host["held_bytes"] >= stream.host_bytes
+
+
+def test_a_host_budget_below_what_must_be_held_fails_before_placing(builders, int8_dit):
+    from h3_spark.h3_model.engine import memory
+
+    # The smallest VRAM budget that runs streams every block: planned first, to size the host need.
+    probe = _file_engine(builders, int8_dit, vram_budget=100 * memory.GB, plan_rows=4096).load(["t2va"])
+    need = memory.plan_dit(probe.components.dit, None, 4096)
+    need.resident_blocks, need.adaln_on_host = 0, True
+    budget = memory.budget_for(need.device_bytes + max(probe.stage_reserve.values()))
+    engine = _file_engine(builders, int8_dit, vram_budget=budget, plan_rows=4096, host_budget=1000)
+    with pytest.raises(InputError, match=r"^the host memory budget of 0.0 MB is below what the models hold in host "
+                                         r"memory under this VRAM budget, [\d.]+ [MG]B: [\d.]+ [MG]B of streamed DiT "
+                                         r"blocks \(page-locked\), .* raise --host-budget, or raise --vram-budget"):
+        engine.load(["t2va"])
+    assert engine.components.dit.block_stream is None  # nothing was packed

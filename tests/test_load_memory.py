@@ -36,9 +36,11 @@ start_sampling()
 if sys.argv[2] == "read-whole-file-first":
     from safetensors.torch import load_file
     whole = {k: v.clone() for k, v in load_file(sys.argv[1]).items()}
-model = load_dit(sys.argv[1], dtype=torch.bfloat16)
-size = sum(p.numel() * p.element_size() for p in model.parameters())
-if sys.argv[2] == "stream-blocks":
+stored = sys.argv[2].startswith("stored")
+model = load_dit(sys.argv[1], dtype=torch.bfloat16, stored=stored)
+size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+loaded = anon() - before
+if sys.argv[2] in ("stream-blocks", "stored-stream-blocks"):
     # A VRAM budget's placement (CPU standing in for the GPU): one block resident, the rest packed into host
     # buffers unit by unit, each block's loaded tensors freed as soon as it is packed.
     from h3_spark.h3_model.engine.placement import Placement
@@ -48,7 +50,7 @@ if sys.argv[2] == "stream-blocks":
     placement.apply(plan, "cpu")
     assert model.block_stream is not None and len(model.block_stream.units) == len(model.transformer_blocks) - 1
 stop_sampling()
-print(json.dumps({"added": peak[0] - before, "model": size}))
+print(json.dumps({"added": peak[0] - before, "model": size, "after_load": loaded}))
 """
 
 
@@ -76,6 +78,30 @@ def test_the_probe_sees_a_non_streaming_load(tmp_path):
     make_dit_checkpoint(out, MID, "bf16", "comfy", seed=0)
     probe = _probe(out, "read-whole-file-first")
     assert probe["added"] > _bound(probe["model"]), probe
+
+
+@pytest.mark.parametrize("fmt", ["int8_convrot", "fp8_scaled", "nvfp4"])
+def test_a_quantized_file_kept_stored_adds_almost_nothing(tmp_path, fmt):
+    """Kept in its stored form, a quantized file's codes stay views of its memory map: the load adds only the
+    unquantized tensors that change dtype and the small NVFP4 plain scales, far below the stored bytes; the same
+    file dequantized at load adds its bf16 size (the control: the probe can tell the two apart)."""
+    out = tmp_path / "dit.safetensors"
+    make_dit_checkpoint(out, MID, fmt, "comfy", seed=0)
+    stored = _probe(out, "stored")
+    dense = _probe(out, "stream")
+    assert stored["model"] < 0.7 * dense["model"]
+    assert stored["after_load"] <= 0.35 * stored["model"] + 32e6, stored
+    assert dense["after_load"] > 0.7 * dense["model"], dense
+
+
+def test_streaming_stored_blocks_packs_their_stored_bytes(tmp_path):
+    """Under a VRAM budget the streamed blocks of a stored int8 DiT are packed as stored (int8 codes and scales),
+    so host memory holds about the stored model once, not its bf16 size."""
+    out = tmp_path / "dit.safetensors"
+    make_dit_checkpoint(out, MID, "int8_convrot", "comfy", seed=0)
+    probe = _probe(out, "stored-stream-blocks")
+    assert probe["added"] <= 1.1 * probe["model"] + 32e6, probe
+    assert probe["model"] < 0.7 * _probe(out, "stream")["model"]
 
 
 def test_streaming_the_blocks_of_a_loaded_dit_adds_no_second_copy(tmp_path):

@@ -185,3 +185,40 @@ def test_stored_dit_streams_its_stored_bytes(files, lay):
     dense = sum(2 * o.shape[0] * o.shape[1] for o in reader.plan() if o.name.startswith("transformer_blocks.0.")
                 and o.name.endswith(".weight") and len(o.shape) == 2 and "adaln" not in o.name)
     assert stream.units[0].nbytes < dense
+
+
+# ------------------------------------------------------------------------------------------ on the GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_stored_dit_equals_dequantized_on_the_gpu(files, lay, fmt):
+    """On the GPU the just-in-time dequantization gives the bits of the load-time one made on the GPU."""
+    dense = load_dit(files[fmt], dtype=torch.bfloat16, device="cuda")
+    stored = load_dit(files[fmt], dtype=torch.bfloat16, device="cuda", stored=True)
+    inputs = {k: v.cuda() for k, v in _inputs(lay, torch.bfloat16).items()}
+    ts, idx = lay.row_timesteps(0.7, 0.4, 0.999)
+    with torch.no_grad():
+        a = dense(**inputs, timestep=ts.cuda(), timestep_indices=idx.cuda())
+        b = stored(**inputs, timestep=ts.cuda(), timestep_indices=idx.cuda())
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_fp8_linears_from_stored_codes(files, fmt):
+    """H3_LINEAR=fp8 on a stored model starts from the StoredLinear's own codes: an fp8_scaled file's e4m3 codes are
+    kept as they are; the FP8 weight matches the one made from the same file loaded dequantized."""
+    from h3_spark.kernels.dispatch import apply_kernels
+    from h3_spark.kernels.settings import KernelSettings
+
+    settings = KernelSettings(linear="fp8")
+    dense = load_dit(files[fmt], dtype=torch.bfloat16, device="cuda")
+    stored = load_dit(files[fmt], dtype=torch.bfloat16, device="cuda", stored=True)
+    report = apply_kernels(stored, settings)
+    apply_kernels(dense, settings)
+    a = dense.transformer_blocks[1].attn.to_v
+    b = stored.transformer_blocks[1].attn.to_v
+    assert type(b).__name__ == "Fp8Linear"
+    assert torch.equal(a.dequantized_weight(), b.dequantized_weight())
+    if fmt == "fp8_scaled":
+        assert any("fp8_scaled checkpoint codes" in s for s in report["linear"]["sources"])

@@ -48,10 +48,13 @@ class Unit:
 
     label: str
     entries: list[_Entry]
-    host: torch.Tensor  # uint8, pinned on CUDA
+    host: torch.Tensor | None  # uint8, pinned on CUDA; None for a unit left in place
     nbytes: int
     adaln: bool = False  # an AdaLN projection (copied for the tables, not by the forward)
     pinned: bool = False  # `host` is page-locked (pinned_buffer)
+    # In place: the tensors as they were (views of a memory-mapped file, say), copied from there on each visit;
+    # nothing is packed, so host memory holds no second copy (pageable copies: for rarely visited units).
+    sources: list | None = None
     slot: int | None = None
     ready: object = None  # the copy's CUDA event
 
@@ -119,7 +122,23 @@ def _pack(label: str, items: list, pin: bool, adaln: bool = False) -> Unit:
     return Unit(label, entries, host, offset, adaln, pinned=pin)
 
 
+def _in_place(label: str, items: list, adaln: bool = False) -> Unit:
+    """A unit over the tensors where they are (contiguous host tensors): laid out like a packed one in the slot."""
+    entries, offset, sources = [], 0, []
+    for owner, name, t, is_param in items:
+        t = t.detach()
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.to("cpu").contiguous()  # a stray device or strided tensor: its own host copy
+        nbytes = t.numel() * t.element_size()
+        entries.append(_Entry(owner, name, is_param, tuple(t.shape), t.dtype, offset, nbytes))
+        sources.append(t)
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return Unit(label, entries, None, offset, adaln, sources=sources)
+
+
 def _host_view(unit: Unit, entry: _Entry) -> torch.Tensor:
+    if unit.sources is not None:
+        return unit.sources[unit.entries.index(entry)]
     return unit.host[entry.offset:entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
 
 
@@ -136,9 +155,13 @@ def _still_packed(unit: Unit, items: list) -> bool:
     return True
 
 
-def _unit(module: nn.Module, key: str, label: str, skip: str | None, pin: bool, adaln: bool = False) -> Unit:
+def _unit(module: nn.Module, key: str, label: str, skip: str | None, pin: bool, adaln: bool = False,
+          in_place: bool = False) -> Unit:
     """The module's packed unit: the one `restore` left when its tensors are still those views, else a new one."""
     items = list(_tensors(module, skip))
+    if in_place:
+        module.__dict__.get(UNITS, {}).pop(key, None)
+        return _in_place(label, items, adaln)
     kept = module.__dict__.get(UNITS, {}).pop(key, None)
     if kept is not None and kept.pinned == pin and _still_packed(kept, items):
         kept.label, kept.slot, kept.ready = label, None, None
@@ -173,8 +196,11 @@ class BlockStream:
     Any ModuleList of blocks will do: the text encoder's decoder layers stream the same way (they have no
     AdaLN projection). `park()` gives the slots back between uses; the next copy allocates them again."""
 
-    def __init__(self, blocks: nn.ModuleList, streamed: list[int], device: torch.device | str, depth: int = 2):
+    def __init__(self, blocks: nn.ModuleList, streamed: list[int], device: torch.device | str, depth: int = 2,
+                 in_place: bool = False):
         self.device = torch.device(device)
+        # in_place: the units copy from the tensors where they are (pageable) instead of packed pinned buffers.
+        self.in_place = in_place
         self.cuda = self.device.type == "cuda"
         self.depth = depth
         self.order = list(streamed)
@@ -184,12 +210,12 @@ class BlockStream:
         # Each unit's tensors are dropped as soon as it is packed: the weights then live in the host buffer only,
         # so packing a model held in (pageable) host memory never holds more than one extra block.
         for i in self.order:
-            self.units[i] = _unit(blocks[i], "block", f"block {i}", ADALN, self.cuda)
+            self.units[i] = _unit(blocks[i], "block", f"block {i}", ADALN, self.cuda, in_place=in_place)
             self._drop(self.units[i])
         for i, block in enumerate(blocks):
             if hasattr(block, ADALN):
                 self.adaln[i] = _unit(getattr(block, ADALN), "adaln", f"block {i} AdaLN", None, self.cuda,
-                                      adaln=True)
+                                      adaln=True, in_place=in_place)
                 self._drop(self.adaln[i])
         self.largest = max((u.nbytes for u in [*self.units.values(), *self.adaln.values()]), default=0)
         self.slots: list[torch.Tensor] = []
@@ -223,7 +249,13 @@ class BlockStream:
 
     @property
     def host_bytes(self) -> int:
-        return sum(u.nbytes for u in [*self.units.values(), *self.adaln.values()])
+        """Bytes of the packed host buffers this stream made (units left in place add none)."""
+        return sum(u.nbytes for u in [*self.units.values(), *self.adaln.values()] if u.host is not None)
+
+    @property
+    def in_place_bytes(self) -> int:
+        """Bytes copied from tensors left where they were (file pages, pageable)."""
+        return sum(u.nbytes for u in [*self.units.values(), *self.adaln.values()] if u.host is None)
 
     # ------------------------------------------------------------------ copies
     def _drop(self, unit: Unit) -> None:
@@ -246,11 +278,11 @@ class BlockStream:
             with torch.cuda.stream(self.copy_stream):
                 if self.slot_free[s] is not None:
                     self.copy_stream.wait_event(self.slot_free[s])
-                target.copy_(unit.host, non_blocking=True)
+                _copy_unit(target, unit, non_blocking=True)
                 unit.ready = torch.cuda.Event()
                 unit.ready.record(self.copy_stream)
         else:
-            target.copy_(unit.host)
+            _copy_unit(target, unit)
         unit.slot = s
         self.slot_owner[s] = unit
         if unit.adaln:
@@ -335,6 +367,16 @@ class BlockStream:
         for entry in unit.entries:
             _set(entry, _host_view(unit, entry))
         module.__dict__.setdefault(UNITS, {})[key] = unit
+
+
+def _copy_unit(target: torch.Tensor, unit: Unit, non_blocking: bool = False) -> None:
+    if unit.host is not None:
+        target.copy_(unit.host, non_blocking=non_blocking)
+        return
+    # From pageable memory the copy is staged by the driver (the issuing thread waits for it): correct, slower.
+    for entry, src in zip(unit.entries, unit.sources):
+        target[entry.offset:entry.offset + entry.nbytes].copy_(src.reshape(-1).view(torch.uint8),
+                                                                non_blocking=non_blocking)
 
 
 class _AdalnScope:

@@ -41,6 +41,17 @@ class LoadOptions:
     # Quantized layers stay as the file stores them (StoredLinear: codes and scales, dequantized at use, the same
     # bits); False dequantizes them at load (what a diffusers twin, sharing our parameters, needs).
     stored_weights: bool = True
+    # Host memory the models may hold under a VRAM budget (streamed blocks, parked VAEs), in bytes; None: unchecked
+    # (--host-budget, H3_HOST_BUDGET; memory.check_host).
+    host_budget: int | None = None
+
+    @property
+    def loads_via_host(self) -> bool:
+        """Whether the DiT is read into host memory (views of its file) and placed block by block: under a VRAM
+        budget, and when its linears become FP8 / NVFP4 (each block converted on the device as it is placed, so the
+        GPU never holds the whole model in the file's bf16)."""
+        linear = getattr(self.kernels, "linear", "auto") if self.kernels is not None else "auto"
+        return self.vram_budget is not None or (linear in ("fp8", "nvfp4") and self.device.startswith("cuda"))
 
 
 def component_loader(name: str, path: Path, opts: LoadOptions, tokenizer: Path | None = None) -> Callable[[], object]:
@@ -52,14 +63,15 @@ def component_loader(name: str, path: Path, opts: LoadOptions, tokenizer: Path |
 
     # Under a VRAM budget the DiT and the text encoder are read into host memory (their stored tensors stay views
     # of the memory-mapped files); the engine then places what fits on the device (memory.py).
-    dit_device = "cpu" if opts.vram_budget is not None else opts.device
+    dit_device = "cpu" if opts.loads_via_host else opts.device
+    te_device = "cpu" if opts.vram_budget is not None else opts.device
     loaders: dict[str, Callable[[], object]] = {
         "dit": lambda: load_dit(path, dtype=opts.dtype, device=dit_device, partition="t2va",
                                 qkv_layout=opts.qkv_layout, stored=opts.stored_weights),
         "dit_ref": lambda: load_dit(path, dtype=opts.dtype, device=dit_device, partition="ref2va",
                                     qkv_layout=opts.qkv_layout, stored=opts.stored_weights),
         "text_encoder": lambda: TextEncoder.from_pretrained(path, dtype=opts.text_dtype or opts.dtype,
-                                                            device=dit_device, tokenizer=tokenizer,
+                                                            device=te_device, tokenizer=tokenizer,
                                                             layer=opts.text_layer, stored=opts.stored_weights),
         "vae": lambda: load_video_vae(path, device=opts.device, decode_dtype=opts.vae_dtype),
         "audio_vae": lambda: load_audio_vae(path, device=opts.device),

@@ -52,7 +52,7 @@ class Placement:
     def size(self) -> int:
         """The weights' bytes wherever they are (streamed ones sit in their host buffers)."""
         stream = self.stream
-        return tensor_bytes(self.model) + (stream.host_bytes if stream is not None else 0)
+        return tensor_bytes(self.model) + (stream.host_bytes + stream.in_place_bytes if stream is not None else 0)
 
     def loaded(self) -> int:
         """Device bytes held now: resident tensors and the stream's slots (a streamed tensor is empty in its
@@ -185,7 +185,7 @@ class TextPlacement:
 
     def size(self) -> int:
         stream = self.te.layer_stream
-        return tensor_bytes(self.te.model) + (stream.host_bytes if stream is not None else 0)
+        return tensor_bytes(self.te.model) + (stream.host_bytes + stream.in_place_bytes if stream is not None else 0)
 
     def loaded(self) -> int:
         if self.device is None:
