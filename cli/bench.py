@@ -60,7 +60,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     return p
 
 
-def _run_vs_exact(args, contract, model, settings, device, weights, record, out: Path) -> int:
+def _run_vs_exact(args, contract, model, settings, device, weights, record, out: Path, loaded: dict) -> int:
     from ..h3_model.pipeline.scheduler import JointSchedule
     from ..measure import runner, stamp
     from ..measure.contract import contract_shape
@@ -84,6 +84,7 @@ def _run_vs_exact(args, contract, model, settings, device, weights, record, out:
                                                 fast_schedule=fast_schedule)}
     if args.recipes:
         result["recipes"] = [r.describe() for r in args.recipes]
+    runner.add_host_memory(result, loaded)
     result["stamp"] = stamp.stamp_after(record)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -178,6 +179,8 @@ def preflight(args) -> tuple:
         from ..measure.diffusers_ref import diffusers_transformer_class
 
         diffusers_transformer_class()
+    if args.checkpoint and not Path(args.checkpoint).exists():  # else the engine's loader names its own flag, --dit
+        raise InputError(f"--checkpoint {args.checkpoint}: no such file or folder")
     return device, contract, settings, cache_modes, out
 
 
@@ -220,17 +223,17 @@ def check_budget_flags(args) -> None:
         raise InputError("--vram-budget does not combine with --vs: the reference would sit beside the model")
 
 
-def stream_under_budget(model, args, contract, device: str) -> dict:
-    """Place the configured DiT under the budget, then cap this process at the budget to emulate a smaller
-    card (torch.cuda.set_per_process_memory_fraction); the receipt says so."""
-    from ..h3_model.engine.memory import plan_dit
-    from ..h3_model.engine.placement import place_dit
-    from ..measure.contract import contract_shape
-
-    rows = contract_shape(contract, model.config).layout.sequence_length
-    plan = plan_dit(model, args.budget, rows, depth=args.prefetch_depth)
-    place_dit(model, plan, device)
-    return {**plan.describe(), "emulation": emulate_card(args.budget, device)}
+def budget_report(engine, key: str, model, emulation: str | None) -> dict:
+    """The engine's plan for the DiT and what its stream copied, read after every run (forwards and any
+    generation) so the counts are the whole bench's; `emulation`: emulate_card's line."""
+    report = {**engine.memory_report(key), "emulation": emulation}
+    stats = model.block_stream.stats if model.block_stream is not None else None
+    report["forwards_streamed"] = stats.forwards if stats else 0
+    report["bytes_copied_per_forward"] = stats.bytes_copied // max(1, stats.forwards) if stats else 0
+    # The "full" forwards recompute the AdaLN tables, so they copy every projection each time; sampling
+    # copies them once per schedule.
+    report["adaln_bytes_copied"] = stats.adaln_bytes_copied if stats else 0
+    return report
 
 
 def emulate_card(budget: int, device: str) -> str | None:
@@ -250,11 +253,26 @@ def emulate_card(budget: int, device: str) -> str | None:
             f"of its {total / 1e9:.2f} GB")
 
 
-def _contract_rows(contract, preset_name: str) -> int:
+def dit_key(contract) -> str:
+    """The engine's name for the contract's DiT: ref2va runs the transformer_ref partition, t2va and fl2va the
+    transformer one."""
+    return "dit_ref" if contract["mode"] == "ref2va" else "dit"
+
+
+def _contract_rows(args, contract) -> int:
+    """The packed rows a budget plans activations for: the contract's, at the DiT's patch size (a checkpoint's
+    header says it, read before loading; the synthetic and model-folder DiTs are the preset's)."""
     from ..h3_model.dit.config import preset
+    from ..h3_model.engine.loading import MODE_PARTITIONS
     from ..measure.contract import contract_shape
 
-    return contract_shape(contract, preset(preset_name)).layout.sequence_length
+    if args.checkpoint:
+        from ..h3_model.checkpoint import read_dit_config
+
+        config = read_dit_config(args.checkpoint, partition=MODE_PARTITIONS[contract["mode"]])
+    else:
+        config = preset(args.preset)
+    return contract_shape(contract, config).layout.sequence_length
 
 
 def _engine_budget(args) -> dict:
@@ -267,45 +285,74 @@ def _engine_budget(args) -> dict:
 
 
 def load_model(args, contract, device: str, dtype):
-    """(DiT, the engine holding every component or None, weights description, component build seconds or None)."""
+    """(the contract's DiT, the engine that loaded it, weights description). Every source loads through an
+    engine: a whole render's components for --models and --synthetic --generation, the DiT alone otherwise."""
+    from ..h3_model.engine.engine import Engine
+    from ..h3_model.engine.loading import LoadOptions
+    from ..h3_model.engine.paths import ComponentPaths
+
+    budget = _engine_budget(args)
     if args.synthetic and args.generation:
         import torch
 
         from ..measure.synthetic import describe, synthetic_components
 
         vae_dtype = torch.float16 if device.startswith("cuda") else torch.float32
-        engine, build_s = synthetic_components(args.preset, [contract["mode"]], device, dtype, vae_dtype,
-                                              seed=contract["seed"], text_layer=args.text_encoder_layer,
-                                              dit_init=args.synthetic_init, **_engine_budget(args))
-        return engine.components.dit_for(contract["mode"]), engine, describe(args.preset, args.synthetic_init), build_s
-    if args.synthetic:
-        from ..h3_model.dit.config import preset
-        from ..measure.synthetic import describe, synthetic_dit
-
-        model = synthetic_dit(preset(args.preset), dtype, device, seed=contract["seed"], init=args.synthetic_init)
-        return model, None, describe(args.preset, args.synthetic_init, text_encoder=False), None
-    if args.models:
-        from ..h3_model.engine.engine import Engine
-        from ..h3_model.engine.loading import LoadOptions
-        from ..h3_model.engine.paths import ComponentPaths
-
+        engine, _ = synthetic_components(args.preset, [contract["mode"]], device, dtype, vae_dtype,
+                                         seed=contract["seed"], text_layer=args.text_encoder_layer,
+                                         dit_init=args.synthetic_init, **budget)
+        weights = describe(args.preset, args.synthetic_init)
+    elif args.models:
         # Kernels are applied by `run`, after the diffusers twin is built from the bf16 weights.
-        budget = _engine_budget(args)
         engine = Engine(ComponentPaths(models=args.models),
                         LoadOptions(device=device, dtype=dtype, text_layer=args.text_encoder_layer, **budget))
         engine.load([contract["mode"]])
-        return engine.components.dit_for(contract["mode"]), engine, f"model folder {args.models}", None
-    from ..h3_model.checkpoint import load_dit
+        weights = f"model folder {args.models}"
+    else:
+        from ..h3_model.engine.loading import MODE_PARTITIONS
 
-    model = load_dit(args.checkpoint, dtype=dtype, device=device)
-    return model, None, checkpoint_weights(args.checkpoint), None
+        engine = dit_engine(args, contract, device, dtype, budget)
+        if args.synthetic:
+            from ..measure.synthetic import describe
+
+            weights = describe(args.preset, args.synthetic_init, text_encoder=False)
+        else:
+            weights = checkpoint_weights(args.checkpoint, MODE_PARTITIONS[contract["mode"]])
+    return engine.components.dit_for(contract["mode"]), engine, weights
 
 
-def checkpoint_weights(path) -> str:
-    """The result's `weights`: a file our make-checkpoint wrote says so (its random weights are not H3's)."""
+def dit_engine(args, contract, device: str, dtype, budget: dict):
+    """An engine holding the contract's DiT alone: --checkpoint through the engine's loader (under a budget read
+    into host memory, configured there and placed, so a file larger than the card never lands on it whole), or
+    --synthetic's random weights as the engine's override."""
+    from ..h3_model.engine.engine import Engine
+    from ..h3_model.engine.loading import LoadOptions
+    from ..h3_model.engine.paths import ComponentPaths
+
+    key = dit_key(contract)
+    # diffusers' twin shares our parameters, so a quantized file is dequantized at load for it; otherwise its
+    # layers stay in their stored form, as generate and serve run them.
+    options = LoadOptions(device=device, dtype=dtype, stored_weights=args.vs != "diffusers", **budget)
+    if args.synthetic:
+        from ..h3_model.dit.config import preset
+        from ..measure import synthetic
+
+        def build():
+            return synthetic.synthetic_dit(preset(args.preset), dtype, device, seed=contract["seed"],
+                                           init=args.synthetic_init)
+
+        engine = Engine(options=options, overrides={key: build})
+    else:
+        engine = Engine(ComponentPaths(**{key: Path(args.checkpoint)}), options)
+    return engine.load([contract["mode"]], dit_only=True)
+
+
+def checkpoint_weights(path, partition: str | None = None) -> str:
+    """The result's `weights`: a file our make-checkpoint wrote says so (its random weights are not H3's).
+    `partition`: the one loaded, for a folder that holds both DiTs."""
     from ..h3_model.checkpoint import open_source
 
-    source = open_source(path)  # headers only: the model was loaded already
+    source = open_source(path, partition=partition)  # headers only: the model was loaded already
     try:
         made = source.metadata.get("h3_spark")
     finally:
@@ -330,8 +377,9 @@ def run(args) -> int:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     record = stamp.stamp_before()
     if args.budget is not None:
-        args.plan_rows = _contract_rows(contract, args.preset)  # the budget plans for this contract's length
-    model, engine, weights, build_s = load_model(args, contract, device, dtype)
+        args.plan_rows = _contract_rows(args, contract)  # the budget plans for this contract's length
+    model, engine, weights = load_model(args, contract, device, dtype)
+    loaded = runner.loaded_facts(engine.load_seconds)
     from ..kernels.dispatch import apply_kernels
 
     twin = None
@@ -341,22 +389,21 @@ def run(args) -> int:
         # Built on our bf16 parameters before any fast linear replaces the modules that hold them.
         twin = diffusers_twin(model)
     if args.vs == "exact":
-        return _run_vs_exact(args, contract, model, settings, device, weights, record, out)
-    if args.budget is not None and engine is not None:  # the engine applied the kernels and placed everything
-        key = "dit_ref" if contract["mode"] == "ref2va" else "dit"
-        backends = engine.kernel_reports[key]
-        budget_report = {**engine.memory_report(key), "emulation": emulate_card(args.budget, device)}
+        return _run_vs_exact(args, contract, model, settings, device, weights, record, out, loaded)
+    if args.budget is not None:  # the engine applied the kernels and placed everything it loaded
+        backends = engine.kernel_reports[dit_key(contract)]
+        emulation = emulate_card(args.budget, device)
     else:
         backends = apply_kernels(model, settings)
-        budget_report = stream_under_budget(model, args, contract, device) if args.budget is not None else None
+    renders = engine.components.vae is not None  # --models and --synthetic --generation: a whole render
     diff_backends = [b for b in args.diffusers_backends.split(",") if b]
     if args.vs and len(diff_backends) == 1:
         diff_backends.append("_native_flash" if device.startswith("cuda") else "_native_math")
     result = runner.run(contract, model, device, twin=twin, diffusers_backends=diff_backends,
                         diffusers_compile=args.diffusers_compile, weights=weights, backends_used=backends,
-                        spatial=engine.components.vae.config.spatial_ratio if engine is not None else 16,
+                        spatial=engine.components.vae.config.spatial_ratio if renders else 16,
                         profile=args.profile)
-    if engine is not None:
+    if renders:
         from ..kernels.settings import vae_tile_batch
         from ..kernels.vae import apply_vae_kernels
 
@@ -366,26 +413,22 @@ def run(args) -> int:
             engine.components.vae.tile_batch = vae_tile_batch()
             result["vae_kernels"] = apply_vae_kernels(engine.components.vae, settings)
         result["generation"] = runner.bench_generation(engine, contract, device, cache_modes, args.recipes)
-        if build_s is not None:
-            result["generation"]["component_build_s"] = build_s
+        if args.synthetic:
+            result["generation"]["component_build_s"] = dict(engine.load_seconds)
     from ..kernels.dispatch import attention_counts
 
     result["backends"]["attention"].update(attention_counts(model))  # the fallbacks, counted after the runs
-    if budget_report is not None:
-        stats = model.block_stream.stats if model.block_stream is not None else None
-        budget_report["forwards_streamed"] = stats.forwards if stats else 0
-        budget_report["bytes_copied_per_forward"] = stats.bytes_copied // max(1, stats.forwards) if stats else 0
-        # The "full" forwards recompute the AdaLN tables, so they copy every projection each time; sampling
-        # copies them once per schedule.
-        budget_report["adaln_bytes_copied"] = stats.adaln_bytes_copied if stats else 0
-        result["vram_budget"] = budget_report
+    if args.budget is not None:
+        result["vram_budget"] = budget_report(engine, dit_key(contract), model, emulation)
     result["dtype"] = args.dtype
+    runner.add_host_memory(result, loaded)
     result["stamp"] = stamp.stamp_after(record)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     summary = {k: result.get(k) for k in ("contract", "sequence_length", "dit_forward_s_median",
-                                          "dit_forward_full_s_median", "peak_gpu_memory_gb", "speedup_vs_diffusers",
-                                          "velocity_rel_l2_vs_diffusers", "noise_floor_rel_l2")}
+                                          "dit_forward_full_s_median", "peak_gpu_memory_gb", "peak_host_memory_gb",
+                                          "speedup_vs_diffusers", "velocity_rel_l2_vs_diffusers",
+                                          "noise_floor_rel_l2")}
     summary["out"] = str(out)
     print(json.dumps(summary))
     return 0

@@ -122,6 +122,7 @@ def run(args) -> int:
     from ..errors import InputError
     from ..h3_model.checkpoint.lora import LoraSpec
     from ..h3_model.engine.engine import Engine
+    from ..h3_model.engine.host_memory import host_memory_report
     from ..h3_model.engine.loading import LoadOptions
     from ..h3_model.engine.paths import ComponentPaths
     from ..h3_model.media import files as media
@@ -269,6 +270,9 @@ def run(args) -> int:
     if counts:  # calls a backend made on another kernel (H3_SOL_MIN_TOKENS, H3_SOL_STRICT=0, ...)
         summary["attention_calls"] = counts
     summary["peak_memory_gb"] = _peak_gb(device)
+    # Beside the GPU's: under a VRAM budget the streamed weights wait in host memory, and a container is
+    # stopped on its cgroup's count (page cache and pinned buffers included), not on the GPU's.
+    summary.update(host_memory_report())
     if args.demo:
         summary["note"] = "demo: tiny synthetic random weights, the video and sound are noise"
     if not args.quiet:

@@ -13,7 +13,14 @@ import time
 from pathlib import Path
 
 # Which model a checkpoint is made for.
-COMPONENTS = ("dit", "vae", "audio_vae")
+COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder")
+# --format values per component (the VAEs are written as published, unquantized).
+DIT_FORMATS = ("bf16", "fp8_scaled", "nvfp4", "int8_convrot")
+TEXT_ENCODER_FORMATS = ("bf16", "fp8_scaled", "int8_convrot", "nvfp4_awq")
+# What a text encoder's tokenizer folder holds; --force replaces only these.
+TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.j*", "processor_config.json",
+                   "preprocessor_config.json", "video_preprocessor_config.json")
 # What a checkpoint folder holds; --force removes only these from an existing folder.
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "config.yaml", "metadata.json")
 # MiniMaxAI's video_vae/ keeps its weights in this subfolder.
@@ -24,20 +31,33 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help="write a deterministic random-weight checkpoint (tests, demos, benchmarks)",
                        description="Write random weights (normal / sqrt(fan_in), norms around 1) under the real "
                                    "tensor names, in a published layout and format, streamed tensor by tensor "
-                                   "(the full preset never needs its 66 GB in RAM).")
+                                   "(the full preset never needs its 66 GB in RAM). --component text_encoder "
+                                   "writes ComfyUI's Qwen3-VL single file (the 50 decoder layers the DiT reads, "
+                                   "tiny: the demo's 2) and, beside it, the tokenizer folder that loading it needs.")
     p.add_argument("out", help="output: a .safetensors file (comfy layouts) or a folder (diffusers, released)")
     p.add_argument("--component", choices=COMPONENTS, default="dit", help="which model to write")
     p.add_argument("--preset", choices=["tiny", "full"], default="tiny")
-    p.add_argument("--format", choices=["bf16", "fp8_scaled", "nvfp4", "int8_convrot"], default="bf16",
-                   help="DiT: storage of the 4 linears of every block; everything else stays bf16/fp32. "
-                        "VAEs are written as published (video fp16 comfy / fp32 diffusers, audio fp32)")
+    p.add_argument("--format", choices=sorted(set(DIT_FORMATS) | set(TEXT_ENCODER_FORMATS)), default="bf16",
+                   help="DiT (bf16|fp8_scaled|nvfp4|int8_convrot): storage of the 4 linears of every block; "
+                        "everything else stays bf16/fp32. text_encoder (bf16|fp8_scaled|int8_convrot|nvfp4_awq): "
+                        "storage of the 7 linears of every decoder layer, the rest as Comfy-Org's files keep it "
+                        "(nvfp4_awq: AWQ pre_quant_scale on o_proj/down_proj, the other scales folded into the "
+                        "norms, int8 embedding). VAEs are written as published (video fp16 comfy / fp32 "
+                        "diffusers, audio fp32)")
     p.add_argument("--layout", choices=["comfy", "comfy-pruned", "diffusers", "released"], default="comfy",
                    help="released: the folder MiniMaxAI's per-mode download holds (transformer/, video_vae/ or "
                         "audio_vae/ of FL2VA/ and Ref2VA/)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu",
-                   help="draw and quantize the DiT's tensors there (cuda: minutes instead of an hour for --preset "
-                        "full); the random stream is the device's, so cpu and cuda files of one seed differ")
+                   help="draw and quantize the DiT's or text encoder's tensors there (cuda: minutes instead of an "
+                        "hour for --preset full); the random stream is the device's, so cpu and cuda files of one "
+                        "seed differ")
+    p.add_argument("--tokenizer-out", default=None, metavar="DIR",
+                   help="text_encoder: where to write the tokenizer + processor folder the single file needs "
+                        "(TextEncoder.from_pretrained(file, tokenizer=DIR), CLI --tokenizer); default <out>.tokenizer/ "
+                        "beside the file (x.safetensors -> x.tokenizer/). It holds a byte-level stand-in tokenizer "
+                        "with Qwen3-VL's special tokens (tiny: also the model's config.json); a full file loads with "
+                        "the real one (MiniMaxAI/MiniMax-H3's tokenizer/ and processor/) as well")
     p.add_argument("--quantize-refiner", action="store_true",
                    help="also quantize the token refiner's linears (ComfyUI files keep them bf16)")
     p.add_argument("--curve-grid", type=int, default=None,
@@ -136,30 +156,67 @@ def _run_vae(args) -> int:
     return 0
 
 
-def run(args) -> int:
+def check_device(device: str) -> None:
     from ..errors import InputError
-    from ..h3_model.checkpoint.make import CURVE_DEFAULTS, make_dit_checkpoint
-    from ..h3_model.dit.config import preset
 
-    if args.component != "dit":
-        if args.device != "cpu":
-            raise InputError("--device applies to the DiT; VAE checkpoints are drawn on the CPU")
-        return _run_vae(args)
-    if args.device.startswith("cuda"):
+    if device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
             raise InputError("--device cuda asked for, but this machine has no CUDA GPU")
-    elif args.device != "cpu":
-        raise InputError(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    elif device != "cpu":
+        raise InputError(f"--device must be cpu or cuda[:N], got {device!r}")
 
-    if args.layout != "comfy-pruned" and (args.curve_grid is not None or args.curve_rank is not None):
-        raise InputError("--curve-grid/--curve-rank only apply to --layout comfy-pruned")
-    check_curve(args.curve_grid, args.curve_rank)
-    grid, rank = CURVE_DEFAULTS[args.preset]
-    curve = (grid if args.curve_grid is None else args.curve_grid, rank if args.curve_rank is None else args.curve_rank)
-    stale = check_output(Path(args.out), args.layout, args.force)
+
+def check_tokenizer_out(folder: Path, force: bool) -> list[Path]:
+    """The tokenizer files --force replaces; a folder holding anything else is never touched."""
+    from ..errors import InputError
+
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"--tokenizer-out {folder} is a file; the tokenizer and processor files go into a folder")
+    if not folder.exists() or not any(folder.iterdir()):
+        return []
+    if not force:
+        raise InputError(f"{folder} (the tokenizer folder) exists and is not empty; pass --force to replace it")
+    others = [p.name for p in folder.iterdir()
+              if not (p.is_file() and any(fnmatch.fnmatchcase(p.name, pat) for pat in TOKENIZER_FILES))]
+    if others:
+        raise InputError(f"--force replaces tokenizer files only, and {folder} also holds "
+                         f"{', '.join(sorted(others))}; choose another --tokenizer-out")
+    return sorted(folder.iterdir())
+
+
+def _run_text_encoder(args) -> int:
+    from ..errors import InputError
+    from ..h3_model.text.synthetic import default_tokenizer_dir, write_text_encoder
+
+    if args.format not in TEXT_ENCODER_FORMATS:
+        hint = " (the published NVFP4 text encoder is nvfp4_awq)" if args.format == "nvfp4" else ""
+        raise InputError(f"--component text_encoder is written as {', '.join(TEXT_ENCODER_FORMATS)}, "
+                         f"not {args.format}{hint}")
+    if args.layout != "comfy" or args.quantize_refiner or args.curve_grid is not None or args.curve_rank is not None:
+        raise InputError("--component text_encoder takes only --preset, --format, --seed, --device, --tokenizer-out "
+                         "and --force (it is written as ComfyUI's single file, --layout comfy)")
+    check_device(args.device)
+    out = Path(args.out)
+    if out.suffix != ".safetensors":
+        raise InputError(f"{out}: a ComfyUI text encoder is one file; give a path ending in .safetensors")
+    tokenizer_dir = Path(args.tokenizer_out) if args.tokenizer_out is not None else default_tokenizer_dir(out)
+    stale = check_output(out, "comfy", args.force) + check_tokenizer_out(tokenizer_dir, args.force)
     start = time.perf_counter()
+    with replacing(stale):
+        made = write_text_encoder(out, args.preset, args.format, seed=args.seed, tokenizer_dir=tokenizer_dir,
+                                  device=args.device, progress=_progress_printer())
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(json.dumps({"out": str(made.path), "component": args.component, "preset": args.preset,
+                      "format": args.format, "layout": "comfy", "seed": args.seed, "device": args.device,
+                      "tokenizer": str(made.tokenizer_dir), "layers": made.layers, "bytes": made.bytes,
+                      "seconds": round(time.perf_counter() - start, 3)}))
+    return 0
+
+
+def _progress_printer():
     last = [0.0]
 
     def progress(done: int, total: int) -> None:
@@ -168,9 +225,37 @@ def run(args) -> int:
             last[0] = now
             print(f"\r  {done / 2 ** 30:.2f} / {total / 2 ** 30:.2f} GiB", end="", file=sys.stderr, flush=True)
 
+    return progress
+
+
+def run(args) -> int:
+    from ..errors import InputError
+    from ..h3_model.checkpoint.make import CURVE_DEFAULTS, make_dit_checkpoint
+    from ..h3_model.dit.config import preset
+
+    if args.component == "text_encoder":
+        return _run_text_encoder(args)
+    if args.tokenizer_out is not None:
+        raise InputError("--tokenizer-out applies to --component text_encoder")
+    if args.component != "dit":
+        if args.device != "cpu":
+            raise InputError("--device applies to the DiT and the text encoder; VAE checkpoints are drawn on the CPU")
+        return _run_vae(args)
+    check_device(args.device)
+    if args.format not in DIT_FORMATS:
+        raise InputError(f"--format {args.format} is a text encoder format; the DiT is written as "
+                         f"{', '.join(DIT_FORMATS)}")
+
+    if args.layout != "comfy-pruned" and (args.curve_grid is not None or args.curve_rank is not None):
+        raise InputError("--curve-grid/--curve-rank only apply to --layout comfy-pruned")
+    check_curve(args.curve_grid, args.curve_rank)
+    grid, rank = CURVE_DEFAULTS[args.preset]
+    curve = (grid if args.curve_grid is None else args.curve_grid, rank if args.curve_rank is None else args.curve_rank)
+    stale = check_output(Path(args.out), args.layout, args.force)
+    start = time.perf_counter()
     with replacing(stale):
         made = make_dit_checkpoint(args.out, preset(args.preset), args.format, args.layout, seed=args.seed,
-                                   quantize_refiner=args.quantize_refiner, curve=curve, progress=progress,
+                                   quantize_refiner=args.quantize_refiner, curve=curve, progress=_progress_printer(),
                                    device=args.device)
     if sys.stderr.isatty():
         print(file=sys.stderr)

@@ -12,8 +12,9 @@ bounds the fp32 temporaries to a chunk instead of a whole fc1 (0.6 GB at full si
 Formats (h3-model-spec.md §10.2):
 - fp8 (`float8_e4m3fn` / `float8_e5m2`): code x per-tensor scale, both cast to the output dtype first (the
   order comfy-kitchen's eager kernel uses);
-- int8 (`int8_tensorwise`, optionally ConvRot): code x fp32 scale (scalar or per row) in fp32, the group
-  rotation undone in fp32 (W = W_rot @ H per group: H is symmetric and orthogonal), then rounded;
+- int8 (`int8_tensorwise`, optionally ConvRot): code x fp32 scale (scalar or per row) in fp32; with ConvRot the
+  group rotation is undone first on the integer codes, exactly (W = W_rot @ H per group, H symmetric and
+  orthogonal: `_unrotated`), so the one rounding is the final scaling's;
 - NVFP4: E2M1 value x (global x block scale), in the output dtype, from plain (row-major) block scales;
 - AWQ `pre_quant_scale` (smoothing per input column): folded into the dequantized weight in fp32.
 """
@@ -79,11 +80,45 @@ def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, convr
     per_row = scale.numel() > 1
     scale = scale.float().reshape(-1, 1) if per_row else scale.float().reshape(())
     for a, b in _chunks(out.shape[0]):
-        w = codes[a:b].float() * (scale[a:b] if per_row else scale)
+        rows = scale[a:b] if per_row else scale
         if convrot_group:
-            w = rotate_groups(w, convrot_group)
-        out[a:b].copy_(w)
+            out[a:b].copy_(_unrotated(codes[a:b], convrot_group) * rows * (1.0 / math.sqrt(convrot_group)))
+        else:
+            out[a:b].copy_(codes[a:b].float() * rows)
     return out
+
+
+_SIGNS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def hadamard_signs(size: int, device: torch.device | str) -> torch.Tensor:
+    """The unnormalised (+-1) Hadamard matrix: int8 on a GPU (for the integer GEMM), fp32 elsewhere."""
+    device = torch.device(device)
+    key = (size, str(device))
+    h = _SIGNS.get(key)
+    if h is None:
+        signs = torch.round(hadamard(size) * math.sqrt(size))
+        h = _SIGNS[key] = signs.to(torch.int8 if device.type == "cuda" else torch.float32).to(device)
+    return h
+
+
+def _unrotated(codes: torch.Tensor, group: int) -> torch.Tensor:
+    """int8 codes [R, K] -> (codes @ H+-) per group of `group` columns, fp32, EXACT: products of int8 codes and +-1
+    summed over a group stay below 2^24, so every sum is an integer computed without rounding, whatever the order
+    (an int8 tensor-core GEMM on a GPU, fp32 elsewhere). The weight is then this sum x row scale / sqrt(group) (a
+    power of two): one rounding in all, the same bits on every device. A dense fp32 (codes x scale) @ H rounds at
+    every step instead, costs an fp32 GEMM with K = group per weight (7.9 ms a full-size block on the H200, 18 % of
+    a 960x544 forward), and differs between devices."""
+    r, k = codes.shape
+    if k % group:
+        raise CheckpointError(f"ConvRot group size {group} does not divide the {k} input columns")
+    h = hadamard_signs(group, codes.device)
+    flat = codes.reshape(r * k // group, group)
+    if codes.device.type == "cuda" and flat.shape[0] > 16:
+        sums = torch._int_mm(flat, h.t()).float()  # H is symmetric; the integer GEMM takes it column-major
+    else:
+        sums = flat.float() @ h.to(torch.float32)
+    return sums.reshape(r, k)
 
 
 def nvfp4_into(out: torch.Tensor, packed: torch.Tensor, plain_scales: torch.Tensor,

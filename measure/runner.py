@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import time
 from typing import Callable
 
 import torch
 
 from ..h3_model.dit.config import DiTConfig
+from ..h3_model.engine import host_memory
 from ..h3_model.pipeline.sampler import schedule_timestep_values
 from ..h3_model.pipeline.scheduler import CONDITION_AUDIO_T, CONDITION_VIDEO_T, JointSchedule
 from .contract import BenchShape, Contract, check_limits, contract_shape
@@ -251,6 +251,7 @@ def bench_generation(engine, contract: Contract, device: str, cache_modes: tuple
            "frames": int(result.video.shape[0]),
            "peak_gpu_memory_gb": max((p["peak_gb"] for p in stage_peaks.values()), default=None),
            "stage_gpu_memory_gb": stage_peaks or None, "peak_host_rss_gb": _peak_rss(),
+           "host_memory": host_memory.host_memory(),
            "video_decode_plan": _decode_plan(engine, req, result.video_latents),
            "latents_finite": bool(result.video_latents.isfinite().all()),
            "prompt_cache_hit": result.info.get("prompt_cache_hit"),
@@ -339,13 +340,25 @@ def bench_step_caches(pipe, req, uncached, modes: tuple[str, ...]) -> dict:
 
 
 def _peak_rss() -> float | None:
-    """This process's peak resident host memory so far (model building included), GB; None off Linux/macOS."""
-    try:
-        import resource
-    except ImportError:
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return round(peak * (1 if sys.platform == "darwin" else 1024) / 1e9, 2)
+    """This process's peak resident host memory so far (model building included), GB; None where the system
+    does not say."""
+    peak = host_memory.peak_rss_bytes()
+    return None if peak is None else round(peak / 1e9, 2)
+
+
+def loaded_facts(load_seconds: dict) -> dict:
+    """Read right after loading: each component's load seconds and the host memory then, what the weights took
+    before anything ran (under a VRAM budget the streamed blocks wait there)."""
+    return {"load_s": dict(load_seconds), "host_memory_after_load": host_memory.host_memory()}
+
+
+def add_host_memory(result: dict, loaded: dict) -> dict:
+    """Every receipt's host side beside its GPU peak, read last so the peaks cover the whole bench: the process's
+    peak resident set (`peak_host_memory_gb`), now and at its peak with its cgroup's limit and peak
+    (`host_memory`), and `loaded_facts`."""
+    result.update(loaded)
+    result.update(host_memory.host_memory_report())
+    return result
 
 
 def _timed_render(pipe, req, on_progress=None) -> tuple[object, dict, float]:

@@ -16,6 +16,7 @@ from typing import Callable
 
 from ..errors import H3Error
 from ..h3_model.engine.engine import Engine
+from ..h3_model.engine.host_memory import host_memory_report
 from ..h3_model.engine.report import describe_models, memory_report, supported_kernels
 from .execute import JobRunner, stderr_log
 from .jobs import Job, JobQueue, QueueFull
@@ -130,6 +131,9 @@ class Service:
         load = self.tracker.snapshot()
         ready = load["state"] == "ready"
         body: dict = {"ready": ready, "loading": load, "queue": self.queue.stats()}
+        # Host memory while loading too: that is when it peaks (a budget's host copies, the files' page cache),
+        # and a container is stopped on its cgroup's count, not the GPU's.
+        body.update(host_memory_report())
         if ready:
             m = self.models
             body.update(device=m.device, world_size=m.world_size, devices=m.devices, modes=m.modes,

@@ -46,8 +46,19 @@ def test_bench_cpu_vs_diffusers(tmp_path, capsys, monkeypatch):
     assert "synthetic" in result["weights"]
     assert result["stamp"]["software"]["torch"]
     assert all(v["ok"] for v in result["limits"].values())
+    assert set(result["load_s"]) == {"dit_ref"}  # the DiT alone, built by the engine (its override)
+    assert_host_memory(result)
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["out"] == str(out)
+    assert summary["out"] == str(out) and summary["peak_host_memory_gb"] == result["peak_host_memory_gb"]
+
+
+def assert_host_memory(result: dict) -> None:
+    """Every receipt carries host memory beside its GPU peak: at the end, right after loading, the cgroup's."""
+    for key in ("host_memory", "host_memory_after_load"):
+        assert set(result[key]) == {"rss_gb", "peak_rss_gb", "cgroup"}
+    assert result["peak_host_memory_gb"] == result["host_memory"]["peak_rss_gb"] > 0
+    assert 0 < result["host_memory_after_load"]["peak_rss_gb"] <= result["peak_host_memory_gb"]
+    assert result["load_s"] and all(s >= 0 for s in result["load_s"].values())
 
 
 def test_limits_verdicts():
@@ -99,6 +110,10 @@ def test_bench_with_a_model_folder_measures_every_stage(tmp_path, capsys, monkey
     assert set(stages) == {"text_encode", "reference_encode", "sampling", "video_decode", "audio_decode", "mux"}
     assert all(v >= 0 for v in stages.values()) and stages["sampling"] > 0
     assert result["generation"]["frames"] == 124 and result["generation"]["evaluations"] == 2
+    assert set(result["load_s"]) == {"dit", "text_encoder", "vae", "audio_vae"}
+    assert_host_memory(result)
+    # The generation keeps the receipts' older key beside its own reading.
+    assert 0 < result["generation"]["peak_host_rss_gb"] and "cgroup" in result["generation"]["host_memory"]
 
 
 def test_synthetic_generation_with_step_caches(tmp_path, capsys, monkeypatch):
@@ -198,6 +213,7 @@ def test_vs_exact_reports_per_block_errors(tmp_path, capsys, monkeypatch):
     assert len(v["per_block_rel_l2"]) == 2 and set(v["per_block_rel_l2"][0]) == {"attention", "ffn", "block"}
     assert 0 <= v["final_velocity_rel_l2_vs_exact"] <= 1e-5  # fp32: the fusions change rounding only
     assert v["verdict"] == "exact path" and v["exact_forward_s_median"] > 0
+    assert_host_memory(json.loads(out.read_text()))
 
 
 def test_promotion_verdicts():
@@ -353,3 +369,94 @@ def test_vs_exact_with_the_sparse_recipe_measures_its_schedule(tmp_path, capsys,
     assert result["evaluation"] == 1 and result["recipes"][0]["dense_blocks"] == 1
     assert v["per_block_rel_l2"][0]["attention"] <= 1e-5 < 1e-2 < v["per_block_rel_l2"][1]["attention"]
     assert "recipe sparse" in v["approximate_paths"] and v["verdict"] != "exact path"
+
+
+def _record_load_dit(monkeypatch) -> list:
+    """(calling module, device) of every load_dit call from now on: only the engine's loader may make them."""
+    import sys
+
+    from h3_spark.h3_model import checkpoint
+
+    real, calls = checkpoint.load_dit, []
+
+    def recording(*args, **kwargs):
+        calls.append((sys._getframe(1).f_globals["__name__"], str(kwargs.get("device"))))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "load_dit", recording)
+    return calls
+
+
+def _streaming_budget(path, contract_path, dtype) -> str:
+    """A --vram-budget (in MB, to the byte) whose room holds the checkpoint's DiT with its blocks streamed but
+    not resident: halfway between the two, plus the slack a budget keeps free (its 1 GB minimum, this small)."""
+    from h3_spark.h3_model.checkpoint import load_dit
+    from h3_spark.h3_model.engine import memory
+
+    model = load_dit(path, dtype=dtype)
+    rows = contract_shape(load_contract(contract_path), model.config).layout.sequence_length
+    plan = memory.plan_dit(model, None, rows)
+    room = (memory.streamed_minimum(plan) + plan.device_bytes) // 2
+    return f"{(room + memory.SLACK_MIN) / 1e6:.6f}MB"
+
+
+def test_bench_checkpoint_loads_configures_and_places_through_the_engine(tmp_path, capsys, monkeypatch):
+    """--checkpoint --vram-budget on the CPU (the card emulated): the engine's loader reads the file into host
+    memory, configures the kernels there and places what fits, the rest streams; bench never calls load_dit."""
+    import torch
+
+    from checkpoints import made_files
+    from h3_spark.h3_model.dit.config import TINY
+    from h3_spark.h3_model.engine import memory, placement
+
+    monkeypatch.setenv("H3_MODULATION_FUSION", "off")
+    monkeypatch.setenv("H3_Q_RMS_ROPE_INT8_FUSION", "off")
+    contract = ROOT / "tests" / "data" / "tiny-t2va.json"
+    path = made_files(tmp_path, TINY, ("bf16",), seed=4)["bf16"]
+    budget = _streaming_budget(path, contract, torch.float32)
+    calls, steps = _record_load_dit(monkeypatch), []
+    for module, name in ((memory, "configure_in_host"), (placement, "place_dit")):
+        def step(*args, real=getattr(module, name), name=name, **kwargs):
+            steps.append(name)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, step)
+    out = tmp_path / "r.json"
+    code = main(["bench", "--contract", str(contract), "--checkpoint", str(path), "--dtype", "float32",
+                 "--device", "cpu", "--vram-budget", budget, "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    assert calls == [("h3_spark.h3_model.engine.loading", "cpu")] and steps == ["configure_in_host", "place_dit"]
+    result = json.loads(out.read_text())
+    plan = result["vram_budget"]
+    assert plan["streamed_blocks"] >= 1 and plan["adaln_in_host_memory"] and plan["emulation"] is None
+    assert plan["reserved_for_other_stages"] == {}  # a DiT alone: nothing kept for other stages
+    assert plan["forwards_streamed"] == plan["forwards"] > 0 and plan["bytes_copied_per_forward"] > 0
+    assert result["weights"].startswith(f"checkpoint {path}: synthetic random weights")
+    assert set(result["load_s"]) == {"dit"} and result["backends"]["linear"]
+    assert_host_memory(result)
+
+
+def test_bench_checkpoint_vs_diffusers_builds_the_twin_from_the_engines_dit(tmp_path, capsys, monkeypatch):
+    """No budget: the engine loads the ref2va contract's DiT (dit_ref) resident with no kernels, so the diffusers
+    twin is built on the file's own weights; fp32 on both sides agrees as closely as the oracle does."""
+    from checkpoints import made_files
+    from h3_spark.h3_model.dit.config import TINY
+
+    monkeypatch.setenv("H3_MODULATION_FUSION", "off")
+    monkeypatch.setenv("H3_Q_RMS_ROPE_INT8_FUSION", "off")
+    path = made_files(tmp_path, TINY, ("bf16",), seed=5)["bf16"]
+    calls = _record_load_dit(monkeypatch)
+    out = tmp_path / "r.json"
+    code = main(["bench", "--contract", str(ROOT / "tests" / "data" / "tiny-ref2va.json"), "--checkpoint", str(path),
+                 "--dtype", "float32", "--device", "cpu", "--vs", "diffusers", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    assert calls == [("h3_spark.h3_model.engine.loading", "cpu")]
+    result = json.loads(out.read_text())
+    assert result["velocity_rel_l2_vs_diffusers"] <= 1e-5 and "vram_budget" not in result
+    assert set(result["load_s"]) == {"dit_ref"}
+    assert_host_memory(result)
+
+
+def test_a_missing_checkpoint_is_named_by_the_bench_flag(tmp_path, capsys):
+    code, err = _bench_errors(tmp_path, capsys, "--checkpoint", str(tmp_path / "none.safetensors"), "--device", "cpu")
+    assert code == 2 and f"--checkpoint {tmp_path / 'none.safetensors'}: no such file or folder" in err
+    assert "--dit" not in err and "Traceback" not in err

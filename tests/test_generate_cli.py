@@ -259,3 +259,24 @@ def test_comfyui_demo_writes_the_folders_the_loaders_list(tmp_path, capsys):
     assert main(["comfyui-demo", str(models), "--quiet"]) == 0  # again: replaced, not duplicated
     assert main(["comfyui-demo", str(tmp_path / "nope")]) == 2
     assert "no such folder (give ComfyUI's models folder" in capsys.readouterr().err
+
+
+def test_the_summary_reports_host_memory_beside_the_gpus(demo_models, tmp_path, capsys, monkeypatch):
+    """peak_host_memory_gb and host_memory next to peak_memory_gb: the process's resident set now and at its
+    peak, and its cgroup v2's limit, peak and count (a fake tree here)."""
+    from h3_spark.h3_model.engine import host_memory
+
+    (tmp_path / "cgroup" / "job").mkdir(parents=True)
+    for name, count in (("max", "max"), ("peak", "4567000000"), ("current", "2345000000")):
+        (tmp_path / "cgroup" / "job" / f"memory.{name}").write_text(count + "\n")
+    (tmp_path / "proc_cgroup").write_text("0::/job\n")
+    monkeypatch.setattr(host_memory, "PROC_CGROUP", tmp_path / "proc_cgroup")
+    monkeypatch.setattr(host_memory, "CGROUP_ROOT", tmp_path / "cgroup")
+    code, cap = _run(capsys, "--demo-dir", str(demo_models), "--steps", "2", "--width", "64", "--height", "64",
+                     "--out", str(tmp_path / "h.mp4"))
+    assert code == 0, cap.err
+    summary = json.loads(cap.out.strip().splitlines()[-1])
+    assert summary["peak_memory_gb"] > 0  # on the CPU: the peak resident set, as before
+    memory = summary["host_memory"]
+    assert summary["peak_host_memory_gb"] == memory["peak_rss_gb"] >= memory["rss_gb"] > 0
+    assert memory["cgroup"] == {"path": "/job", "limit_gb": None, "peak_gb": 4.567, "current_gb": 2.345}

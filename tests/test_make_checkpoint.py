@@ -100,8 +100,8 @@ def test_comfy_layout_needs_a_file_name(tmp_path, capsys):
 
 def test_component_choice_is_parsed(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["make-checkpoint", str(tmp_path / "x.safetensors"), "--component", "text_encoder"])
-    assert "invalid choice: 'text_encoder'" in capsys.readouterr().err
+        main(["make-checkpoint", str(tmp_path / "x.safetensors"), "--component", "unet"])
+    assert "invalid choice: 'unet'" in capsys.readouterr().err
 
 
 def test_full_preset_streams_one_layer_at_a_time():

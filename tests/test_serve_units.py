@@ -439,3 +439,35 @@ def test_recipe_refusals(body, fragment):
     with pytest.raises(RequestError, match=fragment) as err:
         parse_request({"prompt": "p", "output": "a.mp4", **body}, Limits(max_steps=50))
     assert err.value.status == 400
+
+
+# ------------------------------------------------------------------ readiness
+def test_ready_reports_host_memory_while_loading_and_once_ready(tmp_path, monkeypatch):
+    """/ready's body carries the host memory beside the GPU's `memory`, also while loading (when it peaks): the
+    process's peak resident set and, in a cgroup v2 (a fake tree here), the cgroup's limit, peak and count."""
+    from h3_spark.h3_model.engine import host_memory
+    from h3_spark.h3_model.engine.engine import Engine
+    from h3_spark.serve.service import Service, ServiceConfig
+
+    (tmp_path / "cgroup" / "h3").mkdir(parents=True)
+    for name, count in (("max", 64 * 10 ** 9), ("peak", 3_210_000_000), ("current", 1_230_000_000)):
+        (tmp_path / "cgroup" / "h3" / f"memory.{name}").write_text(f"{count}\n")
+    (tmp_path / "proc_cgroup").write_text("0::/h3\n")
+    monkeypatch.setattr(host_memory, "PROC_CGROUP", tmp_path / "proc_cgroup")
+    monkeypatch.setattr(host_memory, "CGROUP_ROOT", tmp_path / "cgroup")
+    cgroup = {"path": "/h3", "limit_gb": 64.0, "peak_gb": 3.21, "current_gb": 1.23}
+
+    (tmp_path / "out").mkdir()
+    # An engine holding nothing: /ready's own fields are what is tested, not the models.
+    service = Service(ServiceConfig(output_dir=tmp_path / "out"), lambda tracker: Engine(), log=lambda m: None)
+    ok, body = service.ready()  # not started: still loading
+    assert not ok and body["host_memory"]["cgroup"] == cgroup
+    assert body["peak_host_memory_gb"] == body["host_memory"]["peak_rss_gb"] > 0
+    service.start()
+    try:
+        assert service.wait_loaded(30)
+        ok, body = service.ready()
+    finally:
+        service.stop()
+    assert ok and body["memory"]["device"] == "cpu" and body["host_memory"]["cgroup"] == cgroup
+    assert body["host_memory"]["rss_gb"] > 0 and body["peak_host_memory_gb"] >= body["host_memory"]["rss_gb"]

@@ -60,6 +60,7 @@ class Engine:
         self.memory_plans: dict[str, object] = {}
         self.stage_reserve: dict[str, int] = {}
         self.auto_budget: dict | None = None  # what `--vram-budget auto` chose, when it was asked
+        self.host_plan: dict | None = None  # under a budget: what the models hold in host memory (memory.check_host)
         # Sequence parallel (--gpus N): every rank's device, rank 0 first, and the group the video decode is
         # shared over. One process: [device] and None.
         self.devices: list[str] = [self.options.device]
@@ -104,11 +105,12 @@ class Engine:
         return [k for k in ("dit", "dit_ref") if getattr(self.components, k) is not None]
 
     # ------------------------------------------------------------------ loading
-    def plan(self, modes: Sequence[str] | None = None) -> dict[str, object]:
+    def plan(self, modes: Sequence[str] | None = None, *, dit_only: bool = False) -> dict[str, object]:
         """What `load` will build: component name -> its path (or the override that builds it).
 
         `modes` given: the DiT partitions those modes need, each required. None (the service): every DiT
-        partition the paths give, at least one. The text encoder and both VAEs are always required.
+        partition the paths give, at least one. The text encoder and both VAEs are required unless `dit_only`
+        (the bench's DiT forwards, trace tools): then only the DiTs are planned.
         """
         self.paths.check_models()
         found = {name: (self.overrides[name] if name in self.overrides else self.paths.resolve(name))
@@ -130,6 +132,8 @@ class Engine:
                     raise InputError(f"{wanted} needs the {self.paths.folder_hint(key)} DiT: pass --models or "
                                      f"--{key.replace('_', '-')}")
                 dits.append(key)
+        if dit_only:
+            return {name: found[name] for name in dits}
         for name, flag in (("text_encoder", "--text-encoder"), ("vae", "--vae"), ("audio_vae", "--audio-vae")):
             if found[name] is None:
                 raise InputError(f"the {name.replace('_', ' ')} is needed: pass --models or {flag}")
@@ -153,10 +157,11 @@ class Engine:
             resolve_linear(self.settings, self.device, fmt)
         resolve_attention(self.settings.attention, self.device, self.settings)
 
-    def load(self, modes: Sequence[str] | None = None, on_progress: ProgressFn | None = None) -> "Engine":
-        """Load what `plan(modes)` names, once, in order, reporting each component to `on_progress`."""
+    def load(self, modes: Sequence[str] | None = None, on_progress: ProgressFn | None = None, *,
+             dit_only: bool = False) -> "Engine":
+        """Load what `plan(modes, dit_only=...)` names, once, in order, reporting each component to `on_progress`."""
         report = on_progress or (lambda event: None)
-        plan = self.plan(modes)
+        plan = self.plan(modes, dit_only=dit_only)
         self.preflight(plan)
         self._resolve_auto_budget(plan)
         tokenizer = None if "text_encoder" in self.overrides else self.paths.resolve("tokenizer")
@@ -192,13 +197,15 @@ class Engine:
                 start = time.perf_counter()
                 apply_loras(model, self.options.loras)
                 self.load_seconds[f"{name}_loras"] = round(time.perf_counter() - start, 3)
-            budgeted = self.options.vram_budget is not None
             if self.settings is not None:
                 from ...kernels.dispatch import apply_kernels
                 from .memory import configure_in_host
 
-                self.kernel_reports[name] = (configure_in_host(model, self.settings, self.device) if budgeted
-                                             else apply_kernels(model, self.settings))
+                # A DiT read into host memory (a budget, or low-bit linears to make) is configured block by block
+                # on the device; without a budget each converted block then stays there.
+                keep = self.options.vram_budget is None
+                self.kernel_reports[name] = (configure_in_host(model, self.settings, self.device, keep)
+                                             if self.options.loads_via_host else apply_kernels(model, self.settings))
                 self.default_attention[name] = (model.attention, model.qk_prep)
 
         elif name == "vae":
@@ -232,7 +239,7 @@ class Engine:
     def _place_all(self) -> None:
         """Under the budget, after loading: the text encoder streams its layers and visits for its stage, the
         VAEs wait in host memory between theirs, and each DiT gets what the largest other stage leaves."""
-        from .memory import Visits, gb, stream_text_encoder, text_stage_bytes, vae_stage_bytes
+        from .memory import Visits, check_host, gb, stream_text_encoder, text_stage_bytes, vae_stage_bytes
 
         c = self.components
         reserve = {}
@@ -240,7 +247,8 @@ class Engine:
             stream = stream_text_encoder(c.text_encoder, self.device, self.options.prefetch_depth)
             reserve["text_encode"] = text_stage_bytes(c.text_encoder, stream)
             self.pipeline.offload_text_encoder = True
-        reserve["vae"] = vae_stage_bytes(c.vae, c.audio_vae)
+        if c.vae is not None or c.audio_vae is not None:  # a DiT loaded alone keeps nothing for other stages
+            reserve["vae"] = vae_stage_bytes(c.vae, c.audio_vae)
         visits = Visits(self.device)
         for module in (c.vae, c.audio_vae):
             if module is not None:
@@ -249,23 +257,28 @@ class Engine:
         self.stage_reserve = reserve
         kept = max(reserve.values(), default=0)
         share = (f" left to the DiT (of {gb(self.options.vram_budget)}, less {gb(kept)} kept for the text "
-                 "encoder's and the VAEs' stages)")
+                 "encoder's and the VAEs' stages)") if reserve else ""
+        plans: dict[str, object] = {}
         for key in self.dit_keys():
-            self._place(key, getattr(c, key), self.options.vram_budget - kept, share)
+            plans[key] = self._plan(getattr(c, key), self.options.vram_budget - kept, plans.values(), share)
+        # Checked before any block is packed into host memory: nothing starts half-placed.
+        self.host_plan = check_host(self.options.host_budget, plans.values(), c.text_encoder, visits.parked)
+        from .placement import place_dit
+
+        for key, plan in plans.items():
+            place_dit(getattr(c, key), plan, self.device)
+            self.memory_plans[key] = plan
         if torch.device(self.device).type == "cuda":
             torch.cuda.empty_cache()
 
-    def _place(self, name: str, model, budget: int, share: str = "") -> None:
+    def _plan(self, model, budget: int, taken_by, share: str = ""):
         """The blocks that fit stay on the device, the others stream. Two DiTs share the budget (only one runs
         at a time, so their activations do not add up)."""
         from .memory import default_rows, plan_dit
-        from .placement import place_dit
 
-        taken = sum(p.device_bytes - p.activations for p in self.memory_plans.values())
+        taken = sum(p.device_bytes - p.activations for p in taken_by)
         rows = self.options.plan_rows or default_rows(model.config)
-        plan = plan_dit(model, budget - taken, rows, depth=self.options.prefetch_depth, share=share)
-        place_dit(model, plan, self.device)
-        self.memory_plans[name] = plan
+        return plan_dit(model, budget - taken, rows, depth=self.options.prefetch_depth, share=share)
 
     def _check_rows(self, dit, rows: int, mlp_chunks: int = 1) -> None:
         """Before sampling: a request longer than the budget was planned for must still fit."""
@@ -280,7 +293,7 @@ class Engine:
         plan = self.memory_plans.get(key)
         if plan is None:
             return None
-        out = {**plan.describe(), "reserved_for_other_stages": dict(self.stage_reserve)}
+        out = {**plan.describe(), "reserved_for_other_stages": dict(self.stage_reserve), "host": self.host_plan}
         stream = getattr(getattr(self.components, key), "block_stream", None)
         if stream is not None:
             out.update(forwards=stream.stats.forwards, bytes_copied=stream.stats.bytes_copied,
