@@ -114,7 +114,8 @@ def _unrotated(codes: torch.Tensor, group: int) -> torch.Tensor:
         raise CheckpointError(f"ConvRot group size {group} does not divide the {k} input columns")
     h = hadamard_signs(group, codes.device)
     flat = codes.reshape(r * k // group, group)
-    if codes.device.type == "cuda" and flat.shape[0] > 16:
+    # cuBLASLt's int8 GEMM wants more than 16 rows and dims divisible by 8 (the released group is 256).
+    if codes.device.type == "cuda" and flat.shape[0] > 16 and group % 8 == 0:
         sums = torch._int_mm(flat, h.t()).float()  # H is symmetric; the integer GEMM takes it column-major
     else:
         sums = flat.float() @ h.to(torch.float32)

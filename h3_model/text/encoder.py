@@ -368,7 +368,9 @@ class _SingleFile:
         rank = {k: i for i, k in enumerate(self.source.file_order())}
         ordered = sorted(self.layers.items(), key=lambda kv: min(rank[k] for k in kv[1].keys.values()))
         for stored, layer in ordered:
-            if "weight" in layer.keys and keep_stored and layer.spec is not None:
+            # Only linears compute from a StoredLinear; a quantized embedding (the NVFP4-AWQ file's int8
+            # embed_tokens) is dequantized at load, as before.
+            if "weight" in layer.keys and keep_stored and layer.spec is not None and self._is_linear(layer, shapes):
                 yield f"{layer.target}.weight", self._stored_form(stored, layer, shapes, device)
             elif "weight" in layer.keys:
                 yield f"{layer.target}.weight", self._weight(stored, layer, shapes, dtype, device)
@@ -389,6 +391,11 @@ class _SingleFile:
             weight = fold_pre_quant_scale(weight, parts["pre_quant_scale"])
         return weight
 
+
+    @staticmethod
+    def _is_linear(layer: _Layer, shapes: dict[str, tuple[int, ...]]) -> bool:
+        return not layer.target.endswith(("embed_tokens", "pos_embed")) and len(shapes.get(f"{layer.target}.weight",
+                                                                                           ())) == 2
 
     def _stored_form(self, stored: str, layer: _Layer, shapes: dict[str, tuple[int, ...]],
                      device: torch.device) -> StoredForm:
