@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     if args.mode == "load":
         torch.cuda.synchronize()
         record["gpu_allocated_gb"] = round(torch.cuda.memory_allocated() / GB, 2)
-        record["host"] = host_memory()
+        record["host_memory"] = host_memory()
         return _write(args.out, stamp.stamp_after(record))
     contracts = args.contracts.split(",")
     if args.mode == "budget":
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
             record["stored"][c]["ratio_to_dequantized_at_load"] = round(
                 record["stored"][c]["forward_s_median"] / record["dequantized_at_load"][c]["forward_s_median"], 4)
     record["peak_gpu_allocated_gb"] = round(torch.cuda.max_memory_allocated() / GB, 2)
-    record["host"] = host_memory()
+    record["host_memory"] = host_memory()
     return _write(args.out, stamp.stamp_after(record))
 
 
@@ -218,7 +218,7 @@ def _short(report: dict) -> dict:
 def _write(path: str, record: dict) -> int:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(record, indent=2, default=str))
-    print(json.dumps({k: record.get(k) for k in ("mode", "load_s", "stored", "dequantized_at_load", "host",
+    print(json.dumps({k: record.get(k) for k in ("mode", "load_s", "stored", "dequantized_at_load", "host_memory",
                                                  "jit_dequant_block_ms", "plan", "peak_gpu_allocated_gb")},
                      default=str)[:4000])
     return 0

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .options import MODELS_HELP, add_budget_flags
+from .options import MODELS_HELP, add_budget_flags, host_budget
 
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
@@ -281,7 +281,7 @@ def _engine_budget(args) -> dict:
     if args.budget is None:
         return {"kernels": None}
     return {"kernels": args.settings, "vram_budget": args.budget, "prefetch_depth": args.prefetch_depth,
-            "plan_rows": args.plan_rows}
+            "plan_rows": args.plan_rows, "host_budget": host_budget(args.host_budget)}
 
 
 def load_model(args, contract, device: str, dtype):

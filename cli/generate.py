@@ -131,7 +131,7 @@ def run(args) -> int:
     from ..kernels.dispatch import attention_counts
     from ..kernels.settings import kernel_settings, vae_tile_batch
     from .distributed import command_argv, init_distributed, relaunch_with_torchrun
-    from .options import check_depth, check_device, check_nodes, vram_budget
+    from .options import check_depth, check_device, check_nodes, host_budget, vram_budget
 
     if args.gpus < 1:
         raise InputError(f"--gpus must be at least 1, got {args.gpus}")
@@ -211,7 +211,8 @@ def run(args) -> int:
     opts = LoadOptions(device=device, dtype=dtype, vae_dtype={"float16": torch.float16, "float32": torch.float32}[
         vae_dtype], loras=[LoraSpec.parse(x) for x in args.lora], qkv_layout=args.qkv_layout,
         text_layer=args.text_encoder_layer if args.text_encoder_layer is not None else 50, kernels=settings,
-        vae_tile_batch=tile_batch, vram_budget=budget, prefetch_depth=depth)
+        vae_tile_batch=tile_batch, vram_budget=budget, prefetch_depth=depth,
+        host_budget=host_budget(args.host_budget))
     engine = Engine(paths, opts, offload_text_encoder=args.offload_text_encoder, release_adaln=not args.keep_adaln)
     engine.load([mode], on_progress=lambda event: event.state == "loading" and log(f"loading {event.component}"))
     key = "dit_ref" if mode == "ref2va" else "dit"

@@ -36,6 +36,29 @@ def add_budget_flags(parser) -> None:
                              "for their stages. auto, 24, 24GB, 22.5GiB (docs/vram-budget.md)")
     parser.add_argument("--prefetch-depth", type=int, default=2,
                         help="streamed blocks copied ahead of use under --vram-budget (GPU slots; default 2)")
+    parser.add_argument("--host-budget", default=None, metavar="GB",
+                        help="host memory the models may hold under --vram-budget (streamed DiT blocks, the text "
+                             "encoder outside its layers, parked VAEs; default: $H3_HOST_BUDGET, else unchecked): a "
+                             "plan that needs more is refused before anything is packed, naming the minimum. "
+                             "24, 24GB, 22.5GiB")
+
+
+def host_budget(flag: str | None) -> int | None:
+    """--host-budget, else H3_HOST_BUDGET: bytes, or None (unchecked); "auto" has no meaning for it."""
+    import os
+
+    from ..errors import InputError
+    from ..h3_model.engine.memory import parse_budget
+
+    source, text = ("--host-budget", flag) if flag is not None else ("H3_HOST_BUDGET", os.environ.get("H3_HOST_BUDGET"))
+    if text is not None and text.strip().lower() == "auto":
+        raise InputError(f"{source} takes a size (24, 24GB, 22.5GiB), not auto")
+    try:
+        return parse_budget(text, source)
+    except InputError as exc:
+        if "not a size" not in str(exc):
+            raise
+        raise InputError(f"{source} {text!r} is not a size; use 24, 24GB, 22.5GiB or 800MB") from None
 
 
 def vram_budget(flag: str | None, default: str | None = "auto") -> int | str | None:

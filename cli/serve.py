@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from .options import MODELS_HELP, add_budget_flags, add_node_flags, check_depth, vram_budget
+from .options import MODELS_HELP, add_budget_flags, add_node_flags, check_depth, host_budget, vram_budget
 from .vae_options import vae_options
 
 DEFAULT_HOST = "127.0.0.1"  # local only unless --host says otherwise; beyond it a bearer token is required
@@ -101,7 +101,7 @@ def service_settings(args, device: str | None = None):
     options = LoadOptions(device=device, dtype=dtype, vae_dtype=getattr(torch, vae_name),
                           text_layer=args.text_encoder_layer, qkv_layout=args.qkv_layout, kernels=settings,
                           vae_tile_batch=vae_tile_batch(), vram_budget=budget,
-                          prefetch_depth=check_depth(args.prefetch_depth))
+                          prefetch_depth=check_depth(args.prefetch_depth), host_budget=host_budget(args.host_budget))
     config = ServiceConfig(output_dir=args.output_dir, input_dir=args.input_dir, queue_size=args.queue_size,
                            limits=Limits(max_steps=args.max_steps, max_input_file_bytes=args.max_input_mb << 20),
                            vae_tile_size=tile or None, mlp_chunks=args.mlp_chunks)

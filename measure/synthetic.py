@@ -22,17 +22,8 @@ import torch
 from ..h3_model.dit.config import DiTConfig
 from ..h3_model.dit.model import H3DiT, keeps_fp32
 
-# Qwen3-VL-32B (the released text encoder), as its public config.json gives it.
-QWEN3VL_32B_TEXT = dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
-                        head_dim=128, rms_norm_eps=1e-6,
-                        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
-                                         "mrope_interleaved": True})
-QWEN3VL_32B_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
-                          temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=5120,
-                          num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
-QWEN3VL_VOCAB = 151936
-# The processor's pixel budget (min, max): a 544x960 reference keeps its size, 510 vision tokens.
-QWEN3VL_PIXELS = (65536, 16777216)
+# Qwen3-VL-32B's sizes and processor budget: one definition, beside make-checkpoint's text-encoder writer.
+from ..h3_model.text.synthetic import QWEN3VL_32B_TEXT, QWEN3VL_32B_VISION, QWEN3VL_PIXELS, QWEN3VL_VOCAB  # noqa: E402,F401
 PRESETS = ("full", "tiny")
 COMPONENTS = ("dit", "dit_ref", "text_encoder", "vae", "audio_vae")
 MODE_KEYS = {"t2va": "dit", "fl2va": "dit", "ref2va": "dit_ref"}

@@ -21,8 +21,10 @@ from ..h3_model import geometry
 from ..h3_model.engine.engine import Engine
 from ..h3_model.engine.shared_dit import kernels_line, use_kernels, use_loras
 from ..h3_model.text.prompt import check_prompt
+from ..kernels.settings import DEFAULT_TILE_BATCH
 from . import host, payload
 from . import patcher as patchers
+from . import vae as vaes
 
 log = logging.getLogger("h3_spark")
 OPTIONS = "h3_spark"  # key of our settings in model_options["transformer_options"]
@@ -47,21 +49,41 @@ class TextEncoderHandle:
 
 @dataclass
 class VAEHandle:
-    """H3_VAE: the video and audio VAEs, each under its own ModelPatcher."""
+    """H3_VAE: the video and audio VAEs, each under its own ModelPatcher, which ComfyUI loads for one stage at a
+    time with that stage's working memory declared (nodes/vae.py)."""
 
     video: object
     audio: object
     video_patcher: object
     audio_patcher: object
     tile_size: int | None = 256
+    tile_batch: int = DEFAULT_TILE_BATCH  # the most tiles per decoder call (H3_VAE_TILE_BATCH); free memory can cut it
 
-    def video_ready(self):
-        host.load_for_compute(self.video_patcher)
-        return self.video
+    def encode_video(self, refs: list, encode) -> list:
+        """`encode(engine, ref)` for each PreparedReference with pixels, the video VAE loaded for the largest."""
+        if not refs:
+            return []
+        return self._stage(self.video_patcher, vaes.encode_work(self.video, [r.pixels for r in refs], self.tile_size),
+                           Engine.of(vae=self.video), refs, encode)
 
-    def audio_ready(self):
-        host.load_for_compute(self.audio_patcher)
-        return self.audio
+    def encode_audio(self, refs: list, encode) -> list:
+        """`encode(engine, ref)` for each PreparedReference with audio, the audio VAE loaded for them."""
+        if not refs:
+            return []
+        return self._stage(self.audio_patcher, vaes.audio_work(self.audio), Engine.of(audio_vae=self.audio), refs,
+                           encode)
+
+    def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
+        return vaes.decode_video(self.video_patcher, self.video, latents, self.tile_size, self.tile_batch)
+
+    def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
+        return self._stage(self.audio_patcher, vaes.audio_work(self.audio), Engine.of(audio_vae=self.audio),
+                           [latents], lambda engine, z: engine.decode_audio(z))[0]
+
+    @staticmethod
+    def _stage(patcher, work, engine, items: list, run) -> list:
+        vaes.load(patcher, work)
+        return vaes.guarded(work, lambda: [run(engine, item) for item in items])
 
 
 # ------------------------------------------------------------------------------------------ loaders
@@ -157,14 +179,16 @@ def load_vaes(video_path: Path, audio_path: Path, decode_dtype: str, tile_size: 
 
     if decode_dtype not in VAE_DTYPES:
         raise InputError(f"decode_dtype must be one of {', '.join(VAE_DTYPES)}, got {decode_dtype!r}")
-    options = LoadOptions(device=str(host.offload_device()), vae_dtype=VAE_DTYPES[decode_dtype], kernels=None)
+    devices = host.vae_devices()
+    options = LoadOptions(device=str(devices[1]), vae_dtype=VAE_DTYPES[decode_dtype], kernels=None)
     video = component_loader("vae", video_path, options)()
     # Checked here, not at the first decode, which comes after the whole sampling.
     check_tiling(tile_size, DEFAULT_TILE_MIN_OVERLAP, video.config.spatial_ratio)
     video.tile_batch = vae_tile_batch()
     audio = component_loader("audio_vae", audio_path, options)()
-    return VAEHandle(video, audio, host.make_held("vae", video), host.make_held("audio_vae", audio),
-                     tile_size or None)
+    held = [host.make_held(kind, module, patcher_class=vaes.vae_patcher_class, devices=devices)
+            for kind, module in (("vae", video), ("audio_vae", audio))]
+    return VAEHandle(video, audio, *held, tile_size or None, video.tile_batch)
 
 
 # ------------------------------------------------------------------------------------------ ComfyUI media
@@ -225,7 +249,7 @@ def t2va(te: TextEncoderHandle, prompt: str, width: int, height: int, length: in
 
 def fl2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, height: int, length: int,
           first_frame=None, last_frame=None):
-    from ..h3_model.media.refs import prepare_keyframes
+    from ..h3_model.media.refs import PreparedReference, prepare_keyframes
 
     check_prompt("fl2va", prompt)
     frames = _canvas(width, height, length)
@@ -233,10 +257,10 @@ def fl2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, height
     last = None if last_frame is None else image_u8(last_frame, "last_frame")
     keyframes, anchors, width, height = prepare_keyframes(first, last, width, height)
     embeds, tags = _text(te, "fl2va", prompt, keyframes)
-    engine = Engine.of(vae=vae.video_ready())
-    blocks = [{"resolved_frame_index": 0 if anchor == "first" else frames - 1,
-               "latent": engine.encode_keyframe(frame, tile_size=vae.tile_size)}
-              for anchor, frame in zip(anchors, keyframes)]
+    latents = vae.encode_video([PreparedReference("image", pixels=frame) for frame in keyframes],
+                               lambda engine, ref: engine.encode_keyframe(ref.pixels, tile_size=vae.tile_size))
+    blocks = [{"resolved_frame_index": 0 if anchor == "first" else frames - 1, "latent": latent}
+              for anchor, latent in zip(anchors, latents)]
     return (payload.make_conditioning(embeds, tags, keyframes=blocks),
             _empty(vae, width, height, frames))
 
@@ -262,23 +286,33 @@ def ref2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, heigh
     prepared = prepare_references(refs, width=width, height=height, frames=frames, policy=reference_size)
 
     embeds, tags = _text(te, "ref2va", prompt, references=prepared)
-    # Each VAE is brought to the GPU only when a reference needs it.
-    engine = Engine.of(vae=vae.video_ready() if any(p.pixels is not None for p in prepared) else None,
-                       audio_vae=vae.audio_ready() if any(p.audio is not None for p in prepared) else None)
+    latents, sounds = _encode_references(vae, prepared)
     blocks = []
     for p in prepared:
         block: dict = {"kind": p.kind}
-        encoded = engine.encode_reference(p, tile_size=vae.tile_size)
-        if encoded.latent is not None:
-            z = encoded.latent
+        if p.pixels is not None:
+            z = next(latents)
             block.update(latent=z, latent_t=int(z.shape[2]), latent_h=int(z.shape[3]), latent_w=int(z.shape[4]))
-        if encoded.audio is not None:
-            a = payload.audio_to_comfy(encoded.audio)
+        if p.audio is not None:
+            a = payload.audio_to_comfy(next(sounds))
             block.update(audio_latent=a, ref_audio_t=int(a.shape[3]))
             if p.kind == "video":
                 block["kind"] = "video_audio"
         blocks.append(block)
     return payload.make_conditioning(embeds, tags, refs=blocks), _empty(vae, width, height, frames)
+
+
+def _encode_references(vae: VAEHandle, prepared: list):
+    """The references' video latents, then their audio latents (iterators, in reference order): each VAE loaded
+    once, for all the references that need it, one stage after the other."""
+    from ..h3_model.media.refs import PreparedReference
+
+    tile = vae.tile_size
+    latents = vae.encode_video([p for p in prepared if p.pixels is not None], lambda engine, p: engine.encode_reference(
+        PreparedReference(p.kind, pixels=p.pixels), tile_size=tile).latent)
+    sounds = vae.encode_audio([p for p in prepared if p.audio is not None], lambda engine, p: engine.encode_reference(
+        PreparedReference(p.kind, audio=p.audio)).audio)
+    return iter(latents), iter(sounds)
 
 
 # ------------------------------------------------------------------------------------------ model options
@@ -431,19 +465,13 @@ def _recipes(text: str, step_cache: bool, opts: dict) -> list:
 def decode(vae: VAEHandle, latent) -> tuple[torch.Tensor, dict]:
     """LATENT -> (IMAGE (F, H, W, 3) float [0, 1], AUDIO {"waveform": (1, 2, N), "sample_rate": 32000})."""
     video, audio = payload.unpack_latent(latent)
-    video_vae = vae.video_ready()
-    if video.shape[1] != video_vae.config.latent_channels:
-        raise InputError(f"the latent has {video.shape[1]} channels, the video VAE {video_vae.config.latent_channels}")
-    # Set where it now sits (ComfyUI moves it between devices): fastest exact attention, fused passes on a GPU.
-    from ..kernels.settings import KernelSettings
-    from ..kernels.vae import apply_vae_kernels
-
-    report = apply_vae_kernels(video_vae, KernelSettings.from_env())
-    log.debug("h3-spark video VAE kernels: %s", report)
-    engine = Engine.of(vae=video_vae, audio_vae=vae.audio_ready())
+    if video.shape[1] != vae.video.config.latent_channels:
+        raise InputError(f"the latent has {video.shape[1]} channels, the video VAE {vae.video.config.latent_channels}")
+    # One VAE at a time, each loaded for its own decode: the audio VAE's load must not push out the video VAE
+    # between the video VAE's load and its decode.
     # uint8 like the pipeline and the CLI, so a saved video holds the same frames whichever front door made it.
-    frames = engine.decode_video(video.float(), vae.tile_size)
-    wave = engine.decode_audio(payload.audio_from_comfy(audio.float()))
+    frames = vae.decode_video(video.float())
+    wave = vae.decode_audio(payload.audio_from_comfy(audio.float()))
     return frames.float() / 255.0, {"waveform": wave[None], "sample_rate": geometry.AUDIO_SAMPLE_RATE}
 
 

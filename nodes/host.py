@@ -8,7 +8,8 @@ ComfyUI: the nodes then hold plain modules) or a clear error (model folders).
 - Model management: our DiT, text encoder and VAEs are wrapped in `comfy.model_patcher.ModelPatcher`
   (inside a `Held` container) so ComfyUI loads them onto the GPU, offloads them when another model
   needs the memory, and frees them with its "free memory" button like any native model. The DiT's and
-  the text encoder's patchers (patcher.py) load partially by streaming what ComfyUI has no room for.
+  the text encoder's patchers (patcher.py) load partially by streaming what ComfyUI has no room for; the
+  VAEs' (vae.py) load whole, each stage declaring its working memory as ComfyUI's own VAE does.
 - Progress: `comfy.utils.ProgressBar` feeds the websocket `progress` messages.
 - Interruption: `comfy.model_management.processing_interrupted()` is polled by the engine's cancel
   checks (between steps and between blocks); the node then raises ComfyUI's own interrupt exception.
@@ -104,6 +105,16 @@ def offload_device():
     return compute_device()
 
 
+def vae_devices() -> tuple[torch.device, torch.device]:
+    """Where ComfyUI runs a VAE and where it keeps it between uses: the CPU with --cpu-vae, the GPU throughout
+    with --gpu-only (ComfyUI's own VAE takes these too)."""
+    mm = optional_module("comfy.model_management")
+    run, keep = getattr(mm, "vae_device", None), getattr(mm, "vae_offload_device", None)
+    if run is None or keep is None:
+        return compute_device(), offload_device()
+    return torch.device(run()), torch.device(keep())
+
+
 def _model_patcher_cls():
     module = optional_module("comfy.model_patcher")
     return None if module is None else module.ModelPatcher
@@ -120,17 +131,19 @@ class Held(torch.nn.Module):
         self.owner = owner  # the engine object `inner` belongs to (the TextEncoder of a text model), if any
 
 
-def make_held(kind: str, inner, owner=None, patcher_class=None):
+def make_held(kind: str, inner, owner=None, patcher_class=None, devices=None):
     """Wrap an engine module for ComfyUI's model management (or hold it as is outside ComfyUI).
     `patcher_class()` gives a ModelPatcher subclass of our own (the DiT's and the text encoder's, whose partial
-    loads stream what does not fit: nodes/patcher.py); it is called only inside ComfyUI."""
+    loads stream what does not fit: nodes/patcher.py; the VAEs', loaded whole: nodes/vae.py); it is called only
+    inside ComfyUI. `devices`: (load, offload), the compute and offload devices when not given."""
     class_ = _model_patcher_cls()
     held = Held(kind, inner, owner)
+    load, offload = devices if devices is not None else (compute_device(), offload_device())
     if class_ is None:
-        return LocalModel(held, compute_device())
+        return LocalModel(held, load)
     if patcher_class is not None:
         class_ = patcher_class()
-    return class_(held, load_device=compute_device(), offload_device=offload_device())
+    return class_(held, load_device=load, offload_device=offload)
 
 
 class LocalModel:

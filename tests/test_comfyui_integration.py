@@ -499,3 +499,110 @@ def test_the_template_browser_lists_the_ui_workflows_with_thumbnails(server):
         assert graph.status_code == 200 and "version" in graph.json() and graph.json()["nodes"]
         thumb = requests.get(f"{server.url}/api/workflow_templates/h3-spark/{name}.jpg", timeout=30)
         assert thumb.status_code == 200 and thumb.content[:3] == b"\xff\xd8\xff", name
+
+
+# ------------------------------------------------------------------------------------------ the VAEs' loads
+# Run by ComfyUI's Python with ComfyUI's own model management, on its GPU when it has one (else --cpu): a stand-in
+# for the DiT (plain layers under ComfyUI's own ModelPatcher) is loaded, then H3 Decode runs. The video VAE's load
+# must declare the decode's working memory and come before the audio VAE's; on a GPU, with the rest held outside
+# ComfyUI so that room must come from the stand-in, ComfyUI partially unloads it. Then the stand-in's next load
+# sends the VAEs back whole, unload_all_models does too, and (GPU) a decode without room for one tile is refused
+# in one line with the VAE left where it was.
+VAE_LOAD = r"""
+import json, sys
+from pathlib import Path
+comfy_dir, pack_parent, video_vae, audio_vae, frames, height, width, tile = sys.argv[1:9]
+sys.path[:0] = [comfy_dir, pack_parent]
+import torch
+gpu = torch.cuda.is_available()
+sys.argv = [sys.argv[0]] + ([] if gpu else ["--cpu"])
+from h3_spark.h3_model.text.torchvision_compat import ensure_importable
+ensure_importable()  # PyPI's torchvision beside a CPU-only torch, as tests/conftest.py does
+import comfy.options
+comfy.options.enable_args_parsing()
+import comfy.model_management as mm
+from comfy.model_patcher import ModelPatcher
+from h3_spark.errors import InputError
+from h3_spark.nodes import engine, payload, vae as vaes
+
+MB = 2 ** 20
+handle = engine.load_vaes(Path(video_vae), Path(audio_vae), "float16" if gpu else "float32", int(tile))
+g = torch.Generator().manual_seed(0)
+z = torch.randn(1, handle.video.config.latent_channels, int(frames), int(height), int(width), generator=g)
+latent = payload.pack_latent(z, payload.audio_to_comfy(torch.randn(2, handle.audio.config.latent_channels, 40,
+                                                                    generator=g)))
+device = mm.get_torch_device()
+stand_in = ModelPatcher(torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(16)]), load_device=device,
+                        offload_device=mm.unet_offload_device())
+mm.load_models_gpu([stand_in])
+calls, load_models_gpu = [], mm.load_models_gpu
+
+def recorded(models, memory_required=0, **kwargs):
+    calls.append([[getattr(m.model, "kind", "stand-in") for m in models], memory_required,
+                  kwargs.get("minimum_memory_required")])
+    return load_models_gpu(models, memory_required=memory_required, **kwargs)
+
+mm.load_models_gpu = recorded
+work = vaes.decode_work(handle.video, z.shape, handle.tile_size, handle.tile_batch)
+margin = int(mm.minimum_inference_memory() - mm.extra_reserved_memory())
+video = handle.video_patcher
+hold = None
+if gpu:  # 256 MB short of what ComfyUI frees for the VAE: its weights, the decode's memory and the reserve
+    mm.soft_empty_cache()
+    asked = video.model_size() * 1.1 + work.wanted + margin + mm.extra_reserved_memory()
+    hold = torch.empty(int(mm.get_free_memory(device) - asked) + 256 * MB, dtype=torch.uint8, device=device)
+before = stand_in.loaded_size()
+images, audio = engine.decode(handle, latent)
+report = {"gpu": gpu, "patcher": type(video).__name__, "frames": list(images.shape),
+          "declared": calls[0] == [["vae"], work.wanted + margin, work.least + margin],
+          "audio_after": [c[0] for c in calls] == [["vae"], ["audio_vae"]],
+          "loaded": video.loaded_size() == video.model_size() and video in mm.loaded_models(),
+          "made_room": 0 < stand_in.loaded_size() < before if gpu else None}
+del hold
+if gpu:  # the DiT's next load asks for all that is free
+    mm.soft_empty_cache()
+    mm.load_models_gpu([stand_in], memory_required=int(mm.get_free_memory(device)))
+    report["pushed_out"] = video.loaded_size() == 0 and handle.video.device.type == "cpu"
+engine.decode(handle, latent)
+mm.unload_all_models()
+report["unloaded_all"] = (video.loaded_size() == handle.audio_patcher.loaded_size() == 0
+                          and video not in mm.loaded_models())
+if gpu:  # 64 MB short of the weights, one tile's memory and the reserve, with nothing left to unload
+    mm.soft_empty_cache()
+    short = video.model_size() + work.least + int(mm.minimum_inference_memory()) - 64 * MB
+    hold = torch.empty(int(mm.get_free_memory(device) - short), dtype=torch.uint8, device=device)
+    try:
+        engine.decode(handle, latent)
+        report["refused"] = None
+    except InputError as exc:
+        report["refused"] = str(exc)
+    report["stayed_off"] = handle.video.device.type == "cpu"
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_comfyui_loads_the_vaes_with_their_working_memory_and_takes_them_back(installed, tmp_path):
+    from h3_spark.h3_model.engine.demo import DEMO_VAE
+    from h3_spark.h3_model.vae.synthetic import write_audio_vae_checkpoint, write_vae_checkpoint
+
+    video = write_vae_checkpoint(tmp_path / "vae", DEMO_VAE, "diffusers", seed=1)
+    audio = write_audio_vae_checkpoint(tmp_path / "audio_vae", "tiny", "diffusers", seed=2)
+    pack_parent = tmp_path / "pack"
+    pack_parent.mkdir()
+    (pack_parent / "h3_spark").symlink_to(ROOT)
+    script = tmp_path / "vae_load.py"
+    script.write_text(VAE_LOAD)
+    # 256 x 256 px in 128 px tiles (nine a window), 22 frames.
+    out = subprocess.run([COMFY_PYTHON, str(script), COMFY_DIR, str(pack_parent), str(video), str(audio), "7", "16",
+                          "16", "128"], cwd=COMFY_DIR, capture_output=True, text=True, timeout=600)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("REPORT ")]
+    assert out.returncode == 0 and lines, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    report = json.loads(lines[-1][len("REPORT "):])
+    gpu = report.pop("gpu")
+    want = {"patcher": "H3VAEPatcher", "frames": [22, 256, 256, 3], "declared": True, "audio_after": True,
+            "loaded": True, "made_room": True if gpu else None, "unloaded_all": True}
+    if gpu:
+        refused = report.pop("refused")
+        assert refused and "\n" not in refused and refused.startswith("the H3 video VAE decode needs "), refused
+        want.update(pushed_out=True, stayed_off=True)
+    assert report == want, report

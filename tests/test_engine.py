@@ -158,6 +158,22 @@ def test_bad_budget_flags_are_refused(capsys):
     assert "does not combine with --gpus" in capsys.readouterr().err
     assert main(["generate", "--demo", "--prefetch-depth", "0", "--out", "x.mp4"]) == 2
     assert "--prefetch-depth must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["generate", "--demo", "--host-budget", "plenty", "--out", "x.mp4"]) == 2
+    assert "--host-budget 'plenty' is not a size; use 24, 24GB, 22.5GiB or 800MB" in capsys.readouterr().err
+    assert main(["generate", "--demo", "--host-budget", "auto", "--out", "x.mp4"]) == 2
+    assert "--host-budget takes a size (24, 24GB, 22.5GiB), not auto" in capsys.readouterr().err
+
+
+def test_the_host_budget_flag_and_its_variable(monkeypatch):
+    from h3_spark.cli.options import host_budget
+
+    monkeypatch.delenv("H3_HOST_BUDGET", raising=False)
+    assert host_budget(None) is None and host_budget("32") == 32 * 10 ** 9
+    monkeypatch.setenv("H3_HOST_BUDGET", "16GiB")
+    assert host_budget(None) == 16 * 2 ** 30 and host_budget("8GB") == 8 * 10 ** 9
+    monkeypatch.setenv("H3_HOST_BUDGET", "-3")
+    with pytest.raises(InputError, match="H3_HOST_BUDGET '-3' is not a size"):
+        host_budget(None)
 
 
 def test_auto_on_the_cpu_stays_resident(builders):

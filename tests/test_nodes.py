@@ -620,3 +620,301 @@ def test_previews_use_the_tiny_decoder_when_models_vae_approx_has_taeh3(models, 
         assert list(host._tiny_decoders.values())[0].latent_channels == channels
     finally:
         (folder / "taeh3.safetensors").unlink()
+
+
+# ------------------------------------------------------------------------------------------ VAEs under model management
+GiB = 2 ** 30
+CUDA = torch.device("cuda", 0)
+
+
+class FakeModelPatcher:
+    """comfy.model_patcher.ModelPatcher's members the VAEs' patcher builds on."""
+
+    def __init__(self, model, load_device, offload_device, size=0, weight_inplace_update=False):
+        self.model, self.load_device, self.offload_device, self.size = model, load_device, offload_device, size
+        self.model_options = {"transformer_options": {}}
+        model.device, model.model_loaded_weight_memory, model.model_lowvram = offload_device, 0, False
+
+    def model_size(self):
+        return self.size or sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+
+    def loaded_size(self):
+        return self.model.model_loaded_weight_memory
+
+    def detach(self, unpatch_all=True):
+        self.unpatch_model(self.offload_device, unpatch_all)
+        return self.model
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        if unpatch_weights and device_to is not None:
+            self.model.to(device_to)
+            self.model.device = device_to
+        self.model.model_loaded_weight_memory = 0
+
+
+class FakeDiT(FakeModelPatcher):
+    """What our DiT's patcher offers ComfyUI, in bytes alone: it gives up what it is asked to (blocks stream)."""
+
+    def __init__(self, size):
+        from h3_spark.nodes import host
+
+        super().__init__(host.Held("dit", torch.nn.Linear(1, 1)), CUDA, torch.device("cpu"), size)
+        self.loaded = 0
+
+    def loaded_size(self):
+        return self.loaded
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+        added, self.loaded = self.size - self.loaded, self.size
+        return added
+
+    def partially_unload(self, device_to, memory_to_free=0):
+        freed = min(memory_to_free, self.loaded)
+        self.loaded -= freed
+        return freed
+
+    def detach(self, unpatch_all=True):
+        self.loaded = 0
+        return self.model
+
+
+class FakeGPU:
+    """ComfyUI's model management over a GPU of `total` bytes, `taken` of them held by other programs: the
+    loaded models, each load_models_gpu call, and each move of a held module (recorded, not made: this machine
+    has no GPU, so the VAEs compute where they are)."""
+
+    def __init__(self, mm, total, taken):
+        self.mm, self.total, self.taken = mm, total, taken
+        self.loaded, self.calls, self.moves = [], [], []
+
+    def free(self):
+        return self.total - self.taken - sum(m.loaded_size() for m in self.loaded)
+
+    def load_models_gpu(self, models, memory_required=0, force_patch_weights=False, minimum_memory_required=None,
+                        force_full_load=False):
+        self.calls.append({"models": [m.model.kind for m in models], "memory_required": memory_required,
+                           "minimum_memory_required": minimum_memory_required, "force_full_load": force_full_load})
+        keep = max(self.mm.minimum_inference_memory(), memory_required + self.mm.extra_reserved_memory())
+        for model in models:
+            self.make_room(model.model_size() - model.loaded_size() + keep, model)
+            model.partially_load(model.load_device, 1e32)
+            if model not in self.loaded:
+                self.loaded.insert(0, model)
+
+    def make_room(self, required, keep):
+        # As ComfyUI: the models with the most already offloaded go first, each partially when that is enough.
+        for other in sorted((m for m in self.loaded if m is not keep), key=lambda m: m.loaded_size() - m.model_size()):
+            if self.free() >= required:
+                return
+            short = required - self.free()
+            if short < other.loaded_size() and other.partially_unload(other.offload_device, short) >= short:
+                continue
+            other.detach()
+            self.loaded.remove(other)
+
+    def unload_all_models(self):
+        for model in self.loaded:
+            model.detach()
+        self.loaded.clear()
+
+    def moved(self, kind):
+        return [device for k, device in self.moves if k == kind]
+
+
+def fake_model_management(monkeypatch, root, total, taken=0, reserve=0.4 * GiB):
+    """fake_comfy with ComfyUI's ModelPatcher and a GPU's model management (FakeGPU, returned)."""
+    import functools
+
+    from h3_spark.nodes import host
+    from h3_spark.nodes import vae as vaes
+
+    fake_comfy(monkeypatch, root)
+    mm = sys.modules["comfy.model_management"]
+    gpu = FakeGPU(mm, total, taken)
+    mm.get_torch_device = mm.vae_device = lambda: CUDA
+    mm.vae_offload_device = lambda: torch.device("cpu")
+    mm.extra_reserved_memory = lambda: reserve
+    mm.minimum_inference_memory = lambda: 0.8 * GiB + reserve
+    mm.get_free_memory = lambda dev=None, torch_free_too=False: gpu.free()
+    mm.load_models_gpu, mm.unload_all_models = gpu.load_models_gpu, gpu.unload_all_models
+    mm.soft_empty_cache = lambda force=False: None
+    patcher = types.ModuleType("comfy.model_patcher")
+    patcher.ModelPatcher = FakeModelPatcher
+    monkeypatch.setitem(sys.modules, "comfy.model_patcher", patcher)
+    # The VAEs' patcher class is made once per ComfyUI: a fresh cache over this fake's ModelPatcher.
+    monkeypatch.setattr(vaes, "vae_patcher_class", functools.cache(vaes.vae_patcher_class.__wrapped__))
+    monkeypatch.setattr(host.Held, "to", lambda self, device: gpu.moves.append((self.kind, torch.device(device).type))
+                        or self)
+    return gpu
+
+
+def decode_latent(vae, seed=0):
+    """A LATENT the tiny VAEs decode at 256x256 px: 3 x 3 tiles of 128 px per window, so tiles per call matter."""
+    from h3_spark.nodes import payload
+
+    g = torch.Generator().manual_seed(seed)
+    video = torch.randn(1, vae.video.config.latent_channels, 7, 16, 16, generator=g)
+    audio = torch.randn(2, vae.audio.config.latent_channels, 40, generator=g)
+    return payload.pack_latent(video, payload.audio_to_comfy(audio))
+
+
+def load_vae(tile_size=128):
+    return node("H3SparkVAELoader").load("tiny-video-vae.safetensors", "tiny-audio-vae.safetensors", "float32",
+                                         tile_size)[0]
+
+
+def record_decodes(vae, gpu):
+    """(tiles per decoder call, load_models_gpu calls so far) at each video decode."""
+    runs, decode = [], vae.video.decode_to_buffer
+
+    def recorded(*args, **kwargs):
+        runs.append((vae.video.tile_batch, len(gpu.calls)))
+        return decode(*args, **kwargs)
+
+    vae.video.decode_to_buffer = recorded
+    return runs
+
+
+def margin(gpu):
+    return int(gpu.mm.minimum_inference_memory() - gpu.mm.extra_reserved_memory())
+
+
+def test_the_decode_declares_its_working_memory_and_comfyui_makes_room_for_it(models, monkeypatch):
+    """ComfyUI is asked for the decode's working memory (its memory plan at H3_VAE_TILE_BATCH tiles per call, and
+    at one) before the decode runs, and takes that room from the DiT; the VAE then stays loaded, as ComfyUI's own
+    does, until the DiT's next load, or the free-memory button, sends it back whole."""
+    from h3_spark.nodes import vae as vaes
+
+    gpu = fake_model_management(monkeypatch, models, total=4 * GiB)
+    dit = FakeDiT(3 * GiB)
+    gpu.load_models_gpu([dit])
+    vae = load_vae()
+    assert (vae.video_patcher.load_device, vae.video_patcher.offload_device) == (CUDA, torch.device("cpu"))
+    runs = record_decodes(vae, gpu)
+    latent = decode_latent(vae)
+    free_before = gpu.free()
+    images, audio = node("H3SparkDecode").decode(vae, latent)
+
+    work = vaes.decode_work(vae.video, latent["samples"][0].shape, 128, vae.tile_batch)
+    sound_work = vaes.audio_work(vae.audio)
+    assert work.wanted > work.least > 0  # nine tiles a window: a batch of them needs more than one
+    assert gpu.calls[1:] == [{"models": ["vae"], "memory_required": work.wanted + margin(gpu),
+                              "minimum_memory_required": work.least + margin(gpu), "force_full_load": True},
+                             {"models": ["audio_vae"], "memory_required": sound_work.wanted + margin(gpu),
+                              "minimum_memory_required": sound_work.least + margin(gpu), "force_full_load": True}]
+    assert runs == [(vae.tile_batch, 2)]  # after the video VAE's load, before the audio VAE's, at the most tiles
+    # The DiT gave up the weights, the working memory and ComfyUI's reserve, not the weights alone.
+    video_weights = vae.video_patcher.model_size()
+    assert 3 * GiB - dit.loaded >= video_weights + work.wanted + int(gpu.mm.minimum_inference_memory()) - free_before
+    assert gpu.moved("vae") == ["cuda"] and gpu.moved("audio_vae") == ["cuda"]  # each whole, once
+    assert vae.video_patcher.loaded_size() == video_weights and vae.video.tile_batch == vae.tile_batch
+    assert images.shape == (22, 256, 256, 3) and audio["waveform"].shape[:2] == (1, 2)
+
+    gpu.load_models_gpu([dit], memory_required=int(3.5 * GiB))  # the sampler's next load takes the room back
+    assert gpu.moved("vae") == ["cuda", "cpu"] and vae.video_patcher.loaded_size() == 0
+    node("H3SparkDecode").decode(vae, latent)
+    gpu.unload_all_models()  # "Free model and node cache"
+    assert gpu.moved("vae")[-2:] == ["cuda", "cpu"] and gpu.moved("audio_vae")[-1] == "cpu"
+    assert vae.video_patcher.loaded_size() == vae.audio_patcher.loaded_size() == 0
+
+
+def test_the_decode_takes_as_many_tiles_per_call_as_the_free_memory_holds(models, monkeypatch):
+    from h3_spark.nodes import vae as vaes
+
+    gpu = fake_model_management(monkeypatch, models, total=16 * GiB)
+    vae = load_vae()
+    latent = decode_latent(vae)
+    size = tuple(latent["samples"][0].shape[2:])
+    need = {b: vaes.decode_bytes(vae.video, size, 128, b) for b in (1, 4, 5)}
+    assert need[1] < need[4] < need[5]
+    # What stays free once the weights are loaded: four tiles' working memory and ComfyUI's reserve, not five.
+    gpu.taken = gpu.total - vae.video_patcher.model_size() - int(gpu.mm.minimum_inference_memory()) - need[4]
+    runs = record_decodes(vae, gpu)
+    images, _ = node("H3SparkDecode").decode(vae, latent)
+    assert runs == [(4, 1)] and vae.video.tile_batch == vae.tile_batch == 16
+    # Tiles decoded together change only the kernels' rounding.
+    gpu.taken = 0
+    gpu.unload_all_models()
+    wide, _ = node("H3SparkDecode").decode(vae, latent)
+    assert runs[-1] == (16, 3) and (wide - images).abs().max() <= 1 / 255
+
+
+def test_a_vae_stage_that_cannot_fit_fails_in_one_line(models, monkeypatch):
+    """Not even one tile's working memory beside the weights: a one-line error naming the memory and what lowers
+    it, before anything moves; CUDA running out inside the decode all the same retries at one tile per call,
+    then fails in one line too."""
+    from h3_spark.nodes import vae as vaes
+
+    gpu = fake_model_management(monkeypatch, models, total=16 * GiB)
+    vae = load_vae()
+    latent = decode_latent(vae)
+    work = vaes.decode_work(vae.video, latent["samples"][0].shape, 128, vae.tile_batch)
+    weights = vae.video_patcher.model_size()
+    gpu.taken = gpu.total - weights - int(gpu.mm.minimum_inference_memory()) - work.least + 1
+    with pytest.raises(InputError) as failed:
+        node("H3SparkDecode").decode(vae, latent)
+    message = str(failed.value)
+    assert "\n" not in message and message.startswith("the H3 video VAE decode needs ")
+    assert f"to work in, beside ComfyUI's reserve of {vaes.gb(int(gpu.mm.minimum_inference_memory()))}" in message
+    assert "lower tile_size on H3 VAE Loader" in message and "float16" in message and "--cpu-vae" in message
+    assert gpu.moved("vae") == [] and vae.video_patcher.loaded_size() == 0
+
+    first, last = image(1), image(2)
+    te = qwen_handle()
+    need = vaes.encode_bytes(vae.video.config, 1, H, W, 128)
+    gpu.taken = gpu.total - weights - int(gpu.mm.minimum_inference_memory()) - need + 1
+    with pytest.raises(InputError, match=r"^the H3 video VAE encode needs .*: lower tile_size .*, use smaller or "
+                                         r"shorter images and videos, or start ComfyUI with --cpu-vae \(slow\)$"):
+        node("H3SparkFirstLastFrameToVideo").encode(te, vae, "a cat", W, H, FRAMES, first, last)
+
+    gpu.taken = 0
+    runs, decode = [], vae.video.decode_to_buffer
+
+    def out_of_memory_above_one_tile(*args, **kwargs):
+        runs.append(vae.video.tile_batch)
+        if vae.video.tile_batch > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        return decode(*args, **kwargs)
+
+    vae.video.decode_to_buffer = out_of_memory_above_one_tile
+    images, _ = node("H3SparkDecode").decode(vae, latent)
+    assert runs == [16, 1] and images.shape[0] == 22
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+
+    vae.video.decode_to_buffer = out_of_memory
+    with pytest.raises(InputError, match=r"^the H3 video VAE decode ran out of GPU memory \(planned .* beside the "
+                                         r"weights\): lower tile_size"):
+        node("H3SparkDecode").decode(vae, latent)
+
+
+def qwen_handle():
+    from h3_spark.nodes import engine, host
+
+    qwen = StandInQwen(TINY.text_dim)
+    return engine.TextEncoderHandle(qwen, host.LocalModel(host.Held("text_encoder", qwen.model), torch.device("cpu")))
+
+
+def test_the_encodes_declare_their_bound_one_vae_at_a_time(models, monkeypatch):
+    """Keyframes and references: the video VAE is loaded once for the largest image or video it encodes (the
+    encode bound), then the audio VAE for the sounds; never both in one load, so neither pushes the other out
+    between its load and its use."""
+    from h3_spark.nodes import vae as vaes
+
+    gpu = fake_model_management(monkeypatch, models, total=16 * GiB)
+    vae, te = load_vae(), qwen_handle()
+    node("H3SparkFirstLastFrameToVideo").encode(te, vae, "a cat", W, H, FRAMES, image(1), image(2))
+    keyframe = vaes.encode_bytes(vae.video.config, 1, H, W, 128)
+    assert gpu.calls == [{"models": ["vae"], "memory_required": keyframe + margin(gpu),
+                          "minimum_memory_required": keyframe + margin(gpu), "force_full_load": True}]
+    from h3_spark.h3_model.media.refs import ImageReference, prepare_references
+
+    node("H3SparkReferenceToVideo").encode(te, vae, "a cat", W, H, FRAMES, "match", 24.0, image_1=image(3, 80, 48),
+                                           image_2=image(4), audio_1=sound(2.0))
+    prepared = prepare_references([ImageReference(Q.image(80, 48, 3)), ImageReference(Q.image(64, 64, 4))],
+                                  width=W, height=H, frames=FRAMES, policy="match")
+    largest = max(vaes.encode_bytes(vae.video.config, 1, *p.pixels.shape[:2], 128) for p in prepared)
+    assert [c["models"] for c in gpu.calls[1:]] == [["vae"], ["audio_vae"]]
+    assert gpu.calls[1]["memory_required"] == largest + margin(gpu) == gpu.calls[1]["minimum_memory_required"]
+    assert gpu.calls[2]["memory_required"] == vaes.audio_work(vae.audio).wanted + margin(gpu)

@@ -59,7 +59,7 @@ reader multiplies back into the weight's columns; q/k/v share one s that is fold
 as the published files' do, and the product is the same model.
 
 Presets: `full` is Qwen3-VL-32B cut after layer 50; `tiny` is the demo's tiny Qwen3-VL
-(engine/demo.py), cut after its read layer (2), so tests write and load it in a second.
+(text/stand_in.py), cut after its read layer (2), so tests write and load it in a second.
 
 The tokenizer folder: the byte-level stand-in tokenizer (256 bytes, a few merges, Qwen3-VL's special
 tokens) with transformers' Qwen3-VL processors (tiny: the demo's 4-pixel patch; full: the released
@@ -85,6 +85,7 @@ from ..checkpoint.quant import convrot_group_for, encode_marker, quantize_fp8, q
 from ..checkpoint.safetensors_header import encode_header
 from ..checkpoint.synthetic import tensor_seed
 from ..checkpoint.writer import Group, write_groups
+from . import stand_in
 
 FORMATS = ("bf16", "fp8_scaled", "int8_convrot", "nvfp4_awq")
 PRESETS = ("tiny", "full")
@@ -130,11 +131,6 @@ class Preset:
     config: object  # transformers Qwen3VLConfig, cut to `layers`
 
 
-def _demo():
-    # The demo's tiny Qwen3-VL and the stand-in tokenizer live with the rest of the demo models.
-    from ..engine import demo
-
-    return demo
 
 
 def preset(name: str) -> Preset:
@@ -144,14 +140,13 @@ def preset(name: str) -> Preset:
     from .torchvision_compat import ensure_importable
 
     ensure_importable()  # transformers' Qwen3-VL video processor imports torchvision
-    demo = _demo()
-    tok = demo.make_tokenizer()
+    tok = stand_in.make_tokenizer()
     if name == "full":
-        config = demo.text_config(tok, FULL_LAYERS, QWEN3VL_32B_TEXT, QWEN3VL_32B_VISION, QWEN3VL_VOCAB)
-        processor = demo.make_processor(tok, patch_size=16, image_pixels=QWEN3VL_PIXELS, video_pixels=QWEN3VL_PIXELS)
+        config = stand_in.text_config(tok, FULL_LAYERS, QWEN3VL_32B_TEXT, QWEN3VL_32B_VISION, QWEN3VL_VOCAB)
+        processor = stand_in.make_processor(tok, patch_size=16, image_pixels=QWEN3VL_PIXELS, video_pixels=QWEN3VL_PIXELS)
         return Preset(name, FULL_LAYERS, tok, processor, config)
-    layers = demo.TEXT_READ_LAYER
-    return Preset(name, layers, tok, demo.make_processor(tok), demo.text_config(tok, layers))
+    layers = stand_in.TEXT_READ_LAYER
+    return Preset(name, layers, tok, stand_in.make_processor(tok), stand_in.text_config(tok, layers))
 
 
 def stored_shapes(config) -> dict[str, tuple[int, ...]]:
