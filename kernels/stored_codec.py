@@ -79,12 +79,14 @@ def fp8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> tor
 def int8_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, convrot_group: int | None) -> torch.Tensor:
     per_row = scale.numel() > 1
     scale = scale.float().reshape(-1, 1) if per_row else scale.float().reshape(())
+    if convrot_group:
+        # 1 / sqrt(group) is a power of two: folding it into the scale changes no bit of the product.
+        scale = scale * (1.0 / math.sqrt(convrot_group))
     for a, b in _chunks(out.shape[0]):
         rows = scale[a:b] if per_row else scale
-        if convrot_group:
-            out[a:b].copy_(_unrotated(codes[a:b], convrot_group) * rows * (1.0 / math.sqrt(convrot_group)))
-        else:
-            out[a:b].copy_(codes[a:b].float() * rows)
+        values = _unrotated(codes[a:b], convrot_group) if convrot_group else codes[a:b]
+        # One pass: the product is computed in fp32 (the inputs' common type) and rounded once as it is stored.
+        torch.mul(values, rows, out=out[a:b])
     return out
 
 
@@ -103,7 +105,7 @@ def hadamard_signs(size: int, device: torch.device | str) -> torch.Tensor:
 
 
 def _unrotated(codes: torch.Tensor, group: int) -> torch.Tensor:
-    """int8 codes [R, K] -> (codes @ H+-) per group of `group` columns, fp32, EXACT: products of int8 codes and +-1
+    """int8 codes [R, K] -> (codes @ H+-) per group of `group` columns (int32 or fp32), EXACT: products of int8 codes and +-1
     summed over a group stay below 2^24, so every sum is an integer computed without rounding, whatever the order
     (an int8 tensor-core GEMM on a GPU, fp32 elsewhere). The weight is then this sum x row scale / sqrt(group) (a
     power of two): one rounding in all, the same bits on every device. A dense fp32 (codes x scale) @ H rounds at
@@ -116,7 +118,7 @@ def _unrotated(codes: torch.Tensor, group: int) -> torch.Tensor:
     flat = codes.reshape(r * k // group, group)
     # cuBLASLt's int8 GEMM wants more than 16 rows and dims divisible by 8 (the released group is 256).
     if codes.device.type == "cuda" and flat.shape[0] > 16 and group % 8 == 0:
-        sums = torch._int_mm(flat, h.t()).float()  # H is symmetric; the integer GEMM takes it column-major
+        sums = torch._int_mm(flat, h.t())  # int32; H is symmetric, the integer GEMM takes it column-major
     else:
         sums = flat.float() @ h.to(torch.float32)
     return sums.reshape(r, k)
