@@ -918,3 +918,17 @@ def test_the_encodes_declare_their_bound_one_vae_at_a_time(models, monkeypatch):
     assert [c["models"] for c in gpu.calls[1:]] == [["vae"], ["audio_vae"]]
     assert gpu.calls[1]["memory_required"] == largest + margin(gpu) == gpu.calls[1]["minimum_memory_required"]
     assert gpu.calls[2]["memory_required"] == vaes.audio_work(vae.audio).wanted + margin(gpu)
+
+
+def test_the_model_loader_keeps_a_quantized_file_in_its_stored_form(tmp_path):
+    """ComfyUI's share of the GPU gets stored bytes: the H3 Model Loader reads an int8_convrot file through the
+    engine's loader, whose quantized layers stay int8 codes (StoredLinear) until their GEMM."""
+    from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+    from h3_spark.kernels.stored_linear import StoredLinear
+    from h3_spark.nodes import engine
+
+    path = tmp_path / "tiny-int8.safetensors"
+    make_dit_checkpoint(path, TINY, "int8_convrot", "comfy", seed=3)
+    dit = engine.dit_of(engine.load_model(path, "t2va/fl2va", "float32", "auto", "sdpa"))
+    stored = [m for m in dit.transformer_blocks.modules() if isinstance(m, StoredLinear)]
+    assert len(stored) == 6 * TINY.num_layers and {m.weight.dtype for m in stored} == {torch.int8}
