@@ -15,7 +15,8 @@ under the real names and formats), read through the real reader and the engine's
   memory map), each block configured on the device, the budget's plan places the first blocks and streams the rest
   from page-locked host memory; forwards are timed and their velocities compared with the resident run's.
 - load: seconds and peak host memory of a stored load onto the GPU, nothing else.
-Every mode reports the process's peak host memory (VmHWM) and, inside a cgroup, the cgroup's limit and peak.
+Every mode reports the process's peak host memory (VmHWM) and, inside a cgroup, the cgroup's limit and peak
+(h3_model/engine/host_memory.py).
 """
 
 from __future__ import annotations
@@ -34,21 +35,10 @@ GB = 1e9
 
 
 def host_memory() -> dict:
-    """VmHWM / VmRSS of this process and, when it runs in a cgroup v2 with a limit, that cgroup's limit and peak."""
-    status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in open("/proc/self/status")
-              if line.startswith(("VmHWM", "VmRSS"))}
-    out = {"peak_rss_gb": round(status["VmHWM"] / GB, 2), "rss_gb": round(status["VmRSS"] / GB, 2), "cgroup": None}
-    try:
-        rel = Path("/proc/self/cgroup").read_text().strip().split("::")[-1]
-        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
-        limit = (base / "memory.max").read_text().strip()
-        if limit != "max":
-            peak = base / "memory.peak"
-            out["cgroup"] = {"path": rel, "limit_gb": round(int(limit) / GB, 2),
-                             "peak_gb": round(int(peak.read_text()) / GB, 2) if peak.exists() else None}
-    except (OSError, ValueError):
-        pass
-    return out
+    """The engine's own host-memory facts (VmRSS, VmHWM, the cgroup's limit and peak)."""
+    from h3_spark.h3_model.engine.host_memory import host_memory as facts
+
+    return facts()
 
 
 def main(argv=None) -> int:
