@@ -1,4 +1,5 @@
-"""`h3-spark inspect`: what a checkpoint holds, from its headers alone (seconds on a 60 GB file)."""
+"""`h3-spark inspect`: what a checkpoint holds, from its headers alone (seconds on a 60 GB file): safetensors
+files and folders, and GGUF files (their version, architecture and every tensor's GGML type and bytes)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from pathlib import Path
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help="report a checkpoint's layout, formats and completeness (headers only)",
-                       description="Read safetensors headers and metadata (never the weights) and report the "
-                                   "model, layout, per-layer quantization, packed vs logical shapes, scales, "
-                                   "dtype histogram, parameter count and what is missing or left over. "
+                       description="Read safetensors or GGUF headers and metadata (never the weights) and report "
+                                   "the model, layout, per-layer quantization (a GGUF's per-tensor GGML types and "
+                                   "bytes), packed vs logical shapes, scales, dtype histogram, parameter count and "
+                                   "what is missing or left over. "
                                    "Writes artifacts/checkpoints/<name>[.<partition>].inspect.json and prints a "
                                    "summary.")
-    p.add_argument("checkpoint", help=".safetensors file or diffusers folder")
+    p.add_argument("checkpoint", help=".safetensors or .gguf file, or diffusers folder")
     p.add_argument("--out", default=None, help="folder for the JSON report (default: artifacts/checkpoints)")
     p.add_argument("--partition", choices=["t2va", "fl2va", "ref2va"], default=None,
                    help="which DiT when the folder holds transformer/ and transformer_ref/ (also named in the "
@@ -29,7 +31,7 @@ def report_name(path: Path, partition: str | None = None) -> str:
     """The report's file name. A partition is part of it: one folder's t2va and ref2va DiTs are different
     checkpoints, and the second report must not replace the first."""
     name = path.name
-    for suffix in (".safetensors",):
+    for suffix in (".safetensors", ".gguf"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
     name = name or "checkpoint"

@@ -30,7 +30,7 @@ from . import stored_codec as codec
 
 # What `format` may be (checkpoint/quant.py's QuantSpec.format names) and the report label of each.
 LABELS = {"float8_e4m3fn": "fp8_scaled", "float8_e5m2": "fp8_e5m2_scaled", "int8_tensorwise": "int8",
-          "nvfp4": "nvfp4"}
+          "nvfp4": "nvfp4", "gguf": "gguf"}
 
 
 @dataclass
@@ -48,6 +48,9 @@ class StoredForm:
     # The stored rows are [a; b] and the model's [b; a] (ComfyUI's fc1 is [gate; value], ours [value; gate]):
     # the halves are swapped as they are dequantized, so the codes stay views of the file.
     swap_halves: bool = False
+    # format "gguf": the GGML block type's name ("Q4_K", "Q8_0", ...); "weight" is then the raw blocks, uint8
+    # [N, bytes per row] (kernels/gguf_codec.py).
+    gguf_type: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -83,7 +86,9 @@ def scratch_bytes(module: nn.Module) -> int:
         if isinstance(m, StoredLinear):
             n, k = m.shape
             size = torch.empty(0, dtype=m.out_dtype).element_size()
-            need = max(need, n * k * size + 2 * min(n, codec.CHUNK_ROWS) * k * 4)
+            # GGUF's lookup-table types (IQ4) hold ~9 bytes a value per chunk, the others at most 8.
+            temporaries = (3 if m.format == "gguf" else 2) * min(n, codec.CHUNK_ROWS) * k * 4
+            need = max(need, n * k * size + temporaries)
     return need
 
 
@@ -97,6 +102,9 @@ class StoredLinear(nn.Module):
         self.out_features, self.in_features = self.shape
         self.convrot_group = form.convrot_group
         self.swap_halves = form.swap_halves
+        self.gguf_type = form.gguf_type
+        if self.format == "gguf" and not self.gguf_type:
+            raise ValueError("a gguf StoredForm names its GGML block type (gguf_type)")
         if self.swap_halves and self.out_features % 2:
             raise ValueError(f"cannot swap the halves of {self.out_features} rows")
         self.out_dtype = out_dtype
@@ -108,6 +116,8 @@ class StoredLinear(nn.Module):
 
     @property
     def label(self) -> str:
+        if self.format == "gguf":
+            return f"gguf {self.gguf_type}"
         return "int8_convrot" if self.format == "int8_tensorwise" and self.convrot_group else LABELS[self.format]
 
     def extra_repr(self) -> str:
@@ -125,6 +135,11 @@ class StoredLinear(nn.Module):
 
     def _dequantize_rows(self, out: torch.Tensor, start: int, end: int) -> None:
         """Stored rows start:end into `out`."""
+        if self.format == "gguf":
+            from . import gguf_codec
+
+            gguf_codec.dequantize_into(out, self.weight[start:end], self.gguf_type)
+            return
         scale = self.weight_scale
         if self.format == "nvfp4" or scale.numel() > 1:
             scale = scale[start:end]
@@ -174,7 +189,7 @@ class StoredLinear(nn.Module):
         """What `kernels.dispatch` makes an FP8 or NVFP4 linear from: {"format": "fp8_scaled" | "nvfp4", ...} as a
         checkpoint stores it (NVFP4 block scales blocked again, rows padded to 16), or None for int8 and AWQ
         layers, whose codes no low-bit GEMM here takes (they are quantized from the dequantized weight)."""
-        if getattr(self, "pre_quant_scale", None) is not None or self.format == "int8_tensorwise":
+        if getattr(self, "pre_quant_scale", None) is not None or self.format in ("int8_tensorwise", "gguf"):
             return None
         if self.format in codec.FP8_FORMATS:
             codes = self.weight.view(torch.uint8)

@@ -44,16 +44,24 @@ def folder_paths():
     return module
 
 
+# What the loaders offer: safetensors, and GGUF files (the DiT and text encoder GGUFs people run on small cards).
+MODEL_SUFFIXES = (".safetensors", ".gguf")
+
+
 def model_choices(folder: str, *, folders: bool = False) -> list[str]:
     """Files ComfyUI lists for a model folder key, plus (if asked) sub-folders holding a diffusers component.
 
-    Called from INPUT_TYPES at run time; outside ComfyUI the list is empty rather than an error so the
-    node classes can still be introspected (tests, workflow validation).
+    The keys cover ComfyUI's older folder names too: "diffusion_models" is models/diffusion_models and
+    models/unet, "text_encoders" is models/text_encoders and models/clip. ComfyUI lists only its own model
+    extensions, which leave out .gguf (ComfyUI-GGUF registers separate keys for them), so .gguf files are
+    found under the same folders here. Called from INPUT_TYPES at run time; outside ComfyUI the list is empty
+    rather than an error so the node classes can still be introspected (tests, workflow validation).
     """
     module = optional_module("folder_paths")
     if module is None:
         return []
-    names = [n for n in module.get_filename_list(folder) if n.lower().endswith(".safetensors")]
+    names = [n for n in module.get_filename_list(folder) if n.lower().endswith(MODEL_SUFFIXES)]
+    names += _gguf_files(module, folder)
     if folders:
         offered = []
         for root in module.get_folder_paths(folder):
@@ -66,6 +74,16 @@ def model_choices(folder: str, *, folders: bool = False) -> list[str]:
                  if not any(n.replace("\\", "/").startswith(folder_name) for folder_name in offered)]
         names += offered
     return sorted(set(names))
+
+
+def _gguf_files(module, folder: str) -> list[str]:
+    """The .gguf files under a model folder key's folders, named as ComfyUI names files (relative, "/")."""
+    found = []
+    for root in module.get_folder_paths(folder):
+        base = Path(root)
+        if base.is_dir():
+            found += [p.relative_to(base).as_posix() for p in base.rglob("*.gguf") if p.is_file()]
+    return found
 
 
 def _holds_model(folder: Path) -> bool:

@@ -8,7 +8,7 @@ Entry points:
 - `StoredLinears`: a loaded model's FP8/NVFP4 codes as stored, for the low-bit linears.
 LoRA files are read and merged into a loaded DiT by `lora.py`; `make.py`, `released.py` and `synthetic.py`
 write random-weight checkpoints under the real names for tests, demos and benchmarks.
-safetensors only: pickle files are refused, data is memory-mapped.
+safetensors and GGUF only (gguf_source.py): pickle files are refused, data is memory-mapped.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 One reader covers every layout (diffusers folders and files, ComfyUI files with or without the
 `model.diffusion_model.` prefix, pruned curve-form files) and every stored format (bf16/fp16/fp32,
-fp8_scaled, NVFP4, int8 / int8_convrot). It works in two phases:
+fp8_scaled, NVFP4, int8 / int8_convrot, and GGUF files: ComfyUI's names, each tensor F32/F16/BF16 or GGML
+blocks, a layer's format being its weight's block type). It works in two phases:
 1. `plan()` from headers only: which diffusers tensor comes from which stored layer, with its
    logical shape, checked against the model the config describes. A wrong or incomplete file fails
    here, in a second, before any weight is read.
@@ -26,6 +27,8 @@ from ..dit.config import DiTConfig
 from . import keymap
 from .detect import Detected, detect
 from .dit_config import config_from_comfy, config_from_diffusers_shapes
+from .gguf_source import ARCHITECTURES, INTEGER, GgufSource, GgufSpec, codec_keeps, gguf_spec, readable
+from .gguf_source import dequantize as gguf_dequantize
 from ...kernels.stored_codec import plain_nvfp4_scales
 from ...kernels.stored_linear import StoredForm
 from .quant import (LEGACY_MARKER, STORED_PARTS, QuantSpec, check_stored, declare_layers, dequantize,
@@ -75,6 +78,11 @@ class DitReader:
             raise CheckpointError(f"unknown qkv_layout {qkv_layout!r}; choose 'stacked' or 'interleaved'")
         self.source = source
         self.qkv_layout = qkv_layout
+        self.gguf = isinstance(source, GgufSource)
+        if self.gguf and source.architecture not in (None, "minimax_h3"):
+            raise CheckpointError(f"{source.path}: general.architecture is {source.architecture!r}, a "
+                                  f"{ARCHITECTURES[source.architecture]} GGUF, not the DiT "
+                                  "(an H3 DiT GGUF declares minimax_h3 or nothing)")
         self.detected: Detected = detect(source.keys, str(source.path))
         if self.detected.model != "dit":
             what = {"video_vae": "video VAE", "audio_vae": "audio VAE", "text_encoder": "text encoder"}[self.detected.model]
@@ -140,12 +148,35 @@ class DitReader:
                 del self.weightless[name]
 
     def _declare_quant(self) -> None:
+        if self.gguf:
+            self._declare_gguf()
+            return
         marker = self.stored.get(LEGACY_MARKER)
         specs = declare_layers({l.name: l.keys for l in self.layers.values()}, self.source.read_small,
                                self.source.metadata, self.detected.prefix, marker,
                                self.source.entry(marker).numel if marker else 0, ignore=self._skipped_layer)
         for name, spec in specs.items():
             self.layers[name].spec = spec
+
+    def _declare_gguf(self) -> None:
+        """A GGUF layer's format is its weight's GGML type. GGUF has no scale tensors or markers: a layer that
+        carries some is a quantization outside GGUF's types (audio.cpp's experimental ConvRot dit_int8.gguf
+        stores int8 weights beside scales), which is refused rather than read as plain numbers."""
+        where, p = self.source.path, self.detected.prefix
+        for layer in self.layers.values():
+            extra = [n for n in self._stored_names(layer) if split_param(n)[1] not in ("weight", "bias")]
+            if extra:
+                raise CheckpointError(f"{where}: {p}{extra[0]} is not a GGUF DiT tensor: GGML blocks carry their own "
+                                      "scales (a quantization outside GGUF's types is not read)")
+        for key in [*self.stored.values()]:
+            entry = self.source.entry(key)
+            if entry.dtype in INTEGER:
+                raise CheckpointError(f"{where}: {key} is an {entry.dtype} tensor; an H3 DiT GGUF stores floats or "
+                                      "GGML blocks")
+        for layer in self.layers.values():
+            weight = self.source.entry(layer.keys["weight"])
+            if weight.quantized:
+                layer.spec = gguf_spec(weight)
 
     def _skipped_layer(self, name: str) -> bool:
         """Layers left out on purpose or reported by check(): their metadata entries are no error here."""
@@ -278,6 +309,18 @@ class DitReader:
         if mismatched:
             detail = "; ".join(f"{self.detected.prefix}{n}: {why}" for n, why in list(mismatched.items())[:3])
             raise CheckpointError(f"{where}: {len(mismatched)} NVFP4 layers do not fit the model: {detail}")
+        unreadable = self.gguf_unreadable()
+        if unreadable:
+            key, kind = next(iter(unreadable.items()))
+            raise CheckpointError(f"{where}: {len(unreadable)} tensors are stored in GGML types that neither "
+                                  f"h3-spark's codec nor the gguf package dequantizes, e.g. {key} ({kind})")
+
+    def gguf_unreadable(self) -> dict[str, str]:
+        """GGUF tensor -> its GGML type, for the tensors no dequantizer here reads (none outside GGUF)."""
+        if not self.gguf:
+            return {}
+        entries = (self.source.entry(k) for k in self.stored.values())
+        return {e.name: e.dtype for e in entries if e.quantized and not readable(e.dtype)}
 
     # ----------------------------------------------------------------- phase 2: tensors
     def _order(self) -> list[tuple[str, str]]:
@@ -295,7 +338,7 @@ class DitReader:
         device = torch.device(device)
         for kind, name in self._order():
             if kind == "single":
-                yield name, self.source.get(self.stored[name])
+                yield name, self._read(self.stored[name])
                 continue
             yield from self._layer_tensors(self.layers[name], dtype, device, stored)
 
@@ -304,13 +347,61 @@ class DitReader:
         outs = self._weight_outputs(layer, "weight")
         want = target_dtype(outs[0][0], self.config, dtype)
         if layer.spec is None:
-            yield from self._finish(layer, "weight", self.source.get(layer.keys["weight"]))
+            yield from self._finish(layer, "weight", self._read(layer.keys["weight"]))
+        elif isinstance(layer.spec, GgufSpec):
+            if stored and self.keeps_codes(layer):
+                yield from self._gguf_stored_forms(layer, device)
+            else:
+                entry = self.source.entry(layer.keys["weight"])
+                values = gguf_dequantize(entry, self.source.get(layer.keys["weight"]), want, device)
+                yield from self._finish(layer, "weight", values)
         elif stored:
             yield from self._stored_forms(layer, device)
         else:
             yield from self._finish(layer, "weight", self._dequantized(layer, want, device))
         if "bias" in layer.keys:
-            yield from self._finish(layer, "bias", self.source.get(layer.keys["bias"]))
+            yield from self._finish(layer, "bias", self._read(layer.keys["bias"]))
+
+    def _read(self, key: str) -> torch.Tensor:
+        """A tensor the model takes as values: as stored, or (a GGUF tensor in GGML blocks: a quantized norm, bias or
+        table) dequantized to fp32 on the CPU; the model casts it to its parameter's dtype."""
+        if self.gguf:
+            entry = self.source.entry(key)
+            if entry.quantized:
+                return gguf_dequantize(entry, self.source.get(key), torch.float32, "cpu")
+        return self.source.get(key)
+
+    def keeps_codes(self, layer: Layer) -> bool:
+        """Whether `tensors(stored=True)` hands this quantized layer over as its stored codes. A GGUF layer does when
+        it is a 2-D linear weight whose rows are the model's (not ComfyUI-GGUF's reshaped form) in a type the codec
+        dequantizes at use; the others are dequantized at load (`gguf_dequantized_at_load`)."""
+        if layer.spec is None:
+            return False
+        if not isinstance(layer.spec, GgufSpec):
+            return True
+        entry = self.source.entry(layer.keys["weight"])
+        return len(entry.shape) == 2 and not entry.reshaped and codec_keeps(entry.gguf_type)
+
+    def gguf_dequantized_at_load(self) -> list[str]:
+        """The GGUF layers in GGML blocks that a stored load still dequantizes at load (see keeps_codes)."""
+        return [l.name for l in self.layers.values() if isinstance(l.spec, GgufSpec) and not self.keeps_codes(l)]
+
+    def _gguf_stored_forms(self, layer: Layer, device: torch.device) -> Iterator[tuple[str, StoredForm]]:
+        """A GGML-block layer as StoredForms of its raw rows, uint8 [N, row_bytes]. A row's blocks are one byte range,
+        so q, k and v of the fused (stacked) QKV are row ranges, views of the file; fc1's halves are swapped at use."""
+        entry = self.source.entry(layer.keys["weight"])
+        rows, cols = entry.shape
+        raw = self.source.get(layer.keys["weight"]).to(device)
+        outs = self._weight_outputs(layer, "weight")
+        if len(outs) == 3:
+            c = self.config
+            parts = keymap.split_qkv(raw, c.num_attention_heads, c.attention_head_dim, self.qkv_layout)
+            for (name, _), part in zip(outs, parts):
+                yield name, StoredForm("gguf", (rows // 3, cols), {"weight": part}, gguf_type=entry.gguf_type)
+            return
+        swap = self.detected.names == "original" and layer.target.endswith(".ff.net.0.proj")
+        yield outs[0][0], StoredForm("gguf", (rows, cols), {"weight": raw}, swap_halves=swap,
+                                     gguf_type=entry.gguf_type)
 
     def _stored_forms(self, layer: Layer, device: torch.device) -> Iterator[tuple[str, StoredForm]]:
         """A quantized layer's stored tensors, checked, cut to each model linear it holds (q, k, v of the fused
@@ -445,12 +536,12 @@ class DitReader:
         total, largest = 0, 0
         for out in self.plan():
             layer = self.layers.get(out.layer)
-            if layer is not None and layer.spec is not None and out.name.endswith(".weight"):
+            if layer is not None and self.keeps_codes(layer) and out.name.endswith(".weight"):
                 largest = max(largest, math.prod(out.shape) * size[target_dtype(out.name, self.config, dtype)])
                 continue
             total += math.prod(out.shape) * size[target_dtype(out.name, self.config, dtype)]
         for layer in self.layers.values():
-            if layer.spec is not None:
+            if self.keeps_codes(layer):
                 total += sum(self.source.entry(layer.keys[s]).nbytes for s in STORED_PARTS if s in layer.keys)
         return total + largest
 

@@ -2,6 +2,8 @@
 
 Reads safetensors headers and metadata only; the only tensor bytes touched are `.comfy_quant`
 markers, scalar scales and the 16-value RoPE buffer, so it takes a second on a 60 GB file.
+A GGUF file reports the same, plus its version, `general.architecture` and every tensor's GGML type,
+shape and bytes (a layer's format is its weight's type; a llama.cpp text encoder's names are mapped first).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 
 from .detect import Detected, detect
 from .dit_reader import DitReader
+from .gguf_source import GgufSource, GgufSpec, gguf_module, gguf_spec, readable, text_encoder_names
 from .quant import LEGACY_MARKER, QUANT_SUFFIXES, QuantSpec, declare_layers, split_param
 from .safetensors_header import DTYPES
 from .source import CheckpointSource, open_source
@@ -24,10 +27,17 @@ _META_PREVIEW = 300
 def inspect_checkpoint(path: str | Path, *, partition: str | None = None, qkv_layout: str = "auto") -> dict:
     source = open_source(path, partition=partition)
     try:
-        detected = detect(source.keys, str(source.path))
+        gguf = isinstance(source, GgufSource)
+        # A llama.cpp text GGUF's `blk.N.*` names, in ComfyUI's naming (the identity for every other file).
+        names = text_encoder_names(source.keys) if gguf else {k: k for k in source.keys}
+        detected = detect(list(names), str(source.path))
         report = _common(source, detected)
+        if gguf:
+            report["gguf"] = _gguf_facts(source)
         if detected.model == "dit":
             report.update(_dit(source, detected, qkv_layout))
+        elif gguf:
+            report.update(_gguf_text_encoder(source, detected, names))
         else:
             report.update(_other(source, detected))
         return report
@@ -115,6 +125,35 @@ def _plain_format(dtype: str) -> str:
             "F8_E5M2": "fp8_e5m2 (unscaled)"}.get(dtype, dtype.lower())
 
 
+def _gguf_facts(source: GgufSource) -> dict:
+    h = source.header
+    tensors = {}
+    for name in source.file_order():
+        e = source.entry(name)
+        info = {"type": e.dtype, "shape": list(e.shape), "bytes": e.nbytes}
+        if e.reshaped:
+            info["stored_shape"] = list(e.stored_shape)  # ComfyUI-GGUF's comfy.gguf.orig_shape form
+        tensors[name] = info
+    return {"version": h.version, "alignment": h.alignment,
+            "architecture": h.architecture or "(not declared)", "tensor_types": source.type_counts(),
+            "tensors": tensors}
+
+
+def _gguf_layer(entry, spec: GgufSpec, kept: bool | None) -> dict:
+    """A layer stored in GGML blocks: its type, geometry and what a stored load makes of it."""
+    gguf = gguf_module()
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[entry.dtype]]
+    info = {"format": spec.label, "declared_by": spec.source, "logical_shape": list(entry.shape),
+            "stored": {"type": entry.dtype, "bytes": entry.nbytes, "row_bytes": entry.row_bytes,
+                       "block": {"values": block, "bytes": size}},
+            "bits_per_weight": round(8 * entry.nbytes / max(entry.numel, 1), 4)}
+    if entry.reshaped:
+        info["stored"]["shape"] = list(entry.stored_shape)
+    if kept is not None:
+        info["loaded_as"] = "GGML blocks, dequantized at use (StoredLinear)" if kept else "dequantized at load"
+    return info
+
+
 # ------------------------------------------------------------------------------- DiT
 def _dit(source: CheckpointSource, detected: Detected, qkv_layout: str) -> dict:
     from . import resolve_qkv_layout
@@ -126,7 +165,9 @@ def _dit(source: CheckpointSource, detected: Detected, qkv_layout: str) -> dict:
     specs = reader.quantized_layers()
     mismatched = reader.nvfp4_mismatches()
     for layer in reader.layers.values():
-        if layer.spec is not None:
+        if isinstance(layer.spec, GgufSpec):
+            info = _gguf_layer(source.entry(layer.keys["weight"]), layer.spec, reader.keeps_codes(layer))
+        elif layer.spec is not None:
             logical = tuple(reader.logical_shape(layer, "weight"))
             info = _quant_layer(source, layer.name, layer.keys, layer.spec, logical)
             if layer.spec.format == "nvfp4":
@@ -141,6 +182,8 @@ def _dit(source: CheckpointSource, detected: Detected, qkv_layout: str) -> dict:
     plan = reader.plan()
     out = {
         "config": c.to_dict(),
+        # FastVideo's distilled students carry a VSA gate per block (the fasth3 recipe runs them).
+        "fasth3": bool(c.gate_compress),
         "qkv_layout_assumed": qkv_layout if detected.names == "original" else None,
         "curve_form": c.curve_form,
         "logical_parameters": sum(math.prod(o.shape) for o in plan),
@@ -157,12 +200,17 @@ def _dit(source: CheckpointSource, detected: Detected, qkv_layout: str) -> dict:
         "dropped": sorted(reader.dropped),
         "other_components": len(reader.other_components),
     }
+    unreadable = reader.gguf_unreadable()
+    if reader.gguf:
+        out["gguf_dequantized_at_load"] = reader.gguf_dequantized_at_load()
+        out["gguf_unreadable"] = unreadable
     if c.curve_form:
         e = source.entry(reader.stored["adaln_t_table"])
         out["curve_table"] = {"shape": list(e.shape), "dtype": e.dtype,
                               "interpolation": "pos = clamp(t, 0, 1) * (grid - 1); linear between rows "
                                                "floor(pos) (at most grid - 2) and the next"}
-    out["complete"] = not (missing or unexpected or bad or reader.unmapped or reader.weightless or mismatched)
+    out["complete"] = not (missing or unexpected or bad or reader.unmapped or reader.weightless or mismatched
+                           or unreadable)
     return out
 
 
@@ -215,6 +263,42 @@ def _other(source: CheckpointSource, detected: Detected) -> dict:
         "structure": facts,
         "other_components": len(source.keys) - len(own),
         "complete": not missing,
+    }
+
+
+def _gguf_text_encoder(source: GgufSource, detected: Detected, names: dict[str, str]) -> dict:
+    """A GGUF Qwen3-VL: layers and formats from the tensor types, completeness under ComfyUI's names."""
+    p = detected.prefix
+    own = {n[len(p):]: k for n, k in names.items() if n.startswith(p)}
+    layers, _ = _group_layers(list(own))
+    quant_layers, unreadable = {}, {}
+    for layer, keys in layers.items():
+        entry = source.entry(own[keys["weight"]]) if "weight" in keys else None
+        if entry is not None and entry.quantized:
+            quant_layers[layer] = _gguf_layer(entry, gguf_spec(entry), None)
+            if not readable(entry.dtype):
+                unreadable[entry.name] = entry.dtype
+    missing, facts = _text_encoder_missing(set(own))
+    vision = facts["vision_tensors"] > 0
+    facts["vision_tower"] = vision
+    if not vision:
+        facts["vision_note"] = ("no vision tower (llama.cpp keeps it in a separate mmproj file): T2VA prompts "
+                                "encode, Ref2VA image / video references and FL2VA keyframes do not")
+    if any(k != n for n, k in names.items()):
+        facts["names"] = "llama.cpp (blk.N.*), read as ComfyUI's model.layers.N.*"
+    counts: dict[str, int] = {}
+    for info in quant_layers.values():
+        counts[info["format"]] = counts.get(info["format"], 0) + 1
+    return {
+        "logical_parameters": sum(source.entry(k).numel for k in own.values()),
+        "quantization": {"formats": dict(sorted(counts.items())), "unquantized_layers": len(layers) - len(quant_layers),
+                         "declared_by": ["gguf tensor type"] if quant_layers else []},
+        "layers": quant_layers,
+        "missing": missing,
+        "gguf_unreadable": unreadable,
+        "structure": facts,
+        "other_components": len(source.keys) - len(own),
+        "complete": not missing and not unreadable,
     }
 
 
@@ -317,7 +401,19 @@ def summary_lines(report: dict) -> list[str]:
         if report["curve_form"]:
             shape += f", curve AdaLN table {report['curve_table']['shape']}"
         lines.append(shape)
+    if report["model"] == "dit" and report.get("fasth3"):
+        lines.append("  FastH3 (distilled, VSA gates in every block): run it with --recipe fasth3")
     lines.append(f"  logical parameters {report['logical_parameters']:,}")
+    if "gguf" in report:
+        g = report["gguf"]
+        lines.append(f"  GGUF v{g['version']}, general.architecture {g['architecture']}, alignment {g['alignment']}")
+        note = (report.get("structure") or {}).get("vision_note")
+        if note:
+            lines.append(f"  {note}")
+        later = report.get("gguf_dequantized_at_load") or []
+        if later:
+            lines.append(f"  {len(later)} GGML-block layers dequantized at load (not a linear, ComfyUI-GGUF's "
+                         f"reshaped rows, or a type the codec does not keep), e.g. {later[0]}")
     hist = ", ".join(f"{k} {v['tensors']}" for k, v in report["dtype_histogram"].items())
     lines.append(f"  dtypes: {hist}")
     q = report["quantization"]
@@ -328,8 +424,8 @@ def summary_lines(report: dict) -> list[str]:
     else:
         lines.append("  no quantized layers")
     problems = []
-    for key in ("missing", "unexpected", "unmapped", "weight_missing"):
-        items = report.get(key) or []
+    for key in ("missing", "unexpected", "unmapped", "weight_missing", "gguf_unreadable"):
+        items = list(report.get(key) or [])  # gguf_unreadable maps names to types
         if items:
             problems.append(f"{len(items)} {key.replace('_', ' ')} (e.g. {', '.join(items[:3])})")
     if report.get("wrong_shapes"):

@@ -2,6 +2,8 @@
 
 The weights are those of `synthetic.random_state(config, seed)`; the pruned layout stores the
 curve fit of that same model (pruned.py), so the files one seed makes all describe one model.
+Formats: the safetensors ones (comfy_layout.FORMATS) and `gguf:<TYPE>`, a `.gguf` file of ComfyUI's
+layout and names as the published GGUFs hold them (gguf_writer.py: the bf16 file's tensors, converted).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ...errors import InputError
 from ..dit.config import DiTConfig
 from .comfy_layout import FORMATS, comfy_groups, comfy_metadata, diffusers_config_json, diffusers_groups
 from .dit_reader import expected_shapes
+from .gguf_writer import GGUF_PREFIX, gguf_type_of, write_gguf
 from .pruned import CurveFit, fit_curve
 from .synthetic import random_param
 from .writer import write_groups
@@ -53,6 +56,8 @@ def make_dit_checkpoint(out: str | Path, config: DiTConfig, fmt: str, layout: st
 
     `device` draws and quantizes each tensor there (a GPU makes a full-size file in minutes rather than an
     hour); only the finished tensor goes to the host, one at a time. The random stream is the device's."""
+    if fmt.startswith(GGUF_PREFIX):
+        return _make_gguf(Path(out), config, fmt, layout, seed, quantize_refiner, curve, progress, device)
     if fmt not in FORMATS:
         raise InputError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if layout not in LAYOUTS:
@@ -100,4 +105,34 @@ def make_dit_checkpoint(out: str | Path, config: DiTConfig, fmt: str, layout: st
         info["curve_residual"] = f"{fit.residual:.3e}"
     groups = comfy_groups(stored, get, fmt, fit=fit, quantize_refiner=quantize_refiner)
     size = write_groups(out, groups, comfy_metadata(stored, {"h3_spark": json.dumps(info)}), progress)
+    return MadeCheckpoint(out, stored, size, None if fit is None else fit.residual)
+
+
+def _make_gguf(out: Path, config: DiTConfig, fmt: str, layout: str, seed: int, quantize_refiner: bool,
+               curve: tuple[int, int] | None, progress, device: str) -> MadeCheckpoint:
+    """A GGUF DiT: ComfyUI's single-file layout (full or pruned), every tensor converted from the bf16 file's."""
+    gguf_type = gguf_type_of(fmt)
+    if layout not in ("comfy", "comfy-pruned"):
+        raise InputError(f"a GGUF DiT is a conversion of ComfyUI's single file: --layout comfy or comfy-pruned, "
+                         f"not {layout}")
+    if quantize_refiner:
+        raise InputError("--quantize-refiner applies to the comfy_quant formats; a GGUF stores every 2-D weight "
+                         "whose rows its blocks fit, the refiner's included")
+    if config.curve_form:
+        raise InputError("make-checkpoint starts from a full-AdaLN config; ask for --layout comfy-pruned instead")
+    if out.suffix.lower() != ".gguf":
+        raise InputError(f"{out}: a GGUF DiT is one file; give a path ending in .gguf")
+    shapes = expected_shapes(config)
+
+    def get(name: str) -> torch.Tensor:
+        return random_param(name, shapes[name], seed, device)
+
+    fit, stored = None, config
+    info = {"maker": "h3-spark make-checkpoint", "seed": str(seed), "format": fmt, "layout": layout}
+    if layout == "comfy-pruned":
+        grid, rank = curve
+        fit = curve_fit_for(config, seed, grid, rank, device)
+        stored = pruned_config(config, grid, rank)
+        info["curve_residual"] = f"{fit.residual:.3e}"
+    size = write_gguf(out, comfy_groups(stored, get, "bf16", fit=fit), gguf_type, info, progress)
     return MadeCheckpoint(out, stored, size, None if fit is None else fit.residual)

@@ -10,6 +10,7 @@ in RAM. Accepted paths:
   listed in `model.safetensors.index.json`;
 - the parent of those folders, with `partition` choosing `transformer/` (t2va, fl2va) or
   `transformer_ref/` (ref2va).
+A `.gguf` file opens as a `GgufSource` (gguf_source.py), which answers the same questions.
 Pickle checkpoints (.bin, .pt, .ckpt) are refused: loading them can run code.
 """
 
@@ -17,13 +18,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from safetensors import SafetensorError
 
 from ...errors import CheckpointError, InputError
 from .safetensors_header import Header, TensorEntry, read_header, read_small
+
+if TYPE_CHECKING:
+    from .gguf_source import GgufSource
 
 PARTITION_FOLDERS = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
 # MiniMaxAI's per-mode folders: FL2VA/transformer runs t2va and fl2va, Ref2VA/transformer runs ref2va.
@@ -211,11 +215,16 @@ def _sibling_config(path: Path) -> Path | None:
     return config if config.is_file() else None
 
 
-def open_source(path: str | Path, *, partition: str | None = None) -> CheckpointSource:
-    """Open a checkpoint file or folder (headers only; tensor data is read lazily)."""
+def open_source(path: str | Path, *, partition: str | None = None) -> "CheckpointSource | GgufSource":
+    """Open a checkpoint file or folder (headers only; tensor data is read lazily). A GGUF file holds one DiT
+    partition or one text encoder, so `partition` does not apply to it (as to any single file)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from .gguf_source import GgufSource
+
+        return GgufSource(path)
     if path.is_file():
         if path.suffix.lower() in _PICKLE_SUFFIXES:
             raise CheckpointError(f"{path}: pickle checkpoints are not loaded (they can run code); "

@@ -12,6 +12,11 @@ mode folders are the same models, so they are loaded once (from the first mode f
 folder can also be given on its own: its model_index.json (`_minimax_h3.partition`) says which DiT it holds.
 Older revisions put everything at the root: transformer/, transformer_ref/, text_encoder/, tokenizer/, vae/,
 audio_vae/. A component given on its own (--dit, --vae, ...) always wins over the folder.
+
+GGUF: a DiT or text encoder may be a `.gguf` file, given on its own (--dit, --dit-ref, --text-encoder) or as the
+one `.gguf` file in the component's folder (`FL2VA/transformer/minimax_h3_fl2va_pruned-Q4_K.gguf`), which then
+stands for the folder; llama.cpp's `mmproj*.gguf` beside a text encoder is not the text encoder. A GGUF holds one
+DiT partition, named by its file (fl2va / ref2va, as the published files are).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ OLD_FOLDERS = {"dit": "transformer", "dit_ref": "transformer_ref", "text_encoder
 # the tokenizer and the image / video processor configs the Qwen3-VL processor needs.
 MODE_SUBFOLDERS = {"dit": "transformer", "dit_ref": "transformer", "text_encoder": "text_encoder",
                    "tokenizer": "processor", "vae": "video_vae", "audio_vae": "audio_vae"}
+# The components a GGUF file can hold.
+GGUF_COMPONENTS = ("dit", "dit_ref", "text_encoder")
 
 
 @dataclass
@@ -82,7 +89,7 @@ class ComponentPaths:
         modes = self.mode_folders()
         if not modes:
             candidate = Path(self.models) / OLD_FOLDERS[name]
-            return candidate if candidate.exists() else None
+            return _gguf_in(candidate, name) if candidate.exists() else None
         if name in DIT_PARTITIONS:
             folders = [modes[DIT_PARTITIONS[name]]] if DIT_PARTITIONS[name] in modes else []
         else:
@@ -90,7 +97,7 @@ class ComponentPaths:
         for folder in folders:
             candidate = folder / MODE_SUBFOLDERS[name]
             if candidate.exists():
-                return candidate
+                return _gguf_in(candidate, name)
         return None
 
     def folder_hint(self, name: str) -> str:
@@ -98,3 +105,17 @@ class ComponentPaths:
         if self.layout() == "per-mode" and name in DIT_PARTITIONS:
             return f"{MODE_FOLDERS[DIT_PARTITIONS[name]]}/transformer/"
         return f"{OLD_FOLDERS[name]}/"
+
+
+def _gguf_in(folder: Path, name: str) -> Path:
+    """The component's folder, or the one GGUF file that folder holds in place of safetensors weights."""
+    if name not in GGUF_COMPONENTS or not folder.is_dir():
+        return folder
+    if any(folder.glob("*.safetensors")) or any(folder.glob("*.safetensors.index.json")):
+        return folder
+    found = sorted(p for p in folder.glob("*.gguf") if p.is_file() and "mmproj" not in p.name.lower())
+    if len(found) > 1:
+        flag = "--" + name.replace("_", "-")
+        raise InputError(f"{folder}: holds {len(found)} GGUF files ({', '.join(p.name for p in found[:3])}); "
+                         f"choose one with {flag}")
+    return found[0] if found else folder

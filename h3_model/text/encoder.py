@@ -13,7 +13,12 @@ The model, tokenizer and processor are transformers' Qwen3-VL classes (`Qwen3VLM
 - a diffusers MiniMax-H3 folder (`text_encoder/`, `tokenizer/`, `processor/`);
 - a ComfyUI single file (bf16, or fp8_scaled / int8_convrot / NVFP4 (+ AWQ) layers: dequantized at load, or
   kept as stored with `stored=True`, StoredLinear dequantizing them at use to the same bits),
-  with `tokenizer=` naming a folder that holds the tokenizer and processor files.
+  with `tokenizer=` naming a folder that holds the tokenizer and processor files;
+- a GGUF file, read the same way (each tensor F32/F16/BF16 or GGML blocks: a block linear kept as its blocks
+  with `stored=True`), in ComfyUI's names or in llama.cpp's Qwen3-VL names (`blk.N.attn_q.weight`, ...:
+  checkpoint/gguf_source.py maps them). llama.cpp keeps the vision tower in a separate mmproj file, so
+  such a GGUF holds the language model only: it loads without the tower (`vision_tower` False) and encodes
+  text presentations (T2VA, Ref2VA with audio references only); one with images or videos raises.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from ...kernels.stored_codec import plain_nvfp4_scales
 from ...kernels.stored_linear import StoredForm, StoredLinear
 from ..checkpoint.quant import (LEGACY_MARKER, QUANT_SUFFIXES, STORED_PARTS, QuantSpec, check_stored, decode_marker,
                                 dequantize, fold_pre_quant_scale, metadata_layers, parse_layer_conf, split_param)
+from ..checkpoint.gguf_source import ARCHITECTURES, INTEGER, GgufSource, GgufSpec, codec_keeps, gguf_spec
+from ..checkpoint.gguf_source import dequantize as gguf_dequantize
+from ..checkpoint.gguf_source import text_encoder_names
 from ..checkpoint.source import CheckpointSource, open_source
 from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, Presentation, PresentationBuilder
 
@@ -267,13 +275,20 @@ class _SingleFile:
 
     def __init__(self, path: Path, layer: int):
         self.path = path
-        self.source: CheckpointSource = open_source(path)
-        found = detect(self.source.keys, str(path))
+        self.source: CheckpointSource | GgufSource = open_source(path)
+        self.gguf = isinstance(self.source, GgufSource)
+        arch = self.source.architecture if self.gguf else None
+        if arch not in (None, "qwen3vl"):
+            raise CheckpointError(f"{path}: general.architecture is {arch!r}, a {ARCHITECTURES[arch]} GGUF, not the "
+                                  "Qwen3-VL text encoder (which declares qwen3vl or nothing)")
+        # ComfyUI-style name -> the file's name: a llama.cpp GGUF's `blk.N.*` names are mapped here.
+        names = text_encoder_names(self.source.keys)
+        found = detect(list(names), str(path))
         if found.model != "text_encoder":
             raise CheckpointError(f"{path}: is a {found.model.replace('_', ' ')} checkpoint, not the Qwen3-VL "
                                   "text encoder")
         self.prefix = found.prefix
-        self.stored = {k[len(self.prefix):]: k for k in self.source.keys if k.startswith(self.prefix)}
+        self.stored = {n[len(self.prefix):]: k for n, k in names.items() if n.startswith(self.prefix)}
         self.num_layers = len({int(m.group(1)) for k in self.stored
                                if (m := _LM_LAYER.match(_target_name(k, 1 << 30) or ""))})
         self.layers = self._group(layer)
@@ -299,8 +314,16 @@ class _SingleFile:
                                   f"e.g. {', '.join(sorted(unmapped)[:3])}")
         return layers
 
+    @property
+    def has_vision(self) -> bool:
+        return any(layer.target.startswith("visual.") for layer in self.layers.values())
+
     def _declare_quant(self) -> None:
-        """Each layer's format from its `.comfy_quant` marker, header metadata or the legacy fp8 form."""
+        """Each layer's format from its `.comfy_quant` marker, header metadata or the legacy fp8 form; in a GGUF,
+        from its weight's GGML type."""
+        if self.gguf:
+            self._declare_gguf()
+            return
         declared = {}
         for name, conf in (metadata_layers(self.source.metadata) or {}).items():
             stored = name[len(self.prefix):] if name.startswith(self.prefix) else name
@@ -313,6 +336,24 @@ class _SingleFile:
                 raise CheckpointError(f"{self.path}: {stored} is declared {layer.spec.label} but has no weight")
             if "weight" not in layer.keys and "bias" not in layer.keys:
                 raise CheckpointError(f"{self.path}: {stored} has {', '.join(sorted(layer.keys))} but no weight")
+
+    def _declare_gguf(self) -> None:
+        """GGML blocks carry their own scales: a GGUF layer with scale tensors or markers, or an integer tensor, is
+        a quantization outside GGUF's types and is refused rather than read as plain numbers."""
+        for stored, layer in self.layers.items():
+            extra = sorted(s for s in layer.keys if s not in ("weight", "bias"))
+            if extra:
+                raise CheckpointError(f"{self.path}: {layer.keys[extra[0]]} is not a GGUF text encoder tensor: GGML "
+                                      "blocks carry their own scales")
+            for key in layer.keys.values():
+                if self.source.entry(key).dtype in INTEGER:
+                    raise CheckpointError(f"{self.path}: {key} is an {self.source.entry(key).dtype} tensor; a GGUF "
+                                          "text encoder stores floats or GGML blocks")
+            if "weight" not in layer.keys:
+                raise CheckpointError(f"{self.path}: {stored} has {', '.join(sorted(layer.keys))} but no weight")
+            weight = self.source.entry(layer.keys["weight"])
+            if weight.quantized:
+                layer.spec = gguf_spec(weight)
 
     def _spec(self, stored: str, layer: _Layer, declared: QuantSpec | None, legacy: bool) -> QuantSpec | None:
         spec = declared
@@ -345,7 +386,10 @@ class _SingleFile:
         for name, (stored, layer) in planned.items():
             suffix = name.rpartition(".")[2]
             got = tuple(self.source.entry(layer.keys[suffix]).shape)
-            if (layer.spec is None or suffix == "bias") and got != shapes[name]:
+            # A GGUF entry's shape is the logical one even for GGML blocks; other quantized weights are checked
+            # against their format when read.
+            logical = layer.spec is None or suffix == "bias" or isinstance(layer.spec, GgufSpec)
+            if logical and got != shapes[name]:
                 raise CheckpointError(f"{self.path}: {stored}.{suffix} is {list(got)}, the model needs "
                                       f"{list(shapes[name])}")
 
@@ -370,20 +414,39 @@ class _SingleFile:
         for stored, layer in ordered:
             # Only linears compute from a StoredLinear; a quantized embedding (the NVFP4-AWQ file's int8
             # embed_tokens) is dequantized at load, as before.
-            if "weight" in layer.keys and keep_stored and layer.spec is not None and self._is_linear(layer, shapes):
+            if "weight" in layer.keys and keep_stored and self._keeps_codes(layer, shapes):
                 yield f"{layer.target}.weight", self._stored_form(stored, layer, shapes, device)
             elif "weight" in layer.keys:
                 yield f"{layer.target}.weight", self._weight(stored, layer, shapes, dtype, device)
             if "bias" in layer.keys:
-                yield f"{layer.target}.bias", self.source.get(layer.keys["bias"]).to(device, dtype)
+                yield f"{layer.target}.bias", self._read(layer.keys["bias"]).to(device, dtype)
+
+    def _keeps_codes(self, layer: _Layer, shapes: dict[str, tuple[int, ...]]) -> bool:
+        """A quantized linear kept as stored: a GGUF one in a type the codec dequantizes at use, rows as the model's."""
+        if layer.spec is None or not self._is_linear(layer, shapes):
+            return False
+        if not isinstance(layer.spec, GgufSpec):
+            return True
+        entry = self.source.entry(layer.keys["weight"])
+        return not entry.reshaped and codec_keeps(entry.gguf_type)
+
+    def _read(self, key: str) -> torch.Tensor:
+        """A tensor as values: as stored, or (a GGUF tensor in GGML blocks) dequantized to fp32 on the CPU."""
+        entry = self.source.entry(key)
+        if self.gguf and entry.quantized:
+            return gguf_dequantize(entry, self.source.get(key), torch.float32, "cpu")
+        return self.source.get(key)
 
     def _weight(self, stored: str, layer: _Layer, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
         if layer.spec is None:
-            return self.source.get(layer.keys["weight"]).to(device, dtype)
+            return self._read(layer.keys["weight"]).to(device, dtype)
         shape = shapes.get(f"{layer.target}.weight")
         if shape is None:
             raise CheckpointError(f"{self.path}: {stored} is not a layer of this Qwen3-VL")
+        if isinstance(layer.spec, GgufSpec):
+            entry = self.source.entry(layer.keys["weight"])
+            return gguf_dequantize(entry, self.source.get(layer.keys["weight"]), dtype, device)
         # Dequantize where the weight will live: NVFP4 unpacking of a 32B model is slow on a CPU.
         parts = {s: self.source.get(k).to(device) for s, k in layer.keys.items() if s not in ("comfy_quant", "bias")}
         weight = dequantize(layer.spec, parts, shape, dtype, stored)
@@ -402,6 +465,10 @@ class _SingleFile:
         shape = shapes.get(f"{layer.target}.weight")
         if shape is None:
             raise CheckpointError(f"{self.path}: {stored} is not a layer of this Qwen3-VL")
+        if isinstance(layer.spec, GgufSpec):
+            # The raw blocks, uint8 [N, row_bytes], a view of the file on the CPU.
+            raw = self.source.get(layer.keys["weight"]).to(device)
+            return StoredForm("gguf", shape, {"weight": raw}, gguf_type=layer.spec.gguf_type)
         parts = {s: self.source.get(k).to(device) for s, k in layer.keys.items() if s in STORED_PARTS}
         try:
             check_stored(layer.spec, parts, shape, stored)
@@ -422,33 +489,59 @@ def _config_from_shapes(tf, weights: _SingleFile, tokenizer):
                                   "(put the model's config.json in the tokenizer folder)")
         return shape
 
+    rope, eps = _gguf_rope(weights)
     head_dim = need("language_model.layers.0.self_attn.q_norm.weight")[0]
-    if sum(QWEN3VL_ROPE["mrope_section"]) * 2 != head_dim:
+    if sum(rope["mrope_section"]) * 2 != head_dim:
         raise CheckpointError(f"{weights.path}: head size {head_dim} is not Qwen3-VL's 128; put the model's "
                               "config.json in the tokenizer folder")
-    deepstack = weights.count(r"^visual\.deepstack_merger_list\.(\d+)\.")
-    if deepstack != len(QWEN3VL_DEEPSTACK):
-        raise CheckpointError(f"{weights.path}: {deepstack} DeepStack mergers, not Qwen3-VL's "
-                              f"{len(QWEN3VL_DEEPSTACK)}; put the model's config.json in the tokenizer folder")
-    vision_hidden = need("visual.blocks.0.norm1.weight")[0]
-    patch = need("visual.patch_embed.proj.weight")
     text = dict(vocab_size=need("language_model.embed_tokens.weight")[0],
                 hidden_size=need("language_model.layers.0.input_layernorm.weight")[0],
                 intermediate_size=need("language_model.layers.0.mlp.up_proj.weight")[0],
                 num_hidden_layers=weights.num_layers, head_dim=head_dim,
                 num_attention_heads=need("language_model.layers.0.self_attn.q_proj.weight")[0] // head_dim,
                 num_key_value_heads=need("language_model.layers.0.self_attn.k_proj.weight")[0] // head_dim,
-                rms_norm_eps=1e-6, rope_parameters=dict(QWEN3VL_ROPE))
-    vision = dict(depth=weights.count(r"^visual\.blocks\.(\d+)\."), hidden_size=vision_hidden,
-                  intermediate_size=need("visual.blocks.0.mlp.linear_fc1.weight")[0],
-                  num_heads=QWEN3VL_VISION_HEADS, patch_size=patch[-1], temporal_patch_size=patch[2],
-                  spatial_merge_size=int(round((need("visual.merger.linear_fc1.weight")[1] / vision_hidden) ** 0.5)),
-                  out_hidden_size=need("visual.merger.linear_fc2.weight")[0],
-                  num_position_embeddings=need("visual.pos_embed.weight")[0],
-                  deepstack_visual_indexes=list(QWEN3VL_DEEPSTACK))
+                rms_norm_eps=eps, rope_parameters=rope)
+    # A file without the tower (llama.cpp's text GGUF) gets a placeholder tower config; the loader puts an
+    # _AbsentVisionTower in its place.
+    has_tower = bool(weights.count(r"^visual\.blocks\.(\d+)\."))
+    vision = _vision_from_shapes(weights, need) if has_tower else \
+        dict(out_hidden_size=text["hidden_size"], deepstack_visual_indexes=list(QWEN3VL_DEEPSTACK))
     ids = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END])
     return tf.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids[0], video_token_id=ids[1],
                             vision_start_token_id=ids[2], vision_end_token_id=ids[3])
+
+
+def _gguf_rope(weights: _SingleFile) -> tuple[dict, float]:
+    """RoPE parameters and the RMSNorm epsilon: Qwen3-VL's fixed values, or what a llama.cpp GGUF records
+    (qwen3vl.rope.freq_base, qwen3vl.rope.dimension_sections: the M-RoPE sections, zero-padded to 4)."""
+    rope, eps = dict(QWEN3VL_ROPE), 1e-6
+    source = getattr(weights, "source", None)
+    if not isinstance(source, GgufSource):
+        return rope, eps
+    base = source.field("qwen3vl.rope.freq_base")
+    sections = source.field("qwen3vl.rope.dimension_sections")
+    given_eps = source.field("qwen3vl.attention.layer_norm_rms_epsilon")
+    if base is not None:
+        rope["rope_theta"] = float(base)
+    if isinstance(sections, list) and len(sections) >= 3:
+        rope["mrope_section"] = [int(v) for v in sections[:3]]
+    return rope, float(given_eps) if given_eps is not None else eps
+
+
+def _vision_from_shapes(weights: _SingleFile, need) -> dict:
+    deepstack = weights.count(r"^visual\.deepstack_merger_list\.(\d+)\.")
+    if deepstack != len(QWEN3VL_DEEPSTACK):
+        raise CheckpointError(f"{weights.path}: {deepstack} DeepStack mergers, not Qwen3-VL's "
+                              f"{len(QWEN3VL_DEEPSTACK)}; put the model's config.json in the tokenizer folder")
+    vision_hidden = need("visual.blocks.0.norm1.weight")[0]
+    patch = need("visual.patch_embed.proj.weight")
+    return dict(depth=weights.count(r"^visual\.blocks\.(\d+)\."), hidden_size=vision_hidden,
+                intermediate_size=need("visual.blocks.0.mlp.linear_fc1.weight")[0],
+                num_heads=QWEN3VL_VISION_HEADS, patch_size=patch[-1], temporal_patch_size=patch[2],
+                spatial_merge_size=int(round((need("visual.merger.linear_fc1.weight")[1] / vision_hidden) ** 0.5)),
+                out_hidden_size=need("visual.merger.linear_fc2.weight")[0],
+                num_position_embeddings=need("visual.pos_embed.weight")[0],
+                deepstack_visual_indexes=list(QWEN3VL_DEEPSTACK))
 
 
 def _load_single_file(tf, sources: _Sources, tokenizer, layer: int, dtype: torch.dtype, device: torch.device,
@@ -463,6 +556,9 @@ def _load_single_file(tf, sources: _Sources, tokenizer, layer: int, dtype: torch
         with torch.device("meta"):
             model = tf.Qwen3VLModel(config)
         _drop_final_norm(model)
+        if weights.gguf and not weights.has_vision:
+            # llama.cpp keeps the tower in a separate mmproj file: this file is the language model alone.
+            model.visual = _AbsentVisionTower(no_vision_tower_message(sources.weights))
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         weights.check(shapes)
         _assign(model, weights.tensors(shapes, dtype, device, stored), shapes, sources.weights, dtype)
@@ -470,6 +566,28 @@ def _load_single_file(tf, sources: _Sources, tokenizer, layer: int, dtype: torch
         weights.source.close()
     _rebuild_rotary(model, config, device)
     return model, config
+
+
+def no_vision_tower_message(source: object) -> str:
+    return (f"the text encoder {source} has no vision tower (a GGUF without its mmproj): Ref2VA image and video "
+            "references and FL2VA keyframes need Qwen3-VL's vision tower; load a text encoder file that holds it "
+            "(visual.*: ComfyUI's single file, or a GGUF converted from it)")
+
+
+class _AbsentVisionTower(torch.nn.Module):
+    """Stands where Qwen3-VL's vision tower would be when the file has none; the encoder refuses vision inputs
+    before they reach it (TextEncoder.encode), and reaching it anyway raises the same error."""
+
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def forward(self, *args, **kwargs):
+        raise InputError(self.message)
+
+
+def has_vision_tower(model) -> bool:
+    return not isinstance(getattr(model, "visual", None), _AbsentVisionTower)
 
 
 def _assign(model: torch.nn.Module, tensors: Iterator[tuple[str, "torch.Tensor | StoredForm"]],
@@ -509,7 +627,8 @@ def _rebuild_rotary(model, config, device: torch.device) -> None:
     """Rotary tables are computed, not stored: build them for real (fp32, as transformers keeps them)."""
     qwen = importlib.import_module("transformers.models.qwen3_vl.modeling_qwen3_vl")
     model.language_model.rotary_emb = qwen.Qwen3VLTextRotaryEmbedding(config.text_config).to(device)
-    model.visual.rotary_pos_emb = qwen.Qwen3VLVisionRotaryEmbedding(config.vision_config).to(device)
+    if has_vision_tower(model):
+        model.visual.rotary_pos_emb = qwen.Qwen3VLVisionRotaryEmbedding(config.vision_config).to(device)
 
 
 def _drop_final_norm(model) -> None:
@@ -569,6 +688,12 @@ class TextEncoder:
         return self._resident
 
     @property
+    def vision_tower(self) -> bool:
+        """False for a text encoder loaded without Qwen3-VL's vision tower (a llama.cpp GGUF without its mmproj):
+        it encodes text presentations only."""
+        return has_vision_tower(self.model)
+
+    @property
     def hidden_size(self) -> int:
         return int(self.model.config.text_config.hidden_size)
 
@@ -609,6 +734,8 @@ class TextEncoder:
         if not isinstance(presentation, Presentation):
             raise InputError(f"encode takes a Presentation (from .prompts) or a prompt string, "
                              f"got {type(presentation).__name__}")
+        if presentation.vision and not self.vision_tower:
+            raise InputError(no_vision_tower_message(self.source))
         hit = self._cache.get(presentation.token_hash)
         if hit is not None:
             self._cache.move_to_end(presentation.token_hash)

@@ -1,0 +1,192 @@
+"""Write a DiT as a GGUF file laid out as the published H3 GGUFs are, streamed tensor by tensor.
+
+The published files are conversions of Comfy-Org's bf16 single files (unsloth/MiniMax-H3-GGUF was made with
+stable-diffusion.cpp's converter from `minimax_h3_{fl2va,ref2va}_pruned_bf16.safetensors`; city96's
+ComfyUI-GGUF tools/convert.py keeps the same names): ComfyUI's tensor names and layout (fused stacked QKV,
+[gate; value] fc1, `rope.inv_freq`, the curve table in the pruned layout), so the tensors here are
+`comfy_layout.comfy_groups`' bf16 file's, each converted as it is written. Storage, as those files keep it:
+- 1-D tensors (norm gains, biases, the RoPE buffer) and `adaln_t_table`: F32 (ComfyUI-GGUF keeps 1-D tensors
+  and the table F32; unsloth's conversion pins the norms F32: a quantized norm scale destroys the output);
+- `video_patch_proj` / `audio_patch_proj` weights: F32 (unsloth pins them: their 96- and 32-value rows);
+- every other 2-D weight: the asked-for type where its rows are whole blocks of it, else F16 (ComfyUI-GGUF's
+  fallback when a tensor cannot take the type).
+`general.architecture` is `minimax_h3` (ComfyUI-GGUF's convert template); the `h3_spark` key says who made it.
+
+Quantization is gguf-py's (`gguf.quants.quantize`), which has quantizers for the legacy block types only:
+`writable_types()` is those that h3-spark's codec also keeps as blocks (Q8_0, Q5_1, Q5_0, Q4_1, Q4_0 with
+gguf 0.19) plus F32 / F16 / BF16. The K-quants and i-quants are written by llama.cpp's C++ quantizer; asking
+for one here is refused with the writable list.
+
+Streaming: GGUF puts every tensor's info (name, dims, type, offset) before the data, so the plan (shapes and
+types, nothing drawn) is written first, then each layer is drawn, converted (row chunks, bounding gguf's NumPy
+temporaries) and appended, one at a time: a full-size file never sits in RAM.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ...errors import CheckpointError, InputError
+from .gguf_source import PLAIN, gguf_module
+from .writer import Group
+
+GGUF_PREFIX = "gguf:"
+ARCHITECTURE = "minimax_h3"
+PLAIN_TYPES = PLAIN
+_F32_LAYERS = ("video_patch_proj.", "audio_patch_proj.")
+_FALLBACK = "F16"
+_CHUNK_ROWS = 4096
+
+
+@functools.lru_cache(maxsize=None)
+def _quantizes(type_name: str) -> bool:
+    """Whether the installed gguf package has a quantizer for this type (probed on one block of zeros)."""
+    gguf = gguf_module()
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    try:
+        gguf.quants.quantize(np.zeros((1, block), dtype=np.float32), qtype)
+    except (NotImplementedError, gguf.quants.QuantError):
+        return False
+    return True
+
+
+def writable_types() -> tuple[str, ...]:
+    """The GGML types a GGUF DiT can be written in here: gguf quantizes them and our codec keeps them."""
+    from ...kernels import gguf_codec
+
+    blocks = [t for t in gguf_codec.SUPPORTED if t not in PLAIN_TYPES and _quantizes(t)]
+    return PLAIN_TYPES + tuple(blocks)
+
+
+def gguf_type_of(fmt: str) -> str:
+    """"gguf:Q8_0" -> "Q8_0", or InputError naming the writable types."""
+    if not fmt.startswith(GGUF_PREFIX):
+        raise InputError(f"{fmt!r} is not a GGUF format (gguf:<TYPE>)")
+    name = fmt[len(GGUF_PREFIX):].upper()
+    writable = writable_types()
+    if name in writable:
+        return name
+    gguf = gguf_module()
+    listing = ", ".join(GGUF_PREFIX + t for t in writable)
+    if name not in gguf.GGMLQuantizationType.__members__:
+        raise InputError(f"--format {fmt}: {name} is not a GGML type; writable: {listing}")
+    raise InputError(f"--format {fmt}: the gguf package cannot quantize {name} for h3-spark (llama.cpp's quantizer "
+                     f"writes the K- and i-quants); writable: {listing}")
+
+
+def stored_type(name: str, shape: tuple[int, ...], requested: str) -> str:
+    """The GGML type one DiT tensor is stored in (see the module docstring)."""
+    if len(shape) != 2 or name == "adaln_t_table" or name.startswith(_F32_LAYERS):
+        return "F32"
+    if requested in PLAIN_TYPES:
+        return requested
+    gguf = gguf_module()
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[requested]][0]
+    return requested if shape[-1] % block == 0 else _FALLBACK
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]  # PyTorch order
+    gguf_type: str
+
+    @property
+    def nbytes(self) -> int:
+        gguf = gguf_module()
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.gguf_type]]
+        return math.prod(self.shape[:-1]) * (self.shape[-1] // block) * size
+
+
+def plan(groups: list[Group], requested: str) -> list[tuple[Group, list[PlannedTensor]]]:
+    """Each writer group with its tensors' GGUF types (header facts only: nothing is drawn)."""
+    return [(g, [PlannedTensor(name, tuple(shape), stored_type(name, tuple(shape), requested))
+                 for name, _, shape in g.entries]) for g in groups]
+
+
+def _add_info(writer, t: PlannedTensor) -> None:
+    gguf = gguf_module()
+    qtype = gguf.GGMLQuantizationType[t.gguf_type]
+    if t.gguf_type in ("F32", "F16"):
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32 if t.gguf_type == "F32" else np.float16),
+                               t.nbytes)
+        return
+    # Blocks (and BF16, which gguf hands over as bytes) are described by their byte shape and the raw type.
+    row_bytes = t.nbytes // max(math.prod(t.shape[:-1]), 1)
+    writer.add_tensor_info(t.name, (*t.shape[:-1], row_bytes), np.dtype(np.uint8), t.nbytes, raw_dtype=qtype)
+
+
+def encode(tensor: torch.Tensor, gguf_type: str) -> np.ndarray:
+    """A tensor's bytes in `gguf_type`: plain floats cast, blocks quantized by gguf `_CHUNK_ROWS` rows at a
+    time (a row's blocks depend on that row only, so chunking changes no byte)."""
+    tensor = tensor.detach().cpu()
+    if gguf_type == "F32":
+        return tensor.float().contiguous().numpy()
+    if gguf_type == "F16":
+        return tensor.to(torch.float16).contiguous().numpy()
+    if gguf_type == "BF16":
+        return tensor.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
+    gguf = gguf_module()
+    qtype = gguf.GGMLQuantizationType[gguf_type]
+    rows = tensor.reshape(-1, tensor.shape[-1])
+    out = None
+    for start in range(0, rows.shape[0], _CHUNK_ROWS):
+        part = gguf.quants.quantize(rows[start:start + _CHUNK_ROWS].float().numpy(), qtype)
+        if out is None:
+            out = np.empty((rows.shape[0], part.shape[-1]), dtype=np.uint8)
+        out[start:start + part.shape[0]] = part
+    return out.reshape(*tensor.shape[:-1], out.shape[-1])
+
+
+def write_gguf(path: str | Path, groups: list[Group], gguf_type: str, info: dict[str, str],
+               progress: Callable[[int, int], None] | None = None) -> int:
+    """Write the groups as a GGUF DiT in `gguf_type`; returns the file size. The file appears under its name
+    only once complete."""
+    gguf = gguf_module()
+    path = Path(path)
+    planned = plan(groups, gguf_type)
+    total = sum(t.nbytes for _, ts in planned for t in ts)
+    tmp = path.with_name(path.name + ".partial")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(tmp, ARCHITECTURE)
+    try:
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{gguf_type}", None)
+        if file_type is not None:
+            writer.add_file_type(file_type)
+        writer.add_string("h3_spark", json.dumps(info))
+        for _, tensors in planned:
+            for t in tensors:
+                _add_info(writer, t)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        done = 0
+        for group, tensors in planned:
+            made = group.make()
+            for t in tensors:
+                data = encode(made.pop(t.name), t.gguf_type)
+                if data.nbytes != t.nbytes:
+                    raise CheckpointError(f"internal: {t.name} encodes to {data.nbytes} bytes, planned {t.nbytes}")
+                writer.write_tensor_data(data)
+                done += data.nbytes
+            del made
+            if progress is not None:
+                progress(done, total)
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
