@@ -187,7 +187,7 @@ def run(args) -> int:
 
     recipes = parse_recipes(args.recipe)
     check_recipes(recipes, device, settings, step_cache=args.cache_mode != "off",
-                  explicit_steps=args.sigmas is not None or args.steps_given)
+                  explicit_steps=args.sigmas is not None or args.steps_given, world_size=world_size)
 
     refs = parse_refs(args.ref)
     first = media.read_image(args.first_frame) if args.first_frame else None

@@ -16,6 +16,8 @@ from pathlib import Path
 COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder")
 # --format values per component (the VAEs are written as published, unquantized).
 DIT_FORMATS = ("bf16", "fp8_scaled", "nvfp4", "int8_convrot")
+# A GGUF DiT: gguf:<GGML type>, the writable types checked by the writer (h3_model/checkpoint/gguf_writer.py).
+GGUF_FORMAT = "gguf:"
 TEXT_ENCODER_FORMATS = ("bf16", "fp8_scaled", "int8_convrot", "nvfp4_awq")
 # What a text encoder's tokenizer folder holds; --force replaces only these.
 TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -27,6 +29,14 @@ CHECKPOINT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", 
 SOURCE_FOLDER = "source"
 
 
+class _FormatChoices(tuple):
+    """argparse choices: the listed formats, and any gguf:<TYPE> (its type is checked when the file is planned,
+    with the list of writable types)."""
+
+    def __contains__(self, value) -> bool:
+        return tuple.__contains__(self, value) or (isinstance(value, str) and value.startswith(GGUF_FORMAT))
+
+
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help="write a deterministic random-weight checkpoint (tests, demos, benchmarks)",
                        description="Write random weights (normal / sqrt(fan_in), norms around 1) under the real "
@@ -34,12 +44,18 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                                    "(the full preset never needs its 66 GB in RAM). --component text_encoder "
                                    "writes ComfyUI's Qwen3-VL single file (the 50 decoder layers the DiT reads, "
                                    "tiny: the demo's 2) and, beside it, the tokenizer folder that loading it needs.")
-    p.add_argument("out", help="output: a .safetensors file (comfy layouts) or a folder (diffusers, released)")
+    p.add_argument("out", help="output: a .safetensors file (comfy layouts), a .gguf file (gguf:<TYPE> formats) or "
+                               "a folder (diffusers, released)")
     p.add_argument("--component", choices=COMPONENTS, default="dit", help="which model to write")
     p.add_argument("--preset", choices=["tiny", "full"], default="tiny")
-    p.add_argument("--format", choices=sorted(set(DIT_FORMATS) | set(TEXT_ENCODER_FORMATS)), default="bf16",
+    p.add_argument("--format", choices=_FormatChoices(sorted(set(DIT_FORMATS) | set(TEXT_ENCODER_FORMATS))
+                                                     + [GGUF_FORMAT + "<TYPE>"]), default="bf16",
                    help="DiT (bf16|fp8_scaled|nvfp4|int8_convrot): storage of the 4 linears of every block; "
-                        "everything else stays bf16/fp32. text_encoder (bf16|fp8_scaled|int8_convrot|nvfp4_awq): "
+                        "everything else stays bf16/fp32. DiT gguf:<TYPE> (Q8_0, Q5_1, Q5_0, Q4_1, Q4_0, F16, BF16, "
+                        "F32: what the gguf package quantizes): a .gguf file as the published GGUFs hold it, the "
+                        "comfy or comfy-pruned layout's names, every 2-D weight in TYPE where its rows are whole "
+                        "blocks (else F16), 1-D tensors, the curve table and the patch projections F32. "
+                        "text_encoder (bf16|fp8_scaled|int8_convrot|nvfp4_awq): "
                         "storage of the 7 linears of every decoder layer, the rest as Comfy-Org's files keep it "
                         "(nvfp4_awq: AWQ pre_quant_scale on o_proj/down_proj, the other scales folded into the "
                         "norms, int8 embedding). VAEs are written as published (video fp16 comfy / fp32 "
@@ -58,6 +74,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "beside the file (x.safetensors -> x.tokenizer/). It holds a byte-level stand-in tokenizer "
                         "with Qwen3-VL's special tokens (tiny: also the model's config.json); a full file loads with "
                         "the real one (MiniMaxAI/MiniMax-H3's tokenizer/ and processor/) as well")
+    p.add_argument("--fasth3", action="store_true",
+                   help="DiT: a FastH3 model (FastVideo's distilled student): the base DiT plus one random, non-zero "
+                        "VSA gate per block (attn.to_gate_compress, bf16), in the diffusers or comfy layout")
     p.add_argument("--quantize-refiner", action="store_true",
                    help="also quantize the token refiner's linears (ComfyUI files keep them bf16)")
     p.add_argument("--curve-grid", type=int, default=None,
@@ -190,6 +209,9 @@ def _run_text_encoder(args) -> int:
     from ..errors import InputError
     from ..h3_model.text.synthetic import default_tokenizer_dir, write_text_encoder
 
+    if args.format.startswith(GGUF_FORMAT):
+        raise InputError("GGUF text encoders are llama.cpp's conversions; make-checkpoint writes GGUF DiTs "
+                         "(--component dit --format gguf:<TYPE>)")
     if args.format not in TEXT_ENCODER_FORMATS:
         hint = " (the published NVFP4 text encoder is nvfp4_awq)" if args.format == "nvfp4" else ""
         raise InputError(f"--component text_encoder is written as {', '.join(TEXT_ENCODER_FORMATS)}, "
@@ -228,6 +250,18 @@ def _progress_printer():
     return progress
 
 
+def _fasth3(args, config):
+    """A FastH3 checkpoint: the layouts and formats FastVideo's students are published in."""
+    from ..errors import InputError
+    from ..h3_model.checkpoint.fasth3 import LAYOUTS, make_fasth3_checkpoint
+
+    if args.layout not in LAYOUTS:
+        raise InputError(f"--fasth3 writes the {' or '.join(LAYOUTS)} layout (FastH3 has no pruned form), "
+                         f"not {args.layout}")
+    return make_fasth3_checkpoint(args.out, config, layout=args.layout, fmt=args.format, seed=args.seed,
+                                  progress=_progress_printer(), device=args.device)
+
+
 def run(args) -> int:
     from ..errors import InputError
     from ..h3_model.checkpoint.make import CURVE_DEFAULTS, make_dit_checkpoint
@@ -237,14 +271,16 @@ def run(args) -> int:
         return _run_text_encoder(args)
     if args.tokenizer_out is not None:
         raise InputError("--tokenizer-out applies to --component text_encoder")
+    if args.fasth3 and args.component != "dit":
+        raise InputError("--fasth3 applies to --component dit")
     if args.component != "dit":
         if args.device != "cpu":
             raise InputError("--device applies to the DiT and the text encoder; VAE checkpoints are drawn on the CPU")
         return _run_vae(args)
     check_device(args.device)
-    if args.format not in DIT_FORMATS:
+    if args.format not in DIT_FORMATS and not args.format.startswith(GGUF_FORMAT):
         raise InputError(f"--format {args.format} is a text encoder format; the DiT is written as "
-                         f"{', '.join(DIT_FORMATS)}")
+                         f"{', '.join(DIT_FORMATS)}, {GGUF_FORMAT}<TYPE>")
 
     if args.layout != "comfy-pruned" and (args.curve_grid is not None or args.curve_rank is not None):
         raise InputError("--curve-grid/--curve-rank only apply to --layout comfy-pruned")
@@ -254,14 +290,17 @@ def run(args) -> int:
     stale = check_output(Path(args.out), args.layout, args.force)
     start = time.perf_counter()
     with replacing(stale):
-        made = make_dit_checkpoint(args.out, preset(args.preset), args.format, args.layout, seed=args.seed,
-                                   quantize_refiner=args.quantize_refiner, curve=curve, progress=_progress_printer(),
-                                   device=args.device)
+        if args.fasth3:
+            made = _fasth3(args, preset(args.preset))
+        else:
+            made = make_dit_checkpoint(args.out, preset(args.preset), args.format, args.layout, seed=args.seed,
+                                       quantize_refiner=args.quantize_refiner, curve=curve,
+                                       progress=_progress_printer(), device=args.device)
     if sys.stderr.isatty():
         print(file=sys.stderr)
     summary = {"out": str(made.path), "component": args.component, "preset": args.preset, "format": args.format,
                "layout": args.layout, "seed": args.seed, "device": args.device, "bytes": made.bytes,
-               "seconds": round(time.perf_counter() - start, 3)}
+               "seconds": round(time.perf_counter() - start, 3), "fasth3": args.fasth3}
     if made.curve_residual is not None:
         summary["curve_table"] = [made.config.adaln_curve_grid, made.config.time_embed_dim]
         summary["curve_fit_residual"] = made.curve_residual

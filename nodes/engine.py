@@ -380,13 +380,18 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
     chosen = _recipes(recipes, step_cache is not None, opts)
     run = recipe_sampling(chosen, steps)
     if run.evaluations is not None:
-        log.info("h3-spark recipe turbo replaces steps %d and shifts %g/%g with %d and %g/%g", steps, shift_video,
-                 shift_audio, run.evaluations, run.video_shift, run.audio_shift)
+        setter = next(r.name for r in chosen if r.name in ("turbo", "fasth3", "fasth3-8step"))
+        log.info("h3-spark recipe %s replaces steps %d and shifts %g/%g with %d and %g/%g", setter, steps,
+                 shift_video, shift_audio, run.evaluations, run.video_shift, run.audio_shift)
         steps, shift_video, shift_audio = run.evaluations, run.video_shift, run.audio_shift
     dims = (cond.latent_frames, cond.latent_height, cond.latent_width, cond.audio_latents)
     lay = build_layout(cond.mode, cond.tags, cond.blocks, cond.anchors, dims, c.patch_size)
     # `steps` counts model evaluations, as ComfyUI's samplers do; the grid has one more point (the final 0).
     schedule = JointSchedule.create(steps + 1, shift_video, shift_audio)
+    if run.sigmas is not None:  # a recipe's trained rungs (fasth3-8step), not a uniform grid
+        from ..h3_model.pipeline.scheduler import Schedule, custom_sigmas
+
+        schedule = JointSchedule(Schedule(custom_sigmas(run.sigmas)), Schedule(custom_sigmas(run.audio_sigmas)))
 
     cache = run.step_cache
     if step_cache is not None:

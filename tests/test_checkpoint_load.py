@@ -209,13 +209,24 @@ def test_refuses_pickle_and_non_dit(tmp_path):
         load_dit(tmp_path / "audio.safetensors")
 
 
-def test_ignored_vsa_gate(comfy_bf16, tmp_path):
+def test_a_comfy_file_with_vsa_gates_loads_them(comfy_bf16, tmp_path):
+    """FastH3's gate (`blocks.N.attn.to_gate_compress`) is a layer of the model once a file carries it; a file
+    gating only some blocks is incomplete."""
     tensors, meta = _read_all(comfy_bf16 / "comfy.safetensors")
-    tensors["blocks.0.attn.to_gate_compress.weight"] = torch.zeros(2, 24, dtype=torch.bfloat16)
-    save_file(tensors, tmp_path / "vsa.safetensors", metadata=meta)
+    gates = {f"blocks.{i}.attn.to_gate_compress.weight": torch.randn(32, 24).to(torch.bfloat16)
+             for i in range(TINY.num_layers)}
+    save_file({**tensors, **gates}, tmp_path / "vsa.safetensors", metadata=meta)
     reader = open_dit(tmp_path / "vsa.safetensors")
-    assert reader.ignored == ["blocks.0.attn.to_gate_compress.weight"]
-    load_dit(tmp_path / "vsa.safetensors")
+    assert reader.ignored == [] and reader.config.gate_compress
+    model = load_dit(tmp_path / "vsa.safetensors")
+    for i in range(TINY.num_layers):
+        assert torch.equal(model.transformer_blocks[i].attn.to_gate_compress.weight.to(torch.bfloat16),
+                           gates[f"blocks.{i}.attn.to_gate_compress.weight"])
+    save_file({**tensors, "blocks.0.attn.to_gate_compress.weight": gates["blocks.0.attn.to_gate_compress.weight"]},
+              tmp_path / "half.safetensors", metadata=meta)
+    with pytest.raises(CheckpointError, match=r"1 tensors missing, e\.g\. transformer_blocks\.1\.attn\."
+                                              r"to_gate_compress\.weight"):
+        load_dit(tmp_path / "half.safetensors")
 
 
 # ------------------------------------------------------------------------------- key mapping
@@ -347,14 +358,19 @@ def test_metadata_of_other_components_and_ignored_layers_is_not_ours(quantized, 
     save_file(full, tmp_path / "full.safetensors", metadata=_with_metadata(meta, {**layers, **others}))
     reference = _state(load_dit(quantized["fp8_scaled"]))
     _assert_same_state(_state(load_dit(tmp_path / "full.safetensors")), reference)
-    # The VSA gate is skipped on purpose, quantized or not.
-    gate = "blocks.0.attn.to_gate_compress"
+    # A VSA gate declared quantized in the metadata loads as the model's gate, the other layers unchanged.
     plain = {k: v for k, v in tensors.items() if not k.endswith(".comfy_quant")}
-    plain[f"{gate}.weight"], plain[f"{gate}.weight_scale"] = quantize_int8_rows(torch.randn(4, 24), 4)
-    vsa = {**_markers(tensors), gate: {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 4}}
+    vsa = dict(_markers(tensors))
+    for i in range(TINY.num_layers):
+        gate = f"blocks.{i}.attn.to_gate_compress"
+        plain[f"{gate}.weight"], plain[f"{gate}.weight_scale"] = quantize_int8_rows(torch.randn(32, 24), 4)
+        vsa[gate] = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 4}
     save_file(plain, tmp_path / "vsa.safetensors", metadata=_with_metadata(meta, vsa))
-    assert sorted(open_dit(tmp_path / "vsa.safetensors").ignored) == [f"{gate}.weight", f"{gate}.weight_scale"]
-    _assert_same_state(_state(load_dit(tmp_path / "vsa.safetensors")), reference)
+    assert open_dit(tmp_path / "vsa.safetensors").ignored == []
+    gated = _state(load_dit(tmp_path / "vsa.safetensors"))
+    assert sorted(k for k in gated if "to_gate_compress" in k) == [
+        f"transformer_blocks.{i}.attn.to_gate_compress.weight" for i in range(TINY.num_layers)]
+    _assert_same_state({k: v for k, v in gated.items() if "to_gate_compress" not in k}, reference)
     # A declaration under the DiT's own prefix that names no stored layer is still an error.
     ghost = {**layers, keymap.COMFY_PREFIX + "blocks.0.attn.ghost": {"format": "float8_e4m3fn"}}
     save_file(full, tmp_path / "ghost.safetensors", metadata=_with_metadata(meta, ghost))

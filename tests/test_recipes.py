@@ -64,7 +64,8 @@ def test_names_defaults_values_and_bundles():
 
 
 @pytest.mark.parametrize("texts, message", [
-    (["warp-speed"], r"unknown recipe 'warp-speed'; the recipes are sparse, first-block-cache, turbo, sol-engine"),
+    (["warp-speed"], r"unknown recipe 'warp-speed'; the recipes are sparse, first-block-cache, turbo, fasth3, "
+                     r"fasth3-8step, sol-engine"),
     (["sparse:taux=1"], r"recipe sparse takes dense_blocks, dense_steps, tau \(as key=value\), got 'taux=1'"),
     (["sparse:tau"], r"recipe sparse takes .* got 'tau'"),
     (["sparse:tau=fast"], r"recipe sparse: tau must be a number, got 'fast'"),

@@ -42,8 +42,12 @@ def original_layers(config: DiTConfig) -> list[str]:
     for i in range(config.num_refiner_layers):
         layers += [f"token_refiner.blocks.{i}.{p}" for p in block_parts]
     layers.append("token_refiner.final_norm")
+    # A FastH3 block's VSA gate follows the attention's output projection, as in ComfyUI's Attention module.
+    dit_parts = block_parts + ["adaln_proj.linear"]
+    if config.gate_compress:
+        dit_parts.insert(dit_parts.index("attn.out_proj") + 1, "attn.to_gate_compress")
     for i in range(config.num_layers):
-        layers += [f"blocks.{i}.{p}" for p in block_parts + ["adaln_proj.linear"]]
+        layers += [f"blocks.{i}.{p}" for p in dit_parts]
     layers += ["final_layer.norm", "final_layer.adaln_proj.linear", "final_layer.video_out", "final_layer.audio_out"]
     return layers
 
@@ -202,5 +206,8 @@ def diffusers_config_json(config: DiTConfig) -> str:
     fields = config.to_dict()
     # diffusers has no curve form; a pruned model is never written in this layout.
     fields.pop("adaln_curve_grid", None)
+    # Nor a VSA gate argument: FastVideo's FastH3 exports carry the gates in the weights only, and so do ours
+    # (the reader tells from the weight names, DiTConfig.from_json).
+    fields.pop("gate_compress", None)
     data.update(fields)
     return json.dumps(data, indent=2) + "\n"

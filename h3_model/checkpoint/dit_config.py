@@ -11,6 +11,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -38,10 +39,13 @@ COMFY_TO_DIFFUSERS = {
     "qk_norm_eps": "qk_norm_eps",
     "final_norm_eps": "final_norm_eps",
     "adaln_curve_grid": "adaln_curve_grid",
+    "gate_compress": "gate_compress",
 }
 DIFFUSERS_TO_COMFY = {v: k for k, v in COMFY_TO_DIFFUSERS.items()}
-# ComfyUI arguments that do not change the tensors we load (sampling shifts, the unused VSA gate).
-COMFY_IGNORED = {"sigma_shift_video", "sigma_shift_audio", "gate_compress", "image_model", "rope_theta"}
+# ComfyUI arguments that do not change the tensors we load (sampling shifts).
+COMFY_IGNORED = {"sigma_shift_video", "sigma_shift_audio", "image_model", "rope_theta"}
+# A DiT block's VSA gate (FastH3) under either naming, with or without a file's model prefix.
+GATE_WEIGHT = re.compile(r"(?:^|\.)(?:transformer_blocks|blocks)\.\d+\.attn\.to_gate_compress\.weight$")
 
 ShapeFn = Callable[[str], "tuple[int, ...] | None"]
 
@@ -90,6 +94,22 @@ DIFFUSERS_NAMES = _Names("proj_in.weight", "transformer_blocks.0.attn.norm_q.wei
                          "time_embedder.linear_2.weight")
 
 
+def has_gates(keys) -> bool:
+    """Whether tensor names include a DiT block's VSA gate (`attn.to_gate_compress.weight`): a FastH3 model."""
+    return any(GATE_WEIGHT.search(k) for k in keys)
+
+
+def gates_in_folder(folder: Path) -> bool:
+    """Whether the weights of a diffusers folder hold VSA gates, from its index or the files' headers only."""
+    from ..json_file import read_json
+    from .safetensors_header import read_header
+
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    if indexes:
+        return any(has_gates(read_json(index).get("weight_map", {})) for index in indexes)
+    return any(has_gates(read_header(path).tensors) for path in sorted(folder.glob("*.safetensors")))
+
+
 def _fields_from_shapes(keys: list[str], shape: ShapeFn, n: _Names) -> dict:
     """DiTConfig fields read from tensor shapes under naming `n` (everything but the RoPE size)."""
     hidden, patch_dim = _need(shape, n.patch)
@@ -105,6 +125,7 @@ def _fields_from_shapes(keys: list[str], shape: ShapeFn, n: _Names) -> dict:
         "patch_size": (1, 2, 2),
         "audio_in_channels": _need(shape, n.audio_in)[1],
         "text_dim": _need(shape, n.text_in)[1],
+        "gate_compress": has_gates(keys),
     }
     table = shape("adaln_t_table")
     if table is not None:

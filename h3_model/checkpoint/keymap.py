@@ -43,17 +43,23 @@ _IN_BLOCK = {
     "mlp.fc1": "ff.net.0.proj",
     "mlp.fc2": "ff.net.2",
     "adaln_proj.linear": "adaln_proj.linear",
+    "attn.to_gate_compress": "attn.to_gate_compress",  # FastH3's VSA gate, same name in both namings
 }
+# Layers only the DiT blocks have (the refiner blocks have no AdaLN and no VSA gate).
+_DIT_BLOCK_ONLY = ("adaln_proj.linear", "attn.to_gate_compress")
 _DIFFUSERS_TOP = {v: k for k, v in _TOP_LEVEL.items()}
 _DIFFUSERS_IN_BLOCK = {v: k for k, v in _IN_BLOCK.items()}
+_DIFFUSERS_IN_BLOCK_DIT_ONLY = tuple(_IN_BLOCK[k] for k in _DIT_BLOCK_ONLY)
 
 _ORIG_BLOCK = re.compile(r"^(blocks|token_refiner\.blocks)\.(\d+)\.(.+)$")
 _DIFF_BLOCK = re.compile(r"^(transformer_blocks|token_refiner\.refiner_blocks)\.(\d+)\.(.+)$")
 
 # Tensors that are not layers of the model we build.
 DROPPED_ORIGINAL = ("rope.inv_freq",)
-# The optional VSA sparse-attention gate: the dense forward never reads it.
-IGNORED_ORIGINAL = re.compile(r"^blocks\.\d+\.attn\.to_gate_compress$")
+# Original-named layers the reader leaves out on purpose. None any more: the VSA gate a ComfyUI file may carry
+# (`blocks.N.attn.to_gate_compress`, FastH3) is a layer of the model, built when the file has it (DiTConfig
+# gate_compress, read from the names by dit_config.has_gates).
+IGNORED_ORIGINAL = re.compile(r"(?!)")
 
 
 def original_layer_to_diffusers(layer: str) -> str | None:
@@ -67,7 +73,7 @@ def original_layer_to_diffusers(layer: str) -> str | None:
     if not m:
         return None
     kind, index, rest = m.groups()
-    if rest not in _IN_BLOCK or (kind != "blocks" and rest == "adaln_proj.linear"):
+    if rest not in _IN_BLOCK or (kind != "blocks" and rest in _DIT_BLOCK_ONLY):
         return None
     prefix = "transformer_blocks" if kind == "blocks" else "token_refiner.refiner_blocks"
     return f"{prefix}.{index}.{_IN_BLOCK[rest]}"
@@ -81,7 +87,7 @@ def diffusers_layer_to_original(layer: str) -> str | None:
     if not m:
         return None
     kind, index, rest = m.groups()
-    if rest not in _DIFFUSERS_IN_BLOCK or (kind != "transformer_blocks" and rest == "adaln_proj.linear"):
+    if rest not in _DIFFUSERS_IN_BLOCK or (kind != "transformer_blocks" and rest in _DIFFUSERS_IN_BLOCK_DIT_ONLY):
         return None
     prefix = "blocks" if kind == "transformer_blocks" else "token_refiner.blocks"
     return f"{prefix}.{index}.{_DIFFUSERS_IN_BLOCK[rest]}"

@@ -44,6 +44,9 @@ class DiTConfig:
     final_norm_eps: float = 1e-5
     # Pruned ("curve-form") checkpoints replace the time MLP by a [grid, time_embed_dim] table.
     adaln_curve_grid: int | None = None
+    # FastH3 (FastVideo's DMD2 students) carry a learned VSA gate per block, `attn.to_gate_compress`
+    # ([heads x head_dim, hidden], no bias). The dense forward never reads it; the VSA attention does.
+    gate_compress: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
@@ -60,6 +63,8 @@ class DiTConfig:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
         if self.freq_dim % 2:
             problems.append(f"freq_dim must be even, got {self.freq_dim}")
+        if not isinstance(self.gate_compress, bool):
+            problems.append(f"gate_compress must be true or false, got {self.gate_compress!r}")
         if problems:
             raise CheckpointError("invalid DiT config: " + "; ".join(problems))
 
@@ -86,6 +91,8 @@ class DiTConfig:
         out["patch_size"] = list(self.patch_size)
         if out["adaln_curve_grid"] is None:
             del out["adaln_curve_grid"]
+        if not out["gate_compress"]:  # configs of models without the gate read and write as before
+            del out["gate_compress"]
         return out
 
     @classmethod
@@ -98,9 +105,16 @@ class DiTConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DiTConfig":
+        """A diffusers `config.json`. diffusers' transformer has no `gate_compress` argument, so FastVideo's FastH3
+        exports leave it out: without the field, the weights beside the file say whether the gates are there."""
         from ..json_file import read_json
 
-        return cls.from_dict(read_json(path))
+        data = read_json(path)
+        if "gate_compress" not in data:
+            from ..checkpoint.dit_config import gates_in_folder
+
+            data = {**data, "gate_compress": gates_in_folder(Path(path).parent)}
+        return cls.from_dict(data)
 
 
 FULL = DiTConfig()

@@ -100,6 +100,23 @@ class Layout:
         return torch.unique(rows, sorted=True, return_inverse=True)
 
 
+def segments_before_video(layout: Layout) -> tuple[int, ...]:
+    """Sizes of the contiguous single-modality runs that precede the target video, in row order: the text, then
+    each run of condition video rows (keyframes, reference images and videos) or of audio rows (reference sound,
+    the target audio). Block-sparse attention tiles each run on its own, so that no tile mixes two of them
+    (kernels/vsa_reference.tile_map); the target video, the tail of every layout, is tiled in 3-D."""
+    total = layout.sequence_length
+    target = layout.target_video_indices
+    start = total - target.numel()
+    if not torch.equal(target, torch.arange(start, total)):
+        raise InputError("the target video rows are not the tail of the packed sequence")
+    kind = torch.zeros(total, dtype=torch.long)  # 0 text, 1 video, 2 audio
+    kind[layout.video_indices] = 1
+    kind[layout.audio_indices] = 2
+    _, runs = torch.unique_consecutive(kind[:start], return_counts=True)
+    return tuple(int(n) for n in runs)
+
+
 def adaln_rows(timestep_indices: torch.Tensor, token_tags: torch.Tensor) -> torch.Tensor:
     """Row of the per-block AdaLN table that each packed row reads."""
     return timestep_indices.long() * NUM_MODALITIES + token_tags.long()

@@ -79,7 +79,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden_size: int, heads: int, head_dim: int, eps: float):
+    def __init__(self, hidden_size: int, heads: int, head_dim: int, eps: float, gate_compress: bool = False):
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
         inner = heads * head_dim
@@ -89,6 +89,10 @@ class Attention(nn.Module):
         self.norm_q = nn.RMSNorm(head_dim, eps=eps)
         self.norm_k = nn.RMSNorm(head_dim, eps=eps)
         self.to_out = nn.ModuleList([nn.Linear(inner, hidden_size, bias=False)])
+        # FastH3's VSA gate on the pooled (coarse) branch, as published (no bias). Only a backend that reads it
+        # (`reads_gate`, kernels/vsa.py) gets it; the dense forward leaves it unused, as ComfyUI does.
+        self.to_gate_compress = nn.Linear(hidden_size, inner, bias=False) if gate_compress else None
+        self._gate_zero: tuple | None = None  # ((weight identity, version), all zero?) of the last check
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw q, k, v as (B, S, H, D). Fast linear formats replace the three modules, not this method."""
@@ -96,13 +100,36 @@ class Attention(nn.Module):
         shape = (b, s, self.heads, self.head_dim)
         return self.to_q(x).view(shape), self.to_k(x).view(shape), self.to_v(x).view(shape)
 
+    def compress_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The VSA gate for attention input x, (B, S, H, D); None without a gate or when its weight is all zero
+        (the branch would add exactly nothing: a base model's zero-initialised gate, FastVideo skips it too)."""
+        gate = self.to_gate_compress
+        if gate is None or self._gate_all_zero(gate):
+            return None
+        b, s, _ = x.shape
+        return gate(x).view(b, s, self.heads, self.head_dim)
+
+    def _gate_all_zero(self, gate: nn.Module) -> bool:
+        weight = getattr(gate, "weight", None)
+        if not isinstance(gate, nn.Linear) or not isinstance(weight, torch.Tensor) or weight.is_meta:
+            return False  # stored codes (StoredLinear) do not say zero by their bits: computed as they are
+        # Checked once per weight: a LoRA merge or a streamed block's new copy changes the identity or version.
+        key = (weight.data_ptr(), weight.device, None if weight.is_inference() else weight._version)
+        if self._gate_zero is None or self._gate_zero[0] != key or key[2] is None:
+            self._gate_zero = (key, not bool(weight.any()))
+        return self._gate_zero[1]
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 attention: AttentionFn, qk_prep: "QKPrep | None" = None) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.project_qkv(x)
         q, k = (qk_prep or reference_qk_prep)(self, q, k, rope)
+        if getattr(attention, "reads_gate", False):  # VSA (recipe fasth3): its coarse branch takes the gate
+            out = attention(q, k, v, gate=self.compress_gate(x))
+        else:
+            out = attention(q, k, v)
         # v's dtype, not q's: a low-bit Q/K preparation may hand the backend quantized q and k.
-        out = attention(q, k, v).reshape(b, s, self.heads * self.head_dim).to(v.dtype)
+        out = out.reshape(b, s, self.heads * self.head_dim).to(v.dtype)
         return self.to_out[0](out)
 
 
@@ -161,7 +188,8 @@ class Block(nn.Module):
     def __init__(self, c: DiTConfig):
         super().__init__()
         self.norm1 = nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
-        self.attn = Attention(c.hidden_size, c.num_attention_heads, c.attention_head_dim, c.qk_norm_eps)
+        self.attn = Attention(c.hidden_size, c.num_attention_heads, c.attention_head_dim, c.qk_norm_eps,
+                              gate_compress=c.gate_compress)
         self.norm2 = nn.RMSNorm(c.hidden_size, eps=c.norm_eps)
         self.ff = SwiGLU(c.hidden_size, c.ffn_dim)
         self.adaln_proj = AdaLNProjection(c.time_embed_dim, c.hidden_size)

@@ -11,9 +11,18 @@
   `video_shift` (6; LightX2V's Turbo LoRA). The LoRA file is the user's (`--lora`); the recipe does not
   look for one.
 - sol-engine: sparse and first-block-cache together, as Sol-Engine publishes them.
+- fasth3: what FastVideo's FastH3 Preview (a DMD2 distillation of H3) is sampled with: 4 evaluations on the
+  5-point grid t = 1000, 750, 500, 250 -> 0 at the release's shifts (video 12, audio 3), and Video Sparse
+  Attention in every DiT block (`sparsity` 0.9, `tile` 64 rows) with the model's learned gates
+  (`attn.to_gate_compress`). It needs a FastH3 checkpoint, except at an explicit `sparsity=0` (then the
+  grid runs with the model's own dense attention).
+- fasth3-8step: FastH3-8-Step-V2's: its 8 trained rungs 999, 874, ..., 125 (of 1000) shifted by video 10,
+  audio 3, and VSA at `sparsity` 0.8. FastVideo publishes it as another checkpoint with its own sampling
+  contract, hence its own recipe rather than a step count of fasth3.
 
 Each fails at set-up, before any weights are read, when what it needs is missing (Sol-Attn needs CUDA and
-comfy-kitchen with its kernels) or its values are out of range: one line naming it.
+comfy-kitchen with its kernels) or its values are out of range: one line naming it. What needs the loaded
+model (fasth3's gates) fails when the recipe is applied, before sampling.
 """
 
 from __future__ import annotations
@@ -23,11 +32,14 @@ from dataclasses import dataclass, field
 
 from ...errors import H3Error, InputError
 
-# name -> {parameter: (default, low, high)}; a bound of None is open. Integers stay integers.
+# name -> {parameter: (default, low, high)}; a bound of None is open (or checked in `_checked`). Integers stay
+# integers.
 PARAMETERS: dict[str, dict[str, tuple]] = {
     "sparse": {"tau": (1.0, 0.0, None), "dense_steps": (10, 0, 1000), "dense_blocks": (2, 0, 1000)},
     "first-block-cache": {"threshold": (0.08, 0.0, None), "start": (0.0, 0.0, 1.0), "end": (1.0, 0.0, 1.0)},
     "turbo": {"evaluations": (8, 1, 100), "video_shift": (6.0, 0.0, None), "audio_shift": (3.0, 0.0, None)},
+    "fasth3": {"sparsity": (0.9, None, None), "tile": (64, None, None)},
+    "fasth3-8step": {"sparsity": (0.8, None, None), "tile": (64, None, None)},
 }
 BUNDLES = {"sol-engine": ("sparse", "first-block-cache")}
 QUANTIZED_HEADS = ("fa3_fp8",)  # attention backends whose Q/K prep writes FP8 heads
@@ -35,12 +47,44 @@ NAMES = (*PARAMETERS, *BUNDLES)
 
 
 @dataclass(frozen=True)
+class FastH3Grid:
+    """A FastH3 checkpoint's sampling contract. `rungs`: the trained noise levels on the 1000-step clock, before
+    the shifts; None: the release's uniform grid of `evaluations` + 1 points (the 4-step Preview's)."""
+
+    evaluations: int
+    video_shift: float
+    audio_shift: float
+    rungs: tuple[int, ...] | None = None
+
+    def describe(self) -> dict:
+        out = {"evaluations": self.evaluations, "video_shift": self.video_shift, "audio_shift": self.audio_shift}
+        if self.rungs is not None:
+            out["rungs"] = list(self.rungs)
+        return out
+
+    def sigmas(self, shift: float) -> list[float]:
+        """The rungs as sigmas: rung / 1000 shifted as the scheduler shifts its grid, then the final 0."""
+        import torch
+
+        base = torch.tensor(self.rungs, dtype=torch.float32) / 1000.0
+        return (shift * base / (1 + (shift - 1) * base)).tolist() + [0.0]
+
+
+# FastVideo's FastH3 Preview v0.2 (basic_fasth3.py: 5 sigma points = 4 forwards on the release's shifts) and
+# FastH3-8-Step-V2 (docs/inference/fasth3-distilled.md: rungs, shifts 10 / 3).
+FASTH3_GRIDS = {"fasth3": FastH3Grid(4, 12.0, 3.0),
+                "fasth3-8step": FastH3Grid(8, 10.0, 3.0, (999, 874, 749, 624, 500, 375, 250, 125))}
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     params: dict = field(default_factory=dict)
+    given: frozenset = frozenset()  # the values asked for by name (the others are defaults)
 
     def describe(self) -> dict:
-        return {"name": self.name, **self.params}
+        grid = FASTH3_GRIDS.get(self.name)
+        return {"name": self.name, **self.params, **(grid.describe() if grid is not None else {})}
 
 
 def parse_recipes(texts) -> list[Recipe]:
@@ -54,12 +98,25 @@ def parse_recipes(texts) -> list[Recipe]:
         given = _values(name, rest)
         for part in BUNDLES.get(name, (name,)):
             known = {k: v for k, v in given.items() if k in PARAMETERS[part]}
-            recipes.append(Recipe(part, _checked(part, known)))
+            recipes.append(Recipe(part, _checked(part, known), frozenset(known)))
     seen = [r.name for r in recipes]
     twice = sorted({n for n in seen if seen.count(n) > 1})
     if twice:
         raise InputError(f"recipe {twice[0]} is asked for twice")
+    _check_pairs(seen)
     return recipes
+
+
+# Recipes that set the same thing; one of the two would be ignored.
+_EXCLUSIVE = (("fasth3", "fasth3-8step", "the sampling grid and the attention"),
+              ("fasth3", "turbo", "the sampling grid"), ("fasth3-8step", "turbo", "the sampling grid"),
+              ("fasth3", "sparse", "the attention"), ("fasth3-8step", "sparse", "the attention"))
+
+
+def _check_pairs(names: list[str]) -> None:
+    for a, b, what in _EXCLUSIVE:
+        if a in names and b in names:
+            raise InputError(f"recipes {a} and {b} both set {what}: choose one")
 
 
 def _values(name: str, text: str) -> dict:
@@ -69,7 +126,8 @@ def _values(name: str, text: str) -> dict:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in allowed:
-            raise InputError(f"recipe {name} takes {', '.join(sorted(allowed))} (as key=value), got {item!r}")
+            hint = "; FastH3-8-Step-V2 is recipe fasth3-8step" if name == "fasth3" and key == "steps" else ""
+            raise InputError(f"recipe {name} takes {', '.join(sorted(allowed))} (as key=value), got {item!r}{hint}")
         values[key] = value.strip()
     return values
 
@@ -82,7 +140,8 @@ def _checked(name: str, given: dict) -> dict:
             value = int(value) if isinstance(default, int) else float(value)
         except (TypeError, ValueError):
             raise InputError(f"recipe {name}: {key} must be a number, got {value!r}") from None
-        if (low is not None and value < low) or (high is not None and value > high) or value != value:
+        bounded = low is not None or high is not None  # unbounded values have their own checks below
+        if bounded and ((low is not None and value < low) or (high is not None and value > high) or value != value):
             span = f"{low}..{high}" if high is not None else f">= {low}"
             raise InputError(f"recipe {name}: {key} must be {span}, got {value}")
         params[key] = value
@@ -90,20 +149,31 @@ def _checked(name: str, given: dict) -> dict:
         raise InputError(f"recipe first-block-cache: start {params['start']} is after end {params['end']}")
     if name == "sparse" and params["tau"] <= 0:
         raise InputError("recipe sparse: tau must be > 0")
+    if name in FASTH3_GRIDS:
+        from ...kernels.vsa_reference import TILE_SHAPES
+
+        if not 0.0 <= params["sparsity"] < 1.0:
+            raise InputError(f"recipe {name}: sparsity must be in [0, 1), got {params['sparsity']}")
+        if params["tile"] not in TILE_SHAPES:
+            raise InputError(f"recipe {name}: tile must be {', '.join(map(str, TILE_SHAPES))} (rows per VSA tile, "
+                             f"the sizes its kernel has; FastH3 was trained with 64), got {params['tile']}")
     return params
 
 
 # ------------------------------------------------------------------------------------------ set-up checks
 def check_recipes(recipes: list[Recipe], device, settings, *, step_cache: bool = False,
                   explicit_steps: bool = False, cache_fix: str = "drop --cache-mode",
-                  steps_fix: str = "drop --steps / --sigmas") -> None:
+                  steps_fix: str = "drop --steps / --sigmas", world_size: int = 1) -> None:
     """Before loading: every kernel a recipe needs can run here, and nothing it sets is also set by hand.
-    `cache_fix` / `steps_fix` say, in the front door's own words, how to undo the conflicting setting."""
+    `cache_fix` / `steps_fix` say, in the front door's own words, how to undo the conflicting setting;
+    `world_size` is the run's sequence-parallel width."""
     check_conflicts(recipes, step_cache=step_cache, explicit_steps=explicit_steps, cache_fix=cache_fix,
                     steps_fix=steps_fix)
     for recipe in recipes:
         if recipe.name == "sparse":
             sparse_backend(recipe, device, settings)
+        elif recipe.name in FASTH3_GRIDS:
+            vsa_fine(recipe, device, settings, world_size)
 
 
 def check_conflicts(recipes: list[Recipe], *, step_cache: bool, explicit_steps: bool, cache_fix: str,
@@ -114,6 +184,10 @@ def check_conflicts(recipes: list[Recipe], *, step_cache: bool, explicit_steps: 
         raise InputError(f"recipe first-block-cache is a step cache: {cache_fix} (one step cache per run)")
     if explicit_steps and "turbo" in names:
         raise InputError(f"recipe turbo sets the steps and the video shift: {steps_fix}")
+    fasth3 = next((n for n in names if n in FASTH3_GRIDS), None)
+    if explicit_steps and fasth3 is not None:
+        raise InputError(f"recipe {fasth3} sets the steps and the shifts the distilled model was trained with "
+                         f"({FASTH3_GRIDS[fasth3].evaluations} evaluations): {steps_fix}")
 
 
 def sparse_backend(recipe: Recipe, device, settings):
@@ -136,7 +210,73 @@ def sparse_backend(recipe: Recipe, device, settings):
         raise InputError(f"recipe sparse needs Sol-Attn: {exc}") from None
 
 
+def vsa_fine(recipe: Recipe, device, settings, world_size: int = 1) -> str:
+    """Where a fasth3 recipe's fine attention runs: "triton" (the block-sparse kernel, on CUDA) or "pytorch"
+    (its reference, on a CPU); an InputError where VSA cannot run at all."""
+    from ...kernels.capability import KernelUnavailable, as_device, require_triton
+    from ...kernels.settings import KernelSettings
+
+    settings = settings or KernelSettings()
+    name = recipe.name
+    if settings.attention in QUANTIZED_HEADS:
+        raise InputError(f"recipe {name} runs VSA on bf16 heads, but attention {settings.attention} quantizes Q/K/V "
+                         f"to FP8 before any block sees them: run the recipe with attention fa3 or sdpa (FP8 "
+                         f"linears combine with it)")
+    if world_size > 1:
+        raise InputError(f"recipe {name} tiles one DiT's whole packed sequence in every block; a sequence-parallel "
+                         f"run ({world_size} GPUs) splits it: run the recipe on one GPU")
+    if as_device(device).type != "cuda":
+        return "pytorch"
+    try:
+        require_triton(f"recipe {name}'s block-sparse kernel", device)
+    except KernelUnavailable as exc:
+        raise InputError(str(exc)) from None
+    return "triton"
+
+
 # ------------------------------------------------------------------------------------------ applying
+class VsaSchedule:
+    """`at(step, block)`: FastH3's VSA (kernels/vsa.py) in every DiT block, over the tiles of one request's packed
+    sequence. The sampler hands it the request (`for_layout`); the text refiner keeps the model's attention."""
+
+    def __init__(self, sparsity: float, tile: int, fine: str, patch: tuple[int, int, int], attention=None):
+        self.sparsity, self.tile, self.fine, self.patch = sparsity, tile, fine, tuple(patch)
+        self.attention = attention
+
+    def for_layout(self, layout, video_latents: tuple[int, int, int]) -> "VsaSchedule":
+        """This schedule bound to a request: `layout` and its target video's (frames, height, width) latents."""
+        from ...kernels.vsa import VsaAttention, tile_map
+        from ..dit.layout import segments_before_video
+
+        patches = tuple(n // p for n, p in zip(video_latents, self.patch))
+        tiles = tile_map(segments_before_video(layout), patches, self.tile)
+        return VsaSchedule(self.sparsity, self.tile, self.fine, self.patch,
+                           VsaAttention(tiles, self.sparsity, self.fine))
+
+    def at(self, step: int | None, block: int):
+        if self.attention is None:
+            raise H3Error("the fasth3 attention tiles one request's packed sequence: it runs through the sampler, "
+                          "which binds it to the request (VsaSchedule.for_layout)")
+        return self.attention
+
+
+def fasth3_schedule(recipe: Recipe, dit, device, settings) -> VsaSchedule | None:
+    """The VSA schedule of a fasth3 recipe for `dit`; None (the model's own attention) for a model without the
+    gates when `sparsity=0` was asked for by name; an InputError naming the checkpoint for one otherwise."""
+    name, sparsity = recipe.name, recipe.params["sparsity"]
+    if not getattr(dit, "takes_block_hooks", True):
+        raise InputError(f"recipe {name} tiles one DiT's whole packed sequence in every block; this model is a "
+                         f"{type(dit).__name__} (sequence parallel), whose blocks see part of it: run it on one GPU")
+    if not dit.config.gate_compress:
+        if sparsity == 0 and "sparsity" in recipe.given:
+            return None
+        origin = getattr(getattr(dit, "checkpoint_origin", None), "path", None)
+        raise InputError(f"recipe {name}: {origin or 'the loaded DiT'} is not a FastH3 model: no "
+                         f"attn.to_gate_compress weights (the VSA gates FastH3 is distilled with); load a FastH3 "
+                         f"checkpoint, or ask for {name}:sparsity=0 to sample its grid with dense attention")
+    return VsaSchedule(sparsity, recipe.params["tile"], vsa_fine(recipe, device, settings), dit.config.patch_size)
+
+
 class SparseSchedule:
     """`at(step, block)`: the model's own attention for the first steps and blocks, Sol-Attn elsewhere."""
 
@@ -159,6 +299,9 @@ class RecipeSampling:
     video_shift: float | None = None
     audio_shift: float | None = None
     step_cache: object | None = None
+    # An explicit grid (fasth3-8step's rungs), video and audio, each ending at 0; the shifts are then in it.
+    sigmas: list[float] | None = None
+    audio_sigmas: list[float] | None = None
 
 
 def recipe_sampling(recipes: list[Recipe], evaluations: int) -> RecipeSampling:
@@ -172,6 +315,13 @@ def recipe_sampling(recipes: list[Recipe], evaluations: int) -> RecipeSampling:
     if turbo is not None:
         out.evaluations = evaluations = turbo.params["evaluations"]
         out.video_shift, out.audio_shift = turbo.params["video_shift"], turbo.params["audio_shift"]
+    fasth3 = next((r for r in recipes if r.name in FASTH3_GRIDS), None)
+    if fasth3 is not None:
+        grid = FASTH3_GRIDS[fasth3.name]
+        out.evaluations = evaluations = grid.evaluations
+        out.video_shift, out.audio_shift = grid.video_shift, grid.audio_shift
+        if grid.rungs is not None:
+            out.sigmas, out.audio_sigmas = grid.sigmas(grid.video_shift), grid.sigmas(grid.audio_shift)
     cache = by_name.get("first-block-cache")
     if cache is not None:
         out.step_cache = make_step_cache("first_block", cache.params["threshold"], cache.params["start"],
@@ -179,8 +329,12 @@ def recipe_sampling(recipes: list[Recipe], evaluations: int) -> RecipeSampling:
     return out
 
 
-def sparse_schedule(recipes: list[Recipe], dit, device, settings) -> SparseSchedule | None:
-    """The sparse recipe's attention schedule over `dit`'s own attention (set its kernels first), or None."""
+def sparse_schedule(recipes: list[Recipe], dit, device, settings) -> "SparseSchedule | VsaSchedule | None":
+    """The recipes' attention schedule for `dit` (set its kernels first): the sparse recipe's over the model's own
+    attention, fasth3's VSA, or None."""
+    fasth3 = next((r for r in recipes if r.name in FASTH3_GRIDS), None)
+    if fasth3 is not None:
+        return fasth3_schedule(fasth3, dit, device, settings)
     sparse = next((r for r in recipes if r.name == "sparse"), None)
     if sparse is None:
         return None
@@ -196,7 +350,7 @@ def apply_recipes(recipes: list[Recipe], req, dit, device, settings):
                      "attention_schedule": sparse_schedule(recipes, dit, device, settings)}
     if run.evaluations is not None:
         changes.update(steps=run.evaluations + 1, video_shift=run.video_shift, audio_shift=run.audio_shift,
-                       sigmas=None, audio_sigmas=None)
+                       sigmas=run.sigmas, audio_sigmas=run.audio_sigmas)
     if run.step_cache is not None:
         changes["step_cache"] = run.step_cache
     return dataclasses.replace(req, **changes)

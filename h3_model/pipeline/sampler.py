@@ -103,6 +103,10 @@ def sample(dit, req: SamplingRequest, schedule: JointSchedule, generator: torch.
     if inside and not getattr(dit, "takes_block_hooks", True):
         raise InputError(f"this model is a {type(dit).__name__}, whose forward is its own: {' and '.join(inside)} "
                          "cannot reach into it (sequence-parallel runs take neither yet)")
+    if hasattr(attention_schedule, "for_layout"):
+        # An attention that tiles the packed sequence (recipe fasth3's VSA) is made for this request's layout.
+        attention_schedule = attention_schedule.for_layout(req.layout, (req.latent_frames, req.latent_height,
+                                                                        req.latent_width))
     previous = getattr(dit, "attention_schedule", None)
     if attention_schedule is not None:
         dit.attention_schedule = attention_schedule  # set on the model itself: the forward reads it there

@@ -1,0 +1,186 @@
+"""Video Sparse Attention (kernels/vsa_reference.py, kernels/vsa.py): the tiling of H3's packed sequence, the
+reference's properties, and the Triton block-sparse fine kernel against the reference (Triton's CPU interpreter
+here).
+
+Error budget: sparsity 0 without a gate is the dense attention within 1e-5 (fp32); with a zero gate the output
+is the fine branch exactly; the Triton fine step matches the reference's within 1e-5 (fp32, max abs, values of
+order 1) and 2 bf16 ulps relative (bf16: the kernel rounds P to bf16 before P.V as flash kernels do).
+"""
+
+import math
+
+import pytest
+import torch
+
+from h3_spark.errors import InputError
+from h3_spark.h3_model.dit.layout import AudioBlock, ImageBlock, build_ref2va, build_t2va, segments_before_video
+from h3_spark.kernels._triton import triton
+from h3_spark.kernels.attention import math_reference
+from h3_spark.kernels.vsa_reference import (TILE_SHAPES, add_gated_coarse, coarse_scores, fine_reference, pooled,
+                                            select_tiles, tile_map, video_tiles_kept, vsa_reference)
+
+needs_triton = pytest.mark.skipif(triton is None, reason="needs Triton (its CPU interpreter runs these)")
+
+
+def _qkv(tiles, heads=2, dim=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = tiles.sequence_length
+    return [torch.randn(1, s, heads, dim, generator=g).to(dtype) for _ in range(3)]
+
+
+# ------------------------------------------------------------------------------------------ tiling
+def _loop_video_tiles(shape, tile_shape):
+    """Video rows per tile by plain loops over (t, h, w) tiles, each tile's rows in (t, h, w) order."""
+    t, h, w = shape
+    tt, th, tw = tile_shape
+    index = torch.arange(t * h * w).reshape(t, h, w)
+    return [index[a:a + tt, b:b + th, c:c + tw].flatten().tolist()
+            for a in range(0, t, tt) for b in range(0, h, th) for c in range(0, w, tw)]
+
+
+@pytest.mark.parametrize("tile", sorted(TILE_SHAPES))
+def test_tiles_are_segment_pure_and_the_video_is_cut_in_3d(tile):
+    segments, video = (37, 0, 150, 20), (5, 6, 9)
+    tiles = tile_map(segments, video, tile)
+    prefix = sum(segments)
+    # Prefix: each run cut into whole tiles plus a shorter last one, never across a run's end.
+    bounds = [0]
+    for s in segments:
+        bounds.append(bounds[-1] + s)
+    for start, end in zip(bounds, bounds[1:]):
+        if end > start:
+            assert tiles.row_tile[start] != (tiles.row_tile[start - 1] if start else -1)
+            assert len(set(tiles.row_tile[start:end].tolist()) & set(tiles.row_tile[:start].tolist())) == 0
+    want_prefix = [n for s in segments if s for n in [tile] * (s // tile) + ([s % tile] if s % tile else [])]
+    assert tiles.sizes[:tiles.num_prefix_tiles].tolist() == want_prefix
+    # Video: the tiles of the loops, in their order, each row in its place within its tile.
+    expected = _loop_video_tiles(video, TILE_SHAPES[tile])
+    assert tiles.sizes[tiles.num_prefix_tiles:].tolist() == [len(r) for r in expected]
+    for i, rows in enumerate(expected):
+        tile_index = tiles.num_prefix_tiles + i
+        got = [prefix + r for r in rows]
+        assert tiles.row_tile[got].eq(tile_index).all()
+        assert tiles.slot[got].tolist() == [tile_index * tile + j for j in range(len(rows))]
+    # Every row has its own slot, inside its tile's valid part.
+    assert tiles.slot.unique().numel() == tiles.sequence_length == prefix + math.prod(video)
+    assert (tiles.slot % tile < tiles.sizes[tiles.row_tile]).all()
+
+
+def test_unknown_tile_sizes_are_refused():
+    with pytest.raises(InputError, match="VSA tiles hold 64, 128, 256 rows, not 32"):
+        tile_map((10,), (4, 4, 4), 32)
+
+
+def test_the_layout_gives_the_runs_before_the_target_video():
+    tags = torch.ones(9, dtype=torch.long)
+    t2va = build_t2va(tags, 3, 4, 6, 5)
+    assert segments_before_video(t2va) == (9, 10)  # text, stereo target audio
+    fl2va = build_t2va(tags, 3, 4, 6, 5, keyframes=("first", "last"))
+    assert segments_before_video(fl2va) == (9, 12, 10)  # text, two keyframes, audio
+    ref = build_ref2va(tags, [ImageBlock(4, 4), AudioBlock(3), ImageBlock(2, 4)], 3, 4, 6, 5)
+    assert segments_before_video(ref) == (9, 4, 6, 2, 10)  # text, image, audio, image, target audio
+
+
+# ------------------------------------------------------------------------------------------ the reference
+def test_kept_tiles_follow_fastvideos_rule():
+    assert [video_tiles_kept(s, 10) for s in (0.0, 0.5, 0.8, 0.9, 0.99)] == [10, 5, 2, 1, 1]
+    assert video_tiles_kept(0.9, 25) == 3 and video_tiles_kept(0.0, 1) == 1
+
+
+@pytest.mark.parametrize("gate", ["none", "zero"])
+def test_sparsity_zero_without_a_gate_is_dense_attention(gate):
+    tiles = tile_map((37, 20), (5, 6, 7), 64)
+    q, k, v = _qkv(tiles)
+    g = None if gate == "none" else torch.zeros_like(v)
+    got = vsa_reference(q, k, v, g, tiles, 0.0)
+    assert (got - math_reference(q, k, v)).abs().max().item() <= 1e-5
+
+
+def test_a_zero_gate_leaves_the_fine_branch_alone():
+    tiles = tile_map((37, 20), (5, 6, 7), 64)
+    q, k, v = _qkv(tiles, seed=1)
+    mask = select_tiles(coarse_scores(q, k, tiles), tiles.num_prefix_tiles, 0.75)
+    fine = fine_reference(q, k, v, mask, tiles)
+    assert torch.equal(vsa_reference(q, k, v, torch.zeros_like(v), tiles, 0.75), fine)
+    assert torch.equal(vsa_reference(q, k, v, None, tiles, 0.75), fine)
+    assert not torch.allclose(fine, math_reference(q, k, v), atol=1e-3)  # it is sparse
+
+
+def test_selection_keeps_the_top_video_tiles_and_every_prefix_tile():
+    tiles = tile_map((37, 20), (5, 6, 7), 64)
+    p, n = tiles.num_prefix_tiles, tiles.num_tiles
+    scores = torch.randn(1, 2, n, n, generator=torch.Generator().manual_seed(3))
+    mask = select_tiles(scores, p, 0.7)
+    keep = video_tiles_kept(0.7, n - p)
+    assert keep == 3
+    for h in range(2):
+        for qt in range(n):
+            row = mask[0, h, qt]
+            if qt < p:  # a text or audio query tile attends to everything
+                assert row.all()
+                continue
+            assert row[:p].all()
+            top = set((scores[0, h, qt, p:].argsort(descending=True)[:keep] + p).tolist())
+            assert set(row[p:].nonzero().flatten().add(p).tolist()) == top
+
+
+def test_the_gate_scales_each_tiles_coarse_output():
+    """Against a per-tile loop: the coarse output of query tile i is softmax_j(score_ij) . mean_v(j)."""
+    tiles = tile_map((37, 20), (5, 6, 7), 64)
+    q, k, v = _qkv(tiles, seed=4)
+    gate = torch.randn_like(v)
+    scores = coarse_scores(q, k, tiles)
+    fine = fine_reference(q, k, v, select_tiles(scores, tiles.num_prefix_tiles, 0.5), tiles)
+    got = add_gated_coarse(fine, scores, pooled(v, tiles), gate, tiles) - fine
+    means = torch.stack([v[0, tiles.row_tile == j].mean(0) for j in range(tiles.num_tiles)])  # (n, H, D)
+    qm = torch.stack([q[0, tiles.row_tile == j].mean(0) for j in range(tiles.num_tiles)])
+    km = torch.stack([k[0, tiles.row_tile == j].mean(0) for j in range(tiles.num_tiles)])
+    assert torch.allclose(pooled(v, tiles)[0].transpose(0, 1), means, atol=1e-6)
+    for i in range(tiles.num_tiles):
+        weights = torch.einsum("hd,jhd->hj", qm[i], km).div(math.sqrt(16)).softmax(-1)
+        coarse = torch.einsum("hj,jhd->hd", weights, means)
+        rows = tiles.row_tile == i
+        assert torch.allclose(got[0, rows], gate[0, rows] * coarse, atol=1e-5)
+
+
+def test_inputs_that_do_not_fit_the_tiles_are_refused():
+    tiles = tile_map((37,), (4, 4, 4), 64)
+    q, k, v = _qkv(tile_map((36,), (4, 4, 4), 64))
+    with pytest.raises(InputError, match="the VSA tiles were made for 101 rows, this attention has 100"):
+        vsa_reference(q, k, v, None, tiles, 0.5)
+
+
+# ------------------------------------------------------------------------------------------ the Triton kernel
+@needs_triton
+@pytest.mark.parametrize("tile, segments, video, sparsity", [
+    (64, (37, 20), (5, 6, 7), 0.75),
+    (64, (70,), (4, 4, 4), 0.0),
+    (128, (9,), (3, 5, 9), 0.5),
+])
+def test_triton_fine_kernel_matches_the_reference_fp32(tile, segments, video, sparsity):
+    from h3_spark.kernels.vsa import block_sparse_fine
+
+    tiles = tile_map(segments, video, tile)
+    q, k, v = _qkv(tiles, seed=5)
+    mask = select_tiles(coarse_scores(q, k, tiles), tiles.num_prefix_tiles, sparsity)
+    got, want = block_sparse_fine(q, k, v, mask, tiles), fine_reference(q, k, v, mask, tiles)
+    assert got.dtype == want.dtype and (got - want).abs().max().item() <= 1e-5
+
+
+@needs_triton
+def test_triton_fine_kernel_bf16_and_the_whole_vsa():
+    from h3_spark.kernels.vsa import VsaAttention, block_sparse_fine, vsa_attention
+
+    tiles = tile_map((37, 20), (5, 6, 7), 64)
+    q, k, v = _qkv(tiles, dtype=torch.bfloat16, seed=6)
+    mask = select_tiles(coarse_scores(q, k, tiles), tiles.num_prefix_tiles, 0.8)
+    got, want = block_sparse_fine(q, k, v, mask, tiles).float(), fine_reference(q, k, v, mask, tiles).float()
+    assert ((got - want).abs() <= want.abs() * 2 ** -6 + 2 ** -8).all()
+    qf, kf, vf = _qkv(tiles, seed=7)
+    gate = torch.randn_like(vf)
+    whole = vsa_attention(qf, kf, vf, gate, tiles, 0.8)
+    assert (whole - vsa_reference(qf, kf, vf, gate, tiles, 0.8)).abs().max().item() <= 1e-5
+    backend = VsaAttention(tiles, 0.8, "triton")
+    assert backend.reads_gate and torch.equal(backend(qf, kf, vf, gate=gate), whole)
+    assert backend.describe() == {"backend": "vsa", "exact": False, "sparsity": 0.8, "tile": 64, "fine": "triton",
+                                  "tiles": 10, "video_tiles": 8, "calls": 1, "calls_with_gate": 1}
