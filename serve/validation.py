@@ -35,7 +35,7 @@ from ..h3_model.pipeline.step_cache import (DEFAULT_END_PERCENT, DEFAULT_START_P
                                             DEFAULT_THRESHOLD)
 from ..h3_model.pipeline.step_cache import MODES as CACHE_MODES
 from ..h3_model.pipeline.step_cache import CacheOptions
-from ..h3_model.text.prompt import check_prompt
+from ..h3_model.text.prompt import check_mentions, check_prompt
 from ..kernels.settings import ATTENTION_BACKENDS
 
 REFERENCE_KINDS = ("image", "video", "audio")
@@ -190,6 +190,7 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         raise _bad(f"{mode} takes no keyframes; use fl2va")
     try:
         check_prompt(mode, prompt)
+        _check_mentions_at_submit(mode, prompt, references, first, last)
     except H3Error as exc:
         raise _bad(str(exc)) from None
 
@@ -230,6 +231,18 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
                            f"{limits.max_steps - 1}")
     return JobRequest(mode, prompt, output, references, first, last, overwrite, width, height, frames, steps, seed,
                       attention, cache, recipes)
+
+
+def _check_mentions_at_submit(mode: str, prompt: str, references: list[tuple[str, str]], first, last) -> None:
+    """The prompt's `<Picture N>` / `<Video N>` / `<Audio N>` against what the request gives, before it is queued
+    (a job that can only fail must not take a worker). Whether a video has a soundtrack (another `<Audio j>`) is
+    known only once the file is read, so here every video may have one; the job checks the exact count."""
+    if mode == "fl2va":
+        check_mentions(mode, prompt, images=int(bool(first)) + int(bool(last)))
+        return
+    kinds = [kind for kind, _ in references]
+    check_mentions(mode, prompt, images=kinds.count("image"), videos=kinds.count("video"),
+                   audios=kinds.count("audio") + kinds.count("video"))
 
 
 def _recipes(body: dict, cache_mode: str, steps_given: bool) -> list:

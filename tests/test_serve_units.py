@@ -471,3 +471,34 @@ def test_ready_reports_host_memory_while_loading_and_once_ready(tmp_path, monkey
         service.stop()
     assert ok and body["memory"]["device"] == "cpu" and body["host_memory"]["cgroup"] == cgroup
     assert body["host_memory"]["rss_gb"] > 0 and body["peak_host_memory_gb"] >= body["host_memory"]["rss_gb"]
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"prompt": "<Picture 3> dances", "references": [{"kind": "image", "path": "a.png"}]},
+     "the prompt names <Picture 3>, but this request gives 1 image reference (<Picture 1>)"),
+    ({"prompt": "<Picture 1> waves"}, "the prompt names <Picture 1>, but this request gives no image reference "
+                                      "(t2va takes none)"),
+    ({"prompt": "<Video 2> plays", "references": [{"kind": "video", "path": "v.mp4"}]},
+     "the prompt names <Video 2>, but this request gives 1 video reference (<Video 1>)"),
+    ({"prompt": "<Picture 2> ends it", "first_frame": "a.png"},
+     "the prompt names <Picture 2>, but this request gives 1 keyframe (<Picture 1>)"),
+    ({"prompt": "<Audio 3> hums", "references": [{"kind": "image", "path": "a.png"}, {"kind": "audio", "path": "a.wav"},
+                                                 {"kind": "video", "path": "v.mp4"}]},
+     "the prompt names <Audio 3>, but this request gives 2 audio references (<Audio 1>..<Audio 2>)"),
+])
+def test_reference_mentions_are_checked_at_submit(body, message):
+    """A prompt naming a reference the request does not give is refused before it is queued (400), not by the
+    worker after it took the job."""
+    import re
+
+    with pytest.raises(RequestError, match="^" + re.escape(message) + "$") as caught:
+        parse_request({"output": "a.mp4", **body}, LIMITS)
+    assert caught.value.status == 400
+
+
+def test_a_soundtrack_mention_the_submit_cannot_see_yet_is_taken():
+    """<Audio 2> with one audio reference and one video: the video may bring a soundtrack, so the submit takes it
+    (the job checks the exact count once it has read the video)."""
+    refs = [{"kind": "audio", "path": "a.wav"}, {"kind": "video", "path": "v.mp4"}]
+    assert parse_request({"prompt": "<Audio 2> and <Video 1>", "output": "a.mp4", "references": refs},
+                         LIMITS).mode == "ref2va"
