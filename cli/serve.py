@@ -38,6 +38,10 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                                                   "(without it, only t2va requests are accepted)")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}, this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                   help="a Host header the service answers (repeatable; '*' for any). Default on loopback: "
+                        "127.0.0.1, localhost and [::1] only, so a web page cannot reach it through DNS rebinding; "
+                        "beyond loopback any Host, since every request then carries the bearer token")
     p.add_argument("--api-key-file", type=Path, default=None,
                    help="a file whose first line is the bearer token every request must send (default: $H3_API_KEY); "
                         "required to listen beyond 127.0.0.1")
@@ -113,7 +117,17 @@ def service_settings(args, device: str | None = None):
 
     config.api_key = read_api_key(args.api_key_file)
     args.auth_line = check_binding(args.host, config.api_key)
+    config.allowed_hosts = allowed_hosts(args.host, args.allowed_host)
     return paths, options, config
+
+
+def allowed_hosts(bind: str, given: list[str] | None) -> tuple[str, ...] | None:
+    """The Host headers the service answers; None for any."""
+    from ..serve.auth import LOOPBACK_HOSTS, is_loopback
+
+    if given:
+        return None if "*" in given else tuple(h.strip().lower() for h in given)
+    return LOOPBACK_HOSTS if is_loopback(bind) else None
 
 
 def synthetic_overrides(args, options):

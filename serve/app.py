@@ -3,8 +3,8 @@
   GET    /ready       200 when every model is resident (models, dtypes, device, memory, supported kernels),
                       503 with what is still loading (or why loading failed)
   POST   /generate    JSON (serve/validation.py lists the fields) -> 202 {"id", "state", "url"}
-                      400 bad field or JSON, 409 output exists / taken, 413 too large, 429 queue full
-                      (Retry-After), 503 not ready
+                      400 bad field or JSON, 409 output exists / taken, 413 too large, 415 not
+                      Content-Type: application/json, 429 queue full (Retry-After), 503 not ready
   GET    /jobs        queue state and the jobs on record
   GET    /jobs/{id}   state (queued | running | done | failed | cancelled), progress, timings, output,
                       backends, step-cache report, error
@@ -43,6 +43,16 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, status_code=500)
+
+
+def check_json_type(request: Request) -> None:
+    """POST bodies must say they are JSON (415 otherwise). A web page can send text/plain, a form or multipart to
+    another origin without asking first (no CORS preflight), but not application/json: this keeps a page the user
+    visits from queueing jobs on a token-less service on their machine."""
+    given = request.headers.get("content-type", "")
+    if given.split(";")[0].strip().lower() != "application/json":
+        raise RequestError(415, f"{request.method} {request.url.path} takes Content-Type: application/json, got "
+                                f"{given or 'none'!r}")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -90,6 +100,7 @@ def create_app(service: Service) -> Starlette:
 
     async def generate(request: Request) -> JSONResponse:
         try:
+            check_json_type(request)
             body = parse_json(await read_body(request, service.limits.max_body_bytes))
             job = await run_in_threadpool(service.submit, body)
         except RequestError as exc:
@@ -145,9 +156,14 @@ def create_app(service: Service) -> Starlette:
               Route("/jobs/{job_id}/preview", preview, methods=["GET"]), Route("/live", live, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     middleware = []
-    if service.config.api_key is not None:
-        from starlette.middleware import Middleware
+    from starlette.middleware import Middleware
 
+    if service.config.allowed_hosts:
+        # DNS rebinding: a page at attacker.example, resolved to 127.0.0.1, sends Host: attacker.example.
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=list(service.config.allowed_hosts)))
+    if service.config.api_key is not None:
         from .auth import BearerAuth
 
         middleware.append(Middleware(BearerAuth, key=service.config.api_key))

@@ -41,6 +41,11 @@ def read_api_key(file: Path | None, environ=os.environ) -> str | None:
     return key
 
 
+# The Host headers a loopback service answers by default (serve --allowed-host): a page whose name an attacker's
+# DNS points at 127.0.0.1 sends its own name, and is refused.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

@@ -40,6 +40,7 @@ class ServiceConfig:
     mlp_chunks: int = 1
     weights: str = "checkpoint files"  # what /ready says the weights are (serve --synthetic: random ones)
     api_key: str | None = field(default=None, repr=False)  # bearer token every request needs (serve/auth.py)
+    allowed_hosts: tuple[str, ...] | None = None  # Host headers answered (others: 400); None: any (serve --allowed-host)
 
     def __post_init__(self) -> None:
         if not 1 <= self.queue_size <= 10_000:

@@ -483,6 +483,41 @@ def test_malformed_bodies(serve, body, code, fragment):
     assert r.status_code == code and fragment in r.json()["error"]
 
 
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_body_that_does_not_say_json_is_refused(serve, content_type):
+    """What a cross-origin page can send without a preflight (text/plain, a form, multipart) is 415, not queued."""
+    client = serve()
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = client.post("/generate", content=json.dumps(request("x.mp4")).encode(), headers=headers)
+    assert r.status_code == 415, r.text
+    assert r.json()["error"] == ("POST /generate takes Content-Type: application/json, got "
+                                 f"{content_type or 'none'!r}")
+    assert client.get("/jobs").json()["jobs"] == []
+    r = client.post("/generate", content=json.dumps(request("x.mp4")).encode(),
+                    headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 202, r.text
+
+
+def test_a_loopback_service_answers_loopback_host_names_only(serve):
+    """DNS rebinding: a page whose name resolves to 127.0.0.1 sends Host: its own name, which a loopback service
+    refuses (400); its own names pass. The CLI's default allow-list is the loopback names on loopback, any Host
+    beyond it (the token guards it there), and what --allowed-host says."""
+    from h3_spark.cli.serve import allowed_hosts
+    from h3_spark.serve.auth import LOOPBACK_HOSTS
+
+    client = serve(allowed_hosts=(*LOOPBACK_HOSTS, "testserver"))  # the test client's own name, for its set-up
+    for host in ("127.0.0.1:8000", "localhost", "[::1]:8000"):
+        assert client.get("/live", headers={"host": host}).status_code == 200, host
+    for host in ("attacker.example:8000", "127.0.0.1.attacker.example"):
+        r = client.post("/generate", json=request("x.mp4"), headers={"host": host})
+        assert r.status_code == 400 and r.text == "Invalid host header", host
+        assert client.get("/jobs", headers={"host": host}).status_code == 400
+    assert allowed_hosts("127.0.0.1", None) == LOOPBACK_HOSTS and allowed_hosts("0.0.0.0", None) is None
+    assert allowed_hosts("127.0.0.1", ["H3.Example", "localhost"]) == ("h3.example", "localhost")
+    assert allowed_hosts("127.0.0.1", ["*"]) is None
+
+
 def test_unknown_routes_and_methods_answer_json(serve):
     client = serve()
     r = client.get("/nope")

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..app import parse_json, read_body
+from ..app import check_json_type, parse_json, read_body
 from ..jobs import TERMINAL
 from ..validation import Limits, RequestError
 from .ledger import Ledger
@@ -264,6 +264,7 @@ def create_router_app(router: Router) -> Starlette:
 
     async def generate(request: Request) -> JSONResponse:
         try:
+            check_json_type(request)
             body = parse_json(await read_body(request, router.limits.max_body_bytes))
         except RequestError as exc:
             return _json(exc.status, {"error": str(exc)}, exc.headers)
