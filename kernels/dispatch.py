@@ -171,7 +171,7 @@ def _make_linear(fmt: str, linear: nn.Module, stored: dict | None, use_triton: b
         stored = linear.stored_tensors()
         dtype, shape = linear.out_dtype, linear.shape
         if stored is None:
-            linear = _dense(linear)
+            linear = linear.to_linear()
     else:
         dtype, shape = linear.weight.dtype, tuple(linear.weight.shape)
     kind = (stored or {}).get("format")
@@ -186,14 +186,6 @@ def _make_linear(fmt: str, linear: nn.Module, stored: dict | None, use_triton: b
         return Nvfp4Linear.from_nvfp4(stored["weight"], stored["weight_scale"], stored["weight_scale_2"], shape,
                                       dtype)
     return Nvfp4Linear.from_linear(linear)
-
-
-def _dense(stored: StoredLinear) -> nn.Linear:
-    """A StoredLinear's weight, dequantized exactly, as the nn.Linear the low-bit quantizers start from."""
-    with torch.device("meta"):
-        linear = nn.Linear(stored.in_features, stored.out_features, bias=False)
-    linear.weight = nn.Parameter(stored.dequantized(), requires_grad=False)
-    return linear
 
 
 def _block_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

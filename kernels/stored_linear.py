@@ -158,6 +158,16 @@ class StoredLinear(nn.Module):
         out = self.dequantize_into(torch.empty(self.shape, dtype=self.out_dtype, device=self.weight.device))
         return out if dtype is None or dtype == self.out_dtype else out.to(dtype)
 
+    def to_linear(self) -> nn.Linear:
+        """An nn.Linear holding this layer's exact dequantized weight (and its bias): what a LoRA merges into and
+        the low-bit quantizers start from."""
+        with torch.device("meta"):
+            linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        linear.weight = nn.Parameter(self.dequantized(), requires_grad=False)
+        if self.bias is not None:
+            linear.bias = self.bias
+        return linear
+
     def _jit_weight(self) -> torch.Tensor:
         device = self.weight.device
         key = f"{device}:{self.out_dtype}"

@@ -231,3 +231,25 @@ def test_gpu_fp8_linears_from_stored_codes(fp8_files, fmt):
     assert torch.equal(a.dequantized_weight(), b.dequantized_weight())
     if fmt == "fp8_scaled":
         assert any("fp8_scaled checkpoint codes" in s for s in report["linear"]["sources"])
+
+
+def test_a_lora_merged_into_a_stored_dit_equals_the_dequantized_one(files, lay, tmp_path):
+    """A LoRA makes the StoredLinears it touches dense (their exact dequantized weight) and merges there: the same
+    velocities as the file dequantized at load with the same LoRA; the layers it does not touch stay stored."""
+    from safetensors.torch import save_file
+
+    from h3_spark.h3_model.checkpoint.lora import LoraSpec, apply_loras
+
+    gen = torch.Generator().manual_seed(9)
+    inner = TINY.num_attention_heads * TINY.attention_head_dim
+    lora = tmp_path / "lora.safetensors"
+    save_file({"transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(4, TINY.hidden_size, generator=gen),
+               "transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(inner, 4, generator=gen) * 0.1}, lora)
+    dense = load_dit(files["int8_convrot"], dtype=torch.float32)
+    stored = load_dit(files["int8_convrot"], dtype=torch.float32, stored=True)
+    for model in (dense, stored):
+        apply_loras(model, [LoraSpec(lora, 0.7)])
+    assert type(stored.transformer_blocks[0].attn.to_q) is torch.nn.Linear
+    assert isinstance(stored.transformer_blocks[0].attn.to_k, StoredLinear)
+    for a, b in zip(_velocity(dense, lay, torch.float32), _velocity(stored, lay, torch.float32)):
+        assert torch.equal(a, b)

@@ -131,17 +131,7 @@ def dense_weights(model, params) -> int:
         module = model.get_submodule(owner) if owner else model
         if not isinstance(module, StoredLinear):
             continue
-        with torch.device("meta"):
-            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
-        linear.weight = torch.nn.Parameter(module.dequantized(), requires_grad=False)
-        if module.bias is not None:
-            linear.bias = module.bias
-        parent_name, _, attr = owner.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        if attr.isdigit():
-            parent[int(attr)] = linear
-        else:
-            setattr(parent, attr, linear)
+        model.set_submodule(owner, module.to_linear())
         changed += 1
     return changed
 

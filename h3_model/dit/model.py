@@ -324,12 +324,7 @@ class H3DiT(nn.Module):
         stored = StoredLinear(form, target, bias=None)
         if linear.bias is not None:
             stored.register_parameter("bias", linear.bias)
-        parent_name, _, attr = owner_name.rpartition(".")
-        parent = self.get_submodule(parent_name) if parent_name else self
-        if attr.isdigit():
-            parent[int(attr)] = stored
-        else:
-            setattr(parent, attr, stored)
+        self.set_submodule(owner_name, stored)
 
     # ----------------------------------------------------------------- conditioning
     def adaln_input(self, timestep: torch.Tensor) -> torch.Tensor:

@@ -603,7 +603,7 @@ def _assign(model: torch.nn.Module, tensors: Iterator[tuple[str, "torch.Tensor |
         module_name, _, param = name.rpartition(".")
         module = model.get_submodule(module_name)
         if isinstance(tensor, StoredForm):
-            _replace(model, module_name, StoredLinear(tensor, dtype, bias=None))
+            model.set_submodule(module_name, StoredLinear(tensor, dtype, bias=None))
             if module.bias is not None:
                 model.get_submodule(module_name).register_parameter("bias", module.bias)
         else:
@@ -612,15 +612,6 @@ def _assign(model: torch.nn.Module, tensors: Iterator[tuple[str, "torch.Tensor |
     missing = sorted(set(shapes) - filled)
     if missing:
         raise CheckpointError(f"{where}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
-
-
-def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    parent_name, _, attr = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    if attr.isdigit():
-        parent[int(attr)] = module
-    else:
-        setattr(parent, attr, module)
 
 
 def _rebuild_rotary(model, config, device: torch.device) -> None:
