@@ -24,6 +24,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--synthetic-init", choices=["fan_in", "normal_0.02"], default="fan_in",
                    help="random DiT weights for --synthetic: fan_in (unit-gain linears, like make-checkpoint's and "
                         "a trained network's) or normal_0.02 (the first receipts'; amplifies rounding differences)")
+    p.add_argument("--fasth3", action="store_true",
+                   help="with --synthetic: the DiT is a FastH3 model (random non-zero VSA gates, "
+                        "attn.to_gate_compress), so --recipe fasth3 runs its VSA attention")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--device", default=None,
                    help="cuda[:N] (the default) or cpu; without a CUDA GPU only a tiny --synthetic model runs on the "
@@ -136,6 +139,9 @@ def generation_flags(args) -> tuple[str, ...]:
     if args.generation and not args.synthetic:
         raise InputError("--generation builds synthetic components: use it with --synthetic (--models measures a "
                          "generation anyway)")
+    if args.fasth3 and not args.synthetic:
+        raise InputError("--fasth3 makes the synthetic DiT a FastH3 model: use it with --synthetic (a FastH3 "
+                         "checkpoint or model folder says so itself)")
     generation = args.generation or bool(args.models)
     if cache_modes and not generation:
         raise InputError("--cache-modes needs a generation: add --generation (with --synthetic) or use --models")
@@ -300,8 +306,8 @@ def load_model(args, contract, device: str, dtype):
         vae_dtype = torch.float16 if device.startswith("cuda") else torch.float32
         engine, _ = synthetic_components(args.preset, [contract["mode"]], device, dtype, vae_dtype,
                                          seed=contract["seed"], text_layer=args.text_encoder_layer,
-                                         dit_init=args.synthetic_init, **budget)
-        weights = describe(args.preset, args.synthetic_init)
+                                         dit_init=args.synthetic_init, fasth3=args.fasth3, **budget)
+        weights = describe(args.preset, args.synthetic_init, fasth3=args.fasth3)
     elif args.models:
         # Kernels are applied by `run`, after the diffusers twin is built from the bf16 weights.
         engine = Engine(ComponentPaths(models=args.models),
@@ -315,7 +321,7 @@ def load_model(args, contract, device: str, dtype):
         if args.synthetic:
             from ..measure.synthetic import describe
 
-            weights = describe(args.preset, args.synthetic_init, text_encoder=False)
+            weights = describe(args.preset, args.synthetic_init, text_encoder=False, fasth3=args.fasth3)
         else:
             weights = checkpoint_weights(args.checkpoint, MODE_PARTITIONS[contract["mode"]])
     return engine.components.dit_for(contract["mode"]), engine, weights
@@ -337,9 +343,14 @@ def dit_engine(args, contract, device: str, dtype, budget: dict):
         from ..h3_model.dit.config import preset
         from ..measure import synthetic
 
+        config = preset(args.preset)
+        if args.fasth3:
+            from ..h3_model.checkpoint.fasth3 import fasth3_config
+
+            config = fasth3_config(config)
+
         def build():
-            return synthetic.synthetic_dit(preset(args.preset), dtype, device, seed=contract["seed"],
-                                           init=args.synthetic_init)
+            return synthetic.synthetic_dit(config, dtype, device, seed=contract["seed"], init=args.synthetic_init)
 
         engine = Engine(options=options, overrides={key: build})
     else:

@@ -162,8 +162,9 @@ def synthetic_text_encoder(preset: str, device: str, dtype: torch.dtype, seed: i
 
 def component_builders(preset: str, modes: list[str], device: str, dtype: torch.dtype,
                        vae_dtype: torch.dtype = torch.float16, seed: int = 0, text_layer: int = 50,
-                       dit_init: str = "fan_in") -> dict[str, Callable[[], object]]:
-    """Component name -> a function that builds it (the service's load overrides take these)."""
+                       dit_init: str = "fan_in", fasth3: bool = False) -> dict[str, Callable[[], object]]:
+    """Component name -> a function that builds it (the service's load overrides take these). `fasth3`: the DiT
+    carries FastH3's VSA gates (random, non-zero), so the fasth3 recipe runs its VSA attention."""
     _check_preset(preset)
     from ..errors import InputError
     from ..h3_model.dit.config import preset as dit_preset
@@ -175,6 +176,10 @@ def component_builders(preset: str, modes: list[str], device: str, dtype: torch.
     if bad or not modes:
         raise InputError(f"synthetic modes must be among {', '.join(MODE_KEYS)}, got {modes}")
     dit_config = dit_preset("full") if preset == "full" else demo.DIT_CONFIG
+    if fasth3:
+        from ..h3_model.checkpoint.fasth3 import fasth3_config
+
+        dit_config = fasth3_config(dit_config)
     builders: dict[str, Callable[[], object]] = {}
     for key in sorted({MODE_KEYS[m] for m in modes}):
         builders[key] = lambda key=key: synthetic_dit(dit_config, dtype, device, seed=seed + (key == "dit_ref"),
@@ -190,14 +195,14 @@ def synthetic_components(preset: str, modes: list[str], device: str, dtype: torc
                          vae_dtype: torch.dtype = torch.float16, seed: int = 0, text_layer: int = 50,
                          log: Callable[[str], None] = lambda message: None, dit_init: str = "fan_in",
                          kernels=None, vram_budget: int | None = None, prefetch_depth: int = 2,
-                         plan_rows: int | None = None):
+                         plan_rows: int | None = None, fasth3: bool = False):
     """(the engine over these components, seconds per component), built on `device`. Without `kernels` the
     engine's kernels are left as built (the bench applies its own after any diffusers twin); a `vram_budget`
     places them as the engine does for a smaller card."""
     from ..h3_model.engine.engine import Engine
     from ..h3_model.engine.loading import LoadOptions
 
-    builders = component_builders(preset, modes, device, dtype, vae_dtype, seed, text_layer, dit_init)
+    builders = component_builders(preset, modes, device, dtype, vae_dtype, seed, text_layer, dit_init, fasth3)
     options = LoadOptions(device=device, dtype=dtype, vae_dtype=vae_dtype, text_layer=text_layer, kernels=kernels,
                           vram_budget=vram_budget, prefetch_depth=prefetch_depth, plan_rows=plan_rows)
     engine = Engine(options=options, overrides=builders)
@@ -210,8 +215,9 @@ def synthetic_components(preset: str, modes: list[str], device: str, dtype: torc
     return engine, dict(engine.load_seconds)
 
 
-def describe(preset: str, dit_init: str = "fan_in", text_encoder: bool = True) -> str:
+def describe(preset: str, dit_init: str = "fan_in", text_encoder: bool = True, fasth3: bool = False) -> str:
     """What a result says its weights were."""
     stand_in = "; the text encoder uses a byte-level stand-in tokenizer" if text_encoder else ""
-    return (f"synthetic random weights, preset {preset}, DiT init {dit_init}, built on the device (real H3 weights "
+    model = " a FastH3 DiT (random non-zero VSA gates)," if fasth3 else ""
+    return (f"synthetic random weights, preset {preset},{model} DiT init {dit_init}, built on the device (real H3 weights "
             f"are not available here; timing does not depend on weight values{stand_in})")

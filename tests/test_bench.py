@@ -179,6 +179,27 @@ def test_bench_generation_with_recipes_renders_with_them_and_reports_memory_per_
     assert plan["latent_frames"] > 0 and plan["host_buffer"] > 0
 
 
+def test_a_fasth3_synthetic_render_runs_four_vsa_evaluations(tmp_path, capsys, monkeypatch):
+    """--fasth3 gives the synthetic DiT non-zero VSA gates, so the fasth3 recipe renders with them: four
+    evaluations, the recipe stamped, the weights described as FastH3's. Without --fasth3 the recipe refuses the
+    gate-less model in one line."""
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
+
+    if not ensure_importable():
+        pytest.skip("the Qwen3-VL processors need torchvision")
+    argv = ["bench", "--contract", str(ROOT / "tests" / "data" / "tiny-t2va.json"), "--synthetic", "--preset",
+            "tiny", "--generation", "--recipe", "fasth3", "--warmup", "0", "--repeats", "1", "--dtype", "float32",
+            "--device", "cpu", "--out", str(tmp_path / "r.json")]
+    assert main(argv) == 2
+    assert "is not a FastH3 model" in capsys.readouterr().err
+    assert main([*argv, "--fasth3"]) == 0, capsys.readouterr().err
+    result = json.loads((tmp_path / "r.json").read_text())
+    gen = result["generation"]
+    assert gen["evaluations"] == 4 and len(gen["step_s_all"]) == 4
+    assert gen["recipes"][0]["name"] == "fasth3" and gen["recipes"][0]["sparsity"] == 0.9
+    assert "FastH3" in result["weights"]
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--generation"], "--generation builds synthetic components"),
     (["--synthetic", "--cache-modes", "easycache"], "--cache-modes needs a generation"),
@@ -189,6 +210,7 @@ def test_bench_generation_with_recipes_renders_with_them_and_reports_memory_per_
     (["--synthetic", "--generation", "--recipe", "first-block-cache", "--cache-modes", "easycache"],
      "--recipe with --cache-modes: the recipes' render is measured on its own"),
     (["--synthetic", "--generation", "--recipe", "sparse"], "recipe sparse needs Sol-Attn"),
+    (["--fasth3"], "--fasth3 makes the synthetic DiT a FastH3 model: use it with --synthetic"),
     (["--synthetic", "--steps", "1"], "--steps must be at least 2, got 1"),
     (["--synthetic", "--warmup", "-1"], "--warmup must be at least 0, got -1"),
 ])
