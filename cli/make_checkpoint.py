@@ -51,8 +51,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--format", choices=_FormatChoices(sorted(set(DIT_FORMATS) | set(TEXT_ENCODER_FORMATS))
                                                      + [GGUF_FORMAT + "<TYPE>"]), default="bf16",
                    help="DiT (bf16|fp8_scaled|nvfp4|int8_convrot): storage of the 4 linears of every block; "
-                        "everything else stays bf16/fp32. DiT gguf:<TYPE> (Q8_0, Q5_1, Q5_0, Q4_1, Q4_0, F16, BF16, "
-                        "F32: what the gguf package quantizes): a .gguf file as the published GGUFs hold it, the "
+                        "everything else stays bf16/fp32. DiT gguf:<TYPE> (Q8_0, Q5_1, Q5_0, Q4_1, Q4_0: bit for bit "
+                        "the gguf package's quantizers; Q6_K, Q5_K, Q4_K, Q3_K, Q2_K: our own K-quant quantizer; "
+                        "F16, BF16, F32; quantized on --device): a .gguf file as the published GGUFs hold it, the "
                         "comfy or comfy-pruned layout's names, every 2-D weight in TYPE where its rows are whole "
                         "blocks (else F16), 1-D tensors, the curve table and the patch projections F32. "
                         "text_encoder (bf16|fp8_scaled|int8_convrot|nvfp4_awq): "

@@ -3,13 +3,14 @@
 Oracle: gguf-py itself (`gguf.GGUFReader` for the file's tensors, `gguf.quants.dequantize` for their values,
 `gguf.get_tensor_name_map` for llama.cpp's Qwen3-VL names), never our reader. Claims, each checked bit for bit
 (torch.equal) unless said otherwise:
-- a tiny DiT written by `make-checkpoint --format gguf:<TYPE>` for every type gguf quantizes (Q8_0, Q5_1, Q5_0,
-  Q4_1, Q4_0) gives, loaded with `stored=True`, the velocities of an H3DiT holding the same tensors dequantized
+- a tiny DiT written by `make-checkpoint --format gguf:<TYPE>` for every legacy block type (Q8_0, Q5_1, Q5_0,
+  Q4_1, Q4_0) and the K-quants Q4_K and Q2_K (on a model whose rows are whole 256-value super-blocks) gives, loaded with `stored=True`, the velocities of an H3DiT holding the same tensors dequantized
   by gguf (fp32 and bf16), and so does `stored=False`; its block layers are StoredLinears of format gguf whose
   codes (q, k, v cut from the fused QKV included) are views of the file's memory map;
 - inspect reports the file's version, architecture and every tensor's type and bytes; the engine loads and
   generates with it, stored and dequantized at load giving the same latents;
-- the full preset's plan (nothing drawn) has the published pruned files' 532 tensors and their sizes;
+- the full preset's plan (nothing drawn) has the published pruned files' 532 tensors and their sizes (Q8_0, Q5_0,
+  BF16 exactly; the published Q4_K and Q2_K files are mixes, ours one type: within 0.05 GiB);
 - a tiny Qwen3-VL in a llama.cpp-named GGUF (F16, Q8_0), without a vision tower, encodes a T2VA prompt as the
   same weights in a dense single file do; an image presentation fails naming the missing tower;
 - every broken file fails in one line naming the file and the tensor.
@@ -40,14 +41,18 @@ from h3_spark.h3_model.dit.model import H3DiT  # noqa: E402
 from h3_spark.kernels.stored_linear import StoredLinear  # noqa: E402
 from oracle import text_tags  # noqa: E402
 
-BLOCK_TYPES = tuple(t for t in writable_types() if t not in ("F32", "F16", "BF16"))
+LEGACY_TYPES = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
+K_TYPES = ("Q4_K", "Q2_K")
 # TINY's 24-wide hidden state is not whole 32-value blocks (its QKV and fc1 fall back to F16, as published files
 # do for such rows); this tiny model's rows all are, so every linear, the fused QKV and fc1 included, is blocks.
 ALIGNED = dataclasses.replace(TINY, hidden_size=64, text_dim=32, time_embed_dim=32)
+# The same for the K-quants' super-blocks of 256: every block linear's rows (hidden, attention width, ffn).
+K_ALIGNED = dataclasses.replace(TINY, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_dim=256,
+                                text_dim=32, time_embed_dim=32)
 
 
-def test_gguf_quantizes_the_legacy_block_types():
-    assert set(BLOCK_TYPES) == {"Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"}
+def test_make_checkpoint_writes_the_legacy_blocks_and_the_k_quants():
+    assert set(writable_types()) == {"F32", "F16", "BF16", *LEGACY_TYPES, "Q6_K", "Q5_K", *K_TYPES, "Q3_K"}
 
 
 # ------------------------------------------------------------------------------------------ the oracle
@@ -113,8 +118,11 @@ def made(tmp_path_factory):
     """(config name, GGML type) -> a GGUF DiT written by make-checkpoint; TINY's Q8_0 through the CLI."""
     root = tmp_path_factory.mktemp("gguf_dit")
     out = {}
-    for t in BLOCK_TYPES:
+    for t in LEGACY_TYPES:
         out["aligned", t] = make_dit_checkpoint(root / f"aligned_{t}.gguf", ALIGNED, f"gguf:{t}", "comfy", seed=3).path
+    for t in K_TYPES:
+        out["k_aligned", t] = make_dit_checkpoint(root / f"k_aligned_{t}.gguf", K_ALIGNED, f"gguf:{t}", "comfy",
+                                                  seed=3).path
     out["pruned", "Q8_0"] = make_dit_checkpoint(root / "pruned_Q8_0.gguf", ALIGNED, "gguf:Q8_0", "comfy-pruned",
                                                 seed=3, curve=(33, 4)).path
     for t in ("Q8_0", "Q4_0"):
@@ -123,8 +131,8 @@ def made(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("key", [("aligned", t) for t in BLOCK_TYPES] + [("pruned", "Q8_0"), ("tiny", "Q8_0"),
-                                                                       ("tiny", "Q4_0")])
+@pytest.mark.parametrize("key", [("aligned", t) for t in LEGACY_TYPES] + [("k_aligned", t) for t in K_TYPES]
+                         + [("pruned", "Q8_0"), ("tiny", "Q8_0"), ("tiny", "Q4_0")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gguf_dit_velocities_equal_gguf_dequantized_weights(made, key, dtype, capsys):
     capsys.readouterr()
@@ -260,7 +268,9 @@ def test_the_engine_loads_and_generates_with_a_gguf_dit(tmp_path):
 
 def test_full_preset_plan_matches_the_published_pruned_files():
     """unsloth/MiniMax-H3-GGUF's pruned files: 532 tensors; Q8_0 19.94 / 19.97 GiB and Q5_0 12.94 / 12.97 GiB
-    (ref2va / fl2va), Comfy-Org's pruned bf16 file 37.46 GiB. Planned from shapes, nothing drawn."""
+    (ref2va / fl2va), Comfy-Org's pruned bf16 file 37.46 GiB. The fl2va Q4_K (10.64 GiB) and Q2_K (6.26 GiB) are
+    llama.cpp mixes (some tensors at higher types); ours are one type, 10.61 and 6.23 GiB. Planned from shapes,
+    nothing drawn."""
     from h3_spark.h3_model.checkpoint.comfy_layout import comfy_groups
     from h3_spark.h3_model.checkpoint.gguf_writer import plan
     from h3_spark.h3_model.checkpoint.make import pruned_config
@@ -274,7 +284,8 @@ def test_full_preset_plan_matches_the_published_pruned_files():
     fit = CurveFit(torch.zeros(1025, 8), torch.zeros(d, 8, dtype=torch.float64), torch.zeros(d, dtype=torch.float64),
                    torch.zeros(8, dtype=torch.float64))
     groups = comfy_groups(pruned_config(FULL, 1025, 8), no_draw, "bf16", fit=fit)
-    published = {"Q8_0": (19.94, 19.97), "Q5_0": (12.94, 12.97), "BF16": (37.46, 37.46)}
+    published = {"Q8_0": (19.94, 19.97), "Q5_0": (12.94, 12.97), "BF16": (37.46, 37.46), "Q4_K": (10.64, 10.64),
+                 "Q2_K": (6.26, 6.26)}
     for t, (low, high) in published.items():
         tensors = [x for _, ts in plan(groups, t) for x in ts]
         gib = sum(x.nbytes for x in tensors) / 2 ** 30

@@ -12,19 +12,20 @@ ComfyUI-GGUF tools/convert.py keeps the same names): ComfyUI's tensor names and 
   fallback when a tensor cannot take the type).
 `general.architecture` is `minimax_h3` (ComfyUI-GGUF's convert template); the `h3_spark` key says who made it.
 
-Quantization is gguf-py's (`gguf.quants.quantize`), which has quantizers for the legacy block types only:
-`writable_types()` is those that h3-spark's codec also keeps as blocks (Q8_0, Q5_1, Q5_0, Q4_1, Q4_0 with
-gguf 0.19) plus F32 / F16 / BF16. The K-quants and i-quants are written by llama.cpp's C++ quantizer; asking
+Quantization is ours (gguf_quantize.py, on the tensor's device: `--device cuda` quantizes there):
+`writable_types()` is F32 / F16 / BF16, the legacy blocks Q8_0, Q5_1, Q5_0, Q4_1, Q4_0 (bit for bit gguf-py's
+NumPy quantizers) and the K-quants Q6_K, Q5_K, Q4_K, Q3_K, Q2_K (our own straightforward quantizer: a file
+llama.cpp's quantizer would write differently, in the same format). A file is one type throughout (no _S / _M
+mixes for the DiT). The i-quants are written by llama.cpp's quantizer (they need an importance matrix); asking
 for one here is refused with the writable list.
 
 Streaming: GGUF puts every tensor's info (name, dims, type, offset) before the data, so the plan (shapes and
-types, nothing drawn) is written first, then each layer is drawn, converted (row chunks, bounding gguf's NumPy
-temporaries) and appended, one at a time: a full-size file never sits in RAM.
+types, nothing drawn) is written first, then each layer is drawn, converted (on its device, row chunk by row
+chunk) and appended, one at a time: a full-size file never sits in RAM.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from ...errors import CheckpointError, InputError
+from .gguf_quantize import QUANTIZABLE, quantize
 from .gguf_source import PLAIN, gguf_module
 from .writer import Group
 
@@ -44,28 +46,11 @@ ARCHITECTURE = "minimax_h3"
 PLAIN_TYPES = PLAIN
 _F32_LAYERS = ("video_patch_proj.", "audio_patch_proj.")
 _FALLBACK = "F16"
-_CHUNK_ROWS = 4096
-
-
-@functools.lru_cache(maxsize=None)
-def _quantizes(type_name: str) -> bool:
-    """Whether the installed gguf package has a quantizer for this type (probed on one block of zeros)."""
-    gguf = gguf_module()
-    qtype = gguf.GGMLQuantizationType[type_name]
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    try:
-        gguf.quants.quantize(np.zeros((1, block), dtype=np.float32), qtype)
-    except (NotImplementedError, gguf.quants.QuantError):
-        return False
-    return True
 
 
 def writable_types() -> tuple[str, ...]:
-    """The GGML types a GGUF DiT can be written in here: gguf quantizes them and our codec keeps them."""
-    from ...kernels import gguf_codec
-
-    blocks = [t for t in gguf_codec.SUPPORTED if t not in PLAIN_TYPES and _quantizes(t)]
-    return PLAIN_TYPES + tuple(blocks)
+    """The GGML types a GGUF DiT can be written in here: those gguf_quantize.py makes, and the plain floats."""
+    return PLAIN_TYPES + QUANTIZABLE
 
 
 def gguf_type_of(fmt: str) -> str:
@@ -80,8 +65,8 @@ def gguf_type_of(fmt: str) -> str:
     listing = ", ".join(GGUF_PREFIX + t for t in writable)
     if name not in gguf.GGMLQuantizationType.__members__:
         raise InputError(f"--format {fmt}: {name} is not a GGML type; writable: {listing}")
-    raise InputError(f"--format {fmt}: the gguf package cannot quantize {name} for h3-spark (llama.cpp's quantizer "
-                     f"writes the K- and i-quants); writable: {listing}")
+    raise InputError(f"--format {fmt}: h3-spark does not quantize {name} (llama.cpp's quantizer writes the i-quants, "
+                     f"from an importance matrix); writable: {listing}")
 
 
 def stored_type(name: str, shape: tuple[int, ...], requested: str) -> str:
@@ -126,26 +111,18 @@ def _add_info(writer, t: PlannedTensor) -> None:
     writer.add_tensor_info(t.name, (*t.shape[:-1], row_bytes), np.dtype(np.uint8), t.nbytes, raw_dtype=qtype)
 
 
-def encode(tensor: torch.Tensor, gguf_type: str) -> np.ndarray:
-    """A tensor's bytes in `gguf_type`: plain floats cast, blocks quantized by gguf `_CHUNK_ROWS` rows at a
-    time (a row's blocks depend on that row only, so chunking changes no byte)."""
-    tensor = tensor.detach().cpu()
+def encode(tensor: torch.Tensor, gguf_type: str, name: str = "tensor") -> np.ndarray:
+    """A tensor's bytes in `gguf_type`, converted on its device (blocks by gguf_quantize, row chunk by row
+    chunk), then brought to the host."""
+    tensor = tensor.detach()
     if gguf_type == "F32":
-        return tensor.float().contiguous().numpy()
+        return tensor.float().contiguous().cpu().numpy()
     if gguf_type == "F16":
-        return tensor.to(torch.float16).contiguous().numpy()
+        return tensor.to(torch.float16).contiguous().cpu().numpy()
     if gguf_type == "BF16":
-        return tensor.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
-    gguf = gguf_module()
-    qtype = gguf.GGMLQuantizationType[gguf_type]
-    rows = tensor.reshape(-1, tensor.shape[-1])
-    out = None
-    for start in range(0, rows.shape[0], _CHUNK_ROWS):
-        part = gguf.quants.quantize(rows[start:start + _CHUNK_ROWS].float().numpy(), qtype)
-        if out is None:
-            out = np.empty((rows.shape[0], part.shape[-1]), dtype=np.uint8)
-        out[start:start + part.shape[0]] = part
-    return out.reshape(*tensor.shape[:-1], out.shape[-1])
+        return tensor.to(torch.bfloat16).contiguous().view(torch.uint8).cpu().numpy()
+    blocks = quantize(tensor, gguf_type, where=name)
+    return blocks.cpu().numpy().reshape(*tensor.shape[:-1], blocks.shape[-1])
 
 
 def write_gguf(path: str | Path, groups: list[Group], gguf_type: str, info: dict[str, str],
@@ -175,7 +152,7 @@ def write_gguf(path: str | Path, groups: list[Group], gguf_type: str, info: dict
         for group, tensors in planned:
             made = group.make()
             for t in tensors:
-                data = encode(made.pop(t.name), t.gguf_type)
+                data = encode(made.pop(t.name), t.gguf_type, t.name)
                 if data.nbytes != t.nbytes:
                     raise CheckpointError(f"internal: {t.name} encodes to {data.nbytes} bytes, planned {t.nbytes}")
                 writer.write_tensor_data(data)
