@@ -59,8 +59,10 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "text_encoder (bf16|fp8_scaled|int8_convrot|nvfp4_awq): "
                         "storage of the 7 linears of every decoder layer, the rest as Comfy-Org's files keep it "
                         "(nvfp4_awq: AWQ pre_quant_scale on o_proj/down_proj, the other scales folded into the "
-                        "norms, int8 embedding). VAEs are written as published (video fp16 comfy / fp32 "
-                        "diffusers, audio fp32)")
+                        "norms, int8 embedding); text_encoder gguf:<TYPE> (the DiT's GGUF types) or the llama.cpp "
+                        "mixes gguf:Q4_K_M / gguf:Q2_K_M: a .gguf file as llama.cpp converts Qwen3-VL's text model "
+                        "(llama.cpp's names, no vision tower: text prompts only). VAEs are written as published "
+                        "(video fp16 comfy / fp32 diffusers, audio fp32)")
     p.add_argument("--layout", choices=["comfy", "comfy-pruned", "diffusers", "released"], default="comfy",
                    help="released: the folder MiniMaxAI's per-mode download holds (transformer/, video_vae/ or "
                         "audio_vae/ of FL2VA/ and Ref2VA/)")
@@ -210,26 +212,33 @@ def _run_text_encoder(args) -> int:
     from ..errors import InputError
     from ..h3_model.text.synthetic import default_tokenizer_dir, write_text_encoder
 
-    if args.format.startswith(GGUF_FORMAT):
-        raise InputError("GGUF text encoders are llama.cpp's conversions; make-checkpoint writes GGUF DiTs "
-                         "(--component dit --format gguf:<TYPE>)")
-    if args.format not in TEXT_ENCODER_FORMATS:
+    gguf = args.format.startswith(GGUF_FORMAT)
+    if not gguf and args.format not in TEXT_ENCODER_FORMATS:
         hint = " (the published NVFP4 text encoder is nvfp4_awq)" if args.format == "nvfp4" else ""
-        raise InputError(f"--component text_encoder is written as {', '.join(TEXT_ENCODER_FORMATS)}, "
-                         f"not {args.format}{hint}")
+        raise InputError(f"--component text_encoder is written as {', '.join(TEXT_ENCODER_FORMATS)} or "
+                         f"{GGUF_FORMAT}<TYPE>, not {args.format}{hint}")
     if args.layout != "comfy" or args.quantize_refiner or args.curve_grid is not None or args.curve_rank is not None:
         raise InputError("--component text_encoder takes only --preset, --format, --seed, --device, --tokenizer-out "
-                         "and --force (it is written as ComfyUI's single file, --layout comfy)")
+                         "and --force (it is written as ComfyUI's single file or llama.cpp's GGUF, --layout comfy)")
     check_device(args.device)
     out = Path(args.out)
-    if out.suffix != ".safetensors":
-        raise InputError(f"{out}: a ComfyUI text encoder is one file; give a path ending in .safetensors")
+    if gguf:
+        from ..h3_model.text.gguf_writer import scheme_of, write_text_encoder_gguf
+
+        scheme_of(args.format)
+        if out.suffix.lower() != ".gguf":
+            raise InputError(f"{out}: a GGUF text encoder is one file; give a path ending in .gguf")
+        writer = write_text_encoder_gguf
+    else:
+        if out.suffix != ".safetensors":
+            raise InputError(f"{out}: a ComfyUI text encoder is one file; give a path ending in .safetensors")
+        writer = write_text_encoder
     tokenizer_dir = Path(args.tokenizer_out) if args.tokenizer_out is not None else default_tokenizer_dir(out)
     stale = check_output(out, "comfy", args.force) + check_tokenizer_out(tokenizer_dir, args.force)
     start = time.perf_counter()
     with replacing(stale):
-        made = write_text_encoder(out, args.preset, args.format, seed=args.seed, tokenizer_dir=tokenizer_dir,
-                                  device=args.device, progress=_progress_printer())
+        made = writer(out, args.preset, args.format, seed=args.seed, tokenizer_dir=tokenizer_dir,
+                      device=args.device, progress=_progress_printer())
     if sys.stderr.isatty():
         print(file=sys.stderr)
     print(json.dumps({"out": str(made.path), "component": args.component, "preset": args.preset,

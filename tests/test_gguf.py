@@ -4,8 +4,8 @@ Oracle: gguf-py itself (`gguf.GGUFReader` for the file's tensors, `gguf.quants.d
 `gguf.get_tensor_name_map` for llama.cpp's Qwen3-VL names), never our reader. Claims, each checked bit for bit
 (torch.equal) unless said otherwise:
 - a tiny DiT written by `make-checkpoint --format gguf:<TYPE>` for every legacy block type (Q8_0, Q5_1, Q5_0,
-  Q4_1, Q4_0) and the K-quants Q4_K and Q2_K (on a model whose rows are whole 256-value super-blocks) gives, loaded with `stored=True`, the velocities of an H3DiT holding the same tensors dequantized
-  by gguf (fp32 and bf16), and so does `stored=False`; its block layers are StoredLinears of format gguf whose
+  Q4_1, Q4_0) and the K-quants Q4_K and Q2_K (on a model whose rows are whole 256-value super-blocks) gives,
+  loaded with `stored=True`, the velocities of an H3DiT holding the same tensors dequantized by gguf (fp32 and bf16), and so does `stored=False`; its block layers are StoredLinears of format gguf whose
   codes (q, k, v cut from the fused QKV included) are views of the file's memory map;
 - inspect reports the file's version, architecture and every tensor's type and bytes; the engine loads and
   generates with it, stored and dequantized at load giving the same latents;
@@ -13,6 +13,9 @@ Oracle: gguf-py itself (`gguf.GGUFReader` for the file's tensors, `gguf.quants.d
   BF16 exactly; the published Q4_K and Q2_K files are mixes, ours one type: within 0.05 GiB);
 - a tiny Qwen3-VL in a llama.cpp-named GGUF (F16, Q8_0), without a vision tower, encodes a T2VA prompt as the
   same weights in a dense single file do; an image presentation fails naming the missing tower;
+- a text encoder GGUF written by `make-checkpoint --component text_encoder --format gguf:<X>` (tiny, and a tiny
+  model whose rows are whole super-blocks, in the Q4_K_M and Q2_K_M mixes) holds gguf's own llama.cpp names and
+  llama.cpp's mix rules' types, and encodes as a dense single file of gguf's dequantization of its tensors;
 - every broken file fails in one line naming the file and the tensor.
 """
 
@@ -401,6 +404,161 @@ def test_an_image_presentation_needs_the_vision_tower(te_files):
     assert report["model"] == "text_encoder" and report["complete"] and not report["structure"]["vision_tower"]
     # Six linears a layer and the embedding; down_proj's 48-value rows are not whole blocks (F16).
     assert report["quantization"]["formats"] == {"gguf Q8_0": 6 * te_files["layers"] + 1}
+
+
+# ------------------------------------------------------------------------------------------ text encoder, written
+def _k_aligned_te():
+    """The tiny Qwen3-VL widened so that every text linear's rows are whole 256-value super-blocks (4 query heads
+    on 1 KV head: Q2_K_M's attn_v rule takes Q4_K at 4 or more)."""
+    from h3_spark.h3_model.text import stand_in
+    from h3_spark.h3_model.text import synthetic as S
+
+    tok = stand_in.make_tokenizer()
+    text = dict(stand_in.TINY_TEXT, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                num_key_value_heads=1, head_dim=64,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [12, 10, 10],
+                                 "mrope_interleaved": True})
+    vision = dict(stand_in.TINY_VISION, out_hidden_size=256)
+    layers = stand_in.TEXT_READ_LAYER
+    return S.Preset("tiny", layers, tok, stand_in.make_processor(tok), stand_in.text_config(tok, layers, text, vision))
+
+
+def _dense_of_gguf(path, shapes, tower, layers):
+    """ComfyUI's names -> gguf's dequantization of the file's tensors (names mapped by gguf's own table), plus
+    the bf16 tower the GGUF leaves to its mmproj."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3VL, layers)
+    to_comfy = {}
+    for name in shapes:
+        base, _, suffix = name.rpartition(".")
+        target = names.get_name(base)
+        if target is not None:
+            to_comfy[f"{target}.{suffix}"] = name
+    values = _gguf_values(path)
+    assert set(values) <= set(to_comfy), set(values) - set(to_comfy)
+    return {**{to_comfy[n]: v for n, v in values.items()}, **tower}
+
+
+@pytest.fixture(scope="module")
+def te_written(tmp_path_factory):
+    """(preset, scheme) -> (GGUF, its dense twin, tokenizer folder): tiny files through the CLI, the
+    super-block-aligned model through the writer."""
+    from safetensors.torch import save_file
+
+    from h3_spark.h3_model.text import synthetic as S
+    from h3_spark.h3_model.text.gguf_writer import write_text_encoder_gguf
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
+
+    if not ensure_importable():
+        pytest.skip("the Qwen3-VL processors need torchvision")
+    root = tmp_path_factory.mktemp("gguf_te_written")
+    out = {}
+    for preset_name, scheme in (("tiny", "Q8_0"), ("tiny", "Q4_K_M"), ("aligned", "Q4_K_M"), ("aligned", "Q2_K_M")):
+        path = root / f"{preset_name}_{scheme}.gguf"
+        if preset_name == "tiny":
+            assert main(["make-checkpoint", "--component", "text_encoder", "--format", f"gguf:{scheme}", "--seed", "2",
+                         str(path)]) == 0
+            chosen = S.preset("tiny")
+        else:
+            chosen = _k_aligned_te()
+            write_text_encoder_gguf(path, chosen, f"gguf:{scheme}", seed=2)
+        shapes = S.stored_shapes(chosen.config)
+        tower = {n: S.random_tensor(n, shape, 2).to(torch.bfloat16) for n, shape in shapes.items()
+                 if n.startswith("visual.")}
+        dense = path.with_suffix(".dense.safetensors")
+        save_file(_dense_of_gguf(path, shapes, tower, chosen.layers), str(dense))
+        out[preset_name, scheme] = (path, dense, path.with_name(path.stem + ".tokenizer"), chosen.layers)
+    return out
+
+
+def _te_at(path, tokenizer, layers, stored=False):
+    from h3_spark.h3_model.text.encoder import TextEncoder
+
+    return TextEncoder.from_pretrained(path, dtype=torch.float32, device="cpu", tokenizer=tokenizer, layer=layers,
+                                       stored=stored)
+
+
+@pytest.mark.parametrize("key", [("tiny", "Q8_0"), ("tiny", "Q4_K_M"), ("aligned", "Q4_K_M"), ("aligned", "Q2_K_M")])
+def test_a_written_text_gguf_encodes_as_gguf_dequantizes_it(te_written, key, capsys):
+    capsys.readouterr()
+    path, dense, tokenizer, layers = te_written[key]
+    prompt = "a paper boat <d>drifts</d> in the rain"
+    want = _te_at(dense, tokenizer, layers).encode(prompt).embeds
+    for stored in (False, True):
+        te = _te_at(path, tokenizer, layers, stored)
+        assert not te.vision_tower and torch.equal(te.encode(prompt).embeds, want)
+        kept = {m.gguf_type for m in te.model.modules() if isinstance(m, StoredLinear)}
+        assert bool(kept) == stored
+
+
+def _types(path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+
+def test_the_mixes_follow_llama_cpps_rules(te_written):
+    """Q4_K_M: attn_v and ffn_down Q6_K in use_more_bits' layers (of 2: layer 1); Q2_K_M: attn_v Q4_K (4 query
+    heads a KV head), attn_output and ffn_down Q3_K; the rest the base type; norms F32. Tiny's 32-wide rows take
+    llama.cpp's fallbacks (Q4_K -> Q5_0, Q6_K -> Q8_0), its 48-wide ffn_down F16."""
+    q4 = _types(te_written["aligned", "Q4_K_M"][0])
+    assert {n: t for n, t in q4.items() if t == "Q6_K"} == {"blk.1.attn_v.weight": "Q6_K",
+                                                            "blk.1.ffn_down.weight": "Q6_K"}
+    assert {t for n, t in q4.items() if n.endswith("norm.weight")} == {"F32"}
+    assert set(q4.values()) == {"Q4_K", "Q6_K", "F32"} and q4["token_embd.weight"] == "Q4_K"
+    q2 = _types(te_written["aligned", "Q2_K_M"][0])
+    for layer in (0, 1):
+        assert [q2[f"blk.{layer}.{p}.weight"] for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                          "ffn_up", "ffn_down")] == \
+            ["Q2_K", "Q2_K", "Q4_K", "Q3_K", "Q2_K", "Q2_K", "Q3_K"]
+    tiny = _types(te_written["tiny", "Q4_K_M"][0])
+    assert tiny["blk.0.attn_v.weight"] == "Q5_0" and tiny["blk.1.attn_v.weight"] == "Q8_0"
+    assert tiny["blk.1.ffn_down.weight"] == "F16" and tiny["token_embd.weight"] == "Q5_0"
+    from h3_spark.h3_model.text.gguf_writer import use_more_bits
+
+    # llama.cpp's Q4_K_M of a 64-layer model gives 32 layers more bits; of the 50 H3 reads, 25.
+    assert sum(map(lambda i: use_more_bits(i, 64), range(64))) == 32
+    assert [i for i in range(50) if use_more_bits(i, 50)] == [0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35,
+                                                              38, 41, 43, 44, 45, 46, 47, 48, 49]
+
+
+def test_a_written_text_gguf_holds_llama_cpps_keys(te_written):
+    source = GgufSource(te_written["aligned", "Q2_K_M"][0])
+    assert source.architecture == "qwen3vl"
+    assert [source.field(k) for k in ("qwen3vl.block_count", "qwen3vl.embedding_length",
+                                      "qwen3vl.feed_forward_length", "qwen3vl.attention.head_count",
+                                      "qwen3vl.attention.head_count_kv", "qwen3vl.rope.dimension_sections",
+                                      "general.file_type")] == [2, 256, 256, 4, 1, [12, 10, 10, 0],
+                                                                int(gguf.LlamaFileType.MOSTLY_Q2_K)]
+    assert source.field("qwen3vl.rope.freq_base") == 10000.0
+    assert not any(k.startswith(("visual", "v.")) for k in source.keys)
+
+
+def test_full_text_gguf_plan():
+    """50 layers (what H3 reads; no LM head): Q4_K_M 14.00 GiB, Q2_K_M 8.57 GiB. The published text GGUFs
+    (Q4_K_M 17.0, Q2_K_M 12.2) are not the same cut: a 64-layer llama.cpp conversion with its LM head would be
+    18.4 and 11.5 GiB by the same rules."""
+    from h3_spark.h3_model.text import synthetic as S
+    from h3_spark.h3_model.text.gguf_writer import planned_bytes
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
+
+    if not ensure_importable():
+        pytest.skip("the Qwen3-VL processors need torchvision")
+    full = S.preset("full")
+    assert round(planned_bytes(full, "gguf:Q4_K_M") / 2 ** 30, 2) == 14.00
+    assert round(planned_bytes(full, "gguf:Q2_K_M") / 2 ** 30, 2) == 8.57
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--format", "gguf:Q4_K_S", "x.gguf"], "--format gguf:Q4_K_S: a GGUF text encoder is written as gguf:F32, "
+                                            "gguf:F16, gguf:BF16, gguf:Q8_0, "),
+    (["--format", "gguf:Q4_K_M", "x.safetensors"], "x.safetensors: a GGUF text encoder is one file; give a path "
+                                                   "ending in .gguf"),
+    (["--format", "gguf:Q4_K_M", "--layout", "comfy-pruned", "x.gguf"], "--component text_encoder takes only"),
+])
+def test_a_bad_text_gguf_request_is_refused(tmp_path, capsys, argv, message):
+    *options, name = argv
+    code = main(["make-checkpoint", "--component", "text_encoder", *options, str(tmp_path / name)])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not any(tmp_path.iterdir())
 
 
 # ------------------------------------------------------------------------------------------ paths, nodes

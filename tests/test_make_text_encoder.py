@@ -264,8 +264,8 @@ def test_cuda_draws_load_on_the_gpu(tmp_path, capsys):
 
 # ------------------------------------------------------------------ bad inputs
 @pytest.mark.parametrize("argv,message", [
-    (["--format", "nvfp4"], "--component text_encoder is written as bf16, fp8_scaled, int8_convrot, nvfp4_awq, "
-                            "not nvfp4 (the published NVFP4 text encoder is nvfp4_awq)"),
+    (["--format", "nvfp4"], "--component text_encoder is written as bf16, fp8_scaled, int8_convrot, nvfp4_awq or "
+                            "gguf:<TYPE>, not nvfp4 (the published NVFP4 text encoder is nvfp4_awq)"),
     (["--layout", "diffusers"], "--component text_encoder takes only --preset, --format, --seed, --device"),
     (["--quantize-refiner"], "--component text_encoder takes only"),
     (["--device", "tpu"], "--device must be cpu or cuda[:N], got 'tpu'"),

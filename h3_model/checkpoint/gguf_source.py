@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import struct
 import warnings
 from dataclasses import dataclass
@@ -475,6 +476,19 @@ _LLAMA_CPP_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj"
                     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
                     "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
                     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def comfy_to_llama_cpp(name: str) -> str | None:
+    """`model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight` (the inverse of llama_cpp_to_comfy);
+    None for a name llama.cpp's text GGUF has no place for (the vision tower: the mmproj file's)."""
+    top = {comfy: llama for llama, comfy in _LLAMA_CPP_TOP.items()}
+    if name in top:
+        return top[name]
+    block = {comfy: llama for llama, comfy in _LLAMA_CPP_BLOCK.items()}
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", name)
+    if m and m.group(2) in block:
+        return f"blk.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
+    return None
 
 
 def uses_llama_cpp_names(keys) -> bool:

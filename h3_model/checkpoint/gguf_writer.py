@@ -82,9 +82,14 @@ def stored_type(name: str, shape: tuple[int, ...], requested: str) -> str:
 
 @dataclass(frozen=True)
 class PlannedTensor:
-    name: str
+    name: str  # in the file
     shape: tuple[int, ...]  # PyTorch order
     gguf_type: str
+    source: str = ""  # the group's name for it, where the file renames it (llama.cpp's text encoder names)
+
+    @property
+    def key(self) -> str:
+        return self.source or self.name
 
     @property
     def nbytes(self) -> int:
@@ -130,18 +135,30 @@ def write_gguf(path: str | Path, groups: list[Group], gguf_type: str, info: dict
     """Write the groups as a GGUF DiT in `gguf_type`; returns the file size. The file appears under its name
     only once complete."""
     gguf = gguf_module()
-    path = Path(path)
-    planned = plan(groups, gguf_type)
-    total = sum(t.nbytes for _, ts in planned for t in ts)
-    tmp = path.with_name(path.name + ".partial")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(tmp, ARCHITECTURE)
-    try:
+
+    def metadata(writer) -> None:
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{gguf_type}", None)
         if file_type is not None:
             writer.add_file_type(file_type)
         writer.add_string("h3_spark", json.dumps(info))
+
+    return write_planned(path, plan(groups, gguf_type), ARCHITECTURE, metadata, progress)
+
+
+def write_planned(path: str | Path, planned: list[tuple[Group, list[PlannedTensor]]], architecture: str,
+                  metadata: Callable[[object], None], progress: Callable[[int, int], None] | None = None) -> int:
+    """Write planned tensors as a GGUF file: `metadata(writer)` adds the key/values, then every tensor's info,
+    then each group is drawn in turn and its tensors encoded and appended (one group in memory at a time).
+    Returns the file size; the file appears under its name only once complete."""
+    gguf = gguf_module()
+    path = Path(path)
+    total = sum(t.nbytes for _, ts in planned for t in ts)
+    tmp = path.with_name(path.name + ".partial")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(tmp, architecture)
+    try:
+        metadata(writer)
         for _, tensors in planned:
             for t in tensors:
                 _add_info(writer, t)
@@ -150,9 +167,11 @@ def write_gguf(path: str | Path, groups: list[Group], gguf_type: str, info: dict
         writer.write_ti_data_to_file()
         done = 0
         for group, tensors in planned:
+            if not tensors:
+                continue
             made = group.make()
             for t in tensors:
-                data = encode(made.pop(t.name), t.gguf_type, t.name)
+                data = encode(made.pop(t.key), t.gguf_type, t.name)
                 if data.nbytes != t.nbytes:
                     raise CheckpointError(f"internal: {t.name} encodes to {data.nbytes} bytes, planned {t.nbytes}")
                 writer.write_tensor_data(data)
