@@ -7,8 +7,9 @@ NumPy dequantizer (`gguf.quants`, the reference ComfyUI-GGUF and diffusers port)
 addition a separate IEEE fp32 rounding, so the result, cast to the output dtype, is bit for bit
 `gguf.quants.dequantize(raw, type)` cast the same way (tests/test_gguf_codec.py checks every type). This is
 vectorized torch (byte fields sliced at their offsets, bit fields by shifts and masks, fp16 scales by
-`.view(torch.float16)`), memory-bound and device-agnostic; a fused Triton kernel that dequantizes a block
-in registers is a later step.
+`.view(torch.float16)`), device-agnostic. On a CUDA GPU the legacy blocks, the K-quants and IQ4_NL / IQ4_XS go
+through fused Triton kernels instead (kernels/gguf_triton.py: a block decoded in registers, each value written
+once, the same values bit for bit); `dequantizer(type, device)` says which path a call takes.
 
 Work is done `CHUNK_ROWS` rows at a time: a row's values depend on its own blocks only, so chunking changes
 no value, and it bounds the temporaries to a few bytes per value of one chunk (one fp32 copy, the code fields,
@@ -433,6 +434,18 @@ def check(type_name: str, shape, nbytes: int, where: str) -> None:
         raise CheckpointError(f"{where}: {nbytes} bytes stored, but {type_name} {list(shape)} takes {expected}")
 
 
+def dequantizer(type_name: str, device) -> str:
+    """Which code `dequantize_into` runs for `type_name` blocks on `device`: "triton" (the fused kernels, on a
+    CUDA device for the types they have, when Triton is installed) or "torch" (this module, everything else).
+    Both give the same values; a report names the path that ran, and a kernel's error is raised, not retried."""
+    if torch.device(device).type == "cuda":
+        from . import gguf_triton
+
+        if gguf_triton.triton is not None and type_name in gguf_triton.TYPES:
+            return "triton"
+    return "torch"
+
+
 def dequantize_into(out: torch.Tensor, raw: torch.Tensor, type_name: str) -> torch.Tensor:
     """GGML blocks `raw` (uint8 [N, row_bytes], on out's device) -> `out` [N, K] (fp32 / bf16 / fp16): the fp32
     values gguf's NumPy dequantizer gives, cast to out's dtype."""
@@ -440,6 +453,12 @@ def dequantize_into(out: torch.Tensor, raw: torch.Tensor, type_name: str) -> tor
         raise CheckpointError(f"GGUF {type_name} blocks must be uint8 [N, bytes per row] for an [N, K] output, "
                               f"got {raw.dtype} {list(raw.shape)} for {list(out.shape)}")
     check(type_name, out.shape, raw.numel(), "GGUF tensor")
+    if raw.device != out.device:
+        raise CheckpointError(f"GGUF {type_name} blocks on {raw.device} cannot be dequantized into {out.device}")
+    if dequantizer(type_name, out.device) == "triton":
+        from . import gguf_triton
+
+        return gguf_triton.dequantize_into(out, raw, type_name)
     spec = _TYPES[type_name]
     n, k = out.shape
     for a in range(0, n, CHUNK_ROWS):
