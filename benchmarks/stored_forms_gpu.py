@@ -15,6 +15,9 @@ under the real names and formats), read through the real reader and the engine's
   memory map), each block configured on the device, the budget's plan places the first blocks and streams the rest
   from page-locked host memory; forwards are timed and their velocities compared with the resident run's.
 - load: seconds and peak host memory of a stored load onto the GPU, nothing else.
+--reference DIR: velocities saved by another file's resident run (the bf16 file of the same random weights, say):
+each forward's velocity rel L2 against them is reported (a quantized file's drift from bf16 is its
+quantization's). --skip-dequantized leaves out resident's second, dequantized-at-load model.
 Every mode reports the process's peak host memory (VmHWM) and, inside a cgroup, the cgroup's limit and peak
 (h3_model/engine/host_memory.py).
 """
@@ -50,6 +53,9 @@ def main(argv=None) -> int:
     p.add_argument("--contracts", default="t2va-960x544-124f,t2va-1344x768-124f")
     p.add_argument("--vram-budget", type=float, default=None, help="GB (budget mode)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--reference", help="folder of another run's saved velocities to report the drift from")
+    p.add_argument("--skip-dequantized", action="store_true",
+                   help="resident: do not load the file a second time dequantized at load")
     args = p.parse_args(argv)
     import_package()
     import torch
@@ -101,11 +107,11 @@ def main(argv=None) -> int:
         record["kernels"] = _short(apply_kernels(model, settings))
         record["jit_dequant_block_ms"] = _jit_block_ms(model, device)
     record["stored"] = {c: _forward(model, c, device, args.repeats, args.save, "save" if args.mode == "resident"
-                                    else "compare") for c in contracts}
+                                    else "compare", args.reference) for c in contracts}
     if model.block_stream is not None:
         stats = model.block_stream.stats
         record["bytes_copied_per_forward_gb"] = round(stats.bytes_copied / max(1, stats.forwards) / GB, 2)
-    if args.mode == "resident":
+    if args.mode == "resident" and not args.skip_dequantized:
         del model
         torch.cuda.empty_cache()
         start = time.perf_counter()
@@ -131,7 +137,8 @@ def _rows(contract_name: str, config) -> int:
     return contract_shape(load_contract(root / f"{contract_name}.json"), config).layout.sequence_length
 
 
-def _forward(model, contract_name: str, device: str, repeats: int, save: str | None, what: str) -> dict:
+def _forward(model, contract_name: str, device: str, repeats: int, save: str | None, what: str,
+             reference: str | None = None) -> dict:
     """The contract's sampled forward (schedule step 0): median seconds, and its velocities saved or compared."""
     import torch
 
@@ -174,6 +181,12 @@ def _forward(model, contract_name: str, device: str, repeats: int, save: str | N
             out["velocity_bit_identical_to_stored_resident"] = bool(
                 torch.equal(ref["video"], video.cpu()) and torch.equal(ref["audio"], audio.cpu()))
             out["velocity_rel_l2_to_stored_resident"] = rel_l2(video.cpu(), ref["video"])
+    path = Path(reference or "") / f"{contract_name}.pt"
+    if reference and path.exists():
+        ref = torch.load(path)
+        out["video_rel_l2_vs_reference"] = rel_l2(video.cpu().float(), ref["video"].float())
+        out["audio_rel_l2_vs_reference"] = rel_l2(audio.cpu().float(), ref["audio"].float())
+        out["reference"] = str(reference)
     return out
 
 

@@ -130,9 +130,11 @@ def test_a_budget_streams_the_dit_and_generates_the_same_latents(builders):
         return LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2,
                            kernels=REFERENCE_KERNELS, vram_budget=budget, plan_rows=4096)
 
-    # What the text encode and the VAE stages keep free comes first; the DiT streams within the rest.
+    # What the text encode and the VAE stages need beyond the DiT's activations comes first (they take turns with
+    # them); the DiT streams within the rest: the least budget that holds every block streamed.
     reserve = max(Engine(options=options(100 * memory.GB), overrides=builders).load(["t2va"]).stage_reserve.values())
-    streamed = Engine(options=options(memory.budget_for(probe.device_bytes + reserve)), overrides=builders)
+    least = probe.device_bytes + max(0, reserve - probe.activations)
+    streamed = Engine(options=options(memory.budget_for(least)), overrides=builders)
     streamed.load(["t2va"])
     assert streamed.components.text_encoder.layer_stream is not None and streamed.pipeline.offload_text_encoder
     got = streamed.generate(req)
@@ -222,8 +224,8 @@ def test_a_quantized_file_runs_in_its_stored_form_resident_and_streamed(builders
     probe.resident_blocks, probe.adaln_on_host = 0, True
     reserve = max(_file_engine(builders, int8_dit, vram_budget=100 * memory.GB, plan_rows=4096)
                   .load(["t2va"]).stage_reserve.values())
-    streamed = _file_engine(builders, int8_dit, vram_budget=memory.budget_for(probe.device_bytes + reserve),
-                            plan_rows=4096).load(["t2va"])
+    least = probe.device_bytes + max(0, reserve - probe.activations)
+    streamed = _file_engine(builders, int8_dit, vram_budget=memory.budget_for(least), plan_rows=4096).load(["t2va"])
     stream = streamed.components.dit.block_stream
     assert stream is not None and len(stream.units) == streamed.components.dit.config.num_layers
     packed = {e.dtype for u in stream.units.values() for e in u.entries}
@@ -241,10 +243,21 @@ def test_a_host_budget_below_what_must_be_held_fails_before_placing(builders, in
     probe = _file_engine(builders, int8_dit, vram_budget=100 * memory.GB, plan_rows=4096).load(["t2va"])
     need = memory.plan_dit(probe.components.dit, None, 4096)
     need.resident_blocks, need.adaln_on_host = 0, True
-    budget = memory.budget_for(need.device_bytes + max(probe.stage_reserve.values()))
+    budget = memory.budget_for(need.device_bytes + max(0, max(probe.stage_reserve.values()) - need.activations))
     engine = _file_engine(builders, int8_dit, vram_budget=budget, plan_rows=4096, host_budget=1000)
     with pytest.raises(InputError, match=r"^the host memory budget of 0.0 MB is below what the models hold in host "
                                          r"memory under this VRAM budget, [\d.]+ [MG]B: [\d.]+ [MG]B of streamed DiT "
                                          r"blocks \(page-locked\), .* raise --host-budget, or raise --vram-budget"):
         engine.load(["t2va"])
     assert engine.components.dit.block_stream is None  # nothing was packed
+
+
+def test_the_dits_activations_and_the_other_stages_take_turns_in_the_budget():
+    """The text encode and the VAE decode run while the DiT's weights stay but its activations are gone: the
+    DiT's plan is fitted to the budget less only what those stages need beyond its activations."""
+    from h3_spark.h3_model.engine.memory import dit_budget
+
+    gb = 10 ** 9
+    assert dit_budget(16 * gb, 9 * gb, 6 * gb) == 13 * gb  # the decode needs 3 GB more than sampling's activations
+    assert dit_budget(16 * gb, 4 * gb, 6 * gb) == 16 * gb  # smaller than the activations: nothing more to leave
+    assert dit_budget(16 * gb, 0, 6 * gb) == 16 * gb

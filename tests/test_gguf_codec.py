@@ -225,3 +225,18 @@ def test_dequantize_into_checks_its_inputs():
         gguf_codec.dequantize_into(torch.empty(4, 32), raw.to(torch.int16), "Q8_0")
     with pytest.raises(CheckpointError, match="not supported"):
         gguf_codec.dequantize_into(torch.empty(4, 32), raw, "IQ5_K")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [t for t in gguf_codec.SUPPORTED])
+def test_cuda_dequantization_is_ggufs_bit_for_bit(name):
+    """The same torch code on a GPU: every type's random valid blocks give gguf's values exactly (fp32, and the
+    bf16 / fp16 casts of them), in the row chunks StoredLinear dequantizes into on the device."""
+    rng = np.random.default_rng(17)
+    k = _row_lengths(name)[-1]
+    raw = random_raw(name, 96, k, rng)
+    ref = gguf_values(raw, name).reshape(96, k)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = torch.empty(96, k, dtype=dtype, device="cuda")
+        gguf_codec.dequantize_into(out, torch.from_numpy(raw).cuda(), name)
+        assert torch.equal(out.cpu(), ref.to(dtype)), f"{name} in {dtype}"

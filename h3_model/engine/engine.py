@@ -256,11 +256,11 @@ class Engine:
         self.pipeline.visit = visits
         self.stage_reserve = reserve
         kept = max(reserve.values(), default=0)
-        share = (f" left to the DiT (of {gb(self.options.vram_budget)}, less {gb(kept)} kept for the text "
-                 "encoder's and the VAEs' stages)") if reserve else ""
+        share = (f" left to the DiT (of {gb(self.options.vram_budget)}, where the text encoder's and the VAEs' "
+                 f"stages need {gb(kept)} beside its weights, in turn with its activations)") if reserve else ""
         plans: dict[str, object] = {}
         for key in self.dit_keys():
-            plans[key] = self._plan(getattr(c, key), self.options.vram_budget - kept, plans.values(), share)
+            plans[key] = self._plan(getattr(c, key), self.options.vram_budget, plans.values(), share, kept)
         # Checked before any block is packed into host memory: nothing starts half-placed.
         self.host_plan = check_host(self.options.host_budget, plans.values(), c.text_encoder, visits.parked)
         from .placement import place_dit
@@ -271,14 +271,16 @@ class Engine:
         if torch.device(self.device).type == "cuda":
             torch.cuda.empty_cache()
 
-    def _plan(self, model, budget: int, taken_by, share: str = ""):
+    def _plan(self, model, budget: int, taken_by, share: str = "", kept: int = 0):
         """The blocks that fit stay on the device, the others stream. Two DiTs share the budget (only one runs
-        at a time, so their activations do not add up)."""
-        from .memory import default_rows, plan_dit
+        at a time, so their activations do not add up), and the other stages' `kept` bytes take turns with the
+        DiT's activations (memory.dit_budget)."""
+        from .memory import activation_bytes, default_rows, dit_budget, plan_dit
 
         taken = sum(p.device_bytes - p.activations for p in taken_by)
         rows = self.options.plan_rows or default_rows(model.config)
-        return plan_dit(model, budget - taken, rows, depth=self.options.prefetch_depth, share=share)
+        room = dit_budget(budget - taken, kept, activation_bytes(model.config, rows, model.dtype_))
+        return plan_dit(model, room, rows, depth=self.options.prefetch_depth, share=share)
 
     def _check_rows(self, dit, rows: int, mlp_chunks: int = 1) -> None:
         """Before sampling: a request longer than the budget was planned for must still fit."""

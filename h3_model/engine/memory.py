@@ -173,6 +173,14 @@ def streamed_minimum(plan: MemoryPlan) -> int:
     return least.device_bytes
 
 
+def dit_budget(budget: int, kept: int, activations: int) -> int:
+    """The budget a DiT's plan (weights, slots, its own `activations`) is fitted to when the other stages need
+    `kept` bytes beside the DiT's weights. The text encode runs before sampling and the VAE decode after it,
+    while the DiT's resident blocks and slots stay on the device but its activations are gone: the weights
+    must leave room for the larger of the two, not for their sum."""
+    return budget - max(0, kept - activations)
+
+
 def plan_dit(model: nn.Module, budget: int | None, rows: int, *, depth: int = DEFAULT_DEPTH,
              mlp_chunks: int = 1, share: str = "") -> MemoryPlan:
     """How many of the DiT's blocks stay resident under `budget` (all of them without one)."""
