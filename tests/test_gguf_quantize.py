@@ -158,10 +158,16 @@ def test_an_unwritable_format_is_refused(fmt, message):
     (torch.ones(4, 32, dtype=torch.int32), "Q8_0", "w: quantizing needs floating-point values, got torch.int32"),
     (torch.tensor([[1.0] * 31 + [float("nan")]]), "Q4_0",
      "w: holds non-finite values (NaN or inf), which no GGML block stores"),
+    (torch.tensor([[1.0] * 255 + [float("-inf")]]), "Q2_K",
+     "w: holds non-finite values (NaN or inf), which no GGML block stores"),
     (torch.full((1, 256), 6e10), "Q4_K",
-     "w: values too large for Q4_K: a super-block scale of 6.349e+07 overflows fp16 (65504 at most)"),
+     "w: values up to 6e+10 are too large for Q4_K: a block scale overflows fp16 (65504 at most)"),
     (torch.full((1, 256), -6e10), "Q6_K",
-     "w: values too large for Q6_K: a super-block scale of 1.476e+07 overflows fp16 (65504 at most)"),
+     "w: values up to 6e+10 are too large for Q6_K: a block scale overflows fp16 (65504 at most)"),
+    (torch.full((1, 32), -1e5), "Q4_1",  # d is 0, the stored min overflows
+     "w: values up to 1e+05 are too large for Q4_1: a block scale overflows fp16 (65504 at most)"),
+    (torch.full((1, 32), 1e7), "Q8_0",
+     "w: values up to 1e+07 are too large for Q8_0: a block scale overflows fp16 (65504 at most)"),
 ])
 def test_a_bad_input_is_refused_in_one_line(x, type_name, message):
     with pytest.raises(InputError) as err:
@@ -173,3 +179,5 @@ def test_k_codes_are_for_the_k_quants():
     with pytest.raises(InputError) as err:
         Q.k_codes(torch.ones(1, 32), "Q8_0", where="w")
     assert str(err.value) == "w: k_codes is for the K-quants (Q6_K, Q5_K, Q4_K, Q3_K, Q2_K), not 'Q8_0'"
+    with pytest.raises(InputError, match=r"^w: holds non-finite values \(NaN or inf\), which no GGML block stores$"):
+        Q.k_codes(torch.full((2, 256), float("nan")), "Q3_K", where="w")

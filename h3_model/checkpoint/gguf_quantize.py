@@ -73,10 +73,11 @@ def _div(x: torch.Tensor, n: float) -> torch.Tensor:
 
 
 def _round_half_away(x: torch.Tensor) -> torch.Tensor:
-    """Round to nearest, ties away from zero (C's roundf; `a - floor(a)` is exact in fp32, so the test is too)."""
+    """Round to nearest, ties away from zero (C's roundf; `a - floor(a)` is exact in fp32, so the test is too).
+    In place on temporaries: a full-size tensor's chunk is passed over a few times, never copied more."""
     a = x.abs()
     whole = a.floor()
-    return torch.where(a - whole >= 0.5, whole + 1, whole).copysign(x)
+    return whole.add_(a.sub_(whole).ge_(0.5)).copysign_(x)
 
 
 def _signed_extreme(blocks: torch.Tensor) -> torch.Tensor:
@@ -159,14 +160,9 @@ _K: dict[str, _KSpec] = {
 }
 
 
-def _super_scale(amount: torch.Tensor, top: int, where: str, type_name: str) -> torch.Tensor:
+def _super_scale(amount: torch.Tensor, top: int) -> torch.Tensor:
     """The super-block's fp16 scale that makes its largest sub-block `amount` (>= 0) the integer `top`."""
-    d = amount.amax(dim=-1, keepdim=True) / top
-    d16 = d.to(torch.float16)
-    if not torch.isfinite(d16).all():
-        raise InputError(f"{where}: values too large for {type_name}: a super-block scale of {d.max().item():.4g} "
-                         "overflows fp16 (65504 at most)")
-    return d16
+    return (amount.amax(dim=-1, keepdim=True) / top).to(torch.float16)
 
 
 def _integers(values: torch.Tensor, d16: torch.Tensor, bounds: tuple[int, int]) -> torch.Tensor:
@@ -174,7 +170,7 @@ def _integers(values: torch.Tensor, d16: torch.Tensor, bounds: tuple[int, int]) 
     return (values * _reciprocal(d16.float())).round_().clamp_(*bounds)
 
 
-def _k_codes(x: torch.Tensor, type_name: str, where: str) -> KCodes:
+def _k_codes(x: torch.Tensor, type_name: str) -> KCodes:
     spec = _K[type_name]
     blocks = x.reshape(x.shape[0], QK_K // spec.sub, spec.sub)
     q_lo, q_hi = spec.q_range
@@ -182,7 +178,7 @@ def _k_codes(x: torch.Tensor, type_name: str, where: str) -> KCodes:
     if spec.affine:
         low = blocks.amin(dim=-1).clamp(max=0)
         sub_scale = (blocks.amax(dim=-1) - low) / q_hi
-        d, dmin = _super_scale(sub_scale, top, where, type_name), _super_scale(-low, top, where, type_name)
+        d, dmin = _super_scale(sub_scale, top), _super_scale(-low, top)
         scales, mins = _integers(sub_scale, d, spec.scale_range), _integers(-low, dmin, spec.scale_range)
         # The codes are taken against the scales as stored, which is what a reader multiplies them by.
         step = (d.float() * scales).unsqueeze(-1)
@@ -192,7 +188,7 @@ def _k_codes(x: torch.Tensor, type_name: str, where: str) -> KCodes:
     # Symmetric: the sub-block's largest magnitude becomes the code q_lo (negative), its sign carried by the
     # sub-block scale, which is signed.
     sub_scale = _signed_extreme(blocks).squeeze(-1) / q_lo
-    d = _super_scale(sub_scale.abs(), top, where, type_name)
+    d = _super_scale(sub_scale.abs(), top)
     scales = _integers(sub_scale, d, spec.scale_range)
     step = (d.float() * scales).unsqueeze(-1)
     q = (blocks * _reciprocal(step)).round_().clamp_(q_lo, q_hi)
@@ -268,13 +264,28 @@ def _rows(x: torch.Tensor, type_name: str, where: str) -> tuple[torch.Tensor, in
     return x.detach().reshape(-1, k), k // block, size
 
 
-def _chunks(rows: torch.Tensor, chunk_values: int, where: str):
+def _chunks(rows: torch.Tensor, chunk_values: int):
     step = max(1, chunk_values // rows.shape[1])
     for a in range(0, rows.shape[0], step):
-        part = rows[a:a + step].float()
-        if not torch.isfinite(part).all():
-            raise InputError(f"{where}: holds non-finite values (NaN or inf), which no GGML block stores")
-        yield a, part
+        yield a, rows[a:a + step].float()
+
+
+def _check_scales(scales: list[torch.Tensor], part: torch.Tensor, type_name: str, where: str) -> None:
+    """Every fp16 scale (and min) finite, else a one-line error. A NaN or inf value reaches its block's scale
+    (the extremes propagate it), so checking the scales, a 16th to a 128th of the values, checks the values too;
+    the slow look at the values happens only to word the error."""
+    if all(bool(torch.isfinite(s).all()) for s in scales):
+        return
+    if not torch.isfinite(part).all():
+        raise InputError(f"{where}: holds non-finite values (NaN or inf), which no GGML block stores")
+    raise InputError(f"{where}: values up to {part.abs().max().item():.4g} are too large for {type_name}: a block "
+                     "scale overflows fp16 (65504 at most)")
+
+
+def _legacy_scales(blocks: torch.Tensor, type_name: str) -> list[torch.Tensor]:
+    """The fp16 d (and m, for the types with a min) of packed blocks of 32."""
+    fields = (0, 2) if type_name in ("Q4_1", "Q5_1") else (0,)
+    return [blocks[:, f:f + 2].contiguous().view(torch.float16) for f in fields]
 
 
 def quantize(x: torch.Tensor, type_name: str, *, where: str = "tensor",
@@ -282,12 +293,15 @@ def quantize(x: torch.Tensor, type_name: str, *, where: str = "tensor",
     """`x`'s rows (its last dim) as GGML `type_name` blocks: uint8 [rows, row_bytes] on x's device."""
     rows, blocks_per_row, size = _rows(x, type_name, where)
     out = torch.empty(rows.shape[0], blocks_per_row * size, dtype=torch.uint8, device=rows.device)
-    for a, part in _chunks(rows, chunk_values, where):
+    for a, part in _chunks(rows, chunk_values):
         n = part.shape[0]
         if type_name in _LEGACY:
             data = _LEGACY[type_name][1](part.reshape(n * blocks_per_row, 32))
+            _check_scales(_legacy_scales(data, type_name), part, type_name, where)
         else:
-            data = _pack_k(_k_codes(part.reshape(n * blocks_per_row, QK_K), type_name, where), type_name)
+            codes = _k_codes(part.reshape(n * blocks_per_row, QK_K), type_name)
+            _check_scales([c for c in (codes.d, codes.dmin) if c is not None], part, type_name, where)
+            data = _pack_k(codes, type_name)
         out[a:a + n] = data.reshape(n, blocks_per_row * size)
     return out
 
@@ -296,5 +310,8 @@ def k_codes(x: torch.Tensor, type_name: str, *, where: str = "tensor") -> KCodes
     """The integers `quantize` stores for a K-quant, per super-block of 256 values (rows' blocks in order)."""
     if type_name not in K_QUANTS:
         raise InputError(f"{where}: k_codes is for the K-quants ({', '.join(K_QUANTS)}), not {type_name!r}")
-    rows, blocks_per_row, _ = _rows(x, type_name, where)
-    return _k_codes(next(_chunks(rows, rows.numel(), where))[1].reshape(-1, QK_K), type_name, where)
+    rows, _, _ = _rows(x, type_name, where)
+    part = rows.float()
+    codes = _k_codes(part.reshape(-1, QK_K), type_name)
+    _check_scales([c for c in (codes.d, codes.dmin) if c is not None], part, type_name, where)
+    return codes
