@@ -531,6 +531,20 @@ def test_a_written_text_gguf_holds_llama_cpps_keys(te_written):
     assert not any(k.startswith(("visual", "v.")) for k in source.keys)
 
 
+def test_a_written_text_gguf_needs_no_config_json(te_written, tmp_path):
+    """Without the model's config.json the reader builds the model from the file: its shapes and the qwen3vl.*
+    keys (RoPE base 10000 and sections [12, 10, 10] here, not Qwen3-VL-32B's defaults) must be what was written."""
+    import shutil
+
+    path, _, tokenizer, layers = te_written["aligned", "Q2_K_M"]
+    bare = tmp_path / "tok"
+    shutil.copytree(tokenizer, bare)
+    (bare / "config.json").unlink()
+    prompt = "a paper boat <d>drifts</d> in the rain"
+    assert torch.equal(_te_at(path, bare, layers).encode(prompt).embeds,
+                       _te_at(path, tokenizer, layers).encode(prompt).embeds)
+
+
 def test_full_text_gguf_plan():
     """50 layers (what H3 reads; no LM head): Q4_K_M 14.00 GiB, Q2_K_M 8.57 GiB. The published text GGUFs
     (Q4_K_M 17.0, Q2_K_M 12.2) are not the same cut: a 64-layer llama.cpp conversion with its LM head would be
