@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import require_kernels, rnd_store, round_code, tl, triton  # noqa: F401  (rnd_store: kernels)
+from ._triton import require_kernels, rnd_store, round_code, tl, triton
 
-# GGML type -> (kernel family, type code within it, values per block, bytes per block)
+# GGML type -> (its code within its family, bytes per block): blocks of 32 values, super-blocks of 256
 _LEGACY = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20), "Q5_0": (3, 22), "Q5_1": (4, 24), "IQ4_NL": (5, 18)}
 _SUPER = {"Q2_K": (0, 84), "Q3_K": (1, 110), "Q4_K": (2, 144), "Q5_K": (3, 176), "Q6_K": (4, 210),
           "IQ4_XS": (5, 136)}
@@ -191,26 +191,35 @@ def _iq4_table(device: torch.device) -> torch.Tensor:
     return table
 
 
-def dequantize_into(out: torch.Tensor, raw: torch.Tensor, type_name: str) -> torch.Tensor:
-    """GGML blocks `raw` (uint8 [N, row_bytes], rows at any stride, bytes contiguous) -> `out` [N, K] (fp32 /
-    bf16 / fp16, contiguous within rows), with the codec's values. Shapes are the caller's to check
-    (gguf_codec.dequantize_into does); this raises only for what the kernel itself cannot take."""
-    require_kernels("the GGUF dequantization kernel")
+def launch_plan(type_name: str) -> dict:
+    """The kernel's compile-time constants for `type_name` (not RND, which the output dtype sets)."""
     if type_name in _LEGACY:
         (kind, size), values, blocks, is_super = _LEGACY[type_name], 32, LEGACY_BLOCKS, False
     elif type_name in _SUPER:
         (kind, size), values, blocks, is_super = _SUPER[type_name], 256, SUPER_BLOCKS, True
     else:
         raise ValueError(f"the GGUF Triton kernel has no {type_name} (it has {', '.join(TYPES)})")
+    return {"SUPER": is_super, "KIND": kind, "SIZE": size, "VALUES": values, "BLOCKS": blocks}
+
+
+# No contraction of a product and a sum into one FMA: gguf rounds each (tests/test_gguf_triton.py compiles
+# the kernel for sm_90 and looks for fma in the PTX).
+LAUNCH_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
+
+
+def dequantize_into(out: torch.Tensor, raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """GGML blocks `raw` (uint8 [N, row_bytes], rows at any stride, bytes contiguous) -> `out` [N, K] (fp32 /
+    bf16 / fp16, contiguous within rows), with the codec's values. Shapes are the caller's to check
+    (gguf_codec.dequantize_into does); this raises only for what the kernel itself cannot take."""
+    require_kernels("the GGUF dequantization kernel")
+    plan = launch_plan(type_name)
     n, k = out.shape
     if raw.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError(f"GGUF {type_name}: blocks and output need contiguous rows, got strides "
                          f"{raw.stride()} and {out.stride()}")
-    n_blocks = n * (k // values)
+    n_blocks = n * (k // plan["VALUES"])
     if n_blocks:
-        grid = (triton.cdiv(n_blocks, blocks),)
-        _dequantize_kernel[grid](raw, out, _iq4_table(out.device), n_blocks, k // values, raw.stride(0),
-                                 out.stride(0), SUPER=is_super, KIND=kind, SIZE=size, VALUES=values,
-                                 BLOCKS=blocks, RND=round_code(out.dtype), num_warps=4,
-                                 enable_fp_fusion=False)
+        grid = (triton.cdiv(n_blocks, plan["BLOCKS"]),)
+        _dequantize_kernel[grid](raw, out, _iq4_table(out.device), n_blocks, k // plan["VALUES"], raw.stride(0),
+                                 out.stride(0), **plan, RND=round_code(out.dtype), **LAUNCH_OPTIONS)
     return out

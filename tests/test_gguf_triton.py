@@ -102,6 +102,52 @@ def test_an_empty_tensor_writes_nothing():
     assert gguf_triton.dequantize_into(out, torch.empty(0, 144, dtype=torch.uint8), "Q4_K") is out
 
 
+# --------------------------------------------------------------------------------------------- compiled form
+# Compiles the kernel ahead of time for an H200 (sm_90) with the launch options dequantize_into uses, in a
+# process without the interpreter (no GPU needed: the Triton wheel carries ptxas), and prints per type whether
+# the PTX holds a fused multiply-add and whether the stores are 16-byte vectors.
+_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from h3_spark.kernels import gguf_triton as G
+
+signature = {"raw": "*u8", "out": "*bf16", "table": "*fp32", "n_blocks": "i32", "per_row": "i32",
+             "raw_stride": "i32", "out_stride": "i32", "SUPER": "constexpr", "KIND": "constexpr", "SIZE": "constexpr",
+             "VALUES": "constexpr", "BLOCKS": "constexpr", "RND": "constexpr"}
+aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 5, 6)}
+found = []
+for name, extra in json.loads(sys.argv[1]):
+    src = ASTSource(fn=G._dequantize_kernel, signature=signature, constexprs=dict(G.launch_plan(name), RND=1),
+                    attrs=aligned)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(G.LAUNCH_OPTIONS, **extra)).asm["ptx"]
+    found.append({"fma": "fma." in ptx, "vector_stores": "st.global.v4.b32" in ptx})
+print(json.dumps(found))
+"""
+
+
+def _compiled(cases):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@needs_triton
+def test_the_compiled_kernel_has_no_fused_multiply_add():
+    """The affine types (d * q + m, dl * q - ml) compiled as dequantize_into launches them: no FMA, vector
+    stores. Compiled with Triton's default (contraction on) the same kernels have FMAs: the check can fail."""
+    found = _compiled([("Q4_1", {}), ("Q4_K", {}), ("Q4_K", {"enable_fp_fusion": True})])
+    assert found == [{"fma": False, "vector_stores": True}] * 2 + [{"fma": True, "vector_stores": True}]
+
+
 # --------------------------------------------------------------------------------------------- dispatch
 def test_the_dispatch_picks_triton_on_cuda_for_the_kernels_types_only():
     for name in gguf_codec.SUPPORTED:
