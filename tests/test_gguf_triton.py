@@ -190,6 +190,10 @@ def test_kernel_refuses_what_it_cannot_take():
         gguf_triton.dequantize_into(torch.empty(64, 2).t(), torch.zeros(2, 68, dtype=torch.uint8), "Q8_0")
     assert str(err.value) == ("GGUF Q8_0: blocks and output need contiguous rows, got strides (68, 1) and "
                               "(1, 2)")
+    huge = torch.empty(2 ** 26, 1024, device="meta")  # 2^31 blocks of 32: shapes only, nothing allocated
+    with pytest.raises(ValueError) as err:
+        gguf_triton.dequantize_into(huge, torch.empty(2 ** 26, 1088, dtype=torch.uint8, device="meta"), "Q8_0")
+    assert str(err.value) == ("GGUF Q8_0: 2147483648 blocks in one call, more than the kernel counts (2^31 - 1)")
 
 
 # --------------------------------------------------------------------------------------------- on a GPU
