@@ -295,6 +295,20 @@ def rel_l2_pair(a, b) -> dict:
             "video": rel_l2(a[0], b[0]), "audio": rel_l2(a[1], b[1])}
 
 
+def timed(fn, device: str, repeats: int) -> tuple[list[float], float | None]:
+    """Seconds of `repeats` warm calls and the peak GPU memory over them (GB; None on the CPU)."""
+    import torch
+
+    from h3_spark.measure.runner import time_call
+
+    if not device.startswith("cuda"):
+        return time_call(fn, device, 0, repeats), None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = time_call(fn, device, 0, repeats)
+    return times, torch.cuda.max_memory_allocated() / 1e9
+
+
 def our_schedule(model, sparsity: float, tile: int, device: str, settings, shape):
     from h3_spark.h3_model.engine.recipes import fasth3_schedule, parse_recipes
 
@@ -307,7 +321,7 @@ def run_request(args, fv, ours, twins, shape, seed, steps, settings, ours32) -> 
     import torch
 
     from h3_spark.h3_model.pipeline.scheduler import JointSchedule
-    from h3_spark.measure.runner import make_inputs, time_call
+    from h3_spark.measure.runner import make_inputs
 
     device, lay = args.device, shape.layout
     schedule = JointSchedule.create(steps)
@@ -361,11 +375,12 @@ def run_request(args, fv, ours, twins, shape, seed, steps, settings, ours32) -> 
         for run in RUNS:
             ours_fn, theirs_fn = calls[run]
             ours_v, theirs_v = ours_fn(), theirs_fn()  # the warm-up calls, whose velocities are compared
-            ours_t = time_call(ours_fn, device, 0, args.repeats)
-            theirs_t = time_call(theirs_fn, device, 0, args.repeats)
+            ours_t, ours_peak = timed(ours_fn, device, args.repeats)
+            theirs_t, theirs_peak = timed(theirs_fn, device, args.repeats)
             velocities[run] = (ours_v, theirs_v)
             entry = {"ours_s_median": statistics.median(ours_t), "ours_s_all": ours_t,
                      "fastvideo_s_median": statistics.median(theirs_t), "fastvideo_s_all": theirs_t,
+                     "ours_peak_gpu_memory_gb": ours_peak, "fastvideo_peak_gpu_memory_gb": theirs_peak,
                      "speedup_vs_fastvideo": statistics.median(theirs_t) / statistics.median(ours_t),
                      "velocity_rel_l2_ours_vs_fastvideo": rel_l2_pair(ours_v, theirs_v)}
             out["runs"][run] = entry
