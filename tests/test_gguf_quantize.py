@@ -69,7 +69,9 @@ def test_legacy_quantizers_are_gguf_bit_for_bit(type_name):
 @pytest.mark.parametrize("type_name", Q.QUANTIZABLE)
 def test_row_chunks_change_no_byte(type_name):
     x = _rows(7, 768, 2)
+    kept = x.clone()
     whole = Q.quantize(x, type_name)
+    assert torch.equal(x, kept)  # the caller's tensor is never written (an fp32 chunk is the tensor itself)
     assert whole.shape == (7, 768 // Q.block_of(type_name)[0] * Q.block_of(type_name)[1])
     assert torch.equal(Q.quantize(x, type_name, chunk_values=1000), whole)  # one row a chunk
     assert torch.equal(Q.quantize(x.reshape(7, 1, 768), type_name), whole)  # leading dims are rows
