@@ -148,8 +148,10 @@ def vsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch
     qp, kp, vp = _padded(q, tiles), _padded(k, tiles), _padded(v.to(q.dtype), tiles)
     scores = _pooled(qp, tiles) @ _pooled(kp, tiles).transpose(-1, -2) / math.sqrt(q.shape[-1])
     mask = select_tiles(scores, tiles.num_prefix_tiles, sparsity)
-    fine = _fine(qp, kp, vp, mask, tiles).to(v.dtype)
-    return add_gated_coarse(fine, scores, _pooled(vp, tiles) if gate is not None else None, gate, tiles)
+    values = _pooled(vp, tiles) if gate is not None else None
+    fine = _fine(qp, kp, vp, mask, tiles)
+    del qp, kp, vp  # three (B, n x tile, H, D) buffers gone before the gated branch allocates its rows
+    return add_gated_coarse(fine.to(v.dtype), scores, values, gate, tiles)
 
 
 class VsaAttention(Backend):

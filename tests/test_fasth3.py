@@ -314,3 +314,21 @@ def test_make_checkpoint_and_inspect_know_fasth3(tmp_path, capsys):
             in capsys.readouterr().err)
     assert main(["make-checkpoint", str(tmp_path / "v.safetensors"), "--fasth3", "--component", "vae"]) == 2
     assert "--fasth3 applies to --component dit" in capsys.readouterr().err
+
+
+def test_the_gate_reads_an_fp8_quantized_attention_input():
+    """With FP8 linears the fused modulation hands the attention its input as FP8 rows (shared by q, k and v);
+    the gate, a plain linear, reads the values those codes stand for (this failed on the H200: linear() got
+    an Fp8Rows)."""
+    from h3_spark.h3_model.dit.model import Attention
+    from h3_spark.kernels.linear_fp8 import Fp8Rows
+
+    torch.manual_seed(3)
+    attn = Attention(24, 2, 16, 1e-6, gate_compress=True)
+    x = torch.randn(1, 5, 24)
+    scale = x.abs().amax(-1, keepdim=True).reshape(-1, 1) / 448.0
+    rows = Fp8Rows((x.reshape(-1, 24) / scale).to(torch.float8_e4m3fn), scale, x.shape)
+    got = attn.compress_gate(rows)
+    want = attn.to_gate_compress(rows.dequantize(torch.float32)).view(1, 5, 2, 16)
+    assert got is not None and torch.equal(got, want)
+    assert rel_l2(got, attn.compress_gate(x)) < 0.05  # the e4m3 rounding of the input, no more

@@ -131,7 +131,8 @@ def test_the_gate_scales_each_tiles_coarse_output():
     gate = torch.randn_like(v)
     scores = coarse_scores(q, k, tiles)
     fine = fine_reference(q, k, v, select_tiles(scores, tiles.num_prefix_tiles, 0.5), tiles)
-    got = add_gated_coarse(fine, scores, pooled(v, tiles), gate, tiles) - fine
+    summed = add_gated_coarse(fine.clone(), scores, pooled(v, tiles), gate, tiles)
+    got = summed - fine
     means = torch.stack([v[0, tiles.row_tile == j].mean(0) for j in range(tiles.num_tiles)])  # (n, H, D)
     qm = torch.stack([q[0, tiles.row_tile == j].mean(0) for j in range(tiles.num_tiles)])
     km = torch.stack([k[0, tiles.row_tile == j].mean(0) for j in range(tiles.num_tiles)])
@@ -141,6 +142,11 @@ def test_the_gate_scales_each_tiles_coarse_output():
         coarse = torch.einsum("hj,jhd->hd", weights, means)
         rows = tiles.row_tile == i
         assert torch.allclose(got[0, rows], gate[0, rows] * coarse, atol=1e-5)
+    # Added into the fine output in place, by the same two roundings as out of place.
+    fine_copy = fine.clone()
+    assert add_gated_coarse(fine_copy, scores, pooled(v, tiles), gate, tiles) is fine_copy
+    rows = (scores.softmax(-1) @ pooled(v, tiles)).transpose(1, 2)[:, tiles.row_tile]
+    assert torch.equal(fine_copy, fine + rows * gate)
 
 
 def test_inputs_that_do_not_fit_the_tiles_are_refused():

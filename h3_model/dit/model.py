@@ -107,6 +107,11 @@ class Attention(nn.Module):
         if gate is None or self._gate_all_zero(gate):
             return None
         b, s, _ = x.shape
+        if not isinstance(x, torch.Tensor):
+            # With FP8 / NVFP4 linears the fused modulation hands the attention its input already quantized
+            # (kernels/linear_fp8.Fp8Rows), which q, k and v share; the gate stays a plain linear of the
+            # model's dtype, so it reads the values those codes stand for.
+            x = x.dequantize(getattr(gate, "weight").dtype)
         return gate(x).view(b, s, self.heads, self.head_dim)
 
     def _gate_all_zero(self, gate: nn.Module) -> bool:
