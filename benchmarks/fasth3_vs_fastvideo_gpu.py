@@ -107,9 +107,11 @@ def kernel_package_path(root: Path) -> str | None:
 def fv_import(name: str):
     try:
         return importlib.import_module(name)
-    except ImportError as exc:
-        raise Unrunnable(f"FastVideo's {name} does not import ({type(exc).__name__}: {exc}); install the wheels "
-                         f"this script's docstring lists") from None
+    # A missing wheel raises ImportError; a kernel module that cannot start here (Triton without a driver) others.
+    except Exception as exc:  # noqa: BLE001
+        detail = (str(exc).splitlines() or [""])[0]
+        raise Unrunnable(f"FastVideo's {name} does not import ({type(exc).__name__}: {detail}); install the "
+                         f"wheels this script's docstring lists") from None
 
 
 def cpu_platform(fv) -> object:
