@@ -156,7 +156,7 @@ if triton is not None:
 
     # ------------------------------------------------------------------ the kernel
     @triton.jit
-    def _dequantize_kernel(raw, out, table, n_blocks, per_row, raw_stride, out_stride,
+    def _gguf_dequantize_kernel(raw, out, table, n_blocks, per_row, raw_stride, out_stride,
                            SUPER: tl.constexpr, KIND: tl.constexpr, SIZE: tl.constexpr, VALUES: tl.constexpr,
                            BLOCKS: tl.constexpr, RND: tl.constexpr):
         # block numbers [B] in int32 (a 64-bit division costs several times a 32-bit one), byte offsets in int64
@@ -223,6 +223,6 @@ def dequantize_into(out: torch.Tensor, raw: torch.Tensor, type_name: str) -> tor
         raise ValueError(f"GGUF {type_name}: {n_blocks} blocks in one call, more than the kernel counts (2^31 - 1)")
     if n_blocks:
         grid = (triton.cdiv(n_blocks, plan["BLOCKS"]),)
-        _dequantize_kernel[grid](raw, out, _iq4_table(out.device), n_blocks, k // plan["VALUES"], raw.stride(0),
+        _gguf_dequantize_kernel[grid](raw, out, _iq4_table(out.device), n_blocks, k // plan["VALUES"], raw.stride(0),
                                  out.stride(0), **plan, RND=round_code(out.dtype), **LAUNCH_OPTIONS)
     return out

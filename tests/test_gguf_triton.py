@@ -119,7 +119,7 @@ signature = {"raw": "*u8", "out": "*bf16", "table": "*fp32", "n_blocks": "i32", 
 aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 5, 6)}
 found = []
 for name, extra in json.loads(sys.argv[1]):
-    src = ASTSource(fn=G._dequantize_kernel, signature=signature, constexprs=dict(G.launch_plan(name), RND=1),
+    src = ASTSource(fn=G._gguf_dequantize_kernel, signature=signature, constexprs=dict(G.launch_plan(name), RND=1),
                     attrs=aligned)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(G.LAUNCH_OPTIONS, **extra)).asm["ptx"]
     found.append({"fma": "fma." in ptx, "vector_stores": "st.global.v4.b32" in ptx})
