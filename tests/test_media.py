@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import av
@@ -269,6 +270,36 @@ def test_an_encoder_failure_reaches_the_producer(tmp_path):
     with pytest.raises(InputError, match="a.mp4: cannot write mp4"):
         stream.finish()
     stream.abort()
+
+
+def _descriptors_on(target: str) -> list[str]:
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+        if link.startswith(target):
+            found.append(f"{fd} -> {link}")
+    return found
+
+
+@pytest.mark.skipif(not (os.path.exists("/dev/full") and os.path.isdir("/proc/self/fd")),
+                    reason="needs Linux's /dev/full (every write: ENOSPC) and /proc/self/fd")
+@pytest.mark.parametrize("chunks", [1, 6])
+def test_a_full_disk_fails_the_stream_and_frees_its_descriptor(tmp_path, chunks):
+    # The kernel's own ENOSPC: the stream's file is /dev/full. PyAV kept its descriptor open when muxing or closing
+    # failed, so a failed job's deleted file held its disk space until the process ended.
+    (tmp_path / "o.mp4").symlink_to("/dev/full")
+    stream = media.Mp4Stream(tmp_path / "o.mp4", audio=False)
+    rng = np.random.default_rng()
+    with pytest.raises(InputError) as err:
+        for _ in range(chunks):
+            stream.add(rng.integers(0, 256, (8, 64, 64, 3), dtype=np.uint8))
+        stream.finish()
+    stream.abort()
+    assert str(err.value) == f"{tmp_path / 'o.mp4'}: cannot write mp4 ([Errno 28] No space left on device)"
+    assert _descriptors_on("/dev/full") == []
 
 
 def test_write_mp4_without_audio(tmp_path):
