@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .options import MODELS_HELP
+from ..h3_model.engine.flags import MODELS_HELP
 
 # Flags that fill the config's `serve` mapping (each replica's `h3-spark serve` flags), as (flag, type).
 SERVE_FLAGS = (("models", Path), ("synthetic", str), ("synthetic-modes", str), ("device", str), ("dtype", str),

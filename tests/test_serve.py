@@ -503,7 +503,7 @@ def test_a_loopback_service_answers_loopback_host_names_only(serve):
     """DNS rebinding: a page whose name resolves to 127.0.0.1 sends Host: its own name, which a loopback service
     refuses (400); its own names pass. The CLI's default allow-list is the loopback names on loopback, any Host
     beyond it (the token guards it there), and what --allowed-host says."""
-    from h3_spark.cli.serve import allowed_hosts
+    from h3_spark.serve.command import allowed_hosts
     from h3_spark.serve.auth import LOOPBACK_HOSTS
 
     client = serve(allowed_hosts=(*LOOPBACK_HOSTS, "testserver"))  # the test client's own name, for its set-up
@@ -599,6 +599,7 @@ def test_serve_command_binds_loopback_by_default(model_dir, resident, tmp_path):
 
     from h3_spark.cli import build_parser
     from h3_spark.cli import serve as serve_cli
+    from h3_spark.serve.command import server_config
 
     args = build_parser().parse_args(["serve", "--models", str(model_dir), "--output-dir", str(tmp_path)])
     assert args.host == "127.0.0.1" and args._run is serve_cli.run
@@ -606,7 +607,7 @@ def test_serve_command_binds_loopback_by_default(model_dir, resident, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         args.port = s.getsockname()[1]
-    config = serve_cli.server_config(args, create_app(service))
+    config = server_config(args, create_app(service), service.config.http)
     config.log_level = "warning"
     assert config.host == "127.0.0.1"
     with _running(config) as (server, thread):
