@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .http_limits import ClientGone, HeaderCount, client_gone_line, read_body
+from .http_limits import ClientGone, HeaderLimits, client_gone_line, read_body
 from .service import Service
 from .validation import RequestError
 
@@ -154,7 +154,8 @@ def create_app(service: Service) -> Starlette:
 
         middleware.append(Middleware(BearerAuth, key=service.config.api_key))
     # Outermost: a request with too many headers costs nothing more.
-    middleware.insert(0, Middleware(HeaderCount, limit=service.config.http.max_headers))
+    middleware.insert(0, Middleware(HeaderLimits, count=service.config.http.max_headers,
+                                    size=service.config.http.max_header_bytes))
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.service = service

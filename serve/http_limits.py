@@ -3,7 +3,7 @@
 uvicorn enforces what it has settings for (`uvicorn_settings`): the size of a request's head
 (h11_max_incomplete_event_size: past it h11 answers 431/400 and closes), the keep-alive timeout between requests,
 and the connections and tasks at once (limit_concurrency: past it 503). What it has none for is here: a cap on
-the number of headers (`HeaderCount`, 431), a deadline for reading a body (`read_body`, 408), and a client that
+the number and bytes of headers (`HeaderLimits`, 431), a deadline for reading a body (`read_body`, 408), and a client that
 hangs up mid-body is one log line, not a traceback.
 """
 
@@ -42,19 +42,27 @@ def uvicorn_settings(limits: HttpLimits) -> dict:
             "timeout_keep_alive": limits.keep_alive_s, "limit_concurrency": limits.max_connections}
 
 
-class HeaderCount:
-    """ASGI middleware: a request with more than `limit` headers is answered 431 before any route sees it."""
+class HeaderLimits:
+    """ASGI middleware: a request with more than `count` headers, or more than `size` bytes of them, is answered
+    431 before any route sees it. h11's own limit (uvicorn_settings) counts only a head still incomplete after a
+    read, so one that arrives whole in a read of up to 64 KiB passes it; this one counts every head."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, count: int, size: int):
+        self.app, self.count, self.size = app, count, size
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and len(scope["headers"]) > self.limit:
-            from starlette.responses import JSONResponse
+        if scope["type"] == "http":
+            headers = scope["headers"]
+            size = sum(len(name) + len(value) for name, value in headers)
+            problem = (f"the request has {len(headers)} headers; the limit is {self.count}"
+                       if len(headers) > self.count else
+                       f"the request's headers are {size} bytes; the limit is {self.size}" if size > self.size
+                       else None)
+            if problem is not None:
+                from starlette.responses import JSONResponse
 
-            response = JSONResponse({"error": f"the request has {len(scope['headers'])} headers; the limit is "
-                                              f"{self.limit}"}, status_code=431, headers={"Connection": "close"})
-            return await response(scope, receive, send)
+                response = JSONResponse({"error": problem}, status_code=431, headers={"Connection": "close"})
+                return await response(scope, receive, send)
         return await self.app(scope, receive, send)
 
 

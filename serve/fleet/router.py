@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..app import check_json_type, parse_json
-from ..http_limits import ClientGone, HeaderCount, HttpLimits, client_gone_line, read_body
+from ..http_limits import ClientGone, HeaderLimits, HttpLimits, client_gone_line, read_body
 from ..jobs import TERMINAL
 from ..validation import Limits, RequestError
 from .ledger import Ledger
@@ -333,7 +333,7 @@ def create_router_app(router: Router) -> Starlette:
     from starlette.middleware import Middleware
 
     # As the single service's (app.py): headers counted first, then the Host list, then the token.
-    middleware = [Middleware(HeaderCount, limit=router.http.max_headers)]
+    middleware = [Middleware(HeaderLimits, count=router.http.max_headers, size=router.http.max_header_bytes)]
     if router.allowed_hosts:
         from starlette.middleware.trustedhost import TrustedHostMiddleware
 
