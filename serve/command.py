@@ -124,6 +124,8 @@ def service_settings(args, device: str | None = None):
         raise InputError(f"--keep-jobs must be at least 1, got {args.keep_jobs}")
     if not 0 < args.keep_days <= 36500:
         raise InputError(f"--keep-days must be more than 0 (and at most 36500), got {args.keep_days:g}")
+    if not 1 <= args.max_header_kb <= 1024:
+        raise InputError(f"--max-header-kb must be 1..1024, got {args.max_header_kb}")
     http = HttpLimits(max_header_bytes=args.max_header_kb << 10, max_headers=args.max_headers,
                       keep_alive_s=args.keep_alive_s, max_connections=args.max_connections,
                       body_timeout_s=args.body_timeout_s)

@@ -28,6 +28,7 @@ class HttpLimits:
     body_timeout_s: float = 30.0  # a body not fully received this long after the head is refused (408)
 
     def __post_init__(self) -> None:
+        # Named as serve's flags (its --max-header-kb is checked there, in KiB).
         for name, low, high in (("max_header_bytes", 1024, 1 << 20), ("max_headers", 8, 1000),
                                 ("keep_alive_s", 1, 3600), ("max_connections", 4, 100_000),
                                 ("body_timeout_s", 1, 3600)):

@@ -224,3 +224,20 @@ def test_a_restarted_router_finds_its_jobs_in_its_file(tmp_path):
                                                                  "while the router was down) while this job was "
                                                                  "queued")
     second.ledger.records.close()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--keep-jobs", "0"], "--keep-jobs must be at least 1, got 0"),
+    (["--keep-days", "0"], "--keep-days must be more than 0 (and at most 36500), got 0"),
+    (["--max-headers", "2"], "--max-headers must be 8..1000, got 2"),
+    (["--max-header-kb", "0"], "--max-header-kb must be 1..1024, got 0"),
+    (["--keep-alive-s", "0"], "--keep-alive-s must be 1..3600, got 0"),
+    (["--max-connections", "1"], "--max-connections must be 4..100000, got 1"),
+    (["--body-timeout-s", "0.5"], "--body-timeout-s must be 1..3600, got 0.5"),
+])
+def test_bad_record_and_http_flags_are_one_line(tmp_path, capsys, flags, message):
+    from h3_spark.cli import main
+
+    assert main(["serve", "--synthetic", "tiny", "--device", "cpu", "--output-dir", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == f"h3-spark serve: error: {message}\n"
