@@ -302,6 +302,66 @@ def test_a_full_disk_fails_the_stream_and_frees_its_descriptor(tmp_path, chunks)
     assert _descriptors_on("/dev/full") == []
 
 
+_ON_A_FULL_TMPFS = """
+import json, os, sys
+import numpy as np
+from h3_spark.errors import InputError
+from h3_spark.h3_model.media.files import Mp4Stream
+
+folder, room = sys.argv[1], int(sys.argv[2])
+def free():
+    s = os.statvfs(folder)
+    return s.f_bavail * s.f_frsize
+with open(os.path.join(folder, "filler"), "wb") as f:
+    f.write(bytes(free() - room))
+before, path = free(), os.path.join(folder, ".job.partial.mp4")
+stream, error = Mp4Stream(path, audio=False), None
+rng = np.random.default_rng()
+try:
+    for _ in range(6):
+        stream.add(rng.integers(0, 256, (8, 128, 128, 3), dtype=np.uint8))
+    stream.finish()
+except InputError as exc:
+    error = str(exc)
+stream.abort()
+os.unlink(path)
+held = []
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        held += [os.readlink(f"/proc/self/fd/{fd}")] if folder in os.readlink(f"/proc/self/fd/{fd}") else []
+    except OSError:
+        pass
+print(json.dumps({"error": error, "before": before, "after": free(), "held": held}))
+"""
+
+
+@pytest.mark.parametrize("room_kib", [0, 48])
+def test_a_full_tmpfs_gives_its_space_back_after_a_failed_stream(tmp_path, room_kib):
+    # A real file system that fills up: a 512 KiB tmpfs, mounted in a user namespace of its own (no root needed).
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("this machine lets no unprivileged user namespace mount a tmpfs (unshare -rm failed); the "
+                    "injected ENOSPC tests cover the same path")
+    folder = tmp_path / "small"
+    folder.mkdir()
+    script = tmp_path / "fill.py"
+    script.write_text(_ON_A_FULL_TMPFS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=512k tmpfs "{folder}" && exec '
+                          f'"{sys.executable}" "{script}" "{folder}" {room_kib * 1024}'],
+                         capture_output=True, text=True, env=env, timeout=120)
+    if run.returncode and "mount" in run.stderr and not run.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["error"] == f"{folder}/.job.partial.mp4: cannot write mp4 ([Errno 28] No space left on device)"
+    assert got["held"] == [] and got["after"] == got["before"] == room_kib * 1024
+
+
 def test_write_mp4_without_audio(tmp_path):
     info = media.probe(media.write_mp4(tmp_path / "o.mp4", numbered_frames(5, 16, 16)))
     assert info["video_codec"] == "h264" and "audio_codec" not in info
