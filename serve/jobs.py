@@ -150,10 +150,11 @@ class JobQueue:
                 raise RequestError(409, f"job {job_id} already ended ({job.state}); nothing to cancel")
             return job.to_dict()
 
-    def list(self) -> list[dict]:
+    def list(self, stored: bool = True) -> list[dict]:
+        """{"id", "state"} of the jobs in memory, after those only in the records file (`stored`)."""
         with self._cond:
             live = [{"id": j.id, "state": j.state} for j in self._jobs.values()]
-        if self._records is None:
+        if self._records is None or not stored:
             return live
         known = {j["id"] for j in live}
         return [r for r in self._records.states() if r["id"] not in known] + live

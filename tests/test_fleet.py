@@ -235,6 +235,7 @@ def listening_beyond_loopback(root_pid: int) -> list[str]:
 
 
 def test_a_local_fleet_listens_on_loopback_only(tmp_path):
+    psutil = pytest.importorskip("psutil")
     pytest.importorskip("ray")
     port = free_port()
     env = {**os.environ, **KERNEL_ENV, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -244,24 +245,28 @@ def test_a_local_fleet_listens_on_loopback_only(tmp_path):
                "--num-cpus", "1", "--cpus-per-replica", "0.5"]
     fleet = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              start_new_session=True)
+    family = []
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
-            def ready():
+            def replica_up():
+                # Its Serve gRPC server is up once it answers the router (loading or ready): no need to wait for
+                # the models.
                 assert fleet.poll() is None, fleet.stderr.read().decode()[-2000:]
-                with contextlib.suppress(httpx.HTTPError):
-                    return client.get("/ready").status_code == 200
+                with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):  # Ray answers text until the app is up
+                    return client.get("/ready").json()["replicas"]["replica-1"]["state"] in ("loading", "ready")
                 return False
 
-            until(ready, 120, "the fleet ready")
+            until(replica_up, 120, "the fleet's replica up")
             listening = listening_beyond_loopback(fleet.pid)
             assert client.get("/live", headers={"Host": "attacker.example"}).status_code == 400
     finally:
-        fleet.send_signal(signal.SIGTERM)
-        try:
-            fleet.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(fleet.pid, signal.SIGKILL)
-            fleet.wait(10)
+        with contextlib.suppress(psutil.Error):
+            family = psutil.Process(fleet.pid).children(recursive=True)
+        os.killpg(fleet.pid, signal.SIGKILL)  # the fleet, its Ray head and workers: nothing of it is kept
+        fleet.wait(30)
+        for process in family:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
     assert listening == []
 
 

@@ -863,31 +863,31 @@ def random_seed():
     return random.randrange(1 << 30)
 
 
-class _FullDisk(io.FileIO):
-    """A real file that says ENOSPC once `room` bytes are written, as a full file system does."""
+class _FailingDisk(io.FileIO):
+    """A real file whose writes fail with `code` once `room` bytes are written, as a full or failing disk does."""
 
-    room = 0
+    room, code = 0, errno.ENOSPC
 
     def write(self, data):
         if self.tell() + len(data) > self.room:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise OSError(self.code, os.strerror(self.code))
         return super().write(data)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc/self/fd")
-@pytest.mark.parametrize("room", [0, 3000])
-def test_a_full_disk_fails_the_job_and_leaves_nothing_open(serve, monkeypatch, room):
+@pytest.mark.parametrize("room, code", [(0, errno.ENOSPC), (3000, errno.ENOSPC), (3000, errno.EIO)])
+def test_a_full_disk_fails_the_job_and_leaves_nothing_open(serve, monkeypatch, room, code):
     from h3_spark.h3_model.media import files as media
 
-    # A small tmpfs would need a mount (root in this user namespace, which tests cannot assume): the file system's
-    # answer is injected at the one place the mp4 is written, on a real file in the output folder.
-    full = type("Full", (_FullDisk,), {"room": room})
-    monkeypatch.setattr(media, "open_output", lambda path: full(path, "w+"))
+    # Through the whole service, the file system's answer is injected at the one place the mp4 is written, on a
+    # real file in the output folder (test_media.py fills a real tmpfs where one can be mounted).
+    failing = type("Failing", (_FailingDisk,), {"room": room, "code": code})
+    monkeypatch.setattr(media, "open_output", lambda path: failing(path, "w+"))
     client = serve()
     job = client.post("/generate", json=request("full.mp4", seed=random_seed())).json()["id"]
     ended = wait_job(client, job)
     assert ended["state"] == "failed"
-    assert ended["error"].endswith(f"/.{job}.partial.mp4: cannot write mp4 ([Errno 28] No space left on device)")
+    assert ended["error"].endswith(f"/.{job}.partial.mp4: cannot write mp4 ([Errno {code}] {os.strerror(code)})")
     assert not any(client.service.outputs.root.iterdir())
 
     def held():

@@ -77,7 +77,7 @@ class Replica:
 
     def _records(self, since: float | None) -> list[dict]:
         queue, records = self.service.queue, []
-        for item in queue.list():
+        for item in queue.list(stored=False):  # the router keeps its own record of ended jobs
             job = queue.get(item["id"])
             if job is None:
                 continue
