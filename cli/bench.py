@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .options import MODELS_HELP, add_budget_flags, host_budget
+from ..h3_model.engine.flags import MODELS_HELP, add_budget_flags, host_budget
 
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
@@ -104,7 +104,7 @@ def bench_device(args) -> str:
     import torch
 
     from ..errors import InputError
-    from .options import check_device
+    from ..h3_model.engine.flags import check_device
 
     if args.device is not None:
         return check_device(args.device)
@@ -119,7 +119,7 @@ def bench_device(args) -> str:
 def check_out(path: str) -> Path:
     """The result path, checked before measuring: found only when writing, a bad path loses the whole run."""
     from ..errors import InputError
-    from .options import file_in_the_way
+    from ..h3_model.engine.flags import file_in_the_way
 
     out = Path(path)
     if out.is_dir():
@@ -218,7 +218,7 @@ def check_bench_recipe(args, device: str, settings, generation: bool) -> list:
 def check_budget_flags(args) -> None:
     """--vram-budget measures the DiT's forward streamed under the budget; refuses what it cannot combine with."""
     from ..errors import InputError
-    from .options import check_depth, vram_budget
+    from ..h3_model.engine.flags import check_depth, vram_budget
 
     args.budget = vram_budget(args.vram_budget, default=None)
     if args.budget == "auto":

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .vae_options import DEFAULT_TILE_SIZE, DTYPES, vae_options
+from ..h3_model.engine.vae_flags import DEFAULT_TILE_SIZE, DTYPES, vae_options
 
 LOGLEVELS = ("quiet", "panic", "fatal", "error", "warning", "info", "verbose", "debug", "trace")
 DEFAULT_DTYPE = "float16"

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
 from pathlib import Path
 
-from .options import MODELS_HELP
+from ..h3_model.engine.flags import MODELS_HELP
 
 # Flags that fill the config's `serve` mapping (each replica's `h3-spark serve` flags), as (flag, type).
 SERVE_FLAGS = (("models", Path), ("synthetic", str), ("synthetic-modes", str), ("device", str), ("dtype", str),
@@ -71,8 +72,22 @@ def config_from_args(args):
     return config_from_mapping(overrides, "from the flags")
 
 
+# Ray's switch for "this machine alone, not a cluster": with it off, Ray takes the loopback address as the node's and
+# its gRPC servers (GCS, raylet, workers, object manager, agents) listen on 127.0.0.1; on Linux Ray otherwise uses
+# the machine's address and listens on every interface, with no authentication.
+RAY_LOCAL_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def keep_ray_on_loopback(args) -> None:
+    """Before Ray is imported (it reads the switch then): a local head listens on loopback only (start_ray checks
+    that it did). Joining a cluster (--address) leaves the cluster's own settings alone."""
+    if args.address is None:
+        os.environ.update(RAY_LOCAL_ONLY)
+
+
 def start_ray(args) -> bool:
-    """Join --address or start a local head; True when this process started Ray (and so stops it)."""
+    """Join --address or start a local head (on loopback: keep_ray_on_loopback); True when this process started
+    Ray (and so stops it)."""
     import ray
 
     from ..errors import InputError
@@ -85,7 +100,19 @@ def start_ray(args) -> bool:
     for flag, value in (("--num-cpus", args.num_cpus), ("--num-gpus", args.num_gpus)):
         if value is not None and value < 0:
             raise InputError(f"{flag} must be at least 0, got {value}")
-    ray.init(num_cpus=args.num_cpus, num_gpus=args.num_gpus, include_dashboard=False)
+    from ..serve.fleet.loopback import HOOK
+
+    # The hook runs in every worker process of this job (Serve's controller, proxy and replicas included).
+    ray.init(num_cpus=args.num_cpus, num_gpus=args.num_gpus, include_dashboard=False,
+             _node_ip_address="127.0.0.1", runtime_env={"worker_process_setup_hook": HOOK})
+    node = ray.util.get_node_ip_address()
+    if node != "127.0.0.1":
+        ray.shutdown()
+        from ..errors import H3Error
+
+        raise H3Error(f"the local Ray head took the address {node}, so it would listen beyond this machine; start "
+                      f"h3-spark fleet in a process that has not imported Ray yet, or run a Ray cluster yourself and "
+                      f"pass --address")
     return True
 
 
@@ -117,6 +144,7 @@ def run(args) -> int:
     from ..serve.auth import check_binding, read_api_key
     from ..serve.fleet import require_ray
 
+    keep_ray_on_loopback(args)
     serve = require_ray()
     config = config_from_args(args)
     key = read_api_key(config.api_key_file)
@@ -131,7 +159,12 @@ def run(args) -> int:
     # ray.init, which installs its own handler.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        serve.start(http_options={"host": config.host, "port": config.port}, proxy_location="HeadOnly")
+        from ..serve.http_limits import HttpLimits
+
+        # Ray's proxy is its own uvicorn: of the front's HTTP limits it takes the keep-alive; the router's app
+        # counts headers and bounds the body read (router.py).
+        serve.start(http_options={"host": config.host, "port": config.port,
+                                  "keep_alive_timeout_s": HttpLimits().keep_alive_s}, proxy_location="HeadOnly")
         serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
         print(f"h3-spark fleet: {len(config.replicas)} replica(s) behind http://{config.host}:{config.port} "
               f"(GET /fleet for each one's state; Ctrl-C stops the fleet)", file=sys.stderr, flush=True)

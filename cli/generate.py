@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from .options import MODELS_HELP, add_budget_flags, add_node_flags
-from .vae_options import vae_options
+from ..h3_model.engine.flags import MODELS_HELP, add_budget_flags, add_node_flags
+from ..h3_model.engine.vae_flags import vae_options
 
 REF_KINDS = ("image", "video", "audio")
 DEFAULT_STEPS = 50
@@ -131,7 +131,7 @@ def run(args) -> int:
     from ..kernels.dispatch import attention_counts
     from ..kernels.settings import kernel_settings, vae_tile_batch
     from .distributed import command_argv, init_distributed, relaunch_with_torchrun
-    from .options import check_depth, check_device, check_nodes, host_budget, vram_budget
+    from ..h3_model.engine.flags import check_depth, check_device, check_nodes, host_budget, vram_budget
 
     if args.gpus < 1:
         raise InputError(f"--gpus must be at least 1, got {args.gpus}")

@@ -40,7 +40,7 @@ def report_name(path: Path, partition: str | None = None) -> str:
 
 def report_folder(out: str | None) -> Path:
     from ..errors import InputError
-    from .options import file_in_the_way
+    from ..h3_model.engine.flags import file_in_the_way
 
     folder = Path(out) if out else Path("artifacts") / "checkpoints"
     blocking = file_in_the_way(folder)

@@ -3,8 +3,9 @@
   GET    /ready       200 when every model is resident (models, dtypes, device, memory, supported kernels),
                       503 with what is still loading (or why loading failed)
   POST   /generate    JSON (serve/validation.py lists the fields) -> 202 {"id", "state", "url"}
-                      400 bad field or JSON, 409 output exists / taken, 413 too large, 415 not
-                      Content-Type: application/json, 429 queue full (Retry-After), 503 not ready
+                      400 bad field or JSON, 408 body not received in time, 409 output exists / taken,
+                      413 too large, 415 not Content-Type: application/json, 429 queue full (Retry-After),
+                      431 too many headers, 503 not ready
   GET    /jobs        queue state and the jobs on record
   GET    /jobs/{id}   state (queued | running | done | failed | cancelled), progress, timings, output,
                       backends, step-cache report, error
@@ -27,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .http_limits import ClientGone, HeaderLimits, client_gone_line, read_body
 from .service import Service
 from .validation import RequestError
 
@@ -53,25 +55,6 @@ def check_json_type(request: Request) -> None:
     if given.split(";")[0].strip().lower() != "application/json":
         raise RequestError(415, f"{request.method} {request.url.path} takes Content-Type: application/json, got "
                                 f"{given or 'none'!r}")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing (413) past `limit` bytes without reading the rest."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise RequestError(400, f"Content-Length {declared!r} is not a number") from None
-        if size > limit:
-            raise RequestError(413, f"the request body is {size} bytes; the limit is {limit}")
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise RequestError(413, f"the request body exceeds the {limit} byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _reject_constant(name: str):
@@ -101,10 +84,13 @@ def create_app(service: Service) -> Starlette:
     async def generate(request: Request) -> JSONResponse:
         try:
             check_json_type(request)
-            body = parse_json(await read_body(request, service.limits.max_body_bytes))
-            job = await run_in_threadpool(service.submit, body)
+            raw = await read_body(request, service.limits.max_body_bytes, service.config.http.body_timeout_s)
+            job = await run_in_threadpool(service.submit, parse_json(raw))
         except RequestError as exc:
             return _error(exc)
+        except ClientGone:
+            service.log(client_gone_line(request))
+            return Response(status_code=400)  # no one reads it
         url = f"/jobs/{job.id}"
         return JSONResponse({"id": job.id, "state": "queued", "url": url}, status_code=202,
                             headers={"Location": url})
@@ -167,6 +153,9 @@ def create_app(service: Service) -> Starlette:
         from .auth import BearerAuth
 
         middleware.append(Middleware(BearerAuth, key=service.config.api_key))
+    # Outermost: a request with too many headers costs nothing more.
+    middleware.insert(0, Middleware(HeaderLimits, count=service.config.http.max_headers,
+                                    size=service.config.http.max_header_bytes))
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.service = service

@@ -2,7 +2,9 @@
 
 One worker thread runs one job at a time (the GPU holds one generation's working set). Every accepted
 job ends in done, failed or cancelled with its error recorded; the worker survives anything a job
-raises. Records of finished jobs are kept up to a bound, oldest dropped first.
+raises. Records of finished jobs are kept in memory up to a bound, oldest dropped first; with a `records`
+file (records.py) every change of state is written there before it can be seen, and a job no longer in memory
+(an older one, or one of a process that ended) is read from it.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .validation import RequestError
+
+if TYPE_CHECKING:
+    from .records import JobRecords
 
 STATES = ("queued", "running", "done", "failed", "cancelled")
 TERMINAL = ("done", "failed", "cancelled")
@@ -64,13 +69,14 @@ Runner = Callable[[Job], "tuple[str, str | None]"]
 
 class JobQueue:
     def __init__(self, capacity: int, run: Runner, *, on_finish: Callable[[Job], None] | None = None,
-                 keep_finished: int = 1000):
+                 keep_finished: int = 1000, records: "JobRecords | None" = None):
         if capacity < 1:
             raise ValueError(f"queue capacity must be at least 1, got {capacity}")
         self.capacity = capacity
         self._run = run
         self._on_finish = on_finish or (lambda job: None)
         self._keep = keep_finished
+        self._records = records
         self._cond = threading.Condition()
         self._pending: deque[Job] = deque()
         self._jobs: OrderedDict[str, Job] = OrderedDict()
@@ -104,6 +110,12 @@ class JobQueue:
                 raise RequestError(503, "the service is shutting down")
             if len(self._pending) >= self.capacity:
                 raise QueueFull(self.capacity, self.retry_after())
+            if self._records is not None:
+                try:
+                    self._records.save(job.to_dict())
+                except Exception as exc:  # noqa: BLE001 - not on record: not accepted
+                    raise RequestError(503, f"the job could not be recorded ({type(exc).__name__}: {exc})") \
+                        from None
             self._pending.append(job)
             self._jobs[job.id] = job
             self._cond.notify_all()
@@ -116,12 +128,19 @@ class JobQueue:
     def snapshot(self, job_id: str) -> dict | None:
         with self._cond:
             job = self._jobs.get(job_id)
-            return None if job is None else job.to_dict()
+            if job is not None:
+                return job.to_dict()
+        return self._records.get(job_id) if self._records is not None else None
 
     def cancel(self, job_id: str) -> dict:
         """Queued: cancelled now. Running: asked to stop (it ends within one DiT block). Raises KeyError."""
         with self._cond:
-            job = self._jobs[job_id]
+            job = self._jobs.get(job_id)
+            if job is None:
+                stored = self._records.get(job_id) if self._records is not None else None
+                if stored is None:
+                    raise KeyError(job_id)
+                raise RequestError(409, f"job {job_id} already ended ({stored['state']}); nothing to cancel")
             if job.state == "queued":
                 self._pending.remove(job)
                 self._finish(job, "cancelled", None)
@@ -131,9 +150,14 @@ class JobQueue:
                 raise RequestError(409, f"job {job_id} already ended ({job.state}); nothing to cancel")
             return job.to_dict()
 
-    def list(self) -> list[dict]:
+    def list(self, stored: bool = True) -> list[dict]:
+        """{"id", "state"} of the jobs in memory, after those only in the records file (`stored`)."""
         with self._cond:
-            return [{"id": j.id, "state": j.state} for j in self._jobs.values()]
+            live = [{"id": j.id, "state": j.state} for j in self._jobs.values()]
+        if self._records is None or not stored:
+            return live
+        known = {j["id"] for j in live}
+        return [r for r in self._records.states() if r["id"] not in known] + live
 
     def stats(self) -> dict:
         with self._cond:
@@ -156,7 +180,10 @@ class JobQueue:
                     return
                 job = self._pending.popleft()
                 job.state, job.started, self._current = "running", time.time(), job
+                unrecorded = self._save(job)
             try:
+                if unrecorded:
+                    raise RuntimeError(unrecorded)
                 state, error = self._run(job)
             except BaseException as exc:  # noqa: BLE001 - the worker must outlive any job
                 state, error = "failed", f"internal error: {type(exc).__name__}: {exc}"
@@ -174,7 +201,21 @@ class JobQueue:
             self._on_finish(job)
         except Exception as exc:  # noqa: BLE001 - recorded on the job; the worker must go on
             job.error = f"{error + '; ' if error else ''}cleanup failed: {type(exc).__name__}: {exc}"
+        unrecorded = self._save(job)
+        if unrecorded:
+            job.error = f"{job.error + '; ' if job.error else ''}{unrecorded}"
         self._evict()
+
+    def _save(self, job: Job) -> str | None:
+        """Write the job's record (called with the condition held, so no one sees the state before it is on
+        disk); the reason when it could not be written."""
+        if self._records is None:
+            return None
+        try:
+            self._records.save(job.to_dict())
+        except Exception as exc:  # noqa: BLE001 - the worker goes on; the job's own record says what happened
+            return f"its record could not be written ({type(exc).__name__}: {exc})"
+        return None
 
     def _evict(self) -> None:
         finished = [j for j in self._jobs.values() if j.state in TERMINAL]

@@ -14,19 +14,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import H3Error
+from ..errors import H3Error, InputError
 from ..h3_model.engine.engine import Engine
 from ..h3_model.engine.host_memory import host_memory_report
 from ..h3_model.engine.report import describe_models, memory_report, supported_kernels
 from .execute import JobRunner, stderr_log
+from .http_limits import HttpLimits
 from .jobs import Job, JobQueue, QueueFull
 from .lockstep import Leader
 from .models import LoadTracker
 from .outputs import InputFolder, OutputFolder
+from .records import JobRecords
 from .validation import JobRequest, Limits, RequestError, parse_request
 
 Loader = Callable[[LoadTracker], Engine]
 NOT_READY_RETRY_S = 5
+STATE_FILE = ".h3-spark-jobs.sqlite"  # hidden: a client cannot name it as an output (outputs.py)
 
 
 @dataclass
@@ -41,6 +44,10 @@ class ServiceConfig:
     weights: str = "checkpoint files"  # what /ready says the weights are (serve --synthetic: random ones)
     api_key: str | None = field(default=None, repr=False)  # bearer token every request needs (serve/auth.py)
     allowed_hosts: tuple[str, ...] | None = None  # Host headers answered (others: 400); None: any (serve --allowed-host)
+    state_dir: Path | None = None  # the job records file's folder (records.py); None: records in memory only
+    state_name: str = STATE_FILE
+    keep_days: float = 7.0  # ended records older than this are dropped from the file
+    http: HttpLimits = field(default_factory=HttpLimits)
 
     def __post_init__(self) -> None:
         if not 1 <= self.queue_size <= 10_000:
@@ -65,8 +72,9 @@ class Service:
         self.log = log
         self._loader = loader
         self._thread: threading.Thread | None = None
+        self.records = self._open_records() if config.state_dir is not None else None
         self.queue = JobQueue(config.queue_size, self._run_job, on_finish=self._release,
-                              keep_finished=config.keep_finished)
+                              keep_finished=config.keep_finished, records=self.records)
         self._runner: JobRunner | None = None
         from .metrics import ServiceMetrics, available
 
@@ -91,6 +99,30 @@ class Service:
         if self.leader is not None:
             # After the worker has stopped (a running job is cancelled on every rank first).
             self.leader.close()
+        if self.records is not None:
+            self.records.close()
+
+    def _open_records(self) -> JobRecords:
+        """The job records file; what a process that died left queued or running is ended `failed` first."""
+        folder = Path(self.config.state_dir)
+        if not folder.exists():
+            try:
+                folder.mkdir(parents=True)
+            except OSError as exc:
+                raise InputError(f"--state-dir {folder}: cannot create it ({exc.strerror})") from None
+            self.log(f"created the state folder {folder} (--state-dir did not exist)")
+        elif not folder.is_dir():
+            raise InputError(f"--state-dir {folder}: not a folder")
+        records = JobRecords(folder / self.config.state_name, keep=self.config.keep_finished,
+                             max_age_s=self.config.keep_days * 86400)
+        try:
+            for job_id, state in records.end_unfinished("the service stopped"):
+                self.log(f"job {job_id}: the service stopped while this job was {state}; recorded as failed")
+            records.expire()
+        except BaseException:
+            records.close()
+            raise
+        return records
 
     def _load(self) -> None:
         try:

@@ -1,9 +1,9 @@
-"""The flags several sub-commands share (cli/options.py), checked as the user typed them."""
+"""The flags several sub-commands share (h3_model/engine/flags.py), checked as the user typed them."""
 
 import pytest
 import torch
 
-from h3_spark.cli.options import check_device, file_in_the_way
+from h3_spark.h3_model.engine.flags import check_device, file_in_the_way
 from h3_spark.kernels.settings import kernel_settings
 from h3_spark.errors import InputError
 

@@ -167,7 +167,7 @@ def test_bad_budget_flags_are_refused(capsys):
 
 
 def test_the_host_budget_flag_and_its_variable(monkeypatch):
-    from h3_spark.cli.options import host_budget
+    from h3_spark.h3_model.engine.flags import host_budget
 
     monkeypatch.delenv("H3_HOST_BUDGET", raising=False)
     assert host_budget(None) is None and host_budget("32") == 32 * 10 ** 9

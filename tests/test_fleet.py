@@ -7,8 +7,12 @@ at a deadline. The config's one-line errors, the ledger's bookkeeping, the token
 cluster and run first.
 """
 
+import contextlib
 import io
+import os
 import random
+import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -208,6 +212,62 @@ def test_the_front_asks_for_the_token_and_refuses_beyond_loopback_without_one(tm
         assert got.status_code == 200 and "h3_spark_fleet_jobs" in got.text
     assert main(["fleet", "--host", "0.0.0.0", "--device", "cpu", "--output-dir", str(tmp_path)]) == 2
     assert "--host 0.0.0.0 listens beyond this machine and the API has no token" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ `h3-spark fleet` listens on loopback only
+def listening_beyond_loopback(root_pid: int) -> list[str]:
+    """Listening TCP sockets of the process and its descendants that are not on a loopback address."""
+    import ipaddress
+
+    psutil = pytest.importorskip("psutil")
+    root = psutil.Process(root_pid)
+    pids = {root.pid} | {p.pid for p in root.children(recursive=True)}
+    found = []
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status != psutil.CONN_LISTEN or conn.pid not in pids:
+            continue
+        address = ipaddress.ip_address(conn.laddr.ip)
+        mapped = getattr(address, "ipv4_mapped", None)
+        if not (address.is_loopback or (mapped is not None and mapped.is_loopback)):
+            with contextlib.suppress(psutil.Error):
+                found.append(f"{psutil.Process(conn.pid).name()} on {conn.laddr.ip}:{conn.laddr.port}")
+    return sorted(found)
+
+
+def test_a_local_fleet_listens_on_loopback_only(tmp_path):
+    psutil = pytest.importorskip("psutil")
+    pytest.importorskip("ray")
+    port = free_port()
+    env = {**os.environ, **KERNEL_ENV, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    command = [sys.executable, "-m", "h3_spark.cli", "fleet", "--replicas", "1", "--synthetic", "tiny",
+               "--synthetic-modes", "t2va", "--device", "cpu", "--output-dir", str(tmp_path), "--port", str(port),
+               "--num-cpus", "1", "--cpus-per-replica", "0.5"]
+    fleet = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             start_new_session=True)
+    family = []
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            def replica_up():
+                # Its Serve gRPC server is up once it answers the router (loading or ready): no need to wait for
+                # the models.
+                assert fleet.poll() is None, fleet.stderr.read().decode()[-2000:]
+                with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):  # Ray answers text until the app is up
+                    return client.get("/ready").json()["replicas"]["replica-1"]["state"] in ("loading", "ready")
+                return False
+
+            until(replica_up, 120, "the fleet's replica up")
+            listening = listening_beyond_loopback(fleet.pid)
+            assert client.get("/live", headers={"Host": "attacker.example"}).status_code == 400
+    finally:
+        with contextlib.suppress(psutil.Error):
+            family = psutil.Process(fleet.pid).children(recursive=True)
+        os.killpg(fleet.pid, signal.SIGKILL)  # the fleet, its Ray head and workers: nothing of it is kept
+        fleet.wait(30)
+        for process in family:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+    assert listening == []
 
 
 # ------------------------------------------------------------------ the fleet on a local Ray head

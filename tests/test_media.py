@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import av
@@ -269,6 +270,104 @@ def test_an_encoder_failure_reaches_the_producer(tmp_path):
     with pytest.raises(InputError, match="a.mp4: cannot write mp4"):
         stream.finish()
     stream.abort()
+
+
+def _descriptors_on(target: str) -> list[str]:
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+        if link.startswith(target):
+            found.append(f"{fd} -> {link}")
+    return found
+
+
+@pytest.mark.skipif(not (os.path.exists("/dev/full") and os.path.isdir("/proc/self/fd")),
+                    reason="needs Linux's /dev/full (every write: ENOSPC) and /proc/self/fd")
+@pytest.mark.parametrize("chunks", [1, 6])
+def test_a_full_disk_fails_the_stream_and_frees_its_descriptor(tmp_path, chunks):
+    # The kernel's own ENOSPC: the stream's file is /dev/full. PyAV kept its descriptor open when muxing or closing
+    # failed, so a failed job's deleted file held its disk space until the process ended.
+    (tmp_path / "o.mp4").symlink_to("/dev/full")
+    stream = media.Mp4Stream(tmp_path / "o.mp4", audio=False)
+    rng = np.random.default_rng()
+    with pytest.raises(InputError) as err:
+        for _ in range(chunks):
+            stream.add(rng.integers(0, 256, (8, 64, 64, 3), dtype=np.uint8))
+        stream.finish()
+    stream.abort()
+    assert str(err.value) == f"{tmp_path / 'o.mp4'}: cannot write mp4 ([Errno 28] No space left on device)"
+    assert _descriptors_on("/dev/full") == []
+
+
+_ON_A_FULL_TMPFS = """
+import json, os, sys
+import numpy as np
+from h3_spark.errors import InputError
+from h3_spark.h3_model.media.files import Mp4Stream
+
+folder = sys.argv[1]
+def free():
+    s = os.statvfs(folder)
+    return s.f_bavail * s.f_frsize
+def held():
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found += [os.readlink(f"/proc/self/fd/{fd}")] if folder in os.readlink(f"/proc/self/fd/{fd}") else []
+        except OSError:
+            pass
+    return found
+rng = np.random.default_rng()
+for room in map(int, sys.argv[2:]):
+    filler = os.path.join(folder, "filler")
+    with open(filler, "wb") as f:
+        f.write(bytes(free() - room))
+    before, path = free(), os.path.join(folder, ".job.partial.mp4")
+    stream, error = Mp4Stream(path, audio=False), None
+    try:
+        for _ in range(6):
+            stream.add(rng.integers(0, 256, (8, 128, 128, 3), dtype=np.uint8))
+        stream.finish()
+    except InputError as exc:
+        error = str(exc)
+    stream.abort()
+    os.unlink(path)
+    print(json.dumps({"room": room, "error": error, "before": before, "after": free(), "held": held()}))
+    os.unlink(filler)
+"""
+
+
+def test_a_full_tmpfs_gives_its_space_back_after_a_failed_stream(tmp_path):
+    # A real file system that fills up: a 512 KiB tmpfs, mounted in a user namespace of its own (no root needed).
+    # No room at all (the header's first write fails) and 48 KiB (a few frames are written first).
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("this machine lets no unprivileged user namespace mount a tmpfs (unshare -rm failed); the "
+                    "injected ENOSPC tests cover the same path")
+    folder = tmp_path / "small"
+    folder.mkdir()
+    script = tmp_path / "fill.py"
+    script.write_text(_ON_A_FULL_TMPFS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    rooms = [0, 48 * 1024]
+    run = subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=512k tmpfs "{folder}" && exec '
+                          f'"{sys.executable}" "{script}" "{folder}" ' + " ".join(map(str, rooms))],
+                         capture_output=True, text=True, env=env, timeout=120)
+    if run.returncode and "mount" in run.stderr and not run.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    got = [json.loads(line) for line in run.stdout.strip().splitlines()]
+    assert [g["room"] for g in got] == rooms
+    for g in got:
+        assert g["error"] == f"{folder}/.job.partial.mp4: cannot write mp4 ([Errno 28] No space left on device)"
+        assert g["held"] == [] and g["after"] == g["before"] == g["room"]
 
 
 def test_write_mp4_without_audio(tmp_path):

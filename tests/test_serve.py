@@ -11,6 +11,8 @@ requests here are text-only t2va, whose token types are all text).
 
 import contextlib
 import dataclasses
+import errno
+import io
 import json
 import os
 import socket
@@ -22,6 +24,7 @@ import pytest
 import torch
 
 from fixtures import qwen_tiny as Q
+from ports import free_port
 from h3_spark.h3_model.engine.engine import LoadEvent
 from h3_spark.h3_model.engine.loading import LoadOptions
 from h3_spark.h3_model.engine.paths import ComponentPaths
@@ -503,7 +506,7 @@ def test_a_loopback_service_answers_loopback_host_names_only(serve):
     """DNS rebinding: a page whose name resolves to 127.0.0.1 sends Host: its own name, which a loopback service
     refuses (400); its own names pass. The CLI's default allow-list is the loopback names on loopback, any Host
     beyond it (the token guards it there), and what --allowed-host says."""
-    from h3_spark.cli.serve import allowed_hosts
+    from h3_spark.serve.command import allowed_hosts
     from h3_spark.serve.auth import LOOPBACK_HOSTS
 
     client = serve(allowed_hosts=(*LOOPBACK_HOSTS, "testserver"))  # the test client's own name, for its set-up
@@ -599,6 +602,7 @@ def test_serve_command_binds_loopback_by_default(model_dir, resident, tmp_path):
 
     from h3_spark.cli import build_parser
     from h3_spark.cli import serve as serve_cli
+    from h3_spark.serve.command import server_config
 
     args = build_parser().parse_args(["serve", "--models", str(model_dir), "--output-dir", str(tmp_path)])
     assert args.host == "127.0.0.1" and args._run is serve_cli.run
@@ -606,7 +610,7 @@ def test_serve_command_binds_loopback_by_default(model_dir, resident, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         args.port = s.getsockname()[1]
-    config = serve_cli.server_config(args, create_app(service))
+    config = server_config(args, create_app(service), service.config.http)
     config.log_level = "warning"
     assert config.host == "127.0.0.1"
     with _running(config) as (server, thread):
@@ -829,3 +833,128 @@ def test_metrics_without_prometheus_client_say_how_to_get_it(serve):
     client.service.metrics = None
     r = client.get("/metrics")
     assert r.status_code == 501 and "pip install 'h3-spark[serve]'" in r.json()["error"]
+
+
+# ------------------------------------------------------------------ faults (#31): records, a full disk, HTTP limits
+def test_records_outlive_the_service(serve, tmp_path):
+    state = tmp_path / "state"
+    client = serve(state_dir=state)
+    done = client.post("/generate", json=request("kept.mp4", seed=random_seed())).json()["id"]
+    assert wait_job(client, done)["state"] == "done"
+    cancelled = client.post("/generate", json=request("never.mp4", steps=50)).json()["id"]
+    queued = client.post("/generate", json=request("never2.mp4")).json()["id"]
+    assert client.delete(f"/jobs/{queued}").status_code == 200
+    client.delete(f"/jobs/{cancelled}")
+    assert wait_job(client, cancelled)["state"] == "cancelled"
+    before = {j: client.get(f"/jobs/{j}").json() for j in (done, cancelled, queued)}
+    client.__exit__(None, None, None)
+    again = serve(state_dir=state)
+    for job_id, record in before.items():
+        got = again.get(f"/jobs/{job_id}")
+        assert got.status_code == 200 and got.json() == record
+    assert {j["id"] for j in again.get("/jobs").json()["jobs"]} >= set(before)
+    refused = again.delete(f"/jobs/{done}")
+    assert refused.status_code == 409 and refused.json()["error"] == f"job {done} already ended (done); nothing to cancel"
+
+
+def random_seed():
+    import random
+
+    return random.randrange(1 << 30)
+
+
+class _FailingDisk(io.FileIO):
+    """A real file whose writes fail with `code` once `room` bytes are written, as a full or failing disk does."""
+
+    room, code = 0, errno.ENOSPC
+
+    def write(self, data):
+        if self.tell() + len(data) > self.room:
+            raise OSError(self.code, os.strerror(self.code))
+        return super().write(data)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc/self/fd")
+@pytest.mark.parametrize("room, code", [(0, errno.ENOSPC), (3000, errno.ENOSPC), (3000, errno.EIO)])
+def test_a_full_disk_fails_the_job_and_leaves_nothing_open(serve, monkeypatch, room, code):
+    from h3_spark.h3_model.media import files as media
+
+    # Through the whole service, the file system's answer is injected at the one place the mp4 is written, on a
+    # real file in the output folder (test_media.py fills a real tmpfs where one can be mounted).
+    failing = type("Failing", (_FailingDisk,), {"room": room, "code": code})
+    monkeypatch.setattr(media, "open_output", lambda path: failing(path, "w+"))
+    client = serve()
+    job = client.post("/generate", json=request("full.mp4", seed=random_seed())).json()["id"]
+    ended = wait_job(client, job)
+    assert ended["state"] == "failed"
+    assert ended["error"].endswith(f"/.{job}.partial.mp4: cannot write mp4 ([Errno {code}] {os.strerror(code)})")
+    assert not any(client.service.outputs.root.iterdir())
+
+    def held():
+        found = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if ".partial.mp4" in os.readlink(f"/proc/self/fd/{fd}"):
+                    found.append(fd)
+        return found
+
+    assert held() == []
+    monkeypatch.undo()  # space again: the next job is written
+    job = client.post("/generate", json=request("full.mp4", seed=random_seed())).json()["id"]
+    assert wait_job(client, job)["state"] == "done"
+    assert (client.service.outputs.root / "full.mp4").stat().st_size > 0
+
+
+def test_too_many_headers_are_refused(serve):
+    client = serve()
+    crowd = {f"x-extra-{i}": str(i) for i in range(70)}
+    got = client.get("/live", headers=crowd)
+    assert got.status_code == 431 and got.json() == {"error": f"the request has {70 + len(client.headers) + 1} "
+                                                              f"headers; the limit is 64"}
+    assert client.get("/live", headers=dict(list(crowd.items())[:20])).status_code == 200
+
+
+def test_slow_bodies_time_out_and_a_client_gone_is_one_line(model_dir, resident, tmp_path):
+    import httpx
+
+    from h3_spark.serve.command import server_config
+    from h3_spark.serve.http_limits import HttpLimits
+
+    lines = []
+    config = ServiceConfig(output_dir=tmp_path, http=HttpLimits(body_timeout_s=1, max_header_bytes=4096))
+    service = Service(config, lambda tracker: resident, log=lines.append)
+    args = type("Args", (), {"host": "127.0.0.1", "port": free_port(), "log_level": "warning"})()
+    with _running(server_config(args, create_app(service), config.http)):
+        lines.clear()  # the start-up line
+
+        def half(body_sent: bytes, declared: int) -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", args.port), timeout=10)
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % declared + body_sent)
+            return sock
+
+        slow = half(b'{"prompt": ', 200)
+        t0 = time.monotonic()
+        answer = slow.recv(4096).decode()
+        assert answer.startswith("HTTP/1.1 408") and time.monotonic() - t0 < 5
+        assert '{"error":"the request body did not arrive within 1 s"}' in answer
+        slow.close()
+        gone = half(b'{"prompt": "a', 300)
+        time.sleep(0.2)
+        gone.close()
+        deadline = time.monotonic() + 5
+        while not lines and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(lines) == 1 and lines[0].endswith("disconnected before sending its body of POST /generate; "
+                                                     "nothing done"), lines
+        with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=10) as http:
+            big = http.get("/live", headers={"x-big": "a" * 8192})
+            assert big.status_code == 431 and big.json()["error"].endswith("bytes; the limit is 4096")
+            assert http.get("/live").status_code == 200
+        # 1 MiB of head: h11 stops reading it at the limit; uvicorn answers 400 and closes.
+        sock = socket.create_connection(("127.0.0.1", args.port), timeout=10)
+        with contextlib.suppress(OSError):
+            sock.sendall(b"GET /live HTTP/1.1\r\nHost: 127.0.0.1\r\nx-big: " + b"a" * (1 << 20) + b"\r\n\r\n")
+        answer = sock.recv(4096).decode()
+        sock.close()
+        assert answer.startswith("HTTP/1.1 400") and answer.endswith("Invalid HTTP request received."), answer[:80]

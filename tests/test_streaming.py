@@ -174,7 +174,7 @@ def test_planned_bytes_come_from_the_files(tmp_path):
 
 
 def test_the_front_doors_default_to_auto(monkeypatch):
-    from h3_spark.cli.options import vram_budget
+    from h3_spark.h3_model.engine.flags import vram_budget
 
     monkeypatch.delenv("H3_VRAM_BUDGET", raising=False)
     assert vram_budget(None) == "auto" and vram_budget(None, default=None) is None

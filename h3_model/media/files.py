@@ -308,6 +308,11 @@ def mp4_writer(path: str | os.PathLike, **options: Any) -> Iterator["Mp4Stream"]
             tmp.unlink()
 
 
+def open_output(path: Path):
+    """The file an `Mp4Stream` writes through (read and write: faststart reads it back)."""
+    return open(path, "w+b")
+
+
 class Mp4Stream:
     """An mp4 encoded while its frames are still being made.
 
@@ -331,6 +336,9 @@ class Mp4Stream:
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._out = self._vstream = self._astream = None
+        # Our own descriptor on the file: PyAV leaves its own open when muxing or closing fails (ENOSPC, EIO),
+        # which kept a failed job's deleted file, and the disk space, held until the process ended.
+        self._file = None
         self._thread: threading.Thread | None = None
 
     def add(self, frames: torch.Tensor | np.ndarray) -> None:
@@ -371,10 +379,11 @@ class Mp4Stream:
                     self._out.mux(self._astream.encode(frame))
                     self._out.mux(self._astream.encode())
                 self._out.close()
-        except av.error.FFmpegError as exc:
+        except (av.error.FFmpegError, OSError) as exc:
             raise InputError(f"{self.path}: cannot write mp4 ({exc})") from None
         finally:
             self._out = None
+            self._close_file()
         self.finished = True
         return self.path
 
@@ -383,12 +392,22 @@ class Mp4Stream:
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        # The file first: PyAV then skips the trailer (nothing more is written to a file being dropped).
+        self._close_file()
         if self._out is not None:
             try:
                 self._out.close()
             except Exception:  # noqa: BLE001 - a half-written file is removed by the caller anyway
                 pass
             self._out = None
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:  # its last buffered bytes could not be written (ENOSPC): the file is dropped anyway
+                pass
+            self._file = None
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -399,7 +418,9 @@ class Mp4Stream:
 
     def _open(self, height: int, width: int) -> None:
         av = _av()
-        self._out = av.open(str(self.path), "w", format="mp4", options={"movflags": "+faststart"})
+        # w+b: faststart reads the file back to move the index to the front.
+        self._file = open_output(self.path)
+        self._out = av.open(self._file, "w", format="mp4", options={"movflags": "+faststart"})
         v = self._out.add_stream("libx264", rate=Fraction(self.fps).limit_denominator())
         v.width, v.height, v.pix_fmt = width, height, "yuv420p"
         v.options = {"crf": str(self.crf), "preset": self.preset}

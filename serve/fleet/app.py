@@ -11,6 +11,7 @@ share says so. The router asks for no CPU: it only forwards, and it must fit bes
 
 from __future__ import annotations
 
+from ..command import allowed_hosts
 from . import require_ray
 from .config import FleetConfig, Secret, load_config
 
@@ -38,8 +39,27 @@ def build_fleet(config: FleetConfig, api_key: str | None = None):
                               max_ongoing_requests=ROUTER_MAX_ONGOING, ray_actor_options={"num_cpus": 0})
     settings = {"replicas": [spec.name for spec in config.replicas], "poll_seconds": config.poll_seconds,
                 "call_timeout_seconds": config.call_timeout_seconds, "lost_after_seconds": config.lost_after_seconds,
-                "api_key": Secret(api_key) if api_key is not None else None}
+                "api_key": Secret(api_key) if api_key is not None else None,
+                "allowed_hosts": allowed_hosts(config.host, None), "state_file": check_state_file(config)}
     return router.bind(settings, *bound)
+
+
+def check_state_file(config: FleetConfig) -> str | None:
+    """The router's ledger file, opened once here so that a bad one is refused in one line before Ray starts
+    (the router opens it again in its actor)."""
+    path = config.state_file
+    if path is None:
+        return None
+    from ..records import JobRecords
+
+    if not path.parent.exists():
+        import sys
+
+        path.parent.mkdir(parents=True)
+        print(f"h3-spark fleet: created the state folder {path.parent} (state_dir did not exist)", file=sys.stderr,
+              flush=True)
+    JobRecords(path).close()
+    return str(path)
 
 
 def app_builder(args: dict):

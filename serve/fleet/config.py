@@ -32,9 +32,10 @@ from ...errors import InputError
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 MAX_REPLICAS = 256
+ROUTER_STATE_FILE = ".h3-spark-fleet.sqlite"
 NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 KEYS = ("replicas", "serve", "gpus_per_replica", "cpus_per_replica", "env", "host", "port", "api_key_file",
-        "poll_seconds", "call_timeout_seconds", "lost_after_seconds")
+        "poll_seconds", "call_timeout_seconds", "lost_after_seconds", "state_dir")
 # Flags of `h3-spark serve` a replica must not take, and why.
 FRONT_FLAGS = {"host": "the fleet's front listens (set `host` at the top of the config)",
                "port": "the fleet's front listens (set `port` at the top of the config)",
@@ -51,10 +52,10 @@ class _Refusing(argparse.ArgumentParser):
 
 def serve_parser() -> argparse.ArgumentParser:
     """`h3-spark serve`'s parser, the one replicas parse their flags with."""
-    from ...cli import serve as serve_cli
+    from ..command import add_parser
 
     root = _Refusing(prog="h3-spark", add_help=False)
-    return serve_cli.add_parser(root.add_subparsers(parser_class=_Refusing), "serve")
+    return add_parser(root.add_subparsers(parser_class=_Refusing), "serve")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,12 @@ class FleetConfig:
     poll_seconds: float = 0.5  # how often the router asks every replica for its state and its jobs'
     call_timeout_seconds: float = 10.0  # one call to a replica; past it the replica counts as not answering
     lost_after_seconds: float = 120.0  # a replica that has not answered this long has lost its jobs
+    # The router's job -> replica ledger file's folder (default: the replicas' output folder).
+    state_dir: Path | None = None
+
+    @property
+    def state_file(self) -> Path | None:
+        return None if self.state_dir is None else Path(self.state_dir) / ROUTER_STATE_FILE
 
     @property
     def threads_per_replica(self) -> int:
@@ -145,12 +152,16 @@ def config_from_mapping(data: dict, source: str = "flags") -> FleetConfig:
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         raise InputError(f"fleet config {source}: port must be 1..65535, got {port!r}")
     key_file = data.get("api_key_file")
+    state_dir = data.get("state_dir", shared.get("state_dir", shared.get("output_dir")))
+    if state_dir is not None and (not isinstance(state_dir, str) or not state_dir):
+        raise InputError(f"fleet config {source}: state_dir must be a folder, got {state_dir!r}")
     return FleetConfig(
         replicas=replicas, cpus_per_replica=cpus, gpus_per_replica=gpus, env={k: str(v) for k, v in env.items()},
         host=host, port=port, api_key_file=Path(key_file) if key_file is not None else None,
         poll_seconds=_number(data, "poll_seconds", 0.5, source, low=0.05, high=60),
         call_timeout_seconds=_number(data, "call_timeout_seconds", 10.0, source, low=0.5, high=600),
-        lost_after_seconds=_number(data, "lost_after_seconds", 120.0, source, low=1, high=86400))
+        lost_after_seconds=_number(data, "lost_after_seconds", 120.0, source, low=1, high=86400),
+        state_dir=Path(state_dir) if state_dir is not None else None)
 
 
 def _replicas(value, shared: dict, source: str) -> tuple[ReplicaSpec, ...]:

@@ -5,7 +5,10 @@ process that accepted it, so every poll of that job must reach that process. The
 (replica name, instance id) for that, and the last record seen of each job, so that when the owner is gone
 the job can still be answered: ended as `failed` with the reason, not `404` and not `running` forever.
 
-It has no locks and no I/O: the router mutates it from its one event loop only.
+It has no locks: the router mutates it from its one event loop only. With `records` (serve/records.py) every
+change to a job's entry is written to that file before the router answers, and a router that starts on the file
+finds its entries again: polls of jobs placed before a restart still reach their replica, and a job whose replica
+process is no longer the one it was placed on is ended `failed` at that replica's first answer.
 """
 
 from __future__ import annotations
@@ -13,8 +16,12 @@ from __future__ import annotations
 import posixpath
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..jobs import TERMINAL
+
+if TYPE_CHECKING:
+    from ..records import JobRecords
 
 ACTIVE = ("queued", "running")
 
@@ -49,7 +56,7 @@ class Entry:
 
 
 class Ledger:
-    def __init__(self, names: list[str], keep_finished: int = 10_000):
+    def __init__(self, names: list[str], keep_finished: int = 10_000, records: "JobRecords | None" = None):
         self.views = {name: ReplicaView(name) for name in names}
         self.entries: dict[str, Entry] = {}
         self.lost_instances: set[tuple[str, str]] = set()
@@ -57,6 +64,29 @@ class Ledger:
         # Since the router started, per replica (the /metrics counters): processes lost, jobs ended by it.
         self.processes_lost = {name: 0 for name in names}
         self.jobs_lost = {name: 0 for name in names}
+        self.records = records
+        if records is not None:
+            self._load(records)
+
+    def _load(self, records: "JobRecords") -> None:
+        now = time.time()
+        for record, owner in records.rows():
+            if not owner:
+                continue
+            entry = Entry(owner["replica"], owner["instance"], record, bool(owner.get("lost")))
+            self.entries[record["id"]] = entry
+            if owner["replica"] not in self.views and record.get("state") in ACTIVE and not entry.lost:
+                entry.lost = True
+                entry.record = {**record, "state": "failed", "finished": now,
+                                "error": f"replica {owner['replica']} is no longer in the fleet; this job was "
+                                         f"{record.get('state')} on it"}
+                self._save(record["id"])
+
+    def _save(self, job_id: str) -> None:
+        if self.records is not None:
+            entry = self.entries[job_id]
+            self.records.save(entry.record, {"replica": entry.replica, "instance": entry.instance,
+                                             "lost": entry.lost})
 
     # ------------------------------------------------------------------ what the replicas say
     def observe(self, name: str, status: dict) -> list[str]:
@@ -67,6 +97,13 @@ class Ledger:
         restarted = view.instance is not None and instance != view.instance
         if restarted:
             self.lose(name, view.instance, "its process ended and Ray started a new one")
+        elif view.instance is None:
+            # The first answer since this router started: entries it read from its file that name an older
+            # process of this replica are gone with that process.
+            older = {e.instance for e in self.entries.values() if e.replica == name and e.instance != instance
+                     and not e.lost and e.record.get("state") in ACTIVE}
+            for gone in older:
+                self.lose(name, gone, "its process ended while the router was down")
         view.instance = instance
         view.state, view.error, view.queue = status["state"], status.get("error"), status.get("queue")
         view.info = {k: status.get(k) for k in ("pid", "host", "actor", "started", "still_loading") if k in status}
@@ -118,6 +155,7 @@ class Ledger:
                 self.jobs_lost[name] += 1
                 entry.record = {**entry.record, "state": "failed", "finished": now,
                                 "error": f"replica {name} was lost ({why}) while this job was {state}"}
+                self._save(job_id)
 
     # ------------------------------------------------------------------ jobs
     def record(self, job_id: str, name: str, instance: str, record: dict) -> None:
@@ -127,6 +165,10 @@ class Ledger:
         if (name, instance) in self.lost_instances and record.get("state") in ACTIVE:
             return  # a late word from a process the router already gave up on
         self.entries[job_id] = Entry(name, instance, record)
+        # On disk at each change of state (or owner), not at each progress step a poll brings.
+        if entry is None or (entry.replica, entry.instance) != (name, instance) or \
+                entry.record.get("state") != record.get("state"):
+            self._save(job_id)
         self._evict()
 
     def placed(self, job_id: str, name: str, instance: str, record: dict) -> None:
@@ -157,6 +199,8 @@ class Ledger:
         ended = [k for k, e in self.entries.items() if e.record.get("state") in TERMINAL]
         for job_id in ended[: max(0, len(ended) - self.keep_finished)]:
             del self.entries[job_id]
+            if self.records is not None:
+                self.records.delete(job_id)
 
     # ------------------------------------------------------------------ routing
     def active(self, name: str) -> int:

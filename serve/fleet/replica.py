@@ -35,7 +35,7 @@ class Replica:
         self.service = None
         self.setup_error: str | None = None
         try:
-            self.service = self._build(list(serve_argv), threads)
+            self.service = self._build(name, list(serve_argv), threads)
             self.service.start()
         except Exception as exc:  # noqa: BLE001 - reported through status(); the replica routes nothing
             self.setup_error = str(exc) if isinstance(exc, H3Error) else f"{type(exc).__name__}: {exc}"
@@ -44,8 +44,8 @@ class Replica:
             print(f"h3-spark fleet replica {name}: set-up failed: {self.setup_error}", file=sys.stderr, flush=True)
 
     @staticmethod
-    def _build(argv: list[str], threads: int | None):
-        from ...cli.serve import build_service
+    def _build(name: str, argv: list[str], threads: int | None):
+        from ..command import build_service
         from .config import serve_parser
 
         args = serve_parser().parse_args(argv)
@@ -54,7 +54,8 @@ class Replica:
 
             # Replicas sharing a host's cores: one replica's torch must not take them all.
             torch.set_num_threads(threads)
-        return build_service(args)
+        # Replicas share the output folder; each keeps its job records in its own file there.
+        return build_service(args, state_name=f".h3-spark-jobs-{name}.sqlite")
 
     # ------------------------------------------------------------------ the router's view
     def status(self, since: float | None = None) -> dict:
@@ -76,7 +77,7 @@ class Replica:
 
     def _records(self, since: float | None) -> list[dict]:
         queue, records = self.service.queue, []
-        for item in queue.list():
+        for item in queue.list(stored=False):  # the router keeps its own record of ended jobs
             job = queue.get(item["id"])
             if job is None:
                 continue

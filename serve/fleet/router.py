@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import posixpath
+import sys
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -29,7 +31,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..app import check_json_type, parse_json, read_body
+from ..app import check_json_type, parse_json
+from ..http_limits import ClientGone, HeaderLimits, HttpLimits, client_gone_line, read_body
 from ..jobs import TERMINAL
 from ..validation import Limits, RequestError
 from .ledger import Ledger
@@ -54,12 +57,22 @@ class Router:
     def __init__(self, settings: dict, *replicas):
         self.names = list(settings["replicas"])
         self.handles = dict(zip(self.names, replicas))
-        self.ledger = Ledger(self.names)
+        records = None
+        if settings.get("state_file"):
+            from ..records import JobRecords
+
+            records = JobRecords(settings["state_file"])
+        self.ledger = Ledger(self.names, records=records)
+        # Output names of submissions on their way to a replica; with the ledger's live jobs, the names taken.
+        self.placing: dict[str, str] = {}
         self.poll = settings["poll_seconds"]
         self.timeout = settings["call_timeout_seconds"]
         self.lost_after = settings["lost_after_seconds"]
         self.api_key = settings.get("api_key")  # config.Secret or None
         self.limits = Limits()
+        self.http = settings.get("http") or HttpLimits()
+        # Host headers answered (None: any); loopback names only when the front listens on loopback.
+        self.allowed_hosts = settings.get("allowed_hosts")
         self._monitor: asyncio.Task | None = None
         from ..metrics import available
         from .metrics import FleetMetrics
@@ -122,10 +135,25 @@ class Router:
 
     # ------------------------------------------------------------------ jobs
     async def submit(self, body: object) -> tuple[int, dict, dict]:
-        if isinstance(body, dict):
-            taken = self.ledger.output_taken(body.get("output"))
+        """Place a job. Its output name is held from here (before the first await, so no concurrent submission
+        can take it in between) until its replica answers, and then by its live entry in the ledger until it
+        ends: a second job for a name held either way is refused (409) at once, `overwrite` or not."""
+        output = body.get("output") if isinstance(body, dict) else None
+        key = posixpath.normpath(output) if isinstance(output, str) and output else None
+        if key is not None:
+            if key in self.placing:
+                return 409, {"error": f"output {output!r} is being placed for another request"}, {}
+            taken = self.ledger.output_taken(key)
             if taken is not None:
-                return 409, {"error": f"output {body['output']!r} is being written by job {taken}"}, {}
+                return 409, {"error": f"output {output!r} is being written by job {taken}"}, {}
+            self.placing[key] = output
+        try:
+            return await self._place(body)
+        finally:
+            if key is not None:
+                self.placing.pop(key, None)
+
+    async def _place(self, body: object) -> tuple[int, dict, dict]:
         refusals: list[tuple[int, dict, dict]] = []
         for name in self.ledger.candidates():
             view = self.ledger.views[name]
@@ -265,9 +293,12 @@ def create_router_app(router: Router) -> Starlette:
     async def generate(request: Request) -> JSONResponse:
         try:
             check_json_type(request)
-            body = parse_json(await read_body(request, router.limits.max_body_bytes))
+            body = parse_json(await read_body(request, router.limits.max_body_bytes, router.http.body_timeout_s))
         except RequestError as exc:
             return _json(exc.status, {"error": str(exc)}, exc.headers)
+        except ClientGone:
+            print(f"h3-spark fleet: {client_gone_line(request)}", file=sys.stderr, flush=True)
+            return Response(status_code=400)  # no one reads it
         return _json(*await router.submit(body))
 
     async def jobs(request: Request) -> JSONResponse:
@@ -299,10 +330,15 @@ def create_router_app(router: Router) -> Starlette:
               Route("/generate", generate, methods=["POST"]),
               Route("/jobs", jobs, methods=["GET"]), Route("/jobs/{job_id}", job, methods=["GET", "DELETE"]),
               Route("/jobs/{job_id}/preview", preview, methods=["GET"])]
-    middleware = []
-    if router.api_key is not None:
-        from starlette.middleware import Middleware
+    from starlette.middleware import Middleware
 
+    # As the single service's (app.py): headers counted first, then the Host list, then the token.
+    middleware = [Middleware(HeaderLimits, count=router.http.max_headers, size=router.http.max_header_bytes)]
+    if router.allowed_hosts:
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=list(router.allowed_hosts)))
+    if router.api_key is not None:
         from ..auth import BearerAuth
 
         middleware.append(Middleware(BearerAuth, key=router.api_key.value))

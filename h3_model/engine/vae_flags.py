@@ -14,7 +14,7 @@ DEFAULT_TILE_SIZE = 256
 def vae_options(dtype: str | None, tile: int | None, default_dtype: str,
                 environ: Mapping[str, str] | None = None) -> tuple[str, int]:
     """(decode dtype name, tile size in pixels; 0 = untiled). Flags win over the environment."""
-    from ..errors import InputError
+    from ...errors import InputError
 
     environ = os.environ if environ is None else environ
     dtype = dtype or environ.get("H3_VAE_DTYPE") or default_dtype

@@ -1,4 +1,4 @@
-"""Flags several sub-commands share, checked the same way everywhere: as the user typed them, before loading."""
+"""Flags the front doors share (cli/, serve/), checked the same way everywhere: as the user typed them, before loading."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ MODELS_HELP = ("a model folder: today's official download (FL2VA/ and/or Ref2VA/
 def check_device(name: str) -> str:
     """`cpu` or `cuda[:N]` that exists here; anything else is refused naming the flag (torch would raise a
     RuntimeError deep inside the first tensor move)."""
-    from ..errors import InputError
+    from ...errors import InputError
 
     if name == "cpu":
         return name
@@ -47,8 +47,8 @@ def host_budget(flag: str | None) -> int | None:
     """--host-budget, else H3_HOST_BUDGET: bytes, or None (unchecked); "auto" has no meaning for it."""
     import os
 
-    from ..errors import InputError
-    from ..h3_model.engine.memory import parse_budget
+    from ...errors import InputError
+    from .memory import parse_budget
 
     source, text = ("--host-budget", flag) if flag is not None else ("H3_HOST_BUDGET", os.environ.get("H3_HOST_BUDGET"))
     if text is not None and text.strip().lower() == "auto":
@@ -65,7 +65,7 @@ def vram_budget(flag: str | None, default: str | None = "auto") -> int | str | N
     """--vram-budget, else H3_VRAM_BUDGET, else `default`: bytes, "auto" or None; an error names the source."""
     import os
 
-    from ..h3_model.engine.memory import parse_budget
+    from .memory import parse_budget
 
     if flag is not None:
         return parse_budget(flag, "--vram-budget")
@@ -76,7 +76,7 @@ def vram_budget(flag: str | None, default: str | None = "auto") -> int | str | N
 
 
 def check_depth(depth: int) -> int:
-    from ..errors import InputError
+    from ...errors import InputError
 
     if depth < 1:
         raise InputError(f"--prefetch-depth must be at least 1, got {depth}")
@@ -100,7 +100,7 @@ def add_node_flags(p) -> None:
 
 def check_nodes(args) -> int:
     """The world size (--gpus x --nnodes), after checking the node flags."""
-    from ..errors import InputError
+    from ...errors import InputError
 
     if args.nnodes < 1:
         raise InputError(f"--nnodes must be at least 1, got {args.nnodes}")
