@@ -182,7 +182,9 @@ def released_root(tmp_path_factory):
         pytest.skip("the Qwen3-VL processors need torchvision")
     root = tmp_path_factory.mktemp("MiniMax-H3")
     # The demo's seeds: FL2VA's DiT seed 0, Ref2VA's seed 1, the VAEs and the text encoder seed 0.
-    return write_released_models(root, DIT_CONFIG, DEMO_VAE, "tiny", lambda folder: write_text_encoder(folder, 0))
+    # The text encoder in shards, as the released one (14 of them).
+    return write_released_models(root, DIT_CONFIG, DEMO_VAE, "tiny",
+                                 lambda folder: write_text_encoder(folder, 0, "100KB"))
 
 
 def test_the_engine_finds_every_component_of_the_per_mode_download(released_root):
@@ -200,6 +202,78 @@ def test_the_engine_finds_every_component_of_the_per_mode_download(released_root
     assert ref_only["vae"] == released_root / "Ref2VA" / "video_vae"
     with pytest.raises(InputError, match="t2va needs the FL2VA/transformer/ DiT: pass --models or --dit"):
         Engine(ComponentPaths(models=released_root / "Ref2VA")).plan(["t2va"])
+
+
+def _inspect(capsys, *args: str) -> tuple[int, str, str]:
+    from h3_spark.cli import main
+
+    code = main(["inspect", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_inspect_reads_every_component_folder_of_the_per_mode_download(released_root, tmp_path, capsys):
+    import json as _json
+
+    reports = tmp_path / "reports"
+    for name, model in (("video_vae", "video_vae"), ("audio_vae", "audio_vae"), ("text_encoder", "text_encoder"),
+                        ("transformer", "dit")):
+        code, out, err = _inspect(capsys, str(released_root / "FL2VA" / name), "--out", str(reports))
+        assert code == 0, err
+        report = _json.loads((reports / f"{name}.inspect.json").read_text())
+        assert report["model"] == model and report["complete"], (name, report.get("missing"))
+        assert out.splitlines()[-2] == "  complete"
+    # The video VAE's weights are the file its config.json names (source/model.safetensors).
+    video = _json.loads((reports / "video_vae.inspect.json").read_text())
+    assert [f["name"] for f in video["files"]] == ["model.safetensors"]
+    assert video["structure"]["decoder_blocks"] == DEMO_VAE.decoder_num_layers
+
+
+def test_inspect_picks_the_partition_from_the_mode_folders(released_root, tmp_path, capsys):
+    import json as _json
+
+    reports = tmp_path / "reports"
+    for where, partition, folder in ((released_root, "t2va", "FL2VA"), (released_root, "fl2va", "FL2VA"),
+                                     (released_root, "ref2va", "Ref2VA"),
+                                     (released_root / "Ref2VA", "ref2va", "Ref2VA"),
+                                     (released_root / "FL2VA", "t2va", "FL2VA")):
+        code, out, err = _inspect(capsys, str(where), "--partition", partition, "--out", str(reports))
+        assert code == 0, err
+        report = _json.loads((reports / f"{where.name}.{partition}.inspect.json").read_text())
+        assert report["path"] == str(where / "transformer" if where.name == folder else where / folder / "transformer")
+        assert report["complete"] and report["qkv_layout_assumed"] == "interleaved"
+    # The two DiTs are different weights: the reports' first layer says nothing of that, the files do.
+    t2va = _json.loads((reports / f"{released_root.name}.t2va.inspect.json").read_text())
+    ref2va = _json.loads((reports / f"{released_root.name}.ref2va.inspect.json").read_text())
+    assert t2va["path"] != ref2va["path"] and t2va["config"] == ref2va["config"]
+
+
+@pytest.mark.parametrize("where, partition, message", [
+    ("", None, "holds FL2VA/ and Ref2VA/; choose the partition: t2va (or fl2va) for FL2VA/transformer/, ref2va for "
+               "Ref2VA/transformer/ (--partition on the command line)"),
+    ("FL2VA", "ref2va", "FL2VA: holds the t2va DiT (FL2VA/model_index.json says so); the ref2va DiT of "
+                        "partition='ref2va' is in the Ref2VA/transformer/ folder of the download"),
+    ("Ref2VA", "fl2va", "Ref2VA: holds the ref2va DiT (Ref2VA/model_index.json says so); the t2va DiT of "
+                        "partition='fl2va' is in the FL2VA/transformer/ folder of the download"),
+    ("Ref2VA/transformer", "t2va", "holds the ref2va DiT (Ref2VA/model_index.json says so) but partition='t2va' "
+                                   "asks for the t2va one, which is in FL2VA/transformer/"),
+])
+def test_inspect_refuses_the_other_partition_in_the_per_mode_words(released_root, tmp_path, capsys, where, partition,
+                                                                   message):
+    args = [str(released_root / where)] + (["--partition", partition] if partition else [])
+    code, _, err = _inspect(capsys, *args, "--out", str(tmp_path))
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert message in err
+
+
+def test_inspect_of_a_root_with_one_mode_folder_asks_for_the_missing_one(released_root, tmp_path, capsys):
+    root = tmp_path / "only-fl2va"
+    root.mkdir()
+    (root / "FL2VA").symlink_to(released_root / "FL2VA", target_is_directory=True)
+    code, _, err = _inspect(capsys, str(root), "--partition", "ref2va", "--out", str(tmp_path / "r"))
+    assert code == 2 and "partition 'ref2va' needs Ref2VA/transformer/, and there is no Ref2VA/ here (found FL2VA/)" in err
+    code, _, err = _inspect(capsys, str(root), "--out", str(tmp_path / "r"))
+    assert code == 0, err
 
 
 def test_a_mode_folder_with_an_unknown_partition_is_refused(tmp_path):

@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import InputError
-from ..checkpoint.source import mode_partition
+from ..checkpoint.source import MODE_FOLDERS, mode_folders
 
 COMPONENTS = ("dit", "dit_ref", "text_encoder", "tokenizer", "vae", "audio_vae")
 DIT_PARTITIONS = {"dit": "t2va", "dit_ref": "ref2va"}
-MODE_FOLDERS = {"t2va": "FL2VA", "ref2va": "Ref2VA"}
 OLD_FOLDERS = {"dit": "transformer", "dit_ref": "transformer_ref", "text_encoder": "text_encoder",
                "tokenizer": "tokenizer", "vae": "vae", "audio_vae": "audio_vae"}
 # The tokenizer the text encoder reads is processor/: tokenizer/ holds the tokenizer files only, processor/
@@ -58,16 +57,7 @@ class ComponentPaths:
         """The released mode folders under --models, by partition (empty for the older layout)."""
         if self.models is None:
             return {}
-        root = Path(self.models)
-        own = mode_partition(root)
-        if own is not None:
-            return {own: root}
-        found = {}
-        for partition, name in MODE_FOLDERS.items():
-            folder = root / name
-            if folder.is_dir():
-                found[partition] = folder
-        return found
+        return mode_folders(Path(self.models))
 
     def layout(self) -> str:
         """"per-mode" (today's official download), "root" (older revisions) or "components" (no --models)."""
