@@ -172,6 +172,36 @@ def mode_partition(folder: Path) -> str | None:
     return MODE_FOLDER_NAMES.get(folder.name.lower())
 
 
+def release_shifts(folder: Path) -> tuple[float, float] | None:
+    """(video, audio) flow shifts of a released model folder: `_minimax_h3.sigma_shift_scales` of its
+    model_index.json (each mode folder carries its own, as SGLang reads them), None when the file or the field is
+    not there. A field that is there must hold both shifts, each a positive finite number."""
+    import math
+
+    index = folder / "model_index.json"
+    if not index.is_file():
+        return None
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"{index}: not readable JSON ({exc})") from None
+    info = data.get("_minimax_h3") if isinstance(data, dict) else None
+    scales = info.get("sigma_shift_scales") if isinstance(info, dict) else None
+    if scales is None:
+        return None
+    if not isinstance(scales, dict):
+        raise CheckpointError(f"{index}: _minimax_h3.sigma_shift_scales must be an object with video and audio, "
+                              f"got {scales!r}")
+    shifts = []
+    for stream in ("video", "audio"):
+        value = scales.get(stream)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise CheckpointError(f"{index}: _minimax_h3.sigma_shift_scales.{stream} must be a positive number, "
+                                  f"got {value!r}")
+        shifts.append(float(value))
+    return shifts[0], shifts[1]
+
+
 def mode_folders(root: Path) -> dict[str, Path]:
     """The released mode folders at `root`, by partition ("t2va", "ref2va"): `root` itself when it is one (its
     model_index.json says which), else its FL2VA/ and Ref2VA/ children; empty for any other folder."""
