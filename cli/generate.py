@@ -35,8 +35,12 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                    help=f"sigma grid points incl. the final 0 (steps-1 DiT forwards; default {DEFAULT_STEPS}, "
                         f"{DEMO_STEPS} with --demo)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--video-shift", type=float, default=12.0)
-    p.add_argument("--audio-shift", type=float, default=3.0)
+    p.add_argument("--video-shift", type=float, default=None,
+                   help="flow shift of the video schedule (default: the model folder's model_index.json, "
+                        "_minimax_h3.sigma_shift_scales.video; 12 when it does not say)")
+    p.add_argument("--audio-shift", type=float, default=None,
+                   help="flow shift of the audio schedule (default: the model folder's model_index.json; 3 when it "
+                        "does not say)")
     p.add_argument("--sigmas", default=None,
                    help="explicit sigma schedule for video and audio, comma-separated, strictly decreasing to 0 "
                         "(e.g. 4-step Turbo LoRAs: 1,0.75,0.5,0.25,0); overrides --steps and the shifts")
@@ -254,6 +258,7 @@ def run(args) -> int:
                "width": result.info["width"], "height": result.info["height"], "frames": int(result.video.shape[0]),
                "audio_samples": int(result.audio.shape[1]), "sequence_length": result.info["sequence_length"],
                "evaluations": result.info["evaluations"],
+               **{k: result.info[k] for k in ("video_shift", "audio_shift") if k in result.info},
                "timings_s": {k: round(v, 4) for k, v in result.timings.items()},
                "load_s": {k: round(v, 3) for k, v in engine.load_seconds.items()},
                "attention": kernels.get("attention", {}).get("chosen"),

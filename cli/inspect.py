@@ -16,11 +16,13 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                                    "what is missing or left over. "
                                    "Writes artifacts/checkpoints/<name>[.<partition>].inspect.json and prints a "
                                    "summary.")
-    p.add_argument("checkpoint", help=".safetensors or .gguf file, or diffusers folder")
+    p.add_argument("checkpoint", help=".safetensors or .gguf file, a diffusers folder, or a folder of the official "
+                                      "download (its root, FL2VA/, Ref2VA/ or a component folder in them)")
     p.add_argument("--out", default=None, help="folder for the JSON report (default: artifacts/checkpoints)")
     p.add_argument("--partition", choices=["t2va", "fl2va", "ref2va"], default=None,
-                   help="which DiT when the folder holds transformer/ and transformer_ref/ (also named in the "
-                        "report's file name)")
+                   help="which DiT when the folder holds two: the official download's root (FL2VA/ and "
+                        "Ref2VA/) or the older transformer/ and transformer_ref/ (also named in the report's file "
+                        "name)")
     p.add_argument("--qkv-layout", choices=["auto", "stacked", "interleaved"], default="auto",
                    help="how an original-named file's fused QKV is ordered (the tensors cannot tell): auto reads a "
                         "folder's config.json (MiniMaxAI's transformer/ folders: interleaved), else stacked")

@@ -141,12 +141,15 @@ def _fields_from_shapes(keys: list[str], shape: ShapeFn, n: _Names) -> dict:
 
 
 def config_from_comfy(keys: list[str], shape: ShapeFn, metadata: dict[str, str],
-                      inv_freq: Callable[[], torch.Tensor] | None) -> DiTConfig:
-    """Sizes from original-named tensors (prefix already stripped), then the metadata override."""
+                      inv_freq: Callable[[], torch.Tensor] | None, declared: Path | None = None) -> DiTConfig:
+    """Sizes from original-named tensors (prefix already stripped), checked against the config.json beside them
+    (`declared`: MiniMaxAI's transformer/config.json) and completed by it, then the metadata override."""
     fields = _fields_from_shapes(keys, shape, COMFY_NAMES)
     rope = shape("rope.inv_freq")
     if rope is not None:
         fields["rope_freq_dim"] = rope[0]
+    if declared is not None:
+        fields = _with_declared(declared, fields, keys, shape)
     override = comfy_metadata_config(metadata)
     fields.update(override)
     head_dim = fields["attention_head_dim"]
@@ -159,6 +162,83 @@ def config_from_comfy(keys: list[str], shape: ShapeFn, metadata: dict[str, str],
     if rope is not None and inv_freq is not None:
         config = _check_rope(config, inv_freq(), "rope_theta" in override)
     return config
+
+
+# The sizes an original-named DiT's tensors show, and the tensor (or block names) each is read from.
+SHAPE_EVIDENCE = {
+    "hidden_size": "video_patch_proj.weight", "num_layers": "blocks.N", "num_refiner_layers": "token_refiner.blocks.N",
+    "attention_head_dim": "blocks.0.attn.q_norm.weight", "num_attention_heads": "blocks.0.attn.qkv_proj.weight",
+    "ffn_dim": "blocks.0.mlp.fc1.weight", "audio_in_channels": "audio_patch_proj.weight",
+    "text_dim": "condition_proj.weight", "freq_dim": "time_embedder.proj_in.weight",
+    "time_embed_hidden_dim": "time_embedder.proj_in.weight", "time_embed_dim": "time_embedder.proj_out.weight",
+    "rope_freq_dim": "rope.inv_freq", "gate_compress": "blocks.0.attn.to_gate_compress.weight",
+    "adaln_curve_grid": "adaln_t_table",
+}
+# Output widths MiniMaxAI's config.json records for its AdaLN projections, and the tensor whose rows they are.
+ADALN_WIDTHS = {"adaln_out_features": "blocks.0.adaln_proj.linear.weight",
+                "final_adaln_out_features": "final_layer.adaln_proj.linear.weight"}
+
+
+def _with_declared(path: Path, fields: dict, keys: list[str], shape: ShapeFn) -> dict:
+    """`fields` (read from shapes) completed by a config.json beside the weights, which must agree with them: a
+    size the tensors show and the file states otherwise is refused, naming the file and the field. What shapes
+    cannot show (epsilons, rope_theta, the patch when the channels are given) comes from the file; fields this
+    engine does not know (`_class_name`, ...) are left alone."""
+    from ..json_file import read_json
+
+    data = read_json(path)
+    curve = shape("adaln_t_table") is not None
+    out = dict(fields)
+    for key, value in data.items():
+        field = COMFY_TO_DIFFUSERS.get(key, key if key in DiTConfig.__dataclass_fields__ else None)
+        if key in ADALN_WIDTHS:
+            rows = shape(ADALN_WIDTHS[key])
+            if rows is not None and value != rows[0]:
+                raise CheckpointError(f"{path}: {key} is {value!r} but the weights say {rows[0]} "
+                                      f"({ADALN_WIDTHS[key]} is {list(rows)})")
+        elif field in ("in_channels", "patch_size") or field is None:
+            continue
+        elif field in SHAPE_EVIDENCE and field in fields and not (curve and field.startswith(("freq", "time"))):
+            if value != fields[field]:
+                raise CheckpointError(f"{path}: {key} is {value!r} but the weights say {fields[field]} "
+                                      f"({_evidence(field, keys, shape)})")
+        else:
+            out[field] = value
+    out.update(_declared_patch(path, data, shape))
+    return out
+
+
+def _evidence(field: str, keys: list[str], shape: ShapeFn) -> str:
+    name = SHAPE_EVIDENCE[field]
+    if name.endswith(".N"):
+        prefix = name[:-1]
+        count = len({k[len(prefix):].split(".", 1)[0] for k in keys if k.startswith(prefix)})
+        return f"{prefix}0 to {prefix}{count - 1}" if count else f"no {prefix}N"
+    found = shape(name)
+    return f"{name} is {list(found)}" if found is not None else f"no {name}"
+
+
+def _declared_patch(path: Path, data: dict, shape: ShapeFn) -> dict:
+    """in_channels and patch_size from a config.json's latents_dim / patch_size: the patch projection's inputs are
+    their product, which is all the tensors show."""
+    inputs = shape(COMFY_NAMES.patch)[1]
+    latents = data.get("latents_dim", data.get("in_channels"))
+    patch = data.get("patch_size")
+    if patch is not None and (not isinstance(patch, list) or len(patch) != 3
+                              or not all(isinstance(p, int) and p > 0 for p in patch)):
+        raise CheckpointError(f"{path}: patch_size must be three positive integers, got {patch!r}")
+    size = math.prod(patch) if patch is not None else 4
+    if latents is None:
+        if inputs % size:
+            raise CheckpointError(f"{path}: patch_size {patch} does not divide the {inputs} inputs per patch of "
+                                  f"{COMFY_NAMES.patch} ({list(shape(COMFY_NAMES.patch))})")
+        latents = inputs // size
+    if latents * size != inputs:
+        named = "latents_dim" if "latents_dim" in data else "in_channels"
+        raise CheckpointError(f"{path}: {named} {latents} and patch_size {patch or [1, 2, 2]} make {latents * size} "
+                              f"inputs per patch, but the weights have {inputs} ({COMFY_NAMES.patch} is "
+                              f"{list(shape(COMFY_NAMES.patch))})")
+    return {"in_channels": latents, "patch_size": tuple(patch) if patch is not None else (1, 2, 2)}
 
 
 def comfy_metadata_config(metadata: dict[str, str]) -> dict:

@@ -193,8 +193,11 @@ class DitReader:
                 return config
             return config_from_diffusers_shapes(list(self.stored), self._shape)
         inv = self.stored.get("rope.inv_freq")
+        # MiniMaxAI's transformer/ folder (or any config.json beside original-named weights) states the sizes too:
+        # they must agree with the tensors.
         return config_from_comfy(list(self.stored), self._shape, self.source.metadata,
-                                 (lambda: self.source.read_small(inv)) if inv else None)
+                                 (lambda: self.source.read_small(inv)) if inv else None,
+                                 declared=getattr(self.source, "config_path", None))
 
     def _shape(self, name: str) -> tuple[int, ...] | None:
         """Stored shape by prefix-free name; an NVFP4 weight reports its padded logical size."""

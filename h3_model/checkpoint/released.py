@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from ..dit.config import DiTConfig
+from ..dit.config import ADALN_VECTORS, NUM_MODALITIES, DiTConfig
 from . import ORIGINAL_DIT_CLASS
 from .comfy_layout import comfy_groups
 from .synthetic import random_param
@@ -37,7 +37,10 @@ def original_config_json(config: DiTConfig) -> dict:
             "patch_size": list(config.patch_size), "text_dim": config.text_dim,
             "timestep_input_dim": config.freq_dim, "time_embed_hidden_size": config.time_embed_hidden_dim,
             "time_embed_dim": config.time_embed_dim, "rope_inv_freq_len": config.rope_freq_dim,
-            "norm_eps": config.norm_eps, "qk_norm_eps": config.qk_norm_eps, "final_norm_eps": config.final_norm_eps}
+            "norm_eps": config.norm_eps, "qk_norm_eps": config.qk_norm_eps, "final_norm_eps": config.final_norm_eps,
+            # The published file records its AdaLN projections' widths too (96768 and 10752).
+            "adaln_out_features": ADALN_VECTORS * NUM_MODALITIES * config.hidden_size,
+            "final_adaln_out_features": 2 * config.hidden_size}
 
 
 def write_released_dit(out: Path, config: DiTConfig, seed: int = 0, shards: int = 2) -> int:

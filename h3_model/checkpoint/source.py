@@ -9,7 +9,10 @@ in RAM. Accepted paths:
 - a released mode folder's `transformer/` (MiniMaxAI's per-mode download): `config.json` plus shards
   listed in `model.safetensors.index.json`;
 - the parent of those folders, with `partition` choosing `transformer/` (t2va, fl2va) or
-  `transformer_ref/` (ref2va).
+  `transformer_ref/` (ref2va);
+- a released mode folder (FL2VA/, Ref2VA/: its model_index.json says which DiT it holds) or the download's root
+  that holds them, with `partition` choosing FL2VA/transformer/ (t2va, fl2va) or Ref2VA/transformer/ (ref2va);
+- MiniMaxAI's video_vae/ or audio_vae/ folder: the weights its config.json names (for inspect).
 A `.gguf` file opens as a `GgufSource` (gguf_source.py), which answers the same questions.
 Pickle checkpoints (.bin, .pt, .ckpt) are refused: loading them can run code.
 """
@@ -34,6 +37,8 @@ PARTITION_FOLDERS = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "t
 MODE_FOLDER_NAMES = {"fl2va": "t2va", "ref2va": "ref2va"}
 # The partition names of a mode folder's model_index.json (`_minimax_h3.partition`).
 INDEX_PARTITIONS = {"fl2va": "t2va", "t2va": "t2va", "ref2va": "ref2va"}
+# The mode folders of the per-mode download, by the partition their DiT runs.
+MODE_FOLDERS = {"t2va": "FL2VA", "ref2va": "Ref2VA"}
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 # MiniMaxAI's per-mode folders (FL2VA/transformer, Ref2VA/transformer) name their shard index this way.
@@ -167,25 +172,73 @@ def mode_partition(folder: Path) -> str | None:
     return MODE_FOLDER_NAMES.get(folder.name.lower())
 
 
+def release_shifts(folder: Path) -> tuple[float, float] | None:
+    """(video, audio) flow shifts of a released model folder: `_minimax_h3.sigma_shift_scales` of its
+    model_index.json (each mode folder carries its own, as SGLang reads them), None when the file or the field is
+    not there. A field that is there must hold both shifts, each a positive finite number."""
+    import math
+
+    index = folder / "model_index.json"
+    if not index.is_file():
+        return None
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"{index}: not readable JSON ({exc})") from None
+    info = data.get("_minimax_h3") if isinstance(data, dict) else None
+    scales = info.get("sigma_shift_scales") if isinstance(info, dict) else None
+    if scales is None:
+        return None
+    if not isinstance(scales, dict):
+        raise CheckpointError(f"{index}: _minimax_h3.sigma_shift_scales must be an object with video and audio, "
+                              f"got {scales!r}")
+    shifts = []
+    for stream in ("video", "audio"):
+        value = scales.get(stream)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise CheckpointError(f"{index}: _minimax_h3.sigma_shift_scales.{stream} must be a positive number, "
+                                  f"got {value!r}")
+        shifts.append(float(value))
+    return shifts[0], shifts[1]
+
+
+def mode_folders(root: Path) -> dict[str, Path]:
+    """The released mode folders at `root`, by partition ("t2va", "ref2va"): `root` itself when it is one (its
+    model_index.json says which), else its FL2VA/ and Ref2VA/ children; empty for any other folder."""
+    own = mode_partition(root)
+    if own is not None:
+        return {own: root}
+    return {partition: root / name for partition, name in MODE_FOLDERS.items() if (root / name).is_dir()}
+
+
+def _wanted(partition: str) -> str:
+    return "ref2va" if partition == "ref2va" else "t2va"
+
+
 def resolve_dit_folder(path: Path, partition: str | None) -> Path:
-    """Pick the DiT component folder for a folder path (the folder itself, or a partition child)."""
+    """Pick the DiT component folder for a folder path: the folder itself, a partition child (transformer/,
+    transformer_ref/), or the transformer/ of a released mode folder (FL2VA/, Ref2VA/ or their parent)."""
     if partition is not None and partition not in PARTITION_FOLDERS:
         raise CheckpointError(f"unknown partition {partition!r}; choose one of {', '.join(PARTITION_FOLDERS)}")
     if _looks_like_component(path):
         owner = mode_partition(path.parent) if path.name == "transformer" else None
         if partition is not None and owner is not None:
-            wanted = "ref2va" if partition == "ref2va" else "t2va"
-            if owner != wanted:
+            if owner != _wanted(partition):
                 raise CheckpointError(f"{path}: holds the {owner} DiT ({path.parent.name}/model_index.json says so) "
-                                      f"but partition={partition!r} asks for the {wanted} one")
+                                      f"but partition={partition!r} asks for the {_wanted(partition)} one, which "
+                                      f"is in {MODE_FOLDERS[_wanted(partition)]}/transformer/")
         elif partition is not None and path.name in PARTITION_FOLDERS.values() \
                 and path.name != PARTITION_FOLDERS[partition]:
             raise CheckpointError(f"{path}: is the {path.name}/ folder but partition={partition!r} asks for "
                                   f"{PARTITION_FOLDERS[partition]}/")
         return path
+    modes = mode_folders(path) if path.is_dir() else {}
+    if modes:
+        return _mode_dit(path, modes, partition)
     present = [name for name in ("transformer", "transformer_ref") if _looks_like_component(path / name)]
     if not present:
-        raise CheckpointError(f"{path}: no safetensors weights here and no transformer/ or transformer_ref/ folder")
+        raise CheckpointError(f"{path}: no safetensors weights here, no transformer/ or transformer_ref/ folder and "
+                              f"no {' or '.join(m + '/' for m in MODE_FOLDERS.values())} mode folder")
     if partition is None:
         if len(present) > 1:
             raise CheckpointError(f"{path}: holds both transformer/ and transformer_ref/; choose the partition: t2va "
@@ -197,6 +250,45 @@ def resolve_dit_folder(path: Path, partition: str | None) -> Path:
         raise CheckpointError(f"{path}: partition {partition!r} needs {wanted}/, which is not there "
                               f"(found {', '.join(p + '/' for p in present)})")
     return path / wanted
+
+
+def _mode_dit(path: Path, modes: dict[str, Path], partition: str | None) -> Path:
+    """The transformer/ of the per-mode download's mode folder that holds the partition asked for."""
+    if partition is None:
+        if len(modes) > 1:
+            raise CheckpointError(f"{path}: holds {' and '.join(m.name + '/' for m in modes.values())}; choose the "
+                                  "partition: t2va (or fl2va) for FL2VA/transformer/, ref2va for Ref2VA/transformer/ "
+                                  "(--partition on the command line)")
+        folder = next(iter(modes.values()))
+    else:
+        wanted = _wanted(partition)
+        if wanted not in modes:
+            have = next(iter(modes))
+            if modes[have] == path:  # a mode folder given on its own holds the other DiT
+                raise CheckpointError(f"{path}: holds the {have} DiT ({path.name}/model_index.json says so); the "
+                                      f"{wanted} DiT of partition={partition!r} is in the "
+                                      f"{MODE_FOLDERS[wanted]}/transformer/ folder of the download")
+            raise CheckpointError(f"{path}: partition {partition!r} needs {MODE_FOLDERS[wanted]}/transformer/, and "
+                                  f"there is no {MODE_FOLDERS[wanted]}/ here (found "
+                                  f"{', '.join(m.name + '/' for m in modes.values())})")
+        folder = modes[wanted]
+    dit = folder / "transformer"
+    if not _looks_like_component(dit):
+        raise CheckpointError(f"{dit}: no safetensors weights (the {folder.name}/ mode folder's DiT)")
+    return dit
+
+
+def _released_vae_weights(folder: Path) -> Path | None:
+    """The weights file MiniMaxAI's video_vae/ or audio_vae/ folder names in its config.json (the video VAE's sit
+    in source/), or None for any other folder."""
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    from ..json_file import read_json
+    from ..vae import released
+
+    wrapper = read_json(config)
+    return released.weights_file(folder, wrapper) if released.is_released(wrapper) else None
 
 
 def _looks_like_component(path: Path) -> bool:
@@ -230,6 +322,9 @@ def open_source(path: str | Path, *, partition: str | None = None) -> "Checkpoin
             raise CheckpointError(f"{path}: pickle checkpoints are not loaded (they can run code); "
                                   "convert it to .safetensors")
         return CheckpointSource(path, [read_header(path)], _sibling_config(path))
+    vae_weights = _released_vae_weights(path)
+    if vae_weights is not None:
+        return CheckpointSource(path, [read_header(vae_weights)], None)
     folder = resolve_dit_folder(path, partition)
     config = folder / "config.json"
     config_path = config if config.exists() else None

@@ -43,7 +43,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(noise / math.sqrt(math.prod(p.shape[1:]) if p.ndim > 1 else 1))
 
 
-def write_text_encoder(folder: Path, seed: int = 0) -> Path:
+def write_text_encoder(folder: Path, seed: int = 0, max_shard_size: str | None = None) -> Path:
+    """A tiny random Qwen3-VL folder with its tokenizer and processor; `max_shard_size` ("100KB") splits the weights
+    into shards listed by model.safetensors.index.json, as the released text encoder's 14 are."""
     from ..text.torchvision_compat import ensure_importable
 
     ensure_importable()  # before transformers imports torchvision
@@ -51,7 +53,8 @@ def write_text_encoder(folder: Path, seed: int = 0) -> Path:
     tok = make_tokenizer()
     model = Qwen3VLForConditionalGeneration(text_config(tok)).eval()
     randomize(model, seed)
-    model.save_pretrained(folder, safe_serialization=True)
+    shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, safe_serialization=True, **shards)
     make_processor(tok).save_pretrained(folder)
     return folder
 

@@ -140,14 +140,18 @@ class Engine:
         return {name: found[name] for name in LOADED if name in dits or name not in ("dit", "dit_ref")}
 
     def preflight(self, plan: Mapping[str, object]) -> None:
-        """Fail before reading any weights when the device or the asked-for kernels cannot run here."""
-        from ..checkpoint import linear_format
+        """Fail before reading any weights when the device or the asked-for kernels cannot run here, or when a
+        planned component's files and configs are wrong or do not fit the others (file_checks.py)."""
+        from ..checkpoint.stored import linear_format_of
+        from .file_checks import check_files
 
         check_device(self.device)
-        for key in ("dit", "dit_ref"):
-            path = plan.get(key)
-            if path is not None and key not in self.overrides:
-                self.checkpoint_formats[key] = linear_format(path, "t2va" if key == "dit" else "ref2va")
+        checked = check_files(plan, self.options, self.tokenizer_path(), set(self.overrides))
+        for key, (_, formats) in checked.dits.items():
+            self.checkpoint_formats[key] = linear_format_of(formats)
+            shifts = self.paths.sigma_shifts(key)
+            if shifts is not None:
+                self.components.shifts[key] = shifts
         if self.settings is None:
             return
         from ...kernels.attention import resolve_attention
@@ -157,6 +161,10 @@ class Engine:
             resolve_linear(self.settings, self.device, fmt)
         resolve_attention(self.settings.attention, self.device, self.settings)
 
+    def tokenizer_path(self):
+        """The tokenizer folder the text encoder reads (None: the text encoder's own, or an override builds it)."""
+        return None if "text_encoder" in self.overrides else self.paths.resolve("tokenizer")
+
     def load(self, modes: Sequence[str] | None = None, on_progress: ProgressFn | None = None, *,
              dit_only: bool = False) -> "Engine":
         """Load what `plan(modes, dit_only=...)` names, once, in order, reporting each component to `on_progress`."""
@@ -164,7 +172,7 @@ class Engine:
         plan = self.plan(modes, dit_only=dit_only)
         self.preflight(plan)
         self._resolve_auto_budget(plan)
-        tokenizer = None if "text_encoder" in self.overrides else self.paths.resolve("tokenizer")
+        tokenizer = self.tokenizer_path()
         for name, source in plan.items():
             build = source if name in self.overrides else component_loader(name, source, self.options, tokenizer)
             report(LoadEvent(name, "loading"))

@@ -7,6 +7,9 @@ folder per mode, and a root index:
     <root>/FL2VA/   model_index.json, transformer/, text_encoder/, tokenizer/, processor/, video_vae/, audio_vae/
     <root>/Ref2VA/  the same names
 
+Each mode folder's model_index.json says which DiT it holds (`_minimax_h3.partition`), the flow shifts it samples
+with (`_minimax_h3.sigma_shift_scales`) and names its tokenizer folder (`tokenizer`: tokenizer/).
+
 FL2VA/transformer runs T2VA and FL2VA, Ref2VA/transformer runs Ref2VA; the text encoder and the VAEs of the two
 mode folders are the same models, so they are loaded once (from the first mode folder that has them). A mode
 folder can also be given on its own: its model_index.json (`_minimax_h3.partition`) says which DiT it holds.
@@ -25,15 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import InputError
-from ..checkpoint.source import mode_partition
+from ..checkpoint.source import MODE_FOLDERS, mode_folders, release_shifts
 
 COMPONENTS = ("dit", "dit_ref", "text_encoder", "tokenizer", "vae", "audio_vae")
 DIT_PARTITIONS = {"dit": "t2va", "dit_ref": "ref2va"}
-MODE_FOLDERS = {"t2va": "FL2VA", "ref2va": "Ref2VA"}
 OLD_FOLDERS = {"dit": "transformer", "dit_ref": "transformer_ref", "text_encoder": "text_encoder",
                "tokenizer": "tokenizer", "vae": "vae", "audio_vae": "audio_vae"}
-# The tokenizer the text encoder reads is processor/: tokenizer/ holds the tokenizer files only, processor/
-# the tokenizer and the image / video processor configs the Qwen3-VL processor needs.
+# The tokenizer is the folder model_index.json names for it (tokenizer/: the tokenizer files only); the text
+# encoder finds the Qwen3-VL processor's image / video configs in processor/ beside it. A mode folder whose
+# model_index.json names no tokenizer/ (or that lacks it) is read from processor/, which holds both.
 MODE_SUBFOLDERS = {"dit": "transformer", "dit_ref": "transformer", "text_encoder": "text_encoder",
                    "tokenizer": "processor", "vae": "video_vae", "audio_vae": "audio_vae"}
 # The components a GGUF file can hold.
@@ -58,16 +61,7 @@ class ComponentPaths:
         """The released mode folders under --models, by partition (empty for the older layout)."""
         if self.models is None:
             return {}
-        root = Path(self.models)
-        own = mode_partition(root)
-        if own is not None:
-            return {own: root}
-        found = {}
-        for partition, name in MODE_FOLDERS.items():
-            folder = root / name
-            if folder.is_dir():
-                found[partition] = folder
-        return found
+        return mode_folders(Path(self.models))
 
     def layout(self) -> str:
         """"per-mode" (today's official download), "root" (older revisions) or "components" (no --models)."""
@@ -95,16 +89,40 @@ class ComponentPaths:
         else:
             folders = [modes[p] for p in MODE_FOLDERS if p in modes]
         for folder in folders:
-            candidate = folder / MODE_SUBFOLDERS[name]
+            candidate = _named_tokenizer(folder) if name == "tokenizer" else None
+            candidate = candidate or folder / MODE_SUBFOLDERS[name]
             if candidate.exists():
                 return _gguf_in(candidate, name)
         return None
+
+    def sigma_shifts(self, name: str) -> tuple[float, float] | None:
+        """The (video, audio) flow shifts the model folder gives DiT `name` ("dit", "dit_ref"): the
+        `_minimax_h3.sigma_shift_scales` of the model_index.json of its mode folder (per-mode download) or of the
+        root (older layout); None for a DiT given on its own or a folder that does not say."""
+        if getattr(self, name) is not None or self.models is None:
+            return None
+        modes = self.mode_folders()
+        if not modes:
+            return release_shifts(Path(self.models))
+        folder = modes.get(DIT_PARTITIONS[name])
+        return release_shifts(folder) if folder is not None else None
 
     def folder_hint(self, name: str) -> str:
         """Which folder a missing component is looked for in, for error messages."""
         if self.layout() == "per-mode" and name in DIT_PARTITIONS:
             return f"{MODE_FOLDERS[DIT_PARTITIONS[name]]}/transformer/"
         return f"{OLD_FOLDERS[name]}/"
+
+
+def _named_tokenizer(folder: Path) -> Path | None:
+    """The tokenizer/ folder a mode folder's model_index.json names (its `tokenizer` entry), when it is there."""
+    from ..json_file import read_json
+
+    index = folder / "model_index.json"
+    if not index.is_file() or not read_json(index).get("tokenizer"):
+        return None
+    candidate = folder / "tokenizer"
+    return candidate if candidate.is_dir() else None
 
 
 def _gguf_in(folder: Path, name: str) -> Path:

@@ -45,6 +45,12 @@ class Components:
     vae: object | None = None
     audio_vae: object | None = None
     device: str = "cpu"
+    # (video, audio) flow shifts by DiT ("dit", "dit_ref"), as the model folder gives them (model_index.json's
+    # sigma_shift_scales); a DiT without an entry samples with the released 12 and 3.
+    shifts: dict = field(default_factory=dict)
+
+    def shifts_for(self, mode: str) -> tuple[float, float]:
+        return self.shifts.get("dit_ref" if mode == "ref2va" else "dit", (VIDEO_SHIFT, AUDIO_SHIFT))
 
     def dit_for(self, mode: str):
         model = self.dit_ref if mode == "ref2va" else self.dit
@@ -66,8 +72,9 @@ class GenerationRequest:
     frames: int = geometry.DEFAULT_FRAMES
     steps: int = 50  # sigma grid points including the final 0: steps - 1 model evaluations
     seed: int = 0
-    video_shift: float = VIDEO_SHIFT
-    audio_shift: float = AUDIO_SHIFT
+    # None: the model's (Components.shifts_for: the folder's model_index.json, else 12 and 3).
+    video_shift: float | None = None
+    audio_shift: float | None = None
     sigmas: list[float] | None = None
     audio_sigmas: list[float] | None = None
     reference_policy: str = "match"
@@ -228,8 +235,12 @@ class Pipeline:
         info["sequence_length"] = lay.sequence_length
         if self.memory_check is not None:
             self.memory_check(dit, lay.sequence_length, req.mlp_chunks)
-        schedule = schedule_of(req)
+        shifts = self.c.shifts_for(req.mode)
+        schedule = schedule_of(req, shifts)
         info["evaluations"] = len(schedule)
+        if req.sigmas is None:
+            info["video_shift"], info["audio_shift"] = _given(req.video_shift, shifts[0]), _given(req.audio_shift,
+                                                                                                   shifts[1])
 
         t0 = time.perf_counter()
         report(Progress("sampling", 0, len(schedule)))
@@ -440,12 +451,17 @@ def _stay(component):
     return contextlib.nullcontext(component)
 
 
-def schedule_of(req: GenerationRequest) -> JointSchedule:
-    """The request's joint sigma schedule: shifted grids, or its explicit sigmas."""
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def schedule_of(req: GenerationRequest, shifts: tuple[float, float] = (VIDEO_SHIFT, AUDIO_SHIFT)) -> JointSchedule:
+    """The request's joint sigma schedule: shifted grids (the request's shifts, else the model's `shifts`), or its
+    explicit sigmas."""
     if req.sigmas is None:
         if req.audio_sigmas is not None:
             raise InputError("audio_sigmas needs sigmas too")
-        return JointSchedule.create(req.steps, req.video_shift, req.audio_shift)
+        return JointSchedule.create(req.steps, _given(req.video_shift, shifts[0]), _given(req.audio_shift, shifts[1]))
     video = Schedule(custom_sigmas(req.sigmas))
     audio = Schedule(custom_sigmas(req.audio_sigmas if req.audio_sigmas is not None else req.sigmas))
     if len(video) != len(audio):

@@ -544,23 +544,29 @@ def _vision_from_shapes(weights: _SingleFile, need) -> dict:
                 deepstack_visual_indexes=list(QWEN3VL_DEEPSTACK))
 
 
+def _plan_single_file(tf, sources: _Sources, weights: _SingleFile, tokenizer, layer: int):
+    """(config, model on the meta device, its parameter shapes) for a single file, its names and shapes checked."""
+    if sources.config_path is not None:
+        config = _read_config(tf, sources.config_path)
+    else:
+        config = _config_from_shapes(tf, weights, tokenizer)
+    config = _truncated(config, layer, weights.num_layers, sources.weights)
+    with torch.device("meta"):
+        model = tf.Qwen3VLModel(config)
+    _drop_final_norm(model)
+    if weights.gguf and not weights.has_vision:
+        # llama.cpp keeps the tower in a separate mmproj file: this file is the language model alone.
+        model.visual = _AbsentVisionTower(no_vision_tower_message(sources.weights))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    weights.check(shapes)
+    return config, model, shapes
+
+
 def _load_single_file(tf, sources: _Sources, tokenizer, layer: int, dtype: torch.dtype, device: torch.device,
                       stored: bool = False):
     weights = _SingleFile(sources.weights, layer)
     try:
-        if sources.config_path is not None:
-            config = _read_config(tf, sources.config_path)
-        else:
-            config = _config_from_shapes(tf, weights, tokenizer)
-        config = _truncated(config, layer, weights.num_layers, sources.weights)
-        with torch.device("meta"):
-            model = tf.Qwen3VLModel(config)
-        _drop_final_norm(model)
-        if weights.gguf and not weights.has_vision:
-            # llama.cpp keeps the tower in a separate mmproj file: this file is the language model alone.
-            model.visual = _AbsentVisionTower(no_vision_tower_message(sources.weights))
-        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        weights.check(shapes)
+        config, model, shapes = _plan_single_file(tf, sources, weights, tokenizer, layer)
         _assign(model, weights.tensors(shapes, dtype, device, stored), shapes, sources.weights, dtype)
     finally:
         weights.source.close()
@@ -625,6 +631,89 @@ def _rebuild_rotary(model, config, device: torch.device) -> None:
 def _drop_final_norm(model) -> None:
     # hidden_states[layer] is read before any final norm; the single files do not even carry it.
     model.language_model.norm = torch.nn.Identity()
+
+
+# ---------------------------------------------------------------------------- checked before loading
+# config.json fields of a transformers Qwen3-VL folder, with the tensor (transformers' name) and the dimension
+# of its shape that shows each; head widths are multiplied by head_dim.
+_FIELD_EVIDENCE = (
+    ("text_config.hidden_size", "language_model.embed_tokens.weight", 1, False),
+    ("text_config.vocab_size", "language_model.embed_tokens.weight", 0, False),
+    ("text_config.head_dim", "language_model.layers.0.self_attn.q_norm.weight", 0, False),
+    ("text_config.num_attention_heads", "language_model.layers.0.self_attn.q_proj.weight", 0, True),
+    ("text_config.num_key_value_heads", "language_model.layers.0.self_attn.k_proj.weight", 0, True),
+    ("text_config.intermediate_size", "language_model.layers.0.mlp.up_proj.weight", 0, False),
+    ("vision_config.hidden_size", "visual.patch_embed.proj.weight", 0, False),
+    ("vision_config.out_hidden_size", "visual.merger.linear_fc2.weight", 0, False),
+)
+
+
+def check_text_encoder(path: str | Path, *, tokenizer: str | Path | None = None, layer: int = DEFAULT_LAYER) -> int:
+    """The text encoder's hidden size, after checking from its config, tokenizer and safetensors headers alone
+    (before any weight is read) what from_pretrained refuses: missing shards, a config.json whose sizes the
+    tensors contradict (one line naming the file and the field), tensors the truncated model lacks or shapes it
+    does not take, a tokenizer that belongs to another model."""
+    sources = _resolve(path, tokenizer)
+    tf = _transformers()
+    tok, _ = _load_processing(tf, sources)
+    if sources.single_file:
+        weights = _SingleFile(sources.weights, layer)
+        try:
+            config, _, _ = _plan_single_file(tf, sources, weights, tok, layer)
+        finally:
+            weights.source.close()
+    else:
+        config = _check_folder(tf, sources, layer)
+    _check_token_ids(config, tok, path)
+    return int(config.text_config.hidden_size)
+
+
+def _check_folder(tf, sources: _Sources, layer: int):
+    """A transformers folder's config against its shards' headers (open_source checks the index and the shards)."""
+    weights = open_source(sources.weights)
+    try:
+        stored = {}
+        for key in weights.keys:
+            name = _target_name(key, 1 << 30)
+            if name is not None:
+                stored[name] = (key, tuple(weights.entry(key).shape))
+    finally:
+        weights.close()
+    config = _read_config(tf, sources.config_path)
+    raw = json.loads(sources.config_path.read_text())
+    for field_path, tensor, dim, per_head in _FIELD_EVIDENCE:
+        section, _, name = field_path.partition(".")
+        value = (raw.get(section) or {}).get(name)
+        if value is None or tensor not in stored:
+            continue
+        key, shape = stored[tensor]
+        have = shape[dim] // config.text_config.head_dim if per_head else shape[dim]
+        if value != have:
+            raise CheckpointError(f"{sources.config_path}: {field_path} is {value!r} but the weights say {have} "
+                                  f"({key} is {list(shape)})")
+    layers = len({int(m.group(1)) for n in stored if (m := _LM_LAYER.match(n))})
+    declared = config.text_config.num_hidden_layers
+    if layers < min(declared, layer):
+        raise CheckpointError(f"{sources.config_path}: text_config.num_hidden_layers is {declared} but the weights "
+                              f"hold {layers} decoder layers")
+    config = _truncated(config, layer, declared, sources.weights)
+    with torch.device("meta"):
+        model = tf.Qwen3VLModel(config)
+    _drop_final_norm(model)
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    kept = {n: v for n, v in stored.items() if _target_name(v[0], layer) is not None}
+    for name, want in expected.items():
+        if name not in kept:
+            raise CheckpointError(f"{sources.weights}: {name} is missing (the model {sources.config_path.name} "
+                                  f"describes needs it)")
+        if kept[name][1] != want:
+            raise CheckpointError(f"{sources.weights}: {kept[name][0]} is {list(kept[name][1])}, the model "
+                                  f"{sources.config_path.name} describes needs {list(want)}")
+    extra = sorted(n for n in kept if n not in expected)
+    if extra:
+        raise CheckpointError(f"{sources.weights}: {extra[0]} is not a parameter of this Qwen3-VL"
+                              + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    return config
 
 
 # ---------------------------------------------------------------------------- the encoder

@@ -406,6 +406,56 @@ def _video_config(source: Source, files: TensorFiles, comfy: bool,
 # --------------------------------------------------------------------------------------------
 
 
+def _video_identity(source: Source, files: TensorFiles,
+                    given: VC.VideoVAEConfig | None) -> tuple[bool, VC.VideoVAEConfig]:
+    """(ComfyUI / MiniMaxAI names?, config) of a video VAE's files, after checking that they hold one."""
+    keys = files.keys()
+    _reject_quantized(keys, source.origin)
+    if "pre_block.attn.zero_k_bias" in files:
+        raise CheckpointError(f"{source.origin}: this is the audio VAE, not the video VAE")
+    comfy = _is_comfy_video(keys)
+    if not comfy and not any(k.startswith("encoder.down_blocks.") for k in keys):
+        raise CheckpointError(f"{source.origin}: not an H3 video VAE (no encoder.down_blocks.* or "
+                              f"encoder.down.*.block.* tensors)")
+    return comfy, _video_config(source, files, comfy, given)
+
+
+def check_video_vae(path: str | os.PathLike) -> VC.VideoVAEConfig:
+    """The video VAE's config, with its files and every tensor's name and shape checked against it, from the
+    configs and safetensors headers alone (what load_video_vae refuses, refused before any weight is read)."""
+    source = locate(path, "vae")
+    with TensorFiles(source.files) as files:
+        comfy, cfg = _video_identity(source, files, None)
+        shapes = {n: s for n, s in _video_shapes(files, comfy).items() if not (comfy and n in _COMFY_ONLY)}
+    post = shapes.get("post_quant_conv.weight")
+    if post is not None and post[0] != cfg.latent_channels:
+        field = "z_channels" if source.files[0].parent.name == "source" else "latent_channels"
+        raise CheckpointError(f"{source.origin}: the config's latent channels ({field}) are {cfg.latent_channels} "
+                              f"but the weights have {post[0]} (post_quant_conv.weight is {list(post)})")
+    with torch.device("meta"):
+        model = V.VideoVAE(cfg)
+    check_shapes({n: tuple(t.shape) for n, t in model.state_dict().items()}, shapes, source.origin)
+    return cfg
+
+
+def check_shapes(expected: dict[str, tuple[int, ...]], stored: dict[str, tuple[int, ...]], origin: str,
+                 optional: Callable[[str], bool] = lambda name: False) -> None:
+    """Stored tensor shapes (under the model's names) against the model a config builds, in one line each."""
+    for name in sorted(expected.keys() & stored.keys()):
+        if tuple(stored[name]) != expected[name]:
+            raise CheckpointError(f"{origin}: {name} has shape {tuple(stored[name])}, the config needs "
+                                  f"{expected[name]}")
+    missing = sorted(n for n in expected.keys() - stored.keys() if not optional(n))
+    unexpected = sorted(stored.keys() - expected.keys())
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (e.g. {', '.join(missing[:4])})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:4])})")
+        raise CheckpointError(f"{origin}: tensors do not match the config: {'; '.join(parts)}")
+
+
 def load_video_vae(path: str | os.PathLike, *, device: str | torch.device = "cpu",
                    decode_dtype: torch.dtype = torch.float16, config: VC.VideoVAEConfig | None = None) -> V.VideoVAE:
     """The video VAE from a diffusers folder (or its parent) or a ComfyUI single file.
@@ -420,14 +470,7 @@ def load_video_vae(path: str | os.PathLike, *, device: str | torch.device = "cpu
     device = torch.device(device)
     with TensorFiles(source.files) as files:
         keys = files.keys()
-        _reject_quantized(keys, source.origin)
-        if "pre_block.attn.zero_k_bias" in files:
-            raise CheckpointError(f"{source.origin}: this is the audio VAE, not the video VAE")
-        comfy = _is_comfy_video(keys)
-        if not comfy and not any(k.startswith("encoder.down_blocks.") for k in keys):
-            raise CheckpointError(f"{source.origin}: not an H3 video VAE (no encoder.down_blocks.* or "
-                                  f"encoder.down.*.block.* tensors)")
-        cfg = _video_config(source, files, comfy, config)
+        comfy, cfg = _video_identity(source, files, config)
         with torch.device("meta"):
             model = V.VideoVAE(cfg)
         heads = cfg.decoder_num_attention_heads
@@ -518,19 +561,44 @@ def _audio_buffer(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
     return None
 
 
+def _audio_identity(source: Source, files: TensorFiles, given: A.AudioVAEConfig | None) -> A.AudioVAEConfig:
+    """The config of an audio VAE's files, after checking that they hold one."""
+    keys = files.keys()
+    _reject_quantized(keys, source.origin)
+    if "pre_block.attn.zero_k_bias" not in files and "pre_block.attn.qkv.weight" not in files:
+        video = any(k.startswith("decoder.transformer_blocks.") for k in keys)
+        kind = "the video VAE" if video else "not an H3 audio VAE"
+        raise CheckpointError(f"{source.origin}: {kind} (no pre_block.attn tensors)")
+    return _audio_config(source, files, given)
+
+
+def check_audio_vae(path: str | os.PathLike) -> A.AudioVAEConfig:
+    """The audio VAE's config, with its files and every tensor's name and shape checked against it, from the
+    configs and safetensors headers alone."""
+    source = locate(path, "audio_vae")
+    with TensorFiles(source.files) as files:
+        cfg = _audio_identity(source, files, None)
+        orphans = [k for k in files.keys() if k.endswith((".weight_g", ".weight_v"))
+                   and k[:-1] + ("v" if k.endswith("g") else "g") not in files]
+        if orphans:
+            raise CheckpointError(f"{source.origin}: {orphans[0]} has no matching weight_"
+                                  f"{'v' if orphans[0].endswith('g') else 'g'}")
+        shapes = {n: s for n, s in _audio_shapes(files).items() if n not in ("latents_mean", "latents_std")}
+    with torch.device("meta"):
+        model = A.AudioVAE(cfg)
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    check_shapes(expected, shapes, source.origin,
+                 optional=lambda name: _audio_buffer(name, expected[name]) is not None)
+    return cfg
+
+
 def load_audio_vae(path: str | os.PathLike, *, device: str | torch.device = "cpu",
                    config: A.AudioVAEConfig | None = None) -> A.AudioVAE:
     """The audio VAE (fp32) from a diffusers folder (or its parent) or a ComfyUI single file;
     weight_g/weight_v pairs are folded into plain weights once, here."""
     source = locate(path, "audio_vae")
     with TensorFiles(source.files) as files:
-        keys = files.keys()
-        _reject_quantized(keys, source.origin)
-        if "pre_block.attn.zero_k_bias" not in files and "pre_block.attn.qkv.weight" not in files:
-            video = any(k.startswith("decoder.transformer_blocks.") for k in keys)
-            kind = "the video VAE" if video else "not an H3 audio VAE"
-            raise CheckpointError(f"{source.origin}: {kind} (no pre_block.attn tensors)")
-        cfg = _audio_config(source, files, config)
+        cfg = _audio_identity(source, files, config)
         with torch.device("meta"):
             model = A.AudioVAE(cfg)
         return _materialize(model, _audio_entries(files, source.origin), lambda n: torch.float32,

@@ -69,6 +69,9 @@ def weights_file(folder: Path, wrapper: dict[str, Any]) -> Path:
 def video_config(folder: Path, wrapper: dict[str, Any]) -> VideoVAEConfig:
     """The video VAE config of a released video_vae/ folder (its wrapper config.json already read)."""
     where = folder / str(wrapper.get("source_path", "source")) / "config.json"
+    if not where.parent.is_dir():
+        raise CheckpointError(f"{folder / 'config.json'}: source_path names {where.parent.name}/, which is missing "
+                              "(it holds the video VAE's config.json and weights)")
     source = read_json(where)
     if source.get("_class_name", VIDEO_SOURCE_CLASS) != VIDEO_SOURCE_CLASS:
         raise CheckpointError(f"{where}: _class_name {source['_class_name']!r}, expected {VIDEO_SOURCE_CLASS}")
@@ -81,9 +84,12 @@ def video_config(folder: Path, wrapper: dict[str, Any]) -> VideoVAEConfig:
                       ("ffn_activation_fn", "silu")):
         _expect(vit, key, want, where)
     z = _need(source, "z_channels", where)
-    if source.get("embed_dim", z) != z or wrapper.get("latent_channels", z) != z:
-        raise CheckpointError(f"{where}: z_channels {z}, embed_dim {source.get('embed_dim')} and the wrapper's "
-                              f"latent_channels {wrapper.get('latent_channels')} must agree")
+    if source.get("embed_dim", z) != z:
+        raise CheckpointError(f"{where}: embed_dim is {source['embed_dim']} but z_channels is {z}; the latent "
+                              "channels must agree")
+    if wrapper.get("latent_channels", z) != z:
+        raise CheckpointError(f"{folder / 'config.json'}: latent_channels is {wrapper['latent_channels']} but "
+                              f"{where} says z_channels {z}")
     ch = _need(source, "ch", where)
     fields = {
         "in_channels": source.get("in_channels", 3), "out_channels": source.get("out_ch", 3), "latent_channels": z,
