@@ -257,6 +257,8 @@ def test_comfyui_demo_writes_the_folders_the_loaders_list(tmp_path, capsys):
         assert any((models / folder / name).glob("*.safetensors")), name
     assert (models / "vae" / "mine.safetensors").read_bytes() == b"keep"  # the user's files stay
     assert main(["comfyui-demo", str(models), "--quiet"]) == 0  # again: replaced, not duplicated
+    quiet = capsys.readouterr()
+    assert (quiet.out, quiet.err) == ("", ""), quiet  # no line, and no library's progress bar either
     assert main(["comfyui-demo", str(tmp_path / "nope")]) == 2
     assert "no such folder (give ComfyUI's models folder" in capsys.readouterr().err
 

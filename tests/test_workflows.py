@@ -146,3 +146,37 @@ def test_only_ui_workflows_sit_where_the_template_browser_looks():
     for path in (ROOT / "workflows").glob("*.json"):
         graph = json.loads(path.read_text())
         assert "nodes" in graph and "links" in graph, f"{path.name} is not a UI workflow: move it to workflows/api/"
+
+
+def ui_widget_values(node) -> dict:
+    """A UI node's widget values by input name (the seed's control_after_generate entry left out)."""
+    inputs, _ = signature(node["type"])
+    values, named = list(node["widgets_values"]), {}
+    for name, (kind, _) in inputs.items():
+        if is_wire(kind):
+            continue
+        named[name] = values.pop(0)
+        if options_of(node["type"], name).get("control_after_generate"):
+            values.pop(0)
+    return named
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_both_formats_give_the_same_settings(mode):
+    """The API graph gives every setting the UI graph shows (the sampler's `recipe` and cache ones included),
+    with the same values: what runs from a script is what the page shows."""
+    api = json.loads((ROOT / "workflows" / "api" / f"h3-spark-{mode}.json").read_text())
+    ui = json.loads((ROOT / "workflows" / f"h3-spark-{mode}.json").read_text())
+    for node in ui["nodes"]:
+        given = {k: v for k, v in api[str(node["id"])]["inputs"].items() if not isinstance(v, list)}
+        assert given == ui_widget_values(node), (mode, node["type"])
+
+
+def test_the_docs_name_every_sampler_setting():
+    docs = (ROOT / "docs" / "comfyui.md").read_text()
+    spec = NODE_CLASS_MAPPINGS["H3SparkSampler"].INPUT_TYPES()
+    for name, entry in [*spec["required"].items(), *spec["optional"].items()]:
+        if not is_wire(entry[0]):
+            assert f"`{name}`" in docs, name
+    for mode in spec["optional"]["cache"][0]:
+        assert f"`{mode}`" in docs, mode

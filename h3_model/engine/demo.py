@@ -48,10 +48,20 @@ def write_text_encoder(folder: Path, seed: int = 0) -> Path:
 
     ensure_importable()  # before transformers imports torchvision
     from transformers import Qwen3VLForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
     tok = make_tokenizer()
     model = Qwen3VLForConditionalGeneration(text_config(tok)).eval()
     randomize(model, seed)
-    model.save_pretrained(folder, safe_serialization=True)
+    # transformers draws a progress bar for its one shard of a few MB: noise, and `comfyui-demo --quiet` must be
+    # quiet. The setting is process-wide, so it is put back.
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(folder, safe_serialization=True)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     make_processor(tok).save_pretrained(folder)
     return folder
 
