@@ -180,3 +180,47 @@ def test_the_docs_name_every_sampler_setting():
             assert f"`{name}`" in docs, name
     for mode in spec["optional"]["cache"][0]:
         assert f"`{mode}`" in docs, mode
+
+
+# The official Comfy-Org files, with the download addresses ComfyUI's own H3 templates give for them
+# (Comfy-Org/workflow_templates: templates/video_minimax_h3_r2v.json @ 2ace74d3 and video_minimax_h3_t2v.json
+# @ 78487a52, their "Model Links" notes and VAELoader properties.models), and the models/ folder each goes in.
+OFFICIAL_FILES = {
+    "minimax_h3_fl2va_pruned_int8_convrot.safetensors": (
+        "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/diffusion_models/"
+        "minimax_h3_fl2va_pruned_int8_convrot.safetensors", "diffusion_models"),
+    "minimax_h3_ref2va_pruned_int8_convrot.safetensors": (
+        "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/diffusion_models/"
+        "minimax_h3_ref2va_pruned_int8_convrot.safetensors", "diffusion_models"),
+    "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors": (
+        "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/text_encoders/"
+        "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "text_encoders"),
+    "minimax_h3_video_vae_fp16.safetensors": (
+        "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/vae/minimax_h3_video_vae_fp16.safetensors", "vae"),
+    "minimax_h3_audio_vae_fp32.safetensors": (
+        "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/vae/minimax_h3_audio_vae_fp32.safetensors", "vae"),
+}
+
+
+@pytest.mark.parametrize("mode", ("t2va", "fl2va", "ref2va"))
+def test_the_real_weights_workflows_say_where_each_file_comes_from(mode):
+    """ComfyUI's frontend reads a node's properties.models (name, url, directory), keeps the entries whose name
+    is one of the node's widget values, and offers the missing ones for download: every official file a loader
+    names has its entry, with the address ComfyUI's own templates give."""
+    ui = json.loads((ROOT / "workflows" / f"h3-spark-{mode}.json").read_text())
+    named = 0
+    for node in ui["nodes"]:
+        values = {v for v in node.get("widgets_values", []) if isinstance(v, str)}
+        official = sorted(values & set(OFFICIAL_FILES))
+        models = node.get("properties", {}).get("models", [])
+        assert sorted(m["name"] for m in models) == official, node["type"]
+        for entry in models:
+            assert (entry["url"], entry["directory"]) == OFFICIAL_FILES[entry["name"]], entry
+        named += len(official)
+    assert named == 4  # DiT, text encoder and both VAEs
+
+
+def test_the_demo_workflow_downloads_nothing():
+    ui = json.loads((ROOT / "workflows" / "h3-spark-demo-t2va.json").read_text())
+    assert not any(node.get("properties", {}).get("models") for node in ui["nodes"])
+    assert "install.py --demo" in ui["extra"]["h3_spark_demo"]
