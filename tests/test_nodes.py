@@ -1032,6 +1032,7 @@ def test_a_bad_canvas_or_length_is_said_on_its_own_input(name):
 
 def test_error_types_are_named_as_the_package_when_comfyui_imports_the_pack_by_path():
     """ComfyUI imports custom_nodes/h3-spark under its path and reports module + class name in /history."""
+    import importlib
     import importlib.util
     from pathlib import Path
 
@@ -1045,6 +1046,9 @@ def test_error_types_are_named_as_the_package_when_comfyui_imports_the_pack_by_p
         errors = sys.modules[name + ".errors"]
         for cls in (errors.InputError, errors.CheckpointError, errors.H3Error):
             assert f"{cls.__module__}.{cls.__qualname__}" == f"h3_spark.errors.{cls.__name__}"
+        capability = importlib.import_module(name + ".kernels.capability")  # an H3Error defined elsewhere
+        assert capability.KernelUnavailable.__module__ == "h3_spark.kernels.capability"
+        assert issubclass(capability.KernelUnavailable, errors.H3Error)
     finally:
         for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
             del sys.modules[key]
