@@ -90,7 +90,7 @@ def write_demo(models_dir: Path | None) -> int:
     except ImportError as exc:
         return fail(f"{exc}: install the runtime dependencies first (python install.py)")
     say(f"demo models written under {models_dir} ({len(written)} folders); in ComfyUI open the template "
-        "h3-spark-demo-t2va (workflows/h3-spark-demo-t2va.json): the video is noise, the graph is the real one")
+        "\"H3 Demo, Text to Video (no download)\" (workflows/): the video is noise, the graph is the real one")
     return 0
 
 

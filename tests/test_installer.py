@@ -268,7 +268,7 @@ def test_install_py_writes_the_demo_into_the_comfyui_it_sits_in(tmp_path):
     assert out.returncode == 0, out.stderr
     for folder, name in COMFY_FOLDERS.values():
         assert any((comfy / "models" / folder / name).glob("*.safetensors")), name
-    assert f"demo models written under {comfy / 'models'}" in out.stdout and "h3-spark-demo-t2va" in out.stdout
+    assert f"demo models written under {comfy / 'models'}" in out.stdout and "H3 Demo, Text to Video (no download)" in out.stdout
     elsewhere = subprocess.run([sys.executable, str(INSTALL_PY), "--demo"], capture_output=True, text=True,
                                timeout=300)
     assert elsewhere.returncode == 1

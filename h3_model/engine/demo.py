@@ -96,7 +96,7 @@ def default_demo_dir() -> Path:
 
 # ------------------------------------------------------------------------------------------ ComfyUI's model folders
 # Where the ComfyUI demo puts each component (ComfyUI's model folder key, the name its lists show); the demo
-# workflow (workflows/h3-spark-demo-t2va.json) names these.
+# workflow (workflows/api/h3-spark-demo-t2va.json and its UI graph) names these.
 COMFY_FOLDERS = {"transformer": ("diffusion_models", "h3-demo-t2va"),
                  "transformer_ref": ("diffusion_models", "h3-demo-ref2va"),
                  "text_encoder": ("text_encoders", "h3-demo-qwen3vl"),
