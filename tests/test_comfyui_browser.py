@@ -193,3 +193,37 @@ def test_a_real_weights_workflow_offers_the_downloads_of_its_missing_files(page,
                  "minimax_h3_video_vae_fp16.safetensors", "minimax_h3_audio_vae_fp32.safetensors"):
         assert name in text, text
     page.js("document.querySelectorAll('.p-dialog-close-button, .p-dialog-header-close').forEach(b => b.click())")
+
+
+def test_the_template_browser_shows_titled_cards_with_their_thumbnails(page, shots, server):
+    """ComfyUI's template browser, h3-spark's category: a card per UI workflow, titled by its file name, in the
+    order the server lists them (the demo first when the folder lists it first), each with its 256 x 256 picture."""
+    from io import BytesIO
+    from urllib.parse import quote
+
+    from PIL import Image
+
+    listed = requests.get(f"{server.url}/workflow_templates", timeout=30).json()["h3-spark"]
+    page.js("window.app.extensionManager.command.execute('Comfy.BrowseTemplates').then(() => true)")
+    page.wait("""(() => { const item = [...document.querySelectorAll('.p-listbox-option, li')]
+        .find(e => e.innerText.trim() === 'h3-spark'); if (item) item.click(); return !!item; })()""", 60,
+              "the h3-spark category in the template browser")
+    try:
+        cards = page.wait("""(() => { const cards = [...document.querySelectorAll('[data-testid^="template-workflow-"]')];
+            const first = cards.length && cards[0].querySelector('img');
+            if (!first || !first.complete || !first.naturalWidth) return null;  // the first card's picture drawn
+            return cards.map(c => ({title: c.querySelector('h3')?.innerText.trim(),
+                                    width: c.querySelector('img')?.naturalWidth || 0})); })()""",
+                          60, "the h3-spark cards")
+    finally:
+        time.sleep(2)
+        page.shot(shots / "template-browser.png")
+    assert [c["title"] for c in cards] == listed, cards
+    assert cards[0]["width"] == 256, cards  # the others load as they scroll into view
+    for name in listed:  # where the card asks for its picture
+        picture = requests.get(f"{server.url}/api/workflow_templates/h3-spark/{quote(name)}.jpg", timeout=30)
+        assert picture.status_code == 200, name
+        with Image.open(BytesIO(picture.content)) as image:
+            assert image.size == (256, 256), name
+    assert sorted(listed)[0].startswith("H3 Demo")
+    page.js("document.querySelectorAll('.p-dialog-close-button, .p-dialog-header-close').forEach(b => b.click())")
