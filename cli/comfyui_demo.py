@@ -2,7 +2,7 @@
 
 Writes the demo set (random weights with the real names and formats, a few MB) into ComfyUI's models folder
 under the names the h3-spark loaders list (diffusion_models/h3-demo-t2va/, text_encoders/h3-demo-qwen3vl/,
-vae/h3-demo-video-vae/, ...). Then open workflows/h3-spark-demo-t2va.json in ComfyUI: it runs in seconds
+vae/h3-demo-video-vae/, ...). Then open the template "H3 Demo, Text to Video (no download)" in ComfyUI: it runs in seconds
 on a CPU and shows the whole graph working without the ~130 GB of released weights (the video is noise).
 """
 
@@ -31,6 +31,6 @@ def run(args) -> int:
     written = install_comfyui_demo(args.models_dir, args.seed, log)
     if not args.quiet:
         print(json.dumps({"written": {k: str(v) for k, v in written.items()},
-                          "workflow": "workflows/h3-spark-demo-t2va.json",
+                          "workflow": "workflows/H3 Demo, Text to Video (no download).json",
                           "note": "tiny synthetic random weights: the video and sound are noise"}))
     return 0

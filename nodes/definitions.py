@@ -35,6 +35,8 @@ T2VA_PROMPT = ("STRING", {"multiline": True, "dynamicPrompts": True,
 FL2VA_PROMPT = ("STRING", {"multiline": True, "dynamicPrompts": True,
                            "tooltip": "What happens between the keyframes; they are <Picture 1> (the first one "
                                       "given) and <Picture 2>. May be empty."})
+NATIVE_MODEL_TOOLTIP = ("ComfyUI's native MiniMax H3 MODEL (from its own loader, e.g. Load Diffusion Model); an "
+                        "h3-spark H3_MODEL takes H3 Attention Patch instead.")
 # Tooltips of inputs that several nodes share, or whose node declares them without one (_described fills them).
 TOOLTIPS = {
     "model": "The H3 DiT from H3 Model Loader (or H3 LoRA Loader / H3 Attention Patch).",
@@ -48,8 +50,8 @@ TOOLTIPS = {
     "strength": "How much of the LoRA is merged: 1 is as trained, 0 is none.",
     "text_encoder_name": "Qwen3-VL: a ComfyUI single file under models/text_encoders or a transformers folder.",
     "dtype": "The dtype the text encoder computes in.",
-    "vae_name": "The video VAE: a file or folder under models/vae.",
-    "audio_vae_name": "The audio VAE: a file or folder under models/vae.",
+    "vae_name": "The video VAE: a file or folder under models/vae (the H3 video VAEs are listed first).",
+    "audio_vae_name": "The audio VAE: a file or folder under models/vae (the H3 audio VAEs are listed first).",
     "first_frame": "The clip's first frame (stretched onto the canvas). Connect it, the last frame or both.",
     "last_frame": "The clip's last frame (cover-cropped onto the canvas).",
     "video_fps": "Frame rate of the reference videos' frames (the model reads them at 24 fps).",
@@ -174,10 +176,10 @@ class H3VAELoader:
 
     @classmethod
     def INPUT_TYPES(cls):
-        names = _host().model_choices("vae", folders=True)
+        host = _host()
         return {"required": {
-            "vae_name": (names,),
-            "audio_vae_name": (names,),
+            "vae_name": (host.vae_choices("video"),),
+            "audio_vae_name": (host.vae_choices("audio"),),
             "decode_dtype": (["float16", "float32"], {"tooltip": "float32 is the exact video decode."}),
             "tile_size": ("INT", {"default": 256, "min": 0, "max": 4096, "step": 16,
                                   "tooltip": "Spatial tile of the video VAE in pixels: 0 = whole frames, else a "
@@ -196,20 +198,29 @@ class H3VAELoader:
 
 
 # ------------------------------------------------------------------------------------------ conditioning
-def _validate_canvas(cls, width=None, height=None, length=None):
-    """VALIDATE_INPUTS of the conditioning nodes: ComfyUI refuses a canvas or length H3 cannot make before the
-    prompt is queued (its own checks do not enforce the 32-pixel step). Values wired from other nodes are not
-    known yet and are checked when the node runs."""
+def _validate_canvas(cls, width=None, height=None):
+    """VALIDATE_INPUTS of the conditioning nodes: ComfyUI refuses a canvas H3 cannot make before the prompt is
+    queued (its own checks do not enforce the 32-pixel step). ComfyUI shows the returned message on every input
+    this function reads, so it reads only width and height and its message names the one at fault; `length` is
+    left to ComfyUI's own per-input range check (124..345; a length inside it only snaps up, said in the log).
+    Values wired from other nodes are not known yet and are checked when the node runs."""
     from ..errors import H3Error
 
+    if width is None or height is None:
+        return True
+    problems = []
+    for name, value in (("width", width), ("height", height)):
+        value = int(value)
+        if not 32 <= value <= 4096:
+            problems.append(f"{name} {value} is outside 32..4096")
+        elif value % geometry.CANVAS_MULTIPLE:
+            low = value - value % geometry.CANVAS_MULTIPLE
+            problems.append(f"{name} {value} is not a multiple of {geometry.CANVAS_MULTIPLE} "
+                            f"({low} or {low + geometry.CANVAS_MULTIPLE} is)")
+    if problems:
+        return "; ".join(problems)
     try:
-        if width is not None and height is not None:
-            for name, value in (("width", width), ("height", height)):
-                if not 32 <= int(value) <= 4096:
-                    return f"{name} must be 32..4096, got {value}"
-            geometry.check_canvas(int(width), int(height))
-        if length is not None:
-            geometry.snap_frames(int(length))
+        geometry.check_canvas(int(width), int(height))
     except H3Error as exc:
         return str(exc)
     return True
@@ -433,7 +444,8 @@ class H3NativeAttentionPatch:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",), "backend": (list(ATTENTION_BACKENDS),)}}
+        return {"required": {"model": ("MODEL", {"tooltip": NATIVE_MODEL_TOOLTIP}),
+                             "backend": (list(ATTENTION_BACKENDS),)}}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "patch"

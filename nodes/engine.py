@@ -179,6 +179,7 @@ def load_vaes(video_path: Path, audio_path: Path, decode_dtype: str, tile_size: 
 
     if decode_dtype not in VAE_DTYPES:
         raise InputError(f"decode_dtype must be one of {', '.join(VAE_DTYPES)}, got {decode_dtype!r}")
+    check_vae_slots(video_path, audio_path)
     devices = host.vae_devices()
     options = LoadOptions(device=str(devices[1]), vae_dtype=VAE_DTYPES[decode_dtype], kernels=None)
     video = component_loader("vae", video_path, options)()
@@ -189,6 +190,18 @@ def load_vaes(video_path: Path, audio_path: Path, decode_dtype: str, tile_size: 
     held = [host.make_held(kind, module, patcher_class=vaes.vae_patcher_class, devices=devices)
             for kind, module in (("vae", video), ("audio_vae", audio))]
     return VAEHandle(video, audio, *held, tile_size or None, video.tile_batch)
+
+
+def check_vae_slots(video_path: Path, audio_path: Path) -> None:
+    """Both VAEs sit in models/vae and both slots list them all: a swap is named here, before either loads."""
+    from ..h3_model.vae.kind import AUDIO, VIDEO, vae_kind
+
+    if vae_kind(video_path) == AUDIO:
+        raise InputError(f"{video_path.name}: this is the audio VAE, in the video slot (vae_name); pick it as "
+                         "audio_vae_name and the video VAE as vae_name")
+    if vae_kind(audio_path) == VIDEO:
+        raise InputError(f"{audio_path.name}: this is the video VAE, in the audio slot (audio_vae_name); pick it as "
+                         "vae_name and the audio VAE as audio_vae_name")
 
 
 # ------------------------------------------------------------------------------------------ ComfyUI media

@@ -76,6 +76,28 @@ def model_choices(folder: str, *, folders: bool = False) -> list[str]:
     return sorted(set(names))
 
 
+def vae_choices(kind: str) -> list[str]:
+    """models/vae's names for one slot of H3 VAE Loader: that kind of H3 VAE first (by its config or header,
+    h3_model/vae/kind.py), then what is neither (other models' VAEs, unreadable files), the other kind last. All
+    stay listed, so a graph naming any of them stays valid and a wrong pick is named at load; ComfyUI's
+    frontend preselects the first, which is now a file that fits the slot."""
+    from ..h3_model.vae.kind import vae_kind
+
+    names = model_choices("vae", folders=True)
+    module = optional_module("folder_paths")
+    if module is None:
+        return names
+
+    def rank(name: str) -> int:
+        try:
+            found = vae_kind(resolve_model("vae", name))
+        except Exception:  # noqa: BLE001 - a name that does not resolve is listed last, and refused when picked
+            return 2
+        return 0 if found == kind else 2 if found is not None else 1
+
+    return sorted(names, key=lambda name: (rank(name), name))
+
+
 def _gguf_files(module, folder: str) -> list[str]:
     """The .gguf files under a model folder key's folders, named as ComfyUI names files (relative, "/")."""
     found = []
@@ -149,13 +171,33 @@ class Held(torch.nn.Module):
         self.owner = owner  # the engine object `inner` belongs to (the TextEncoder of a text model), if any
 
 
+class H3SparkDiT(Held):
+    """ComfyUI logs a load as "Requested to load <class name>": these names say which of ours it is."""
+
+
+class H3SparkTextEncoder(Held):
+    pass
+
+
+class H3SparkVideoVAE(Held):
+    pass
+
+
+class H3SparkAudioVAE(Held):
+    pass
+
+
+HELD_CLASSES = {"dit": H3SparkDiT, "text_encoder": H3SparkTextEncoder, "vae": H3SparkVideoVAE,
+                "audio_vae": H3SparkAudioVAE}
+
+
 def make_held(kind: str, inner, owner=None, patcher_class=None, devices=None):
     """Wrap an engine module for ComfyUI's model management (or hold it as is outside ComfyUI).
     `patcher_class()` gives a ModelPatcher subclass of our own (the DiT's and the text encoder's, whose partial
     loads stream what does not fit: nodes/patcher.py; the VAEs', loaded whole: nodes/vae.py); it is called only
     inside ComfyUI. `devices`: (load, offload), the compute and offload devices when not given."""
     class_ = _model_patcher_cls()
-    held = Held(kind, inner, owner)
+    held = HELD_CLASSES[kind](kind, inner, owner)
     load, offload = devices if devices is not None else (compute_device(), offload_device())
     if class_ is None:
         return LocalModel(held, load)

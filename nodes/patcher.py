@@ -137,8 +137,8 @@ def text_patcher_class():
 
         def place(self, device, room):
             streamed = self.placement().place(device, room)
-            log.info("h3-spark text encoder: %s, %s on the GPU",
-                     "decoder layers streamed" if streamed else "resident", gb(self.placement().loaded()))
+            log.info("h3-spark text encoder: %s, %s on %s", "decoder layers streamed" if streamed else "resident",
+                     gb(self.placement().loaded()), self.placement().device)
 
         def partially_unload(self, device_to, memory_to_free=0):
             # All or nothing: it runs once per prompt, and streamed it already holds the least it can.
@@ -151,10 +151,12 @@ def text_patcher_class():
 
 
 def _line(plan, placement: Placement) -> str:
+    # The device by name: under `--cpu` ComfyUI's compute device is the CPU, and "on the GPU" would be wrong.
     if not plan.streaming:
-        return f"resident, {gb(placement.loaded())} on the GPU"
+        return f"resident, {gb(placement.loaded())} on {placement.device}"
     return (f"{plan.resident_blocks} of {len(plan.blocks)} blocks resident, {len(plan.streamed)} streamed "
-            f"(prefetch depth {plan.depth}), AdaLN projections in host memory; {gb(placement.loaded())} on the GPU")
+            f"(prefetch depth {plan.depth}), AdaLN projections in host memory; {gb(placement.loaded())} on "
+            f"{placement.device}")
 
 
 def load_text_encoder(patcher, encoder):

@@ -48,7 +48,8 @@ class Page:
         else:
             raise AssertionError("Chromium's DevTools endpoint did not answer")
         tab = next(t for t in tabs if t["type"] == "page")
-        self.ws = websocket.create_connection(tab["webSocketDebuggerUrl"], timeout=120)
+        # No Origin header: Chromium refuses DevTools websockets from an origin it was not told to allow.
+        self.ws = websocket.create_connection(tab["webSocketDebuggerUrl"], timeout=120, suppress_origin=True)
         self.next_id = 0
         self.call("Page.enable")
         self.call("Runtime.enable")
@@ -155,7 +156,7 @@ def test_each_ui_workflow_loads_whole_and_without_overlaps(page, shots, workflow
 
 
 def test_the_demo_workflow_runs_from_the_page_with_a_live_preview(page, shots, server):
-    demo = WORKFLOWS / "h3-spark-demo-t2va.json"
+    demo = WORKFLOWS / "H3 Demo, Text to Video (no download).json"
     page.js(LOAD.format(graph=demo.read_text()))
     before = set(server.output.rglob("*.mp4"))
     # Watch the sampler node for preview images while it runs (ComfyUI puts them in node.imgs).
@@ -173,3 +174,56 @@ def test_the_demo_workflow_runs_from_the_page_with_a_live_preview(page, shots, s
     assert written, f"the demo wrote no video:\n{server.log_tail()}"
     time.sleep(2)
     page.shot(shots / "demo-done.png")
+    # The live preview grows the sampler node downwards: nothing may sit under it.
+    assert not _overlaps(page.js(BOXES)), _overlaps(page.js(BOXES))
+    # The demo's video, kept: scripts/workflow_thumbnails.py makes the demo card from its middle frame.
+    shutil.copy(sorted(written)[0], shots / "demo.mp4")
+
+
+def test_a_real_weights_workflow_offers_the_downloads_of_its_missing_files(page, shots):
+    """ComfyUI's frontend reads each loader's properties.models and, the files being absent here, opens its
+    missing-models dialog with the official files and their Hugging Face addresses."""
+    graph = (WORKFLOWS / "H3 Text to Video.json").read_text()
+    page.js(f"window.app.loadGraphData({graph}).then(() => true)")
+    text = page.wait("""(() => { const d = document.querySelector('.p-dialog');
+        return d && d.innerText.includes('minimax_h3_video_vae_fp16') ? d.innerText : ''; })()""", 60,
+                     "the missing-models dialog")
+    page.shot(shots / "missing-models.png")
+    for name in ("minimax_h3_fl2va_pruned_int8_convrot.safetensors", "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors",
+                 "minimax_h3_video_vae_fp16.safetensors", "minimax_h3_audio_vae_fp32.safetensors"):
+        assert name in text, text
+    page.js("document.querySelectorAll('.p-dialog-close-button, .p-dialog-header-close').forEach(b => b.click())")
+
+
+def test_the_template_browser_shows_titled_cards_with_their_thumbnails(page, shots, server):
+    """ComfyUI's template browser, h3-spark's category: a card per UI workflow, titled by its file name, in the
+    order the server lists them (the demo first when the folder lists it first), each with its 256 x 256 picture."""
+    from io import BytesIO
+    from urllib.parse import quote
+
+    from PIL import Image
+
+    listed = requests.get(f"{server.url}/workflow_templates", timeout=30).json()["h3-spark"]
+    page.js("window.app.extensionManager.command.execute('Comfy.BrowseTemplates').then(() => true)")
+    page.wait("""(() => { const item = [...document.querySelectorAll('.p-listbox-option, li')]
+        .find(e => e.innerText.trim() === 'h3-spark'); if (item) item.click(); return !!item; })()""", 60,
+              "the h3-spark category in the template browser")
+    try:
+        cards = page.wait("""(() => { const cards = [...document.querySelectorAll('[data-testid^="template-workflow-"]')];
+            const first = cards.length && cards[0].querySelector('img');
+            if (!first || !first.complete || !first.naturalWidth) return null;  // the first card's picture drawn
+            return cards.map(c => ({title: c.querySelector('h3')?.innerText.trim(),
+                                    width: c.querySelector('img')?.naturalWidth || 0})); })()""",
+                          60, "the h3-spark cards")
+    finally:
+        time.sleep(2)
+        page.shot(shots / "template-browser.png")
+    assert [c["title"] for c in cards] == listed, cards
+    assert cards[0]["width"] == 256, cards  # the others load as they scroll into view
+    for name in listed:  # where the card asks for its picture
+        picture = requests.get(f"{server.url}/api/workflow_templates/h3-spark/{quote(name)}.jpg", timeout=30)
+        assert picture.status_code == 200, name
+        with Image.open(BytesIO(picture.content)) as image:
+            assert image.size == (256, 256), name
+    assert sorted(listed)[0].startswith("H3 Demo")
+    page.js("document.querySelectorAll('.p-dialog-close-button, .p-dialog-header-close').forEach(b => b.click())")

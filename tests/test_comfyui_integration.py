@@ -375,8 +375,28 @@ def test_too_many_references_is_a_node_error(server, tmp_path):
     error = execution_error(entry)
     assert error["node_id"] == refs and error["node_type"] == "H3SparkReferenceToVideo", error
     assert "too many references" in error["exception_message"] and "image_5" in error["exception_message"], error
-    assert error["exception_type"].endswith("InputError"), error
+    # Named as the package, not as the path ComfyUI imported the pack under (".../custom_nodes/h3-spark.errors").
+    assert error["exception_type"] == "h3_spark.errors.InputError", error
     assert server.alive()
+
+
+def test_each_vae_slot_preselects_its_own_kind(server):
+    """A fresh H3 VAE Loader shows the first name of each list: the video VAE first in vae_name, the audio VAE
+    first in audio_vae_name (models/vae holds both, and both lists name every file there)."""
+    info = requests.get(f"{server.url}/object_info/H3SparkVAELoader", timeout=30).json()["H3SparkVAELoader"]
+    required = info["input"]["required"]
+    assert required["vae_name"][0][0] == VIDEO_VAE and required["audio_vae_name"][0][0] == AUDIO_VAE, required
+    assert sorted(required["vae_name"][0]) == sorted(required["audio_vae_name"][0])
+
+
+def test_the_log_names_our_models_and_the_device(server):
+    """Run after the graphs above: ComfyUI's "Requested to load <class>" names which of our models it loads, and
+    our placement lines the device (--cpu here), not a GPU."""
+    log = server.log.read_text(errors="replace")
+    assert "Requested to load H3SparkDiT" in log and "Requested to load H3SparkTextEncoder" in log, server.log_tail()
+    assert "Requested to load H3SparkVideoVAE" in log and "Requested to load H3SparkAudioVAE" in log
+    assert "Requested to load Held" not in log
+    assert "on cpu" in log and "on the GPU" not in log
 
 
 if __name__ == "__main__":

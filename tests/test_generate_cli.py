@@ -252,11 +252,13 @@ def test_comfyui_demo_writes_the_folders_the_loaders_list(tmp_path, capsys):
     (models / "vae" / "mine.safetensors").write_bytes(b"keep")
     assert main(["comfyui-demo", str(models)]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["workflow"] == "workflows/h3-spark-demo-t2va.json"
+    assert summary["workflow"] == "workflows/H3 Demo, Text to Video (no download).json"
     for folder, name in COMFY_FOLDERS.values():
         assert any((models / folder / name).glob("*.safetensors")), name
     assert (models / "vae" / "mine.safetensors").read_bytes() == b"keep"  # the user's files stay
     assert main(["comfyui-demo", str(models), "--quiet"]) == 0  # again: replaced, not duplicated
+    quiet = capsys.readouterr()
+    assert (quiet.out, quiet.err) == ("", ""), quiet  # no line, and no library's progress bar either
     assert main(["comfyui-demo", str(tmp_path / "nope")]) == 2
     assert "no such folder (give ComfyUI's models folder" in capsys.readouterr().err
 

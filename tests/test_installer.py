@@ -253,6 +253,35 @@ def test_install_py_refuses_without_torch_and_never_installs_it():
     assert "pip install" not in out.stdout
 
 
+def test_install_py_writes_the_demo_into_the_comfyui_it_sits_in(tmp_path):
+    """The demo command after either install path: install.py is in custom_nodes/h3-spark whether ComfyUI-Manager
+    cloned it there or the overlay installer linked it, and ComfyUI's Python has no `h3-spark` command."""
+    from h3_spark.h3_model.engine.demo import COMFY_FOLDERS
+
+    comfy = tmp_path / "ComfyUI"
+    (comfy / "custom_nodes").mkdir(parents=True)
+    (comfy / "models").mkdir()
+    (comfy / "comfyui_version.py").write_text('__version__ = "0.3.64"\n')
+    (comfy / "custom_nodes" / "h3-spark").symlink_to(ROOT)  # as the overlay installer links it
+    out = subprocess.run([sys.executable, "-s", str(comfy / "custom_nodes" / "h3-spark" / "install.py"), "--demo"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    for folder, name in COMFY_FOLDERS.values():
+        assert any((comfy / "models" / folder / name).glob("*.safetensors")), name
+    assert f"demo models written under {comfy / 'models'}" in out.stdout and "H3 Demo, Text to Video (no download)" in out.stdout
+    elsewhere = subprocess.run([sys.executable, str(INSTALL_PY), "--demo"], capture_output=True, text=True,
+                               timeout=300)
+    assert elsewhere.returncode == 1
+    assert "is not inside ComfyUI/custom_nodes/: give ComfyUI's models folder" in elsewhere.stderr
+
+
+def test_the_docs_give_demo_and_cli_commands_that_work_after_either_install():
+    docs = (ROOT / "docs" / "comfyui.md").read_text()
+    assert "custom_nodes/h3-spark/install.py --demo" in docs
+    assert "-m pip install -e" in docs  # the `h3-spark` command itself, for those who want it
+    assert "h3-spark comfyui-demo /path/to/ComfyUI/models" not in docs.split("pip install -e")[0]
+
+
 def metadata_version(dist):
     from importlib.metadata import version
 

@@ -547,12 +547,18 @@ def test_sampler_recipes(models, monkeypatch, caplog):
 @pytest.mark.parametrize("name", ["H3SparkTextToVideo", "H3SparkFirstLastFrameToVideo", "H3SparkReferenceToVideo"])
 def test_canvas_and_length_are_checked_before_the_queue(name):
     cls = type(node(name))
-    assert cls.VALIDATE_INPUTS(width=1344, height=768, length=124) is True
-    assert cls.VALIDATE_INPUTS(width=None, height=None, length=None) is True  # wired from other nodes: later
-    assert "multiples of 32" in cls.VALIDATE_INPUTS(width=1000, height=768, length=124)
-    assert "width must be 32..4096, got 8192" == cls.VALIDATE_INPUTS(width=8192, height=768, length=124)
-    assert "5-15 s" in cls.VALIDATE_INPUTS(width=1344, height=768, length=40)
-    assert "outside 1:4 .. 4:1" in cls.VALIDATE_INPUTS(width=2048, height=256, length=124)
+    assert cls.VALIDATE_INPUTS(width=1344, height=768) is True
+    assert cls.VALIDATE_INPUTS(width=None, height=None) is True  # wired from other nodes: later
+    assert cls.VALIDATE_INPUTS(width=1000, height=768) == "width 1000 is not a multiple of 32 (992 or 1024 is)"
+    assert cls.VALIDATE_INPUTS(width=8192, height=700) == ("width 8192 is outside 32..4096; height 700 is not a "
+                                                           "multiple of 32 (672 or 704 is)")
+    assert "outside 1:4 .. 4:1" in cls.VALIDATE_INPUTS(width=2048, height=256)
+    # The length is ComfyUI's own range check (its min and max), every length inside it snaps to one H3 makes.
+    length = cls.INPUT_TYPES()["required"]["length"][1]
+    from h3_spark.h3_model import geometry
+
+    assert (length["min"], length["max"]) == (124, 345)
+    assert all(geometry.snap_frames(n) for n in range(124, 346))
 
 
 def test_a_snapped_length_is_reported(models, monkeypatch, caplog):
@@ -932,3 +938,127 @@ def test_the_model_loader_keeps_a_quantized_file_in_its_stored_form(tmp_path):
     dit = engine.dit_of(engine.load_model(path, "t2va/fl2va", "float32", "auto", "sdpa"))
     stored = [m for m in dit.transformer_blocks.modules() if isinstance(m, StoredLinear)]
     assert len(stored) == 6 * TINY.num_layers and {m.weight.dtype for m in stored} == {torch.int8}
+
+
+# ------------------------------------------------------------------------------------------ issue 32: first-run edges
+def test_each_vae_slot_offers_its_own_kind_first(models, tmp_path, monkeypatch):
+    """models/vae holds both H3 VAEs and other models' VAEs; each slot lists its own kind first (ComfyUI's
+    frontend preselects the first), what is neither next, the other kind last: all names stay valid."""
+    import shutil
+
+    from h3_spark.h3_model.vae import synthetic as vae_synthetic
+    from safetensors.torch import save_file
+
+    vae = tmp_path / "models" / "vae"
+    vae.mkdir(parents=True)
+    for name in ("tiny-video-vae.safetensors", "tiny-audio-vae.safetensors"):
+        shutil.copy(models / "models" / "vae" / name, vae / name)
+    vae_synthetic.write_vae_checkpoint(vae / "b-video-folder", "tiny", layout="diffusers", seed=3)
+    g = torch.Generator().manual_seed(0)  # an image model's VAE in ComfyUI's names: neither kind
+    save_file({"encoder.down.0.block.0.conv1.weight": torch.randn(4, 3, 3, 3, generator=g),
+               "decoder.conv_in.weight": torch.randn(4, 4, 3, 3, generator=g)}, str(vae / "a-sdxl-vae.safetensors"))
+    fake_comfy(monkeypatch, tmp_path)
+    spec = type(node("H3SparkVAELoader")).INPUT_TYPES()["required"]
+    assert spec["vae_name"][0] == ["b-video-folder/", "tiny-video-vae.safetensors", "a-sdxl-vae.safetensors",
+                                   "tiny-audio-vae.safetensors"]
+    assert spec["audio_vae_name"][0] == ["tiny-audio-vae.safetensors", "a-sdxl-vae.safetensors", "b-video-folder/",
+                                         "tiny-video-vae.safetensors"]
+
+
+def test_a_vae_in_the_wrong_slot_is_named_before_it_loads(models, monkeypatch):
+    fake_comfy(monkeypatch, models)
+    loader = node("H3SparkVAELoader")
+    with pytest.raises(InputError, match=r"^tiny-video-vae.safetensors: this is the video VAE, in the audio slot "
+                                         r"\(audio_vae_name\); pick it as vae_name"):
+        loader.load("tiny-video-vae.safetensors", "tiny-video-vae.safetensors", "float32", 256)
+    with pytest.raises(InputError, match=r"^tiny-audio-vae.safetensors: this is the audio VAE, in the video slot "
+                                         r"\(vae_name\); pick it as audio_vae_name"):
+        loader.load("tiny-audio-vae.safetensors", "tiny-audio-vae.safetensors", "float32", 256)
+
+
+def test_comfyui_logs_name_our_models_and_their_device():
+    """ComfyUI logs "Requested to load <class name>" for every load: it names which of ours; our placement lines
+    name the device they load on (ComfyUI's --cpu runs them on the CPU, not a GPU)."""
+    from h3_spark.h3_model.dit.model import H3DiT
+    from h3_spark.h3_model.engine.placement import Placement
+    from h3_spark.nodes import host, patcher
+
+    names = {kind: type(host.make_held(kind, torch.nn.Linear(1, 1)).model).__name__
+             for kind in ("dit", "text_encoder", "vae", "audio_vae")}
+    assert names == {"dit": "H3SparkDiT", "text_encoder": "H3SparkTextEncoder", "vae": "H3SparkVideoVAE",
+                     "audio_vae": "H3SparkAudioVAE"}
+    torch.manual_seed(0)
+    placement = Placement.of(H3DiT(TINY))
+    line = patcher._line(placement.place(torch.device("cpu"), None), placement)
+    assert line.startswith("resident, ") and line.endswith(" on cpu") and "GPU" not in line
+
+
+def test_the_native_patch_says_it_takes_comfyuis_model():
+    spec = NODE_CLASS_MAPPINGS["H3SparkNativeAttentionPatch"].INPUT_TYPES()["required"]["model"]
+    assert spec[0] == "MODEL" and "native MiniMax H3 MODEL" in spec[1]["tooltip"]
+    assert "H3 Model Loader" not in spec[1]["tooltip"]
+    ours = NODE_CLASS_MAPPINGS["H3SparkAttentionPatch"].INPUT_TYPES()["required"]["model"]
+    assert ours[0] == "H3_MODEL" and "H3 Model Loader" in ours[1]["tooltip"]
+
+
+def comfyui_custom_validation(cls, inputs: dict) -> dict:
+    """ComfyUI 0.3.64's custom validation (execution.validate_inputs): VALIDATE_INPUTS gets the inputs it names,
+    and a message it returns is put on every one of them; the others get ComfyUI's own range checks."""
+    import inspect
+
+    spec = {**cls.INPUT_TYPES()["required"], **cls.INPUT_TYPES().get("optional", {})}
+    names = inspect.getfullargspec(cls.VALIDATE_INPUTS).args
+    errors = {}
+    for name, value in inputs.items():
+        options = spec[name][1]
+        if name not in names and not options.get("min", value) <= value <= options.get("max", value):
+            errors[name] = f"Value {value} out of {options['min']}..{options['max']}"
+    result = cls.VALIDATE_INPUTS(**{k: v for k, v in inputs.items() if k in names})
+    if result is not True:
+        errors.update({name: result for name in inputs if name in names})
+    return errors
+
+
+@pytest.mark.parametrize("name", ["H3SparkTextToVideo", "H3SparkFirstLastFrameToVideo", "H3SparkReferenceToVideo"])
+def test_a_bad_canvas_or_length_is_said_on_its_own_input(name):
+    cls = type(node(name))
+    good = {"width": 1344, "height": 768, "length": 124}
+    assert comfyui_custom_validation(cls, good) == {}
+    assert comfyui_custom_validation(cls, {**good, "length": 3}) == {"length": "Value 3 out of 124..345"}
+    errors = comfyui_custom_validation(cls, {**good, "width": 1000})
+    assert set(errors) <= {"width", "height"} and errors["width"] == "width 1000 is not a multiple of 32 (992 or 1024 is)"
+    assert "height" not in errors["width"] and "length" not in errors["width"]
+
+
+def test_error_types_are_named_as_the_package_when_comfyui_imports_the_pack_by_path():
+    """ComfyUI imports custom_nodes/h3-spark under its path and reports module + class name in /history."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    name = str(root / "custom_nodes" / "h3-spark")  # the name ComfyUI gives a pack: its folder's path
+    spec = importlib.util.spec_from_file_location(name, root / "__init__.py", submodule_search_locations=[str(root)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        errors = sys.modules[name + ".errors"]
+        for cls in (errors.InputError, errors.CheckpointError, errors.H3Error):
+            assert f"{cls.__module__}.{cls.__qualname__}" == f"h3_spark.errors.{cls.__name__}"
+        capability = importlib.import_module(name + ".kernels.capability")  # an H3Error defined elsewhere
+        assert capability.KernelUnavailable.__module__ == "h3_spark.kernels.capability"
+        assert issubclass(capability.KernelUnavailable, errors.H3Error)
+    finally:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
+
+
+def test_a_near_miss_reference_label_is_refused(models, monkeypatch):
+    fake_comfy(monkeypatch, models)
+    _, te, vae = load_all(models)
+    ref2va = node("H3SparkReferenceToVideo")
+    for written, exact in (("<picture 1>", "<Picture 1>"), ("<Picture1>", "<Picture 1>"), ("<AUDIO 2>", "<Audio 2>")):
+        with pytest.raises(InputError, match=f"the prompt writes {written}; the model knows a reference only as "
+                                             f"{exact} \\(capital letter, one space\\)"):
+            ref2va.encode(te, vae, f"{written} sings", W, H, FRAMES, "match", 24.0, image_1=image(1))

@@ -247,6 +247,10 @@ from h3_spark.h3_model.text.prompt import check_mentions  # noqa: E402
     ("fl2va", "from <Picture 1> to <Picture 2>", (1, 0, 0),
      r"names <Picture 2>, but this request gives 1 keyframe \(<Picture 1>\)$"),
     ("ref2va", "<Picture 0> is the dog", (1, 0, 0), r"names <Picture 0>"),
+    # A near miss of a label the request does give reaches the model as plain text: the reference would be ignored.
+    ("ref2va", "<picture 1> is the dog", (1, 0, 0), r"writes <picture 1>; the model knows a reference only as "
+                                                    r"<Picture 1> \(capital letter, one space\)$"),
+    ("t2va", "a fox < Video 2 >", (0, 0, 0), r"writes < Video 2 >; the model knows a reference only as <Video 2>"),
 ])
 def test_a_prompt_naming_a_reference_that_is_not_given_is_refused(mode, prompt, counts, message):
     with pytest.raises(InputError, match=message):
@@ -255,5 +259,5 @@ def test_a_prompt_naming_a_reference_that_is_not_given_is_refused(mode, prompt, 
 
 def test_prompts_naming_what_is_given_pass():
     check_mentions("ref2va", "<Picture 1> and <Picture 2> dance to <Audio 1>; <Video 1> is the street", 2, 1, 1)
-    check_mentions("t2va", "a picture of a fox <Picture> and <picture 2>")  # not labels: left to the model
+    check_mentions("t2va", "a picture of a fox <Picture> and <picture>")  # no number: not a label, left to the model
     check_mentions("fl2va", "<Picture 1> turns into <Picture 2>", 2)

@@ -50,11 +50,21 @@ def write_text_encoder(folder: Path, seed: int = 0, max_shard_size: str | None =
 
     ensure_importable()  # before transformers imports torchvision
     from transformers import Qwen3VLForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
     tok = make_tokenizer()
     model = Qwen3VLForConditionalGeneration(text_config(tok)).eval()
     randomize(model, seed)
     shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(folder, safe_serialization=True, **shards)
+    # transformers draws a progress bar for its shards of a few MB: noise, and `comfyui-demo --quiet` must be
+    # quiet. The setting is process-wide, so it is put back.
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(folder, safe_serialization=True, **shards)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     make_processor(tok).save_pretrained(folder)
     return folder
 
@@ -89,7 +99,7 @@ def default_demo_dir() -> Path:
 
 # ------------------------------------------------------------------------------------------ ComfyUI's model folders
 # Where the ComfyUI demo puts each component (ComfyUI's model folder key, the name its lists show); the demo
-# workflow (workflows/h3-spark-demo-t2va.json) names these.
+# workflow (workflows/api/h3-spark-demo-t2va.json and its UI graph) names these.
 COMFY_FOLDERS = {"transformer": ("diffusion_models", "h3-demo-t2va"),
                  "transformer_ref": ("diffusion_models", "h3-demo-ref2va"),
                  "text_encoder": ("text_encoders", "h3-demo-qwen3vl"),

@@ -68,6 +68,9 @@ def check_prompt(mode: str, prompt: object) -> None:
 
 
 _MENTION = re.compile(r"<(Picture|Video|Audio) (\d+)>")
+# What a user may write for one: any case, any spacing. The model learned only the exact labels, so a near miss
+# would reach it as plain text and the reference would be ignored without a word.
+_NEAR_MENTION = re.compile(r"<\s*(picture|video|audio)\s*(\d+)\s*>", re.IGNORECASE)
 _KINDS = {"Picture": "image", "Video": "video", "Audio": "audio"}
 
 
@@ -78,6 +81,11 @@ def check_mentions(mode: str, prompt: str, images: int = 0, videos: int = 0, aud
     `images` counts FL2VA's keyframes too (they are `<Picture i>`); `audios` counts the audio references and
     the videos with a soundtrack (each gets an `<Audio j>` label)."""
     given = {"image": images, "video": videos, "audio": audios}
+    for near in _NEAR_MENTION.finditer(prompt or ""):
+        if not _MENTION.fullmatch(near.group(0)):
+            exact = f"<{near.group(1).capitalize()} {int(near.group(2))}>"
+            raise InputError(f"the prompt writes {near.group(0)}; the model knows a reference only as {exact} "
+                             "(capital letter, one space)")
     for match in _MENTION.finditer(prompt or ""):
         label, number = match.group(1), int(match.group(2))
         kind = _KINDS[label]
