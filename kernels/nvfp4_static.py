@@ -77,9 +77,10 @@ def emulate_nvfp4(model: nn.Module, weight_source=None) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ setting scales
-def install(model: nn.Module, scales: dict[str, float], excluded: set[str] = frozenset()) -> dict:
+def install(model: nn.Module, scales: dict[str, float], excluded: set[str] = frozenset(), device=None) -> dict:
     """Give each layer of `scales` (global scale, > 0) its static scale, except `excluded` (dynamic); every
-    block linear must be named in one of them. Returns {"static": n, "dynamic": n}."""
+    block linear must be named in one of them. `device`: where the model runs (default: each layer's weight's;
+    a streamed block's weights wait in host memory). Returns {"static": n, "dynamic": n}."""
     layers = nvfp4_linears(model)
     unknown = sorted((set(scales) | set(excluded)) - set(layers))
     missing = sorted(set(layers) - set(scales) - set(excluded))
@@ -94,7 +95,7 @@ def install(model: nn.Module, scales: dict[str, float], excluded: set[str] = fro
         g = max(float(scales[n]) for n in group)  # equal for q, k, v by construction; max keeps it safe
         if not g > 0:
             raise ValueError(f"static scale of {name} is {g}; a global scale must be > 0")
-        m.static = StaticInput.of(g, m.weight.device)
+        m.static = StaticInput.of(g, m.weight.device if device is None else device)
     # The fused RMSNorm + AdaLN producer encodes for the norm's consumer: to_q (q, k, v) and fc1.
     for blk in model.transformer_blocks:
         blk.norm1.nvfp4_consumer = blk.attn.to_q

@@ -199,15 +199,42 @@ def partition_of(art: Artifact) -> str:
 
 
 # ------------------------------------------------------------------------------------------ in use
+def check_for_engine(path: str, plan: dict, model_ids: dict, linear_format, source: str) -> tuple[str, Artifact]:
+    """Before any weights are read: (DiT key, artifact) for `path`, or one line saying why it cannot be used.
+
+    plan: the engine's DiT key -> file path (or the override that builds it); model_ids: a recipe id per
+    in-memory DiT; linear_format(key): (format, why) H3_LINEAR resolves to for that DiT."""
+    art = read(Path(path), source)
+    check_promoted(art, source)
+    partition = partition_of(art)
+    key = {"t2va": "dit", "ref2va": "dit_ref"}.get(partition)
+    if key not in plan:
+        raise InputError(f"{source} {art.path}: calibrated for the {partition} partition, which this run does not "
+                         "load")
+    fmt, why = linear_format(key)
+    if fmt != "nvfp4":
+        raise InputError(f"{source} {art.path}: static scales are for NVFP4 linears, and the {partition} DiT's "
+                         f"linears run {fmt} here ({why}); unset {source} or run NVFP4 (Blackwell)")
+    if key in model_ids:
+        identity = recipe_hash(model_ids[key])
+    elif isinstance(plan[key], (str, Path)):
+        identity = model_hash(Path(plan[key]))
+    else:
+        raise InputError(f"{source} {art.path}: the {partition} DiT is built in memory with no recorded recipe, so "
+                         "its hash cannot be checked")
+    check_model(art, identity, partition, source)
+    return key, art
+
+
 class StaticScales:
     """A promoted artifact installed on a DiT: which request shapes run static, and what a request reports."""
 
-    def __init__(self, model, art: Artifact, source: str):
+    def __init__(self, model, art: Artifact, source: str, device=None):
         from ...kernels import nvfp4_static
 
         self.model, self.path, self.source = model, art.path, source
         self.shapes = [dict(s) for s in art.shapes()]
-        self.counts = nvfp4_static.install(model, art.scales, art.excluded)
+        self.counts = nvfp4_static.install(model, art.scales, art.excluded, device)
         self.excluded = sorted(art.excluded)
 
     def describe(self) -> dict:
@@ -215,10 +242,11 @@ class StaticScales:
                 "dynamic_layers": self.counts["dynamic"], "excluded": self.excluded,
                 "calibrated_shapes": [shape_name(s) for s in self.shapes]}
 
-    def for_request(self, shape: dict):
+    def for_request(self, mode: str, width: int, height: int, frames: int, evaluations: int):
         """(context to sample in, what the request's output info says)."""
         from ...kernels import nvfp4_static
 
+        shape = shape_key(mode, width, height, frames, evaluations)
         if shape in self.shapes:
             return contextlib.nullcontext(), {"static": True, "shape": shape_name(shape), "path": str(self.path)}
         return nvfp4_static.dynamic(self.model), {
