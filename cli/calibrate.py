@@ -86,7 +86,7 @@ def run(args) -> int:
 
     engine = build_engine(args, paths, device)
     model = getattr(engine.components, KEY)
-    cal.prepare_model(engine, KEY)
+    sources = cal.prepare_model(engine, KEY)
     from ..kernels import nvfp4_static
 
     shapes = nvfp4_static.layer_shapes(model)
@@ -108,7 +108,7 @@ def run(args) -> int:
                   "kernel_settings": kernel_settings(), "device": device, "dtype": args.dtype,
                   "emulation": "NVFP4 reference emulation (kernels/nvfp4.py reference_activation, "
                                "nvfp4_linear_reference)",
-                  "excluded": [], "gate": None, **figures}
+                  "linear_sources": sources, "excluded": [], "gate": None, **figures}
         artifact.write(out, header, scales)
         summary = {"artifact": str(out), "layers": len(scales), "shapes": [artifact.shape_name(s) for s in
                                                                            figures["shapes"]],

@@ -93,10 +93,12 @@ def _identity(req: GenerationRequest) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------ running
-def prepare_model(engine, key: str) -> None:
-    """The engine's DiT `key` on the NVFP4 reference emulation, sampling without the VAE decode."""
-    nvfp4_static.emulate_nvfp4(getattr(engine.components, key))
+def prepare_model(engine, key: str) -> dict:
+    """The engine's DiT `key` on the NVFP4 reference emulation, sampling without the VAE decode; returns where
+    the NVFP4 weights came from (a file's stored codes, or the loaded weights quantized), by layer count."""
+    sources = nvfp4_static.emulate_nvfp4(getattr(engine.components, key))
     engine.pipeline.decode = False
+    return sources
 
 
 def _run(engine, requests, log) -> int:

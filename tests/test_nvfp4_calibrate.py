@@ -74,6 +74,47 @@ def test_artifact_holds_the_scales_of_the_amax_seen_and_its_stamps(files):
     assert q == k  # one input, one scale
 
 
+def test_calibrates_an_nvfp4_file_from_its_stored_codes(files, tmp_path_factory, capsys):
+    from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
+    from h3_spark.h3_model.text.stand_in import TEXT_READ_LAYER
+    from h3_spark.measure.synthetic import tiny_nvfp4_config
+
+    d = tmp_path_factory.mktemp("nvfp4_file")
+    dit, other = d / "dit.safetensors", d / "other.safetensors"
+    make_dit_checkpoint(dit, tiny_nvfp4_config(), "nvfp4", "comfy", seed=0)
+    make_dit_checkpoint(other, tiny_nvfp4_config(), "nvfp4", "comfy", seed=1)
+    te = d / "te.safetensors"
+    assert main(["make-checkpoint", str(te), "--component", "text_encoder", "--preset", "tiny"]) == 0
+    models = ["--text-encoder", str(te), "--tokenizer", str(d / "te.tokenizer"), "--text-encoder-layer",
+              str(TEXT_READ_LAYER), "--quiet"]
+    out = d / "scales.safetensors"
+    assert main(["calibrate", "--dit", str(dit), *models, "--requests", files["calib"], "--out", str(out)]) == 0
+    h = artifact.read(out).header
+    assert h["model"] == artifact.model_hash(dit) and h["model"]["method"] == "sampled-sha256-v1"
+    assert h["linear_sources"] == {"NVFP4 checkpoint, used as stored": 12}
+    capsys.readouterr()
+    assert main(["calibrate", "--dit", str(other), *models, "--verify", str(out), "--requests", files["held"]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"h3-spark calibrate: error: --verify {out}: stale: calibrated on model "
+                          f"{h['model']['hash'][:16]} (sampled-sha256-v1, {dit}), this DiT is ")
+
+
+def test_model_hash_reads_samples_of_a_large_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(artifact, "_MIB", 16)  # "large" = over 64 x 16 bytes here
+    gen = torch.Generator().manual_seed(0)
+    data = bytearray(torch.randint(0, 256, (5000,), generator=gen, dtype=torch.uint8).numpy().tobytes())
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(bytes(data))
+    base = artifact.model_hash(f)["hash"]
+    for where, changes in ((10, True), (4999, True), (8 * 16 + 1, True), (8 * 16 + 30, False)):
+        edited = bytearray(data)
+        edited[where] ^= 0xFF
+        f.write_bytes(bytes(edited))
+        assert (artifact.model_hash(f)["hash"] != base) == changes, where
+    f.write_bytes(bytes(data) + b"x")  # the size is part of it
+    assert artifact.model_hash(f)["hash"] != base
+
+
 # ------------------------------------------------------------------------------------------ the gate
 def test_gate_promotes_and_records_its_figures(files):
     art = artifact.read(files["promoted"])
