@@ -932,3 +932,14 @@ def test_the_model_loader_keeps_a_quantized_file_in_its_stored_form(tmp_path):
     dit = engine.dit_of(engine.load_model(path, "t2va/fl2va", "float32", "auto", "sdpa"))
     stored = [m for m in dit.transformer_blocks.modules() if isinstance(m, StoredLinear)]
     assert len(stored) == 6 * TINY.num_layers and {m.weight.dtype for m in stored} == {torch.int8}
+
+
+def test_the_model_loader_refuses_static_nvfp4_scales(tmp_path, monkeypatch):
+    """H3_NVFP4_STATIC_SCALES in ComfyUI's environment was ignored (the nodes have no static path); now refused."""
+    from h3_spark.nodes import engine
+
+    monkeypatch.setenv("H3_NVFP4_STATIC_SCALES", str(tmp_path / "scales.safetensors"))
+    with pytest.raises(InputError, match=r"^H3_NVFP4_STATIC_SCALES=.*scales.safetensors is set, but the ComfyUI "
+                                         r"nodes do not take static NVFP4 scales \(they run dynamic ones\); unset it "
+                                         r"for ComfyUI$"):
+        engine.load_model(tmp_path / "tiny.safetensors", "t2va/fl2va", "float32", "auto", "sdpa")
