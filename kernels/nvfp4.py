@@ -350,7 +350,7 @@ class Nvfp4RowModulation(FusedRowModulation):
 
     def norm_modulate(self, norm, x, shift, scale):
         # The norm's consumer (to_q for norm1: q, k and v read this one encoding; fc1 for norm2) holds the
-        # static scale, set by nvfp4_static.install.
-        consumer = getattr(norm, "nvfp4_consumer", None)
-        static = consumer.input_static() if consumer is not None else None
+        # static scale; nvfp4_static.install leaves its `input_static` on the norm.
+        static_of = getattr(norm, "nvfp4_static_of", None)
+        static = static_of() if static_of is not None else None
         return rms_adaln_quantize_nvfp4(x, norm, shift, scale, self._row_index(x.device), static)

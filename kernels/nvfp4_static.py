@@ -96,10 +96,11 @@ def install(model: nn.Module, scales: dict[str, float], excluded: set[str] = fro
         if not g > 0:
             raise ValueError(f"static scale of {name} is {g}; a global scale must be > 0")
         m.static = StaticInput.of(g, m.weight.device if device is None else device)
-    # The fused RMSNorm + AdaLN producer encodes for the norm's consumer: to_q (q, k, v) and fc1.
+    # The fused RMSNorm + AdaLN producer encodes for the norm's consumer: to_q (q, k, v) and fc1. A bound method,
+    # not the module: a module set on another becomes its submodule (a second name in the state dict).
     for blk in model.transformer_blocks:
-        blk.norm1.nvfp4_consumer = blk.attn.to_q
-        blk.norm2.nvfp4_consumer = blk.ff.net[0].proj
+        blk.norm1.nvfp4_static_of = blk.attn.to_q.input_static
+        blk.norm2.nvfp4_static_of = blk.ff.net[0].proj.input_static
     n_static = sum(m.static is not None for m in layers.values())
     return {"static": n_static, "dynamic": len(layers) - n_static}
 
@@ -110,7 +111,7 @@ def clear(model: nn.Module) -> None:
             m.static, m.static_on = None, True
     for blk in model.transformer_blocks:
         for norm in (blk.norm1, blk.norm2):
-            norm.__dict__.pop("nvfp4_consumer", None)
+            norm.__dict__.pop("nvfp4_static_of", None)
 
 
 @contextlib.contextmanager

@@ -137,3 +137,70 @@ def test_native_linear_static_equals_dynamic_through_the_fp4_gemm(monkeypatch):
     assert torch.equal(lin(x), out_dyn)
     lin.emulate = True  # the emulation computes what the fake GEMM computes
     assert torch.equal(lin(x), out_dyn)
+
+
+# ------------------------------------------------------------------------------------------ on a DiT
+def emulated_dit():
+    from h3_spark.h3_model.dit.model import H3DiT
+    from oracle import EQUAL_WIDTH
+
+    torch.manual_seed(0)
+    model = H3DiT(EQUAL_WIDTH, dtype=torch.bfloat16).eval()
+    sources = ns.emulate_nvfp4(model)
+    assert sources == {"bf16 weight quantized to NVFP4": 6 * EQUAL_WIDTH.num_layers}
+    return model
+
+
+def test_install_wires_every_consumer_and_excludes_a_shared_input_together():
+    model = emulated_dit()
+    layers = ns.nvfp4_linears(model)
+    scales = {n: 0.01 * (i + 1) for i, n in enumerate(layers)}
+    counts = ns.install(model, scales, {"transformer_blocks.1.attn.to_k"})
+    assert counts == {"static": len(layers) - 3, "dynamic": 3}
+    for q in ("to_q", "to_k", "to_v"):
+        assert layers[f"transformer_blocks.1.attn.{q}"].static is None
+    b0 = model.transformer_blocks[0]
+    qkv = max(scales[f"transformer_blocks.0.attn.{n}"] for n in ("to_q", "to_k", "to_v"))
+    assert float(b0.attn.to_q.static.scale) == float(b0.attn.to_v.static.scale) == pytest.approx(qkv)
+    assert float(b0.ff.net[2].static.scale) == pytest.approx(scales["transformer_blocks.0.ff.net.2"])
+    assert b0.norm1.nvfp4_static_of() is b0.attn.to_q.static and b0.norm2.nvfp4_static_of() is b0.ff.net[0].proj.static
+    # Not a submodule: the model's names and state are those it had (an earlier version added a second name).
+    assert [n for n, _ in b0.named_modules() if "nvfp4" in n] == [] and not any("nvfp4" in k for k in
+                                                                                model.state_dict())
+    with ns.dynamic(model):
+        assert all(m.input_static() is None for m in layers.values())
+    assert b0.attn.to_q.input_static() is b0.attn.to_q.static
+    ns.clear(model)
+    assert all(m.static is None for m in layers.values()) and not hasattr(b0.norm1, "nvfp4_static_of")
+
+
+def test_install_refuses_layers_it_does_not_know_or_misses_and_bad_scales():
+    model = emulated_dit()
+    scales = {n: 0.01 for n in ns.nvfp4_linears(model)}
+    with pytest.raises(ValueError, match=r"^static scales name 1 unknown layer\(s\) \['blocks.9.x'\] and miss 0 \[\]$"):
+        ns.install(model, {**scales, "blocks.9.x": 0.1})
+    with pytest.raises(ValueError, match=r"and miss 1 \['transformer_blocks.1.ff.net.2'\]$"):
+        ns.install(model, {n: g for n, g in scales.items() if n != "transformer_blocks.1.ff.net.2"})
+    with pytest.raises(ValueError, match=r"^static scale of transformer_blocks.0.ff.net.2 is -1.0; a global scale "
+                                         r"must be > 0$"):
+        ns.install(model, {**scales, "transformer_blocks.0.ff.net.2": -1.0})
+
+
+@triton_needed
+def test_the_fused_producers_encode_with_their_consumers_static_scale():
+    model = emulated_dit()
+    ns.install(model, {n: 0.002 for n in ns.nvfp4_linears(model)})
+    blk = model.transformer_blocks[0]
+    rows = torch.tensor([0, 1, 1, 0, 1], dtype=torch.int32)
+    mod = nv.Nvfp4RowModulation(rows, False)
+    x, shift, scale = rand(5, 32, 1).reshape(1, 5, 32), rand(2, 32, 2), rand(2, 32, 3) * 0.1
+    act = mod.norm_modulate(blk.norm1, x, shift, scale)
+    assert act.global_scale.item() == blk.attn.to_q.static.scale.item()
+    with ns.dynamic(model):
+        own = mod.norm_modulate(blk.norm1, x, shift, scale)
+    assert same(own, nv.rms_adaln_quantize_nvfp4(x, blk.norm1, shift, scale, rows))
+    seen = []
+    blk.ff.net[2].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    ff = nv.Nvfp4SwiGLU.wrap(blk.ff)
+    ff._rows(rand(5, 32, 4))
+    assert isinstance(seen[0], nv.Nvfp4Activation) and seen[0].global_scale.item() == pytest.approx(0.002)
