@@ -72,6 +72,10 @@ def run(args) -> int:
         raise InputError("give --out ARTIFACT to calibrate, or --verify ARTIFACT to gate one")
     if not verifying and (args.limit != 1.0 or args.exclude_failing):
         raise InputError("--limit and --exclude-failing belong to --verify")
+    if verifying and args.margin != 1.0:
+        raise InputError("--margin belongs to calibration (the artifact's scales are verified as they are)")
+    cal.check_limit(args.limit)
+    cal.check_margin(args.margin)
     out = args.out if args.out is not None else args.verify
     check_out(out, args.force or (verifying and args.out is None))
     requests = cal.read_requests(args.requests, "held-out" if verifying else "calibration")

@@ -115,9 +115,7 @@ def _run(engine, requests, log) -> int:
 def calibrate(engine, key: str, requests: list[GenerationRequest], margin: float = 1.0,
               log=lambda message: None) -> tuple[dict[str, float], dict]:
     """(global scale per layer, the header's calibration figures) from running `requests` on DiT `key`."""
-    if not margin >= 1.0 or not math.isfinite(margin):
-        raise InputError(f"--margin must be a finite number >= 1.0 (a range below the calibrated amax saturates), "
-                         f"got {margin}")
+    check_margin(margin)
     model = getattr(engine.components, key)
     start = time.perf_counter()
     with nvfp4_static.AmaxObserver(model) as seen:
@@ -138,6 +136,17 @@ def calibrate(engine, key: str, requests: list[GenerationRequest], margin: float
               for n, s in stats.items()}
     return scales, {"calibration": figures, "shapes": shapes, "layers": layers,
                     "identities": [list(_identity(r)) for r in requests]}
+
+
+def check_margin(margin: float) -> None:
+    if not margin >= 1.0 or not math.isfinite(margin):
+        raise InputError(f"--margin must be a finite number >= 1.0 (a range below the calibrated amax saturates), "
+                         f"got {margin}")
+
+
+def check_limit(limit: float) -> None:
+    if not limit > 0 or not math.isfinite(limit):
+        raise InputError(f"--limit must be a finite number > 0, got {limit}")
 
 
 def _unique(shapes: list[dict]) -> list[dict]:
@@ -211,8 +220,7 @@ def _pass(engine, key, art, excluded, requests, log):
 def gate(engine, key: str, art: art_mod.Artifact, requests: list[GenerationRequest], limit: float = 1.0,
          exclude_failing: bool = False, log=lambda message: None) -> tuple[set[str], dict]:
     """(excluded layers, the gate's record) for `art` on held-out `requests`."""
-    if not limit > 0 or not math.isfinite(limit):
-        raise InputError(f"--limit must be a finite number > 0, got {limit}")
+    check_limit(limit)
     budget = quality_budget()
     start = time.perf_counter()
     excluded = set(art.excluded)

@@ -165,6 +165,19 @@ def test_requests_h3_does_not_accept_are_refused(tmp_path, capsys, item, message
     assert "\n" not in err and not (tmp_path / "a.safetensors").exists()
 
 
+def test_flags_of_the_other_step_are_refused(files, tmp_path, capsys):
+    assert cli("--requests", files["calib"], "--out", tmp_path / "a.safetensors", "--limit", "0.9") == 2
+    assert capsys.readouterr().err.strip().endswith("error: --limit and --exclude-failing belong to --verify")
+    assert cli("--verify", files["raw"], "--requests", files["held"], "--margin", "1.5") == 2
+    assert capsys.readouterr().err.strip().endswith("error: --margin belongs to calibration (the artifact's scales "
+                                                    "are verified as they are)")
+    assert cli("--requests", files["calib"], "--out", files["raw"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: --out {files['raw']} exists; add --force to replace it")
+    assert cli("--requests", files["calib"], "--out", tmp_path / "a.safetensors", "--margin", "0.5") == 2
+    assert capsys.readouterr().err.strip().endswith("error: --margin must be a finite number >= 1.0 (a range below "
+                                                    "the calibrated amax saturates), got 0.5")
+
+
 def test_zero_held_out_requests_are_refused(files, tmp_path, capsys):
     path = write_requests(tmp_path / "none.json", [])
     assert cli("--verify", files["raw"], "--requests", path) == 2

@@ -250,12 +250,15 @@ class Pipeline:
         if static is not None:
             scope, info["nvfp4_static_scales"] = static.for_request(req.mode, canvas.width, canvas.height,
                                                                     canvas.frames, len(schedule))
-        with scope:
-            result = self.sample(dit, SamplingRequest(lay, text.embeds, *dims, conditions, audio_rows), schedule,
-                                 req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,
-                                 step_cache=req.step_cache, attention_schedule=req.attention_schedule)
+        try:
+            with scope:
+                result = self.sample(dit, SamplingRequest(lay, text.embeds, *dims, conditions, audio_rows), schedule,
+                                     req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,
+                                     step_cache=req.step_cache, attention_schedule=req.attention_schedule)
+        finally:  # read (and reset) even when cancelled, so the next request counts only its own
+            saturation = static.saturation() if static is not None else None
         if static is not None:
-            info["nvfp4_static_scales"].update(static.saturation())
+            info["nvfp4_static_scales"].update(saturation)
         timings["sampling"] = time.perf_counter() - t0
         info["step_seconds"] = result.step_seconds
         if req.recipes:
