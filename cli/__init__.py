@@ -19,6 +19,7 @@ COMMANDS = {
     "compare": "compare",
     "inspect": "inspect",
     "make-checkpoint": "make_checkpoint",
+    "calibrate": "calibrate",
     "decode": "decode",
     "serve": "serve",
     "fleet": "fleet",

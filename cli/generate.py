@@ -267,6 +267,8 @@ def run(args) -> int:
                "vae_attention": (vae_kernels or {}).get("attention", {}).get("chosen")}
     if "step_cache" in result.info:
         summary["step_cache"] = result.info["step_cache"]
+    if "nvfp4_static_scales" in result.info:  # static or, outside the calibrated shapes, dynamic (and why)
+        summary["nvfp4_static_scales"] = result.info["nvfp4_static_scales"]
     if engine.memory_report(key) is not None:
         summary["vram_budget"] = engine.memory_report(key)
     if engine.auto_budget is not None:

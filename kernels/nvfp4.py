@@ -80,6 +80,43 @@ def reference_quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> tup
     return pack_codes(round_to_e2m1(scaled.reshape(m, k))), swizzle_scales(s)
 
 
+def saturated_blocks(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """How many 16-value blocks of an (M, K) activation a global scale cannot represent: their e4m3 block scale
+    clamps at 448 (and their values at +-6 times it), as NVFP4 quantization saturates. Zero when the global
+    scale came from this activation's own amax."""
+    m, k = x.shape
+    g = global_scale.float().reshape(())
+    return (x.float().reshape(m, k // BLOCK, BLOCK).abs().amax(dim=-1) / E2M1_MAX / g > E4M3_MAX).sum()
+
+
+@dataclass
+class StaticInput:
+    """A layer's static activation global scale (fp32, 0-d, on the layer's device) and its saturation counter
+    (int32, 1 element, same device; added to on the device, read only when a report asks, so no call waits)."""
+
+    scale: torch.Tensor
+    saturated: torch.Tensor
+
+    @classmethod
+    def of(cls, global_scale: float, device) -> "StaticInput":
+        return cls(torch.tensor(global_scale, dtype=torch.float32, device=device),
+                   torch.zeros(1, dtype=torch.int32, device=device))
+
+
+def reference_activation(x: torch.Tensor, static: StaticInput | None = None) -> Nvfp4Activation:
+    """The plain-PyTorch NVFP4 encoding of a (..., K) activation: the global scale is its amax / (448 * 6)
+    (the reduction the Triton path runs as a first pass), or the static one, whose saturated blocks are
+    counted."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if static is None:
+        g = global_scale_for(x2.float().abs().amax().clamp_min(1e-30))
+    else:
+        g = static.scale.float().reshape(())
+        static.saturated += saturated_blocks(x2, g).to(torch.int32)
+    packed, scales = reference_quantize_nvfp4(x2, g)
+    return Nvfp4Activation(packed, scales, g, x.shape)
+
+
 def reference_swiglu(fc1_out: torch.Tensor) -> torch.Tensor:
     value, gate = fc1_out.chunk(2, dim=-1)
     return value * torch.nn.functional.silu(gate)
@@ -109,11 +146,12 @@ if triton is not None:
         return v
 
     @triton.jit
-    def _nvfp4_kernel(x_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, amax_ptr, g_ptr, q_ptr, s_ptr,
+    def _nvfp4_kernel(x_ptr, w_ptr, a_ptr, b_ptr, rows_ptr, amax_ptr, g_ptr, q_ptr, s_ptr, sat_ptr,
                       S, sx, tab_stride, eps, N_SCALE_COLS,
                       K: tl.constexpr, PRODUCER: tl.constexpr, STAGE: tl.constexpr, HAS_W: tl.constexpr,
-                      RND: tl.constexpr, CHUNK: tl.constexpr):
+                      RND: tl.constexpr, CHUNK: tl.constexpr, COUNT: tl.constexpr):
         # One program per row. STAGE 0: absmax of the produced row into amax_ptr (atomic); STAGE 1: encode.
+        # COUNT (a static global scale): the row's blocks whose scale clamps at 448 are added to sat_ptr.
         # PRODUCER 0: x itself; 1: SwiGLU of [value | gate] (K = ffn width, x has 2K columns);
         # 2: RMSNorm (weight w) + modulation with table rows a = shift, b = scale picked by rows[row % S].
         row = tl.program_id(0).to(tl.int64)
@@ -139,14 +177,17 @@ if triton is not None:
         else:
             g = tl.load(g_ptr)
             j = tl.arange(0, CHUNK // 16)
+            over = tl.zeros([CHUNK // 16], dtype=tl.int32)
             for off in range(0, K, CHUNK):
                 c = off + cols
                 m = c < K
                 v = _produce(x_ptr, w_ptr, a_ptr, b_ptr, row, r, c, m, rstd, sx, tab_stride, K,
                              PRODUCER, HAS_W, RND)
                 vb = tl.reshape(v, (CHUNK // 16, 16))
-                s = tl.minimum(tl.max(tl.abs(vb), axis=1) / 6.0 / g, 448.0)
-                s = round_e4m3(s)
+                s = tl.max(tl.abs(vb), axis=1) / 6.0 / g
+                if COUNT:
+                    over += ((s > 448.0) & (off // 16 + j < N_SCALE_COLS)).to(tl.int32)
+                s = round_e4m3(tl.minimum(s, 448.0))
                 total = g * s
                 zero = total == 0.0
                 scaled = tl.math.div_rn(vb, tl.where(zero, 1.0, total)[:, None])
@@ -168,10 +209,12 @@ if triton is not None:
                 tile = (row // 128) * ((N_SCALE_COLS + 3) // 4) + bc // 4
                 pos = tile * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + (bc % 4)
                 tl.store(s_ptr + pos, s.to(tl.float8e4nv), mask=bc * 16 < K)
+            if COUNT:
+                tl.atomic_add(sat_ptr, tl.sum(over, axis=0))
 
 
 def _encode(x: torch.Tensor, producer: int, k: int, rows_total: int, *, w=None, a=None, b=None, rows=None,
-            s_len: int = 1, tab_stride: int = 0, eps: float = 0.0, global_scale=None):
+            s_len: int = 1, tab_stride: int = 0, eps: float = 0.0, static: StaticInput | None = None):
     require_kernels("the NVFP4 activation quantizer")
     if k % BLOCK:
         raise ValueError(f"NVFP4 activations need K divisible by {BLOCK}, got {k}")
@@ -180,39 +223,42 @@ def _encode(x: torch.Tensor, producer: int, k: int, rows_total: int, *, w=None, 
     idx = rows if rows is not None else torch.zeros(1, device=dev, dtype=torch.int32)
     common = dict(K=k, PRODUCER=producer, HAS_W=w is not None, RND=round_code(x.dtype), CHUNK=CHUNK, num_warps=4)
     args = (x, w if w is not None else dummy, a if a is not None else dummy, b if b is not None else dummy, idx)
-    if global_scale is None:
+    if static is None:
+        # The per-call amax reduction a static scale removes: one more pass over the produced rows.
         amax = torch.zeros(1, device=dev, dtype=torch.float32)
-        _nvfp4_kernel[(rows_total,)](*args, amax, dummy, dummy, dummy, s_len, x.stride(0), tab_stride, eps, 1,
-                                     STAGE=0, **common)
-        global_scale = global_scale_for(amax.clamp_min(1e-30))
+        _nvfp4_kernel[(rows_total,)](*args, amax, dummy, dummy, dummy, dummy, s_len, x.stride(0), tab_stride, eps, 1,
+                                     STAGE=0, COUNT=False, **common)
+        global_scale, saturated = global_scale_for(amax.clamp_min(1e-30)), dummy
+    else:
+        global_scale, saturated = static.scale, static.saturated
     g = global_scale.float().reshape(1).contiguous()
     n_scale_cols = k // BLOCK
     packed = torch.empty(rows_total, k // 2, device=dev, dtype=torch.uint8)
     scales = torch.zeros(roundup(rows_total, 128), roundup(n_scale_cols, 4), device=dev, dtype=torch.float8_e4m3fn)
-    _nvfp4_kernel[(rows_total,)](*args, dummy, g, packed, scales, s_len, x.stride(0), tab_stride, eps, n_scale_cols,
-                                 STAGE=1, **common)
+    _nvfp4_kernel[(rows_total,)](*args, dummy, g, packed, scales, saturated, s_len, x.stride(0), tab_stride, eps,
+                                 n_scale_cols, STAGE=1, COUNT=static is not None, **common)
     return packed, scales, g.reshape(())
 
 
-def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> Nvfp4Activation:
-    """Quantize a (..., K) activation; the global scale is its amax / (448 * 6) unless given."""
+def quantize_nvfp4(x: torch.Tensor, static: StaticInput | None = None) -> Nvfp4Activation:
+    """Quantize a (..., K) activation; the global scale is its amax / (448 * 6), or the static one."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    packed, scales, g = _encode(x2, 0, x2.shape[1], x2.shape[0], global_scale=global_scale)
+    packed, scales, g = _encode(x2, 0, x2.shape[1], x2.shape[0], static=static)
     return Nvfp4Activation(packed, scales, g, x.shape)
 
 
-def swiglu_quantize_nvfp4(fc1_out: torch.Tensor) -> Nvfp4Activation:
+def swiglu_quantize_nvfp4(fc1_out: torch.Tensor, static: StaticInput | None = None) -> Nvfp4Activation:
     """value * silu(gate) of an fc1 output [value | gate], encoded for fc2 without writing it in bf16."""
     x2 = fc1_out.reshape(-1, fc1_out.shape[-1]).contiguous()
     f = x2.shape[1] // 2
-    packed, scales, g = _encode(x2, 1, f, x2.shape[0])
+    packed, scales, g = _encode(x2, 1, f, x2.shape[0], static=static)
     return Nvfp4Activation(packed, scales, g, torch.Size((*fc1_out.shape[:-1], f)))
 
 
 def rms_adaln_quantize_nvfp4(x: torch.Tensor, norm: nn.RMSNorm, shift: torch.Tensor, scale: torch.Tensor,
-                             rows: torch.Tensor) -> Nvfp4Activation:
+                             rows: torch.Tensor, static: StaticInput | None = None) -> Nvfp4Activation:
     """RMSNorm(x) * (1 + scale[rows]) + shift[rows], encoded for the next GEMM without writing it in bf16."""
     x = x.contiguous()
     bsz, s, d = x.shape
@@ -220,7 +266,7 @@ def rms_adaln_quantize_nvfp4(x: torch.Tensor, norm: nn.RMSNorm, shift: torch.Ten
         shift, scale = shift.contiguous(), scale.contiguous()
     eps = norm_eps(norm, x.dtype)
     packed, scales, g = _encode(x.view(bsz * s, d), 2, d, bsz * s, w=norm.weight, a=shift, b=scale,
-                                rows=rows, s_len=s, tab_stride=shift.stride(0), eps=eps)
+                                rows=rows, s_len=s, tab_stride=shift.stride(0), eps=eps, static=static)
     return Nvfp4Activation(packed, scales, g, x.shape)
 
 
@@ -247,6 +293,13 @@ class Nvfp4Linear(nn.Module):
         self.register_buffer("weight_scale", block_scales)
         self.register_buffer("weight_scale_2", global_scale.float().reshape(()))
         self.out_dtype, self.source = out_dtype, source
+        # `emulate`: the reference quantizer and an fp32 GEMM of both dequantized operands (what the FP4 tensor
+        # cores compute up to accumulation order), on any device: calibration and the promotion gate run so.
+        self.emulate = False
+        # A static activation global scale (nvfp4_static.py) replaces the per-call amax reduction while
+        # `static_on`; a request outside the calibrated shapes turns it off for its duration.
+        self.static: StaticInput | None = None
+        self.static_on = True
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Nvfp4Linear":
@@ -261,10 +314,18 @@ class Nvfp4Linear(nn.Module):
             block_scales = block_scales.view(torch.float8_e4m3fn)
         return cls(packed, block_scales, global_scale, shape, out_dtype, "NVFP4 checkpoint, used as stored")
 
+    def input_static(self) -> StaticInput | None:
+        """The static scale this call's input is encoded with; None: the input's own amax."""
+        return self.static if self.static_on else None
+
     def forward(self, x) -> torch.Tensor:
+        if self.emulate:
+            a = x if isinstance(x, Nvfp4Activation) else reference_activation(x, self.input_static())
+            return nvfp4_linear_reference(a, self.weight, self.weight_scale, self.weight_scale_2, self.out_features,
+                                          self.out_dtype)
         import comfy_kitchen as ck
 
-        a = x if isinstance(x, Nvfp4Activation) else quantize_nvfp4(x)
+        a = x if isinstance(x, Nvfp4Activation) else quantize_nvfp4(x, self.input_static())
         out = ck.scaled_mm_nvfp4(a.packed, self.weight, a.global_scale, self.weight_scale_2, a.block_scales,
                                  self.weight_scale, out_dtype=self.out_dtype)
         return out.reshape(*a.shape[:-1], self.out_features)
@@ -276,7 +337,7 @@ class Nvfp4SwiGLU(SwiGLU):
     # No forward of its own: SwiGLU.forward refuses mlp_chunks > 1 on an Nvfp4Activation with an InputError,
     # which the front doors report as the user's error rather than an internal one.
     def _rows(self, x):
-        return self.net[2](swiglu_quantize_nvfp4(self.net[0].proj(x)))
+        return self.net[2](swiglu_quantize_nvfp4(self.net[0].proj(x), self.net[2].input_static()))
 
 
 class Nvfp4RowModulation(FusedRowModulation):
@@ -288,4 +349,8 @@ class Nvfp4RowModulation(FusedRowModulation):
     add_norm_modulate = RowModulation.add_norm_modulate
 
     def norm_modulate(self, norm, x, shift, scale):
-        return rms_adaln_quantize_nvfp4(x, norm, shift, scale, self._row_index(x.device))
+        # The norm's consumer (to_q for norm1: q, k and v read this one encoding; fc1 for norm2) holds the
+        # static scale; nvfp4_static.install leaves its `input_static` on the norm.
+        static_of = getattr(norm, "nvfp4_static_of", None)
+        static = static_of() if static_of is not None else None
+        return rms_adaln_quantize_nvfp4(x, norm, shift, scale, self._row_index(x.device), static)

@@ -63,6 +63,9 @@ class KernelSettings:
     qk_smooth_k: bool = True
     qk_hadamard: int = 128
     qk_granularity: str = "per_head_bound"
+    # H3_NVFP4_STATIC_SCALES: a promoted static-scales artifact (h3-spark calibrate) for the NVFP4 linears; "" = the
+    # per-call (dynamic) scales. The engine checks and installs it (h3_model/engine/static_scales.py).
+    nvfp4_static_scales: str = ""
 
     def __post_init__(self) -> None:
         _check_choice("H3_ATTENTION", self.attention, ATTENTION_BACKENDS)
@@ -121,6 +124,7 @@ class KernelSettings:
             qk_smooth_k=_bool(env, "H3_QK_SMOOTH_K", d.qk_smooth_k),
             qk_hadamard=_int(env, "H3_QK_HADAMARD", d.qk_hadamard),
             qk_granularity=_str(env, "H3_QK_GRANULARITY", d.qk_granularity),
+            nvfp4_static_scales=(env.get("H3_NVFP4_STATIC_SCALES") or "").strip(),  # a path: case kept
         )
 
     def replace(self, **changes) -> "KernelSettings":

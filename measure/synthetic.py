@@ -29,6 +29,14 @@ COMPONENTS = ("dit", "dit_ref", "text_encoder", "vae", "audio_vae")
 MODE_KEYS = {"t2va": "dit", "fl2va": "dit", "ref2va": "dit_ref"}
 
 
+def tiny_nvfp4_config() -> DiTConfig:
+    """The demo's tiny DiT at hidden width 32: its 24 wide blocks have no NVFP4 form (the FP4 GEMM takes K in
+    multiples of 32), so the NVFP4 tools' tests (calibrate --synthetic tiny) use this one."""
+    from ..h3_model.engine import demo
+
+    return dataclasses.replace(demo.DIT_CONFIG, hidden_size=32)
+
+
 def _check_preset(preset: str) -> None:
     if preset not in PRESETS:
         from ..errors import InputError

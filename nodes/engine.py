@@ -144,6 +144,9 @@ def load_model(path: Path, partition: str, weight_dtype: str, linear: str, atten
     if weight_dtype not in DTYPES:
         raise InputError(f"weight_dtype must be one of {', '.join(DTYPES)}, got {weight_dtype!r}")
     settings = KernelSettings.from_env().replace(attention=attention, linear=linear)
+    if settings.nvfp4_static_scales:  # never ignored silently: the nodes have no static-scales path
+        raise InputError(f"H3_NVFP4_STATIC_SCALES={settings.nvfp4_static_scales} is set, but the ComfyUI nodes do "
+                         "not take static NVFP4 scales (they run dynamic ones); unset it for ComfyUI")
     fmt = linear_format(path, part)
     # Fail here, before reading 60 GB, when this GPU cannot run the asked-for linears or attention.
     device = host.compute_device()

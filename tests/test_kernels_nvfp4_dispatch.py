@@ -318,7 +318,8 @@ def test_fused_producers_write_the_codes_of_the_exact_rows(blackwell, inputs, mo
     swiglus, norms = [], []
     encode_swiglu, encode_norm = nv.swiglu_quantize_nvfp4, nv.Nvfp4RowModulation.norm_modulate
 
-    def swiglu_recorded(fc1_out):
+    def swiglu_recorded(fc1_out, static=None):
+        assert static is None  # dynamic scales unless static ones are installed
         swiglus.append((fc1_out, encode_swiglu(fc1_out)))
         return swiglus[-1][-1]
 

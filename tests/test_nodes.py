@@ -1062,3 +1062,13 @@ def test_a_near_miss_reference_label_is_refused(models, monkeypatch):
         with pytest.raises(InputError, match=f"the prompt writes {written}; the model knows a reference only as "
                                              f"{exact} \\(capital letter, one space\\)"):
             ref2va.encode(te, vae, f"{written} sings", W, H, FRAMES, "match", 24.0, image_1=image(1))
+
+def test_the_model_loader_refuses_static_nvfp4_scales(tmp_path, monkeypatch):
+    """H3_NVFP4_STATIC_SCALES in ComfyUI's environment was ignored (the nodes have no static path); now refused."""
+    from h3_spark.nodes import engine
+
+    monkeypatch.setenv("H3_NVFP4_STATIC_SCALES", str(tmp_path / "scales.safetensors"))
+    with pytest.raises(InputError, match=r"^H3_NVFP4_STATIC_SCALES=.*scales.safetensors is set, but the ComfyUI "
+                                         r"nodes do not take static NVFP4 scales \(they run dynamic ones\); unset it "
+                                         r"for ComfyUI$"):
+        engine.load_model(tmp_path / "tiny.safetensors", "t2va/fl2va", "float32", "auto", "sdpa")

@@ -61,6 +61,10 @@ class Engine:
         self.stage_reserve: dict[str, int] = {}
         self.auto_budget: dict | None = None  # what `--vram-budget auto` chose, when it was asked
         self.host_plan: dict | None = None  # under a budget: what the models hold in host memory (memory.check_host)
+        # Static NVFP4 activation scales (H3_NVFP4_STATIC_SCALES), checked in preflight, installed in _configure:
+        # DiT key -> artifact. model_ids: what names a DiT built in memory (a synthetic recipe), for its hash.
+        self.static_artifacts: dict[str, object] = {}
+        self.model_ids: dict[str, str] = {}
         # Sequence parallel (--gpus N): every rank's device, rank 0 first, and the group the video decode is
         # shared over. One process: [device] and None.
         self.devices: list[str] = [self.options.device]
@@ -160,6 +164,15 @@ class Engine:
         for fmt in self.checkpoint_formats.values() or ["bf16"]:
             resolve_linear(self.settings, self.device, fmt)
         resolve_attention(self.settings.attention, self.device, self.settings)
+        if self.settings.nvfp4_static_scales:
+            from .static_scales import check_for_engine
+
+            key, art = check_for_engine(
+                self.settings.nvfp4_static_scales, {k: plan[k] for k in ("dit", "dit_ref") if plan.get(k) is not None},
+                self.model_ids, lambda k: resolve_linear(self.settings, self.device,
+                                                         self.checkpoint_formats.get(k, "bf16")),
+                "H3_NVFP4_STATIC_SCALES")
+            self.static_artifacts = {key: art}
 
     def tokenizer_path(self):
         """The tokenizer folder the text encoder reads (None: the text encoder's own, or an override builds it)."""
@@ -215,6 +228,7 @@ class Engine:
                 self.kernel_reports[name] = (configure_in_host(model, self.settings, self.device, keep)
                                              if self.options.loads_via_host else apply_kernels(model, self.settings))
                 self.default_attention[name] = (model.attention, model.qk_prep)
+                self._install_static_scales(name, model)
 
         elif name == "vae":
             model.tile_batch = self.options.vae_tile_batch
@@ -222,6 +236,23 @@ class Engine:
                 from ...kernels.vae import apply_vae_kernels
 
                 self.kernel_reports[name] = apply_vae_kernels(model, self.settings)
+
+    def _install_static_scales(self, name: str, model) -> None:
+        """The checked artifact's scales on DiT `name` (its layers must be the calibrated ones); the other DiT
+        keeps dynamic scales, and both reports say which."""
+        from ...kernels.nvfp4_static import layer_shapes
+        from .static_scales import StaticScales, check_layers
+
+        linear = self.kernel_reports[name]["linear"]
+        art = self.static_artifacts.get(name)
+        if art is None:
+            if self.static_artifacts:
+                linear["static_scales"] = {"note": "dynamic: the static-scales artifact is for the other partition"}
+            return
+        source = "H3_NVFP4_STATIC_SCALES"
+        check_layers(art, layer_shapes(model), source)
+        model.nvfp4_static_scales = StaticScales(model, art, source, self.device)
+        linear["static_scales"] = model.nvfp4_static_scales.describe()
 
     def _resolve_auto_budget(self, plan) -> None:
         """`--vram-budget auto` (the front doors' default on a GPU): resident when the files say everything fits

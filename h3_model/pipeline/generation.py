@@ -254,9 +254,22 @@ class Pipeline:
                                                      dit.config.patch_size))
             report(Progress("sampling", s.index + 1, s.total, s.seconds, latents))
 
-        result = self.sample(dit, SamplingRequest(lay, text.embeds, *dims, conditions, audio_rows), schedule,
-                             req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,
-                             step_cache=req.step_cache, attention_schedule=req.attention_schedule)
+        # Static NVFP4 activation scales (engine/static_scales.py) cover the shapes they were calibrated on; any
+        # other request runs dynamic scales, and says so.
+        static = getattr(dit, "nvfp4_static_scales", None)
+        scope = contextlib.nullcontext()
+        if static is not None:
+            scope, info["nvfp4_static_scales"] = static.for_request(req.mode, canvas.width, canvas.height,
+                                                                    canvas.frames, len(schedule))
+        try:
+            with scope:
+                result = self.sample(dit, SamplingRequest(lay, text.embeds, *dims, conditions, audio_rows), schedule,
+                                     req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,
+                                     step_cache=req.step_cache, attention_schedule=req.attention_schedule)
+        finally:  # read (and reset) even when cancelled, so the next request counts only its own
+            saturation = static.saturation() if static is not None else None
+        if static is not None:
+            info["nvfp4_static_scales"].update(saturation)
         timings["sampling"] = time.perf_counter() - t0
         info["step_seconds"] = result.step_seconds
         if req.recipes:
