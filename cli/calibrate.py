@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from .options import check_device
+from ..h3_model.engine.flags import check_device
 
 PARTITION, KEY = "t2va", "dit"  # calibration requests are t2va: the t2va/fl2va DiT
 
