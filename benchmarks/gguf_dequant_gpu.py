@@ -6,7 +6,8 @@ Usage (repository root on the GPU machine; the gguf package for the i-quants' gr
 
 Per type: one full-size DiT linear's worth of raw blocks (fc1 of a block, [2 x 14,336, 5,376] by default, as a
 StoredLinear holds it: uint8 [rows, bytes per row]) of random bytes (the timing does not depend on the values),
-dequantized into a bf16 output with `gguf_codec.dequantize_into`, the call the stored-form linears make before
+dequantized into a bf16 output with `gguf_codec.dequantize_into` (the Triton kernels where they have the type,
+the torch codec otherwise: each row names which), the call the stored-form linears make before
 each GEMM. Reported: median milliseconds (CUDA events), GB/s of bf16 output written, GB/s of blocks read, and
 the output rate as a fraction of the measured copy bandwidth (a device-to-device clone of a 4 GB tensor: bytes
 read + written per second). The output rate is what bounds the just-in-time dequantization of a forward:
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
         times = timed(lambda: gguf_codec.dequantize_into(out, raw, name), args.repeats)
         s = statistics.median(times)
         written = out.numel() * out.element_size()
-        row = {"type": name, "shape": [args.rows, args.cols], "block_bytes": raw.numel(), "ms_median": s * 1e3,
+        row = {"type": name, "dequantizer": gguf_codec.dequantizer(name, "cuda"), "shape": [args.rows, args.cols], "block_bytes": raw.numel(), "ms_median": s * 1e3,
                "ms_all": [t * 1e3 for t in times], "bf16_out_gb_per_s": round(written / s / GB, 1),
                "blocks_in_gb_per_s": round(raw.numel() / s / GB, 1),
                "traffic_fraction_of_copy_bandwidth": round((written + raw.numel()) / s / GB / bandwidth["gb_per_s"],
@@ -91,8 +92,8 @@ def main(argv=None) -> int:
         runs.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "ms_all"}), flush=True)
         del raw
-    result = {"benchmark": "gguf_dequant", "codec": "kernels/gguf_codec.py (vectorized torch, row chunks of "
-              f"{gguf_codec.CHUNK_ROWS})", "inputs": "random bytes as blocks (timing is value-independent)",
+    result = {"benchmark": "gguf_dequant", "codec": "gguf_codec.dequantize_into: kernels/gguf_triton.py on CUDA "
+              "for the types it has (each row's `dequantizer`), else the vectorized torch codec", "inputs": "random bytes as blocks (timing is value-independent)",
               "copy_bandwidth": bandwidth, "runs": runs, "stamp": stamp.stamp_after(record)}
     Path(args.out).write_text(json.dumps(result, indent=2))
     return 0

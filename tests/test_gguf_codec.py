@@ -230,7 +230,8 @@ def test_dequantize_into_checks_its_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [t for t in gguf_codec.SUPPORTED])
 def test_cuda_dequantization_is_ggufs_bit_for_bit(name):
-    """The same torch code on a GPU: every type's random valid blocks give gguf's values exactly (fp32, and the
+    """On a GPU (the Triton kernels for the types they have, the torch codec for the rest): every type's random
+    valid blocks give gguf's values exactly (fp32, and the
     bf16 / fp16 casts of them), in the row chunks StoredLinear dequantizes into on the device."""
     rng = np.random.default_rng(17)
     k = _row_lengths(name)[-1]
