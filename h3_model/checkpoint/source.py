@@ -153,16 +153,24 @@ class CheckpointSource:
         self.close()
 
 
-def mode_partition(folder: Path) -> str | None:
-    """"t2va" or "ref2va" for a released mode folder (FL2VA/, Ref2VA/), None for any other folder."""
+def _release_info(folder: Path) -> tuple[Path, object]:
+    """(the folder's model_index.json, its `_minimax_h3` entry: None where the file or the entry is not there);
+    a file that is there must be readable JSON."""
     index = folder / "model_index.json"
     if not index.is_file():
-        return None
+        return index, None
     try:
         data = json.loads(index.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise InputError(f"{index}: not readable JSON ({exc})") from None
-    info = data.get("_minimax_h3") if isinstance(data, dict) else None
+    return index, data.get("_minimax_h3") if isinstance(data, dict) else None
+
+
+def mode_partition(folder: Path) -> str | None:
+    """"t2va" or "ref2va" for a released mode folder (FL2VA/, Ref2VA/), None for any other folder."""
+    index, info = _release_info(folder)
+    if not index.is_file():
+        return None
     if isinstance(info, dict) and info.get("partition") is not None:
         partition = INDEX_PARTITIONS.get(str(info["partition"]).lower())
         if partition is None:
@@ -178,14 +186,7 @@ def release_shifts(folder: Path) -> tuple[float, float] | None:
     not there. A field that is there must hold both shifts, each a positive finite number."""
     import math
 
-    index = folder / "model_index.json"
-    if not index.is_file():
-        return None
-    try:
-        data = json.loads(index.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"{index}: not readable JSON ({exc})") from None
-    info = data.get("_minimax_h3") if isinstance(data, dict) else None
+    index, info = _release_info(folder)
     scales = info.get("sigma_shift_scales") if isinstance(info, dict) else None
     if scales is None:
         return None

@@ -194,14 +194,7 @@ def _materialize(model: torch.nn.Module, entries: Iterable[tuple[str, torch.Tens
         filled = fill_missing(name, expected[name]) if fill_missing else None
         if filled is not None:
             state[name] = filled.to(device=device, dtype=dtype_of(name))
-    missing = sorted(expected.keys() - state.keys())
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing (e.g. {', '.join(missing[:4])})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected (e.g. {', '.join(sorted(unexpected)[:4])})")
-        raise CheckpointError(f"{origin}: tensors do not match the config: {'; '.join(parts)}")
+    _check_names(sorted(expected.keys() - state.keys()), sorted(unexpected), origin)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
 
@@ -445,8 +438,12 @@ def check_shapes(expected: dict[str, tuple[int, ...]], stored: dict[str, tuple[i
         if tuple(stored[name]) != expected[name]:
             raise CheckpointError(f"{origin}: {name} has shape {tuple(stored[name])}, the config needs "
                                   f"{expected[name]}")
-    missing = sorted(n for n in expected.keys() - stored.keys() if not optional(n))
-    unexpected = sorted(stored.keys() - expected.keys())
+    _check_names(sorted(n for n in expected.keys() - stored.keys() if not optional(n)),
+                 sorted(stored.keys() - expected.keys()), origin)
+
+
+def _check_names(missing: list[str], unexpected: list[str], origin: str) -> None:
+    """One line for tensors the config needs and the file lacks, and for tensors the config does not know."""
     if missing or unexpected:
         parts = []
         if missing:
