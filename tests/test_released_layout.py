@@ -321,10 +321,14 @@ def test_bad_shifts_in_model_index_are_refused(released_root, tmp_path, scales, 
     assert str(info.value) == f"{folder / 'model_index.json'}: {message}"
 
 
-def test_generate_samples_with_the_shifts_of_model_index(released_root, tmp_path, capsys):
+def test_generate_samples_with_the_shifts_of_model_index(released_root, tmp_path, capsys, monkeypatch):
     from safetensors.torch import load_file
 
     from h3_spark.cli import main
+
+    # The fused row kernels would run in Triton's CPU interpreter: minutes for nothing this test looks at.
+    monkeypatch.setenv("H3_MODULATION_FUSION", "off")
+    monkeypatch.setenv("H3_Q_RMS_ROPE_INT8_FUSION", "off")
 
     root = tmp_path / "root"
     _mode_copy(released_root, root, index={"_minimax_h3": {
