@@ -50,6 +50,27 @@ def timed(fn, repeats: int) -> tuple[list[float], object]:
     return times, out
 
 
+# Launch shapes the sweep tries for the fine kernel (64-row query blocks: one warpgroup's wgmma, or two).
+LAUNCHES = [{"num_warps": w, "num_stages": st} for w in (4, 8) for st in (1, 2, 3, 4)]
+
+
+def sweep(run, lists_by_sparsity, repeats: int) -> list[dict]:
+    """Median milliseconds of the fine kernel per launch shape and sparsity; a shape that fails to compile (shared
+    memory) is recorded with its error."""
+    rows = []
+    for launch in LAUNCHES:
+        entry = dict(launch)
+        for sparsity, (idx, num) in lists_by_sparsity:
+            try:
+                ms, _ = timed(lambda: run(idx, num, launch), repeats)
+                entry[f"ms_at_{sparsity}"] = statistics.median(ms)
+            except Exception as exc:  # noqa: BLE001 - recorded in the receipt
+                entry[f"error_at_{sparsity}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        print(json.dumps({"sweep": entry}), flush=True)
+        rows.append(entry)
+    return rows
+
+
 def rel_l2(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -82,6 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--sparsities", default="0.9,0.8")
     p.add_argument("--tile", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the fine kernel under each launch shape of LAUNCHES (the one to put in FINE_LAUNCH)")
     p.add_argument("--error-heads", type=int, default=2, help="heads the fp32 reference checks (S x S each)")
     args = p.parse_args(argv)
     import_package()
@@ -90,7 +113,7 @@ def main(argv=None) -> int:
     from h3_spark.kernels.attention import resolve_attention
     from h3_spark.kernels.qk_prep import reference_prepare_heads
     from h3_spark.kernels.settings import KernelSettings
-    from h3_spark.kernels.vsa import _fine, _padded, _pooled, vsa_attention
+    from h3_spark.kernels.vsa import _fine, _pooled, selected_lists, vsa_attention
     from h3_spark.kernels.vsa_reference import fine_reference, select_tiles, vsa_reference
     from h3_spark.measure import stamp
 
@@ -131,13 +154,18 @@ def main(argv=None) -> int:
         else:
             row["fa3_fp8"] = fp8_error
         print(json.dumps({k_: v_ for k_, v_ in row.items() if not k_.endswith("_all")}), flush=True)
-        qp, kp, vp = _padded(q, tiles), _padded(k, tiles), _padded(v, tiles)
-        scores = _pooled(qp, tiles) @ _pooled(kp, tiles).transpose(-1, -2) / HEAD_DIM ** 0.5
+        scores = _pooled(q, tiles) @ _pooled(k, tiles).transpose(-1, -2) / HEAD_DIM ** 0.5
         row["by_sparsity"] = []
-        for sparsity in [0.0] + [float(x) for x in args.sparsities.split(",")]:
+        sparsities = [0.0] + [float(x) for x in args.sparsities.split(",")]
+        if args.sweep:
+            row["launch_sweep"] = sweep(lambda idx, num, launch: _fine(q, k, v, idx, num, tiles, launch=launch),
+                                        [(x, selected_lists(scores, tiles.num_prefix_tiles, x)) for x in sparsities],
+                                        args.repeats)
+        for sparsity in sparsities:
             mask = select_tiles(scores, tiles.num_prefix_tiles, sparsity)
+            lists = selected_lists(scores, tiles.num_prefix_tiles, sparsity)
             vsa_ms, _ = timed(lambda: vsa_attention(q, k, v, gate, tiles, sparsity), args.repeats)
-            fine_ms, fine = timed(lambda: _fine(qp, kp, vp, mask, tiles), args.repeats)
+            fine_ms, fine = timed(lambda: _fine(q, k, v, *lists, tiles), args.repeats)
             h = args.error_heads
             sub = mask[:, :h].contiguous()
             want = fine_reference(q[:, :, :h], k[:, :, :h], v[:, :, :h], sub, tiles)
@@ -164,7 +192,7 @@ def main(argv=None) -> int:
             del fine, want, mask
             torch.cuda.empty_cache()
         runs.append(row)
-        del q, k, v, gate, dense, qp, kp, vp, scores
+        del q, k, v, gate, dense, scores
         torch.cuda.empty_cache()
     result = {"benchmark": "vsa_attention", "dense_backend": fa3_name, "heads": HEADS, "head_dim": HEAD_DIM,
               "inputs": "random bf16, q and k RMS-normalised per head, random gate (synthetic: not H3's attention "

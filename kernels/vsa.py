@@ -1,13 +1,18 @@
-"""Video Sparse Attention (VSA) for FastH3: the block-sparse fine attention as a Triton kernel, and the backend.
+"""Video Sparse Attention (VSA) for FastH3: pooling and the block-sparse fine attention as Triton kernels, and
+the backend.
 
-The method and its PyTorch reference are in vsa_reference.py. Here the fine step runs as one flash-attention
-style kernel over a padded tile buffer: program (query block of 64 rows, batch x head) walks the key tiles its
-query tile selected (a compacted index list per query tile, from the boolean tile mask), 64 key rows at a time,
-with an online softmax in fp32; the padding rows of a short tile are masked out of the keys. Q.K and P.V are
-tensor-core products in the heads' dtype (fp32 accumulation; fp32 heads in IEEE fp32). Tiles of 128 or 256
-rows are walked as 2 or 4 blocks of 64, so one kernel serves every tile size the recipe offers.
-Pooling, the coarse scores, the top-k selection and the gated coarse branch are a few small PyTorch ops on
-(B, H, tiles, tiles) tensors: they cost little next to the fine attention.
+The method and its PyTorch reference are in vsa_reference.py. The kernels read q, k, v where the DiT left them,
+in packed row order: a tile's rows are gathered through `TileMap.rows` (a 64-row video tile is a 4x4x4 brick
+of patches scattered over the packed sequence; each row is one contiguous head of D channels, so a gather
+costs what a strided read does), which spares the three padded copies, and the scatter back, an earlier
+version made around the kernel.
+- `_pool_kernel`: the fp32 mean of each tile's rows, (B, H, n, D), for the coarse scores and values.
+- `_fine_kernel`: program (query block of 64 rows, batch x head) walks the key tiles its query tile selected
+  (a compacted list per query tile), 64 key rows at a time, with an online softmax in fp32; the padding of a
+  short tile is masked out of the keys. Q.K and P.V are tensor-core products in the heads' dtype (fp32
+  accumulation; fp32 heads in IEEE fp32). Tiles of 128 or 256 rows are walked as 2 or 4 blocks of 64. With a
+  gate, its epilogue adds the gated coarse branch with the two roundings the reference's eager ops make.
+The coarse scores, the top-k selection and the coarse output are small PyTorch ops on (B, H, tiles, tiles).
 
 `VsaAttention` is what a DiT block's attention schedule hands the block (engine/recipes.py, recipe fasth3): it
 `reads_gate`, so the block passes its `attn.to_gate_compress` output along with q, k and v (dit/model.py).
@@ -22,64 +27,89 @@ import torch
 from ._triton import INTERPRETED, rnd, round_code, tl, triton  # noqa: F401  (rnd: used in the kernel)
 from .attention import Backend
 from .capability import require_triton
-from .vsa_reference import TileMap, add_gated_coarse, check_inputs, select_tiles, tile_map, vsa_reference
+from .vsa_reference import TileMap, check_inputs, tile_map, video_tiles_kept, vsa_reference
 
 __all__ = ["VsaAttention", "block_sparse_fine", "vsa_attention", "tile_map", "vsa_reference"]
 
 BLOCK = 64  # rows of a query or key block: a 64-row tile is one block, larger tiles several
 LOG2E = 1.4426950408889634
+# Launch shape of the fine kernel, from the sweep on the H200 (benchmarks/vsa_attention_gpu.py --sweep).
+FINE_LAUNCH = {"num_warps": 4, "num_stages": 3}
 
 if triton is not None:
 
     @triton.jit
-    def _block_sparse_fine_kernel(q_ptr, k_ptr, v_ptr, o_ptr, idx_ptr, num_ptr, size_ptr,
-                                  stride_b, stride_s, stride_h,
-                                  idx_stride_b, idx_stride_h, idx_stride_q,
-                                  num_stride_b, num_stride_h,
-                                  heads, qk_scale,
-                                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
-                                  BLOCK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                                  RND: tl.constexpr):
+    def _pool_kernel(x_ptr, rows_ptr, size_ptr, out_ptr, stride_b, stride_s, stride_h, heads, num_tiles,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+        tile = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // heads
+        h = bh % heads
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < HEAD_DIM
+        base = b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+        total = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for sub in tl.static_range(TILE // BLOCK):
+            rows = tl.load(rows_ptr + tile * TILE + sub * BLOCK + tl.arange(0, BLOCK))
+            x = tl.load(x_ptr + base + rows.to(tl.int64)[:, None] * stride_s + cols[None, :],
+                        mask=(rows >= 0)[:, None] & col_ok[None, :], other=0.0)
+            total += tl.sum(x.to(tl.float32), 0)
+        size = tl.load(size_ptr + tile).to(tl.float32)
+        tl.store(out_ptr + (bh.to(tl.int64) * num_tiles + tile) * HEAD_DIM + cols, total / size, mask=col_ok)
+
+    @triton.jit
+    def _fine_kernel(q_ptr, k_ptr, v_ptr, o_ptr, g_ptr, c_ptr, rows_ptr, idx_ptr, num_ptr,
+                     sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_s, so_h, sg_b, sg_s, sg_h,
+                     idx_stride_b, idx_stride_h, idx_stride_q, num_stride_b, num_stride_h,
+                     heads, num_tiles, qk_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr,
+                     GATED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, RND: tl.constexpr):
         block = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // heads
         h = bh % heads
         q_tile = (block * BLOCK) // TILE
-        rows = block * BLOCK + tl.arange(0, BLOCK)
+        q_rows = tl.load(rows_ptr + block * BLOCK + tl.arange(0, BLOCK))
+        q_ok = q_rows >= 0
+        q_rows = q_rows.to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         col_ok = cols < HEAD_DIM
-        base = b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
-        q = tl.load(q_ptr + base + rows.to(tl.int64)[:, None] * stride_s + cols[None, :],
-                    mask=col_ok[None, :], other=0.0)
+        bq = b.to(tl.int64)
+        hq = h.to(tl.int64)
+        q = tl.load(q_ptr + bq * sq_b + hq * sq_h + q_rows[:, None] * sq_s + cols[None, :],
+                    mask=q_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
+        k_base = k_ptr + bq * sk_b + hq * sk_h
+        v_base = v_ptr + bq * sv_b + hq * sv_h
         m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK], dtype=tl.float32)
         acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
         selected = tl.load(num_ptr + b * num_stride_b + h * num_stride_h + q_tile)
-        idx_row = idx_ptr + b.to(tl.int64) * idx_stride_b + h.to(tl.int64) * idx_stride_h + q_tile * idx_stride_q
+        idx_row = idx_ptr + bq * idx_stride_b + hq * idx_stride_h + q_tile * idx_stride_q
         # The first selected tile's first block holds at least one real row, so the running maximum is finite
         # from the first block on and a later block that is all padding adds exactly nothing.
         for j in range(0, selected):
             k_tile = tl.load(idx_row + j)
-            size = tl.load(size_ptr + k_tile)
             for sub in tl.static_range(TILE // BLOCK):
-                within = sub * BLOCK + tl.arange(0, BLOCK)
-                keys = k_tile.to(tl.int64) * TILE + within
-                offsets = base + keys[:, None] * stride_s + cols[None, :]
-                k = tl.load(k_ptr + offsets, mask=col_ok[None, :], other=0.0)
+                k_rows = tl.load(rows_ptr + k_tile * TILE + sub * BLOCK + tl.arange(0, BLOCK))
+                k_ok = k_rows >= 0
+                k_off = k_rows.to(tl.int64)[:, None]
+                k = tl.load(k_base + k_off * sk_s + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
+                            other=0.0)
                 if UPCAST:
                     k = k.to(tl.float32)
                 if IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
                     s = tl.dot(q, tl.trans(k))
-                s = tl.where((within < size)[None, :], s * qk_scale, float("-inf"))
+                s = tl.where(k_ok[None, :], s * qk_scale, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 p = tl.exp2(s - m_new[:, None])
                 alpha = tl.exp2(m_i - m_new)
                 l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_ptr + offsets, mask=col_ok[None, :], other=0.0)
+                v = tl.load(v_base + k_off * sv_s + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
+                            other=0.0)
                 if UPCAST:  # P rounded to the heads' dtype, as the half-precision P.V product on a GPU takes it
                     pv = tl.dot(rnd(p, RND), v.to(tl.float32), input_precision="ieee")
                 elif IEEE:
@@ -89,69 +119,110 @@ if triton is not None:
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(o_ptr + base + rows.to(tl.int64)[:, None] * stride_s + cols[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=col_ok[None, :])
+        row_ok = q_ok[:, None] & col_ok[None, :]
+        if GATED:
+            # fine.to(dtype) + (coarse.to(dtype) * gate).to(dtype), rounded once more: the reference's eager ops.
+            coarse = tl.load(c_ptr + (bh.to(tl.int64) * num_tiles + q_tile) * HEAD_DIM + cols, mask=col_ok,
+                             other=0.0)
+            gate = tl.load(g_ptr + bq * sg_b + hq * sg_h + q_rows[:, None] * sg_s + cols[None, :], mask=row_ok,
+                           other=0.0)
+            gate = rnd(gate.to(tl.float32), RND)  # the reference takes the gate in the output's dtype
+            out = rnd(out, RND) + rnd(rnd(coarse, RND)[None, :] * gate, RND)
+        tl.store(o_ptr + bq * so_b + hq * so_h + q_rows[:, None] * so_s + cols[None, :],
+                 rnd(out, RND).to(o_ptr.dtype.element_ty), mask=row_ok)
 
 
-def _padded(x: torch.Tensor, tiles: TileMap) -> torch.Tensor:
-    """x (B, S, H, D) in packed order -> (B, n x tile, H, D) tile by tile, zeros in the padding."""
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    """x with unit channel stride (the kernels read each head's D channels as one run)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _pooled(x: torch.Tensor, tiles: TileMap) -> torch.Tensor:
+    """vsa_reference.pooled with the Triton kernel: the fp32 mean of each tile's rows, (B, H, n, D)."""
+    require_triton("the VSA pooling kernel", x.device)
+    x = _heads(x)
     b, _, h, d = x.shape
-    out = x.new_zeros(b, tiles.num_tiles * tiles.tile, h, d)
-    return out.index_copy_(1, tiles.slot, x.contiguous())
+    out = torch.empty(b, h, tiles.num_tiles, d, dtype=torch.float32, device=x.device)
+    _pool_kernel[(tiles.num_tiles, b * h)](
+        x, tiles.rows, tiles.sizes, out, x.stride(0), x.stride(1), x.stride(2), h, tiles.num_tiles,
+        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), TILE=tiles.tile, BLOCK=BLOCK, num_warps=4)
+    return out
 
 
-def _pooled(xp: torch.Tensor, tiles: TileMap) -> torch.Tensor:
-    """vsa_reference.pooled from the padded buffer (its padding is zero): summed in fp32 without an fp32 copy of
-    the heads, (B, H, n, D)."""
-    b, _, h, d = xp.shape
-    sums = xp.view(b, tiles.num_tiles, tiles.tile, h, d).sum(2, dtype=torch.float32)
-    return (sums / tiles.sizes.to(torch.float32)[None, :, None, None]).transpose(1, 2)
+def tile_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (B, H, n, n) selection as the kernel walks it: each query tile's selected key tiles first, in tile
+    order (the rest after them is never read), and how many there are."""
+    num = mask.sum(-1, dtype=torch.int32).contiguous()
+    idx = torch.argsort((~mask).to(torch.uint8), dim=-1, stable=True).to(torch.int32).contiguous()
+    return idx, num
+
+
+def selected_lists(scores: torch.Tensor, num_prefix_tiles: int, sparsity: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """vsa_reference.select_tiles as the kernel's lists, without the (B, H, n, n) mask: every prefix key tile,
+    then a video query tile's top video tiles in tile order; a prefix query tile keeps all n."""
+    b, h, n, _ = scores.shape
+    num_video = n - num_prefix_tiles
+    keep = video_tiles_kept(sparsity, num_video) if num_video else 0
+    every = torch.arange(n, dtype=torch.int32, device=scores.device).expand(b, h, n, n)
+    if keep == num_video:
+        return every.contiguous(), torch.full((b, h, n), n, dtype=torch.int32, device=scores.device)
+    top = scores[..., num_prefix_tiles:, num_prefix_tiles:].topk(keep, dim=-1).indices
+    top = top.sort(dim=-1).values.to(torch.int32) + num_prefix_tiles
+    prefix = every[:, :, num_prefix_tiles:, :num_prefix_tiles]
+    video_rows = torch.cat([prefix, top, every[:, :, num_prefix_tiles:, : num_video - keep]], dim=-1)
+    idx = torch.cat([every[:, :, :num_prefix_tiles], video_rows], dim=2).contiguous()
+    num = torch.full((b, h, n), num_prefix_tiles + keep, dtype=torch.int32, device=scores.device)
+    num[:, :, :num_prefix_tiles] = n
+    return idx, num
+
+
+def _fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, num: torch.Tensor,
+          tiles: TileMap, gate: torch.Tensor | None = None, coarse: torch.Tensor | None = None,
+          launch: dict | None = None) -> torch.Tensor:
+    """The fine kernel over packed q, k, v (B, S, H, D) of one dtype; with `gate` (B, S, H, D) the gated
+    coarse branch (`coarse`: (B, H, n, D) fp32, each tile's coarse output) is added in its epilogue."""
+    require_triton("the VSA block-sparse kernel", q.device)
+    q, k, v = _heads(q), _heads(k), _heads(v)
+    b, _, h, d = q.shape
+    out = torch.empty(q.shape, dtype=v.dtype, device=q.device)
+    gated = gate is not None
+    g = _heads(gate) if gated else q
+    c = coarse.contiguous() if gated else q
+    grid = (tiles.num_tiles * tiles.tile // BLOCK, b * h)
+    # Triton's CPU interpreter multiplies bf16/fp16 blocks as integers: there the kernel computes in fp32.
+    upcast = INTERPRETED and q.dtype != torch.float32
+    _fine_kernel[grid](
+        q, k, v, out, g, c, tiles.rows, idx, num,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        g.stride(0), g.stride(1), g.stride(2),
+        idx.stride(0), idx.stride(1), idx.stride(2), num.stride(0), num.stride(1),
+        h, tiles.num_tiles, LOG2E / math.sqrt(d),
+        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), TILE=tiles.tile, BLOCK=BLOCK, GATED=gated,
+        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, RND=round_code(v.dtype),
+        **(launch or FINE_LAUNCH))
+    return out
 
 
 def block_sparse_fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       tiles: TileMap) -> torch.Tensor:
     """The fine step of VSA (vsa_reference.fine_reference) with the Triton kernel: each row attends to the rows
     of its tile's selected key tiles; fp32 accumulation, output in v's dtype, packed row order."""
-    padded = _padded(q, tiles), _padded(k, tiles), _padded(v.to(q.dtype), tiles)
-    return _fine(*padded, mask, tiles).to(v.dtype)
-
-
-def _fine(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: torch.Tensor, tiles: TileMap) -> torch.Tensor:
-    require_triton("the VSA block-sparse kernel", qp.device)
-    b, _, h, d = qp.shape
-    out = torch.empty_like(qp)
-    # Selected key tiles first, in tile order, then the rest (never read: `num` says how many count).
-    num = mask.sum(-1, dtype=torch.int32).contiguous()
-    idx = torch.argsort((~mask).to(torch.uint8), dim=-1, stable=True).to(torch.int32).contiguous()
-    sizes = tiles.sizes.to(torch.int32).contiguous()
-    grid = (tiles.num_tiles * tiles.tile // BLOCK, b * h)
-    # Triton's CPU interpreter multiplies bf16/fp16 blocks as integers: there the kernel computes in fp32.
-    upcast = INTERPRETED and qp.dtype != torch.float32
-    _block_sparse_fine_kernel[grid](
-        qp, kp, vp, out, idx, num, sizes,
-        qp.stride(0), qp.stride(1), qp.stride(2),
-        idx.stride(0), idx.stride(1), idx.stride(2),
-        num.stride(0), num.stride(1),
-        h, LOG2E / math.sqrt(d),
-        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), TILE=tiles.tile, BLOCK=BLOCK,
-        IEEE=qp.dtype == torch.float32 or upcast, UPCAST=upcast, RND=round_code(qp.dtype), num_warps=4,
-        num_stages=2)
-    return out[:, tiles.slot]
+    return _fine(q, k, v.to(q.dtype), *tile_lists(mask), tiles).to(v.dtype)
 
 
 @torch.no_grad()
 def vsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, tiles: TileMap,
                   sparsity: float) -> torch.Tensor:
-    """VSA with the Triton fine kernel: the steps of vsa_reference.vsa_reference, pooled from the padded tile
-    buffers the kernel reads (one copy of each of q, k, v)."""
+    """VSA with the Triton kernels: the steps of vsa_reference.vsa_reference, the gated coarse branch added in
+    the fine kernel's epilogue."""
     check_inputs(q, k, v, gate, tiles)
-    qp, kp, vp = _padded(q, tiles), _padded(k, tiles), _padded(v.to(q.dtype), tiles)
-    scores = _pooled(qp, tiles) @ _pooled(kp, tiles).transpose(-1, -2) / math.sqrt(q.shape[-1])
-    mask = select_tiles(scores, tiles.num_prefix_tiles, sparsity)
-    values = _pooled(vp, tiles) if gate is not None else None
-    fine = _fine(qp, kp, vp, mask, tiles)
-    del qp, kp, vp  # three (B, n x tile, H, D) buffers gone before the gated branch allocates its rows
-    return add_gated_coarse(fine.to(v.dtype), scores, values, gate, tiles)
+    v = v.to(q.dtype)
+    scores = _pooled(q, tiles) @ _pooled(k, tiles).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    idx, num = selected_lists(scores, tiles.num_prefix_tiles, sparsity)
+    coarse = scores.softmax(-1) @ _pooled(v, tiles) if gate is not None else None
+    return _fine(q, k, v, idx, num, tiles, gate, coarse)
 
 
 class VsaAttention(Backend):

@@ -44,6 +44,7 @@ class TileMap:
     row_tile: torch.Tensor  # (S,) int64: the tile of each packed row
     slot: torch.Tensor  # (S,) int64: the row's place in a padded buffer of n x tile rows
     num_prefix_tiles: int
+    rows: torch.Tensor  # (n, tile) int32: the packed row in each place of each tile, -1 in the padding
 
     @property
     def num_tiles(self) -> int:
@@ -59,7 +60,7 @@ class TileMap:
 
     def to(self, device) -> "TileMap":
         return TileMap(self.tile, self.sizes.to(device), self.row_tile.to(device), self.slot.to(device),
-                       self.num_prefix_tiles)
+                       self.num_prefix_tiles, self.rows.to(device))
 
 
 def tile_shape(tile: int) -> tuple[int, int, int]:
@@ -106,7 +107,9 @@ def tile_map(prefix_segments: tuple[int, ...], video_shape: tuple[int, int, int]
     prefix_rank = torch.arange(prefix_rows) - starts[prefix_tile]
     row_tiles = torch.cat([prefix_tile, video_row_tile])
     slots = row_tiles * tile + torch.cat([prefix_rank, video_rank])
-    return TileMap(tile, all_sizes, row_tiles, slots, num_prefix)
+    rows = torch.full((len(all_sizes) * tile,), -1, dtype=torch.int32)
+    rows[slots] = torch.arange(len(row_tiles), dtype=torch.int32)
+    return TileMap(tile, all_sizes, row_tiles, slots, num_prefix, rows.view(-1, tile))
 
 
 def video_tiles_kept(sparsity: float, num_video_tiles: int) -> int:

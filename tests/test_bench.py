@@ -195,10 +195,17 @@ def test_a_fasth3_synthetic_render_runs_four_vsa_evaluations(tmp_path, capsys, m
             "--device", "cpu", "--out", str(tmp_path / "r.json")]
     assert main(argv) == 2
     assert "is not a FastH3 model" in capsys.readouterr().err
+    from h3_spark.h3_model.engine.engine import Engine
+
+    renders = []
+    real = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, req, *a, **k: renders.append(req) or real(self, req, *a, **k))
     assert main([*argv, "--fasth3"]) == 0, capsys.readouterr().err
     result = json.loads((tmp_path / "r.json").read_text())
     gen = result["generation"]
     assert gen["evaluations"] == 4 and len(gen["step_s_all"]) == 4
+    # The warm-up render ran the recipe as well (VSA's kernel compiles there, not in the measured render).
+    assert len(renders) == 2 and all(r.steps == 5 and r.attention_schedule is not None for r in renders)
     assert gen["recipes"][0]["name"] == "fasth3" and gen["recipes"][0]["sparsity"] == 0.9
     assert "FastH3" in result["weights"]
 

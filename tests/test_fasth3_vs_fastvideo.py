@@ -10,10 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3_spark.kernels.vsa import _padded
 from h3_spark.kernels.vsa_reference import fine_reference, tile_map
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _padded(x, tiles):
+    """x (B, S, H, D) -> (B, n x tile, H, D) tile by tile, zeros in the padding (FastVideo's layout)."""
+    b, _, h, d = x.shape
+    return x.new_zeros(b, tiles.num_tiles * tiles.tile, h, d).index_copy_(1, tiles.slot, x)
 
 
 def script():

@@ -192,6 +192,45 @@ def test_triton_fine_kernel_bf16_and_the_whole_vsa():
                                   "tiles": 10, "video_tiles": 8, "calls": 1, "calls_with_gate": 1}
 
 
+@needs_triton
+@pytest.mark.parametrize("tile, sparsity", [(64, 0.8), (64, 0.0), (128, 0.5)])
+def test_the_kernels_lists_and_pooling_are_the_references(tile, sparsity):
+    """The kernel path never builds the (B, H, n, n) mask nor a padded copy: its tile lists equal the reference
+    selection's, and the pooling kernel (gathering through `TileMap.rows`) the reference's means."""
+    from h3_spark.kernels.vsa import _pooled, selected_lists, tile_lists
+
+    tiles = tile_map((37, 20), (5, 6, 9), tile)
+    assert sorted(tiles.rows[tiles.rows >= 0].tolist()) == list(range(tiles.sequence_length))
+    assert ((tiles.rows >= 0).sum(1) == tiles.sizes).all()
+    q, k, _ = _qkv(tiles, heads=3, seed=9)
+    q_strided = torch.stack([q, -q], dim=-1)[..., 0]  # q itself with a channel stride of 2: copied first
+    assert q_strided.stride(-1) == 2
+    assert torch.allclose(_pooled(q_strided, tiles), pooled(q, tiles), atol=1e-6)
+    scores = coarse_scores(q, k, tiles)
+    idx, num = selected_lists(scores, tiles.num_prefix_tiles, sparsity)
+    want_idx, want_num = tile_lists(select_tiles(scores, tiles.num_prefix_tiles, sparsity))
+    assert torch.equal(num, want_num)
+    for got_row, want_row, n in zip(idx.flatten(0, 2), want_idx.flatten(0, 2), num.flatten()):
+        assert torch.equal(got_row[:n], want_row[:n])
+
+
+@needs_triton
+def test_the_gated_epilogue_rounds_as_the_references_eager_ops_bf16():
+    """bf16 with a gate: the fine step rounded, the product coarse x gate rounded, the sum rounded, as
+    vsa_reference's eager ops do; the kernel's fine step differs from the fp32 reference's by its P rounding
+    only, so the whole output is within the fine step's 2 ulps."""
+    from h3_spark.kernels.vsa import vsa_attention
+
+    tiles = tile_map((37, 20), (5, 6, 7), 64)
+    q, k, v = _qkv(tiles, dtype=torch.bfloat16, seed=10)
+    gate = torch.randn_like(v)
+    got = vsa_attention(q, k, v, gate, tiles, 0.8).float()
+    want = vsa_reference(q, k, v, gate, tiles, 0.8).float()
+    assert got.dtype == torch.float32 and ((got - want).abs() <= want.abs() * 2 ** -6 + 2 ** -7).all()
+    fine = vsa_attention(q, k, v, None, tiles, 0.8).float()
+    assert (got - fine).abs().max().item() > 0.05  # the gated branch is there, not dropped
+
+
 # ------------------------------------------------------------------------------------------ on a GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
