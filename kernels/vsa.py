@@ -7,10 +7,10 @@ of patches scattered over the packed sequence; each row is one contiguous head o
 costs what a strided read does), which spares the three padded copies, and the scatter back, an earlier
 version made around the kernel.
 - `_pool_kernel`: the fp32 mean of each tile's rows, (B, H, n, D), for the coarse scores and values.
-- `_fine_kernel`: program (query block of 64 rows, batch x head) walks the key tiles its query tile selected
-  (a compacted list per query tile), 64 key rows at a time, with an online softmax in fp32; the padding of a
-  short tile is masked out of the keys. Q.K and P.V are tensor-core products in the heads' dtype (fp32
-  accumulation; fp32 heads in IEEE fp32). Tiles of 128 or 256 rows are walked as 2 or 4 blocks of 64. With a
+- `_fine_kernel`: program (query block of 64 rows, batch x head) walks the rows of the key tiles its query tile
+  selected (a compacted list per query tile) as one stream, KEYS rows a step, with an online softmax in fp32;
+  the padding of a short tile is masked out of the keys. Q.K and P.V are tensor-core products in the heads'
+  dtype (fp32 accumulation; fp32 heads in IEEE fp32). One kernel serves tiles of 64, 128 and 256 rows. With a
   gate, its epilogue adds the gated coarse branch with the two roundings the reference's eager ops make.
 The coarse scores, the top-k selection and the coarse output are small PyTorch ops on (B, H, tiles, tiles).
 
@@ -34,7 +34,8 @@ __all__ = ["VsaAttention", "block_sparse_fine", "vsa_attention", "tile_map", "vs
 BLOCK = 64  # rows of a query or key block: a 64-row tile is one block, larger tiles several
 LOG2E = 1.4426950408889634
 # Launch shape of the fine kernel, from the sweep on the H200 (benchmarks/vsa_attention_gpu.py --sweep).
-FINE_LAUNCH = {"num_warps": 4, "num_stages": 3}
+# KEYS: key rows per step of the walk (64, 128 or 256).
+FINE_LAUNCH = {"keys": 128, "num_warps": 4, "num_stages": 1}
 
 if triton is not None:
 
@@ -63,7 +64,7 @@ if triton is not None:
                      idx_stride_b, idx_stride_h, idx_stride_q, num_stride_b, num_stride_h,
                      heads, num_tiles, qk_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr,
-                     GATED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, RND: tl.constexpr):
+                     KEYS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, RND: tl.constexpr):
         block = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // heads
@@ -87,37 +88,40 @@ if triton is not None:
         acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
         selected = tl.load(num_ptr + b * num_stride_b + h * num_stride_h + q_tile)
         idx_row = idx_ptr + bq * idx_stride_b + hq * idx_stride_h + q_tile * idx_stride_q
-        # The first selected tile's first block holds at least one real row, so the running maximum is finite
-        # from the first block on and a later block that is all padding adds exactly nothing.
-        for j in range(0, selected):
-            k_tile = tl.load(idx_row + j)
-            for sub in tl.static_range(TILE // BLOCK):
-                k_rows = tl.load(rows_ptr + k_tile * TILE + sub * BLOCK + tl.arange(0, BLOCK))
-                k_ok = k_rows >= 0
-                k_off = k_rows.to(tl.int64)[:, None]
-                k = tl.load(k_base + k_off * sk_s + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
-                            other=0.0)
-                if UPCAST:
-                    k = k.to(tl.float32)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = tl.where(k_ok[None, :], s * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.exp2(s - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_base + k_off * sv_s + cols[None, :], mask=k_ok[:, None] & col_ok[None, :],
-                            other=0.0)
-                if UPCAST:  # P rounded to the heads' dtype, as the half-precision P.V product on a GPU takes it
-                    pv = tl.dot(rnd(p, RND), v.to(tl.float32), input_precision="ieee")
-                elif IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
+        # The selected tiles' rows as one stream of selected x TILE key rows, KEYS of them per step: a step may
+        # span several 64-row tiles (fewer, larger tensor-core products and softmax passes per key) or part of
+        # a larger one. The first step holds the first selected tile's first row, which is real (a tile's real
+        # rows come first), so the running maximum is finite from the first step on and a later step that is
+        # all padding adds exactly nothing.
+        stream = tl.arange(0, KEYS)
+        for start in range(0, selected * TILE, KEYS):
+            place = start + stream
+            live = place < selected * TILE
+            k_tile = tl.load(idx_row + place // TILE, mask=live, other=0)
+            k_rows = tl.load(rows_ptr + k_tile * TILE + place % TILE, mask=live, other=-1)
+            k_ok = k_rows >= 0
+            k_off = k_rows.to(tl.int64)[:, None]
+            k = tl.load(k_base + k_off * sk_s + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(k_ok[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + k_off * sv_s + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:  # P rounded to the heads' dtype, as the half-precision P.V product on a GPU takes it
+                pv = tl.dot(rnd(p, RND), v.to(tl.float32), input_precision="ieee")
+            elif IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
         out = acc / l_i[:, None]
         row_ok = q_ok[:, None] & col_ok[None, :]
         if GATED:
@@ -192,6 +196,8 @@ def _fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, 
     grid = (tiles.num_tiles * tiles.tile // BLOCK, b * h)
     # Triton's CPU interpreter multiplies bf16/fp16 blocks as integers: there the kernel computes in fp32.
     upcast = INTERPRETED and q.dtype != torch.float32
+    launch = dict(launch or FINE_LAUNCH)
+    keys = launch.pop("keys")
     _fine_kernel[grid](
         q, k, v, out, g, c, tiles.rows, idx, num,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -199,9 +205,8 @@ def _fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, 
         g.stride(0), g.stride(1), g.stride(2),
         idx.stride(0), idx.stride(1), idx.stride(2), num.stride(0), num.stride(1),
         h, tiles.num_tiles, LOG2E / math.sqrt(d),
-        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), TILE=tiles.tile, BLOCK=BLOCK, GATED=gated,
-        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, RND=round_code(v.dtype),
-        **(launch or FINE_LAUNCH))
+        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), TILE=tiles.tile, BLOCK=BLOCK, KEYS=keys,
+        GATED=gated, IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, RND=round_code(v.dtype), **launch)
     return out
 
 

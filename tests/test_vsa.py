@@ -215,6 +215,21 @@ def test_the_kernels_lists_and_pooling_are_the_references(tile, sparsity):
 
 
 @needs_triton
+@pytest.mark.parametrize("keys", [64, 128, 256])
+@pytest.mark.parametrize("tile", [64, 256])
+def test_every_key_step_of_the_walk_gives_the_fine_step(keys, tile):
+    """The kernel walks the selected tiles' rows KEYS at a time, a step spanning several tiles or part of one:
+    every step size gives the reference's fine step (fp32, 1e-5), short tiles and odd selections included."""
+    from h3_spark.kernels.vsa import _fine, tile_lists
+
+    tiles = tile_map((37, 20), (6, 9, 13), tile)
+    q, k, v = _qkv(tiles, seed=11)
+    mask = select_tiles(coarse_scores(q, k, tiles), tiles.num_prefix_tiles, 0.6)
+    got = _fine(q, k, v, *tile_lists(mask), tiles, launch={"keys": keys, "num_warps": 4, "num_stages": 1})
+    assert (got - fine_reference(q, k, v, mask, tiles)).abs().max().item() <= 1e-5
+
+
+@needs_triton
 def test_the_gated_epilogue_rounds_as_the_references_eager_ops_bf16():
     """bf16 with a gate: the fine step rounded, the product coarse x gate rounded, the sum rounded, as
     vsa_reference's eager ops do; the kernel's fine step differs from the fp32 reference's by its P rounding
