@@ -52,8 +52,8 @@ def timed(fn, repeats: int) -> tuple[list[float], object]:
 
 # Launch shapes the sweep tries for the fine kernel (64-row query blocks; key rows per step; one warpgroup's
 # wgmma or two; software-pipeline depth).
-LAUNCHES = ([{"keys": n, "num_warps": 4, "num_stages": st} for n in (64, 128, 256) for st in (1, 2, 3)]
-            + [{"keys": n, "num_warps": 8, "num_stages": st} for n in (128, 256) for st in (1, 2)])
+LAUNCHES = ([{"keys": 64, "num_warps": 4, "num_stages": 1}]
+            + [{"keys": 64, "tma": True, "num_warps": 4, "num_stages": st} for st in (1, 2, 3, 4, 5)])
 
 
 def sweep(run, lists_by_sparsity, repeats: int) -> list[dict]:

@@ -35,7 +35,7 @@ BLOCK = 64  # rows of a query or key block: a 64-row tile is one block, larger t
 LOG2E = 1.4426950408889634
 # Launch shape of the fine kernel, from the sweep on the H200 (benchmarks/vsa_attention_gpu.py --sweep).
 # KEYS: key rows per step of the walk (64, 128 or 256).
-FINE_LAUNCH = {"keys": 128, "num_warps": 4, "num_stages": 1}
+FINE_LAUNCH = {"keys": 64, "tma": True, "num_warps": 4, "num_stages": 3}
 
 if triton is not None:
 
@@ -136,6 +136,76 @@ if triton is not None:
                  rnd(out, RND).to(o_ptr.dtype.element_ty), mask=row_ok)
 
 
+    @triton.jit
+    def _fine_tma_kernel(q_desc, k_desc, v_desc, o_ptr, g_ptr, c_ptr, rows_ptr, size_ptr, idx_ptr, num_ptr,
+                         so_b, so_s, so_h, sg_b, sg_s, sg_h,
+                         idx_stride_b, idx_stride_h, idx_stride_q, num_stride_b, num_stride_h,
+                         heads, num_tiles, qk_scale,
+                         HEAD_DIM: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr,
+                         IEEE: tl.constexpr, UPCAST: tl.constexpr, RND: tl.constexpr):
+        """The fine step over tile-ordered copies of q, k, v read by TMA: (B x n x TILE, H x D) 2-D views,
+        BLOCK x D boxes at (row of the tile, head's column)."""
+        block = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // heads
+        h = bh % heads
+        q_tile = (block * BLOCK) // TILE
+        row0 = b * num_tiles * TILE
+        col = h * HEAD_DIM
+        q = q_desc.load([row0 + block * BLOCK, col])
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK], dtype=tl.float32)
+        acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
+        bq = b.to(tl.int64)
+        hq = h.to(tl.int64)
+        selected = tl.load(num_ptr + b * num_stride_b + h * num_stride_h + q_tile)
+        idx_row = idx_ptr + bq * idx_stride_b + hq * idx_stride_h + q_tile * idx_stride_q
+        for j in range(0, selected):
+            k_tile = tl.load(idx_row + j)
+            size = tl.load(size_ptr + k_tile)
+            for sub in tl.static_range(TILE // BLOCK):
+                within = sub * BLOCK + tl.arange(0, BLOCK)
+                r = row0 + k_tile * TILE + sub * BLOCK
+                k = k_desc.load([r, col])
+                if UPCAST:
+                    k = k.to(tl.float32)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                if (sub + 1) * BLOCK > size:  # only a short tile's last block has padding to mask
+                    s = tl.where((within < size)[None, :], s, float("-inf"))
+                # The running maximum in scaled units: the scale rides in one fused multiply-add per score.
+                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+                p = tl.exp2(s * qk_scale - m_new[:, None])
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = v_desc.load([r, col])
+                if UPCAST:
+                    pv = tl.dot(rnd(p, RND), v.to(tl.float32), input_precision="ieee")
+                elif IEEE:
+                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+        out = acc / l_i[:, None]
+        q_rows = tl.load(rows_ptr + block * BLOCK + tl.arange(0, BLOCK))
+        q_ok = (q_rows >= 0)[:, None]
+        q_rows = q_rows.to(tl.int64)
+        cols = tl.arange(0, HEAD_DIM)
+        if GATED:
+            coarse = tl.load(c_ptr + (bh.to(tl.int64) * num_tiles + q_tile) * HEAD_DIM + cols)
+            gate = tl.load(g_ptr + bq * sg_b + hq * sg_h + q_rows[:, None] * sg_s + cols[None, :], mask=q_ok,
+                           other=0.0)
+            gate = rnd(gate.to(tl.float32), RND)
+            out = rnd(out, RND) + rnd(rnd(coarse, RND)[None, :] * gate, RND)
+        tl.store(o_ptr + bq * so_b + hq * so_h + q_rows[:, None] * so_s + cols[None, :],
+                 rnd(out, RND).to(o_ptr.dtype.element_ty), mask=q_ok)
+
+
 def _heads(x: torch.Tensor) -> torch.Tensor:
     """x with unit channel stride (the kernels read each head's D channels as one run)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -198,6 +268,9 @@ def _fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, 
     upcast = INTERPRETED and q.dtype != torch.float32
     launch = dict(launch or FINE_LAUNCH)
     keys = launch.pop("keys")
+    if launch.pop("tma", False):
+        _fine_tma(q, k, v, out, g, c, idx, num, tiles, gated, upcast, launch)
+        return out
     _fine_kernel[grid](
         q, k, v, out, g, c, tiles.rows, idx, num,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -208,6 +281,28 @@ def _fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, 
         HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), TILE=tiles.tile, BLOCK=BLOCK, KEYS=keys,
         GATED=gated, IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, RND=round_code(v.dtype), **launch)
     return out
+
+
+def _tile_ordered(x: torch.Tensor, tiles: TileMap) -> torch.Tensor:
+    """x (B, S, H, D) in packed order -> (B x n x tile, H x D) tile by tile, zeros in the padding."""
+    b, _, h, d = x.shape
+    out = x.new_zeros(b, tiles.num_tiles * tiles.tile, h, d)
+    return out.index_copy_(1, tiles.slot, x).view(b * tiles.num_tiles * tiles.tile, h * d)
+
+
+def _fine_tma(q, k, v, out, g, c, idx, num, tiles, gated, upcast, launch) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, _, h, d = q.shape
+    descs = [TensorDescriptor.from_tensor(_tile_ordered(x, tiles), [BLOCK, d]) for x in (q, k, v)]
+    grid = (tiles.num_tiles * tiles.tile // BLOCK, b * h)
+    _fine_tma_kernel[grid](
+        *descs, out, g, c, tiles.rows, tiles.sizes.to(torch.int32), idx, num,
+        out.stride(0), out.stride(1), out.stride(2), g.stride(0), g.stride(1), g.stride(2),
+        idx.stride(0), idx.stride(1), idx.stride(2), num.stride(0), num.stride(1),
+        h, tiles.num_tiles, LOG2E / math.sqrt(d),
+        HEAD_DIM=d, TILE=tiles.tile, BLOCK=BLOCK, GATED=gated, IEEE=q.dtype == torch.float32 or upcast,
+        UPCAST=upcast, RND=round_code(v.dtype), **launch)
 
 
 def block_sparse_fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
