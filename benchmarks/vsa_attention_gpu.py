@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     from h3_spark.kernels.attention import resolve_attention
     from h3_spark.kernels.qk_prep import reference_prepare_heads
     from h3_spark.kernels.settings import KernelSettings
-    from h3_spark.kernels.vsa import _fine, _pooled, selected_lists, vsa_attention
+    from h3_spark.kernels.vsa import _fine, _pooled, fine_launch, selected_lists, vsa_attention
     from h3_spark.kernels.vsa_reference import fine_reference, select_tiles, vsa_reference
     from h3_spark.measure import stamp
 
@@ -196,7 +196,8 @@ def main(argv=None) -> int:
         runs.append(row)
         del q, k, v, gate, dense, scores
         torch.cuda.empty_cache()
-    result = {"benchmark": "vsa_attention", "dense_backend": fa3_name, "heads": HEADS, "head_dim": HEAD_DIM,
+    result = {"benchmark": "vsa_attention", "dense_backend": fa3_name, "fine_launch": fine_launch(device),
+              "heads": HEADS, "head_dim": HEAD_DIM,
               "inputs": "random bf16, q and k RMS-normalised per head, random gate (synthetic: not H3's attention "
                         "maps)", "runs": runs, "stamp": stamp.stamp_after(record)}
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -26,16 +26,27 @@ import torch
 
 from ._triton import INTERPRETED, rnd, round_code, tl, triton  # noqa: F401  (rnd: used in the kernel)
 from .attention import Backend
-from .capability import require_triton
+from .capability import capability, require_triton
 from .vsa_reference import TileMap, check_inputs, tile_map, video_tiles_kept, vsa_reference
 
 __all__ = ["VsaAttention", "block_sparse_fine", "vsa_attention", "tile_map", "vsa_reference"]
 
 BLOCK = 64  # rows of a query or key block: a 64-row tile is one block, larger tiles several
 LOG2E = 1.4426950408889634
-# Launch shape of the fine kernel, from the sweep on the H200 (benchmarks/vsa_attention_gpu.py --sweep).
-# KEYS: key rows per step of the walk (64, 128 or 256).
-FINE_LAUNCH = {"keys": 64, "tma": True, "num_warps": 4, "num_stages": 3}
+# Launch shapes of the fine kernel, from the sweeps on the H200 (benchmarks/vsa_attention_gpu.py --sweep,
+# receipts/h200/fasth3/). On sm_90 and later the TMA kernel over tile-ordered copies (the copies included, it
+# took 17.2 ms where the gather walk took 20.9 at S = 37,966, sparsity 0.9; 5 stages of K and V boxes). Elsewhere,
+# and in Triton's interpreter, the gather walk (`keys`: key rows a step; 128 or 256 measured slower on the H200;
+# its launch shape there is not measured on older GPUs).
+TMA_LAUNCH = {"keys": 64, "tma": True, "num_warps": 4, "num_stages": 5}
+GATHER_LAUNCH = {"keys": 64, "num_warps": 4, "num_stages": 1}
+
+
+def fine_launch(device) -> dict:
+    cap = capability(device)
+    hopper_up = cap is not None and cap >= (9, 0) and not INTERPRETED and torch.version.hip is None
+    return TMA_LAUNCH if hopper_up else GATHER_LAUNCH
+
 
 if triton is not None:
 
@@ -266,7 +277,7 @@ def _fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, 
     grid = (tiles.num_tiles * tiles.tile // BLOCK, b * h)
     # Triton's CPU interpreter multiplies bf16/fp16 blocks as integers: there the kernel computes in fp32.
     upcast = INTERPRETED and q.dtype != torch.float32
-    launch = dict(launch or FINE_LAUNCH)
+    launch = dict(launch or fine_launch(q.device))
     keys = launch.pop("keys")
     if launch.pop("tma", False):
         _fine_tma(q, k, v, out, g, c, idx, num, tiles, gated, upcast, launch)
@@ -338,6 +349,7 @@ class VsaAttention(Backend):
             raise ValueError(f"VSA's fine step runs on triton or pytorch, not {fine!r}")
         self.tiles, self.sparsity, self.fine = tiles, float(sparsity), fine
         self._on: dict[torch.device, TileMap] = {}
+        self.kernel: str | None = None  # which fine kernel ran last: "tma" or "gather" (triton), "reference"
         self.calls = 0
         self.gated_calls = 0
 
@@ -347,10 +359,13 @@ class VsaAttention(Backend):
             tiles = self._on[q.device] = self.tiles.to(q.device)
         self.calls += 1
         self.gated_calls += gate is not None
-        run = vsa_attention if self.fine == "triton" else vsa_reference
-        return run(q, k, v, gate, tiles, self.sparsity)
+        if self.fine == "triton":
+            self.kernel = "tma" if fine_launch(q.device).get("tma") else "gather"
+            return vsa_attention(q, k, v, gate, tiles, self.sparsity)
+        self.kernel = "reference"
+        return vsa_reference(q, k, v, gate, tiles, self.sparsity)
 
     def describe(self) -> dict:
         return {**super().describe(), "sparsity": self.sparsity, "tile": self.tiles.tile, "fine": self.fine,
-                "tiles": self.tiles.num_tiles, "video_tiles": self.tiles.num_video_tiles, "calls": self.calls,
+                "fine_kernel": self.kernel, "tiles": self.tiles.num_tiles, "video_tiles": self.tiles.num_video_tiles, "calls": self.calls,
                 "calls_with_gate": self.gated_calls}

@@ -189,7 +189,7 @@ def test_triton_fine_kernel_bf16_and_the_whole_vsa():
     backend = VsaAttention(tiles, 0.8, "triton")
     assert backend.reads_gate and torch.equal(backend(qf, kf, vf, gate=gate), whole)
     assert backend.describe() == {"backend": "vsa", "exact": False, "sparsity": 0.8, "tile": 64, "fine": "triton",
-                                  "tiles": 10, "video_tiles": 8, "calls": 1, "calls_with_gate": 1}
+                                  "fine_kernel": "gather", "tiles": 10, "video_tiles": 8, "calls": 1, "calls_with_gate": 1}
 
 
 @needs_triton
@@ -215,18 +215,32 @@ def test_the_kernels_lists_and_pooling_are_the_references(tile, sparsity):
 
 
 @needs_triton
-@pytest.mark.parametrize("keys", [64, 128, 256])
+@pytest.mark.parametrize("launch", [{"keys": 64}, {"keys": 128}, {"keys": 256}, {"keys": 64, "tma": True}])
 @pytest.mark.parametrize("tile", [64, 256])
-def test_every_key_step_of_the_walk_gives_the_fine_step(keys, tile):
-    """The kernel walks the selected tiles' rows KEYS at a time, a step spanning several tiles or part of one:
-    every step size gives the reference's fine step (fp32, 1e-5), short tiles and odd selections included."""
-    from h3_spark.kernels.vsa import _fine, tile_lists
+def test_both_fine_kernels_and_every_key_step_give_the_fine_step(launch, tile):
+    """The gather kernel walks the selected tiles' rows KEYS at a time, a step spanning several tiles or part of
+    one; the TMA kernel (sm_90 and later) reads tile-ordered copies: each gives the reference's fine step (fp32,
+    1e-5), short tiles and odd selections included, and the gated epilogue of both matches the reference."""
+    from h3_spark.kernels.vsa import _fine, _pooled, tile_lists
 
     tiles = tile_map((37, 20), (6, 9, 13), tile)
     q, k, v = _qkv(tiles, seed=11)
     mask = select_tiles(coarse_scores(q, k, tiles), tiles.num_prefix_tiles, 0.6)
-    got = _fine(q, k, v, *tile_lists(mask), tiles, launch={"keys": keys, "num_warps": 4, "num_stages": 1})
+    launch = {**launch, "num_warps": 4, "num_stages": 1}
+    got = _fine(q, k, v, *tile_lists(mask), tiles, launch=launch)
     assert (got - fine_reference(q, k, v, mask, tiles)).abs().max().item() <= 1e-5
+    gate = torch.randn_like(v)
+    scores = coarse_scores(q, k, tiles)
+    gated = _fine(q, k, v, *tile_lists(mask), tiles, gate, scores.softmax(-1) @ _pooled(v, tiles), launch=launch)
+    want = add_gated_coarse(fine_reference(q, k, v, mask, tiles), scores, pooled(v, tiles), gate, tiles)
+    assert (gated - want).abs().max().item() <= 1e-5
+
+
+def test_the_tma_kernel_is_chosen_on_hopper_and_later_only():
+    from h3_spark.kernels import vsa
+
+    assert vsa.fine_launch("cpu") == vsa.GATHER_LAUNCH
+    assert vsa.TMA_LAUNCH["tma"] and "tma" not in vsa.GATHER_LAUNCH
 
 
 @needs_triton
@@ -248,14 +262,16 @@ def test_the_gated_epilogue_rounds_as_the_references_eager_ops_bf16():
 
 # ------------------------------------------------------------------------------------------ on a GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", [64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fine_kernel_compiled_for_cuda_matches_the_reference(dtype):
-    """The Triton kernel compiled for the GPU (not interpreted), at the DiT's head width: the fine step against
+def test_the_fine_kernel_compiled_for_cuda_matches_the_reference(dtype, tile):
+    """The Triton kernels compiled for the GPU (not interpreted; TMA on sm_90 and later, and the gather walk), at
+    the DiT's head width, 64- and 256-row tiles: the fine step against
     the fp32 reference with the same selection (fp32: 1e-5; bf16: 2 ulps relative, as on the CPU), sparsity 0
     against dense attention, and the whole VSA with a gate against the reference pipeline."""
     from h3_spark.kernels.vsa import block_sparse_fine, vsa_attention
 
-    tiles = tile_map((37, 20, 130), (9, 12, 14), 64).to("cuda")
+    tiles = tile_map((37, 20, 130), (9, 12, 14), tile).to("cuda")
     q, k, v = (t.cuda() for t in _qkv(tiles, heads=4, dim=128, dtype=dtype, seed=8))
     for sparsity in (0.0, 0.8):
         mask = select_tiles(coarse_scores(q, k, tiles), tiles.num_prefix_tiles, sparsity)
@@ -264,6 +280,14 @@ def test_the_fine_kernel_compiled_for_cuda_matches_the_reference(dtype):
             assert (got - want).abs().max().item() <= 1e-5
         else:
             assert ((got - want).abs() <= want.abs() * 2 ** -6 + 2 ** -8).all()
+        # The gather kernel (GPUs before sm_90) compiled here as well, on the same selection.
+        from h3_spark.kernels.vsa import GATHER_LAUNCH, _fine, tile_lists
+
+        gathered = _fine(q, k, v, *tile_lists(mask), tiles, launch=GATHER_LAUNCH).float()
+        if dtype == torch.float32:
+            assert (gathered - want).abs().max().item() <= 1e-5
+        else:
+            assert ((gathered - want).abs() <= want.abs() * 2 ** -6 + 2 ** -8).all()
     dense = math_reference(q.float(), k.float(), v.float())
     full = block_sparse_fine(q, k, v, torch.ones_like(mask), tiles).float()
     assert (full - dense).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2 ** -6)
