@@ -173,35 +173,37 @@ if triton is not None:
         hq = h.to(tl.int64)
         selected = tl.load(num_ptr + b * num_stride_b + h * num_stride_h + q_tile)
         idx_row = idx_ptr + bq * idx_stride_b + hq * idx_stride_h + q_tile * idx_stride_q
-        for j in range(0, selected):
-            k_tile = tl.load(idx_row + j)
+        # One BLOCK-row box of K and V per step, a larger tile's boxes as consecutive steps (unrolling them
+        # multiplied the pipeline's shared memory by TILE // BLOCK: 256-row tiles did not fit on the H200).
+        for j in range(0, selected * (TILE // BLOCK)):
+            k_tile = tl.load(idx_row + j // (TILE // BLOCK))
+            sub = j % (TILE // BLOCK)
             size = tl.load(size_ptr + k_tile)
-            for sub in tl.static_range(TILE // BLOCK):
-                within = sub * BLOCK + tl.arange(0, BLOCK)
-                r = row0 + k_tile * TILE + sub * BLOCK
-                k = k_desc.load([r, col])
-                if UPCAST:
-                    k = k.to(tl.float32)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                if (sub + 1) * BLOCK > size:  # only a short tile's last block has padding to mask
-                    s = tl.where((within < size)[None, :], s, float("-inf"))
-                # The running maximum in scaled units: the scale rides in one fused multiply-add per score.
-                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-                p = tl.exp2(s * qk_scale - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = v_desc.load([r, col])
-                if UPCAST:
-                    pv = tl.dot(rnd(p, RND), v.to(tl.float32), input_precision="ieee")
-                elif IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
+            within = sub * BLOCK + tl.arange(0, BLOCK)
+            r = row0 + k_tile * TILE + sub * BLOCK
+            k = k_desc.load([r, col])
+            if UPCAST:
+                k = k.to(tl.float32)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            if (sub + 1) * BLOCK > size:  # only a short tile's last box has padding to mask
+                s = tl.where((within < size)[None, :], s, float("-inf"))
+            # The running maximum in scaled units: the scale rides in one fused multiply-add per score.
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = v_desc.load([r, col])
+            if UPCAST:
+                pv = tl.dot(rnd(p, RND), v.to(tl.float32), input_precision="ieee")
+            elif IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
         out = acc / l_i[:, None]
         q_rows = tl.load(rows_ptr + block * BLOCK + tl.arange(0, BLOCK))
         q_ok = (q_rows >= 0)[:, None]
