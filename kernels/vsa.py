@@ -1,17 +1,19 @@
 """Video Sparse Attention (VSA) for FastH3: pooling and the block-sparse fine attention as Triton kernels, and
 the backend.
 
-The method and its PyTorch reference are in vsa_reference.py. The kernels read q, k, v where the DiT left them,
-in packed row order: a tile's rows are gathered through `TileMap.rows` (a 64-row video tile is a 4x4x4 brick
-of patches scattered over the packed sequence; each row is one contiguous head of D channels, so a gather
-costs what a strided read does), which spares the three padded copies, and the scatter back, an earlier
-version made around the kernel.
-- `_pool_kernel`: the fp32 mean of each tile's rows, (B, H, n, D), for the coarse scores and values.
-- `_fine_kernel`: program (query block of 64 rows, batch x head) walks the rows of the key tiles its query tile
-  selected (a compacted list per query tile) as one stream, KEYS rows a step, with an online softmax in fp32;
-  the padding of a short tile is masked out of the keys. Q.K and P.V are tensor-core products in the heads'
-  dtype (fp32 accumulation; fp32 heads in IEEE fp32). One kernel serves tiles of 64, 128 and 256 rows. With a
-  gate, its epilogue adds the gated coarse branch with the two roundings the reference's eager ops make.
+The method and its PyTorch reference are in vsa_reference.py. q, k and v arrive in packed row order; a 64-row
+video tile is a 4x4x4 brick of patches scattered over that order, and `TileMap.rows` names each tile's rows.
+- `_pool_kernel`: the fp32 mean of each tile's rows, gathered through `TileMap.rows`, (B, H, n, D), for the
+  coarse scores and values.
+- `_fine_tma_kernel` (sm_90 and later): q, k and v are first copied in tile order (zeros in the padding), then
+  each program (query block of 64 rows, batch x head) reads 64-row boxes of them by TMA, one K and one V box
+  a step over the key tiles its query tile selected (a compacted list per query tile), with an online softmax
+  in fp32; a short tile's padding is masked in its last box only.
+- `_fine_kernel` (other GPUs, Triton's interpreter): the same walk gathering the rows in packed order (no
+  copies), KEYS rows a step.
+Both: Q.K and P.V are tensor-core products in the heads' dtype (fp32 accumulation; fp32 heads in IEEE fp32);
+tiles of 64, 128 and 256 rows; the output is stored in packed order, and with a gate the epilogue adds the
+gated coarse branch with the two roundings the reference's eager ops make.
 The coarse scores, the top-k selection and the coarse output are small PyTorch ops on (B, H, tiles, tiles).
 
 `VsaAttention` is what a DiT block's attention schedule hands the block (engine/recipes.py, recipe fasth3): it
@@ -42,10 +44,12 @@ TMA_LAUNCH = {"keys": 64, "tma": True, "num_warps": 4, "num_stages": 5}
 GATHER_LAUNCH = {"keys": 64, "num_warps": 4, "num_stages": 1}
 
 
-def fine_launch(device) -> dict:
+def fine_launch(device, head_dim: int = 128) -> dict:
+    """The fine kernel's launch on `device`: TMA where the GPU has it (sm_90+) and a head is one box (a power of
+    two of at least 16 channels), the gather walk elsewhere."""
     cap = capability(device)
-    hopper_up = cap is not None and cap >= (9, 0) and not INTERPRETED and torch.version.hip is None
-    return TMA_LAUNCH if hopper_up else GATHER_LAUNCH
+    tma = cap is not None and cap >= (9, 0) and not INTERPRETED and torch.version.hip is None
+    return TMA_LAUNCH if tma and head_dim >= 16 and head_dim & (head_dim - 1) == 0 else GATHER_LAUNCH
 
 
 if triton is not None:
@@ -279,7 +283,7 @@ def _fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, 
     grid = (tiles.num_tiles * tiles.tile // BLOCK, b * h)
     # Triton's CPU interpreter multiplies bf16/fp16 blocks as integers: there the kernel computes in fp32.
     upcast = INTERPRETED and q.dtype != torch.float32
-    launch = dict(launch or fine_launch(q.device))
+    launch = dict(launch or fine_launch(q.device, d))
     keys = launch.pop("keys")
     if launch.pop("tma", False):
         _fine_tma(q, k, v, out, g, c, idx, num, tiles, gated, upcast, launch)
@@ -362,7 +366,7 @@ class VsaAttention(Backend):
         self.calls += 1
         self.gated_calls += gate is not None
         if self.fine == "triton":
-            self.kernel = "tma" if fine_launch(q.device).get("tma") else "gather"
+            self.kernel = "tma" if fine_launch(q.device, q.shape[-1]).get("tma") else "gather"
             return vsa_attention(q, k, v, gate, tiles, self.sparsity)
         self.kernel = "reference"
         return vsa_reference(q, k, v, gate, tiles, self.sparsity)
