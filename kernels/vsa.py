@@ -79,7 +79,8 @@ if triton is not None:
                      idx_stride_b, idx_stride_h, idx_stride_q, num_stride_b, num_stride_h,
                      heads, num_tiles, qk_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr,
-                     KEYS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, RND: tl.constexpr):
+                     KEYS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                     RND: tl.constexpr):
         block = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // heads
@@ -373,5 +374,6 @@ class VsaAttention(Backend):
 
     def describe(self) -> dict:
         return {**super().describe(), "sparsity": self.sparsity, "tile": self.tiles.tile, "fine": self.fine,
-                "fine_kernel": self.kernel, "tiles": self.tiles.num_tiles, "video_tiles": self.tiles.num_video_tiles, "calls": self.calls,
+                "fine_kernel": self.kernel, "tiles": self.tiles.num_tiles,
+                "video_tiles": self.tiles.num_video_tiles, "calls": self.calls,
                 "calls_with_gate": self.gated_calls}

@@ -189,7 +189,8 @@ def test_triton_fine_kernel_bf16_and_the_whole_vsa():
     backend = VsaAttention(tiles, 0.8, "triton")
     assert backend.reads_gate and torch.equal(backend(qf, kf, vf, gate=gate), whole)
     assert backend.describe() == {"backend": "vsa", "exact": False, "sparsity": 0.8, "tile": 64, "fine": "triton",
-                                  "fine_kernel": "gather", "tiles": 10, "video_tiles": 8, "calls": 1, "calls_with_gate": 1}
+                                  "fine_kernel": "gather", "tiles": 10, "video_tiles": 8, "calls": 1,
+                                  "calls_with_gate": 1}
 
 
 @needs_triton
