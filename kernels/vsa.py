@@ -74,6 +74,43 @@ if triton is not None:
         tl.store(out_ptr + (bh.to(tl.int64) * num_tiles + tile) * HEAD_DIM + cols, total / size, mask=col_ok)
 
     @triton.jit
+    def _scores(q, k, IEEE: tl.constexpr):
+        """Q.K^T of a query block and a key block: tensor cores in the heads' dtype, IEEE fp32 for fp32 heads."""
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        return s
+
+    @triton.jit
+    def _weighted_values(p, v, IEEE: tl.constexpr, UPCAST: tl.constexpr, RND: tl.constexpr):
+        """P.V with P in the heads' dtype (UPCAST, the interpreter: P rounded as the GPU's product takes it)."""
+        if UPCAST:
+            pv = tl.dot(rnd(p, RND), v.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return pv
+
+    @triton.jit
+    def _store_rows(out, o_ptr, g_ptr, c_ptr, q_rows, row_ok, cols, col_ok, bh, bq, hq, q_tile, num_tiles,
+                    so_b, so_s, so_h, sg_b, sg_s, sg_h, HEAD_DIM: tl.constexpr, GATED: tl.constexpr,
+                    RND: tl.constexpr):
+        """The fine output of a query block stored to its packed rows (int64 `q_rows`, `row_ok` masks padding),
+        with the gated coarse branch added when GATED: fine.to(dtype) + (coarse.to(dtype) * gate).to(dtype),
+        rounded once more, as the reference's eager ops make it."""
+        if GATED:
+            coarse = tl.load(c_ptr + (bh.to(tl.int64) * num_tiles + q_tile) * HEAD_DIM + cols, mask=col_ok,
+                             other=0.0)
+            gate = tl.load(g_ptr + bq * sg_b + hq * sg_h + q_rows[:, None] * sg_s + cols[None, :], mask=row_ok,
+                           other=0.0)
+            gate = rnd(gate.to(tl.float32), RND)  # the reference takes the gate in the output's dtype
+            out = rnd(out, RND) + rnd(rnd(coarse, RND)[None, :] * gate, RND)
+        tl.store(o_ptr + bq * so_b + hq * so_h + q_rows[:, None] * so_s + cols[None, :],
+                 rnd(out, RND).to(o_ptr.dtype.element_ty), mask=row_ok)
+
+    @triton.jit
     def _fine_kernel(q_ptr, k_ptr, v_ptr, o_ptr, g_ptr, c_ptr, rows_ptr, idx_ptr, num_ptr,
                      sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_s, so_h, sg_b, sg_s, sg_h,
                      idx_stride_b, idx_stride_h, idx_stride_q, num_stride_b, num_stride_h,
@@ -120,37 +157,16 @@ if triton is not None:
             k = tl.load(k_base + k_off * sk_s + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(k_ok[None, :], s * qk_scale, float("-inf"))
+            s = tl.where(k_ok[None, :], _scores(q, k, IEEE) * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + k_off * sv_s + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if UPCAST:  # P rounded to the heads' dtype, as the half-precision P.V product on a GPU takes it
-                pv = tl.dot(rnd(p, RND), v.to(tl.float32), input_precision="ieee")
-            elif IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + _weighted_values(p, v, IEEE, UPCAST, RND)
             m_i = m_new
-        out = acc / l_i[:, None]
-        row_ok = q_ok[:, None] & col_ok[None, :]
-        if GATED:
-            # fine.to(dtype) + (coarse.to(dtype) * gate).to(dtype), rounded once more: the reference's eager ops.
-            coarse = tl.load(c_ptr + (bh.to(tl.int64) * num_tiles + q_tile) * HEAD_DIM + cols, mask=col_ok,
-                             other=0.0)
-            gate = tl.load(g_ptr + bq * sg_b + hq * sg_h + q_rows[:, None] * sg_s + cols[None, :], mask=row_ok,
-                           other=0.0)
-            gate = rnd(gate.to(tl.float32), RND)  # the reference takes the gate in the output's dtype
-            out = rnd(out, RND) + rnd(rnd(coarse, RND)[None, :] * gate, RND)
-        tl.store(o_ptr + bq * so_b + hq * so_h + q_rows[:, None] * so_s + cols[None, :],
-                 rnd(out, RND).to(o_ptr.dtype.element_ty), mask=row_ok)
-
+        _store_rows(acc / l_i[:, None], o_ptr, g_ptr, c_ptr, q_rows, q_ok[:, None] & col_ok[None, :], cols, col_ok,
+                    bh, bq, hq, q_tile, num_tiles, so_b, so_s, so_h, sg_b, sg_s, sg_h, HEAD_DIM, GATED, RND)
 
     @triton.jit
     def _fine_tma_kernel(q_desc, k_desc, v_desc, o_ptr, g_ptr, c_ptr, rows_ptr, size_ptr, idx_ptr, num_ptr,
@@ -189,10 +205,7 @@ if triton is not None:
             k = k_desc.load([r, col])
             if UPCAST:
                 k = k.to(tl.float32)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s = _scores(q, k, IEEE)
             if (sub + 1) * BLOCK > size:  # only a short tile's last box has padding to mask
                 s = tl.where((within < size)[None, :], s, float("-inf"))
             # The running maximum in scaled units: the scale rides in one fused multiply-add per score.
@@ -201,27 +214,13 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = v_desc.load([r, col])
-            if UPCAST:
-                pv = tl.dot(rnd(p, RND), v.to(tl.float32), input_precision="ieee")
-            elif IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + _weighted_values(p, v, IEEE, UPCAST, RND)
             m_i = m_new
-        out = acc / l_i[:, None]
         q_rows = tl.load(rows_ptr + block * BLOCK + tl.arange(0, BLOCK))
-        q_ok = (q_rows >= 0)[:, None]
-        q_rows = q_rows.to(tl.int64)
         cols = tl.arange(0, HEAD_DIM)
-        if GATED:
-            coarse = tl.load(c_ptr + (bh.to(tl.int64) * num_tiles + q_tile) * HEAD_DIM + cols)
-            gate = tl.load(g_ptr + bq * sg_b + hq * sg_h + q_rows[:, None] * sg_s + cols[None, :], mask=q_ok,
-                           other=0.0)
-            gate = rnd(gate.to(tl.float32), RND)
-            out = rnd(out, RND) + rnd(rnd(coarse, RND)[None, :] * gate, RND)
-        tl.store(o_ptr + bq * so_b + hq * so_h + q_rows[:, None] * so_s + cols[None, :],
-                 rnd(out, RND).to(o_ptr.dtype.element_ty), mask=q_ok)
+        _store_rows(acc / l_i[:, None], o_ptr, g_ptr, c_ptr, q_rows.to(tl.int64), (q_rows >= 0)[:, None], cols,
+                    cols < HEAD_DIM, bh, bq, hq, q_tile, num_tiles, so_b, so_s, so_h, sg_b, sg_s, sg_h, HEAD_DIM,
+                    GATED, RND)
 
 
 def _heads(x: torch.Tensor) -> torch.Tensor:
