@@ -1,18 +1,17 @@
-"""h3-spark: MiniMax H3 engine, CLI and ComfyUI custom-node pack.
+"""ComfyUI's entry to h3-spark: this checkout is a custom-node folder (custom_nodes/h3-spark).
 
-ComfyUI imports this folder as a custom-node package and reads NODE_CLASS_MAPPINGS /
-NODE_DISPLAY_NAME_MAPPINGS. Outside ComfyUI (pip install, CLI, tests) importing it must stay
-cheap and must not need ComfyUI, so nothing imported here imports torch or comfy: the node classes
-only describe themselves and import the engine when they run.
+ComfyUI imports this file as a package named after the folder's path and reads NODE_CLASS_MAPPINGS /
+NODE_DISPLAY_NAME_MAPPINGS. The engine, kernels and nodes live in the `h3_spark` package beside this file; it
+is imported as this folder's subpackage, so the pack runs its own files whether or not (and whichever version)
+`h3_spark` is also pip-installed. Nothing imported here imports torch or ComfyUI.
 """
 
-__version__ = "0.1.0"
-
 if __package__:
-    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+    from .h3_spark import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, __version__
 else:
-    # Executed as a lone file, not as a package (pytest sets up the repository root this way when the
-    # checkout's folder name is not an identifier): there is no package to hold the nodes.
+    # Executed as a lone file, not as a package (a tool that imports every __init__.py it meets, such as pytest
+    # in some import modes): there is no package to hold the nodes.
+    __version__ = None
     NODE_CLASS_MAPPINGS: dict = {}
     NODE_DISPLAY_NAME_MAPPINGS: dict = {}
 

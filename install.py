@@ -74,9 +74,9 @@ def write_demo(models_dir: Path | None) -> int:
     if models_dir is None:
         return fail(f"{PLACED} is not inside ComfyUI/custom_nodes/: give ComfyUI's models folder "
                     "(install.py --demo /path/to/ComfyUI/models)")
-    # The pack as the package it is (its folder name, h3-spark, is not a Python name), without installing it.
-    spec = importlib.util.spec_from_file_location("h3_spark", HERE / "__init__.py",
-                                                  submodule_search_locations=[str(HERE)])
+    # The pack's own package folder (h3_spark/ beside this file), without installing it.
+    spec = importlib.util.spec_from_file_location("h3_spark", HERE / "h3_spark" / "__init__.py",
+                                                  submodule_search_locations=[str(HERE / "h3_spark")])
     package = importlib.util.module_from_spec(spec)
     sys.modules["h3_spark"] = package
     spec.loader.exec_module(package)

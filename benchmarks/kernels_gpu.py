@@ -17,7 +17,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -26,15 +25,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def import_package():
-    """Make the repository importable as `h3_spark` without installing it (the root is the package)."""
+    """Make the checkout's `h3_spark/` importable without installing it (the GPU machine runs a bare copy)."""
     try:
         import h3_spark  # noqa: F401
         return
     except ImportError:
         pass
-    link_dir = Path(tempfile.mkdtemp(prefix="h3spark_"))
-    (link_dir / "h3_spark").symlink_to(REPO)
-    sys.path.insert(0, str(link_dir))
+    sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "tests"))
 
 

@@ -238,9 +238,10 @@ fi
 
 if ((copy)); then
     act mkdir -p "$target"
-    act cp -R "$REPO_ROOT/__init__.py" "$REPO_ROOT/errors.py" "$REPO_ROOT/pyproject.toml" \
-        "$REPO_ROOT/requirements.txt" "$REPO_ROOT/install.py" "$REPO_ROOT/h3_model" \
-        "$REPO_ROOT/kernels" "$REPO_ROOT/nodes" "$target/"
+    # The ComfyUI entry, the installer and the whole package folder (its nodes import the engine, kernels
+    # and errors beside them); no tests, benchmarks or receipts.
+    act cp -R "$REPO_ROOT/__init__.py" "$REPO_ROOT/pyproject.toml" "$REPO_ROOT/requirements.txt" \
+        "$REPO_ROOT/install.py" "$REPO_ROOT/h3_spark" "$target/"
     for extra in config workflows; do
         if [[ -d "$REPO_ROOT/$extra" ]]; then
             act cp -R "$REPO_ROOT/$extra" "$target/"

@@ -251,7 +251,7 @@ def test_vs_exact_reports_per_block_errors(tmp_path, capsys, monkeypatch):
 def test_promotion_verdicts():
     from h3_spark.measure.runner import promotion_verdict
 
-    budget = json.loads((ROOT / "config" / "quality_budget.json").read_text())
+    budget = json.loads((ROOT / "h3_spark" / "measure" / "quality_budget.json").read_text())
     assert promotion_verdict(0.5, 0.5, [], budget) == "exact path"
     assert promotion_verdict(0.01, 0.02, ["linear"], budget).startswith("eligible: linear")
     refused = promotion_verdict(0.389, 0.39, ["linear"], budget)

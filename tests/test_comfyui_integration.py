@@ -494,7 +494,7 @@ def test_comfyui_loads_the_dit_and_text_encoder_partially_through_our_patchers(i
     text_dir = write_text_encoder(tmp_path / "text_encoder", seed=5)
     pack_parent = tmp_path / "pack"
     pack_parent.mkdir()
-    (pack_parent / "h3_spark").symlink_to(ROOT)
+    (pack_parent / "h3_spark").symlink_to(ROOT / "h3_spark")
     script = tmp_path / "partial_load.py"
     script.write_text(PARTIAL_LOAD)
     out = subprocess.run([COMFY_PYTHON, str(script), COMFY_DIR, str(pack_parent), str(dit_dir), str(text_dir)],
@@ -609,7 +609,7 @@ def test_comfyui_loads_the_vaes_with_their_working_memory_and_takes_them_back(in
     audio = write_audio_vae_checkpoint(tmp_path / "audio_vae", "tiny", "diffusers", seed=2)
     pack_parent = tmp_path / "pack"
     pack_parent.mkdir()
-    (pack_parent / "h3_spark").symlink_to(ROOT)
+    (pack_parent / "h3_spark").symlink_to(ROOT / "h3_spark")
     script = tmp_path / "vae_load.py"
     script.write_text(VAE_LOAD)
     # 256 x 256 px in 128 px tiles (nine a window), 22 frames.

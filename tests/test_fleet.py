@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,7 @@ httpx = pytest.importorskip("httpx")
 
 # Ray Serve's own pydantic models warn on import; nothing of ours.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")
+ROOT = Path(__file__).resolve().parents[1]
 TERMINAL = ("done", "failed", "cancelled")
 KERNEL_ENV = {"H3_MODULATION_FUSION": "off", "H3_Q_RMS_ROPE_INT8_FUSION": "off", "OMP_NUM_THREADS": "1"}
 rng = random.Random()
@@ -243,7 +245,9 @@ def test_a_local_fleet_listens_on_loopback_only(tmp_path):
     command = [sys.executable, "-m", "h3_spark.cli", "fleet", "--replicas", "1", "--synthetic", "tiny",
                "--synthetic-modes", "t2va", "--device", "cpu", "--output-dir", str(tmp_path), "--port", str(port),
                "--num-cpus", "1", "--cpus-per-replica", "0.5"]
-    fleet = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    # Started from the checkout, as a user would: Ray's workers run in the driver's folder, so a root module that
+    # shadowed an installed one (the old root-as-package layout's kernels/) failed every replica.
+    fleet = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              start_new_session=True)
     family = []
     try:

@@ -88,7 +88,7 @@ def test_install_is_idempotent_and_uninstall_removes_only_ours(comfy):
     assert first.returncode == 0, first.stderr
     link = comfy / "custom_nodes" / "h3-spark"
     assert link.is_symlink() and link.resolve() == ROOT.resolve()
-    assert (link / "nodes" / "definitions.py").is_file()
+    assert (link / "h3_spark" / "nodes" / "definitions.py").is_file()
     again = run(comfy)
     assert again.returncode == 0 and "already linked" in again.stdout
     pip = (comfy.parent / "pip.log").read_text().splitlines()
@@ -97,7 +97,7 @@ def test_install_is_idempotent_and_uninstall_removes_only_ours(comfy):
     assert all(line.endswith("| torch==2.11.0 ") for line in pip), pip
     gone = run(comfy, "--uninstall")
     assert gone.returncode == 0 and not link.exists() and not link.is_symlink()
-    assert ROOT.is_dir() and (ROOT / "nodes").is_dir()  # the link went, not the repository
+    assert ROOT.is_dir() and (ROOT / "h3_spark" / "nodes").is_dir()  # the link went, not the repository
     assert "nothing to remove" in run(comfy, "--uninstall").stdout
 
 
@@ -124,7 +124,7 @@ def test_copy_mode_and_its_marker(comfy):
     assert out.returncode == 0, out.stderr
     target = comfy / "custom_nodes" / "h3-spark"
     assert not target.is_symlink() and (target / ".h3-spark-overlay").is_file()
-    assert (target / "nodes" / "engine.py").is_file() and not (target / "tests").exists()
+    assert (target / "h3_spark" / "nodes" / "engine.py").is_file() and not (target / "tests").exists()
     assert _imports_outside(target) == []
     assert run(comfy, "--copy").returncode == 0  # made afresh
     assert run(comfy, "--uninstall").returncode == 0 and not target.exists()

@@ -1043,10 +1043,10 @@ def test_error_types_are_named_as_the_package_when_comfyui_imports_the_pack_by_p
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-        errors = sys.modules[name + ".errors"]
+        errors = sys.modules[name + ".h3_spark.errors"]
         for cls in (errors.InputError, errors.CheckpointError, errors.H3Error):
             assert f"{cls.__module__}.{cls.__qualname__}" == f"h3_spark.errors.{cls.__name__}"
-        capability = importlib.import_module(name + ".kernels.capability")  # an H3Error defined elsewhere
+        capability = importlib.import_module(name + ".h3_spark.kernels.capability")  # an H3Error defined elsewhere
         assert capability.KernelUnavailable.__module__ == "h3_spark.kernels.capability"
         assert issubclass(capability.KernelUnavailable, errors.H3Error)
     finally:

@@ -11,14 +11,12 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 from h3_spark.errors import InputError
 from h3_spark.serve.records import SCHEMA_VERSION, JobRecords
 
-ROOT = Path(__file__).resolve().parents[1]
 rng = random.Random()
 
 
@@ -35,13 +33,13 @@ def test_records_a_killed_process_left_end_failed_and_ended_ones_stay(tmp_path):
     done = record("done", finished=time.time(), output="x.mp4")
     queued, running = record("queued"), record("running")
     # A real kill -9 right after the writes: nothing is closed, the lock dies with the process.
-    script = (f"import json, os, signal, sys; sys.path.insert(0, {str(ROOT.parent)!r})\n"
-              f"from {ROOT.name}.serve.records import JobRecords\n"
+    script = ("import json, os, signal, sys\n"
+              "from h3_spark.serve.records import JobRecords\n"
               f"r = JobRecords({str(path)!r})\n"
               f"for rec in json.loads(sys.argv[1]): r.save(rec)\n"
               f"os.kill(os.getpid(), signal.SIGKILL)\n")
     child = subprocess.run([sys.executable, "-c", script, json.dumps([done, queued, running])], capture_output=True,
-                           env={**os.environ, "PYTHONPATH": ""}, timeout=60)
+                           cwd=tmp_path, timeout=60)
     assert child.returncode == -signal.SIGKILL, child.stderr.decode()
     records = JobRecords(path)
     ended = dict(records.end_unfinished("the service stopped"))

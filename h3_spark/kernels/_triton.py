@@ -19,7 +19,7 @@ except ImportError:  # CPU-only installs: the PyTorch references still work
     tl = None
 
 rnd = rint = round_bf16 = round_f16 = round_e4m3 = None  # device helpers, defined below when Triton is installed
-div_by = store_e4m3 = None
+div_by = store_e4m3 = rnd_store = None
 
 
 def require_kernels(what: str = "this fused kernel") -> None:

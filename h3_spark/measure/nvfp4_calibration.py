@@ -9,7 +9,7 @@ they run on any device and see what the FP4 GEMMs would compute.
 - the gate (held-out requests, none of them a calibration request): per layer the ratio of the amax observed to
   the static range (448 x 6 x scale); every evaluation also runs with dynamic scales on the same inputs and the
   velocities are compared (rel L2, the worst of video and audio). Promoted only when every static layer is at
-  or under the limit and the worst drift is within `final_velocity_rel_l2` of config/quality_budget.json.
+  or under the limit and the worst drift is within `final_velocity_rel_l2` of the package's quality budget (h3_spark/measure/quality_budget.json).
   `exclude_failing` turns the layers over the limit dynamic (with their input's sharers) and measures the
   drift again with them so.
 """
@@ -28,10 +28,10 @@ from ..h3_model import geometry
 from ..h3_model.engine import static_scales as art_mod
 from ..h3_model.pipeline.generation import GenerationRequest, schedule_of
 from ..kernels import nvfp4_static
+from . import budget as budgets
 
 REQUEST_KEYS = {"mode", "prompt", "width", "height", "frames", "steps", "seed"}
 MAX_REQUESTS = 256
-BUDGET_FILE = Path(__file__).resolve().parents[1] / "config" / "quality_budget.json"
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -158,7 +158,7 @@ def _unique(shapes: list[dict]) -> list[dict]:
 
 
 def quality_budget() -> float:
-    return float(json.loads(BUDGET_FILE.read_text())["final_velocity_rel_l2"])
+    return float(budgets.quality_budget()["final_velocity_rel_l2"])
 
 
 def check_held_out(art: art_mod.Artifact, requests: list[GenerationRequest], source: str) -> None:
@@ -255,7 +255,7 @@ def gate(engine, key: str, art: art_mod.Artifact, requests: list[GenerationReque
         "ratios": ratios,
         "velocity_drift": {"max": worst_drift, "mean": sum(drift) / len(drift), "evaluations": len(drift),
                            "budget": budget, "budget_key": "final_velocity_rel_l2",
-                           "budget_file": "config/quality_budget.json"},
+                           "budget_file": "h3_spark/measure/quality_budget.json"},
         "saturated_blocks": sum(saturated.values()),
         "held_out": {"requests": len(requests), "shapes": _unique([request_shape(r) for r in requests])},
         "passes": passes,

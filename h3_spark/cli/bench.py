@@ -33,7 +33,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "CPU unless --device cpu is given")
     p.add_argument("--vs", choices=["diffusers", "exact"], default=None,
                    help="diffusers: diffusers on the same weights; exact: our exact path against the requested fast "
-                        "path, with per-block errors and the budget of config/quality_budget.json")
+                        "path, with per-block errors and the budget of h3_spark/measure/quality_budget.json")
     p.add_argument("--diffusers-backends", default="native",
                    help="comma-separated diffusers attention backends; the first is the parity reference, "
                         "another exact one gives the noise floor (default: native plus a second exact backend)")
@@ -67,8 +67,9 @@ def _run_vs_exact(args, contract, model, settings, device, weights, record, out:
     from ..h3_model.pipeline.scheduler import JointSchedule
     from ..measure import runner, stamp
     from ..measure.contract import contract_shape
+    from ..measure.budget import quality_budget
 
-    budget = json.loads((Path(__file__).resolve().parents[1] / "config" / "quality_budget.json").read_text())
+    budget = quality_budget()
     shape = contract_shape(contract, model.config)
     schedule = JointSchedule.create(contract["steps"])
     step = len(schedule) // 2

@@ -8,7 +8,8 @@ from pathlib import Path
 from ..errors import InputError
 from .contract import Contract, check_limits, load_contract, measured
 
-ROOT = Path(__file__).resolve().parents[1]
+# The contracts live in the checkout (benchmarks/), not in the package: an installed wheel has none beside it.
+CONTRACTS = Path(__file__).resolve().parents[2] / "benchmarks"
 REQUIRED_FIELDS = ("contract", "sequence_length", "dit_forward_s_median", "backends", "stamp", "weights")
 NUMBER_FIELDS = ("sequence_length", "dit_forward_s_median")
 TEXT_FIELDS = ("contract", "weights")
@@ -24,7 +25,11 @@ def contract_for(result: dict, path: str | Path | None) -> Contract:
         raise InputError("the result names no contract; pass --contract")
     if not isinstance(name, str):
         raise InputError(f"result field 'contract' must be a contract name, got {json.dumps(name)}")
-    return load_contract(ROOT / "benchmarks" / f"{name}.json")
+    path = CONTRACTS / f"{name}.json"
+    if not path.is_file():
+        raise InputError(f"the result names contract {name!r}, which is not in {CONTRACTS} (the checkout's "
+                         "benchmarks/ folder); pass its file with --contract")
+    return load_contract(path)
 
 
 def field_problem(field: str, value) -> str | None:
