@@ -2,26 +2,11 @@
 Triton's CPU interpreter (TRITON_INTERPRET must be set before any kernel module is imported, hence here)."""
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
+import torch
 
-# The tests run against the installed package (`pip install -e .` maps `h3_spark` to the h3_spark/ folder here).
-# `python -m pytest` puts the checkout's root first on sys.path; nothing there may stand in for an installed
-# module during the run, so the root leaves the path before anything is imported.
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [entry for entry in sys.path if Path(entry or os.curdir).resolve() != ROOT]
-
-try:
-    import h3_spark  # noqa: F401
-except ModuleNotFoundError:
-    pytest.exit("h3_spark is not installed in this Python: run the README's set-up (pip install -e \".[test]\")",
-                returncode=4)
-
-import torch  # noqa: E402
-
-from h3_spark.h3_model.text.torchvision_compat import ensure_importable  # noqa: E402
+from h3_spark.h3_model.text.torchvision_compat import ensure_importable
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

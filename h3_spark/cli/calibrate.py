@@ -28,8 +28,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                                    "an artifact of static global scales (safetensors + JSON header). --verify runs "
                                    "held-out requests and promotes the artifact only when every static layer's "
                                    "observed amax is within --limit of its static range and the velocity drift "
-                                   "against dynamic scales is within h3_spark/measure/quality_budget.json. Use a promoted "
-                                   "artifact with H3_NVFP4_STATIC_SCALES=PATH (kernels/README.md).")
+                                   "against dynamic scales is within the package's quality budget "
+                                   "(h3_spark/measure/quality_budget.json). Use a promoted artifact with "
+                                   "H3_NVFP4_STATIC_SCALES=PATH (h3_spark/kernels/README.md).")
     p.add_argument("--requests", type=Path, required=True,
                    help="JSON {\"requests\": [{\"prompt\", \"width\", \"height\", \"frames\", \"steps\", \"seed\"}, "
                         "...]} (t2va): calibration requests, or with --verify the held-out ones")

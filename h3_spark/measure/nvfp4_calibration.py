@@ -9,7 +9,8 @@ they run on any device and see what the FP4 GEMMs would compute.
 - the gate (held-out requests, none of them a calibration request): per layer the ratio of the amax observed to
   the static range (448 x 6 x scale); every evaluation also runs with dynamic scales on the same inputs and the
   velocities are compared (rel L2, the worst of video and audio). Promoted only when every static layer is at
-  or under the limit and the worst drift is within `final_velocity_rel_l2` of the package's quality budget (h3_spark/measure/quality_budget.json).
+  or under the limit and the worst drift is within `final_velocity_rel_l2` of the package's quality budget
+  (measure/quality_budget.json).
   `exclude_failing` turns the layers over the limit dynamic (with their input's sharers) and measures the
   drift again with them so.
 """
