@@ -115,6 +115,12 @@ def test_compare_input_errors(tmp_path, capsys):
     bad.write_text(json.dumps({"dit_forward_s_median": 1.0}))
     assert main(["compare", "--result", str(bad)]) == 2
     assert "names no contract" in capsys.readouterr().err
+    # A contract the checkout's benchmarks/ does not hold (or no checkout: an installed wheel has none beside it).
+    bad.write_text(json.dumps({**_result(), "contract": "t2va-1x1-1f"}))
+    assert main(["compare", "--result", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"the result names contract 't2va-1x1-1f', which is not in {ROOT / 'benchmarks'}" in err
+    assert "pass its file with --contract" in err
 
 
 @pytest.mark.parametrize("path", BENCH, ids=lambda p: p.name)
