@@ -1037,7 +1037,8 @@ def test_error_types_are_named_as_the_package_when_comfyui_imports_the_pack_by_p
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    name = str(root / "custom_nodes" / "h3-spark")  # the name ComfyUI gives a pack: its folder's path
+    # The name ComfyUI gives a pack: its folder's path, each dot written as "_x_" (a dot would split the name).
+    name = str(root / "custom_nodes" / "h3-spark").replace(".", "_x_")
     spec = importlib.util.spec_from_file_location(name, root / "__init__.py", submodule_search_locations=[str(root)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
