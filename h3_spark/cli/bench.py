@@ -66,8 +66,8 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
 def _run_vs_exact(args, contract, model, settings, device, weights, record, out: Path, loaded: dict) -> int:
     from ..h3_model.pipeline.scheduler import JointSchedule
     from ..measure import runner, stamp
-    from ..measure.contract import contract_shape
     from ..measure.budget import quality_budget
+    from ..measure.contract import contract_shape
 
     budget = quality_budget()
     shape = contract_shape(contract, model.config)
