@@ -220,7 +220,7 @@ def _sparse_full(path, fmt: str, pruned: bool):
 def test_full_size_checkpoint_takes_seconds(tmp_path, fmt, pruned, gib):
     path = tmp_path / "full.safetensors"
     total = _sparse_full(path, fmt, pruned)
-    # Published sizes (h3-model-spec.md §10.4); ours stores the curve-form AdaLN in fp32 (+0.08 GiB).
+    # Published sizes of the released files; ours stores the curve-form AdaLN in fp32 (+0.08 GiB).
     assert abs(total / 2 ** 30 - gib) / gib < 0.01
     start = time.perf_counter()
     report = inspect_checkpoint(path)

@@ -6,7 +6,7 @@ a callable and the name of what will really run (`auto` picks the fastest exact 
 backend that cannot run raises KernelUnavailable (an H3Error) at resolve time, naming what is missing
 and how to get it; nothing falls back silently.
 
-Backends (kernels.md has the measured H200 figures):
+Backends (H200 figures at H3's S = 20,480; docs/perf-notes.md has the measurements):
 - sdpa: PyTorch's default SDPA dispatch (exact).
 - cudnn_sdpa: SDPA forced onto cuDNN attention, no fallback (exact; 19.2-19.7 ms at H3's S = 20,480).
 - fa3: FlashAttention-3 forward, Hopper only (exact; 17.2 ms). Package `fa3-fwd` (module

@@ -3,7 +3,7 @@
 Front doors (CLI, bench, serve, nodes) parse the settings once, call this after loading, and print or
 store the returned report: every approximate path and every `auto` decision is named there.
 
-Rules (ARCHITECTURE.md): a requested backend or format that cannot run here raises KernelUnavailable;
+Rules (docs/architecture.md, "Fail closed"): a requested backend or format that cannot run here raises KernelUnavailable;
 `auto` may choose and says what it chose and why; approximate paths (FP8/NVFP4 linears, low-bit or sparse
 attention) are opt-in. H3_LINEAR=auto is bf16 (exact) except on Blackwell with an NVFP4 checkpoint,
 where the checkpoint's own FP4 weights run natively.

@@ -1,5 +1,5 @@
 """FP8 e4m3 linears for Hopper: per-output-channel weight scales, per-token dynamic activation scales,
-`torch._scaled_mm` with rowwise scales (measured 1.7-1.8x the bf16 GEMM rate at H3's shapes, kernels.md).
+`torch._scaled_mm` with rowwise scales (measured 1.7-1.8x the bf16 GEMM rate at H3's shapes on an H200; docs/perf-notes.md).
 
 Approximate: the weight is rounded to e4m3 once at load (from bf16, from an fp8_scaled checkpoint, or from
 an NVFP4 checkpoint dequantized exactly first), and every activation row is rounded to e4m3 per call.
@@ -100,7 +100,7 @@ def quantize_weight(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, 
     """(N, K) weight -> (e4m3 (N, K), fp32 per-output-channel scale (N,)).
 
     pow2 rounds each scale up to a power of two: an NVFP4 weight (e2m1 code x e4m3 block scale) divided by a
-    power of two keeps its significant bits, so fewer elements round (kernels.md §5.2).
+    power of two keeps its significant bits, so fewer elements round.
     """
     amax = w.abs().amax(dim=1).float().clamp_min(_MIN_AMAX)
     scale = amax / E4M3_MAX

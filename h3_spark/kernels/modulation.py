@@ -9,7 +9,7 @@ where the fp32 sum of squares lands on the other side of a rounding boundary (th
 differs), i.e. in a few elements per million by one unit of the last place (tests/test_kernels_modulation.py).
 
 Traffic per call at S = 20,480, D = 5376, bf16: read x (+ y) once, write once: 0.44 GB (0.66 GB for the
-gated add) instead of the reference's three to four passes (kernels.md §6).
+gated add) instead of the reference's three to four passes.
 """
 
 from __future__ import annotations

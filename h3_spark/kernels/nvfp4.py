@@ -1,5 +1,5 @@
 """NVFP4 linears for Blackwell: FP4 weights x FP4 activations through comfy-kitchen's `scaled_mm_nvfp4`
-(cuBLASLt block-scaled FP4, compute capability >= 10.0; it fails on Hopper, measured in kernels.md).
+(cuBLASLt block-scaled FP4, compute capability >= 10.0; it fails on Hopper: cuBLASLt refuses the call there).
 
 Our part is the activation side, one Triton pass per producer:
 - plain: quantize a bf16 (M, K) activation;
@@ -8,7 +8,7 @@ Our part is the activation side, one Triton pass per producer:
 - RMSNorm + AdaLN (H3_RMS_ADALN_NVFP4_FUSION): the block's norm + per-row modulation quantized once for
   the q/k/v projections (and once for fc1), instead of writing bf16 and quantizing it per linear.
 Each producer rounds exactly as the eager op it replaces, then quantizes with comfy-kitchen's layout
-(kernels.md §2.4): E2M1 codes, even element in the high nibble, one e4m3 scale per 16 values in the
+(the layout `nvfp4_codec` documents): E2M1 codes, even element in the high nibble, one e4m3 scale per 16 values in the
 cuBLAS 128x4 blocked layout, one fp32 global scale = amax / (448 * 6) taken over the whole activation
 (a first pass of the same kernel). `reference_quantize_nvfp4` is the plain-PyTorch definition; the
 tests compare both with comfy-kitchen's eager quantizer byte for byte.

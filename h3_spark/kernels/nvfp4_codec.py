@@ -1,6 +1,6 @@
 """NVFP4 weights as ComfyUI stores them (comfy-kitchen's layout), in plain PyTorch.
 
-Layout facts (h3-model-spec.md §10.3, kernels.md §2.4):
+Layout facts (comfy-kitchen's NVFP4 tensors, which ComfyUI's nvfp4 checkpoints store):
 - values: E2M1 codes (sign bit + 3-bit index into {0, .5, 1, 1.5, 2, 3, 4, 6}), two per byte along
   K, the EVEN element in the HIGH nibble; the matrix is zero-padded to multiples of 16 both ways,
   so `weight` is uint8 [roundup(N, 16), roundup(K, 16) / 2];

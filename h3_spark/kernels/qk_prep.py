@@ -8,8 +8,8 @@ Why each step:
 - K smoothing subtracts the per-head mean key (over the sequence) from every key. Each score row then
   shifts by one constant, which softmax ignores, and the keys' quantization range shrinks.
 - A block Hadamard H (orthonormal, H H^T = I) applied to both Q and K leaves Q K^T unchanged and
-  spreads per-channel outliers across the block before quantization (H3's late blocks need it:
-  kernels.md §0.5).
+  spreads per-channel outliers across the block before quantization (H3's late blocks carry
+  such outliers).
 - Quantization: FP8 e4m3 (for FlashAttention-3 FP8, which takes one descale per batch and head) or
   INT8, with one scale per head (over the whole sequence) or per block of `BLOCK_TOKENS` tokens.
 - `per_head_bound` (FP8 only) takes each head's scale from an upper bound of its values instead of their

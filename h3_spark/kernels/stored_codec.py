@@ -9,7 +9,7 @@ Work is done `CHUNK_ROWS` output rows at a time. Every format's value of a row d
 and scales only (ConvRot rotates each row's groups of input columns), so chunking changes no value; it
 bounds the fp32 temporaries to a chunk instead of a whole fc1 (0.6 GB at full size).
 
-Formats (h3-model-spec.md §10.2):
+Formats (as ComfyUI's `comfy_quant` layers store them):
 - fp8 (`float8_e4m3fn` / `float8_e5m2`): code x per-tensor scale, both cast to the output dtype first (the
   order comfy-kitchen's eager kernel uses);
 - int8 (`int8_tensorwise`, optionally ConvRot): code x fp32 scale (scalar or per row) in fp32; with ConvRot the

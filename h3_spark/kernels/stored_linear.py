@@ -8,7 +8,7 @@ weight is dequantized into a scratch buffer shared by every StoredLinear of the 
 output is bit-identical to that of an `nn.Linear` loaded from the same file on the same device.
 
 What it costs, and why it is worth it: an int8 block holds half the bytes of a bf16 one (NVFP4 about a
-quarter), while its dequantization is a memory-bound pass over the weight (h3-model-spec.md: ~2 ms a block
+quarter), while its dequantization is a memory-bound pass over the weight (~2 ms a block
 for int8 against ~40 ms of block compute at S = 19,540; ConvRot adds one fp32 GEMM with K = 256 per row).
 The low-bit GEMMs (`Fp8Linear`, `Nvfp4Linear`) start from `stored_tensors()` instead, where asked for.
 

@@ -1,6 +1,6 @@
 """The data that travels on the graph's wires, in ComfyUI's native MiniMax H3 format.
 
-One format for both node sets, so native and h3-spark nodes mix (comfyui-integration.md §1.3):
+One format for both node sets, so native and h3-spark nodes mix (docs/comfyui.md, "Wires"):
 - CONDITIONING: `[[embeds, extras]]`, embeds = Qwen3-VL hidden state (1, L, D); extras holds
   `minimax_token_tags` (L,) (0 = vision, 1 = text) and either `minimax_refs` (blocks of kind image /
   video / video_audio / audio with `latent` (1, C, T, h, w), `audio_latent` (1, C_a, 2, T_a) and their

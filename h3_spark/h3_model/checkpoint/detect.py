@@ -1,8 +1,8 @@
 """What a checkpoint is, from its tensor names alone (no tensor data is read).
 
 Models: the DiT (diffusers or original/ComfyUI names, full or pruned "curve" AdaLN), the video
-VAE, the audio VAE and the Qwen3-VL text encoder. The rules are the ones ComfyUI uses
-(h3-model-spec.md §9), so a file is recognised here exactly when ComfyUI would recognise it.
+VAE, the audio VAE and the Qwen3-VL text encoder. The rules are the ones ComfyUI uses,
+so a file is recognised here exactly when ComfyUI would recognise it.
 """
 
 from __future__ import annotations

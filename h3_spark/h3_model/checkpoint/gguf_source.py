@@ -20,7 +20,7 @@ What `get` returns: F32 / F16 / BF16 tensors as torch tensors of their dtype and
 (copy-on-write, as safetensors maps); block-quantized tensors as their raw blocks, uint8 [rows, row_bytes]
 views, which `StoredForm("gguf", ...)` keeps and `dequantize` turns into values.
 
-The published H3 GGUFs (h3-model-spec.md §10.4; facts from ComfyUI-GGUF, stable-diffusion.cpp, audio.cpp):
+The published H3 GGUFs (facts from ComfyUI-GGUF, stable-diffusion.cpp, audio.cpp):
 - DiTs keep ComfyUI's single-file names (`blocks.N.attn.qkv_proj.weight`, ..., `rope.inv_freq`; the
   stable-diffusion.cpp converter prefixes `model.diffusion_model.` when given the file as a diffusion
   model). city96/ComfyUI-GGUF forks' tools/convert.py declare `general.architecture = minimax_h3`

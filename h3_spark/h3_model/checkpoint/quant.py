@@ -1,6 +1,6 @@
 """ComfyUI's per-layer quantization (`comfy_quant`): how a layer declares it, and how we undo it.
 
-A layer is quantized when one of these says so (h3-model-spec.md §10.1):
+A layer is quantized when one of these says so (ComfyUI's rules):
 - a `<layer>.comfy_quant` uint8 tensor whose bytes are JSON (`{"format": "nvfp4", ...}`);
 - the header metadata `_quantization_metadata` = `{"layers": {"<layer>": {...}}}`;
 - legacy "scaled fp8" files: a `scaled_fp8` marker tensor, and `<layer>.scale_weight`

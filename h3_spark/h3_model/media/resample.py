@@ -1,7 +1,7 @@
 """Band-limited audio resampling: a Hann-windowed sinc filter bank applied as a strided convolution.
 
 H3's reference pipeline puts a reference soundtrack on the audio VAE's 32 kHz with torchaudio's default
-resampler (h3-model-spec: "resampled to 32 kHz (torchaudio)"): sinc interpolation under a Hann window
+resampler (the reference resamples to 32 kHz with torchaudio): sinc interpolation under a Hann window
 six zero crossings wide, cut off at 99 % of the lower of the two Nyquist frequencies. This module is that
 filter, so the audio conditioning matches the reference (tests/test_resample.py checks it against a direct
 evaluation of the interpolation sum, and against torchaudio where torchaudio is installed).

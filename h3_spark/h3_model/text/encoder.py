@@ -1,7 +1,7 @@
 """The Qwen3-VL text encoder of MiniMax H3, run only as far as the layer the DiT reads.
 
 The DiT conditions on `hidden_states[layer]` (50 for the released model): the residual stream
-after decoder layer `layer`, before any final norm (h3-model-spec.md §1.5, §9.2). So the language
+after decoder layer `layer`, before any final norm. So the language
 model is cut at load: decoder layers past `layer`, the final norm and the LM head are never built
 or read. The vision tower and DeepStack stay whole; DeepStack only adds to the first few layers'
 outputs, and the value taken is the last kept decoder layer's own output, exactly what

@@ -1,4 +1,4 @@
-"""The prompt presentation: the token stream MiniMax H3's Qwen3-VL conditioner reads (h3-model-spec.md §1.5).
+"""The prompt presentation: the token stream MiniMax H3's Qwen3-VL conditioner reads.
 
 No chat template and no special tokens: label text and the prompt are tokenized verbatim
 (`add_special_tokens=False`), and vision blocks (`<|vision_start|>`, N pads, `<|vision_end|>`) are
