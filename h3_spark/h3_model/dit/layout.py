@@ -1,6 +1,6 @@
 """The packed token sequence of one H3 request.
 
-Row order: `[text | keyframe conditions or reference blocks | target audio | target video]`.
+Row order: `[text | guides (FL2VA's keyframes are guides) or reference blocks | target audio | target video]`.
 Audio is two channels, channel-major (left t0..tN, then right t0..tN); video rows are 1x2x2
 patches, frame-major then row-major. Every row carries a (t, h, w) RoPE coordinate, a modality
 tag and, per step, a timestep; rows with equal (timestep, tag) form a few contiguous segments.
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ...errors import InputError
-from ..geometry import AUDIO_CHANNELS
+from ..geometry import AUDIO_CHANNELS, VAE_FRAMES_PER_CHUNK, VAE_LATENTS_PER_CHUNK
 from .config import AUDIO_TAG, NUM_MODALITIES, TEXT_TAG, VIDEO_TAG
 
 # One latent frame spans 5/3 rotary units per pixel frame (40 units/s at 24 fps, the audio latent
@@ -59,6 +59,17 @@ class AudioBlock:
 
     audio_latents: int
     kind: str = field(default="audio", init=False)
+
+
+@dataclass(frozen=True)
+class GuideBlock:
+    """A guide pinned at pixel frame `frame` of the target: `latent_frames` of video (1 for a still, 5k+2 for a
+    17k+5-frame clip, 0 for a sound alone) and `audio_latents` per channel (0 for none)."""
+
+    frame: int
+    latent_frames: int = 0
+    audio_latents: int = 0
+    kind: str = field(default="guide", init=False)
 
 
 @dataclass
@@ -209,38 +220,90 @@ def _finish(pos, text_tags, video_indices, audio_indices, n_cond_video, n_cond_a
     return Layout(pos, tags, video_indices, audio_indices, torch.arange(num_text), n_cond_video, n_cond_audio)
 
 
-def build_t2va(text_tags: torch.Tensor, latent_frames: int, latent_height: int, latent_width: int,
-               audio_latents: int, patch: tuple[int, int, int] = (1, 2, 2),
-               keyframes: tuple[str, ...] = ()) -> Layout:
-    """T2VA layout, or FL2VA with keyframe anchors ("first", "last", or both in that order)."""
-    rows_per_frame = _check_target(latent_frames, latent_height, latent_width, audio_latents, patch)
+def pixel_frames(latent_frames: int) -> int:
+    """Pixel frames of 5n+2 latent frames (17n+5); one latent frame is one picture."""
+    if latent_frames == 1:
+        return 1
+    return (latent_frames - 2) // VAE_LATENTS_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
+
+
+def guide_time(origin: float, frame: int, target_latent_frames: int) -> float:
+    """Rotary time of a guide at pixel frame `frame`: the target's time there, origin + 5/3 x frame on the
+    continuous axis. A still at the last frame takes FL2VA's coordinate for its last keyframe (the pairwise sum
+    of the target's latent spans, less one frame): equal in exact arithmetic, it can differ in the last ulp,
+    and the released FL2VA pipeline computes it so."""
+    if frame == pixel_frames(target_latent_frames) - 1:
+        return origin + _rope_span_pairwise(target_latent_frames) - ROPE_FRAME_UNIT
+    return origin + ROPE_FRAME_UNIT * frame
+
+
+def keyframe_guides(keyframes: tuple[str, ...], latent_frames: int) -> tuple[GuideBlock, ...]:
+    """FL2VA's "first" / "last" keyframes as stills guiding frames 0 and the last."""
     for anchor in keyframes:
         if anchor not in ("first", "last"):
             raise InputError(f"a keyframe anchor must be 'first' or 'last', got {anchor!r}")
     if len(keyframes) > 2 or len(set(keyframes)) != len(keyframes):
         raise InputError(f"FL2VA takes a first and/or a last keyframe, got {list(keyframes)}")
+    last = pixel_frames(latent_frames) - 1
+    return tuple(GuideBlock(0 if anchor == "first" else last, 1) for anchor in keyframes)
+
+
+def check_guides(guides, latent_frames: int, audio_latents: int) -> None:
+    """Each guide inside the target: its frame, its clip's length, its sound after the frame."""
+    frames = pixel_frames(latent_frames)
+    for i, g in enumerate(guides):
+        what = f"guide {i + 1}"
+        if not isinstance(g, GuideBlock):
+            raise InputError(f"{what} must be a GuideBlock, got {g!r}")
+        if not 0 <= g.frame < frames:
+            raise InputError(f"{what}: frame {g.frame} is outside the {frames}-frame target")
+        if g.latent_frames < 0 or g.audio_latents < 0 or g.latent_frames + g.audio_latents == 0:
+            raise InputError(f"{what} needs video or audio latents, got {g.latent_frames} and {g.audio_latents}")
+        if g.latent_frames > 1 and (g.latent_frames - 2) % VAE_LATENTS_PER_CHUNK:
+            raise InputError(f"{what}: a clip is 5k+2 latent frames, got {g.latent_frames}")
+        if g.frame + (pixel_frames(g.latent_frames) if g.latent_frames else 0) > frames:
+            raise InputError(f"{what}: its {pixel_frames(g.latent_frames)} frames from frame {g.frame} run past the "
+                             f"{frames}-frame target")
+        room = audio_latents - (g.frame * 5) // 3
+        if g.audio_latents and g.audio_latents > room:
+            raise InputError(f"{what}: {g.audio_latents} audio latents from frame {g.frame} run past the target's "
+                             f"{audio_latents} ({max(room, 0)} remain)")
+
+
+def build_t2va(text_tags: torch.Tensor, latent_frames: int, latent_height: int, latent_width: int,
+               audio_latents: int, patch: tuple[int, int, int] = (1, 2, 2),
+               keyframes: tuple[str, ...] = (), guides: tuple[GuideBlock, ...] = ()) -> Layout:
+    """T2VA layout, with guides: FL2VA's keyframe anchors ("first", "last", or both in that order) first, then
+    `guides` in order. Each guide's video rows, then its audio rows, follow the text."""
+    rows_per_frame = _check_target(latent_frames, latent_height, latent_width, audio_latents, patch)
+    guides = keyframe_guides(tuple(keyframes), latent_frames) + tuple(guides)
+    check_guides(guides, latent_frames, audio_latents)
     num_text = torch.as_tensor(text_tags).numel()
-    n_cond = len(keyframes) * rows_per_frame
+    n_cond_video = sum(g.latent_frames for g in guides) * rows_per_frame
+    n_cond_audio = sum(g.audio_latents for g in guides) * AUDIO_CHANNELS
     n_audio = audio_latents * AUDIO_CHANNELS
-    total = num_text + n_cond + n_audio + latent_frames * rows_per_frame
+    total = num_text + n_cond_video + n_cond_audio + n_audio + latent_frames * rows_per_frame
     pos, text_tags = _text_positions(text_tags, total)
     grid, w_axis = frame_grid(latent_height, latent_width, patch)
 
-    cursor = num_text
-    for anchor in keyframes:
-        t = float(num_text)
-        if anchor == "last":
-            t = float(num_text) + _rope_span_pairwise(latent_frames) - ROPE_FRAME_UNIT
-        pos[cursor:cursor + rows_per_frame, 0] = t
-        pos[cursor:cursor + rows_per_frame, 1:] = grid
-        cursor += rows_per_frame
+    video_parts, audio_parts, cursor = [], [], num_text
+    for g in guides:
+        t = guide_time(float(num_text), g.frame, latent_frames)
+        if g.latent_frames:
+            end = _fill_video(pos, cursor, g.latent_frames, grid, t)
+            video_parts.append(torch.arange(cursor, end))
+            cursor = end
+        if g.audio_latents:
+            end = _fill_audio(pos, cursor, g.audio_latents, t, w_axis)
+            audio_parts.append(torch.arange(cursor, end))
+            cursor = end
     audio_start = cursor
     video_start = _fill_audio(pos, audio_start, audio_latents, float(num_text), w_axis)
     _fill_video(pos, video_start, latent_frames, grid, float(num_text))
 
-    video_indices = torch.cat([torch.arange(num_text, audio_start), torch.arange(video_start, total)])
-    audio_indices = torch.arange(audio_start, video_start)
-    return _finish(pos, text_tags, video_indices, audio_indices, n_cond, 0)
+    video_indices = torch.cat(video_parts + [torch.arange(video_start, total)])
+    audio_indices = torch.cat(audio_parts + [torch.arange(audio_start, video_start)])
+    return _finish(pos, text_tags, video_indices, audio_indices, n_cond_video, n_cond_audio)
 
 
 def check_references(blocks: list) -> None:

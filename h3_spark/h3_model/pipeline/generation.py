@@ -24,7 +24,8 @@ import torch
 
 from ...errors import H3Error, InputError
 from .. import geometry
-from ..dit.layout import AudioBlock, ImageBlock, Layout, VideoBlock, build_ref2va, build_t2va
+from ..compose.guides import Guide, PreparedGuide, prepare_guides
+from ..dit.layout import AudioBlock, GuideBlock, ImageBlock, Layout, VideoBlock, build_ref2va, build_t2va
 from ..media.refs import PreparedReference, Reference, prepare_keyframes, prepare_references, prompt_references
 from ..text.prompt import check_mentions, check_prompt
 from .sampler import SamplingRequest, StepInfo, sample
@@ -67,6 +68,8 @@ class GenerationRequest:
     references: list[Reference] = field(default_factory=list)
     first_frame: torch.Tensor | None = None  # uint8 (H, W, 3), FL2VA
     last_frame: torch.Tensor | None = None
+    # Stills, clips and sounds pinned at any frame (t2va and fl2va; compose/guides.py), after the keyframes.
+    guides: list[Guide] = field(default_factory=list)
     width: int | None = None
     height: int | None = None
     frames: int = geometry.DEFAULT_FRAMES
@@ -109,6 +112,8 @@ class GenerationRequest:
             raise InputError("fl2va needs a first and/or a last keyframe")
         if self.mode != "fl2va" and (self.first_frame is not None or self.last_frame is not None):
             raise InputError(f"{self.mode} takes no keyframes; use fl2va")
+        if self.mode == "ref2va" and self.guides:
+            raise InputError("ref2va takes no guides; guides go with t2va or fl2va")
         check_mentions(self.mode, self.prompt, *self._reference_counts())
         if (self.width is None) != (self.height is None):
             raise InputError("width and height go together, or neither")
@@ -225,8 +230,9 @@ class Pipeline:
         info["text_tokens"], info["prompt_cache_hit"] = int(text.tags.numel()), text.cached
 
         t0 = time.perf_counter()
-        report(Progress("reference_encode", 0, len(canvas.keyframes) + len(canvas.references)))
-        conditions, audio_rows, blocks, hits = self.encode_conditions(canvas.keyframes, canvas.references)
+        report(Progress("reference_encode", 0, len(canvas.keyframes) + len(canvas.guides) + len(canvas.references)))
+        conditions, audio_rows, blocks, hits = self.encode_conditions(canvas.keyframes, canvas.references,
+                                                                      canvas.guides)
         timings["reference_encode"] = time.perf_counter() - t0
         info["reference_cache_hits"] = hits
 
@@ -304,7 +310,8 @@ class Pipeline:
         if req.mode == "ref2va":
             prepared = prepare_references(req.references, width=width, height=height, frames=frames,
                                           policy=req.reference_policy)
-        return Canvas(width, height, frames, keyframes, tuple(anchors), prepared)
+        guides = prepare_guides(req.guides, frames=frames, width=width, height=height)
+        return Canvas(width, height, frames, keyframes, tuple(anchors), prepared, guides)
 
     def encode_text(self, mode: str, prompt: str, keyframes=(), references=()) -> TextEncoding:
         """The prompt as the DiT reads it: Qwen3-VL hidden states of the mode's presentation, and token tags."""
@@ -366,13 +373,27 @@ class Pipeline:
             hits += hit
         return EncodedReference(p.kind, latent, audio), hits
 
-    def encode_conditions(self, keyframes: list[torch.Tensor], prepared: list[PreparedReference]):
-        """Visual conditions (normalised latents) and reference audio rows in packed order, plus layout blocks."""
+    def encode_conditions(self, keyframes: list[torch.Tensor], prepared: list[PreparedReference],
+                          guides: list[PreparedGuide] = ()):
+        """Visual conditions (normalised latents) and condition audio rows in packed order, plus layout blocks
+        (the guides' blocks; the references' for Ref2VA)."""
         conditions, audio_rows, blocks, hits = [], [], [], 0
         for frame in keyframes:
             latent, hit = self.encode_keyframe(frame)
             conditions.append(latent)
             hits += hit
+        for guide in guides:
+            kind = "audio" if guide.pixels is None else "image" if guide.pixels.ndim == 3 else "video"
+            encoded, hit = self.encode_reference(PreparedReference(kind, pixels=guide.pixels, audio=guide.audio))
+            hits += hit
+            latent_frames = audio_latents = 0
+            if encoded.latent is not None:
+                conditions.append(encoded.latent)
+                latent_frames = int(encoded.latent.shape[2])
+            if encoded.audio is not None:
+                audio_rows.append(audio_rows_of(encoded.audio))
+                audio_latents = int(encoded.audio.shape[-1])
+            blocks.append(GuideBlock(guide.frame, latent_frames, audio_latents))
         for p in prepared:
             encoded, hit = self.encode_reference(p)
             hits += hit
@@ -427,6 +448,7 @@ class Canvas:
     keyframes: list  # uint8 (H, W, 3) each, FL2VA
     anchors: tuple  # "first" / "last" per keyframe
     references: list  # PreparedReference, Ref2VA
+    guides: list = field(default_factory=list)  # PreparedGuide, t2va / fl2va
 
 
 @dataclass
@@ -454,10 +476,11 @@ class EncodedReference:
 
 def build_layout(mode: str, tags: torch.Tensor, blocks: list, anchors: tuple, dims: tuple[int, int, int, int],
                  patch) -> Layout:
-    """The packed sequence of one generation: text, references (Ref2VA) or keyframe anchors, target video, audio."""
+    """The packed sequence of one generation: text, references (Ref2VA) or keyframe anchors and guides, target
+    audio, target video."""
     if mode == "ref2va":
         return build_ref2va(tags, blocks, *dims, patch)
-    return build_t2va(tags, *dims, patch, keyframes=anchors)
+    return build_t2va(tags, *dims, patch, keyframes=anchors, guides=tuple(blocks))
 
 
 def _stay(component):

@@ -1,0 +1,122 @@
+"""Guides: a still, a clip or a sound pinned at any frame of the clip being generated.
+
+A guide is conditioning, not a replaced frame: its latents become condition rows after the text (video rows
+noise-augmented and held at t = 0.999 like FL2VA's keyframes, audio rows clean), whose rotary time is the
+target's at the guide's frame (text length + 5/3 x frame on the continuous axis) and whose spatial grid is the
+target's. So a guide must be at the target's canvas: stills and clips are cover-cropped to it. FL2VA's first
+and last keyframes are the same mechanism at frames 0 and -1 (`dit/layout.py`).
+
+Frame indices count from 0; a negative one counts from the end (-1 is the last frame). A clip is 17k+5 frames
+(5, 22, 39, ...: what the video VAE encodes without padding) and must fit before the end; a sound must fit in
+what remains of the clip after its frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import InputError
+from .. import geometry
+from ..media.refs import check_image, cover_crop, resample_fps, stereo
+
+AUDIO_SAMPLES_PER_LATENT = geometry.AUDIO_SAMPLE_RATE // geometry.AUDIO_LATENTS_PER_SECOND
+GUIDE_KINDS = ("image", "clip", "audio")
+MAX_GUIDES = 16
+
+
+@dataclass
+class Guide:
+    """A guide as asked for: `image` uint8 (H, W, 3); `clip` uint8 (F, H, W, 3) at `fps`; `audio` float
+    (channels, samples) at `sample_rate`."""
+
+    kind: str
+    frame: int
+    image: torch.Tensor | None = None
+    clip: torch.Tensor | None = None
+    fps: float = float(geometry.FPS)
+    audio: torch.Tensor | None = None
+    sample_rate: int = geometry.AUDIO_SAMPLE_RATE
+
+    def describe(self) -> str:
+        return f"{self.kind} guide at frame {self.frame}"
+
+
+@dataclass
+class PreparedGuide:
+    """A guide at the canvas, its frame resolved: `pixels` uint8 (H, W, 3) or (F, H, W, 3); `audio` float32
+    stereo (2, samples) at 32 kHz."""
+
+    kind: str
+    frame: int
+    pixels: torch.Tensor | None = None
+    audio: torch.Tensor | None = None
+
+    @property
+    def frames(self) -> int:
+        """Pixel frames the guide covers (a sound covers none)."""
+        if self.pixels is None:
+            return 0
+        return 1 if self.pixels.ndim == 3 else int(self.pixels.shape[0])
+
+
+def resolve_frame(index: int, frames: int, what: str) -> int:
+    """A guide's frame in [0, frames): negative indices count from the end."""
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise InputError(f"{what}: the frame index must be an integer, got {index!r}")
+    resolved = frames + index if index < 0 else index
+    if not 0 <= resolved < frames:
+        raise InputError(f"{what}: frame {index} is outside the {frames}-frame clip (use 0..{frames - 1}, or "
+                         f"-1..-{frames} from the end)")
+    return resolved
+
+
+def check_clip_length(count: int, what: str) -> None:
+    if count < geometry.VAE_LATENTS_PER_CHUNK or (count - geometry.VAE_LATENTS_PER_CHUNK) % geometry.VAE_FRAMES_PER_CHUNK:
+        below = geometry.snap_frames_down(count) if count >= geometry.VAE_LATENTS_PER_CHUNK else None
+        hint = f" (the nearest shorter is {below})" if below else ""
+        raise InputError(f"{what} has {count} frames at 24 fps; a clip guide is 17k+5 frames (5, 22, 39, ...){hint}")
+
+
+def remaining_audio_latents(frame: int, frames: int) -> int:
+    """Audio latents of the clip after `frame` (the guide's sound starts at 5/3 latents a frame, rounded down)."""
+    return geometry.audio_latent_frames(frames) - (frame * geometry.AUDIO_LATENTS_PER_SECOND) // geometry.FPS
+
+
+def _prepare_one(guide: Guide, frames: int, width: int, height: int, what: str) -> PreparedGuide:
+    if guide.kind not in GUIDE_KINDS:
+        raise InputError(f"{what}: a guide is one of {', '.join(GUIDE_KINDS)}, got {guide.kind!r}")
+    frame = resolve_frame(guide.frame, frames, what)
+    if guide.kind == "image":
+        image = check_image(guide.image, what)
+        return PreparedGuide("image", frame, pixels=cover_crop(image, height, width))
+    if guide.kind == "clip":
+        clip = guide.clip
+        if not isinstance(clip, torch.Tensor) or clip.dtype != torch.uint8 or clip.ndim != 4 or clip.shape[-1] != 3:
+            raise InputError(f"{what} must be uint8 (F, H, W, 3) frames")
+        clip = resample_fps(clip, guide.fps)
+        check_clip_length(int(clip.shape[0]), what)
+        if frame + clip.shape[0] > frames:
+            raise InputError(f"{what}: its {clip.shape[0]} frames from frame {frame} run past the clip's end "
+                             f"({frames} frames); anchor it at {frames - clip.shape[0]} or earlier")
+        return PreparedGuide("clip", frame, pixels=torch.stack([cover_crop(f, height, width) for f in clip]))
+    if guide.audio is None:
+        raise InputError(f"{what} needs a (channels, samples) waveform")
+    raw = torch.as_tensor(guide.audio)
+    audio = stereo(raw, guide.sample_rate, raw.shape[-1] / guide.sample_rate if raw.ndim == 2 else 0, what)
+    # The audio VAE makes one latent per 800 samples (the last one zero-padded); they must fit after the frame.
+    latents = -(-audio.shape[1] // AUDIO_SAMPLES_PER_LATENT)
+    room = remaining_audio_latents(frame, frames)
+    if latents > room:
+        raise InputError(f"{what}: {audio.shape[1] / geometry.AUDIO_SAMPLE_RATE:.3f} s of sound from frame {frame} "
+                         f"runs past the clip's end ({max(room, 0) / geometry.AUDIO_LATENTS_PER_SECOND:.3f} s remain)")
+    return PreparedGuide("audio", frame, audio=audio)
+
+
+def prepare_guides(guides: list[Guide], *, frames: int, width: int, height: int) -> list[PreparedGuide]:
+    """Guides at the canvas of a (width x height, frames) generation, in request order."""
+    if len(guides) > MAX_GUIDES:
+        raise InputError(f"at most {MAX_GUIDES} guides, got {len(guides)}")
+    return [_prepare_one(g, frames, width, height, f"guide {i + 1} ({getattr(g, 'kind', '?')})")
+            for i, g in enumerate(guides)]

@@ -1,0 +1,204 @@
+"""Guides at any frame: the request's checks (one line each), the rows they add to the packed sequence (against
+the formulas worked by hand), FL2VA's keyframes as guides, and a generation that carries them to the DiT."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from h3_spark.errors import InputError
+from h3_spark.h3_model.compose.guides import Guide, prepare_guides, resolve_frame
+from h3_spark.h3_model.dit import layout
+from h3_spark.h3_model.dit.layout import GuideBlock, build_t2va
+from h3_spark.h3_model.geometry import audio_latent_frames, video_latent_frames
+from h3_spark.h3_model.pipeline.scheduler import CONDITION_AUDIO_T, CONDITION_VIDEO_T
+
+
+def _pixels(*shape, seed=0):
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def _tone(seconds, rate=32000, channels=2):
+    t = torch.arange(int(seconds * rate)) / rate
+    return torch.stack([torch.sin(2 * torch.pi * 220 * t)] * channels)
+
+
+# ------------------------------------------------------------------ the request's guides
+def test_frames_resolve_from_either_end():
+    assert [resolve_frame(i, 124, "g") for i in (0, 48, -1, -124)] == [0, 48, 123, 0]
+
+
+def test_stills_and_clips_are_cover_cropped_to_the_canvas():
+    prepared = prepare_guides([Guide("image", 48, image=_pixels(90, 160, 3)),
+                               Guide("clip", -22, clip=_pixels(22, 40, 40, 3, seed=1))], frames=124, width=64,
+                              height=32)
+    assert [(p.kind, p.frame, tuple(p.pixels.shape)) for p in prepared] == [
+        ("image", 48, (32, 64, 3)), ("clip", 102, (22, 32, 64, 3))]
+
+
+def test_a_clip_at_another_rate_is_resampled_to_24_fps_first():
+    # 11 frames at 12 fps are 22 at 24 fps: a valid clip.
+    prepared, = prepare_guides([Guide("clip", 0, clip=_pixels(11, 32, 64, 3), fps=12.0)], frames=124, width=64,
+                               height=32)
+    assert prepared.frames == 22
+
+
+def test_sound_is_made_stereo_at_32_khz():
+    prepared, = prepare_guides([Guide("audio", -48, audio=_tone(1.5, 16000, channels=1), sample_rate=16000)],
+                               frames=124, width=64, height=32)
+    assert prepared.audio.shape == (2, 48000) and prepared.frame == 76
+
+
+@pytest.mark.parametrize("guide, message", [
+    (Guide("sketch", 0), "guide 1 (sketch): a guide is one of image, clip, audio, got 'sketch'"),
+    (Guide("image", 124, image=_pixels(8, 8, 3)),
+     "guide 1 (image): frame 124 is outside the 124-frame clip (use 0..123, or -1..-124 from the end)"),
+    (Guide("image", -125, image=_pixels(8, 8, 3)), "frame -125 is outside the 124-frame clip"),
+    (Guide("image", 1.5, image=_pixels(8, 8, 3)), "guide 1 (image): the frame index must be an integer, got 1.5"),
+    (Guide("image", 0, image=torch.zeros(8, 8)), "guide 1 (image) must be a uint8 (H, W, 3) RGB tensor"),
+    (Guide("clip", 0, clip=_pixels(20, 8, 8, 3)),
+     "guide 1 (clip) has 20 frames at 24 fps; a clip guide is 17k+5 frames (5, 22, 39, ...) (the nearest shorter is 5)"),
+    (Guide("clip", 110, clip=_pixels(22, 8, 8, 3)),
+     "guide 1 (clip): its 22 frames from frame 110 run past the clip's end (124 frames); anchor it at 102 or earlier"),
+    (Guide("clip", 0, clip=_pixels(22, 8, 8)), "guide 1 (clip) must be uint8 (F, H, W, 3) frames"),
+    # 207 audio latents for 124 frames; from frame 110 (latent 183) 24 remain: 0.6 s.
+    (Guide("audio", 110, audio=_tone(1.0)),
+     "guide 1 (audio): 1.000 s of sound from frame 110 runs past the clip's end (0.600 s remain)"),
+    (Guide("audio", 0), "guide 1 (audio) needs a (channels, samples) waveform"),
+    (Guide("audio", 0, audio=torch.rand(3, 100)), "guide 1 (audio) must be a (channels, samples) mono or stereo"),
+])
+def test_bad_guides(guide, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        prepare_guides([guide], frames=124, width=64, height=32)
+
+
+def test_too_many_guides():
+    with pytest.raises(InputError, match=re.escape("at most 16 guides, got 17")):
+        prepare_guides([Guide("image", 0, image=_pixels(8, 8, 3))] * 17, frames=124, width=64, height=32)
+
+
+# ------------------------------------------------------------------ the rows they add
+TEXT, FRAMES, LH, LW = 37, 124, 4, 6  # 124 frames: 37 latent frames; a 4x6 latent grid: 2x3 patches
+LATENT_FRAMES, AUDIO = video_latent_frames(FRAMES), audio_latent_frames(FRAMES)
+
+
+def _layout(guides=(), keyframes=()):
+    return build_t2va(torch.ones(TEXT, dtype=torch.long), LATENT_FRAMES, LH, LW, AUDIO, keyframes=keyframes,
+                      guides=tuple(guides))
+
+
+def test_a_still_a_clip_and_a_sound_sit_where_the_formulas_put_them():
+    lay = _layout([GuideBlock(48, 1), GuideBlock(5, 7), GuideBlock(30, 0, 20)])
+    pos = lay.position_ids
+    grid = 6  # rows of one latent frame
+    still, clip, sound = slice(TEXT, TEXT + grid), slice(TEXT + grid, TEXT + 8 * grid), slice(TEXT + 8 * grid,
+                                                                                              TEXT + 8 * grid + 40)
+    # The still: text length + 5/3 x 48 = 117, on the target's spatial grid.
+    assert torch.all(pos[still, 0] == TEXT + 48 * 5 / 3)
+    target = lay.target_video_indices
+    assert torch.equal(pos[still, 1:], pos[target[:grid], 1:])
+    # The clip of 22 frames = 7 latent frames from frame 5: spans of (1, 4, 4, 4, 4, 1, 4) frames x 5/3 each.
+    starts = TEXT + 5 * 5 / 3 + np.cumsum([0, 1, 4, 4, 4, 4, 1]) * 5 / 3
+    assert torch.allclose(pos[clip, 0].reshape(7, grid)[:, 0], torch.tensor(starts), rtol=0, atol=1e-12)
+    # The sound from frame 30: one rotary unit per 40 Hz latent from 37 + 50, left channel then right, each
+    # pinned to one end of the target's width axis.
+    t0 = TEXT + 30 * 5 / 3
+    assert torch.allclose(pos[sound, 0], (t0 + torch.arange(20.0, dtype=torch.float64)).repeat(2), atol=1e-12)
+    w = pos[target[:grid], 2]
+    assert torch.all(pos[sound][:20, 2] == w.min()) and torch.all(pos[sound][20:, 2] == w.max())
+    assert lay.num_condition_video_rows == 8 * grid and lay.num_condition_audio_rows == 40
+    # Tags and per-row timesteps: guide video rows are video rows held at the condition level, guide sound at 1.
+    assert torch.all(lay.token_tags[TEXT:TEXT + 8 * grid] == layout.VIDEO_TAG)
+    assert torch.all(lay.token_tags[sound] == layout.AUDIO_TAG)
+    levels, index = lay.row_timesteps(0.3, 0.6, CONDITION_VIDEO_T, CONDITION_AUDIO_T)
+    rows = levels[index]
+    assert torch.all(rows[TEXT:TEXT + 8 * grid] == CONDITION_VIDEO_T) and torch.all(rows[sound] == CONDITION_AUDIO_T)
+    assert torch.all(rows[target] == torch.tensor(0.3)) and torch.all(rows[lay.target_audio_indices] == 0.6)
+
+
+def test_fl2va_keyframes_are_guides_at_the_first_and_last_frames():
+    both = _layout(keyframes=("first", "last"))
+    as_guides = _layout([GuideBlock(0, 1), GuideBlock(FRAMES - 1, 1)])
+    for name in ("position_ids", "token_tags", "video_indices", "audio_indices", "text_indices"):
+        assert torch.equal(getattr(both, name), getattr(as_guides, name)), name
+    # The last keyframe keeps the released pipeline's coordinate (pairwise sum of the spans, less a frame).
+    last = both.position_ids[TEXT + 6, 0].item()
+    assert last == TEXT + layout._rope_span_pairwise(LATENT_FRAMES) - 5 / 3
+
+
+@pytest.mark.parametrize("guide, message", [
+    (GuideBlock(124, 1), "guide 1: frame 124 is outside the 124-frame target"),
+    (GuideBlock(0, 0, 0), "guide 1 needs video or audio latents, got 0 and 0"),
+    (GuideBlock(0, 4), "guide 1: a clip is 5k+2 latent frames, got 4"),
+    (GuideBlock(110, 7), "guide 1: its 22 frames from frame 110 run past the 124-frame target"),
+    (GuideBlock(120, 0, 10), "guide 1: 10 audio latents from frame 120 run past the target's 207 (7 remain)"),
+])
+def test_bad_guide_blocks(guide, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        _layout([guide])
+
+
+# ------------------------------------------------------------------ a generation with guides
+@pytest.fixture(scope="module")
+def engine():
+    from h3_spark.h3_model.engine.engine import Engine
+    from h3_spark.h3_model.engine.loading import LoadOptions
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
+    from h3_spark.kernels.settings import KernelSettings
+    from h3_spark.measure import synthetic
+
+    if not ensure_importable():
+        pytest.skip("the Qwen3-VL processors need torchvision")
+    builders = synthetic.component_builders("tiny", ["t2va"], "cpu", torch.float32, torch.float32, text_layer=2)
+    options = LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2,
+                          kernels=KernelSettings(modulation_fusion="off", q_rms_rope_int8_fusion="off"))
+    return Engine(options=options, overrides=builders).load(["t2va"])
+
+
+def test_guides_reach_the_dit_as_encoded_condition_rows(engine, monkeypatch):
+    from h3_spark.h3_model.media.refs import cover_crop
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest, Pipeline
+    from h3_spark.h3_model.vae.video import encode_condition
+
+    seen = {}
+    real = Pipeline.sample
+
+    def capture(self, dit, request, *args, **kwargs):
+        seen["request"] = request
+        return real(self, dit, request, *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "sample", capture)
+    still, clip = _pixels(40, 90, 3, seed=3), _pixels(22, 64, 64, 3, seed=4)
+    req = GenerationRequest("t2va", "a boat", width=64, height=64, frames=124, steps=2, guides=[
+        Guide("image", 48, image=still), Guide("clip", -22, clip=clip), Guide("audio", 24, audio=_tone(0.5))])
+    result = engine.generate(req)
+    sampled = seen["request"]
+    vae = engine.components.vae
+    assert len(sampled.condition_latents) == 2  # the still, then the clip, in packed order
+    assert torch.equal(sampled.condition_latents[0], encode_condition(vae, cover_crop(still, 64, 64)))
+    assert torch.equal(sampled.condition_latents[1], encode_condition(vae, clip))
+    assert sampled.condition_latents[1].shape[2] == 7  # 22 frames -> 7 latent frames
+    audio_latents = engine.components.audio_vae.encode_stereo(_tone(0.5)).float()
+    assert len(sampled.audio_condition_rows) == 1 and sampled.audio_condition_rows[0].shape[0] == 2 * 20
+    assert torch.equal(sampled.audio_condition_rows[0],
+                       audio_latents.transpose(1, 2).reshape(-1, audio_latents.shape[1]))
+    lay = sampled.layout
+    text = result.info["text_tokens"]
+    grid = (64 // 16 // 2) ** 2
+    assert lay.num_condition_video_rows == 8 * grid and lay.num_condition_audio_rows == 40
+    assert torch.all(lay.position_ids[text:text + grid, 0] == text + 48 * 5 / 3)
+    assert lay.position_ids[text + grid, 0] == text + 102 * 5 / 3  # -22 resolves to frame 102
+    assert torch.all(lay.position_ids[text + 8 * grid:text + 8 * grid + 20, 0]
+                     == text + 40 + torch.arange(20.0, dtype=torch.float64))
+    assert result.video.shape == (124, 64, 64, 3)  # the target is unchanged in size: guides only condition it
+
+
+def test_ref2va_takes_no_guides():
+    from h3_spark.h3_model.media.refs import ImageReference
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest
+
+    req = GenerationRequest("ref2va", "", references=[ImageReference(_pixels(8, 8, 3))],
+                            guides=[Guide("image", 0, image=_pixels(8, 8, 3))])
+    with pytest.raises(InputError, match="ref2va takes no guides; guides go with t2va or fl2va"):
+        req.validate()
