@@ -202,3 +202,39 @@ def test_ref2va_takes_no_guides():
                             guides=[Guide("image", 0, image=_pixels(8, 8, 3))])
     with pytest.raises(InputError, match="ref2va takes no guides; guides go with t2va or fl2va"):
         req.validate()
+
+
+def test_a_history_comes_before_the_target_which_goes_on_where_it_ends():
+    from h3_spark.h3_model.dit.layout import HistoryBlock
+
+    lay = build_t2va(torch.ones(TEXT, dtype=torch.long), LATENT_FRAMES, LH, LW, AUDIO,
+                     guides=(GuideBlock(0, 1),), history=HistoryBlock(7, 36))
+    pos, grid = lay.position_ids, 6
+    # 22 history frames (7 latent frames) from the text's end: spans (1, 4, 4, 4, 4, 1, 4) x 5/3, 36.67 units.
+    span = 22 * 5 / 3
+    hist = pos[TEXT:TEXT + 7 * grid, 0].reshape(7, grid)[:, 0]
+    assert torch.allclose(hist, TEXT + torch.tensor(np.cumsum([0, 1, 4, 4, 4, 4, 1]) * 5 / 3), atol=1e-12)
+    # Its 36 audio latents end one latent before the target's first.
+    sound = pos[TEXT + 7 * grid:TEXT + 7 * grid + 72, 0]
+    assert torch.allclose(sound[:36], TEXT + span - 36 + torch.arange(36.0, dtype=torch.float64), atol=1e-12)
+    # The first-frame guide and the target start where the history ends.
+    origin = TEXT + span
+    guide = pos[TEXT + 7 * grid + 72:TEXT + 8 * grid + 72, 0]
+    assert torch.allclose(guide, torch.full_like(guide, origin), atol=1e-12)
+    assert abs(pos[lay.target_video_indices[0], 0].item() - origin) < 1e-12
+    assert abs(pos[lay.target_audio_indices[0], 0].item() - origin) < 1e-12
+    assert lay.num_condition_video_rows == 8 * grid and lay.num_condition_audio_rows == 72
+    # Condition rows in packed order: the history's video first, then the guide's.
+    assert torch.equal(lay.video_indices[:8 * grid], torch.cat([torch.arange(TEXT, TEXT + 7 * grid),
+                                                                torch.arange(TEXT + 7 * grid + 72, TEXT + 8 * grid + 72)]))
+
+
+@pytest.mark.parametrize("history, message", [
+    (dict(latent_frames=4), "a history is 5k+2 latent frames (k >= 1), got 4"),
+    (dict(latent_frames=7, audio_latents=37), "a history's sound must fit its 22 frames: at most 36 audio latents, got 37"),
+])
+def test_bad_histories(history, message):
+    from h3_spark.h3_model.dit.layout import HistoryBlock
+
+    with pytest.raises(InputError, match=re.escape(message)):
+        build_t2va(torch.ones(TEXT, dtype=torch.long), LATENT_FRAMES, LH, LW, AUDIO, history=HistoryBlock(**history))

@@ -72,6 +72,17 @@ class GuideBlock:
     kind: str = field(default="guide", init=False)
 
 
+@dataclass(frozen=True)
+class HistoryBlock:
+    """What came before the target (a longer film's previous window, a continued clip): `latent_frames` (5k+2)
+    of video and `audio_latents` per channel, placed before the target on the time axis so that the target
+    goes on where the history ends."""
+
+    latent_frames: int
+    audio_latents: int = 0
+    kind: str = field(default="history", init=False)
+
+
 @dataclass
 class Layout:
     position_ids: torch.Tensor  # (S, 3) float64
@@ -270,25 +281,52 @@ def check_guides(guides, latent_frames: int, audio_latents: int) -> None:
                              f"{audio_latents} ({max(room, 0)} remain)")
 
 
+def check_history(history: HistoryBlock) -> None:
+    if not isinstance(history, HistoryBlock):
+        raise InputError(f"a history must be a HistoryBlock, got {history!r}")
+    if history.latent_frames < 2 or (history.latent_frames - 2) % VAE_LATENTS_PER_CHUNK:
+        raise InputError(f"a history is 5k+2 latent frames (k >= 1), got {history.latent_frames}")
+    if history.audio_latents < 0 or history.audio_latents > _rope_span_sequential(history.latent_frames):
+        raise InputError(f"a history's sound must fit its {pixel_frames(history.latent_frames)} frames: at most "
+                         f"{int(_rope_span_sequential(history.latent_frames))} audio latents, got "
+                         f"{history.audio_latents}")
+
+
 def build_t2va(text_tags: torch.Tensor, latent_frames: int, latent_height: int, latent_width: int,
                audio_latents: int, patch: tuple[int, int, int] = (1, 2, 2),
-               keyframes: tuple[str, ...] = (), guides: tuple[GuideBlock, ...] = ()) -> Layout:
+               keyframes: tuple[str, ...] = (), guides: tuple[GuideBlock, ...] = (),
+               history: HistoryBlock | None = None) -> Layout:
     """T2VA layout, with guides: FL2VA's keyframe anchors ("first", "last", or both in that order) first, then
-    `guides` in order. Each guide's video rows, then its audio rows, follow the text."""
+    `guides` in order. Each guide's video rows, then its audio rows, follow the text.
+
+    With a `history`, its video rows come first after the text, from the text's end on the time axis, and its
+    audio rows end one latent before the target's first; the target (and every guide, which is placed on the
+    target's frames) starts where the history's frames end."""
     rows_per_frame = _check_target(latent_frames, latent_height, latent_width, audio_latents, patch)
     guides = keyframe_guides(tuple(keyframes), latent_frames) + tuple(guides)
     check_guides(guides, latent_frames, audio_latents)
+    if history is not None:
+        check_history(history)
     num_text = torch.as_tensor(text_tags).numel()
-    n_cond_video = sum(g.latent_frames for g in guides) * rows_per_frame
-    n_cond_audio = sum(g.audio_latents for g in guides) * AUDIO_CHANNELS
+    n_cond_video = (sum(g.latent_frames for g in guides) + (history.latent_frames if history else 0)) * rows_per_frame
+    n_cond_audio = (sum(g.audio_latents for g in guides) + (history.audio_latents if history else 0)) * AUDIO_CHANNELS
     n_audio = audio_latents * AUDIO_CHANNELS
     total = num_text + n_cond_video + n_cond_audio + n_audio + latent_frames * rows_per_frame
     pos, text_tags = _text_positions(text_tags, total)
     grid, w_axis = frame_grid(latent_height, latent_width, patch)
 
-    video_parts, audio_parts, cursor = [], [], num_text
+    video_parts, audio_parts, cursor, origin = [], [], num_text, float(num_text)
+    if history is not None:
+        end = _fill_video(pos, cursor, history.latent_frames, grid, origin)
+        video_parts.append(torch.arange(cursor, end))
+        cursor = end
+        origin += _rope_span_sequential(history.latent_frames)
+        if history.audio_latents:
+            end = _fill_audio(pos, cursor, history.audio_latents, origin - history.audio_latents, w_axis)
+            audio_parts.append(torch.arange(cursor, end))
+            cursor = end
     for g in guides:
-        t = guide_time(float(num_text), g.frame, latent_frames)
+        t = guide_time(origin, g.frame, latent_frames)
         if g.latent_frames:
             end = _fill_video(pos, cursor, g.latent_frames, grid, t)
             video_parts.append(torch.arange(cursor, end))
@@ -298,8 +336,8 @@ def build_t2va(text_tags: torch.Tensor, latent_frames: int, latent_height: int, 
             audio_parts.append(torch.arange(cursor, end))
             cursor = end
     audio_start = cursor
-    video_start = _fill_audio(pos, audio_start, audio_latents, float(num_text), w_axis)
-    _fill_video(pos, video_start, latent_frames, grid, float(num_text))
+    video_start = _fill_audio(pos, audio_start, audio_latents, origin, w_axis)
+    _fill_video(pos, video_start, latent_frames, grid, origin)
 
     video_indices = torch.cat(video_parts + [torch.arange(video_start, total)])
     audio_indices = torch.cat(audio_parts + [torch.arange(audio_start, video_start)])
