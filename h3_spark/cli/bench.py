@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ..h3_model.engine.flags import MODELS_HELP, add_budget_flags, host_budget
+from ..h3_model.engine.flags import host_budget
+from ..h3_model.engine.options import MODELS_HELP, add_budget_flags, add_dtype_flag, add_kernel_flags
 
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
@@ -27,7 +28,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--fasth3", action="store_true",
                    help="with --synthetic: the DiT is a FastH3 model (random non-zero VSA gates, "
                         "attn.to_gate_compress), so --recipe fasth3 runs its VSA attention")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    add_dtype_flag(p, default="bfloat16")
     p.add_argument("--device", default=None,
                    help="cuda[:N] (the default) or cpu; without a CUDA GPU only a tiny --synthetic model runs on the "
                         "CPU unless --device cpu is given")
@@ -39,8 +40,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "another exact one gives the noise floor (default: native plus a second exact backend)")
     p.add_argument("--diffusers-compile", action="store_true",
                    help="regional torch.compile on the last diffusers backend (diffusers' best set-up)")
-    p.add_argument("--attention", default=None, help="attention backend (default: $H3_ATTENTION or auto)")
-    p.add_argument("--linear", default=None, help="block linear format (default: $H3_LINEAR or auto)")
+    add_kernel_flags(p)
     p.add_argument("--repeats", type=int, default=None, help="override the contract's repeat count")
     p.add_argument("--warmup", type=int, default=None, help="override the contract's warm-up forwards")
     p.add_argument("--steps", type=int, default=None,

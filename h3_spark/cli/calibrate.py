@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ..h3_model.engine.flags import check_device
+from ..h3_model.engine.options import add_dtype_flag
 
 PARTITION, KEY = "t2va", "dit"  # calibration requests are t2va: the t2va/fl2va DiT
 
@@ -57,7 +58,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     src.add_argument("--tokenizer", type=Path, default=None)
     src.add_argument("--text-encoder-layer", type=int, default=50, help="the Qwen3-VL layer the DiT reads")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    add_dtype_flag(p, default="bfloat16")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..h3_model.engine.flags import MODELS_HELP
+from ..h3_model.engine.options import MODELS_HELP, add_dtype_flag, add_kernel_flags
 
 # Flags that fill the config's `serve` mapping (each replica's `h3-spark serve` flags), as (flag, type).
 SERVE_FLAGS = (("models", Path), ("synthetic", str), ("synthetic-modes", str), ("device", str), ("dtype", str),
@@ -42,14 +42,14 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     serve_group.add_argument("--synthetic", choices=["full", "tiny"], help="random weights instead of files")
     serve_group.add_argument("--synthetic-modes", help="with --synthetic: the modes to build (default ref2va)")
     serve_group.add_argument("--device", help="cuda (default when present; Ray picks the GPU) or cpu")
-    serve_group.add_argument("--dtype", choices=["bfloat16", "float32"])
+    add_dtype_flag(serve_group)
     serve_group.add_argument("--output-dir", type=Path, help="every replica writes inside this folder (on several "
                                                              "hosts: a shared file system)")
     serve_group.add_argument("--input-dir", type=Path, help="references and keyframes are read from this folder")
     serve_group.add_argument("--queue-size", type=int, help="jobs that may wait per replica (default 4)")
     serve_group.add_argument("--max-steps", type=int, help="largest `steps` a request may ask for")
-    serve_group.add_argument("--attention", help="attention backend of every replica")
-    serve_group.add_argument("--linear", help="block linear format of every replica")
+    add_kernel_flags(serve_group, attention_note="; every replica's (requests may pick another per job)",
+                     linear_note="; every replica's, fixed at load")
     serve_group.add_argument("--log-format", choices=["text", "json"], help="the replicas' own log lines")
     return p
 

@@ -8,13 +8,12 @@ import os
 import sys
 from pathlib import Path
 
-from ..h3_model.engine.flags import MODELS_HELP, add_budget_flags, add_node_flags
-from ..h3_model.engine.vae_flags import vae_options
+from ..h3_model.engine.options import (add_budget_flags, add_kernel_flags, add_model_flags, add_parallel_flags,
+                                       add_precision_flags)
 
 REF_KINDS = ("image", "video", "audio")
 DEFAULT_STEPS = 50
 DEMO_STEPS = 9  # the demo's output is noise: a few steps check the install as well as fifty
-MODEL_FLAGS = ("models", "dit", "dit_ref", "text_encoder", "tokenizer", "vae", "audio_vae")
 
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
@@ -47,29 +46,11 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--image-ref-size", choices=["match", "max", "diffusers"], default="match",
                    help="image references: scaled down to the canvas area (match, ComfyUI's default), to a 2048 px "
                         "short edge (max), or resized to 2048 px like diffusers")
-    models = p.add_argument_group("models (a released-layout folder, or each component)")
-    models.add_argument("--models", "--models-dir", dest="models", type=Path,
-                        help=MODELS_HELP)
-    for flag in ("dit", "dit-ref", "text-encoder", "tokenizer", "vae", "audio-vae"):
-        models.add_argument(f"--{flag}", type=Path)
-    models.add_argument("--text-encoder-layer", type=int, default=None,
-                        help="Qwen3-VL hidden state the DiT reads (released model: 50)")
-    models.add_argument("--qkv-layout", choices=["auto", "stacked", "interleaved"], default="auto",
-                        help="fused qkv order of original-named DiT files: auto (interleaved for MiniMaxAI's own "
-                             "transformer/ folders, stacked for single files), stacked (Comfy-Org) or interleaved")
+    add_model_flags(p)
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]", help="merged at load; repeatable")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="DiT/text dtype (cuda: bfloat16)")
-    p.add_argument("--vae-dtype", choices=["float16", "float32"], default=None,
-                   help="video VAE decode dtype (default: $H3_VAE_DTYPE, else float16 on CUDA and float32 on the "
-                        "CPU)")
-    p.add_argument("--vae-tile-size", type=int, default=None, help="decode tile in pixels (default: $H3_VAE_TILE_SIZE "
-                                                                   "or 256; 0 = untiled)")
-    p.add_argument("--mlp-chunks", type=int, default=1, help="run the SwiGLU in N row chunks (exact; less memory)")
+    add_precision_flags(p)
     add_budget_flags(p)
-    p.add_argument("--attention", default=None, help="attention backend (default: $H3_ATTENTION or auto)")
-    p.add_argument("--linear", default=None, help="block linear format: auto, bf16, fp8, nvfp4 (default: $H3_LINEAR "
-                                                  "or auto)")
+    add_kernel_flags(p)
     cache = p.add_argument_group("step cache (opt-in, approximate)")
     cache.add_argument("--cache-mode", choices=["off", "easycache", "h3_cache", "first_block"], default="off")
     cache.add_argument("--cache-threshold", type=float, default=None, help="default: the mode's own")
@@ -84,9 +65,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                    help="an opt-in speed recipe (approximate), repeatable: sparse (tau, dense_steps, dense_blocks), "
                         "first-block-cache (threshold, start, end), turbo (evaluations, video_shift, audio_shift; "
                         "pass the Turbo LoRA with --lora), sol-engine (sparse + first-block-cache)")
-    p.add_argument("--gpus", type=int, default=1, help="split each DiT forward over N GPUs (Ulysses sequence "
-                                                       "parallel, via torchrun; N must divide 56 heads)")
-    add_node_flags(p)
+    add_parallel_flags(p)
     p.add_argument("--demo", action="store_true",
                    help="tiny synthetic models made on the spot (the output is noise): checks an install end to end "
                         "on any machine; the default when no model is given, refused together with model paths")
@@ -119,48 +98,61 @@ def parse_refs(items: list[str]):
 
 
 def run(args) -> int:
-    import time
+    from ..h3_model.engine.options import check_placement
+    from .distributed import command_argv, relaunch_with_torchrun
 
-    import torch
-
-    from ..errors import InputError
-    from ..h3_model.checkpoint.lora import LoraSpec
-    from ..h3_model.engine.engine import Engine
-    from ..h3_model.engine.host_memory import host_memory_report
-    from ..h3_model.engine.loading import LoadOptions
-    from ..h3_model.engine.paths import ComponentPaths
-    from ..h3_model.media import files as media
-    from ..h3_model.pipeline.generation import GenerationRequest
-    from ..h3_model.pipeline.step_cache import make_step_cache
-    from ..kernels.dispatch import attention_counts
-    from ..kernels.settings import kernel_settings, vae_tile_batch
-    from .distributed import command_argv, init_distributed, relaunch_with_torchrun
-    from ..h3_model.engine.flags import check_depth, check_device, check_nodes, host_budget, vram_budget
-
-    if args.gpus < 1:
-        raise InputError(f"--gpus must be at least 1, got {args.gpus}")
-    world_size = check_nodes(args)
-    budget, depth = vram_budget(args.vram_budget), check_depth(args.prefetch_depth)
-    if world_size > 1:
-        if budget not in (None, "auto"):
-            raise InputError("--vram-budget streams blocks on one GPU; it does not combine with --gpus yet")
-        budget = None
-    if args.device is not None:
-        check_device(args.device)
+    world_size = check_placement(args)
     if world_size > 1 and "WORLD_SIZE" not in os.environ:
         return relaunch_with_torchrun(args.gpus, command_argv(args), args.nnodes, args.node_rank, args.rdzv_endpoint)
-    rank, world, device = 0, 1, args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world, device = join_ranks(args, world_size)
+    log = stderr_log(args, rank)
+    use_demo_models(args, log)
+    check_output_flags(args)
+    options, settings = engine_options(args, device, world_size)
+    recipes = recipe_flags(args, options, world_size)
+    req = build_request(args, settings)
+    engine = load_engine(args, options, req.mode, log)
+    req = prepare_for(engine, req, recipes, options, world, log)
+    if rank:
+        engine.generate(req, on_progress=progress_hook(args, device, log))
+        return 0
+    result = render(args, engine, req, progress_hook(args, device, log))
+    if not args.quiet:
+        print(json.dumps(summarize(args, engine, req, result, options, world)))
+    return 0
+
+
+def join_ranks(args, world_size: int) -> tuple[int, int, str]:
+    """(rank, world, device): this process's place among torchrun's ranks, or the only one."""
     if world_size > 1:
-        rank, world, device = init_distributed(args.gpus, args.device, args.nnodes)
+        from .distributed import init_distributed
+
+        return init_distributed(args.gpus, args.device, args.nnodes)
+    from ..h3_model.engine.options import default_device
+
+    return 0, 1, args.device or default_device()
+
+
+def stderr_log(args, rank: int):
+    """h3-spark's own progress lines on stderr (rank 0, with --progress or --profile-memory, unless --quiet)."""
     verbose = (args.progress or args.profile_memory) and not args.quiet and not rank
-    log = (lambda m: print(f"h3-spark: {m}", file=sys.stderr, flush=True)) if verbose else (lambda m: None)
     if not verbose:
         _silence_library_progress()
-    given = [f"--{flag.replace('_', '-')}" for flag in MODEL_FLAGS if getattr(args, flag) is not None]
+        return lambda message: None
+    return lambda message: print(f"h3-spark: {message}", file=sys.stderr, flush=True)
+
+
+def use_demo_models(args, log) -> None:
+    """No model given (or --demo): the built-in tiny set, with the demo's prompt, canvas and output; then the
+    step count's default."""
+    from ..errors import InputError
+    from ..h3_model.engine.options import given_model_flags
+
+    given = given_model_flags(args)
     if args.demo and given:
         raise InputError(f"--demo makes its own tiny models and would ignore {', '.join(given)}: drop one or the "
                          "other")
-    args.demo = args.demo or not given  # no model given: the built-in tiny set
+    args.demo = args.demo or not given
     if args.demo:
         from ..h3_model.engine.demo import DEMO_PROMPT, TEXT_READ_LAYER, build_demo_models, default_demo_dir
 
@@ -174,24 +166,45 @@ def run(args) -> int:
     args.steps_given = args.steps is not None
     if args.steps is None:
         args.steps = DEMO_STEPS if args.demo else DEFAULT_STEPS
+
+
+def check_output_flags(args) -> None:
+    """--out, --prompt, --save-latents and --preview, refused before anything loads."""
+    from ..errors import InputError
+
     if args.out is None:
         raise InputError("--out is required")
-    dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    vae_dtype, tile = vae_options(args.vae_dtype, args.vae_tile_size,
-                                  "float16" if device.startswith("cuda") else "float32")
-    tile_batch = vae_tile_batch()
     if args.prompt is None:  # an empty one is judged by the mode (GenerationRequest.validate)
         raise InputError("--prompt is required (--prompt '' gives none, for fl2va and ref2va)")
     if args.out.suffix.lower() != ".mp4":
         raise InputError(f"--out must end in .mp4, got {args.out}")
     check_outputs(args.out, args.save_latents)
     check_preview(args.preview, args.preview_every)
-    settings = kernel_settings(args.attention, args.linear)
-    from ..h3_model.engine.recipes import apply_recipes, check_recipes, parse_recipes
+
+
+def engine_options(args, device: str, world_size: int):
+    """(LoadOptions, RequestSettings): the shared flags' (options.py) with --lora."""
+    from ..h3_model.checkpoint.lora import LoraSpec
+    from ..h3_model.engine.options import load_options
+
+    return load_options(args, device, world_size, loras=[LoraSpec.parse(x) for x in args.lora])
+
+
+def recipe_flags(args, options, world_size: int) -> list:
+    """--recipe, parsed and checked against the device, kernels and the other flags."""
+    from ..h3_model.engine.recipes import check_recipes, parse_recipes
 
     recipes = parse_recipes(args.recipe)
-    check_recipes(recipes, device, settings, step_cache=args.cache_mode != "off",
+    check_recipes(recipes, options.device, options.kernels, step_cache=args.cache_mode != "off",
                   explicit_steps=args.sigmas is not None or args.steps_given, world_size=world_size)
+    return recipes
+
+
+def build_request(args, settings):
+    """The GenerationRequest of the flags (references and keyframes read), validated, with its step cache."""
+    from ..h3_model.media import files as media
+    from ..h3_model.pipeline.generation import GenerationRequest
+    from ..h3_model.pipeline.step_cache import make_step_cache
 
     refs = parse_refs(args.ref)
     first = media.read_image(args.first_frame) if args.first_frame else None
@@ -200,8 +213,8 @@ def run(args) -> int:
     req = GenerationRequest(mode=mode, prompt=args.prompt, references=refs, first_frame=first, last_frame=last,
                             width=args.width, height=args.height, frames=args.frames, steps=args.steps,
                             seed=args.seed, video_shift=args.video_shift, audio_shift=args.audio_shift,
-                            reference_policy=args.image_ref_size, mlp_chunks=args.mlp_chunks,
-                            vae_tile_size=tile or None, sigmas=_parse_sigmas(args.sigmas))
+                            reference_policy=args.image_ref_size, mlp_chunks=settings.mlp_chunks,
+                            vae_tile_size=settings.vae_tile_size, sigmas=_parse_sigmas(args.sigmas))
     req.validate()
     if req.sigmas is not None:
         args.steps = len(req.sigmas)  # grid points: the step cache counts len - 1 evaluations
@@ -209,27 +222,36 @@ def run(args) -> int:
         req.step_cache = make_step_cache(args.cache_mode, args.cache_threshold, args.cache_start_percent,
                                          args.cache_end_percent, args.cache_subsample_factor,
                                          evaluations=args.steps - 1)
-    paths = ComponentPaths(args.models, args.dit, args.dit_ref, args.text_encoder, args.tokenizer, args.vae,
-                           args.audio_vae)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
-    opts = LoadOptions(device=device, dtype=dtype, vae_dtype={"float16": torch.float16, "float32": torch.float32}[
-        vae_dtype], loras=[LoraSpec.parse(x) for x in args.lora], qkv_layout=args.qkv_layout,
-        text_layer=args.text_encoder_layer if args.text_encoder_layer is not None else 50, kernels=settings,
-        vae_tile_batch=tile_batch, vram_budget=budget, prefetch_depth=depth,
-        host_budget=host_budget(args.host_budget))
-    engine = Engine(paths, opts, offload_text_encoder=args.offload_text_encoder, release_adaln=not args.keep_adaln)
+    return req
+
+
+def load_engine(args, options, mode: str, log):
+    from ..h3_model.engine.engine import Engine
+    from ..h3_model.engine.options import component_paths
+
+    engine = Engine(component_paths(args), options, offload_text_encoder=args.offload_text_encoder,
+                    release_adaln=not args.keep_adaln)
     engine.load([mode], on_progress=lambda event: event.state == "loading" and log(f"loading {event.component}"))
-    key = "dit_ref" if mode == "ref2va" else "dit"
-    kernels = engine.kernel_reports[key]
-    vae_kernels = engine.kernel_reports.get("vae")
+    return engine
+
+
+def prepare_for(engine, req, recipes: list, options, world: int, log):
+    """The request with its recipes applied to the loaded DiT; the DiT split over the ranks under --gpus."""
     if recipes:
-        req = apply_recipes(recipes, req, getattr(engine.components, key), device, settings)
+        from ..h3_model.engine.recipes import apply_recipes
+
+        req = apply_recipes(recipes, req, getattr(engine.components, _dit_key(req.mode)), options.device,
+                            options.kernels)
         log("recipes: " + "; ".join(", ".join(f"{k}={v}" for k, v in r.items()) for r in req.recipes))
     if world > 1:
         import torch.distributed as dist
 
         engine.distribute(None, dist.group.WORLD)
+    return req
 
+
+def progress_hook(args, device: str, log):
+    """Each stage and sampling step: the preview strip, and a log line (with memory under --profile-memory)."""
     write_preview = preview_writer(args.preview, args.preview_every)
 
     def progress(p):
@@ -240,21 +262,39 @@ def run(args) -> int:
         else:
             log(p.stage.replace("_", " ") + memory)
 
-    if rank:
-        engine.generate(req, on_progress=progress)
-        return 0
-    # The mp4 is encoded while the VAE decodes later windows; "mux" is what is left after the decode.
+    return progress
+
+
+def render(args, engine, req, progress):
+    """Generate into the mp4 (encoded while the VAE decodes later windows; "mux" is what is left after the
+    decode), and --save-latents."""
+    import time
+
+    from ..h3_model.media import files as media
+
     with media.mp4_writer(args.out, loglevel=args.ffmpeg_loglevel) as stream:
         result = engine.generate(req, on_progress=progress, on_frames=stream.add)
         if args.save_latents:
             from safetensors.torch import save_file
 
             save_file({"video_latents": result.video_latents.contiguous(), "audio_latents": result.audio_latents},
-                      str(args.save_latents), metadata={"latents": "normalized", "mode": mode})
+                      str(args.save_latents), metadata={"latents": "normalized", "mode": req.mode})
         start = time.perf_counter()
         stream.finish(result.audio)
         result.timings["mux"] = time.perf_counter() - start
-    summary = {"out": str(args.out), "mode": mode, "device": device, "gpus": world, "dtype": dtype_name,
+    return result
+
+
+def summarize(args, engine, req, result, options, world: int) -> dict:
+    """The JSON summary printed on stdout."""
+    from ..h3_model.engine.host_memory import host_memory_report
+    from ..kernels.dispatch import attention_counts
+
+    key, device = _dit_key(req.mode), options.device
+    kernels = engine.kernel_reports[key]
+    vae_kernels = engine.kernel_reports.get("vae")
+    summary = {"out": str(args.out), "mode": req.mode, "device": device, "gpus": world,
+               "dtype": str(options.dtype).removeprefix("torch."),
                "width": result.info["width"], "height": result.info["height"], "frames": int(result.video.shape[0]),
                "audio_samples": int(result.audio.shape[1]), "sequence_length": result.info["sequence_length"],
                "evaluations": result.info["evaluations"],
@@ -283,9 +323,11 @@ def run(args) -> int:
     summary.update(host_memory_report())
     if args.demo:
         summary["note"] = "demo: tiny synthetic random weights, the video and sound are noise"
-    if not args.quiet:
-        print(json.dumps(summary))
-    return 0
+    return summary
+
+
+def _dit_key(mode: str) -> str:
+    return "dit_ref" if mode == "ref2va" else "dit"
 
 
 def check_outputs(out: Path, latents: Path | None) -> None:

@@ -11,7 +11,7 @@ __all__ = ["add_parser", "run"]
 
 
 def run(args) -> int:
-    from ..errors import H3Error, InputError
+    from ..errors import H3Error
 
     try:
         import uvicorn
@@ -20,11 +20,9 @@ def run(args) -> int:
     except ImportError as exc:
         raise H3Error(f"`h3-spark serve` needs starlette and uvicorn ({exc}); install them with "
                       f"pip install 'h3-spark[serve]'") from None
-    if args.gpus < 1:
-        raise InputError(f"--gpus must be at least 1, got {args.gpus}")
-    from ..h3_model.engine.flags import check_nodes
+    from ..h3_model.engine.options import check_placement
 
-    world_size = check_nodes(args)
+    world_size = check_placement(args)
     lockstep = None
     if world_size > 1:
         from .distributed import command_argv, init_distributed, relaunch_with_torchrun

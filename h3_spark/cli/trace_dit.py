@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from ..h3_model.engine.options import add_dtype_flag
+
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help="run one DiT forward on stored inputs (parity debugging)",
@@ -14,7 +16,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="DiT checkpoint: diffusers folder or single file")
     p.add_argument("--inputs", required=True, help="safetensors file with the forward inputs")
     p.add_argument("--out", required=True, help="safetensors file to write the velocities to")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    add_dtype_flag(p, default="float32", help="DiT dtype (default float32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--partition", choices=["t2va", "ref2va"], default=None,
                    help="which DiT when the checkpoint folder holds both")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..h3_model.engine.flags import MODELS_HELP, add_budget_flags, add_node_flags, check_depth, host_budget, vram_budget
-from ..h3_model.engine.vae_flags import vae_options
+from ..h3_model.engine.options import (add_budget_flags, add_kernel_flags, add_model_flags, add_parallel_flags,
+                                       add_precision_flags)
 
 DEFAULT_HOST = "127.0.0.1"  # local only unless --host says otherwise; beyond it a bearer token is required
 DEFAULT_PORT = 8000
@@ -17,15 +17,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help="run the hot runtime HTTP service (models stay resident)",
                        description="Load the text encoder, DiT partition(s) and VAEs once and serve /ready, "
                                    "/generate and /jobs over HTTP, one GPU job at a time.")
-    models = p.add_argument_group("models (a released-layout folder, or each component)")
-    models.add_argument("--models", type=Path, help=MODELS_HELP)
-    for flag in ("dit", "dit-ref", "text-encoder", "tokenizer", "vae", "audio-vae"):
-        models.add_argument(f"--{flag}", type=Path)
-    models.add_argument("--qkv-layout", choices=["auto", "stacked", "interleaved"], default="auto",
-                        help="fused qkv order of original-named DiT files: auto (interleaved for MiniMaxAI's own "
-                             "transformer/ folders, stacked for single files), stacked (Comfy-Org) or interleaved")
-    models.add_argument("--text-encoder-layer", type=int, default=50,
-                        help="Qwen3-VL hidden state the DiT reads (50 for the released model)")
+    models = add_model_flags(p, text_layer_help="Qwen3-VL hidden state the DiT reads (50 for the released model)")
     models.add_argument("--synthetic", choices=["full", "tiny"], default=None,
                         help="serve models with random weights built on the device instead of reading files: "
                              "`full` has the released shapes (benchmarks: cold start, latency), `tiny` is the demo's")
@@ -45,17 +37,8 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                    help="a file whose first line is the bearer token every request must send (default: $H3_API_KEY); "
                         "required to listen beyond 127.0.0.1")
     p.add_argument("--queue-size", type=int, default=4, help="jobs that may wait behind the running one")
-    p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="DiT/text dtype (cuda: bfloat16)")
-    p.add_argument("--vae-dtype", choices=["float16", "float32"], default=None,
-                   help="video VAE decode dtype (default: $H3_VAE_DTYPE, else float16 on cuda, float32 on cpu)")
-    p.add_argument("--attention", default=None, help="attention backend (default: $H3_ATTENTION or auto); "
-                                                     "requests may pick another per job")
-    p.add_argument("--linear", default=None, help="block linear format: auto, bf16, fp8, nvfp4 (default: "
-                                                  "$H3_LINEAR or auto); fixed at load")
-    p.add_argument("--vae-tile-size", type=int, default=None,
-                   help="video VAE decode tile in pixels (default: $H3_VAE_TILE_SIZE or 256; 0 = untiled)")
-    p.add_argument("--mlp-chunks", type=int, default=1, help="run the SwiGLU in N row chunks (exact; less memory)")
+    add_precision_flags(p)
+    add_kernel_flags(p, attention_note="; requests may pick another per job", linear_note="; fixed at load")
     add_budget_flags(p)
     p.add_argument("--max-steps", type=int, default=100, help="largest `steps` a request may ask for")
     p.add_argument("--max-input-mb", type=int, default=256, help="largest reference/keyframe file, MiB")
@@ -76,32 +59,23 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="the service's own log lines: text, or one JSON object per line with the job id")
-    p.add_argument("--gpus", type=int, default=1,
-                   help="run each job over N GPUs (Ulysses sequence parallel, via torchrun; N must divide the 56 "
-                        "heads: 2, 4, 7 or 8); rank 0 serves HTTP, every rank holds the models")
-    add_node_flags(p)
+    add_parallel_flags(p, gpus_note="; rank 0 serves HTTP, every rank holds the models")
     return p
 
 
 def service_settings(args, device: str | None = None):
     """(ComponentPaths, LoadOptions, ServiceConfig) from the flags, checked; `device` is this rank's under
     --gpus N."""
-    import torch
-
     from ..errors import InputError
-    from ..h3_model.engine.loading import LoadOptions
-    from ..h3_model.engine.paths import ComponentPaths
-    from ..kernels.settings import kernel_settings, vae_tile_batch
+    from ..h3_model.engine.options import check_placement, component_paths, default_device, load_options
     from .http_limits import HttpLimits
     from .service import ServiceConfig
     from .validation import Limits
 
-    device = device or args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cuda = device.startswith("cuda")
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype or ("bfloat16" if cuda else "float32")]
-    vae_name, tile = vae_options(args.vae_dtype, args.vae_tile_size, "float16" if cuda else "float32")
-    settings = kernel_settings(args.attention, args.linear)  # a bad flag is named as the flag, not H3_*
-    if args.synthetic == "full" and not cuda and args.device is None:
+    world = check_placement(args)
+    device = device or args.device or default_device()
+    options, request = load_options(args, device, world)
+    if args.synthetic == "full" and not device.startswith("cuda") and args.device is None:
         # Tens of GB of fp32 random weights on the CPU is never what a benchmark of the service meant.
         raise InputError("--synthetic full builds the full-size models for a CUDA GPU and this machine has none; "
                          "use --synthetic tiny, or pass --device cpu to build them on the CPU anyway")
@@ -109,17 +83,6 @@ def service_settings(args, device: str | None = None):
         raise InputError(f"--port must be 1..65535, got {args.port}")
     if args.max_input_mb < 1:
         raise InputError(f"--max-input-mb must be positive, got {args.max_input_mb}")
-    paths = ComponentPaths(args.models, args.dit, args.dit_ref, args.text_encoder, args.tokenizer, args.vae,
-                           args.audio_vae)
-    budget = vram_budget(args.vram_budget)
-    if args.gpus * args.nnodes > 1:
-        if budget not in (None, "auto"):
-            raise InputError("--vram-budget streams blocks on one GPU; it does not combine with --gpus yet")
-        budget = None
-    options = LoadOptions(device=device, dtype=dtype, vae_dtype=getattr(torch, vae_name),
-                          text_layer=args.text_encoder_layer, qkv_layout=args.qkv_layout, kernels=settings,
-                          vae_tile_batch=vae_tile_batch(), vram_budget=budget,
-                          prefetch_depth=check_depth(args.prefetch_depth), host_budget=host_budget(args.host_budget))
     if args.keep_jobs < 1:
         raise InputError(f"--keep-jobs must be at least 1, got {args.keep_jobs}")
     if not 0 < args.keep_days <= 36500:
@@ -131,7 +94,8 @@ def service_settings(args, device: str | None = None):
                       body_timeout_s=args.body_timeout_s)
     config = ServiceConfig(output_dir=args.output_dir, input_dir=args.input_dir, queue_size=args.queue_size,
                            limits=Limits(max_steps=args.max_steps, max_input_file_bytes=args.max_input_mb << 20),
-                           vae_tile_size=tile or None, mlp_chunks=args.mlp_chunks, keep_finished=args.keep_jobs,
+                           vae_tile_size=request.vae_tile_size, mlp_chunks=request.mlp_chunks,
+                           keep_finished=args.keep_jobs,
                            state_dir=args.state_dir or args.output_dir, keep_days=args.keep_days, http=http)
     if args.synthetic:
         from ..measure.synthetic import describe
@@ -142,7 +106,7 @@ def service_settings(args, device: str | None = None):
     config.api_key = read_api_key(args.api_key_file)
     args.auth_line = check_binding(args.host, config.api_key)
     config.allowed_hosts = allowed_hosts(args.host, args.allowed_host)
-    return paths, options, config
+    return component_paths(args), options, config
 
 
 def allowed_hosts(bind: str, given: list[str] | None) -> tuple[str, ...] | None:
@@ -159,15 +123,15 @@ def synthetic_overrides(args, options):
     if not args.synthetic:
         return None
     from ..errors import InputError
+    from ..h3_model.engine.options import given_model_flags
     from ..measure.synthetic import component_builders
 
-    given = [f"--{f.replace('_', '-')}" for f in ("models", "dit", "dit_ref", "text_encoder", "tokenizer", "vae",
-                                                  "audio_vae") if getattr(args, f) is not None]
+    given = given_model_flags(args)
     if given:
         raise InputError(f"--synthetic builds every model: drop {', '.join(given)}")
     modes = [m for m in args.synthetic_modes.split(",") if m]
     return component_builders(args.synthetic, modes, options.device, options.dtype, options.vae_dtype,
-                              text_layer=args.text_encoder_layer)
+                              text_layer=options.text_layer)
 
 
 def build_service(args, lockstep=None, state_name: str | None = None):

@@ -1,12 +1,9 @@
-"""Flags the front doors share (cli/, serve/), checked the same way everywhere: as the user typed them, before loading."""
+"""The values of the flags the front doors share (cli/, serve/), checked the same way everywhere: as the user typed
+them, before loading. The flags themselves are declared in options.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-MODELS_HELP = ("a model folder: today's official download (FL2VA/ and/or Ref2VA/, or one of them), or the older "
-               "layout (transformer/, transformer_ref/, text_encoder/, vae/, audio_vae/)")
-
 
 def check_device(name: str) -> str:
     """`cpu` or `cuda[:N]` that exists here; anything else is refused naming the flag (torch would raise a
@@ -25,22 +22,6 @@ def check_device(name: str) -> str:
     if index is not None and int(index) >= torch.cuda.device_count():
         raise InputError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return name
-
-
-def add_budget_flags(parser) -> None:
-    parser.add_argument("--vram-budget", default=None, metavar="GB",
-                        help="GPU memory the models may hold, activations included (default: $H3_VRAM_BUDGET, "
-                             "else auto: resident when the files fit the free GPU memory, streaming when they do "
-                             "not). DiT blocks and text-encoder layers that do not fit stream from pinned host "
-                             "memory, prefetched on a side stream (bit-identical forwards); the VAEs visit the GPU "
-                             "for their stages. auto, 24, 24GB, 22.5GiB (docs/vram-budget.md)")
-    parser.add_argument("--prefetch-depth", type=int, default=2,
-                        help="streamed blocks copied ahead of use under --vram-budget (GPU slots; default 2)")
-    parser.add_argument("--host-budget", default=None, metavar="GB",
-                        help="host memory the models may hold under --vram-budget (streamed DiT blocks, the text "
-                             "encoder outside its layers, parked VAEs; default: $H3_HOST_BUDGET, else unchecked): a "
-                             "plan that needs more is refused before anything is packed, naming the minimum. "
-                             "24, 24GB, 22.5GiB")
 
 
 def host_budget(flag: str | None) -> int | None:
@@ -86,16 +67,6 @@ def check_depth(depth: int) -> int:
 def file_in_the_way(folder: Path) -> Path | None:
     """The first of `folder` and its parents that exists but is not a folder (so `folder` cannot be made)."""
     return next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
-
-
-def add_node_flags(p) -> None:
-    """--nnodes / --node-rank / --rdzv-endpoint: sequence parallelism across hosts (torchrun's rendezvous)."""
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="hosts taking part, each running this same command with its own --node-rank; the ranks are "
-                        "--gpus per host x --nnodes")
-    p.add_argument("--node-rank", type=int, default=0, help="this host's place, 0..nnodes-1 (0 serves/writes)")
-    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                   help="node 0's address and a free port every node reaches (needed with --nnodes > 1)")
 
 
 def check_nodes(args) -> int:

@@ -26,15 +26,14 @@ import posixpath
 import sys
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..app import check_json_type, parse_json
-from ..http_limits import ClientGone, HeaderLimits, HttpLimits, client_gone_line, read_body
+from ..http_app import build_app, json_body, live, metrics_endpoint, png
+from ..http_limits import HttpLimits
 from ..jobs import TERMINAL
-from ..validation import Limits, RequestError
+from ..validation import Limits
 from .ledger import Ledger
 
 RESTARTED = "its process ended and Ray started a new one"
@@ -265,15 +264,6 @@ def _json(status: int, body, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
-async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    return JSONResponse({"error": f"{request.method} {request.url.path}: {exc.detail}"}, status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
-
-
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, status_code=500)
-
-
 def create_router_app(router: Router) -> Starlette:
     async def ready(request: Request) -> JSONResponse:
         return _json(*router.ready())
@@ -281,24 +271,8 @@ def create_router_app(router: Router) -> Starlette:
     async def fleet(request: Request) -> JSONResponse:
         return _json(200, router.fleet())
 
-    async def live(request: Request) -> JSONResponse:
-        return _json(200, {"alive": True})
-
-    async def metrics(request: Request) -> Response:
-        if router.metrics is None:
-            return _json(501, {"error": "/metrics needs prometheus-client: pip install 'h3-spark[fleet]'"})
-        body, media_type = router.metrics.render()
-        return Response(body, media_type=media_type)
-
     async def generate(request: Request) -> JSONResponse:
-        try:
-            check_json_type(request)
-            body = parse_json(await read_body(request, router.limits.max_body_bytes, router.http.body_timeout_s))
-        except RequestError as exc:
-            return _json(exc.status, {"error": str(exc)}, exc.headers)
-        except ClientGone:
-            print(f"h3-spark fleet: {client_gone_line(request)}", file=sys.stderr, flush=True)
-            return Response(status_code=400)  # no one reads it
+        body = await json_body(request, router.limits.max_body_bytes, router.http.body_timeout_s)
         return _json(*await router.submit(body))
 
     async def jobs(request: Request) -> JSONResponse:
@@ -314,7 +288,7 @@ def create_router_app(router: Router) -> Starlette:
     async def preview(request: Request) -> Response:
         status, body = await router.preview(request.path_params["job_id"])
         if isinstance(body, bytes):
-            return Response(body, media_type="image/png", headers={"Cache-Control": "no-store"})
+            return png(body)
         return _json(status, body)
 
     @contextlib.asynccontextmanager
@@ -326,21 +300,14 @@ def create_router_app(router: Router) -> Starlette:
             router._monitor.cancel()
 
     routes = [Route("/ready", ready, methods=["GET"]), Route("/fleet", fleet, methods=["GET"]),
-              Route("/live", live, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+              Route("/live", live, methods=["GET"]),
+              Route("/metrics", metrics_endpoint(lambda: router.metrics, "fleet", in_thread=False), methods=["GET"]),
               Route("/generate", generate, methods=["POST"]),
               Route("/jobs", jobs, methods=["GET"]), Route("/jobs/{job_id}", job, methods=["GET", "DELETE"]),
               Route("/jobs/{job_id}/preview", preview, methods=["GET"])]
-    from starlette.middleware import Middleware
+    api_key = router.api_key.value if router.api_key is not None else None
+    return build_app(routes, lifespan, router.http, router.allowed_hosts, api_key, _log)
 
-    # As the single service's (app.py): headers counted first, then the Host list, then the token.
-    middleware = [Middleware(HeaderLimits, count=router.http.max_headers, size=router.http.max_header_bytes)]
-    if router.allowed_hosts:
-        from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=list(router.allowed_hosts)))
-    if router.api_key is not None:
-        from ..auth import BearerAuth
-
-        middleware.append(Middleware(BearerAuth, key=router.api_key.value))
-    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
-                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+def _log(message: str) -> None:
+    print(f"h3-spark fleet: {message}", file=sys.stderr, flush=True)
