@@ -41,8 +41,8 @@ def test_window_counts(seconds, count):
     assert len(plan_film([seconds * 24]).windows) == count
 
 
-def _check_invariants(plan, total):
-    kept, samples, film = 0, 0, 0
+def _check_invariants(plan, total, first=0):
+    kept, samples, film = 0, 0, first
     for i, w in enumerate(plan.windows):
         assert (w.frames - 5) % 17 == 0 and MIN_WINDOW_FRAMES <= w.frames <= MAX_WINDOW_FRAMES
         assert 0 <= w.keep_from < w.keep_to <= w.frames
@@ -58,7 +58,7 @@ def _check_invariants(plan, total):
         kept += w.kept_frames
         samples += b - a
     assert kept == total == plan.total_frames
-    assert samples == frame_sample(total) == plan.audio_samples
+    assert samples == frame_sample(first + total) - frame_sample(first) == plan.audio_samples
 
 
 @pytest.mark.parametrize("frames", list(range(1, 2881, 7)) + [345, 346, 689, 690, 1440, 2880])
@@ -85,10 +85,13 @@ def test_shots_carry_nothing_over():
 
 
 def test_continuing_a_clip_conditions_the_first_window():
-    plan = plan_film([360], continues=True)
+    plan = plan_film([360], continues=125)
     first = plan.windows[0]
-    assert (first.start, first.keep_from, first.history) == (-1, 1, 22)  # frame 0 is the clip's last frame
-    _check_invariants(plan, 360)
+    assert (first.start, first.keep_from, first.history) == (124, 1, 22)  # frame 0 is the clip's last frame
+    assert plan.first_frame == 125 and plan.total_frames == 360
+    # On the film's grid: the continuation's sound starts at the clip's end, 125 x 4000/3 = 166,666.67 samples.
+    assert plan.audio_samples == frame_sample(485) - frame_sample(125)
+    _check_invariants(plan, 360, first=125)
 
 
 def test_describe_names_windows_overlaps_and_trims():
@@ -111,6 +114,8 @@ def test_seconds_to_frames():
     (lambda: plan_film([100, 0]), "a shot needs at least one frame, got 0"),
     (lambda: plan_film([500], history=20), "history frames must be 17k+5 (5, 22, 39, ...), got 20"),
     (lambda: plan_film([500], history=124), "history frames must leave the shortest window frames of its own: at most 107, got 124"),
+    (lambda: plan_film([500], continues=22),
+     "a continued clip needs at least 23 frames (its last frame and 22 before it), got 22"),
 ])
 def test_bad_plans(call, message):
     with pytest.raises(InputError, match=re.escape(message)):

@@ -120,3 +120,33 @@ def prepare_guides(guides: list[Guide], *, frames: int, width: int, height: int)
         raise InputError(f"at most {MAX_GUIDES} guides, got {len(guides)}")
     return [_prepare_one(g, frames, width, height, f"guide {i + 1} ({getattr(g, 'kind', '?')})")
             for i, g in enumerate(guides)]
+
+
+@dataclass
+class History:
+    """What a target goes on from: `pixels` uint8 (F, H, W, 3), F = 17k+5 frames at the target's canvas, and the
+    sound under them, `audio` float32 stereo (2, samples) at 32 kHz, a whole number of audio latents (800
+    samples each) that ends where the frames end (None for silence)."""
+
+    pixels: torch.Tensor
+    audio: torch.Tensor | None = None
+
+
+def prepare_history(history: History, *, width: int, height: int) -> History:
+    """A history checked against the canvas (it is the target's own past: it is never resized)."""
+    pixels = history.pixels
+    if not isinstance(pixels, torch.Tensor) or pixels.dtype != torch.uint8 or pixels.ndim != 4 or pixels.shape[-1] != 3:
+        raise InputError("the history must be uint8 (F, H, W, 3) frames")
+    check_clip_length(int(pixels.shape[0]), "the history")
+    if tuple(pixels.shape[1:3]) != (height, width):
+        raise InputError(f"the history is {pixels.shape[2]}x{pixels.shape[1]}, the canvas {width}x{height}: a clip "
+                         "is continued at its own size")
+    audio = history.audio
+    if audio is not None:
+        if not isinstance(audio, torch.Tensor) or audio.ndim != 2 or audio.shape[0] != 2:
+            raise InputError("the history's sound must be a stereo (2, samples) waveform at 32 kHz")
+        most = int(geometry.AUDIO_LATENTS_PER_SECOND * pixels.shape[0] / geometry.FPS)
+        if audio.shape[1] % AUDIO_SAMPLES_PER_LATENT or not 0 < audio.shape[1] // AUDIO_SAMPLES_PER_LATENT <= most:
+            raise InputError(f"the history's sound must be 1..{most} whole audio latents ({AUDIO_SAMPLES_PER_LATENT} "
+                             f"samples each), got {audio.shape[1]} samples")
+    return History(pixels, None if audio is None else audio.float())

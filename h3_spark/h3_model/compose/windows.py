@@ -89,11 +89,12 @@ class Window:
 @dataclass(frozen=True)
 class FilmPlan:
     windows: tuple[Window, ...]
-    total_frames: int
+    total_frames: int  # the frames the windows make (a continued clip's own are not counted)
+    first_frame: int = 0  # film frame of the first window's first kept frame (a continued clip's length)
 
     @property
     def audio_samples(self) -> int:
-        return frame_sample(self.total_frames)
+        return frame_sample(self.first_frame + self.total_frames) - frame_sample(self.first_frame)
 
     @property
     def seconds(self) -> float:
@@ -141,18 +142,22 @@ def _shot_windows(frames: int, first_index: int, shot: int, start: int, history:
     return windows
 
 
-def plan_film(shot_frames: list[int], *, history: int = DEFAULT_HISTORY_FRAMES, continues: bool = False) -> FilmPlan:
-    """Windows for shots of the given lengths in frames, in order. `continues`: the film continues a clip,
-    whose tail conditions the first window (the clip itself is not counted in the frames)."""
+def plan_film(shot_frames: list[int], *, history: int = DEFAULT_HISTORY_FRAMES, continues: int = 0) -> FilmPlan:
+    """Windows for shots of the given lengths in frames, in order. `continues`: the length in frames of a clip
+    the film continues (its tail conditions the first window; its own frames come first in the film and are
+    not made again), 0 for none."""
     check_history_frames(history)
     if not shot_frames:
         raise InputError("a film needs at least one shot")
-    windows, start = [], 0
+    if continues < 0 or 0 < continues < history + 1:
+        raise InputError(f"a continued clip needs at least {history + 1} frames (its last frame and {history} "
+                         f"before it), got {continues}")
+    windows, start = [], continues
     for shot, frames in enumerate(shot_frames):
-        made = _shot_windows(frames, len(windows), shot, start, history, continues and shot == 0)
+        made = _shot_windows(frames, len(windows), shot, start, history, bool(continues) and shot == 0)
         windows.extend(made)
         start += frames
-    return FilmPlan(tuple(windows), start)
+    return FilmPlan(tuple(windows), start - continues, continues)
 
 
 def frames_for_seconds(seconds: float) -> int:

@@ -24,8 +24,9 @@ import torch
 
 from ...errors import H3Error, InputError
 from .. import geometry
-from ..compose.guides import Guide, PreparedGuide, prepare_guides
-from ..dit.layout import AudioBlock, GuideBlock, ImageBlock, Layout, VideoBlock, build_ref2va, build_t2va
+from ..compose.guides import Guide, History, PreparedGuide, prepare_guides, prepare_history
+from ..dit.layout import (AudioBlock, GuideBlock, HistoryBlock, ImageBlock, Layout, VideoBlock, build_ref2va,
+                          build_t2va)
 from ..media.refs import PreparedReference, Reference, prepare_keyframes, prepare_references, prompt_references
 from ..text.prompt import check_mentions, check_prompt
 from .sampler import SamplingRequest, StepInfo, sample
@@ -70,6 +71,9 @@ class GenerationRequest:
     last_frame: torch.Tensor | None = None
     # Stills, clips and sounds pinned at any frame (t2va and fl2va; compose/guides.py), after the keyframes.
     guides: list[Guide] = field(default_factory=list)
+    # What came before (a film's previous window, a continued clip; t2va): conditions the target, which goes on
+    # where it ends (compose/guides.History).
+    history: History | None = None
     width: int | None = None
     height: int | None = None
     frames: int = geometry.DEFAULT_FRAMES
@@ -114,6 +118,8 @@ class GenerationRequest:
             raise InputError(f"{self.mode} takes no keyframes; use fl2va")
         if self.mode == "ref2va" and self.guides:
             raise InputError("ref2va takes no guides; guides go with t2va or fl2va")
+        if self.mode != "t2va" and self.history is not None:
+            raise InputError(f"{self.mode} takes no history; a film's windows and a continued clip are t2va")
         check_mentions(self.mode, self.prompt, *self._reference_counts())
         if (self.width is None) != (self.height is None):
             raise InputError("width and height go together, or neither")
@@ -232,7 +238,7 @@ class Pipeline:
         t0 = time.perf_counter()
         report(Progress("reference_encode", 0, len(canvas.keyframes) + len(canvas.guides) + len(canvas.references)))
         conditions, audio_rows, blocks, hits = self.encode_conditions(canvas.keyframes, canvas.references,
-                                                                      canvas.guides)
+                                                                      canvas.guides, canvas.history)
         timings["reference_encode"] = time.perf_counter() - t0
         info["reference_cache_hits"] = hits
 
@@ -311,7 +317,8 @@ class Pipeline:
             prepared = prepare_references(req.references, width=width, height=height, frames=frames,
                                           policy=req.reference_policy)
         guides = prepare_guides(req.guides, frames=frames, width=width, height=height)
-        return Canvas(width, height, frames, keyframes, tuple(anchors), prepared, guides)
+        history = None if req.history is None else prepare_history(req.history, width=width, height=height)
+        return Canvas(width, height, frames, keyframes, tuple(anchors), prepared, guides, history)
 
     def encode_text(self, mode: str, prompt: str, keyframes=(), references=()) -> TextEncoding:
         """The prompt as the DiT reads it: Qwen3-VL hidden states of the mode's presentation, and token tags."""
@@ -374,10 +381,20 @@ class Pipeline:
         return EncodedReference(p.kind, latent, audio), hits
 
     def encode_conditions(self, keyframes: list[torch.Tensor], prepared: list[PreparedReference],
-                          guides: list[PreparedGuide] = ()):
+                          guides: list[PreparedGuide] = (), history: History | None = None):
         """Visual conditions (normalised latents) and condition audio rows in packed order, plus layout blocks
-        (the guides' blocks; the references' for Ref2VA)."""
+        (a history's and the guides' blocks; the references' for Ref2VA)."""
         conditions, audio_rows, blocks, hits = [], [], [], 0
+        if history is not None:
+            encoded, hit = self.encode_reference(PreparedReference("video", pixels=history.pixels,
+                                                                   audio=history.audio))
+            hits += hit
+            conditions.append(encoded.latent)
+            audio_latents = 0
+            if encoded.audio is not None:
+                audio_rows.append(audio_rows_of(encoded.audio))
+                audio_latents = int(encoded.audio.shape[-1])
+            blocks.append(HistoryBlock(int(encoded.latent.shape[2]), audio_latents))
         for frame in keyframes:
             latent, hit = self.encode_keyframe(frame)
             conditions.append(latent)
@@ -449,6 +466,7 @@ class Canvas:
     anchors: tuple  # "first" / "last" per keyframe
     references: list  # PreparedReference, Ref2VA
     guides: list = field(default_factory=list)  # PreparedGuide, t2va / fl2va
+    history: History | None = None  # at the canvas, t2va
 
 
 @dataclass
@@ -480,7 +498,9 @@ def build_layout(mode: str, tags: torch.Tensor, blocks: list, anchors: tuple, di
     audio, target video."""
     if mode == "ref2va":
         return build_ref2va(tags, blocks, *dims, patch)
-    return build_t2va(tags, *dims, patch, keyframes=anchors, guides=tuple(blocks))
+    history = [b for b in blocks if isinstance(b, HistoryBlock)]
+    guides = tuple(b for b in blocks if isinstance(b, GuideBlock))
+    return build_t2va(tags, *dims, patch, keyframes=anchors, guides=guides, history=history[0] if history else None)
 
 
 def _stay(component):

@@ -1,0 +1,134 @@
+"""Rendering a film window by window: each window a generation, its kept frames streamed out as they decode.
+
+A window that goes on from the one before is a T2VA generation with
+- a history: the 22 (by default) film frames before the previous window's last kept frame, VAE-encoded, placed
+  before the target on the time axis, with the sound under them (whole audio latents ending where they end);
+- a first-frame guide: that last kept frame itself, so the window's frame 0 repeats it and is trimmed.
+Its sound goes on from the history's. What a window keeps is the plan's (`windows.py`): frames and samples on
+one film grid, so the output's sound is exactly as long as its picture. Only one window's frames are held at a
+time (plus the tail the next one needs); the sound of the whole film is kept (15 MB a minute) and muxed at the
+end. The windows' latents are not carried across: the next window re-encodes the decoded tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ...errors import InputError
+from .. import geometry
+from .guides import AUDIO_SAMPLES_PER_LATENT, Guide, History
+from .windows import FilmPlan, Window, frame_sample
+
+
+@dataclass
+class Shot:
+    prompt: str
+    frames: int
+
+
+@dataclass
+class ContinuedClip:
+    """A clip the film goes on from: its frames (uint8 (F, H, W, 3) at 24 fps) and sound (float32 (2, samples)
+    at 32 kHz, or None)."""
+
+    frames: torch.Tensor
+    audio: torch.Tensor | None = None
+
+
+@dataclass
+class FilmResult:
+    audio: torch.Tensor  # float32 (2, samples) at 32 kHz: the whole film's, the continued clip's first
+    frames: int
+    info: dict = field(default_factory=dict)
+
+
+class _Tail:
+    """The film's last frames: what the next window goes on from (its last frame and the history before it)."""
+
+    def __init__(self, keep_frames: int):
+        self.keep_frames = keep_frames
+        self.frames: torch.Tensor | None = None
+
+    def add(self, frames: torch.Tensor) -> None:
+        joined = frames if self.frames is None else torch.cat([self.frames, frames])
+        self.frames = joined[-self.keep_frames:].clone()
+
+    def clear(self) -> None:
+        self.frames = None
+
+
+def _window_request(base, window: Window, prompt: str, tail: _Tail, sound: list[torch.Tensor], history_frames: int):
+    """Window `window`'s T2VA request. One that goes on from the film gets its history (the frames before the
+    film's last, with the whole audio latents of sound that end at the last frame's start) and the last frame
+    as its first-frame guide."""
+    request = dataclasses.replace(base, prompt=prompt, frames=window.frames, seed=base.seed + window.index,
+                                  guides=list(base.guides) if window.index == 0 else [], history=None)
+    if not window.carries:
+        return request
+    if tail.frames is None or tail.frames.shape[0] < history_frames + 1:
+        raise InputError(f"window {window.index} goes on from {history_frames + 1} frames; the film has fewer")
+    film_audio = torch.cat(sound, dim=1)
+    end = frame_sample(window.start)  # the last frame's first sample: the window's frame 0 starts there
+    latents = geometry.AUDIO_LATENTS_PER_SECOND * history_frames // geometry.FPS
+    request.history = History(tail.frames[:-1].contiguous(),
+                              film_audio[:, end - latents * AUDIO_SAMPLES_PER_LATENT:end].contiguous())
+    request.guides = [Guide("image", 0, image=tail.frames[-1])]
+    return request
+
+
+def render_film(generate: Callable, base, plan: FilmPlan, shots: list[Shot], *, history_frames: int,
+                on_frames: Callable[[torch.Tensor], None], continued: ContinuedClip | None = None,
+                on_window: Callable[[Window, dict], None] | None = None) -> FilmResult:
+    """Render `plan` with `generate(request) -> GenerationResult` (a pipeline's or an engine's), `base` a T2VA
+    request whose canvas, steps, seed (window i uses seed + i) and recipes every window takes. Kept frames go
+    to `on_frames` in film order."""
+    if base.mode != "t2va":
+        raise InputError(f"a film is made of t2va windows, got mode {base.mode!r}")
+    if len(shots) != len({w.shot for w in plan.windows}):
+        raise InputError(f"the plan has {len({w.shot for w in plan.windows})} shots, the film {len(shots)}")
+    tail = _Tail(history_frames + 1)
+    sound: list[torch.Tensor] = []  # the film's, on its sample grid: frame g starts at frame_sample(g)
+    info = {"windows": [], "plan": plan.describe()}
+    if continued is not None:
+        if continued.frames.shape[0] != plan.first_frame:
+            raise InputError(f"the plan continues {plan.first_frame} frames, the clip has {continued.frames.shape[0]}")
+        on_frames(continued.frames)
+        clip_samples = frame_sample(continued.frames.shape[0])
+        audio = continued.audio if continued.audio is not None else torch.zeros(2, clip_samples)
+        sound.append(_fit(audio.float(), clip_samples))
+        tail.add(continued.frames)
+    for window in plan.windows:
+        if window.index and window.shot != plan.windows[window.index - 1].shot:
+            tail.clear()
+        started = time.perf_counter()
+        request = _window_request(base, window, shots[window.shot].prompt, tail, sound, history_frames)
+        result = generate(request)
+        frames = result.video[window.keep_from:window.keep_to]
+        a, b = window.audio_keep
+        audio = result.audio[:, a:b]
+        if audio.shape[1] != b - a:
+            raise InputError(f"window {window.index} decoded {result.audio.shape[1]} samples; the plan keeps "
+                             f"{a}..{b}")
+        on_frames(frames)
+        sound.append(audio)
+        tail.add(frames)
+        entry = {**window.describe(), "seconds": round(time.perf_counter() - started, 3),
+                 "timings": {k: round(v, 3) for k, v in result.timings.items()}}
+        info["windows"].append(entry)
+        if on_window is not None:
+            on_window(window, entry)
+        del result, frames
+    total = (0 if continued is None else continued.frames.shape[0]) + plan.total_frames
+    return FilmResult(torch.cat(sound, dim=1), total, info)
+
+
+def _fit(audio: torch.Tensor, samples: int) -> torch.Tensor:
+    """A continued clip's sound cut or padded with silence to its frames' length, so the film's stays on grid."""
+    if audio.shape[1] >= samples:
+        return audio[:, :samples]
+    return torch.cat([audio, audio.new_zeros(2, samples - audio.shape[1])], dim=1)
