@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..h3_model.engine.options import (add_budget_flags, add_kernel_flags, add_model_flags, add_parallel_flags,
                                        add_precision_flags)
+from .compose import FilmSetup, add_compose_flags, film_summary, is_film, parse_guides, render_film_out
 
 REF_KINDS = ("image", "video", "audio")
 DEFAULT_STEPS = 50
@@ -66,6 +67,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "first-block-cache (threshold, start, end), turbo (evaluations, video_shift, audio_shift; "
                         "pass the Turbo LoRA with --lora), sol-engine (sparse + first-block-cache)")
     add_parallel_flags(p)
+    add_compose_flags(p)
     p.add_argument("--demo", action="store_true",
                    help="tiny synthetic models made on the spot (the output is noise): checks an install end to end "
                         "on any machine; the default when no model is given, refused together with model paths")
@@ -107,18 +109,34 @@ def run(args) -> int:
     rank, world, device = join_ranks(args, world_size)
     log = stderr_log(args, rank)
     use_demo_models(args, log)
+    film = is_film(args)  # before the request: a length within one generation becomes --frames
     check_output_flags(args)
     options, settings = engine_options(args, device, world_size)
     recipes = recipe_flags(args, options, world_size)
     req = build_request(args, settings)
+    setup = FilmSetup(args, req) if film else None  # plan, shots and a continued clip, before any weight loads
     engine = load_engine(args, options, req.mode, log)
     req = prepare_for(engine, req, recipes, options, world, log)
+    if setup is not None:
+        return run_film(args, engine, req, setup, progress_hook(args, device, log), rank, options)
     if rank:
         engine.generate(req, on_progress=progress_hook(args, device, log))
         return 0
     result = render(args, engine, req, progress_hook(args, device, log))
     if not args.quiet:
         print(json.dumps(summarize(args, engine, req, result, options, world)))
+    return 0
+
+
+def run_film(args, engine, req, setup, progress, rank: int, options) -> int:
+    """A film past one generation (compose.py): windows into --out, and its summary."""
+    step_cache, req.step_cache = req.step_cache, None
+    fresh = None if step_cache is None else (lambda: _step_cache(args))
+    result = render_film_out(args, engine, req, setup, progress, rank, fresh)
+    if result is not None and not args.quiet:
+        kernels = engine.kernel_reports[_dit_key(req.mode)]
+        print(json.dumps(film_summary(args, engine, result, kernels,
+                                      exactness(kernels, step_cache is not None, req.recipes), options)))
     return 0
 
 
@@ -204,13 +222,13 @@ def build_request(args, settings):
     """The GenerationRequest of the flags (references and keyframes read), validated, with its step cache."""
     from ..h3_model.media import files as media
     from ..h3_model.pipeline.generation import GenerationRequest
-    from ..h3_model.pipeline.step_cache import make_step_cache
 
     refs = parse_refs(args.ref)
     first = media.read_image(args.first_frame) if args.first_frame else None
     last = media.read_image(args.last_frame) if args.last_frame else None
     mode = args.mode or ("ref2va" if refs else "fl2va" if (first is not None or last is not None) else "t2va")
     req = GenerationRequest(mode=mode, prompt=args.prompt, references=refs, first_frame=first, last_frame=last,
+                            guides=parse_guides(args.guide),
                             width=args.width, height=args.height, frames=args.frames, steps=args.steps,
                             seed=args.seed, video_shift=args.video_shift, audio_shift=args.audio_shift,
                             reference_policy=args.image_ref_size, mlp_chunks=settings.mlp_chunks,
@@ -219,10 +237,15 @@ def build_request(args, settings):
     if req.sigmas is not None:
         args.steps = len(req.sigmas)  # grid points: the step cache counts len - 1 evaluations
     if args.cache_mode != "off":
-        req.step_cache = make_step_cache(args.cache_mode, args.cache_threshold, args.cache_start_percent,
-                                         args.cache_end_percent, args.cache_subsample_factor,
-                                         evaluations=args.steps - 1)
+        req.step_cache = _step_cache(args)
     return req
+
+
+def _step_cache(args):
+    from ..h3_model.pipeline.step_cache import make_step_cache
+
+    return make_step_cache(args.cache_mode, args.cache_threshold, args.cache_start_percent, args.cache_end_percent,
+                           args.cache_subsample_factor, evaluations=args.steps - 1)
 
 
 def load_engine(args, options, mode: str, log):

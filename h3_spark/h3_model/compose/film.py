@@ -21,7 +21,8 @@ import torch
 
 from ...errors import InputError
 from .. import geometry
-from .guides import AUDIO_SAMPLES_PER_LATENT, Guide, History
+from ..media.refs import resample_fps
+from .guides import AUDIO_SAMPLES_PER_LATENT, Guide, History, check_clip_length, resolve_frame
 from .windows import FilmPlan, Window, frame_sample
 
 
@@ -62,12 +63,35 @@ class _Tail:
         self.frames = None
 
 
-def _window_request(base, window: Window, prompt: str, tail: _Tail, sound: list[torch.Tensor], history_frames: int):
+def assign_guides(plan: FilmPlan, guides: list[Guide]) -> dict[int, list[Guide]]:
+    """Each guide of the film's new part (its frame counted in it, negative from its end) given to the window
+    that keeps that frame, at the window's own frame; a clip must lie within what one window keeps."""
+    out: dict[int, list[Guide]] = {}
+    for i, guide in enumerate(guides):
+        what = f"guide {i + 1} ({guide.kind})"
+        film_frame = plan.first_frame + resolve_frame(guide.frame, plan.total_frames, what)
+        length = 1
+        if guide.kind == "clip" and isinstance(guide.clip, torch.Tensor) and guide.clip.ndim == 4:
+            length = int(resample_fps(guide.clip, guide.fps).shape[0])
+            check_clip_length(length, what)
+        window = next(w for w in plan.windows if w.start + w.keep_from <= film_frame < w.start + w.keep_to)
+        local = film_frame - window.start
+        if local + length > window.keep_to:
+            raise InputError(f"{what}: its {length} frames from frame {film_frame - plan.first_frame} cross a window "
+                             f"boundary (window {window.index + 1} keeps film frames "
+                             f"{window.start + window.keep_from - plan.first_frame}.."
+                             f"{window.start + window.keep_to - plan.first_frame}); anchor it inside one window")
+        out.setdefault(window.index, []).append(dataclasses.replace(guide, frame=local))
+    return out
+
+
+def _window_request(base, window: Window, prompt: str, tail: _Tail, sound: list[torch.Tensor], history_frames: int,
+                    guides: list[Guide], step_cache):
     """Window `window`'s T2VA request. One that goes on from the film gets its history (the frames before the
     film's last, with the whole audio latents of sound that end at the last frame's start) and the last frame
-    as its first-frame guide."""
+    as its first-frame guide, before the film's own guides for its frames."""
     request = dataclasses.replace(base, prompt=prompt, frames=window.frames, seed=base.seed + window.index,
-                                  guides=list(base.guides) if window.index == 0 else [], history=None)
+                                  guides=list(guides), history=None, step_cache=step_cache)
     if not window.carries:
         return request
     if tail.frames is None or tail.frames.shape[0] < history_frames + 1:
@@ -77,18 +101,22 @@ def _window_request(base, window: Window, prompt: str, tail: _Tail, sound: list[
     latents = geometry.AUDIO_LATENTS_PER_SECOND * history_frames // geometry.FPS
     request.history = History(tail.frames[:-1].contiguous(),
                               film_audio[:, end - latents * AUDIO_SAMPLES_PER_LATENT:end].contiguous())
-    request.guides = [Guide("image", 0, image=tail.frames[-1])]
+    request.guides = [Guide("image", 0, image=tail.frames[-1])] + list(guides)
     return request
 
 
 def render_film(generate: Callable, base, plan: FilmPlan, shots: list[Shot], *, history_frames: int,
                 on_frames: Callable[[torch.Tensor], None], continued: ContinuedClip | None = None,
+                guides: dict[int, list[Guide]] | None = None, fresh_step_cache: Callable | None = None,
                 on_window: Callable[[Window, dict], None] | None = None) -> FilmResult:
     """Render `plan` with `generate(request) -> GenerationResult` (a pipeline's or an engine's), `base` a T2VA
     request whose canvas, steps, seed (window i uses seed + i) and recipes every window takes. Kept frames go
-    to `on_frames` in film order."""
+    to `on_frames` in film order. `guides`: by window (`assign_guides`); `fresh_step_cache()`: a step cache for
+    each window (a cache's state belongs to one generation)."""
     if base.mode != "t2va":
         raise InputError(f"a film is made of t2va windows, got mode {base.mode!r}")
+    if base.guides or base.history is not None:
+        raise InputError("a film's guides go by window (assign_guides), and its history comes from the film")
     if len(shots) != len({w.shot for w in plan.windows}):
         raise InputError(f"the plan has {len({w.shot for w in plan.windows})} shots, the film {len(shots)}")
     tail = _Tail(history_frames + 1)
@@ -106,7 +134,9 @@ def render_film(generate: Callable, base, plan: FilmPlan, shots: list[Shot], *, 
         if window.index and window.shot != plan.windows[window.index - 1].shot:
             tail.clear()
         started = time.perf_counter()
-        request = _window_request(base, window, shots[window.shot].prompt, tail, sound, history_frames)
+        request = _window_request(base, window, shots[window.shot].prompt, tail, sound, history_frames,
+                                  (guides or {}).get(window.index, []),
+                                  fresh_step_cache() if fresh_step_cache is not None else None)
         result = generate(request)
         frames = result.video[window.keep_from:window.keep_to]
         a, b = window.audio_keep
@@ -119,6 +149,11 @@ def render_film(generate: Callable, base, plan: FilmPlan, shots: list[Shot], *, 
         tail.add(frames)
         entry = {**window.describe(), "seconds": round(time.perf_counter() - started, 3),
                  "timings": {k: round(v, 3) for k, v in result.timings.items()}}
+        if "step_cache" in result.info:
+            entry["step_cache"] = result.info["step_cache"]
+        if torch.cuda.is_available():  # flat across windows: a film holds one window at a time
+            entry["peak_gpu_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+            torch.cuda.reset_peak_memory_stats()
         info["windows"].append(entry)
         if on_window is not None:
             on_window(window, entry)

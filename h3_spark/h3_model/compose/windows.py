@@ -102,7 +102,7 @@ class FilmPlan:
 
     def describe(self) -> dict:
         return {"frames": self.total_frames, "seconds": round(self.seconds, 4), "audio_samples": self.audio_samples,
-                "windows": [w.describe() for w in self.windows]}
+                "first_frame": self.first_frame, "windows": [w.describe() for w in self.windows]}
 
 
 def _covers(frames: int, start: int, keep_to: int) -> bool:

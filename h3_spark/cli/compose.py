@@ -1,0 +1,229 @@
+"""`h3-spark generate`'s composition flags: guides at any frame, films past 15 s, shots, continuing a clip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import InputError
+
+GUIDE_FORMAT = "KIND:PATH@FRAME"
+MAX_SHOTS = 32
+MAX_SHOT_FILE_BYTES = 1 << 20
+
+
+def add_compose_flags(parser) -> None:
+    from ..h3_model.compose.windows import DEFAULT_HISTORY_FRAMES, MAX_FILM_SECONDS, MAX_WINDOW_FRAMES
+
+    group = parser.add_argument_group("composition (guides at any frame; films past one generation)")
+    group.add_argument("--guide", action="append", default=[], metavar=GUIDE_FORMAT,
+                       help="pin a still (image:a.png@48), a clip of 17k+5 frames (clip:b.mp4@0) or a sound "
+                            "(audio:c.wav@-96) at a frame of the clip; a negative frame counts from the end (-1 is "
+                            "the last); repeatable, t2va and fl2va")
+    group.add_argument("--seconds", type=float, default=None,
+                       help=f"the clip's length in seconds instead of --frames; past {MAX_WINDOW_FRAMES} frames "
+                            f"(14.4 s) it is made in windows, each going on from the one before (at most "
+                            f"{MAX_FILM_SECONDS:g} s)")
+    group.add_argument("--shot", action="append", default=[], metavar="SECONDS:PROMPT",
+                       help="a shot of the film with its own prompt, in order; each starts afresh (nothing carried "
+                            "over); repeatable. --prompt is then unused")
+    group.add_argument("--shots", type=Path, default=None, metavar="FILE.json",
+                       help='the shots as a JSON list: [{"seconds": 8, "prompt": "..."}, ...]')
+    group.add_argument("--continue", dest="continue_from", type=Path, default=None, metavar="CLIP.mp4",
+                       help="go on from a clip: its tail conditions the first window, and the output is the clip "
+                            "followed by the continuation (--seconds, or the shots, give the new part's length)")
+    group.add_argument("--history-frames", type=int, default=DEFAULT_HISTORY_FRAMES,
+                       help=f"frames of the film a window goes on from, 17k+5 (default {DEFAULT_HISTORY_FRAMES})")
+
+
+def parse_guides(items: list[str]) -> list:
+    """--guide KIND:PATH@FRAME items, read from their files."""
+    from ..h3_model import geometry
+    from ..h3_model.compose.guides import GUIDE_KINDS, Guide
+    from ..h3_model.media import files as media
+
+    guides = []
+    for item in items:
+        kind, sep, rest = item.partition(":")
+        path, at, frame = rest.rpartition("@")
+        if not sep or kind not in GUIDE_KINDS or not at or not path:
+            raise InputError(f"--guide must be {GUIDE_FORMAT} with KIND in {', '.join(GUIDE_KINDS)}, got {item!r}")
+        try:
+            index = int(frame)
+        except ValueError:
+            raise InputError(f"--guide {item!r}: the frame after @ must be an integer, got {frame!r}") from None
+        if kind == "image":
+            guides.append(Guide("image", index, image=media.read_image(path)))
+        elif kind == "clip":
+            clip = media.read_video(path, fps=geometry.FPS, with_audio=False)
+            guides.append(Guide("clip", index, clip=clip.frames))
+        else:
+            clip = media.read_audio_clip(path)
+            guides.append(Guide("audio", index, audio=clip.audio, sample_rate=clip.sample_rate))
+    return guides
+
+
+def parse_shots(args) -> list:
+    """The film's shots: --shot items, or the --shots file, or one shot of --prompt for --seconds."""
+    from ..h3_model.compose.film import Shot
+    from ..h3_model.compose.windows import frames_for_seconds
+
+    if args.shot and args.shots:
+        raise InputError("--shot and --shots both give the shots: use one")
+    if args.shots is not None:
+        items = _shot_file(args.shots)
+    elif args.shot:
+        items = []
+        for text in args.shot:
+            seconds, sep, prompt = text.partition(":")
+            try:
+                items.append({"seconds": float(seconds), "prompt": prompt})
+            except ValueError:
+                raise InputError(f"--shot must be SECONDS:PROMPT, got {text!r}") from None
+            if not sep:
+                raise InputError(f"--shot must be SECONDS:PROMPT, got {text!r}")
+    else:
+        return [Shot(args.prompt, frames_for_seconds(args.seconds))]
+    if not 1 <= len(items) <= MAX_SHOTS:
+        raise InputError(f"a film has 1..{MAX_SHOTS} shots, got {len(items)}")
+    shots = [Shot(item["prompt"], frames_for_seconds(item["seconds"])) for item in items]
+    total = sum(s.frames for s in shots)
+    most = frames_for_seconds(_max_film_seconds())
+    if total > most:
+        raise InputError(f"the shots last {total / 24:g} s; a film lasts at most {_max_film_seconds():g} s")
+    return shots
+
+
+def _max_film_seconds() -> float:
+    from ..h3_model.compose.windows import MAX_FILM_SECONDS
+
+    return MAX_FILM_SECONDS
+
+
+def _shot_file(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise InputError(f"--shots {path}: no such file")
+    if path.stat().st_size > MAX_SHOT_FILE_BYTES:
+        raise InputError(f"--shots {path}: larger than {MAX_SHOT_FILE_BYTES} bytes")
+    try:
+        items = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InputError(f"--shots {path} is not valid JSON ({exc})") from None
+    if not isinstance(items, list):
+        raise InputError(f"--shots {path} must hold a JSON list of shots, got {type(items).__name__}")
+    for i, item in enumerate(items):
+        if (not isinstance(item, dict) or set(item) != {"seconds", "prompt"} or not isinstance(item["prompt"], str)
+                or isinstance(item["seconds"], bool) or not isinstance(item["seconds"], (int, float))):
+            raise InputError(f"--shots {path}: shot {i + 1} must be {{\"seconds\": number, \"prompt\": string}}, "
+                             f"got {json.dumps(item)[:200]}")
+    return items
+
+
+def is_film(args) -> bool:
+    """Whether the flags ask for windows: past one generation's length, shots, or a continued clip."""
+    from ..h3_model.compose.windows import MAX_WINDOW_FRAMES
+
+    if args.prompt is None and (args.shot or args.shots):
+        args.prompt = parse_shots(args)[0].prompt  # the shots carry the prompts; the request takes the first
+    if args.seconds is not None:
+        from ..h3_model.compose.windows import frames_for_seconds
+
+        frames = frames_for_seconds(args.seconds)
+        if frames <= MAX_WINDOW_FRAMES and not (args.shot or args.shots or args.continue_from):
+            args.frames = frames  # one generation: the usual snapping to 17k+5 applies
+            return False
+        return True
+    return bool(args.shot or args.shots or args.continue_from)
+
+
+def read_continued(path: Path, width: int | None, height: int | None):
+    """The clip --continue goes on from: its frames at 24 fps and its sound at 32 kHz."""
+    from ..h3_model import geometry
+    from ..h3_model.compose.film import ContinuedClip
+    from ..h3_model.media import files as media
+
+    clip = media.read_video(path, fps=geometry.FPS, sample_rate=geometry.AUDIO_SAMPLE_RATE)
+    h, w = clip.frames.shape[1:3]
+    if width is not None and (width, height) != (w, h):
+        raise InputError(f"--continue {path} is {w}x{h}; the request asks for {width}x{height}: a clip is "
+                         "continued at its own size (drop --width/--height)")
+    return ContinuedClip(clip.frames, clip.audio)
+
+
+class FilmSetup:
+    """A film's plan, shots and continued clip, made from the flags before any weight loads."""
+
+    def __init__(self, args, req):
+        from ..h3_model.compose.film import assign_guides
+        from ..h3_model.compose.windows import plan_film
+
+        if req.mode != "t2va":
+            raise InputError(f"a film past one generation is made of t2va windows; {req.mode} takes one "
+                             "generation of at most 345 frames")
+        if args.continue_from is not None and args.seconds is None and not (args.shot or args.shots):
+            raise InputError("--continue needs the new part's length: --seconds, --shot or --shots")
+        self.shots = parse_shots(args)
+        self.continued = None
+        if args.continue_from is not None:
+            self.continued = read_continued(args.continue_from, req.width, req.height)
+            req.height, req.width = (int(n) for n in self.continued.frames.shape[1:3])
+        first = 0 if self.continued is None else int(self.continued.frames.shape[0])
+        self.plan = plan_film([s.frames for s in self.shots], history=args.history_frames, continues=first)
+        self.guides = assign_guides(self.plan, req.guides)
+        req.guides = []
+        self.history_frames = args.history_frames
+        # Later windows hold condition rows at levels the first may not have (a history's sound at t = 1): the
+        # AdaLN weights must outlive the first window's tables.
+        args.keep_adaln = True
+
+
+def render_film_out(args, engine, req, setup: FilmSetup, progress, rank: int, fresh_step_cache=None):
+    """The film into --out (rank 0), its windows run in lockstep on every rank under --gpus."""
+    import time
+
+    from ..h3_model.compose.film import render_film
+    from ..h3_model.media import files as media
+
+    def generate(request):
+        return engine.generate(request, on_progress=progress)
+
+    def film(on_frames, on_window=None):
+        return render_film(generate, req, setup.plan, setup.shots, history_frames=setup.history_frames,
+                           on_frames=on_frames, continued=setup.continued, guides=setup.guides,
+                           fresh_step_cache=fresh_step_cache, on_window=on_window)
+
+    if rank:
+        film(lambda frames: None)
+        return None
+    started = time.perf_counter()
+    with media.mp4_writer(args.out, loglevel=args.ffmpeg_loglevel) as stream:
+        result = film(stream.add, lambda window, entry: progress_window(args, window, entry))
+        mux = time.perf_counter()
+        stream.finish(result.audio)
+        result.info["mux_s"] = round(time.perf_counter() - mux, 3)
+    result.info["total_s"] = round(time.perf_counter() - started, 3)
+    return result
+
+
+def progress_window(args, window, entry) -> None:
+    import sys
+
+    if args.progress and not args.quiet:
+        print(f"h3-spark: window {window.index + 1} (shot {window.shot + 1}) kept film frames "
+              f"{entry['film_frames'][0]}..{entry['film_frames'][1]} in {entry['seconds']:.2f} s",
+              file=sys.stderr, flush=True)
+
+
+def film_summary(args, engine, result, kernels: dict, exactness: dict, options) -> dict:
+    """The JSON summary of a film: its windows (frames kept, overlaps and tails trimmed, seconds), lengths."""
+    from ..h3_model.compose.windows import frame_sample
+
+    return {"out": str(args.out), "mode": "t2va", "device": options.device,
+            "dtype": str(options.dtype).removeprefix("torch."), "frames": result.frames,
+            "seconds": round(result.frames / 24, 4), "audio_samples": int(result.audio.shape[1]),
+            "audio_samples_expected": frame_sample(result.frames),
+            "continued_frames": result.info["plan"]["first_frame"] if "first_frame" in result.info["plan"] else 0,
+            "windows": result.info["windows"], "total_s": result.info["total_s"], "mux_s": result.info["mux_s"],
+            "load_s": {k: round(v, 3) for k, v in engine.load_seconds.items()},
+            "attention": kernels.get("attention", {}).get("chosen"),
+            "linear": kernels.get("linear", {}).get("format"), **exactness}
