@@ -1,0 +1,156 @@
+"""`h3-spark generate` composing: films past one generation, shots, continued clips and guides, end to end on
+the built-in tiny synthetic models; and every bad composition refused in one line before any weight loads."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from h3_spark.cli import main
+from h3_spark.h3_model.engine.demo import build_demo_models
+from h3_spark.h3_model.media import files as media
+
+pytest.importorskip("av")
+
+TINY = ["--width", "64", "--height", "64", "--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def demo_models(tmp_path_factory):
+    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
+
+    if not ensure_importable():
+        pytest.skip("the Qwen3-VL processors need torchvision")
+    return build_demo_models(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(autouse=True)
+def _reference_kernels(monkeypatch):
+    monkeypatch.setenv("H3_MODULATION_FUSION", "off")
+    monkeypatch.setenv("H3_Q_RMS_ROPE_INT8_FUSION", "off")
+
+
+def _generate(capsys, demo_models, *argv):
+    code = main(["generate", "--demo", "--demo-dir", str(demo_models), *TINY, *argv])
+    cap = capsys.readouterr()
+    assert code == 0, cap.err
+    return json.loads(cap.out.strip().splitlines()[-1])
+
+
+def _clip(path, frames, seed=0, audio=True):
+    pixels = torch.randint(0, 256, (frames, 64, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    sound = None
+    if audio:
+        t = torch.arange(round(frames / 24 * 32000)) / 32000
+        sound = torch.stack([torch.sin(2 * math.pi * 330 * t)] * 2) * 0.5
+    media.write_mp4(path, pixels, sound)
+    return path
+
+
+def test_a_film_past_one_generation_is_made_in_windows(demo_models, tmp_path, capsys):
+    out = tmp_path / "film.mp4"
+    summary = _generate(capsys, demo_models, "--seconds", "16", "--out", str(out))
+    assert summary["frames"] == 384 and summary["audio_samples"] == summary["audio_samples_expected"] == 512000
+    assert [w["film_frames"] for w in summary["windows"]] == [[0, 192], [192, 384]]
+    assert [w["overlap_trimmed"] for w in summary["windows"]] == [0, 1]
+    info = media.probe(out)
+    assert info["frames"] == 384 and info["audio_duration"] == pytest.approx(16.0, abs=1e-3)
+
+
+def test_shots_each_start_afresh(demo_models, tmp_path, capsys):
+    out = tmp_path / "shots.mp4"
+    summary = _generate(capsys, demo_models, "--shot", "1:a fox runs", "--shot", "1.5:a crow lands", "--out",
+                        str(out))
+    assert summary["frames"] == 60 and [w["shot"] for w in summary["windows"]] == [0, 1]
+    assert [w["history_frames"] for w in summary["windows"]] == [0, 0]
+    assert media.probe(out)["frames"] == 60
+
+
+def test_a_continued_clip_comes_first_and_goes_on(demo_models, tmp_path, capsys):
+    clip = _clip(tmp_path / "clip.mp4", 48)
+    out = tmp_path / "more.mp4"
+    summary = _generate(capsys, demo_models, "--continue", str(clip), "--seconds", "1", "--out", str(out))
+    assert summary["continued_frames"] == 48 and summary["frames"] == 72
+    assert summary["windows"][0]["history_frames"] == 22 and summary["windows"][0]["overlap_trimmed"] == 1
+    info = media.probe(out)
+    assert info["frames"] == 72 and info["audio_duration"] == pytest.approx(3.0, abs=1e-3)
+
+
+def test_guides_from_files(demo_models, tmp_path, capsys):
+    from PIL import Image
+
+    still = tmp_path / "still.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 80, 3), dtype=np.uint8)).save(still)
+    clip = _clip(tmp_path / "guide.mp4", 22, seed=2, audio=False)
+    sound = tmp_path / "sound.wav"
+    import av
+
+    with av.open(str(sound), "w") as container:
+        stream = container.add_stream("pcm_s16le", rate=32000, layout="stereo")
+        frame = av.AudioFrame.from_ndarray((np.random.default_rng(1).uniform(-0.5, 0.5, (1, 2 * 16000)) * 32767)
+                                           .astype(np.int16), format="s16", layout="stereo")
+        frame.sample_rate = 32000
+        for packet in stream.encode(frame):
+            container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    out = tmp_path / "guided.mp4"
+    summary = _generate(capsys, demo_models, "--guide", f"image:{still}@48", "--guide", f"clip:{clip}@-22",
+                        "--guide", f"audio:{sound}@0", "--out", str(out))
+    assert summary["frames"] == 124
+    # 3 guides: a still (one latent frame), a clip (7) and half a second of sound (20 latents, 2 channels) add
+    # (1 + 7) x 4 + 40 rows to the 124-frame T2VA sequence of the same prompt.
+    plain = _generate(capsys, demo_models, "--out", str(tmp_path / "plain.mp4"))
+    assert summary["sequence_length"] - plain["sequence_length"] == 8 * 4 + 40
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--seconds", "200"], "a film lasts more than 0 and at most 120 s, got 200"),
+    (["--guide", "photo:a.png@3"], "--guide must be KIND:PATH@FRAME with KIND in image, clip, audio, got 'photo:a.png@3'"),
+    (["--guide", "image:a.png"], "--guide must be KIND:PATH@FRAME"),
+    (["--guide", "image:a.png@x"], "--guide 'image:a.png@x': the frame after @ must be an integer, got 'x'"),
+    (["--shot", "five:a fox"], "--shot must be SECONDS:PROMPT, got 'five:a fox'"),
+    (["--shot", "1:a", "--shots", "s.json"], "--shot and --shots both give the shots: use one"),
+    (["--shots", "bad.json"], "--shots bad.json is not valid JSON"),
+    (["--shots", "dict.json"], "--shots dict.json must hold a JSON list of shots, got dict"),
+    (["--shots", "long.json"], "the shots last 130 s; a film lasts at most 120 s"),
+    (["--continue", "clip.mp4"], "--continue needs the new part's length: --seconds, --shot or --shots"),
+    (["--continue", "sound.wav", "--seconds", "2"], "sound.wav: unsupported video type .wav; use .mp4, .mov, .webm"),
+    (["--continue", "voice.mp4", "--seconds", "2"], "voice.mp4: no video stream"),
+    (["--continue", "clip.mp4", "--seconds", "2", "--width", "128", "--height", "64"],
+     "--continue clip.mp4 is 64x64; the request asks for 128x64: a clip is continued at its own size"),
+    (["--seconds", "20", "--first-frame", "still.png"],
+     "a film past one generation is made of t2va windows; fl2va takes one generation of at most 345 frames"),
+    (["--seconds", "20", "--history-frames", "20"], "history frames must be 17k+5 (5, 22, 39, ...), got 20"),
+])
+def test_bad_compositions(argv, message, capsys, tmp_path, monkeypatch):
+    from PIL import Image
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.json").write_text("[{\"seconds\": 1,")
+    (tmp_path / "dict.json").write_text("{\"seconds\": 1}")
+    (tmp_path / "long.json").write_text(json.dumps([{"seconds": 65, "prompt": "a"}, {"seconds": 65, "prompt": "b"}]))
+    (tmp_path / "sound.wav").write_bytes(b"RIFF")
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8) + 9).save(tmp_path / "still.png")
+    _clip(tmp_path / "clip.mp4", 30)
+    _sound_only(tmp_path / "voice.mp4")
+    code = main(["generate", "--prompt", "p", "--out", "o.mp4", "--models", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+
+
+def _sound_only(path):
+    import av
+
+    with av.open(str(path), "w", format="mp4") as container:
+        stream = container.add_stream("aac", rate=32000, layout="stereo")
+        frame = av.AudioFrame.from_ndarray(np.zeros((2, 32000), dtype=np.float32) + 0.1, format="fltp",
+                                           layout="stereo")
+        frame.sample_rate = 32000
+        for packet in stream.encode(frame):
+            container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
