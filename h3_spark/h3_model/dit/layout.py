@@ -12,6 +12,7 @@ of tens of thousands of radians amplify last-ulp differences.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,6 +93,9 @@ class Layout:
     text_indices: torch.Tensor
     num_condition_video_rows: int
     num_condition_audio_rows: int
+    # Noise masks: target rows held at a given clip's latents (True: kept), by target row; None keeps none.
+    held_video: torch.Tensor | None = None
+    held_audio: torch.Tensor | None = None
 
     @property
     def sequence_length(self) -> int:
@@ -113,13 +117,27 @@ class Layout:
                       condition_audio_t: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Distinct sorted timesteps of this step and each row's index into them.
 
-        Text rows follow the video timestep; conditioning rows stay at their fixed levels.
+        Text rows follow the video timestep; conditioning rows, and target rows a noise mask keeps, stay at their
+        fixed levels.
         """
         rows = torch.full((self.sequence_length,), float(t_video), dtype=torch.float32)
         rows[self.video_indices[: self.num_condition_video_rows]] = condition_video_t
         rows[self.audio_indices[self.num_condition_audio_rows:]] = t_audio
         rows[self.audio_indices[: self.num_condition_audio_rows]] = condition_audio_t
+        if self.held_video is not None:
+            rows[self.target_video_indices[self.held_video]] = condition_video_t
+        if self.held_audio is not None:
+            rows[self.target_audio_indices[self.held_audio]] = condition_audio_t
         return torch.unique(rows, sorted=True, return_inverse=True)
+
+    def holding(self, video: torch.Tensor | None, audio: torch.Tensor | None) -> "Layout":
+        """This layout with noise masks: `video` / `audio` bool per target row, True where the row is kept."""
+        for name, mask, rows in (("video", video, self.target_video_indices),
+                                 ("audio", audio, self.target_audio_indices)):
+            if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (rows.numel(),)):
+                raise InputError(f"a {name} noise mask is a bool per target row ({rows.numel()}), got "
+                                 f"{mask.dtype} {tuple(mask.shape)}")
+        return dataclasses.replace(self, held_video=video, held_audio=audio)
 
 
 def segments_before_video(layout: Layout) -> tuple[int, ...]:

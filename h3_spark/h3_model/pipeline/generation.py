@@ -25,6 +25,7 @@ import torch
 from ...errors import H3Error, InputError
 from .. import geometry
 from ..compose.guides import Guide, History, PreparedGuide, prepare_guides, prepare_history
+from ..compose.masks import NoiseMask, Source
 from ..dit.layout import (AudioBlock, GuideBlock, HistoryBlock, ImageBlock, Layout, VideoBlock, build_ref2va,
                           build_t2va)
 from ..media.refs import PreparedReference, Reference, prepare_keyframes, prepare_references, prompt_references
@@ -74,6 +75,10 @@ class GenerationRequest:
     # What came before (a film's previous window, a continued clip; t2va): conditions the target, which goes on
     # where it ends (compose/guides.History).
     history: History | None = None
+    # Noise masks (t2va): keep the parts of `source` that `mask` does not mark, make the rest anew; the source
+    # sets the canvas and the length (compose/masks.py).
+    source: Source | None = None
+    mask: NoiseMask | None = None
     width: int | None = None
     height: int | None = None
     frames: int = geometry.DEFAULT_FRAMES
@@ -102,6 +107,18 @@ class GenerationRequest:
                           and getattr(r, "audio", None) is not None)
         return kinds.count("image"), kinds.count("video"), kinds.count("audio") + soundtracks
 
+    def _take_source_canvas(self) -> None:
+        frames = self.source.frames
+        if not isinstance(frames, torch.Tensor) or frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+            raise InputError("the clip to repaint must be uint8 (F, H, W, 3) frames")
+        height, width = int(frames.shape[1]), int(frames.shape[2])
+        if self.width is not None and (self.width, self.height) != (width, height):
+            raise InputError(f"the clip to repaint is {width}x{height}, the request {self.width}x{self.height}: it "
+                             "is repainted at its own size")
+        if geometry.snap_frames(frames.shape[0]) != frames.shape[0]:
+            raise InputError(f"the clip to repaint has {frames.shape[0]} frames; it must be 17k+5 (124..345)")
+        self.width, self.height, self.frames = width, height, int(frames.shape[0])
+
     def validate(self) -> None:
         if self.mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
@@ -120,6 +137,12 @@ class GenerationRequest:
             raise InputError("ref2va takes no guides; guides go with t2va or fl2va")
         if self.mode != "t2va" and self.history is not None:
             raise InputError(f"{self.mode} takes no history; a film's windows and a continued clip are t2va")
+        if (self.source is None) != (self.mask is None):
+            raise InputError("a noise mask and the clip it masks go together (source and mask)")
+        if self.source is not None and self.mode != "t2va":
+            raise InputError(f"{self.mode} takes no noise mask; repainting a clip is t2va")
+        if self.source is not None:
+            self._take_source_canvas()
         check_mentions(self.mode, self.prompt, *self._reference_counts())
         if (self.width is None) != (self.height is None):
             raise InputError("width and height go together, or neither")
@@ -244,6 +267,10 @@ class Pipeline:
 
         dims = self.latent_dims(canvas.frames, canvas.width, canvas.height)
         lay = build_layout(req.mode, text.tags, blocks, canvas.anchors, dims, dit.config.patch_size)
+        source_rows = (None, None)
+        if req.source is not None:
+            lay, source_rows = self.hold(lay, req.source, req.mask, dims, dit.config.patch_size)
+            info["kept_rows"] = {"video": int(lay.held_video.sum()), "audio": int(lay.held_audio.sum())}
         info["sequence_length"] = lay.sequence_length
         if self.memory_check is not None:
             self.memory_check(dit, lay.sequence_length, req.mlp_chunks)
@@ -275,7 +302,8 @@ class Pipeline:
                                                                     canvas.frames, len(schedule))
         try:
             with scope:
-                result = self.sample(dit, SamplingRequest(lay, text.embeds, *dims, conditions, audio_rows), schedule,
+                result = self.sample(dit, SamplingRequest(lay, text.embeds, *dims, conditions, audio_rows,
+                                                          *source_rows), schedule,
                                      req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,
                                      step_cache=req.step_cache, attention_schedule=req.attention_schedule)
         finally:  # read (and reset) even when cancelled, so the next request counts only its own
@@ -420,6 +448,29 @@ class Pipeline:
                 audio_rows.append(audio_rows_of(encoded.audio))
             blocks.append(encoded.block())
         return conditions, audio_rows, blocks, hits
+
+    def hold(self, lay: Layout, source: Source, mask: NoiseMask, dims, patch):
+        """The layout with the noise mask's kept rows, and the clip's target rows (video, audio) they hold."""
+        from ..compose import masks
+        from ..dit.layout import patchify
+        from ..vae.video import encode_condition
+
+        vae = self._need(self.c.vae, "the video VAE")
+        with self.visit(vae):
+            latents = encode_condition(vae, source.frames, tile_size=DEFAULT_ENCODE_TILE)
+        video_rows = patchify(latents.float(), patch)
+        samples = dims[3] * masks.AUDIO_SAMPLES_PER_LATENT
+        sound = torch.zeros(2, samples) if source.audio is None else source.audio.float()[:, :samples]
+        sound = torch.nn.functional.pad(sound, (0, samples - sound.shape[1]))
+        audio_vae = self._need(self.c.audio_vae, "the audio VAE")
+        with self.visit(audio_vae):
+            audio_rows = audio_rows_of(audio_vae.encode_stereo(sound).float().cpu())
+        frames, height, width = source.frames.shape[:3]
+        keep_v = torch.ones(video_rows.shape[0], dtype=torch.bool) if mask.video is None else ~masks.video_rows(
+            mask.video, frames, height, width, height // dims[1] * patch[1])
+        keep_a = torch.ones(audio_rows.shape[0], dtype=torch.bool) if mask.audio is None else ~masks.audio_rows(
+            mask.audio, dims[3])
+        return lay.holding(keep_v, keep_a), (video_rows, audio_rows)
 
     def latent_dims(self, frames: int, width: int, height: int) -> tuple[int, int, int, int]:
         """(video latent frames, latent height, latent width, audio latent frames) of a canvas."""

@@ -6,7 +6,9 @@ a generation exactly:
      like its latent; the condition is mixed with it at t = 0.999 and held there;
   2. the target video noise as a (1, C, T, H/16, W/16) fp32 tensor, then patchified;
   3. the target audio noise directly in row layout (2 * T_audio, C_audio), channel-major.
-Conditioning rows (visual at 0.999, reference audio clean) are never updated.
+Conditioning rows (visual at 0.999, reference audio clean) are never updated. Target rows a noise mask keeps
+(the layout's `held_video` / `held_audio`) are held the same way at the given clip's latents, mixed with their
+own target noise (no extra draw), and come out as those latents exactly.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class SamplingRequest:
     condition_latents: list[torch.Tensor] = field(default_factory=list)
     # Normalised audio rows of the references (each (2 * T, C_audio), channel-major), packed order.
     audio_condition_rows: list[torch.Tensor] = field(default_factory=list)
+    # Noise masks: the given clip's target rows (patchified video latents, audio rows), read where the layout
+    # holds rows.
+    source_video_rows: torch.Tensor | None = None
+    source_audio_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -123,6 +129,7 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
     lay = req.layout
     cond = condition_rows(req.condition_latents, generator, c.patch_size)
     video_noise, audio_noise = initial_noise(req, generator, c.in_channels, c.audio_in_channels, c.patch_size)
+    held_v, held_a = _held(lay, req, video_noise, audio_noise)
     n_cv, n_ca = lay.num_condition_video_rows, lay.num_condition_audio_rows
     video = torch.cat([cond, video_noise]) if cond is not None else video_noise
     audio = torch.cat(req.audio_condition_rows + [audio_noise]) if req.audio_condition_rows else audio_noise
@@ -132,6 +139,8 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
             f"conditions and target give {video.shape[0]} and {audio.shape[0]}: canvas and conditioning disagree"
         )
     video, audio = video.to(device), audio.float().to(device)
+    held_v = None if held_v is None else held_v.to(device)
+    held_a = None if held_a is None else held_a.to(device)
     structure = {k: getattr(lay, k).to(device) for k in ("token_tags", "video_indices", "audio_indices", "text_indices")}
     position_ids = lay.position_ids.to(device)
     target_video = torch.arange(n_cv, video.shape[0], device=device)
@@ -168,8 +177,13 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
             v_vel, a_vel = step_cache.velocities(i, video[n_cv:], audio[n_ca:], forward)
         else:
             v_vel, a_vel = forward()
-        video[n_cv:] = schedule.video.step(i, v_vel[0].float(), video[n_cv:])
-        audio[n_ca:] = schedule.audio.step(i, a_vel[0].float(), audio[n_ca:])
+        stepped_v = schedule.video.step(i, v_vel[0].float(), video[n_cv:])
+        stepped_a = schedule.audio.step(i, a_vel[0].float(), audio[n_ca:])
+        if held_v is not None:
+            stepped_v[held_v] = video[n_cv:][held_v]
+        if held_a is not None:
+            stepped_a[held_a] = audio[n_ca:][held_a]
+        video[n_cv:], audio[n_ca:] = stepped_v, stepped_a
         if str(device).startswith("cuda"):
             torch.cuda.synchronize(device)
         step_seconds.append(time.perf_counter() - start)
@@ -178,10 +192,38 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
             denoised = (lambda v=v_vel[0], s=sigma_next: video[n_cv:].float() - s * v.float())
             on_step(StepInfo(i, len(schedule), tv, ta, step_seconds[-1], denoised))
 
-    video_latents = unpatchify(video[n_cv:].cpu(), c.in_channels, req.latent_frames, req.latent_height,
+    video_rows, audio_rows = video[n_cv:].cpu(), audio[n_ca:].cpu()
+    if held_v is not None:  # kept rows come out as the clip's own latents, not their 0.999 mix
+        video_rows[held_v.cpu()] = req.source_video_rows.float()[held_v.cpu()]
+    if held_a is not None:
+        audio_rows[held_a.cpu()] = req.source_audio_rows.float()[held_a.cpu()]
+    video_latents = unpatchify(video_rows, c.in_channels, req.latent_frames, req.latent_height,
                                req.latent_width, c.patch_size)
-    audio_latents = audio[n_ca:].cpu().reshape(2, req.audio_latents, c.audio_in_channels).permute(0, 2, 1).contiguous()
+    audio_latents = audio_rows.reshape(2, req.audio_latents, c.audio_in_channels).permute(0, 2, 1).contiguous()
     return SamplingResult(video_latents.contiguous(), audio_latents, step_seconds)
+
+
+def _held(lay: Layout, req: SamplingRequest, video_noise: torch.Tensor, audio_noise: torch.Tensor):
+    """The noise masks' kept rows, set in the initial noise in place: the clip's video latents mixed with the
+    row's own noise at t = 0.999, its audio rows clean. (None, None) without masks."""
+    held_v = held_a = None
+    if lay.held_video is not None:
+        src = _source(req.source_video_rows, video_noise, "video")
+        held_v = lay.held_video
+        t = torch.tensor(CONDITION_VIDEO_T, dtype=torch.float32)
+        video_noise[held_v] = t * src[held_v] + (1.0 - t) * video_noise[held_v]
+    if lay.held_audio is not None:
+        src = _source(req.source_audio_rows, audio_noise, "audio")
+        held_a = lay.held_audio
+        audio_noise[held_a] = src[held_a]
+    return held_v, held_a
+
+
+def _source(rows: torch.Tensor | None, like: torch.Tensor, what: str) -> torch.Tensor:
+    if rows is None or tuple(rows.shape) != tuple(like.shape):
+        raise H3Error(f"a {what} noise mask needs the clip's {tuple(like.shape)} target rows, got "
+                      f"{None if rows is None else tuple(rows.shape)}")
+    return rows.float().cpu()
 
 
 def _block_cancel(cancel: threading.Event | None, step: int, total: int):
