@@ -106,7 +106,29 @@ def test_guides_from_files(demo_models, tmp_path, capsys):
     assert summary["sequence_length"] - plain["sequence_length"] == 8 * 4 + 40
 
 
+def test_repaint_a_region_and_a_span(demo_models, tmp_path, capsys):
+    from PIL import Image
+
+    clip = _clip(tmp_path / "clip.mp4", 124)
+    region = np.zeros((64, 64, 3), dtype=np.uint8)
+    region[:32, :32] = 255  # one 32-pixel patch of four
+    Image.fromarray(region).save(tmp_path / "mask.png")
+    summary = _generate(capsys, demo_models, "--repaint", str(clip), "--mask", str(tmp_path / "mask.png"),
+                        "--out", str(tmp_path / "region.mp4"))
+    # 37 latent frames x 4 patches: one patch of each frame made anew; the sound (207 latents x 2) kept.
+    assert summary["kept_rows"] == {"video": 37 * 3, "audio": 414} and summary["frames"] == 124
+    summary = _generate(capsys, demo_models, "--repaint", str(clip), "--regenerate-seconds", "1-2", "--out",
+                        str(tmp_path / "span.mp4"))
+    assert summary["kept_rows"]["video"] == 29 * 4  # frames 24..47 touch latent frames 7..14
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--mask", "still.png"], "--mask and --regenerate-seconds go with --repaint CLIP.mp4"),
+    (["--repaint", "clip.mp4"], "--repaint needs what to make anew: --mask, --regenerate-seconds or both"),
+    (["--repaint", "clip.mp4", "--regenerate-seconds", "1"], "--regenerate-seconds must be START-END in seconds"),
+    (["--repaint", "clip.mp4", "--mask", "still.png"], "--mask still.png is 8x8; the clip is 64x64"),
+    (["--repaint", "clip.mp4", "--regenerate-seconds", "0-1"],
+     "the clip to repaint has 30 frames; it must be 17k+5 (124..345)"),
     (["--seconds", "200"], "a film lasts more than 0 and at most 120 s, got 200"),
     (["--guide", "photo:a.png@3"], "--guide must be KIND:PATH@FRAME with KIND in image, clip, audio, got 'photo:a.png@3'"),
     (["--guide", "image:a.png"], "--guide must be KIND:PATH@FRAME"),

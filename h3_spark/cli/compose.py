@@ -34,6 +34,14 @@ def add_compose_flags(parser) -> None:
                             "followed by the continuation (--seconds, or the shots, give the new part's length)")
     group.add_argument("--history-frames", type=int, default=DEFAULT_HISTORY_FRAMES,
                        help=f"frames of the film a window goes on from, 17k+5 (default {DEFAULT_HISTORY_FRAMES})")
+    group.add_argument("--repaint", type=Path, default=None, metavar="CLIP.mp4",
+                       help="keep parts of a clip (17k+5 frames, 124..345) and make the rest anew: with --mask, a "
+                            "region of the picture (the sound is kept); with --regenerate-seconds, a span of time "
+                            "(picture and sound); with both, the region within the span")
+    group.add_argument("--mask", type=Path, default=None, metavar="IMAGE.png",
+                       help="with --repaint: where to make the picture anew (non-black pixels), at the clip's size")
+    group.add_argument("--regenerate-seconds", default=None, metavar="START-END",
+                       help="with --repaint: the span of time to make anew, e.g. 2-3.5")
 
 
 def parse_guides(items: list[str]) -> list:
@@ -227,3 +235,48 @@ def film_summary(args, engine, result, kernels: dict, exactness: dict, options) 
             "load_s": {k: round(v, 3) for k, v in engine.load_seconds.items()},
             "attention": kernels.get("attention", {}).get("chosen"),
             "linear": kernels.get("linear", {}).get("format"), **exactness}
+
+
+def parse_repaint(args):
+    """(Source, NoiseMask) of --repaint, --mask and --regenerate-seconds, or (None, None)."""
+    from ..h3_model import geometry
+    from ..h3_model.compose.masks import NoiseMask, Source, time_span_mask
+    from ..h3_model.media import files as media
+
+    if args.repaint is None:
+        if args.mask is not None or args.regenerate_seconds is not None:
+            raise InputError("--mask and --regenerate-seconds go with --repaint CLIP.mp4")
+        return None, None
+    if args.mask is None and args.regenerate_seconds is None:
+        raise InputError("--repaint needs what to make anew: --mask, --regenerate-seconds or both")
+    clip = media.read_video(args.repaint, fps=geometry.FPS, sample_rate=geometry.AUDIO_SAMPLE_RATE)
+    frames, height, width = (int(n) for n in clip.frames.shape[:3])
+    video = audio = None
+    if args.regenerate_seconds is not None:
+        start, sep, end = args.regenerate_seconds.partition("-")
+        try:
+            span = time_span_mask(frames, float(start), float(end))
+        except ValueError:
+            raise InputError(f"--regenerate-seconds must be START-END in seconds, got {args.regenerate_seconds!r}") from None
+        if not sep:
+            raise InputError(f"--regenerate-seconds must be START-END in seconds, got {args.regenerate_seconds!r}")
+        video, audio = span.video[:, None, None].expand(frames, height, width), span.audio
+    if args.mask is not None:
+        image = media.read_image(args.mask)
+        if tuple(image.shape[:2]) != (height, width):
+            raise InputError(f"--mask {args.mask} is {image.shape[1]}x{image.shape[0]}; the clip is {width}x{height}")
+        region = (image.amax(-1) > 0).float()
+        video = region.expand(frames, height, width) if video is None else video * region
+        if audio is None:
+            audio = torch_zeros_like_sound(frames)
+    return Source(clip.frames, clip.audio), NoiseMask(video, audio)
+
+
+def torch_zeros_like_sound(frames: int):
+    """An audio mask that keeps all of a clip's sound."""
+    import torch
+
+    from ..h3_model import geometry
+    from ..h3_model.compose.masks import AUDIO_SAMPLES_PER_LATENT
+
+    return torch.zeros(geometry.audio_latent_frames(frames) * AUDIO_SAMPLES_PER_LATENT)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from ..h3_model.engine.options import (add_budget_flags, add_kernel_flags, add_model_flags, add_parallel_flags,
                                        add_precision_flags)
-from .compose import FilmSetup, add_compose_flags, film_summary, is_film, parse_guides, render_film_out
+from .compose import (FilmSetup, add_compose_flags, film_summary, is_film, parse_guides, parse_repaint,
+                      render_film_out)
 
 REF_KINDS = ("image", "video", "audio")
 DEFAULT_STEPS = 50
@@ -177,7 +178,7 @@ def use_demo_models(args, log) -> None:
         args.models = build_demo_models(args.demo_dir or default_demo_dir(), log=log)
         args.prompt = DEMO_PROMPT if args.prompt is None else args.prompt
         args.out = args.out or Path("h3-spark-demo.mp4")
-        if args.width is None:
+        if args.width is None and args.repaint is None and args.continue_from is None:  # those keep their clip's
             args.width, args.height = 128, 64
         if args.text_encoder_layer is None:
             args.text_encoder_layer = TEXT_READ_LAYER
@@ -228,7 +229,7 @@ def build_request(args, settings):
     last = media.read_image(args.last_frame) if args.last_frame else None
     mode = args.mode or ("ref2va" if refs else "fl2va" if (first is not None or last is not None) else "t2va")
     req = GenerationRequest(mode=mode, prompt=args.prompt, references=refs, first_frame=first, last_frame=last,
-                            guides=parse_guides(args.guide),
+                            guides=parse_guides(args.guide), **dict(zip(("source", "mask"), parse_repaint(args))),
                             width=args.width, height=args.height, frames=args.frames, steps=args.steps,
                             seed=args.seed, video_shift=args.video_shift, audio_shift=args.audio_shift,
                             reference_policy=args.image_ref_size, mlp_chunks=settings.mlp_chunks,
@@ -330,6 +331,8 @@ def summarize(args, engine, req, result, options, world: int) -> dict:
                "vae_attention": (vae_kernels or {}).get("attention", {}).get("chosen")}
     if "step_cache" in result.info:
         summary["step_cache"] = result.info["step_cache"]
+    if "kept_rows" in result.info:  # --repaint: the DiT rows held at the clip's latents
+        summary["kept_rows"] = result.info["kept_rows"]
     if "nvfp4_static_scales" in result.info:  # static or, outside the calibrated shapes, dynamic (and why)
         summary["nvfp4_static_scales"] = result.info["nvfp4_static_scales"]
     if engine.memory_report(key) is not None:

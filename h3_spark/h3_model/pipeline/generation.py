@@ -115,7 +115,8 @@ class GenerationRequest:
         if self.width is not None and (self.width, self.height) != (width, height):
             raise InputError(f"the clip to repaint is {width}x{height}, the request {self.width}x{self.height}: it "
                              "is repainted at its own size")
-        if geometry.snap_frames(frames.shape[0]) != frames.shape[0]:
+        count = int(frames.shape[0])
+        if count < 124 or count > 345 or (count - geometry.VAE_LATENTS_PER_CHUNK) % geometry.VAE_FRAMES_PER_CHUNK:
             raise InputError(f"the clip to repaint has {frames.shape[0]} frames; it must be 17k+5 (124..345)")
         self.width, self.height, self.frames = width, height, int(frames.shape[0])
 
