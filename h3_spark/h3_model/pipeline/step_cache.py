@@ -206,6 +206,11 @@ class H3Cache(StepCache):
         return self._velocity
 
 
+def mean_abs(t: torch.Tensor) -> float:
+    """Mean absolute value of t in fp32: the first-block cache's measure of a residual held whole."""
+    return t.float().abs().mean().item()
+
+
 class FirstBlockCache(StepCache):
     """Decides inside the forward: the DiT runs its first block, hands this cache the block's residual (output
     minus input), and skips the other blocks when that residual moved less than `threshold` since the last
@@ -230,11 +235,14 @@ class FirstBlockCache(StepCache):
         return out
 
     # ------------------------------------------------------------------ called by the DiT's forward
-    def after_first_block(self, residual: torch.Tensor) -> torch.Tensor | None:
-        """The other blocks' residual to add (reuse), or None: run them."""
+    def after_first_block(self, residual: torch.Tensor,
+                          mean_abs: Callable[[torch.Tensor], float] = mean_abs) -> torch.Tensor | None:
+        """The other blocks' residual to add (reuse), or None: run them. `mean_abs` averages over the whole
+        sequence: a forward split over ranks holds some rows of it and passes its all-ranks mean, so every
+        rank measures the same change and takes the same decision."""
         if self._first is not None and self._rest is not None and self.in_window(self._step):
-            scale = self._first.float().abs().mean().item()
-            diff = (residual.float() - self._first.float()).abs().mean().item()
+            scale = mean_abs(self._first)
+            diff = mean_abs(residual.float() - self._first.float())
             change = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
             self.changes[self._step] = change
             if change < self.options.threshold:
