@@ -79,16 +79,19 @@ class UlyssesAttention:
         self.inner, self.shards, self.group = inner, shards, group
         self.reads_gate = getattr(inner, "reads_gate", False)
 
-    def __call__(self, q, k, v, **extra):
+    def __call__(self, q, k, v, gate=None):
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
             # Quantized heads carry scales of this rank's rows only: traded, one head would mix scales.
             raise H3Error("sequence parallelism trades the rows of plain q, k, v between ranks, but the Q/K "
                           "preparation hands the attention quantized heads (attention fa3_fp8): choose another "
                           "attention, or run on one GPU")
         q, k, v = (_heads_to_rows(t, self.shards, self.group) for t in (q, k, v))
-        extra = {name: None if t is None else _heads_to_rows(t, self.shards, self.group)
-                 for name, t in extra.items()}
-        return _rows_to_heads(self.inner(q, k, v, **extra), self.shards, self.group)
+        if self.reads_gate:
+            gate = None if gate is None else _heads_to_rows(gate, self.shards, self.group)
+            out = self.inner(q, k, v, gate=gate)
+        else:
+            out = self.inner(q, k, v)
+        return _rows_to_heads(out, self.shards, self.group)
 
 
 def gather_rows(x: torch.Tensor, shards: SequenceShards, group=None) -> torch.Tensor:
@@ -144,6 +147,7 @@ class OneProcess:
         return x
 
     def mean_abs(self, t: torch.Tensor) -> float:
+        """Mean absolute value of t in fp32."""
         return t.float().abs().mean().item()
 
 

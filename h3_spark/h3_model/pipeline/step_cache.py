@@ -206,11 +206,6 @@ class H3Cache(StepCache):
         return self._velocity
 
 
-def mean_abs(t: torch.Tensor) -> float:
-    """Mean absolute value of t in fp32: the first-block cache's measure of a residual held whole."""
-    return t.float().abs().mean().item()
-
-
 class FirstBlockCache(StepCache):
     """Decides inside the forward: the DiT runs its first block, hands this cache the block's residual (output
     minus input), and skips the other blocks when that residual moved less than `threshold` since the last
@@ -236,10 +231,10 @@ class FirstBlockCache(StepCache):
 
     # ------------------------------------------------------------------ called by the DiT's forward
     def after_first_block(self, residual: torch.Tensor,
-                          mean_abs: Callable[[torch.Tensor], float] = mean_abs) -> torch.Tensor | None:
-        """The other blocks' residual to add (reuse), or None: run them. `mean_abs` averages over the whole
-        sequence: a forward split over ranks holds some rows of it and passes its all-ranks mean, so every
-        rank measures the same change and takes the same decision."""
+                          mean_abs: Callable[[torch.Tensor], float]) -> torch.Tensor | None:
+        """The other blocks' residual to add (reuse), or None: run them. `mean_abs` (the forward's: dit/parallel.py)
+        averages a residual's absolute values over the whole sequence; a forward split over ranks holds some rows
+        of it and answers the all-ranks mean, so every rank measures the same change and decides alike."""
         if self._first is not None and self._rest is not None and self.in_window(self._step):
             scale = mean_abs(self._first)
             diff = mean_abs(residual.float() - self._first.float())
