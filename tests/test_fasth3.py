@@ -271,21 +271,6 @@ def test_a_model_without_gates_is_not_a_fasth3_model(files, base):
     assert req.attention_schedule is None and len(schedule_of(req)) == 8
 
 
-def test_a_sequence_parallel_model_is_refused(fast):
-    class Wrapped:
-        takes_block_hooks = False
-
-        def __init__(self, model):
-            self.model = model
-
-        def __getattr__(self, name):
-            return getattr(self.model, name)
-
-    with pytest.raises(InputError, match=r"^recipe fasth3 tiles one DiT's whole packed sequence in every block; "
-                                         r"this model is a Wrapped \(sequence parallel\)"):
-        apply_recipes(parse_recipes(["fasth3"]), _req(), Wrapped(fast), "cpu", KernelSettings())
-
-
 def test_the_vsa_schedule_needs_the_request():
     with pytest.raises(H3Error, match="the fasth3 attention tiles one request's packed sequence: it runs through "
                                       "the sampler"):

@@ -1,6 +1,11 @@
-"""Ulysses sequence parallelism on CPU with gloo: velocities equal the single-process forward.
+"""Ulysses sequence parallelism on CPU with gloo: the one forward, split over ranks, equals the single process.
 
-Tolerance: rel L2 <= 1e-5 in fp32 (the split changes no arithmetic order inside a head).
+Tolerance: rel L2 <= 1e-5 in fp32, for single forwards and for whole sampler runs (the split changes no arithmetic
+order inside a head; the projections over fewer rows may round differently in the last bit). Under the split the
+block loop's hooks run as in one process: the first-block cache (its change measured over the whole sequence, the
+same number on every rank, so the ranks reuse the same steps), an attention schedule that alternates two exact
+backends per block, FastH3's VSA schedule (per head, over all rows: each rank's slice of heads) and released AdaLN
+weights.
 """
 
 import dataclasses
@@ -12,18 +17,26 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from h3_spark.errors import H3Error, InputError
 from h3_spark.h3_model.dit import layout
 from h3_spark.h3_model.dit.config import TINY
 from h3_spark.h3_model.dit.model import H3DiT
-from h3_spark.errors import InputError
-from h3_spark.h3_model.dit.parallel import SequenceParallelDiT, SequenceShards
+from h3_spark.h3_model.dit.parallel import ONE_PROCESS, SequenceParallel, SequenceShards, UlyssesAttention, \
+    split_over_ranks
+from h3_spark.h3_model.engine.recipes import VsaSchedule
+from h3_spark.h3_model.pipeline.sampler import SamplingRequest, sample
+from h3_spark.h3_model.pipeline.scheduler import JointSchedule
+from h3_spark.h3_model.pipeline.step_cache import make_step_cache
+from h3_spark.kernels.attention import math_reference, sdpa
 
 CONFIG = dataclasses.replace(TINY, num_attention_heads=4, attention_head_dim=16)
+STEPS = 7  # 6 evaluations
+CANVAS = (5, 8, 8, 10)  # latent frames, height, width, audio latents: 7 + 20 + 80 = 107 rows, split unevenly
 
 
-def _model(seed=0):
+def _model(seed=0, config=CONFIG):
     torch.manual_seed(seed)
-    model = H3DiT(CONFIG).eval()
+    model = H3DiT(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -47,22 +60,69 @@ def _layouts():
             layout.build_ref2va(torch.ones(9, dtype=torch.long), refs, 2, 4, 6, 4)]
 
 
+def _forwards(model):
+    results = []
+    with torch.no_grad():
+        for lay in _layouts():
+            args = _inputs(lay)
+            target_v = torch.arange(lay.num_condition_video_rows, lay.video_indices.numel())
+            results.append(model(**args))
+            results.append(model(**args, output_video_rows=target_v))
+    return [(v.numpy().copy(), a.numpy().copy()) for v, a in results]
+
+
+class Alternating:
+    """An attention schedule: sdpa in even blocks, the fp32 formula in odd ones; counts what it hands out."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def at(self, step, block):
+        self.asked += 1
+        return sdpa if block % 2 == 0 else math_reference
+
+
+def _sample(model, **kwargs):
+    frames, height, width, audio = CANVAS
+    prompt = torch.randn(1, 7, CONFIG.text_dim, generator=torch.Generator().manual_seed(2))
+    lay = layout.build_t2va(torch.ones(7, dtype=torch.long), frames, height, width, audio, CONFIG.patch_size)
+    req = SamplingRequest(lay, prompt, frames, height, width, audio)
+    out = sample(model, req, JointSchedule.create(STEPS), torch.Generator().manual_seed(9), **kwargs)
+    return out.video_latents.numpy().copy(), out.audio_latents.numpy().copy()
+
+
+def _runs(split=lambda model: model):
+    """Sampler runs through the block loop's hooks, each on a fresh model given to `split`: name -> (latents,
+    what the run reports)."""
+    out = {}
+    cache = make_step_cache("first_block", 1e9, 0.3, 0.8, evaluations=STEPS - 1)
+    out["first_block_cache"] = _sample(split(_model()), step_cache=cache), (cache.computed, cache.reused,
+                                                                            cache.changes)
+    alternating = Alternating()
+    out["alternating_schedule"] = _sample(split(_model()), attention_schedule=alternating), alternating.asked
+    gated = dataclasses.replace(CONFIG, gate_compress=True)
+    vsa = VsaSchedule(0.5, 64, "pytorch", CONFIG.patch_size)
+    out["vsa_schedule"] = _sample(split(_model(config=gated)), attention_schedule=vsa), None
+    model = split(_model())
+    out["released_adaln"] = _sample(model, release_adaln=True), model.adaln_released
+    return out
+
+
 def _worker(rank, world, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        sp = SequenceParallelDiT(_model())
-        results = []
-        for lay in _layouts():
-            args = _inputs(lay)
-            target_v = torch.arange(lay.num_condition_video_rows, lay.video_indices.numel())
-            results.append(sp(**args))
-            results.append(sp(**args, output_video_rows=target_v))
-        if rank == 0:
-            # numpy arrays travel by value; a tensor on an mp queue is a shared-memory handle that
-            # the parent must fetch from this process, which may already have exited (a CI flake).
-            queue.put([(v.numpy().copy(), a.numpy().copy()) for v, a in results])
+        # numpy arrays travel by value; a tensor on an mp queue is a shared-memory handle that the parent must
+        # fetch from this process, which may already have exited (a CI flake).
+        payload = {"forwards": _forwards(split_over_ranks(_model()))}
+        if world == 2:
+            payload["runs"] = _runs(split_over_ranks)
+            try:
+                SequenceParallel(3)
+            except InputError as exc:
+                payload["three_heads"] = str(exc)
+        queue.put((rank, payload))
     finally:
         dist.destroy_process_group()
 
@@ -73,32 +133,63 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_sequence_parallel_equals_single_process(world):
+def _spawn(world):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    got = queue.get(timeout=240)
+    got = dict(queue.get(timeout=300) for _ in range(world))
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    model = _model()
-    expected = []
-    with torch.no_grad():
-        for lay in _layouts():
-            args = _inputs(lay)
-            target_v = torch.arange(lay.num_condition_video_rows, lay.video_indices.numel())
-            expected.append(model(**args))
-            expected.append(model(**args, output_video_rows=target_v))
+    return got
+
+
+def _rel_l2(a, b):
+    a, b = torch.from_numpy(a).double(), torch.from_numpy(b).double()
+    assert a.shape == b.shape
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_equals_single_process(world):
+    got = _spawn(world)
     assert any(lay.sequence_length % world for lay in _layouts())
-    for (v, a), (ev, ea) in zip(got, expected):
-        v, a = torch.from_numpy(v), torch.from_numpy(a)
-        assert v.shape == ev.shape
-        assert ((v - ev).norm() / ev.norm()).item() <= 1e-5
-        assert ((a - ea).norm() / ea.norm()).item() <= 1e-5
+    expected = _forwards(_model())
+    for rank in range(world):
+        for (v, a), (ev, ea) in zip(got[rank]["forwards"], expected):
+            assert _rel_l2(v, ev) <= 1e-5 and _rel_l2(a, ea) <= 1e-5
+    if world == 2:
+        _check_runs(got)
+        assert got[0]["three_heads"] == ("2 ranks do not divide the 3 attention heads; use a world size that does "
+                                         "(for 56 heads: 2, 4, 7 or 8)")
+
+
+def _check_runs(got):
+    expected = _runs()
+    for rank in (0, 1):
+        runs = got[rank]["runs"]
+        assert runs.keys() == expected.keys()
+        for name, ((video, audio), _) in expected.items():
+            (v, a), _ = runs[name]
+            assert _rel_l2(v, video) <= 1e-5 and _rel_l2(a, audio) <= 1e-5, name
+    # The cache measured the whole sequence's change (a rank's own rows give another number) and reused the
+    # same steps as one process; both ranks took every decision from the same number.
+    computed, reused, changes = expected["first_block_cache"][1]
+    assert (computed, reused) == ([0, 1, 5], [2, 3, 4])
+    for rank in (0, 1):
+        got_computed, got_reused, got_changes = got[rank]["runs"]["first_block_cache"][1]
+        assert (got_computed, got_reused) == (computed, reused) and got_changes.keys() == changes.keys()
+        assert all(abs(got_changes[i] - changes[i]) <= 1e-5 * changes[i] for i in changes)
+    assert got[0]["runs"]["first_block_cache"][1][2] == got[1]["runs"]["first_block_cache"][1][2]
+    # Every evaluation asked the schedule for every block, on every rank; the AdaLN weights were released.
+    assert got[0]["runs"]["alternating_schedule"][1] == expected["alternating_schedule"][1] == (STEPS - 1) * 2
+    assert got[0]["runs"]["released_adaln"][1] is True
+    # VSA at sparsity 0.5 is not the dense run: the schedule, not the model's attention, ran.
+    dense = _sample(_model(config=dataclasses.replace(CONFIG, gate_compress=True)))
+    assert _rel_l2(expected["vsa_schedule"][0][0], dense[0]) > 1e-3
 
 
 def test_shards_cover_the_sequence_unevenly():
@@ -110,10 +201,21 @@ def test_shards_cover_the_sequence_unevenly():
 
 
 def test_needs_initialised_process_group():
-    from h3_spark.errors import H3Error
-
     with pytest.raises(H3Error, match="needs torch.distributed to be initialised"):
-        SequenceParallelDiT(_model())
+        SequenceParallel(CONFIG.num_attention_heads)
+    assert _model().sequence_parallel is ONE_PROCESS
+
+
+def test_quantized_heads_are_not_traded_between_ranks():
+    from h3_spark.kernels.qk_prep import QuantizedHeads
+
+    heads = torch.randn(1, 4, 4, 16)
+    quantized = QuantizedHeads(heads.to(torch.float8_e4m3fn), torch.ones(1, 4))
+    attention = UlyssesAttention(sdpa, SequenceShards.split(8, 0, 2))
+    with pytest.raises(H3Error, match=r"^sequence parallelism trades the rows of plain q, k, v between ranks, but "
+                                      r"the Q/K preparation hands the attention quantized heads \(attention "
+                                      r"fa3_fp8\): choose another attention, or run on one GPU$"):
+        attention(quantized, quantized, heads)
 
 
 def test_generate_gpus_2_equals_one_process(tmp_path):

@@ -144,23 +144,6 @@ def test_sparse_runs_past_the_dense_steps_and_blocks_only(dit):
     assert schedule.at(None, 5) is dit.attention  # outside sampling: dense
 
 
-def test_a_sequence_parallel_model_takes_no_schedule(dit):
-    class Wrapped:
-        takes_block_hooks = False
-
-        def __init__(self, model):
-            self.model = model
-
-        def __getattr__(self, name):
-            return getattr(self.model, name)
-
-    with pytest.raises(InputError, match="this model is a Wrapped, whose forward is its own: an attention "
-                                         "schedule cannot"):
-        _sample(Wrapped(dit), attention_schedule=Recorder(dit.attention))
-    with pytest.raises(InputError, match="its own: the first-block cache cannot reach into it"):
-        _sample(Wrapped(dit), step_cache=make_step_cache("first_block", evaluations=STEPS - 1))
-
-
 # ------------------------------------------------------------------------------------------ first-block cache
 def test_first_block_cache_at_threshold_zero_is_the_uncached_run(dit, plain):
     cache = make_step_cache("first_block", 0.0, 0.0, 1.0, evaluations=STEPS - 1)

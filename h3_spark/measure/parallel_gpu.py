@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..h3_model.dit.config import preset
-from ..h3_model.dit.parallel import SequenceParallelDiT
+from ..h3_model.dit.parallel import split_over_ranks
 from ..h3_model.pipeline.scheduler import JointSchedule
 from . import stamp
 from .contract import contract_shape, load_contract
@@ -70,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         single = model(**inputs)
         single_times = time_call(lambda: model(**inputs), device, 1, args.repeats)
-        sp = SequenceParallelDiT(model)
-        split = sp(**inputs)
+        split_over_ranks(model)
+        split = model(**inputs)
         dist.barrier()
-        split_times = time_call(lambda: sp(**inputs), device, 1, args.repeats)
+        split_times = time_call(lambda: model(**inputs), device, 1, args.repeats)
     if rank == 0:
         one, many = statistics.median(single_times), statistics.median(split_times)
         result = {

@@ -21,7 +21,7 @@ import torch
 from ..errors import H3Error
 from ..h3_model import geometry
 from ..h3_model.engine.engine import Engine
-from ..h3_model.engine.report import AttentionSwitch, unwrap
+from ..h3_model.engine.report import AttentionSwitch
 from ..h3_model.media import files as media
 from ..h3_model.media.refs import load_reference
 from ..h3_model.pipeline.generation import GenerationRequest, Progress
@@ -96,7 +96,7 @@ def prepare_job(models: Engine, message: dict, lockstep: Lockstep | None,
             from ..h3_model.engine.recipes import apply_recipes
 
             # After the switch: the sparse recipe stays dense with the job's own attention.
-            generation = apply_recipes(req.recipes, generation, unwrap(getattr(models.components, dit_key(req.mode))),
+            generation = apply_recipes(req.recipes, generation, getattr(models.components, dit_key(req.mode)),
                                        models.device, models.settings)
     except Exception as exc:  # noqa: BLE001 - re-raised below (by agree under lockstep)
         if lockstep is None:
@@ -167,7 +167,7 @@ class JobRunner:
             # Frames are encoded while later windows decode; "mux" is what is left after the decode.
             stream = stack.enter_context(self.outputs.mp4_stream(job.payload["output_path"], job.id,
                                                                  overwrite=req.overwrite))
-            dit = unwrap(getattr(self.models.components, key))
+            dit = getattr(self.models.components, key)
             calls_before = attention_counts(dit)
             result = self.models.generate(generation, on_progress=progress, cancel=cancel, on_frames=stream.add)
             # This job's share of the backend's counters (calls it ran on a fallback kernel, ...).

@@ -1,8 +1,8 @@
 """One job over several GPUs (`h3-spark serve --gpus N`): rank 0 serves, the other ranks follow in lockstep.
 
-Every rank (one process per GPU, started by torchrun) loads the same models and wraps each DiT in a
-SequenceParallelDiT, so one generation needs every rank inside the same collectives in the same
-order. Rank 0 runs the HTTP service as with one GPU; for each job its JobRunner broadcasts a message
+Every rank (one process per GPU, started by torchrun) loads the same models and splits each DiT's
+forwards over the ranks (dit/parallel.py), so one generation needs every rank inside the same
+collectives in the same order. Rank 0 runs the HTTP service as with one GPU; for each job its JobRunner broadcasts a message
 (the validated request, the input paths, the tile and chunk settings), and each follower builds the
 same GenerationRequest from it (execute.build_generation), switches to the same attention backend
 and runs the same `pipeline.generate` (follower.py: the followers' loop); only rank 0 writes the output.
@@ -158,7 +158,7 @@ class Leader:
 
 
 def load_in_lockstep(load: Callable[[], object], lockstep: Lockstep, leader: Leader | None = None):
-    """Load the models on this rank, wrap each DiT for sequence parallelism, and agree with the other ranks.
+    """Load the models on this rank, split each DiT's forwards over the ranks, and agree with the other ranks.
 
     Every rank reaches the agreement, also after a failed load: a rank that raised before it would
     leave the others waiting for it. Returns the engine, with every rank's device.

@@ -207,7 +207,7 @@ def diffusers_config_json(config: DiTConfig) -> str:
     # diffusers has no curve form; a pruned model is never written in this layout.
     fields.pop("adaln_curve_grid", None)
     # Nor a VSA gate argument: FastVideo's FastH3 exports carry the gates in the weights only, and so do ours
-    # (the reader tells from the weight names, DiTConfig.from_json).
+    # (the reader tells from the weight names, dit_config.config_from_json).
     fields.pop("gate_compress", None)
     data.update(fields)
     return json.dumps(data, indent=2) + "\n"

@@ -110,6 +110,17 @@ def gates_in_folder(folder: Path) -> bool:
     return any(has_gates(read_header(path).tensors) for path in sorted(folder.glob("*.safetensors")))
 
 
+def config_from_json(path: str | Path) -> DiTConfig:
+    """A diffusers `config.json`. diffusers' transformer has no `gate_compress` argument, so FastVideo's FastH3
+    exports leave it out: without the field, the weights beside the file say whether the gates are there."""
+    from ..json_file import read_json
+
+    data = read_json(path)
+    if "gate_compress" not in data:
+        data = {**data, "gate_compress": gates_in_folder(Path(path).parent)}
+    return DiTConfig.from_dict(data)
+
+
 def _fields_from_shapes(keys: list[str], shape: ShapeFn, n: _Names) -> dict:
     """DiTConfig fields read from tensor shapes under naming `n` (everything but the RoPE size)."""
     hidden, patch_dim = _need(shape, n.patch)

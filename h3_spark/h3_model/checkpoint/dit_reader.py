@@ -26,7 +26,7 @@ from ...kernels import nvfp4_codec as nvfp4
 from ..dit.config import DiTConfig
 from . import keymap
 from .detect import Detected, detect
-from .dit_config import config_from_comfy, config_from_diffusers_shapes
+from .dit_config import config_from_comfy, config_from_diffusers_shapes, config_from_json
 from .gguf_source import ARCHITECTURES, INTEGER, GgufSource, GgufSpec, codec_keeps, gguf_spec, readable
 from .gguf_source import dequantize as gguf_dequantize
 from ...kernels.stored_codec import plain_nvfp4_scales
@@ -186,7 +186,7 @@ class DitReader:
     def _read_config(self) -> DiTConfig:
         if self.detected.names == "diffusers":
             if self.source.config_path is not None:
-                config = DiTConfig.from_json(self.source.config_path)
+                config = config_from_json(self.source.config_path)
                 table = self._shape("adaln_t_table")
                 if table is not None and config.adaln_curve_grid is None:
                     config = DiTConfig(**{**config.to_dict(), "adaln_curve_grid": table[0], "time_embed_dim": table[1]})

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError
@@ -102,19 +101,6 @@ class DiTConfig:
         if strict and unknown:
             raise CheckpointError(f"unknown DiT config fields: {', '.join(unknown)}")
         return cls(**{k: v for k, v in data.items() if k in known})
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> "DiTConfig":
-        """A diffusers `config.json`. diffusers' transformer has no `gate_compress` argument, so FastVideo's FastH3
-        exports leave it out: without the field, the weights beside the file say whether the gates are there."""
-        from ..json_file import read_json
-
-        data = read_json(path)
-        if "gate_compress" not in data:
-            from ..checkpoint.dit_config import gates_in_folder
-
-            data = {**data, "gate_compress": gates_in_folder(Path(path).parent)}
-        return cls.from_dict(data)
 
 
 FULL = DiTConfig()

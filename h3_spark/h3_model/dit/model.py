@@ -31,6 +31,7 @@ from ...kernels.references import RowModulation, SwiGLU
 from ...kernels.stored_linear import StoredForm, StoredLinear
 from .config import ADALN_VECTORS, NUM_MODALITIES, DiTConfig
 from .layout import adaln_rows
+from .parallel import ONE_PROCESS, OneProcess, SequenceParallel
 
 # Parameters kept in fp32 whatever the model dtype (prefix match on the parameter name).
 FP32_PREFIXES = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.", "adaln_t_table")
@@ -274,6 +275,8 @@ class H3DiT(nn.Module):
         # the first steps and blocks) and the sampler's current evaluation; None: `attention` everywhere.
         self.attention_schedule = None
         self.sampling_step: int | None = None
+        # Where the forward splits its sequence over ranks (dit/parallel.py, `--gpus N`); one process by default.
+        self.sequence_parallel: SequenceParallel | OneProcess = ONE_PROCESS
 
     # ----------------------------------------------------------------- settings
     def set_attention(self, fn: AttentionFn) -> None:
@@ -450,7 +453,8 @@ class H3DiT(nn.Module):
         `output_video_rows` / `output_audio_rows` select positions within those (e.g. the target
         rows) so the heads only run where needed. `block_cache` (step_cache.FirstBlockCache) sees the first
         block's residual and may answer with the other blocks' residual from an earlier step instead of
-        running them.
+        running them. Under sequence parallelism (`sequence_parallel`, dit/parallel.py) each rank runs the blocks
+        on its own rows and every rank returns the whole result.
         """
         if text_embeds is None:
             if encoder_hidden_states is None:
@@ -458,23 +462,26 @@ class H3DiT(nn.Module):
             text_embeds = self.encode_text(encoder_hidden_states, mlp_chunks)
         self._check_inputs(hidden_states, audio_hidden_states, text_embeds, timestep, timestep_indices, token_tags,
                            position_ids, video_indices, audio_indices, text_indices)
-        rope = self.rope(position_ids)
+        cos, sin = self.rope(position_ids)
         tables = self.modulation(timestep)
 
         x = self.embed_rows(hidden_states, audio_hidden_states, text_embeds, video_indices, audio_indices,
                             text_indices, position_ids.shape[0])
-        mod = self.modulation_cls(adaln_rows(timestep_indices, token_tags), self.use_segments)
+        # From here to the heads each rank holds its own rows (one process: all of them).
+        part = self.sequence_parallel.split(position_ids.shape[0])
+        x, rope = part.local(x, 1), (part.local(cos, 0), part.local(sin, 0))
+        mod = self.modulation_cls(part.local(adaln_rows(timestep_indices, token_tags), 0), self.use_segments)
         schedule, step = self.attention_schedule, self.sampling_step
         x_in = after_first = None
         for i, blk in enumerate(self.transformer_blocks):
             if block_cache is not None and i == 0:
                 x_in = x
-            attention = self.attention if schedule is None else schedule.at(step, i)
+            attention = part.attention(self.attention if schedule is None else schedule.at(step, i))
             x = blk(x, tables.blocks[i], mod, rope, attention, mlp_chunks, self.qk_prep)
             if step_callback is not None:
                 step_callback(i)
             if block_cache is not None and i == 0:
-                rest = block_cache.after_first_block(x - x_in)
+                rest = block_cache.after_first_block(x - x_in, part.mean_abs)
                 if rest is not None:
                     x = x + rest
                     break
@@ -483,8 +490,8 @@ class H3DiT(nn.Module):
             if block_cache is not None:
                 block_cache.store_rest(x - after_first)
 
-        return self.heads(x, timestep_indices, tables.final, video_indices, audio_indices, output_video_rows,
-                          output_audio_rows)
+        return self.heads(part.gather(x), timestep_indices, tables.final, video_indices, audio_indices,
+                          output_video_rows, output_audio_rows)
 
     def embed_rows(self, hidden_states: torch.Tensor, audio_hidden_states: torch.Tensor, text_embeds: torch.Tensor,
                    video_indices: torch.Tensor, audio_indices: torch.Tensor, text_indices: torch.Tensor,

@@ -1,12 +1,19 @@
 """Ulysses sequence parallelism for the DiT on torch.distributed (NCCL on GPUs, gloo on CPUs).
 
-The packed sequence is cut into contiguous row ranges, one per rank (lengths may differ by one).
-Everything per row stays local: AdaLN modulation (segments of the local rows), RoPE rows, QK norm,
-the projections and the SwiGLU. Around attention, one all-to-all trades rows for heads, so each
-rank attends over the whole sequence with heads/world heads; a second all-to-all trades back.
-The world size must divide the head count (56 heads: 2, 4, 7 or 8 GPUs). The text refiner runs
-on the text rows only and is replicated (it is small and its rows are not split). The heads run
-after one all-gather of the final hidden rows, so outputs equal the single-process forward.
+`H3DiT.forward` is the one forward; a model split over ranks holds a `SequenceParallel` and the forward
+calls the part it hands out for each sequence (`split`) at the points where a split sequence differs:
+- `local`: after the embedding, each rank keeps its contiguous range of the packed rows (lengths may differ
+  by one), and every per-row input (RoPE rows, the AdaLN rows behind segment modulation) is cut the same way;
+  everything per row then stays local: modulation, QK norm, RoPE, the projections, the SwiGLU;
+- `attention`: one all-to-all trades rows for heads, so each rank attends over the whole sequence with
+  heads/world heads (a contiguous slice of the head dim), and a second all-to-all trades back. Every backend
+  and attention schedule works per head, so each rank's slice gets what one process computes for it;
+- `gather`: one all-gather of the final hidden rows before the heads, so outputs equal the single-process
+  forward on every rank;
+- `mean_abs`: a reduction over the whole sequence (the first-block cache's measure), the same on every rank.
+The world size must divide the head count (56 heads: 2, 4, 7 or 8 GPUs). The text refiner runs on the text
+rows only, before the split, and is replicated (it is small). A model in one process holds `ONE_PROCESS`,
+whose part leaves the forward as it is.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from ...errors import H3Error, InputError
-from .layout import adaln_rows
 
 
 @dataclass
@@ -65,14 +71,27 @@ def _rows_to_heads(x: torch.Tensor, shards: SequenceShards, group) -> torch.Tens
     return recv.reshape(w, s_local, b, hw, d).permute(2, 1, 0, 3, 4).reshape(b, s_local, w * hw, d)
 
 
-def ulysses_attention(inner, shards: SequenceShards, group=None):
-    """Wrap an attention backend (q, k, v as (B, S, H, D)) so it runs on local rows."""
+class UlyssesAttention:
+    """An attention (q, k, v as (B, S, H, D)) run on this rank's rows: all rows and a slice of the heads go to
+    `inner`. A backend that reads the VSA gate (`reads_gate`) gets the gate traded the same way."""
 
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, k, v = (_heads_to_rows(t, shards, group) for t in (q, k, v))
-        return _rows_to_heads(inner(q, k, v), shards, group)
+    def __init__(self, inner, shards: SequenceShards, group=None):
+        self.inner, self.shards, self.group = inner, shards, group
+        self.reads_gate = getattr(inner, "reads_gate", False)
 
-    return attention
+    def __call__(self, q, k, v, gate=None):
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+            # Quantized heads carry scales of this rank's rows only: traded, one head would mix scales.
+            raise H3Error("sequence parallelism trades the rows of plain q, k, v between ranks, but the Q/K "
+                          "preparation hands the attention quantized heads (attention fa3_fp8): choose another "
+                          "attention, or run on one GPU")
+        q, k, v = (_heads_to_rows(t, self.shards, self.group) for t in (q, k, v))
+        if self.reads_gate:
+            gate = None if gate is None else _heads_to_rows(gate, self.shards, self.group)
+            out = self.inner(q, k, v, gate=gate)
+        else:
+            out = self.inner(q, k, v)
+        return _rows_to_heads(out, self.shards, self.group)
 
 
 def gather_rows(x: torch.Tensor, shards: SequenceShards, group=None) -> torch.Tensor:
@@ -85,56 +104,75 @@ def gather_rows(x: torch.Tensor, shards: SequenceShards, group=None) -> torch.Te
     return torch.cat([p[:, :n] for p, n in zip(parts, shards.sizes)], dim=1)
 
 
-class SequenceParallelDiT:
-    """Runs an H3DiT with its sequence split over the ranks of `group`; call it like the model."""
+class RankRows:
+    """One sequence's part on this rank: its rows, and the collectives that make the forward whole again."""
 
-    # Its forward is its own: the model's block loop hooks (attention schedules, the first-block cache) do not
-    # reach it (pipeline/sampler.py refuses them).
-    takes_block_hooks = False
+    def __init__(self, shards: SequenceShards, group=None):
+        self.shards, self.group = shards, group
 
-    def __init__(self, model, group=None):
+    def local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's rows of a per-row tensor whose rows run along `dim`."""
+        return t.narrow(dim, self.shards.start, self.shards.sizes[self.shards.rank]).contiguous()
+
+    def attention(self, inner) -> UlyssesAttention:
+        return UlyssesAttention(inner, self.shards, self.group)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_rows(x, self.shards, self.group)
+
+    def mean_abs(self, t: torch.Tensor) -> float:
+        """Mean absolute value over every rank's rows of t (B, S_local, D): one all-reduced fp64 sum, so every
+        rank gets the same number and takes the same decision from it."""
+        total = t.float().abs().sum(dtype=torch.float64).reshape(1)
+        dist.all_reduce(total, group=self.group)
+        count = t.numel() // t.shape[1] * sum(self.shards.sizes)
+        return total.item() / count
+
+
+class OneProcess:
+    """A model in one process: the whole sequence is this rank's, and every hook leaves its input as it is."""
+
+    world = 1
+
+    def split(self, length: int) -> "OneProcess":
+        return self
+
+    def local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t
+
+    def attention(self, inner):
+        return inner
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def mean_abs(self, t: torch.Tensor) -> float:
+        """Mean absolute value of t in fp32."""
+        return t.float().abs().mean().item()
+
+
+ONE_PROCESS = OneProcess()
+
+
+class SequenceParallel:
+    """Splits each forward of a model with `heads` attention heads over the ranks of `group` (Ulysses). Set it
+    on the model (`model.sequence_parallel`); every rank runs the same forwards in the same order."""
+
+    def __init__(self, heads: int, group=None):
         if not dist.is_available() or not dist.is_initialized():
             raise H3Error("sequence parallelism needs torch.distributed to be initialised (torchrun)")
-        self.model = model
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        heads = model.config.num_attention_heads
         if heads % self.world:
             raise InputError(f"{self.world} ranks do not divide the {heads} attention heads; use a world size that "
                              f"does (for 56 heads: 2, 4, 7 or 8)")
 
-    def __getattr__(self, name):
-        # config, encode_text, precompute_modulation, ... are the model's own.
-        return getattr(self.model, name)
+    def split(self, length: int) -> RankRows:
+        return RankRows(SequenceShards.split(length, self.rank, self.world), self.group)
 
-    @torch.no_grad()
-    def __call__(self, hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
-                 token_tags, position_ids, video_indices, audio_indices, text_indices, *, text_embeds=None,
-                 output_video_rows=None, output_audio_rows=None, mlp_chunks: int = 1, step_callback=None):
-        m = self.model
-        if text_embeds is None:
-            if encoder_hidden_states is None:
-                raise InputError("either encoder_hidden_states or text_embeds is needed")
-            text_embeds = m.encode_text(encoder_hidden_states, mlp_chunks)
-        m._check_inputs(hidden_states, audio_hidden_states, text_embeds, timestep, timestep_indices, token_tags,
-                        position_ids, video_indices, audio_indices, text_indices)
-        s = position_ids.shape[0]
-        shards = SequenceShards.split(s, self.rank, self.world)
-        lo, hi = shards.start, shards.end
-        cos, sin = m.rope(position_ids)
-        tables = m.modulation(timestep)
 
-        x = m.embed_rows(hidden_states, audio_hidden_states, text_embeds, video_indices, audio_indices, text_indices,
-                         s)[:, lo:hi].contiguous()
-
-        mod = m.modulation_cls(adaln_rows(timestep_indices, token_tags)[lo:hi], m.use_segments)
-        attention = ulysses_attention(m.attention, shards, self.group)
-        rope = (cos[lo:hi], sin[lo:hi])
-        for i, blk in enumerate(m.transformer_blocks):
-            x = blk(x, tables.blocks[i], mod, rope, attention, mlp_chunks, m.qk_prep)
-            if step_callback is not None:
-                step_callback(i)
-        x = gather_rows(x, shards, self.group)
-        return m.heads(x, timestep_indices, tables.final, video_indices, audio_indices, output_video_rows,
-                       output_audio_rows)
+def split_over_ranks(model, group=None):
+    """`model` (an H3DiT) with every forward split over the ranks of `group` (default: all of them)."""
+    model.sequence_parallel = SequenceParallel(model.config.num_attention_heads, group)
+    return model

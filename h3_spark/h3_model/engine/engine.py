@@ -343,12 +343,12 @@ class Engine:
         return out
 
     def distribute(self, devices: list[str] | None, group) -> None:
-        """Sequence parallel: wrap every DiT so each forward is split over `group`, and share the decode;
+        """Sequence parallel: split every DiT's forwards over all ranks, and share the decode over `group`;
         `devices` (every rank's, rank 0 first) is what reports list."""
-        from ..dit.parallel import SequenceParallelDiT
+        from ..dit.parallel import split_over_ranks
 
         for key in self.dit_keys():
-            setattr(self.components, key, SequenceParallelDiT(getattr(self.components, key)))
+            split_over_ranks(getattr(self.components, key))
         if devices is not None:
             self.devices = list(devices)
         self.decode_group = group

@@ -264,9 +264,6 @@ def fasth3_schedule(recipe: Recipe, dit, device, settings) -> VsaSchedule | None
     """The VSA schedule of a fasth3 recipe for `dit`; None (the model's own attention) for a model without the
     gates when `sparsity=0` was asked for by name; an InputError naming the checkpoint for one otherwise."""
     name, sparsity = recipe.name, recipe.params["sparsity"]
-    if not getattr(dit, "takes_block_hooks", True):
-        raise InputError(f"recipe {name} tiles one DiT's whole packed sequence in every block; this model is a "
-                         f"{type(dit).__name__} (sequence parallel), whose blocks see part of it: run it on one GPU")
     if not dit.config.gate_compress:
         if sparsity == 0 and "sparsity" in recipe.given:
             return None

@@ -15,17 +15,6 @@ from ...kernels.settings import KernelSettings
 from .loading import LOADED
 
 
-def unwrap(dit):
-    """The H3DiT itself, also when it is wrapped in a SequenceParallelDiT (serve --gpus N).
-
-    The wrapper forwards attribute reads to the model but not writes, and is not an nn.Module: code
-    that sets the DiT's attention or lists its parameters must reach the model.
-    """
-    from ..dit.parallel import SequenceParallelDiT
-
-    return dit.model if isinstance(dit, SequenceParallelDiT) else dit
-
-
 # ------------------------------------------------------------------------------------------ reporting
 def describe_models(models) -> dict:
     """Per component: class, parameter dtype(s), device, parameter bytes."""
@@ -35,13 +24,13 @@ def describe_models(models) -> dict:
         obj = getattr(c, name)
         if obj is None:
             continue
-        module = getattr(obj, "model", obj) if name == "text_encoder" else unwrap(obj)
+        module = getattr(obj, "model", obj) if name == "text_encoder" else obj
         params = list(module.parameters()) if isinstance(module, torch.nn.Module) else []
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
         devices = sorted({str(p.device) for p in params})
         out[name] = {"class": type(module if name != "text_encoder" else obj).__name__, "dtypes": dtypes,
                      "devices": devices, "parameter_bytes": sum(p.numel() * p.element_size() for p in params)}
-        if module is not obj and name != "text_encoder":
+        if getattr(getattr(module, "sequence_parallel", None), "world", 1) > 1:
             # Per rank: every rank holds a full copy of the weights.
             out[name]["sequence_parallel"] = models.world_size
         if name == "vae" and name in models.kernel_reports:
@@ -112,13 +101,13 @@ class AttentionSwitch:
         if self.name is None:
             self.report = {"attention": base["attention"], "qk_prep": base["qk_prep"]}
             return self.report
-        dit = unwrap(getattr(self.models.components, self.key))
+        dit = getattr(self.models.components, self.key)
         self.report = switch_attention(dit, self.name, self.models.settings, self.models.device)
         return self.report
 
     def __exit__(self, *exc) -> None:
         if self.name is not None:
-            dit = unwrap(getattr(self.models.components, self.key))
+            dit = getattr(self.models.components, self.key)
             attention, qk_prep = self.models.default_attention[self.key]
             dit.set_attention(attention)
             dit.qk_prep = qk_prep

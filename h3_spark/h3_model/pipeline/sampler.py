@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from ...errors import H3Error, InputError
+from ...errors import H3Error
 from ..dit.layout import Layout, patchify, unpatchify
 from .scheduler import CONDITION_AUDIO_T, CONDITION_VIDEO_T, JointSchedule
 
@@ -102,13 +102,6 @@ def sample(dit, req: SamplingRequest, schedule: JointSchedule, generator: torch.
 
     `attention_schedule` (`at(step, block) -> attention`) chooses the attention per evaluation and block for
     this run only (a recipe's sparse attention)."""
-    # Both reach into the forward of one H3DiT (its block loop); a sequence-parallel wrapper has its own.
-    inside = [what for what, used in (("an attention schedule", attention_schedule is not None),
-                                      ("the first-block cache", getattr(step_cache, "mode", None) == "first_block"))
-              if used]
-    if inside and not getattr(dit, "takes_block_hooks", True):
-        raise InputError(f"this model is a {type(dit).__name__}, whose forward is its own: {' and '.join(inside)} "
-                         "cannot reach into it (sequence-parallel runs take neither yet)")
     if hasattr(attention_schedule, "for_layout"):
         # An attention that tiles the packed sequence (recipe fasth3's VSA) is made for this request's layout.
         attention_schedule = attention_schedule.for_layout(req.layout, (req.latent_frames, req.latent_height,

@@ -230,11 +230,14 @@ class FirstBlockCache(StepCache):
         return out
 
     # ------------------------------------------------------------------ called by the DiT's forward
-    def after_first_block(self, residual: torch.Tensor) -> torch.Tensor | None:
-        """The other blocks' residual to add (reuse), or None: run them."""
+    def after_first_block(self, residual: torch.Tensor,
+                          mean_abs: Callable[[torch.Tensor], float]) -> torch.Tensor | None:
+        """The other blocks' residual to add (reuse), or None: run them. `mean_abs` (the forward's: dit/parallel.py)
+        averages a residual's absolute values over the whole sequence; a forward split over ranks holds some rows
+        of it and answers the all-ranks mean, so every rank measures the same change and decides alike."""
         if self._first is not None and self._rest is not None and self.in_window(self._step):
-            scale = self._first.float().abs().mean().item()
-            diff = (residual.float() - self._first.float()).abs().mean().item()
+            scale = mean_abs(self._first)
+            diff = mean_abs(residual.float() - self._first.float())
             change = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
             self.changes[self._step] = change
             if change < self.options.threshold:
