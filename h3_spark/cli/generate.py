@@ -340,7 +340,7 @@ def summarize(args, engine, req, result, options, world: int) -> dict:
     if engine.auto_budget is not None:
         summary["vram_budget_auto"] = engine.auto_budget
     dit = getattr(engine.components, key)
-    counts = attention_counts(getattr(dit, "model", dit))  # inside SequenceParallelDiT under --gpus
+    counts = attention_counts(dit)
     if counts:  # calls a backend made on another kernel (H3_SOL_MIN_TOKENS, H3_SOL_STRICT=0, ...)
         summary["attention_calls"] = counts
     summary["peak_memory_gb"] = _peak_gb(device)
