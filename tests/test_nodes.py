@@ -297,9 +297,16 @@ def test_native_payload_interop(models, monkeypatch):
     theirs = node("H3SparkSampler").sample(model, native, {"samples": NestedTensor((video.clone(), audio.clone()))},
                                            3, STEPS, 12.0, 3.0)[0]
     assert all(torch.equal(a, b) for a, b in zip(ours["samples"].tensors, theirs["samples"].tensors))
-    # Guides the released FL2VA model never saw fail closed, naming the frame.
-    kfs[0] = {**kfs[0], "resolved_frame_index": 40}
-    with pytest.raises(InputError, match="frame 40"):
+    # MiniMaxH3AddGuide's guides run too: a still moved to frame 40 is a guide there (its rows move in time, so
+    # the result changes), a sound guide beside it adds its rows; a frame outside the clip fails closed.
+    moved = [{**kfs[0], "resolved_frame_index": 40}, kfs[1],
+             {"resolved_frame_index": 24, "audio_latent": torch.randn(1, audio.shape[1], 2, 20)}]
+    native[0][1]["minimax_keyframes"] = moved
+    guided = node("H3SparkSampler").sample(model, native, {"samples": NestedTensor((video.clone(), audio.clone()))},
+                                           3, STEPS, 12.0, 3.0)[0]
+    assert not torch.equal(guided["samples"].tensors[0], ours["samples"].tensors[0])
+    native[0][1]["minimax_keyframes"] = [{**kfs[0], "resolved_frame_index": 4000}]
+    with pytest.raises(InputError, match="guide 1 \\(frame 4000\\): a guide's resolved_frame_index is a frame of"):
         node("H3SparkSampler").sample(model, native, latent, 3, STEPS, 12.0, 3.0)
 
 
@@ -1073,3 +1080,20 @@ def test_the_model_loader_refuses_static_nvfp4_scales(tmp_path, monkeypatch):
                                          r"nodes do not take static NVFP4 scales \(they run dynamic ones\); unset it "
                                          r"for ComfyUI$"):
         engine.load_model(tmp_path / "tiny.safetensors", "t2va/fl2va", "float32", "auto", "sdpa")
+
+
+def test_native_guides_become_guide_blocks_in_list_order():
+    from h3_spark.h3_model.dit.layout import GuideBlock
+    from h3_spark.nodes.payload import make_conditioning, pack_latent, read_conditions
+
+    gen = torch.Generator().manual_seed(0)
+    video, audio = torch.randn(1, 24, 37, 4, 4, generator=gen), torch.randn(1, 32, 2, 207, generator=gen)
+    clip, still = torch.randn(1, 24, 7, 4, 4, generator=gen), torch.randn(1, 24, 1, 4, 4, generator=gen)
+    sound = torch.randn(1, 32, 2, 30, generator=gen)
+    cond = make_conditioning(torch.randn(1, 9, 16, generator=gen), torch.ones(9), keyframes=[
+        {"resolved_frame_index": 102, "latent": clip}, {"resolved_frame_index": 48, "latent": still,
+                                                        "audio_latent": sound}])
+    out = read_conditions(cond, pack_latent(video, audio))
+    assert out.blocks == [GuideBlock(102, 7, 0), GuideBlock(48, 1, 30)] and out.anchors == ()
+    assert [z.shape[2] for z in out.condition_latents] == [7, 1]
+    assert torch.equal(out.audio_condition_rows[0], sound[0].permute(1, 2, 0).reshape(-1, 32))

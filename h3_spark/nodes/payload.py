@@ -4,7 +4,8 @@ One format for both node sets, so native and h3-spark nodes mix (docs/comfyui.md
 - CONDITIONING: `[[embeds, extras]]`, embeds = Qwen3-VL hidden state (1, L, D); extras holds
   `minimax_token_tags` (L,) (0 = vision, 1 = text) and either `minimax_refs` (blocks of kind image /
   video / video_audio / audio with `latent` (1, C, T, h, w), `audio_latent` (1, C_a, 2, T_a) and their
-  sizes) or `minimax_keyframes` (`resolved_frame_index`, `latent`). Latents are normalised.
+  sizes) or `minimax_keyframes` (`resolved_frame_index`, and `latent` (a still or a 5k+2-frame clip) and/or
+  `audio_latent`: FL2VA's first/last frames and AddGuide's guides at any frame). Latents are normalised.
 - LATENT: `{"samples": video+audio}`; inside ComfyUI a `comfy.nested_tensor.NestedTensor((video, audio))`
   with video (B, C, T, H/16, W/16) and audio (B, C_a, 2, T_a) (what native VAEDecode and VAEDecodeAudio
   take), outside ComfyUI the plain tuple (video, audio).
@@ -20,7 +21,7 @@ import torch
 
 from ..errors import InputError
 from ..h3_model import geometry
-from ..h3_model.dit.layout import AudioBlock, ImageBlock, VideoBlock
+from ..h3_model.dit.layout import AudioBlock, GuideBlock, ImageBlock, VideoBlock
 from .host import optional_module
 
 TAGS = "minimax_token_tags"
@@ -108,7 +109,7 @@ class Conditions:
     latent_height: int
     latent_width: int
     audio_latents: int
-    blocks: list = field(default_factory=list)  # ref2va layout blocks, request order
+    blocks: list = field(default_factory=list)  # ref2va layout blocks, or guide blocks, request order
     anchors: tuple[str, ...] = ()  # fl2va keyframe anchors, packed order
     condition_latents: list[torch.Tensor] = field(default_factory=list)
     audio_condition_rows: list[torch.Tensor] = field(default_factory=list)
@@ -176,19 +177,25 @@ def _read_refs(refs: list[dict], out: Conditions) -> None:
 
 
 def _read_keyframes(keyframes: list[dict], out: Conditions, video_shape) -> None:
+    """FL2VA's first/last stills take the released FL2VA layout (anchors, first then last); anything else
+    (AddGuide's stills at other frames, clips, sounds) is read as guides in the list's order."""
     last = frames_of(int(video_shape[2])) - 1
+    stills = all(kf.get("audio_latent") is None and kf.get("resolved_frame_index") in (0, last)
+                 and isinstance(kf.get("latent"), torch.Tensor) and kf["latent"].ndim == 5 and kf["latent"].shape[2] == 1
+                 for kf in keyframes)
+    if stills:
+        _read_anchors(keyframes, out, video_shape, last)
+    else:
+        _read_guides(keyframes, out, video_shape, last)
+
+
+def _read_anchors(keyframes: list[dict], out: Conditions, video_shape, last: int) -> None:
     anchored = {}
     for i, kf in enumerate(keyframes):
-        index = kf.get("resolved_frame_index")
+        index = kf["resolved_frame_index"]
         what = f"keyframe {i + 1} (frame {index})"
-        if kf.get("audio_latent") is not None:
-            raise InputError(f"{what}: audio guides are not supported by the h3-spark sampler (use the native "
-                             "sampler for MiniMaxH3AddGuide audio)")
-        if index not in (0, last):
-            raise InputError(f"{what}: the h3-spark sampler anchors keyframes at the first (0) or last ({last}) "
-                             "frame only, as the released FL2VA model was trained")
         z = _latent(kf, "latent", what, 5)
-        if z.shape[2] != 1 or tuple(z.shape[3:]) != tuple(video_shape[3:]):
+        if tuple(z.shape[3:]) != tuple(video_shape[3:]):
             raise InputError(f"{what}: a keyframe is one latent frame at the canvas size {tuple(video_shape[3:])}, "
                              f"got {tuple(z.shape[2:])}")
         anchor = "first" if index == 0 else "last"
@@ -199,3 +206,27 @@ def _read_keyframes(keyframes: list[dict], out: Conditions, video_shape) -> None
         if anchor in anchored:
             out.anchors += (anchor,)
             out.condition_latents.append(anchored[anchor])
+
+
+def _read_guides(keyframes: list[dict], out: Conditions, video_shape, last: int) -> None:
+    for i, kf in enumerate(keyframes):
+        index = kf.get("resolved_frame_index")
+        what = f"guide {i + 1} (frame {index})"
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= last:
+            raise InputError(f"{what}: a guide's resolved_frame_index is a frame of the {last + 1}-frame clip "
+                             f"(0..{last})")
+        latent_frames = audio_t = 0
+        if kf.get("latent") is not None:
+            z = _latent(kf, "latent", what, 5)
+            if tuple(z.shape[3:]) != tuple(video_shape[3:]):
+                raise InputError(f"{what}: a guide is at the canvas size {tuple(video_shape[3:])}, got "
+                                 f"{tuple(z.shape[3:])}")
+            out.condition_latents.append(z)
+            latent_frames = int(z.shape[2])
+        if kf.get("audio_latent") is not None:
+            a = _latent(kf, "audio_latent", what, 4)
+            out.audio_condition_rows.append(audio_rows(a))
+            audio_t = int(a.shape[3])
+        if not latent_frames and not audio_t:
+            raise InputError(f"{what}: a guide holds a `latent`, an `audio_latent` or both")
+        out.blocks.append(GuideBlock(index, latent_frames, audio_t))
