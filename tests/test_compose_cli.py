@@ -130,6 +130,7 @@ def test_repaint_a_region_and_a_span(demo_models, tmp_path, capsys):
     (["--repaint", "clip.mp4", "--regenerate-seconds", "0-1"],
      "the clip to repaint has 30 frames; it must be 17k+5 (124..345)"),
     (["--seconds", "200"], "a film lasts more than 0 and at most 120 s, got 200"),
+    (["--guide-strength", "1.5"], "guide strength is the level conditions are held at, in (0, 1] (0.999 as released), got 1.5"),
     (["--guide", "photo:a.png@3"], "--guide must be KIND:PATH@FRAME with KIND in image, clip, audio, got 'photo:a.png@3'"),
     (["--guide", "image:a.png"], "--guide must be KIND:PATH@FRAME"),
     (["--guide", "image:a.png@x"], "--guide 'image:a.png@x': the frame after @ must be an integer, got 'x'"),

@@ -238,3 +238,34 @@ def test_bad_histories(history, message):
 
     with pytest.raises(InputError, match=re.escape(message)):
         build_t2va(torch.ones(TEXT, dtype=torch.long), LATENT_FRAMES, LH, LW, AUDIO, history=HistoryBlock(**history))
+
+
+def test_guide_strength_sets_the_level_conditions_are_held_at(engine):
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest
+    from h3_spark.h3_model.pipeline.sampler import condition_rows, schedule_timestep_values
+    from h3_spark.h3_model.pipeline.scheduler import JointSchedule
+
+    def request(strength):
+        return GenerationRequest("t2va", "a boat", width=64, height=64, frames=124, steps=3, guide_strength=strength,
+                                 guides=[Guide("image", 48, image=_pixels(40, 90, 3, seed=3))])
+
+    default, released, loose = (engine.generate(request(s)) for s in (None, CONDITION_VIDEO_T, 0.5))
+    assert torch.equal(default.video_latents, released.video_latents)  # 0.999 is the released level
+    assert not torch.allclose(default.video_latents, loose.video_latents)
+    assert loose.info["guide_strength"] == 0.5 and "guide_strength" not in default.info
+    # The mix: level x latent + (1 - level) x the condition's own draw.
+    cond = torch.randn(1, 24, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+    rows = condition_rows([cond], torch.Generator().manual_seed(2), (1, 2, 2), 0.5)
+    noise = torch.randn(cond.shape, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(rows, layout.patchify(0.5 * cond + 0.5 * noise, (1, 2, 2)))
+    # Its level is a timestep the AdaLN tables are made for while the target is noisier than it.
+    lay = _layout([GuideBlock(48, 1)])
+    assert 0.5 in schedule_timestep_values(lay, JointSchedule.create(10), 0.5)
+
+
+@pytest.mark.parametrize("strength", [0, 1.5, True, "high"])
+def test_bad_guide_strengths(strength):
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest
+
+    with pytest.raises(InputError, match=re.escape("guide strength is the level conditions are held at, in (0, 1]")):
+        GenerationRequest("t2va", "p", guide_strength=strength).validate()

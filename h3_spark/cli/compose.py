@@ -20,6 +20,9 @@ def add_compose_flags(parser) -> None:
                        help="pin a still (image:a.png@48), a clip of 17k+5 frames (clip:b.mp4@0) or a sound "
                             "(audio:c.wav@-96) at a frame of the clip; a negative frame counts from the end (-1 is "
                             "the last); repeatable, t2va and fl2va")
+    group.add_argument("--guide-strength", type=float, default=None, metavar="LEVEL",
+                       help="the level the visual conditions (keyframes, guides, references) are held at, in (0, 1]: "
+                            "0.999 as released; lower holds them more loosely")
     group.add_argument("--seconds", type=float, default=None,
                        help=f"the clip's length in seconds instead of --frames; past {MAX_WINDOW_FRAMES} frames "
                             f"(14.4 s) it is made in windows, each going on from the one before (at most "

@@ -229,7 +229,8 @@ def build_request(args, settings):
     last = media.read_image(args.last_frame) if args.last_frame else None
     mode = args.mode or ("ref2va" if refs else "fl2va" if (first is not None or last is not None) else "t2va")
     req = GenerationRequest(mode=mode, prompt=args.prompt, references=refs, first_frame=first, last_frame=last,
-                            guides=parse_guides(args.guide), **dict(zip(("source", "mask"), parse_repaint(args))),
+                            guides=parse_guides(args.guide), guide_strength=args.guide_strength,
+                            **dict(zip(("source", "mask"), parse_repaint(args))),
                             width=args.width, height=args.height, frames=args.frames, steps=args.steps,
                             seed=args.seed, video_shift=args.video_shift, audio_shift=args.audio_shift,
                             reference_policy=args.image_ref_size, mlp_chunks=settings.mlp_chunks,

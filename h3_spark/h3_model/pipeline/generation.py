@@ -79,6 +79,9 @@ class GenerationRequest:
     # sets the canvas and the length (compose/masks.py).
     source: Source | None = None
     mask: NoiseMask | None = None
+    # How tightly visual conditions hold (keyframes, guides, references, a history, kept rows): the level they
+    # are held at, in (0, 1]; None: 0.999 as released (pipeline/sampler.py).
+    guide_strength: float | None = None
     width: int | None = None
     height: int | None = None
     frames: int = geometry.DEFAULT_FRAMES
@@ -144,6 +147,11 @@ class GenerationRequest:
             raise InputError(f"{self.mode} takes no noise mask; repainting a clip is t2va")
         if self.source is not None:
             self._take_source_canvas()
+        if self.guide_strength is not None and not (isinstance(self.guide_strength, (int, float))
+                                                    and not isinstance(self.guide_strength, bool)
+                                                    and 0 < self.guide_strength <= 1):
+            raise InputError(f"guide strength is the level conditions are held at, in (0, 1] (0.999 as released), "
+                             f"got {self.guide_strength!r}")
         check_mentions(self.mode, self.prompt, *self._reference_counts())
         if (self.width is None) != (self.height is None):
             raise InputError("width and height go together, or neither")
@@ -303,8 +311,11 @@ class Pipeline:
                                                                     canvas.frames, len(schedule))
         try:
             with scope:
-                result = self.sample(dit, SamplingRequest(lay, text.embeds, *dims, conditions, audio_rows,
-                                                          *source_rows), schedule,
+                sampling = SamplingRequest(lay, text.embeds, *dims, conditions, audio_rows, *source_rows)
+                if req.guide_strength is not None:
+                    sampling.condition_video_t = float(req.guide_strength)
+                    info["guide_strength"] = float(req.guide_strength)
+                result = self.sample(dit, sampling, schedule,
                                      req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,
                                      step_cache=req.step_cache, attention_schedule=req.attention_schedule)
         finally:  # read (and reset) even when cancelled, so the next request counts only its own

@@ -45,6 +45,9 @@ class SamplingRequest:
     # holds rows.
     source_video_rows: torch.Tensor | None = None
     source_audio_rows: torch.Tensor | None = None
+    # The level visual conditions (keyframes, guides, references, a history, kept rows) are held at: 0.999 as
+    # released; lower mixes in more noise and loosens their hold (ComfyUI's minimax_visual_cond_noise_aug).
+    condition_video_t: float = CONDITION_VIDEO_T
 
 
 @dataclass
@@ -66,12 +69,13 @@ class SamplingResult:
     step_seconds: list[float]
 
 
-def condition_rows(conditions: list[torch.Tensor], generator: torch.Generator, patch) -> torch.Tensor | None:
-    """Noise each visual condition to t = 0.999 with its own draw and patchify it."""
+def condition_rows(conditions: list[torch.Tensor], generator: torch.Generator, patch,
+                   level: float = CONDITION_VIDEO_T) -> torch.Tensor | None:
+    """Noise each visual condition to t = `level` (0.999) with its own draw and patchify it."""
     rows = []
     for cond in conditions:
         noise = torch.randn(cond.shape, generator=generator, dtype=torch.float32)
-        t = torch.tensor(CONDITION_VIDEO_T, dtype=torch.float32)
+        t = torch.tensor(level, dtype=torch.float32)
         rows.append(patchify(t * cond.float().cpu() + (1.0 - t) * noise, patch))
     return torch.cat(rows) if rows else None
 
@@ -84,12 +88,13 @@ def initial_noise(req: SamplingRequest, generator: torch.Generator, video_channe
     return patchify(video, patch), audio
 
 
-def schedule_timestep_values(layout: Layout, schedule: JointSchedule) -> set[float]:
+def schedule_timestep_values(layout: Layout, schedule: JointSchedule,
+                             condition_video_t: float = CONDITION_VIDEO_T) -> set[float]:
     """Every distinct timestep any step of this schedule feeds the model (for AdaLN precompute)."""
     values: set[float] = set()
     for i in range(len(schedule)):
         tv, ta = schedule.step_timesteps(i)
-        values.update(layout.row_timesteps(tv, ta, max(tv, CONDITION_VIDEO_T), CONDITION_AUDIO_T)[0].tolist())
+        values.update(layout.row_timesteps(tv, ta, max(tv, condition_video_t), CONDITION_AUDIO_T)[0].tolist())
     return values
 
 
@@ -120,7 +125,7 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
             release_adaln) -> SamplingResult:
     c = dit.config
     lay = req.layout
-    cond = condition_rows(req.condition_latents, generator, c.patch_size)
+    cond = condition_rows(req.condition_latents, generator, c.patch_size, req.condition_video_t)
     video_noise, audio_noise = initial_noise(req, generator, c.in_channels, c.audio_in_channels, c.patch_size)
     held_v, held_a = _held(lay, req, video_noise, audio_noise)
     n_cv, n_ca = lay.num_condition_video_rows, lay.num_condition_audio_rows
@@ -145,7 +150,7 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
         # Only this schedule's tables are kept (~10 MB per timestep value at full size), so a resident model
         # serving many schedules does not accumulate them.
         dit.clear_modulation_cache()
-        dit.precompute_modulation(schedule_timestep_values(lay, schedule))
+        dit.precompute_modulation(schedule_timestep_values(lay, schedule, req.condition_video_t))
         if release_adaln:
             dit.release_adaln()
 
@@ -155,7 +160,7 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
             raise Cancelled(f"cancelled before step {i + 1} of {len(schedule)}")
         start = time.perf_counter()
         tv, ta = schedule.step_timesteps(i)
-        ts, tidx = lay.row_timesteps(tv, ta, max(tv, CONDITION_VIDEO_T), CONDITION_AUDIO_T)
+        ts, tidx = lay.row_timesteps(tv, ta, max(tv, req.condition_video_t), CONDITION_AUDIO_T)
 
         def forward(**extra):
             return dit(video[None], audio[None], None, ts.to(device), tidx.to(device), position_ids=position_ids,
@@ -203,7 +208,7 @@ def _held(lay: Layout, req: SamplingRequest, video_noise: torch.Tensor, audio_no
     if lay.held_video is not None:
         src = _source(req.source_video_rows, video_noise, "video")
         held_v = lay.held_video
-        t = torch.tensor(CONDITION_VIDEO_T, dtype=torch.float32)
+        t = torch.tensor(req.condition_video_t, dtype=torch.float32)
         video_noise[held_v] = t * src[held_v] + (1.0 - t) * video_noise[held_v]
     if lay.held_audio is not None:
         src = _source(req.source_audio_rows, audio_noise, "audio")
