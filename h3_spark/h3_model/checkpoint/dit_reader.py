@@ -30,6 +30,7 @@ from .dit_config import config_from_comfy, config_from_diffusers_shapes
 from .gguf_source import ARCHITECTURES, INTEGER, GgufSource, GgufSpec, codec_keeps, gguf_spec, readable
 from .gguf_source import dequantize as gguf_dequantize
 from ...kernels.stored_codec import plain_nvfp4_scales
+from ...kernels.formats import FORMATS
 from ...kernels.stored_linear import StoredForm
 from .quant import (LEGACY_MARKER, STORED_PARTS, QuantSpec, check_stored, declare_layers, dequantize,
                     fold_pre_quant_scale, split_param)
@@ -40,7 +41,7 @@ _LEGACY_RENAME = {"scale_weight": "weight_scale", "scale_input": "input_scale"}
 _SINGLES_KEPT = ("adaln_t_table",)
 _SINGLES_DROPPED = {"original": ("rope.inv_freq",), "diffusers": ()}
 # Stored formats whose codes an FP8 or NVFP4 linear can take as they are (int8 has no linear of its own).
-STORED_CODE_FORMATS = ("float8_e4m3fn", "float8_e5m2", "nvfp4")
+STORED_CODE_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt.fast_linears)
 
 
 @dataclass
