@@ -78,7 +78,7 @@ def parse_layer_conf(conf: object, layer: str, source: str) -> QuantSpec:
     if fmt not in FORMAT_TENSORS:
         raise CheckpointError(f"{layer}: unknown quantization format {fmt!r} (supported: {', '.join(FORMAT_TENSORS)})")
     params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
-    convrot = bool(conf.get("convrot", params.get("convrot", False)))
+    convrot = FORMATS[fmt].always_rotated or bool(conf.get("convrot", params.get("convrot", False)))
     group = int(conf.get("convrot_groupsize", params.get("convrot_groupsize", 256)))
     if convrot and FORMATS[fmt].convrot_label is None:
         rotated = ", ".join(n for n, f in FORMATS.items() if f.convrot_label)

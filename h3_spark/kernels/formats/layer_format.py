@@ -40,6 +40,8 @@ class LayerFormat:
     # File tensors -> the form a StoredLinear holds (NVFP4: block scales in plain row-major order).
     held: Callable[[dict], dict] = lambda tensors: tensors
     convrot_label: str | None = None  # the label with ConvRot; None where ConvRot is not defined for the format
+    # The format is rotated whatever its declaration says (its comfy_quant names the group size alone).
+    always_rotated: bool = False
     # Logical weight columns per stored column (NVFP4 packs two values a byte).
     values_per_column: int = 1
     # What the fast linears call its codes ("fp8_scaled", "nvfp4"), the H3_LINEAR formats that start from them, and
