@@ -27,7 +27,7 @@ from ..dit.config import DiTConfig
 from . import keymap
 from .detect import Detected, detect
 from .dit_config import config_from_comfy, config_from_diffusers_shapes
-from .gguf_source import ARCHITECTURES, GgufSource, GgufSpec, codec_keeps, readable
+from .gguf_source import ARCHITECTURES, GgufSource, GgufSpec, readable
 from .gguf_source import dequantize as gguf_dequantize
 from ...kernels.formats import FORMATS
 from ...kernels.stored_linear import StoredForm
@@ -359,12 +359,7 @@ class DitReader:
         """Whether `tensors(stored=True)` hands this quantized layer over as its stored codes. A GGUF layer does when
         it is a 2-D linear weight whose rows are the model's (not ComfyUI-GGUF's reshaped form) in a type the codec
         dequantizes at use; the others are dequantized at load (`gguf_dequantized_at_load`)."""
-        if layer.spec is None:
-            return False
-        if not isinstance(layer.spec, GgufSpec):
-            return True
-        entry = self.source.entry(layer.keys["weight"])
-        return len(entry.shape) == 2 and not entry.reshaped and codec_keeps(entry.gguf_type)
+        return layer_reading.keeps_codes(self.source, layer.spec, layer.keys)
 
     def gguf_dequantized_at_load(self) -> list[str]:
         """The GGUF layers in GGML blocks that a stored load still dequantizes at load (see keeps_codes)."""

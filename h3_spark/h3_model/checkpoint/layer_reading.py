@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ...errors import CheckpointError
-from .gguf_source import INTEGER, GgufSpec, gguf_spec
+from .gguf_source import INTEGER, GgufSpec, codec_keeps, gguf_spec
 from .quant import (LEGACY_MARKER, STORED_PARTS, QuantSpec, check_stored, declare_layers, dequantize,
                     fold_pre_quant_scale, held_tensors)
 
@@ -71,6 +71,18 @@ def gguf_specs(source, layers: dict[str, dict[str, str]], keys: list[str], what:
         if "weight" in keys_of and source.entry(keys_of["weight"]).quantized:
             specs[name] = gguf_spec(source.entry(keys_of["weight"]))
     return specs
+
+
+def keeps_codes(source, spec: QuantSpec | None, keys: dict[str, str]) -> bool:
+    """Whether a quantized layer can be handed over as its stored codes (for a StoredLinear): any declared format;
+    a GGUF layer when it is a 2-D weight whose rows are the model's (not ComfyUI-GGUF's reshaped form) in a type
+    the codec dequantizes at use (the others are dequantized at load)."""
+    if spec is None:
+        return False
+    if not isinstance(spec, GgufSpec):
+        return True
+    entry = source.entry(keys["weight"])
+    return len(entry.shape) == 2 and not entry.reshaped and codec_keeps(entry.gguf_type)
 
 
 def _parts(source, keys: dict[str, str], device: torch.device) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from ...errors import CheckpointError
 from ...kernels.stored_linear import StoredForm
 from ..checkpoint import layer_reading
 from ..checkpoint.detect import detect
-from ..checkpoint.gguf_source import ARCHITECTURES, GgufSource, GgufSpec, codec_keeps, text_encoder_names
+from ..checkpoint.gguf_source import ARCHITECTURES, GgufSource, GgufSpec, text_encoder_names
 from ..checkpoint.gguf_source import dequantize as gguf_dequantize
 from ..checkpoint.quant import LEGACY_MARKER, QuantSpec, split_param
 from ..checkpoint.source import CheckpointSource, open_source
@@ -171,12 +171,7 @@ class SingleFile:
 
     def _keeps_codes(self, layer: _Layer, shapes: dict[str, tuple[int, ...]]) -> bool:
         """A quantized linear kept as stored: a GGUF one in a type the codec dequantizes at use, rows as the model's."""
-        if layer.spec is None or not self._is_linear(layer, shapes):
-            return False
-        if not isinstance(layer.spec, GgufSpec):
-            return True
-        entry = self.source.entry(layer.keys["weight"])
-        return not entry.reshaped and codec_keeps(entry.gguf_type)
+        return self._is_linear(layer, shapes) and layer_reading.keeps_codes(self.source, layer.spec, layer.keys)
 
     def _read(self, key: str) -> torch.Tensor:
         """A tensor as values: as stored, or (a GGUF tensor in GGML blocks) dequantized to fp32 on the CPU."""
