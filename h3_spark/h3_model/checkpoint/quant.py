@@ -5,17 +5,9 @@ A layer is quantized when one of these says so (ComfyUI's rules):
 - the header metadata `_quantization_metadata` = `{"layers": {"<layer>": {...}}}`;
 - legacy "scaled fp8" files: a `scaled_fp8` marker tensor, and `<layer>.scale_weight`
   (-> weight_scale) / `<layer>.scale_input` (-> input_scale) on each fp8 layer.
-Formats we read (everything else is refused by name, never guessed):
-- `float8_e4m3fn` / `float8_e5m2` ("fp8_scaled"): fp8 weight x fp32 per-tensor `weight_scale`;
-- `nvfp4`: see nvfp4.py;
-- `int8_tensorwise` ("int8", and "int8_convrot" with `convrot: true`): int8 weight x fp32 scale
-  (scalar or per row). With ConvRot the stored weight is W @ H^T per group of `convrot_groupsize`
-  input columns, H the normalised regular Hadamard matrix comfy-kitchen builds (Kronecker powers
-  of a symmetric 4x4 block); dequantizing multiplies by H^T again (H is symmetric and orthogonal).
-Dequantization runs in the dtype and operation order comfy-kitchen's eager kernels use, so the
-CPU result equals what ComfyUI computes when it dequantizes the same layer.
-
-What each format stores, its checks and its dequantization are declared once, in kernels/formats/.
+The formats we read are those kernels/formats/ declares, one module each (what a layer of the format stores,
+its checks, its dequantization, its label); everything else is refused by name, never guessed.
+This module keeps the declaration rules above and the writers' quantizers.
 """
 
 from __future__ import annotations
