@@ -41,12 +41,12 @@ LABELS = ("fp8_scaled", "fp8_e5m2_scaled", "int8", "int8_convrot", "nvfp4")
 
 
 def test_the_table_is_what_the_readers_and_stored_linear_read():
-    assert set(FORMATS) == {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "nvfp4", "gguf"}
+    assert set(FORMATS) == {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "nvfp4", "gguf", "convrot_w4a4"}
     assert stored_linear.LABELS == {name: fmt.label for name, fmt in FORMATS.items()}
     assert set(quant.FORMAT_TENSORS) == set(FORMATS) - {"gguf"}
     assert quant.FORMAT_TENSORS["nvfp4"] == {"weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"}
     assert quant.FORMAT_TENSORS["int8_tensorwise"] == {"weight_scale"}
-    assert "convrot_w4a4" in quant.KNOWN_UNSUPPORTED
+    assert quant.KNOWN_UNSUPPORTED == ("mxfp8", "asym_w4a8_int8")
     assert all(fmt.parts[0] == "weight" for fmt in FORMATS.values())
     assert formats.serving("fp8") == ("float8_e4m3fn", "float8_e5m2", "nvfp4")
     assert formats.serving("nvfp4") == ("nvfp4",)
