@@ -413,16 +413,16 @@ def test_quantized_layer_without_its_weight_is_weight_missing(quantized, tmp_pat
 def test_quantized_layers_dequantize_on_the_target_device(quantized, monkeypatch, fmt):
     """What a CPU can check of GPU loading: dequantize is handed tensors already on the target device
     ("meta" here; "cuda" takes the same path), so the arithmetic runs there and not on the CPU."""
-    from h3_spark.h3_model.checkpoint import dit_reader
+    from h3_spark.h3_model.checkpoint import layer_reading
 
     seen = []
-    real = dit_reader.dequantize
+    real = layer_reading.dequantize
 
     def spy(spec, tensors, shape, dtype, layer):
         seen.append({t.device.type for t in tensors.values()})
         return real(spec, tensors, shape, dtype, layer)
 
-    monkeypatch.setattr(dit_reader, "dequantize", spy)
+    monkeypatch.setattr(layer_reading, "dequantize", spy)
     model = load_dit(quantized[fmt], device="meta")
     assert len(seen) == 4 * TINY.num_layers and all(devices == {"meta"} for devices in seen)
     assert {p.device.type for p in model.parameters()} == {"meta"}

@@ -167,8 +167,9 @@ def _make_linear(fmt: str, linear: nn.Module, stored: dict | None, use_triton: b
         raise KernelUnavailable(f"the block linears were already converted ({type(linear).__name__}); reload the "
                                 f"model to change H3_LINEAR")
     if isinstance(linear, StoredLinear):
-        # Its own codes where a low-bit GEMM takes them (fp8_scaled, NVFP4); else its exact dequantized weight.
-        stored = linear.stored_tensors()
+        # Its own codes where its format declares that `fmt` linears start from them; else its exact dequantized
+        # weight (an fp8_scaled layer's codes are no NVFP4 values).
+        stored = linear.stored_tensors(fmt)
         dtype, shape = linear.out_dtype, linear.shape
         if stored is None:
             linear = linear.to_linear()

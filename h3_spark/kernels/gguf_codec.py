@@ -47,6 +47,7 @@ from typing import Callable
 import torch
 
 from ..errors import CheckpointError
+from .gguf_tables import IQ4_VALUES
 
 CHUNK_ROWS = 4096
 QK_K = 256  # the K-quants' and i-quants' super-block
@@ -93,8 +94,6 @@ def _planes(x: torch.Tensor, width: int, count: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------- lookup tables
-# IQ4_NL's and IQ4_XS's non-linear 4-bit codebook (llama.cpp's kvalues_iq4nl).
-_IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 _TABLES: dict[tuple[str, str], torch.Tensor] = {}
 
 
@@ -105,7 +104,7 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
     table = _TABLES.get(key)
     if table is None:
         if name == "iq4":
-            table = torch.tensor(_IQ4_VALUES, dtype=torch.float32)
+            table = torch.tensor(IQ4_VALUES, dtype=torch.float32)
         else:
             try:  # the grids are gguf's data; only the i-quants need the package
                 from gguf import quants

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import require_kernels, rnd_store, round_code, tl, triton
+from .gguf_tables import IQ4_VALUES
 
 # GGML type -> (its code within its family, bytes per block): blocks of 32 values, super-blocks of 256
 _LEGACY = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20), "Q5_0": (3, 22), "Q5_1": (4, 24), "IQ4_NL": (5, 18)}
@@ -184,11 +185,9 @@ _IQ4_TABLES: dict[str, torch.Tensor] = {}
 
 
 def _iq4_table(device: torch.device) -> torch.Tensor:
-    from .gguf_codec import _IQ4_VALUES
-
     table = _IQ4_TABLES.get(str(device))
     if table is None:
-        table = _IQ4_TABLES[str(device)] = torch.tensor(_IQ4_VALUES, dtype=torch.float32, device=device)
+        table = _IQ4_TABLES[str(device)] = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=device)
     return table
 
 

@@ -1,7 +1,8 @@
 """The stored forms of quantized weights, turned back into values row chunk by row chunk.
 
-One definition of each format's dequantization serves two callers: the checkpoint readers (a whole layer at
-load, `checkpoint/quant.py`) and `StoredLinear` (just in time, into a reusable scratch, before every GEMM).
+One definition of each format's dequantization serves two callers, through the format's declaration
+(`kernels/formats/`): the checkpoint readers (a whole layer at load, `checkpoint/quant.py`) and `StoredLinear`
+(just in time, into a reusable scratch, before every GEMM).
 Both run these very functions, so a layer dequantized at use holds the bits it would have held had it been
 dequantized at load on the same device: the exact path stays exact to the file.
 

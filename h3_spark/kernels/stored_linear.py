@@ -25,12 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import nvfp4_codec as nvfp4
 from . import stored_codec as codec
+from .formats import FORMATS, LayerParams
 
-# What `format` may be (checkpoint/quant.py's QuantSpec.format names) and the report label of each.
-LABELS = {"float8_e4m3fn": "fp8_scaled", "float8_e5m2": "fp8_e5m2_scaled", "int8_tensorwise": "int8",
-          "nvfp4": "nvfp4", "gguf": "gguf"}
+# What `format` may be (the stored formats kernels/formats declares) and the report label of each.
+LABELS = {name: fmt.label for name, fmt in FORMATS.items()}
 
 
 @dataclass
@@ -108,17 +107,28 @@ class StoredLinear(nn.Module):
         if self.swap_halves and self.out_features % 2:
             raise ValueError(f"cannot swap the halves of {self.out_features} rows")
         self.out_dtype = out_dtype
-        for name in ("weight", "weight_scale", "weight_scale_2", "pre_quant_scale"):
+        # AWQ's smoothing is folded in after any format's dequantization (`pre_quant_into`), so it is held whatever
+        # the format (the readers let only the formats that declare it carry one).
+        for name in dict.fromkeys(self._format.parts + ("pre_quant_scale",)):
             if name in form.tensors:
                 self.register_buffer(name, form.tensors[name])
         self.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
         self.source = f"{LABELS[self.format]} codes as stored, dequantized at use"
 
     @property
+    def _format(self):
+        return FORMATS[self.format]
+
+    @property
+    def _params(self) -> LayerParams:
+        return LayerParams(self.convrot_group, self.gguf_type)
+
+    @property
     def label(self) -> str:
-        if self.format == "gguf":
-            return f"gguf {self.gguf_type}"
-        return "int8_convrot" if self.format == "int8_tensorwise" and self.convrot_group else LABELS[self.format]
+        return self._format.label_for(self._params)
+
+    def _held(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self._format.parts if getattr(self, name, None) is not None}
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, stored {self.label}, computes in {self.out_dtype}"
@@ -135,21 +145,7 @@ class StoredLinear(nn.Module):
 
     def _dequantize_rows(self, out: torch.Tensor, start: int, end: int) -> None:
         """Stored rows start:end into `out`."""
-        if self.format == "gguf":
-            from . import gguf_codec
-
-            gguf_codec.dequantize_into(out, self.weight[start:end], self.gguf_type)
-            return
-        scale = self.weight_scale
-        if self.format == "nvfp4" or scale.numel() > 1:
-            scale = scale[start:end]
-        if self.format in codec.FP8_FORMATS:
-            codes = self.weight.view(codec.FP8_FORMATS[self.format]) if self.weight.dtype == torch.uint8 else self.weight
-            codec.fp8_into(out, codes[start:end], scale)
-        elif self.format == "int8_tensorwise":
-            codec.int8_into(out, self.weight[start:end], scale, self.convrot_group)
-        else:
-            codec.nvfp4_into(out, self.weight[start:end], scale, self.weight_scale_2)
+        self._format.dequantize_rows(out, self._held(), start, end, self._params)
         if getattr(self, "pre_quant_scale", None) is not None:
             codec.pre_quant_into(out, self.pre_quant_scale)
 
@@ -195,27 +191,14 @@ class StoredLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     # ------------------------------------------------------------------ for the low-bit linears
-    def stored_tensors(self) -> dict:
+    def stored_tensors(self, linear: str | None = None) -> dict | None:
         """What `kernels.dispatch` makes an FP8 or NVFP4 linear from: {"format": "fp8_scaled" | "nvfp4", ...} as a
-        checkpoint stores it (NVFP4 block scales blocked again, rows padded to 16), or None for int8 and AWQ
-        layers, whose codes no low-bit GEMM here takes (they are quantized from the dequantized weight)."""
-        if getattr(self, "pre_quant_scale", None) is not None or self.format in ("int8_tensorwise", "gguf"):
+        checkpoint stores it (NVFP4 block scales blocked again, rows padded to 16), or None where the format's codes
+        serve no low-bit GEMM here (int8, GGUF), or not `linear` (an H3_LINEAR format) when it is named, or the layer
+        carries AWQ's pre_quant_scale (its codes encode W / s): those are quantized from the dequantized weight."""
+        fmt = self._format
+        if getattr(self, "pre_quant_scale", None) is not None or fmt.linear_codes is None:
             return None
-        if self.format in codec.FP8_FORMATS:
-            codes = self.weight.view(torch.uint8)
-            if self.swap_halves:
-                codes = torch.cat([codes[self.out_features // 2:], codes[:self.out_features // 2]])
-            return {"format": "fp8_scaled", "weight": codes.view(codec.FP8_FORMATS[self.format]),
-                    "weight_scale": self.weight_scale}
-        n = self.out_features
-        codes, plain = self.weight[:n], self.weight_scale[:n]
-        if self.swap_halves:
-            codes, plain = (torch.cat([t[n // 2:], t[:n // 2]]) for t in (codes, plain.view(torch.uint8)))
-            plain = plain.view(torch.float8_e4m3fn)
-        pad = nvfp4.roundup(n, nvfp4.BLOCK) - n
-        if pad:
-            codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
-            plain = torch.cat([plain.view(torch.uint8), plain.view(torch.uint8).new_zeros(pad, plain.shape[1])])
-            plain = plain.view(torch.float8_e4m3fn)
-        return {"format": "nvfp4", "weight": codes.contiguous(), "weight_scale": nvfp4.swizzle_scales(plain),
-                "weight_scale_2": self.weight_scale_2}
+        if linear is not None and linear not in fmt.fast_linears:
+            return None
+        return fmt.linear_codes(self._held(), self.out_features, self.swap_halves)

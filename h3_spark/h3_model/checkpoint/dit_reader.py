@@ -27,20 +27,18 @@ from ..dit.config import DiTConfig
 from . import keymap
 from .detect import Detected, detect
 from .dit_config import config_from_comfy, config_from_diffusers_shapes, config_from_json
-from .gguf_source import ARCHITECTURES, INTEGER, GgufSource, GgufSpec, codec_keeps, gguf_spec, readable
+from .gguf_source import ARCHITECTURES, GgufSource, GgufSpec, readable
 from .gguf_source import dequantize as gguf_dequantize
-from ...kernels.stored_codec import plain_nvfp4_scales
+from ...kernels.formats import FORMATS
 from ...kernels.stored_linear import StoredForm
-from .quant import (LEGACY_MARKER, STORED_PARTS, QuantSpec, check_stored, declare_layers, dequantize,
-                    fold_pre_quant_scale, split_param)
+from . import layer_reading
+from .quant import LEGACY_MARKER, STORED_PARTS, QuantSpec, split_param
 from .source import CheckpointSource
-
-_LEGACY_RENAME = {"scale_weight": "weight_scale", "scale_input": "input_scale"}
 # Stored non-layer tensors by naming: kept (same name in diffusers) or dropped (recomputed by us).
 _SINGLES_KEPT = ("adaln_t_table",)
 _SINGLES_DROPPED = {"original": ("rope.inv_freq",), "diffusers": ()}
 # Stored formats whose codes an FP8 or NVFP4 linear can take as they are (int8 has no linear of its own).
-STORED_CODE_FORMATS = ("float8_e4m3fn", "float8_e5m2", "nvfp4")
+STORED_CODE_FORMATS = tuple(name for name, fmt in FORMATS.items() if fmt.fast_linears)
 
 
 @dataclass
@@ -123,10 +121,7 @@ class DitReader:
             if names == "original" and keymap.IGNORED_ORIGINAL.match(layer):
                 self.ignored.append(key)
                 continue
-            entry = self.layers.setdefault(layer, Layer(layer))
-            entry.keys[_LEGACY_RENAME.get(suffix, suffix)] = self.stored[key]
-            if suffix in _LEGACY_RENAME:
-                entry.keys.setdefault("_legacy", key)
+            layer_reading.add_key(self.layers.setdefault(layer, Layer(layer)).keys, suffix, self.stored[key])
         for layer in list(self.layers.values()):
             layer.target = layer.name if names == "diffusers" else keymap.original_layer_to_diffusers(layer.name)
             if layer.target is None:
@@ -152,31 +147,17 @@ class DitReader:
             self._declare_gguf()
             return
         marker = self.stored.get(LEGACY_MARKER)
-        specs = declare_layers({l.name: l.keys for l in self.layers.values()}, self.source.read_small,
-                               self.source.metadata, self.detected.prefix, marker,
-                               self.source.entry(marker).numel if marker else 0, ignore=self._skipped_layer)
+        specs = layer_reading.declare(self.source, {l.name: l.keys for l in self.layers.values()},
+                                      self.detected.prefix, marker, ignore=self._skipped_layer)
         for name, spec in specs.items():
             self.layers[name].spec = spec
 
     def _declare_gguf(self) -> None:
-        """A GGUF layer's format is its weight's GGML type. GGUF has no scale tensors or markers: a layer that
-        carries some is a quantization outside GGUF's types (audio.cpp's experimental ConvRot dit_int8.gguf
-        stores int8 weights beside scales), which is refused rather than read as plain numbers."""
-        where, p = self.source.path, self.detected.prefix
-        for layer in self.layers.values():
-            extra = [n for n in self._stored_names(layer) if split_param(n)[1] not in ("weight", "bias")]
-            if extra:
-                raise CheckpointError(f"{where}: {p}{extra[0]} is not a GGUF DiT tensor: GGML blocks carry their own "
-                                      "scales (a quantization outside GGUF's types is not read)")
-        for key in [*self.stored.values()]:
-            entry = self.source.entry(key)
-            if entry.dtype in INTEGER:
-                raise CheckpointError(f"{where}: {key} is an {entry.dtype} tensor; an H3 DiT GGUF stores floats or "
-                                      "GGML blocks")
-        for layer in self.layers.values():
-            weight = self.source.entry(layer.keys["weight"])
-            if weight.quantized:
-                layer.spec = gguf_spec(weight)
+        """A GGUF layer's format is its weight's GGML type (layer_reading.gguf_specs)."""
+        specs = layer_reading.gguf_specs(self.source, {l.name: l.keys for l in self.layers.values()},
+                                         list(self.stored.values()), "DiT")
+        for name, spec in specs.items():
+            self.layers[name].spec = spec
 
     def _skipped_layer(self, name: str) -> bool:
         """Layers left out on purpose or reported by check(): their metadata entries are no error here."""
@@ -208,8 +189,8 @@ class DitReader:
         split = split_param(name)
         if split and split[1] == "weight":
             layer = self.layers.get(split[0])
-            if layer is not None and layer.spec is not None and layer.spec.format == "nvfp4" and len(shape) == 2:
-                shape = (shape[0], shape[1] * 2)
+            if layer is not None and layer.spec is not None and len(shape) == 2:
+                shape = (shape[0], shape[1] * FORMATS[layer.spec.format].values_per_column)
         return shape
 
     # ----------------------------------------------------------------- phase 1: plan
@@ -226,10 +207,10 @@ class DitReader:
         """The stored tensor's logical shape (fused for QKV); NVFP4 weights take it from the model."""
         stored = self.source.entry(layer.keys[suffix]).shape
         outs = self._weight_outputs(layer, suffix)
-        if suffix == "weight" and layer.spec is not None and layer.spec.format == "nvfp4":
+        if suffix == "weight" and layer.spec is not None and FORMATS[layer.spec.format].values_per_column > 1:
             shapes = [s for _, s in outs]
             if any(s is None for s in shapes):
-                return (stored[0], stored[1] * 2)
+                return (stored[0], stored[1] * FORMATS[layer.spec.format].values_per_column)
             return (sum(s[0] for s in shapes), *shapes[0][1:])
         return stored
 
@@ -378,12 +359,7 @@ class DitReader:
         """Whether `tensors(stored=True)` hands this quantized layer over as its stored codes. A GGUF layer does when
         it is a 2-D linear weight whose rows are the model's (not ComfyUI-GGUF's reshaped form) in a type the codec
         dequantizes at use; the others are dequantized at load (`gguf_dequantized_at_load`)."""
-        if layer.spec is None:
-            return False
-        if not isinstance(layer.spec, GgufSpec):
-            return True
-        entry = self.source.entry(layer.keys["weight"])
-        return len(entry.shape) == 2 and not entry.reshaped and codec_keeps(entry.gguf_type)
+        return layer_reading.keeps_codes(self.source, layer.spec, layer.keys)
 
     def gguf_dequantized_at_load(self) -> list[str]:
         """The GGUF layers in GGML blocks that a stored load still dequantizes at load (see keeps_codes)."""
@@ -409,15 +385,9 @@ class DitReader:
     def _stored_forms(self, layer: Layer, device: torch.device) -> Iterator[tuple[str, StoredForm]]:
         """A quantized layer's stored tensors, checked, cut to each model linear it holds (q, k, v of the fused
         QKV: row slices, so views; fc1's halves are swapped at use instead of copied)."""
-        spec, path = layer.spec, self.source.header_of(layer.keys["weight"]).path
+        spec = layer.spec
         rows, cols = self.logical_shape(layer, "weight")
-        tensors = {s: self.source.get(layer.keys[s]).to(device) for s in STORED_PARTS if s in layer.keys}
-        try:
-            check_stored(spec, tensors, (rows, cols), layer.name)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{path}: {exc}") from None
-        if spec.format == "nvfp4":
-            tensors["weight_scale"] = plain_nvfp4_scales(tensors["weight_scale"], *tensors["weight"].shape)
+        tensors = layer_reading.held(self.source, spec, layer.keys, (rows, cols), device, layer.name)
         per_row = {s for s, t in tensors.items() if s != "pre_quant_scale" and t.ndim >= 1 and t.numel() > 1}
         outs = self._weight_outputs(layer, "weight")
         swap = self.detected.names == "original" and layer.target.endswith(".ff.net.0.proj")
@@ -433,16 +403,8 @@ class DitReader:
         yield outs[0][0], StoredForm(spec.format, (rows, cols), tensors, group, swap_halves=swap)
 
     def _dequantized(self, layer: Layer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # Dequantize where the weight will live: a full-size int8_convrot layer takes ~8 s on a CPU.
-        stored = {s: self.source.get(k).to(device) for s, k in layer.keys.items()
-                  if s not in ("comfy_quant", "_legacy", "bias")}
-        try:
-            weight = dequantize(layer.spec, stored, self.logical_shape(layer, "weight"), dtype, layer.name)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{self.source.header_of(layer.keys['weight']).path}: {exc}") from None
-        if "pre_quant_scale" in stored:
-            weight = fold_pre_quant_scale(weight, stored["pre_quant_scale"])
-        return weight
+        return layer_reading.dequantized(self.source, layer.spec, layer.keys, self.logical_shape(layer, "weight"),
+                                         dtype, device, layer.name)
 
     def _finish(self, layer: Layer, suffix: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         outs = self._weight_outputs(layer, suffix)
@@ -469,12 +431,14 @@ class DitReader:
             return None
         layer, part = self._linear_parts()[name]
         spec = layer.spec
-        stored = self._stored_tensors(layer, torch.device(device))
-        if spec.format == "nvfp4":
-            return spec, self._nvfp4_part(layer, part, stored)
-        fp8 = torch.float8_e4m3fn if spec.format == "float8_e4m3fn" else torch.float8_e5m2
-        codes = stored["weight"].view(torch.uint8)
-        return spec, {**stored, "weight": self._cut(layer, part, codes).view(fp8)}
+        rows = self.logical_shape(layer, "weight")[0]
+        held = self._held_tensors(layer, torch.device(device))
+        # The row-wise tensors (codes, NVFP4's plain block scales) are cut as loading cuts the weight; the format
+        # then gives its codes in the form the fast linears take (NVFP4: padded to 16 rows, scales blocked again).
+        cut = {s: self._cut(layer, part, t[:rows].view(torch.uint8)).view(t.dtype) if t.numel() > 1 else t
+               for s, t in held.items()}
+        codes = FORMATS[spec.format].linear_codes(cut, cut["weight"].shape[0], False)
+        return spec, {s: t for s, t in codes.items() if s != "format"}
 
     def stored_code_format(self, name: str) -> str | None:
         """The stored format (QuantSpec.format) whose codes `stored_linear` would give for linear `name`, from
@@ -488,12 +452,12 @@ class DitReader:
             return None
         return spec.format
 
-    def _stored_tensors(self, layer: Layer, device: torch.device) -> dict[str, torch.Tensor]:
+    def _held_tensors(self, layer: Layer, device: torch.device) -> dict[str, torch.Tensor]:
         # The last layer read is kept: q, k and v are asked for one after another and share the fused QKV.
         key = (layer.name, device)
         if self._last_stored is None or self._last_stored[0] != key:
-            tensors = {s: self.source.get(layer.keys[s]).to(device) for s in ("weight", "weight_scale", "weight_scale_2")
-                       if s in layer.keys}
+            tensors = layer_reading.held(self.source, layer.spec, layer.keys, self.logical_shape(layer, "weight"),
+                                         device, layer.name)
             self._last_stored = (key, tensors)
         return self._last_stored[1]
 
@@ -514,22 +478,6 @@ class DitReader:
         if self.detected.names == "original" and layer.target.endswith(".ff.net.0.proj"):
             return keymap.swap_halves(rows)
         return rows
-
-    def _nvfp4_part(self, layer: Layer, part: int, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        # Codes and block scales are both one row per weight row; the scales are cut in their plain order
-        # and blocked again, and the global scale is the layer's for every part.
-        rows, cols = self.logical_shape(layer, "weight")
-        packed = stored["weight"]
-        scales = stored["weight_scale"]
-        if scales.dtype == torch.uint8:
-            scales = scales.view(torch.float8_e4m3fn)
-        plain = nvfp4.unswizzle_scales(scales, packed.shape[0], packed.shape[1] * 2 // nvfp4.BLOCK)[:rows]
-        codes = self._cut(layer, part, packed[:rows])
-        plain = self._cut(layer, part, plain.view(torch.uint8)).view(torch.float8_e4m3fn)
-        pad = nvfp4.roundup(codes.shape[0], nvfp4.BLOCK) - codes.shape[0]
-        if pad:
-            codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
-        return {**stored, "weight": codes.contiguous(), "weight_scale": nvfp4.swizzle_scales(plain)}
 
     # ----------------------------------------------------------------- facts for reports
     def loaded_bytes(self, dtype: torch.dtype) -> int:

@@ -5,15 +5,9 @@ A layer is quantized when one of these says so (ComfyUI's rules):
 - the header metadata `_quantization_metadata` = `{"layers": {"<layer>": {...}}}`;
 - legacy "scaled fp8" files: a `scaled_fp8` marker tensor, and `<layer>.scale_weight`
   (-> weight_scale) / `<layer>.scale_input` (-> input_scale) on each fp8 layer.
-Formats we read (everything else is refused by name, never guessed):
-- `float8_e4m3fn` / `float8_e5m2` ("fp8_scaled"): fp8 weight x fp32 per-tensor `weight_scale`;
-- `nvfp4`: see nvfp4.py;
-- `int8_tensorwise` ("int8", and "int8_convrot" with `convrot: true`): int8 weight x fp32 scale
-  (scalar or per row). With ConvRot the stored weight is W @ H^T per group of `convrot_groupsize`
-  input columns, H the normalised regular Hadamard matrix comfy-kitchen builds (Kronecker powers
-  of a symmetric 4x4 block); dequantizing multiplies by H^T again (H is symmetric and orthogonal).
-Dequantization runs in the dtype and operation order comfy-kitchen's eager kernels use, so the
-CPU result equals what ComfyUI computes when it dequantizes the same layer.
+The formats we read are those kernels/formats/ declares, one module each (what a layer of the format stores,
+its checks, its dequantization, its label); everything else is refused by name, never guessed.
+This module keeps the declaration rules above and the writers' quantizers.
 """
 
 from __future__ import annotations
@@ -25,21 +19,18 @@ from typing import Callable
 import torch
 
 from ...errors import CheckpointError
-from ...kernels import nvfp4_codec as nvfp4
 from ...kernels import stored_codec as codec
+from ...kernels.formats import FORMATS, LayerParams, layer_format
 
-# comfy_quant format -> tensors a layer of that format may carry besides `weight` (and `bias`).
-FORMAT_TENSORS = {
-    "float8_e4m3fn": {"weight_scale", "input_scale"},
-    "float8_e5m2": {"weight_scale", "input_scale"},
-    "nvfp4": {"weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"},
-    "int8_tensorwise": {"weight_scale"},
-}
+# comfy_quant format -> tensors a layer of that format may carry besides `weight` (and `bias`). GGUF's blocks are
+# declared by the file's tensor types, never by a marker.
+FORMAT_TENSORS = {name: set(fmt.tensors) for name, fmt in FORMATS.items() if name != "gguf"}
 # Formats ComfyUI knows that we do not load; named in the error so the user knows what they have.
-KNOWN_UNSUPPORTED = ("mxfp8", "convrot_w4a4", "asym_w4a8_int8")
-# Per-layer tensor suffixes that belong to quantization (a layer's name is the key minus these).
-QUANT_SUFFIXES = ("weight_scale_2", "weight_scale", "input_scale", "pre_quant_scale", "comfy_quant",
-                  "scale_weight", "scale_input")
+KNOWN_UNSUPPORTED = tuple(f for f in ("mxfp8", "convrot_w4a4", "asym_w4a8_int8") if f not in FORMATS)
+# Per-layer tensor suffixes that belong to quantization (a layer's name is the key minus these): every declared
+# format's tensors (longest first, so weight_scale_2 is not read as weight_scale), the marker, the legacy names.
+QUANT_SUFFIXES = tuple(sorted({t for f in FORMAT_TENSORS.values() for t in f}, key=lambda t: (-len(t), t))) + (
+    "comfy_quant", "scale_weight", "scale_input")
 PARAM_SUFFIXES = ("weight", "bias") + QUANT_SUFFIXES
 LEGACY_MARKER = "scaled_fp8"
 METADATA_KEY = "_quantization_metadata"
@@ -57,13 +48,13 @@ class QuantSpec:
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
+    def params(self) -> LayerParams:
+        return LayerParams(self.convrot_groupsize if self.convrot else None)
+
+    @property
     def label(self) -> str:
         """The user-facing name of the format (what make-checkpoint --format takes)."""
-        if self.format in ("float8_e4m3fn", "float8_e5m2"):
-            return "fp8_scaled" if self.format == "float8_e4m3fn" else "fp8_e5m2_scaled"
-        if self.format == "int8_tensorwise":
-            return "int8_convrot" if self.convrot else "int8"
-        return self.format
+        return FORMATS[self.format].label_for(self.params)
 
 
 def parse_layer_conf(conf: object, layer: str, source: str) -> QuantSpec:
@@ -79,10 +70,11 @@ def parse_layer_conf(conf: object, layer: str, source: str) -> QuantSpec:
     if fmt not in FORMAT_TENSORS:
         raise CheckpointError(f"{layer}: unknown quantization format {fmt!r} (supported: {', '.join(FORMAT_TENSORS)})")
     params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
-    convrot = bool(conf.get("convrot", params.get("convrot", False)))
+    convrot = FORMATS[fmt].always_rotated or bool(conf.get("convrot", params.get("convrot", False)))
     group = int(conf.get("convrot_groupsize", params.get("convrot_groupsize", 256)))
-    if convrot and fmt != "int8_tensorwise":
-        raise CheckpointError(f"{layer}: convrot is only defined for int8_tensorwise, not {fmt}")
+    if convrot and FORMATS[fmt].convrot_label is None:
+        rotated = ", ".join(n for n, f in FORMATS.items() if f.convrot_label)
+        raise CheckpointError(f"{layer}: convrot is only defined for {rotated}, not {fmt}")
     if convrot:
         hadamard(group)  # validates the size
     extra = {k: v for k, v in conf.items() if k not in ("format", "convrot", "convrot_groupsize",
@@ -207,80 +199,26 @@ def convrot_group_for(k: int, preferred: int = 256) -> int | None:
 
 
 # --------------------------------------------------------------------- dequantize
-# The tensors of a quantized layer that hold its weight (input_scale is an activation scale, comfy_quant a marker).
-STORED_PARTS = ("weight", "weight_scale", "weight_scale_2", "pre_quant_scale")
+# The tensors of a quantized layer that hold its weight (input_scale is an activation scale, comfy_quant a marker),
+# in the order StoredLinear registers them.
+STORED_PARTS = tuple(dict.fromkeys(p for fmt in FORMATS.values() for p in fmt.parts))
 
 
 def check_stored(spec: QuantSpec, tensors: dict[str, torch.Tensor], shape: tuple[int, int], layer: str) -> None:
     """The stored tensors can hold the logical weight [N, K]: dtypes, shapes and scale sizes (no values read)."""
-    weight = tensors["weight"]
-    if spec.format in codec.FP8_FORMATS:
-        fp8 = codec.FP8_FORMATS[spec.format]
-        if weight.dtype not in (fp8, torch.uint8):
-            raise CheckpointError(f"{layer}: {spec.format} layer stores its weight as {weight.dtype}")
-        _scale(tensors, "weight_scale", layer)
-        _check_shape(layer, weight, shape)
-    elif spec.format == "nvfp4":
-        _scale(tensors, "weight_scale_2", layer)
-        if "weight_scale" not in tensors:
-            raise CheckpointError(f"{layer}: NVFP4 layer lacks weight_scale (block scales)")
-        problem = _nvfp4_problem(weight, tensors["weight_scale"], shape)
-        if problem:
-            raise CheckpointError(f"{layer}: {problem}")
-    elif spec.format == "int8_tensorwise":
-        if weight.dtype != torch.int8:
-            raise CheckpointError(f"{layer}: int8 layer stores its weight as {weight.dtype}")
-        _check_shape(layer, weight, shape)
-        scale = tensors.get("weight_scale")
-        if scale is None:
-            raise CheckpointError(f"{layer}: int8 layer lacks weight_scale")
-        if scale.numel() not in (1, shape[0]):
-            raise CheckpointError(f"{layer}: int8 weight_scale has {scale.numel()} values; expected 1 or {shape[0]}")
-        if spec.convrot and shape[1] % spec.convrot_groupsize:
-            raise CheckpointError(f"{layer}: ConvRot group size {spec.convrot_groupsize} does not divide the "
-                                  f"{shape[1]} input columns")
-    else:
-        raise CheckpointError(f"{layer}: quantization format {spec.format!r} is not supported")
-    pre = tensors.get("pre_quant_scale")
-    if pre is not None and pre.numel() != shape[1]:
-        raise CheckpointError(f"{layer}: pre_quant_scale has {pre.numel()} values for {shape[1]} inputs")
+    layer_format(spec.format, layer).validate(tensors, shape, spec.params, layer)
 
 
-def _nvfp4_problem(packed: torch.Tensor, block_scales: torch.Tensor, shape: tuple[int, int]) -> str | None:
-    if packed.dtype != torch.uint8 or packed.ndim != 2:
-        return f"NVFP4 weight must be uint8 2-D, got {packed.dtype} {list(packed.shape)}"
-    if block_scales.dtype not in (torch.uint8, torch.float8_e4m3fn):
-        return f"NVFP4 block scales must be float8_e4m3fn, got {block_scales.dtype}"
-    return nvfp4.stored_mismatch(tuple(packed.shape), block_scales.numel(), *shape)
+def held_tensors(spec: QuantSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A layer's stored tensors in the form a StoredLinear holds them (NVFP4's block scales unblocked)."""
+    return layer_format(spec.format).held(tensors)
 
 
 def dequantize(spec: QuantSpec, tensors: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype,
                layer: str) -> torch.Tensor:
     """A quantized layer's stored tensors -> its logical weight [N, K] in `dtype` (AWQ's pre_quant_scale is
     folded in by the caller, `fold_pre_quant_scale`)."""
-    check_stored(spec, tensors, shape, layer)
-    weight = tensors["weight"]
-    out = torch.empty(shape, dtype=dtype, device=weight.device)
-    if spec.format in codec.FP8_FORMATS:
-        return codec.fp8_into(out, weight.view(codec.FP8_FORMATS[spec.format]), tensors["weight_scale"])
-    if spec.format == "nvfp4":
-        plain = codec.plain_nvfp4_scales(tensors["weight_scale"], *weight.shape)
-        return codec.nvfp4_into(out, weight, plain, tensors["weight_scale_2"])
-    return codec.int8_into(out, weight, tensors["weight_scale"], spec.convrot_groupsize if spec.convrot else None)
-
-
-def _scale(tensors: dict[str, torch.Tensor], name: str, layer: str) -> torch.Tensor:
-    t = tensors.get(name)
-    if t is None:
-        raise CheckpointError(f"{layer}: missing {name}")
-    if t.numel() != 1:
-        raise CheckpointError(f"{layer}.{name} must be a single value, got shape {list(t.shape)}")
-    return t.float().reshape(())
-
-
-def _check_shape(layer: str, weight: torch.Tensor, shape: tuple[int, int]) -> None:
-    if tuple(weight.shape) != tuple(shape):
-        raise CheckpointError(f"{layer}: stored weight is {list(weight.shape)}, the model needs {list(shape)}")
+    return layer_format(spec.format, layer).dequantize(tensors, shape, dtype, spec.params, layer)
 
 
 def fold_pre_quant_scale(weight: torch.Tensor, pre_quant_scale: torch.Tensor) -> torch.Tensor:

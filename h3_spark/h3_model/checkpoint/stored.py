@@ -15,12 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...kernels.formats import FAST_LINEARS, FORMATS, serving
 from .quant import dequantize
-
-# What kernels.dispatch calls the stored formats it can start from.
-_KIND = {"float8_e4m3fn": "fp8_scaled", "float8_e5m2": "fp8_scaled", "nvfp4": "nvfp4"}
-# Which stored kinds each low-bit linear format starts from (NVFP4 linears re-quantize FP8 weights anyway).
-USES = {"fp8": ("fp8_scaled", "nvfp4"), "nvfp4": ("nvfp4",)}
 
 
 @dataclass(frozen=True)
@@ -58,9 +54,9 @@ class StoredLinears:
     """
 
     def __init__(self, model: nn.Module, origin: CheckpointOrigin, fmt: str):
-        if fmt not in USES:
-            raise ValueError(f"stored codes serve the {' and '.join(USES)} linears, not {fmt!r}")
-        self.model, self.origin, self.kinds = model, origin, USES[fmt]
+        if fmt not in FAST_LINEARS:
+            raise ValueError(f"stored codes serve the {' and '.join(FAST_LINEARS)} linears, not {fmt!r}")
+        self.model, self.origin, self.serving = model, origin, serving(fmt)
         self._reader = None
         self.used = 0
         self.changed: list[str] = []
@@ -69,7 +65,7 @@ class StoredLinears:
     @staticmethod
     def useful(origin: CheckpointOrigin | None, fmt: str) -> bool:
         """Whether a file stored in `origin.formats` has codes that `fmt` linears start from."""
-        return origin is not None and any(_KIND.get(f) in USES.get(fmt, ()) for f in origin.formats)
+        return origin is not None and any(f in serving(fmt) for f in origin.formats)
 
     def __call__(self, name: str) -> dict | None:
         from safetensors import SafetensorError
@@ -82,7 +78,7 @@ class StoredLinears:
         weight = self.model.get_submodule(name).weight
         try:
             stored = reader.stored_code_format(name)
-            if stored is None or _KIND[stored] not in self.kinds:
+            if stored is None or stored not in self.serving:
                 return None
             spec, tensors = reader.stored_linear(name, weight.device)
             if not self._holds(spec, tensors, weight, name):
@@ -93,7 +89,7 @@ class StoredLinears:
             self.close()
             return None
         self.used += 1
-        return {"format": _KIND[spec.format], **tensors}
+        return {"format": FORMATS[spec.format].codes, **tensors}
 
     @staticmethod
     def _holds(spec, tensors: dict, weight: torch.Tensor, name: str) -> bool:

@@ -19,6 +19,7 @@ The model, tokenizer and processor are transformers' Qwen3-VL classes (`Qwen3VLM
   checkpoint/gguf_source.py maps them). llama.cpp keeps the vision tower in a separate mmproj file, so
   such a GGUF holds the language model only: it loads without the tower (`vision_tower` False) and encodes
   text presentations (T2VA, Ref2VA with audio references only); one with images or videos raises.
+A single file's tensors are read by `single_file.py`, by the rules every checkpoint reader shares.
 """
 
 from __future__ import annotations
@@ -26,24 +27,18 @@ from __future__ import annotations
 import copy
 import importlib
 import json
-import re
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from ...errors import CheckpointError, H3Error, InputError
-from ..checkpoint.detect import detect
-from ...kernels.stored_codec import plain_nvfp4_scales
 from ...kernels.stored_linear import StoredForm, StoredLinear
-from ..checkpoint.quant import (LEGACY_MARKER, QUANT_SUFFIXES, STORED_PARTS, QuantSpec, check_stored, decode_marker,
-                                dequantize, fold_pre_quant_scale, metadata_layers, parse_layer_conf, split_param)
-from ..checkpoint.gguf_source import ARCHITECTURES, INTEGER, GgufSource, GgufSpec, codec_keeps, gguf_spec
-from ..checkpoint.gguf_source import dequantize as gguf_dequantize
-from ..checkpoint.gguf_source import text_encoder_names
-from ..checkpoint.source import CheckpointSource, open_source
+from ..checkpoint.gguf_source import GgufSource
+from ..checkpoint.source import open_source
+from .single_file import LM_LAYER, SingleFile, target_name
 from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, Presentation, PresentationBuilder
 
 DEFAULT_LAYER = 50
@@ -56,8 +51,6 @@ QWEN3VL_ROPE = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_sectio
                 "mrope_interleaved": True}
 QWEN3VL_VISION_HEADS = 16
 QWEN3VL_DEEPSTACK = [8, 16, 24]
-_LEGACY_RENAME = {"scale_weight": "weight_scale", "scale_input": "input_scale"}
-_LM_LAYER = re.compile(r"^language_model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True, eq=False)
@@ -242,245 +235,7 @@ def _load_folder(tf, sources: _Sources, layer: int, dtype: torch.dtype, device: 
     return model, config
 
 
-# ---------------------------------------------------------------------------- ComfyUI single file
-def _target_name(stored: str, layer: int) -> str | None:
-    """A stored (prefix-free) tensor name -> transformers' Qwen3VLModel name; None to skip it.
-
-    ComfyUI names the language model `model.*` and the tower `visual.*`; transformers' own export
-    names them `model.language_model.*` / `model.visual.*`. Layers past `layer`, the final norm,
-    the LM head and rotary tables are not part of the truncated model.
-    """
-    for old, new in (("model.language_model.", "language_model."), ("model.visual.", "visual."),
-                     ("model.", "language_model."), ("visual.", "visual."), ("language_model.", "language_model.")):
-        if stored.startswith(old):
-            name = new + stored[len(old):]
-            break
-    else:
-        return None if stored.startswith("lm_head.") else stored
-    m = _LM_LAYER.match(name)
-    if name.startswith("language_model.norm.") or name.endswith("inv_freq") or (m and int(m.group(1)) >= layer):
-        return None
-    return name
-
-
-@dataclass
-class _Layer:
-    target: str  # transformers module name
-    keys: dict[str, str] = field(default_factory=dict)  # suffix -> stored key
-    spec: QuantSpec | None = None
-
-
-class _SingleFile:
-    """The tensors of a single-file Qwen3-VL, grouped per layer under transformers' names."""
-
-    def __init__(self, path: Path, layer: int):
-        self.path = path
-        self.source: CheckpointSource | GgufSource = open_source(path)
-        self.gguf = isinstance(self.source, GgufSource)
-        arch = self.source.architecture if self.gguf else None
-        if arch not in (None, "qwen3vl"):
-            raise CheckpointError(f"{path}: general.architecture is {arch!r}, a {ARCHITECTURES[arch]} GGUF, not the "
-                                  "Qwen3-VL text encoder (which declares qwen3vl or nothing)")
-        # ComfyUI-style name -> the file's name: a llama.cpp GGUF's `blk.N.*` names are mapped here.
-        names = text_encoder_names(self.source.keys)
-        found = detect(list(names), str(path))
-        if found.model != "text_encoder":
-            raise CheckpointError(f"{path}: is a {found.model.replace('_', ' ')} checkpoint, not the Qwen3-VL "
-                                  "text encoder")
-        self.prefix = found.prefix
-        self.stored = {n[len(self.prefix):]: k for n, k in names.items() if n.startswith(self.prefix)}
-        self.num_layers = len({int(m.group(1)) for k in self.stored
-                               if (m := _LM_LAYER.match(_target_name(k, 1 << 30) or ""))})
-        self.layers = self._group(layer)
-        self._declare_quant()
-
-    def _group(self, layer: int) -> dict[str, _Layer]:
-        layers: dict[str, _Layer] = {}
-        unmapped = []
-        for stored in self.stored:
-            if stored == LEGACY_MARKER:
-                continue
-            split = split_param(stored)
-            name = _target_name(stored, layer)
-            if split is None or name is None:
-                if split is None and name is not None:
-                    unmapped.append(stored)
-                continue
-            target = name[: -len(split[1]) - 1]
-            entry = layers.setdefault(split[0], _Layer(target))
-            entry.keys[_LEGACY_RENAME.get(split[1], split[1])] = self.stored[stored]
-        if unmapped:
-            raise CheckpointError(f"{self.path}: {len(unmapped)} tensors fit no Qwen3-VL name, "
-                                  f"e.g. {', '.join(sorted(unmapped)[:3])}")
-        return layers
-
-    @property
-    def has_vision(self) -> bool:
-        return any(layer.target.startswith("visual.") for layer in self.layers.values())
-
-    def _declare_quant(self) -> None:
-        """Each layer's format from its `.comfy_quant` marker, header metadata or the legacy fp8 form; in a GGUF,
-        from its weight's GGML type."""
-        if self.gguf:
-            self._declare_gguf()
-            return
-        declared = {}
-        for name, conf in (metadata_layers(self.source.metadata) or {}).items():
-            stored = name[len(self.prefix):] if name.startswith(self.prefix) else name
-            declared[stored] = parse_layer_conf(conf, stored, "metadata")
-        # ComfyUI's legacy scaled-fp8 files mark the whole file with one `scaled_fp8` tensor.
-        legacy = LEGACY_MARKER in self.stored or LEGACY_MARKER in self.source
-        for stored, layer in self.layers.items():
-            layer.spec = self._spec(stored, layer, declared.get(stored), legacy)
-            if layer.spec is not None and "weight" not in layer.keys:
-                raise CheckpointError(f"{self.path}: {stored} is declared {layer.spec.label} but has no weight")
-            if "weight" not in layer.keys and "bias" not in layer.keys:
-                raise CheckpointError(f"{self.path}: {stored} has {', '.join(sorted(layer.keys))} but no weight")
-
-    def _declare_gguf(self) -> None:
-        """GGML blocks carry their own scales: a GGUF layer with scale tensors or markers, or an integer tensor, is
-        a quantization outside GGUF's types and is refused rather than read as plain numbers."""
-        for stored, layer in self.layers.items():
-            extra = sorted(s for s in layer.keys if s not in ("weight", "bias"))
-            if extra:
-                raise CheckpointError(f"{self.path}: {layer.keys[extra[0]]} is not a GGUF text encoder tensor: GGML "
-                                      "blocks carry their own scales")
-            for key in layer.keys.values():
-                if self.source.entry(key).dtype in INTEGER:
-                    raise CheckpointError(f"{self.path}: {key} is an {self.source.entry(key).dtype} tensor; a GGUF "
-                                          "text encoder stores floats or GGML blocks")
-            if "weight" not in layer.keys:
-                raise CheckpointError(f"{self.path}: {stored} has {', '.join(sorted(layer.keys))} but no weight")
-            weight = self.source.entry(layer.keys["weight"])
-            if weight.quantized:
-                layer.spec = gguf_spec(weight)
-
-    def _spec(self, stored: str, layer: _Layer, declared: QuantSpec | None, legacy: bool) -> QuantSpec | None:
-        spec = declared
-        if "comfy_quant" in layer.keys:
-            marked = parse_layer_conf(decode_marker(self.source.get(layer.keys["comfy_quant"]), stored),
-                                      stored, "comfy_quant")
-            if spec is not None and spec != marked:
-                raise CheckpointError(f"{stored}: .comfy_quant ({marked.label}) and _quantization_metadata "
-                                      f"({spec.label}) disagree")
-            spec = marked
-        if spec is None and legacy and "weight_scale" in layer.keys:
-            spec = QuantSpec("float8_e4m3fn", source="scaled_fp8")
-        stray = sorted(k for k in layer.keys if k in QUANT_SUFFIXES and k != "comfy_quant")
-        if spec is None and stray:
-            raise CheckpointError(f"{self.path}: {stored} has {', '.join(stray)} but no quantization declaration "
-                                  "(.comfy_quant, _quantization_metadata or scaled_fp8)")
-        return spec
-
-    def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Names and plain shapes against the model, from headers alone (before any weight is read)."""
-        planned = {f"{layer.target}.{s}": (stored, layer) for stored, layer in self.layers.items()
-                   for s in ("weight", "bias") if s in layer.keys}
-        unexpected = sorted(set(planned) - set(shapes))
-        if unexpected:
-            raise CheckpointError(f"{self.path}: {unexpected[0]} is not a parameter of this Qwen3-VL"
-                                  + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-        missing = sorted(set(shapes) - set(planned))
-        if missing:
-            raise CheckpointError(f"{self.path}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
-        for name, (stored, layer) in planned.items():
-            suffix = name.rpartition(".")[2]
-            got = tuple(self.source.entry(layer.keys[suffix]).shape)
-            # A GGUF entry's shape is the logical one even for GGML blocks; other quantized weights are checked
-            # against their format when read.
-            logical = layer.spec is None or suffix == "bias" or isinstance(layer.spec, GgufSpec)
-            if logical and got != shapes[name]:
-                raise CheckpointError(f"{self.path}: {stored}.{suffix} is {list(got)}, the model needs "
-                                      f"{list(shapes[name])}")
-
-    def shape(self, target: str) -> tuple[int, ...] | None:
-        """The stored shape of a tensor by its transformers name (quantized layers: the stored one)."""
-        for layer in self.layers.values():
-            base, _, suffix = target.rpartition(".")
-            if layer.target == base and suffix in layer.keys:
-                return tuple(self.source.entry(layer.keys[suffix]).shape)
-        return None
-
-    def count(self, pattern: str) -> int:
-        rx = re.compile(pattern)
-        return len({m.group(1) for layer in self.layers.values() if (m := rx.match(layer.target))})
-
-    def tensors(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
-                keep_stored: bool = False) -> Iterator[tuple[str, "torch.Tensor | StoredForm"]]:
-        """(name, tensor in dtype on device) layer by layer, in on-disk order; one layer in RAM at a time.
-        `keep_stored`: a quantized layer's weight comes as its StoredForm (codes and scales on `device`)."""
-        rank = {k: i for i, k in enumerate(self.source.file_order())}
-        ordered = sorted(self.layers.items(), key=lambda kv: min(rank[k] for k in kv[1].keys.values()))
-        for stored, layer in ordered:
-            # Only linears compute from a StoredLinear; a quantized embedding (the NVFP4-AWQ file's int8
-            # embed_tokens) is dequantized at load, as before.
-            if "weight" in layer.keys and keep_stored and self._keeps_codes(layer, shapes):
-                yield f"{layer.target}.weight", self._stored_form(stored, layer, shapes, device)
-            elif "weight" in layer.keys:
-                yield f"{layer.target}.weight", self._weight(stored, layer, shapes, dtype, device)
-            if "bias" in layer.keys:
-                yield f"{layer.target}.bias", self._read(layer.keys["bias"]).to(device, dtype)
-
-    def _keeps_codes(self, layer: _Layer, shapes: dict[str, tuple[int, ...]]) -> bool:
-        """A quantized linear kept as stored: a GGUF one in a type the codec dequantizes at use, rows as the model's."""
-        if layer.spec is None or not self._is_linear(layer, shapes):
-            return False
-        if not isinstance(layer.spec, GgufSpec):
-            return True
-        entry = self.source.entry(layer.keys["weight"])
-        return not entry.reshaped and codec_keeps(entry.gguf_type)
-
-    def _read(self, key: str) -> torch.Tensor:
-        """A tensor as values: as stored, or (a GGUF tensor in GGML blocks) dequantized to fp32 on the CPU."""
-        entry = self.source.entry(key)
-        if self.gguf and entry.quantized:
-            return gguf_dequantize(entry, self.source.get(key), torch.float32, "cpu")
-        return self.source.get(key)
-
-    def _weight(self, stored: str, layer: _Layer, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:
-        if layer.spec is None:
-            return self._read(layer.keys["weight"]).to(device, dtype)
-        shape = shapes.get(f"{layer.target}.weight")
-        if shape is None:
-            raise CheckpointError(f"{self.path}: {stored} is not a layer of this Qwen3-VL")
-        if isinstance(layer.spec, GgufSpec):
-            entry = self.source.entry(layer.keys["weight"])
-            return gguf_dequantize(entry, self.source.get(layer.keys["weight"]), dtype, device)
-        # Dequantize where the weight will live: NVFP4 unpacking of a 32B model is slow on a CPU.
-        parts = {s: self.source.get(k).to(device) for s, k in layer.keys.items() if s not in ("comfy_quant", "bias")}
-        weight = dequantize(layer.spec, parts, shape, dtype, stored)
-        if "pre_quant_scale" in parts:
-            weight = fold_pre_quant_scale(weight, parts["pre_quant_scale"])
-        return weight
-
-
-    @staticmethod
-    def _is_linear(layer: _Layer, shapes: dict[str, tuple[int, ...]]) -> bool:
-        return not layer.target.endswith(("embed_tokens", "pos_embed")) and len(shapes.get(f"{layer.target}.weight",
-                                                                                           ())) == 2
-
-    def _stored_form(self, stored: str, layer: _Layer, shapes: dict[str, tuple[int, ...]],
-                     device: torch.device) -> StoredForm:
-        shape = shapes.get(f"{layer.target}.weight")
-        if shape is None:
-            raise CheckpointError(f"{self.path}: {stored} is not a layer of this Qwen3-VL")
-        if isinstance(layer.spec, GgufSpec):
-            # The raw blocks, uint8 [N, row_bytes], a view of the file on the CPU.
-            raw = self.source.get(layer.keys["weight"]).to(device)
-            return StoredForm("gguf", shape, {"weight": raw}, gguf_type=layer.spec.gguf_type)
-        parts = {s: self.source.get(k).to(device) for s, k in layer.keys.items() if s in STORED_PARTS}
-        try:
-            check_stored(layer.spec, parts, shape, stored)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{self.path}: {exc}") from None
-        if layer.spec.format == "nvfp4":
-            parts["weight_scale"] = plain_nvfp4_scales(parts["weight_scale"], *parts["weight"].shape)
-        group = layer.spec.convrot_groupsize if layer.spec.convrot else None
-        return StoredForm(layer.spec.format, shape, parts, group)
-
-
-def _config_from_shapes(tf, weights: _SingleFile, tokenizer):
+def _config_from_shapes(tf, weights: SingleFile, tokenizer):
     """A Qwen3VLConfig from tensor shapes plus the Qwen3-VL family's fixed settings (QWEN3VL_*)."""
     def need(name: str) -> tuple[int, ...]:
         shape = weights.shape(name)
@@ -511,7 +266,7 @@ def _config_from_shapes(tf, weights: _SingleFile, tokenizer):
                             vision_start_token_id=ids[2], vision_end_token_id=ids[3])
 
 
-def _gguf_rope(weights: _SingleFile) -> tuple[dict, float]:
+def _gguf_rope(weights: SingleFile) -> tuple[dict, float]:
     """RoPE parameters and the RMSNorm epsilon: Qwen3-VL's fixed values, or what a llama.cpp GGUF records
     (qwen3vl.rope.freq_base, qwen3vl.rope.dimension_sections: the M-RoPE sections, zero-padded to 4)."""
     rope, eps = dict(QWEN3VL_ROPE), 1e-6
@@ -528,7 +283,7 @@ def _gguf_rope(weights: _SingleFile) -> tuple[dict, float]:
     return rope, float(given_eps) if given_eps is not None else eps
 
 
-def _vision_from_shapes(weights: _SingleFile, need) -> dict:
+def _vision_from_shapes(weights: SingleFile, need) -> dict:
     deepstack = weights.count(r"^visual\.deepstack_merger_list\.(\d+)\.")
     if deepstack != len(QWEN3VL_DEEPSTACK):
         raise CheckpointError(f"{weights.path}: {deepstack} DeepStack mergers, not Qwen3-VL's "
@@ -544,7 +299,7 @@ def _vision_from_shapes(weights: _SingleFile, need) -> dict:
                 deepstack_visual_indexes=list(QWEN3VL_DEEPSTACK))
 
 
-def _plan_single_file(tf, sources: _Sources, weights: _SingleFile, tokenizer, layer: int):
+def _plan_single_file(tf, sources: _Sources, weights: SingleFile, tokenizer, layer: int):
     """(config, model on the meta device, its parameter shapes) for a single file, its names and shapes checked."""
     if sources.config_path is not None:
         config = _read_config(tf, sources.config_path)
@@ -564,7 +319,7 @@ def _plan_single_file(tf, sources: _Sources, weights: _SingleFile, tokenizer, la
 
 def _load_single_file(tf, sources: _Sources, tokenizer, layer: int, dtype: torch.dtype, device: torch.device,
                       stored: bool = False):
-    weights = _SingleFile(sources.weights, layer)
+    weights = SingleFile(sources.weights, layer)
     try:
         config, model, shapes = _plan_single_file(tf, sources, weights, tokenizer, layer)
         _assign(model, weights.tensors(shapes, dtype, device, stored), shapes, sources.weights, dtype)
@@ -657,7 +412,7 @@ def check_text_encoder(path: str | Path, *, tokenizer: str | Path | None = None,
     tf = _transformers()
     tok, _ = _load_processing(tf, sources)
     if sources.single_file:
-        weights = _SingleFile(sources.weights, layer)
+        weights = SingleFile(sources.weights, layer)
         try:
             config, _, _ = _plan_single_file(tf, sources, weights, tok, layer)
         finally:
@@ -674,7 +429,7 @@ def _check_folder(tf, sources: _Sources, layer: int):
     try:
         stored = {}
         for key in weights.keys:
-            name = _target_name(key, 1 << 30)
+            name = target_name(key, 1 << 30)
             if name is not None:
                 stored[name] = (key, tuple(weights.entry(key).shape))
     finally:
@@ -691,7 +446,7 @@ def _check_folder(tf, sources: _Sources, layer: int):
         if value != have:
             raise CheckpointError(f"{sources.config_path}: {field_path} is {value!r} but the weights say {have} "
                                   f"({key} is {list(shape)})")
-    layers = len({int(m.group(1)) for n in stored if (m := _LM_LAYER.match(n))})
+    layers = len({int(m.group(1)) for n in stored if (m := LM_LAYER.match(n))})
     declared = config.text_config.num_hidden_layers
     if layers < min(declared, layer):
         raise CheckpointError(f"{sources.config_path}: text_config.num_hidden_layers is {declared} but the weights "
@@ -701,7 +456,7 @@ def _check_folder(tf, sources: _Sources, layer: int):
         model = tf.Qwen3VLModel(config)
     _drop_final_norm(model)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    kept = {n: v for n, v in stored.items() if _target_name(v[0], layer) is not None}
+    kept = {n: v for n, v in stored.items() if target_name(v[0], layer) is not None}
     for name, want in expected.items():
         if name not in kept:
             raise CheckpointError(f"{sources.weights}: {name} is missing (the model {sources.config_path.name} "
