@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from .attention import resolve_attention
+from .attention import backend_spec, resolve_attention
 from .capability import (KernelUnavailable, as_device, capability, describe_device, is_blackwell, require_cuda,
                          require_module, require_triton, triton_interpreting, triton_ready)
 from .references import RowModulation
@@ -53,18 +53,20 @@ def attention_counts(model: nn.Module) -> dict[str, int]:
 
 # ------------------------------------------------------------------------------------------ Q/K preparation
 def resolve_qk_prep(settings: KernelSettings, backend_name: str, device):
-    """(hook or None, report) for the Q/K preparation that goes with an attention backend."""
+    """(hook or None, report) for the Q/K preparation that goes with an attention backend (its registered
+    `qk_heads`: FP8 heads, heads rotated for its own quantizer, or plain ones)."""
     from .qk_prep import FusedQKPrep
 
+    heads = backend_spec(backend_name).qk_heads
     mode = settings.q_rms_rope_int8_fusion
     if mode == "off":
-        note = ("reference norm + RoPE; fa3_fp8 quantizes Q/K per head itself (no smoothing, no rotation)"
-                if backend_name == "fa3_fp8" else "reference norm + RoPE")
+        note = (f"reference norm + RoPE; {backend_name} quantizes Q/K per head itself (no smoothing, no rotation)"
+                if heads == "fp8" else "reference norm + RoPE")
         return None, {"impl": "pytorch-reference", "exact": True, "note": note}
-    if backend_name == "fa3_fp8":
+    if heads == "fp8":
         hook = FusedQKPrep("fp8", settings.qk_smooth_k, settings.qk_hadamard, settings.qk_granularity,
                            triton_ready(device))
-    elif backend_name in ("sage2", "sage2-quality"):
+    elif heads == "rotated":
         # Sage quantizes Q/K itself and smooths K itself; it does not rotate, so the rotation happens here.
         hook = FusedQKPrep(None, False, settings.qk_hadamard, "per_head", triton_ready(device))
     else:

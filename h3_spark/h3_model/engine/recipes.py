@@ -31,6 +31,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ...errors import H3Error, InputError
+from ...kernels.attention import QUANTIZED_HEADS
 
 # name -> {parameter: (default, low, high)}; a bound of None is open (or checked in `_checked`). Integers stay
 # integers.
@@ -42,7 +43,6 @@ PARAMETERS: dict[str, dict[str, tuple]] = {
     "fasth3-8step": {"sparsity": (0.8, None, None), "tile": (64, None, None)},
 }
 BUNDLES = {"sol-engine": ("sparse", "first-block-cache")}
-QUANTIZED_HEADS = ("fa3_fp8",)  # attention backends whose Q/K prep writes FP8 heads
 NAMES = (*PARAMETERS, *BUNDLES)
 
 
@@ -192,8 +192,8 @@ def check_conflicts(recipes: list[Recipe], *, step_cache: bool, explicit_steps: 
 
 def sparse_backend(recipe: Recipe, device, settings):
     """Sol-Attn at the recipe's tau; sequences below H3_SOL_MIN_TOKENS fall back to the run's own attention."""
-    from ...kernels.attention import resolve_attention
-    from ...kernels.settings import ATTENTION_BACKENDS, KernelSettings
+    from ...kernels.attention import SOL_FALLBACKS, resolve_attention
+    from ...kernels.settings import KernelSettings
 
     settings = settings or KernelSettings()
     if settings.attention in QUANTIZED_HEADS:
@@ -201,8 +201,7 @@ def sparse_backend(recipe: Recipe, device, settings):
         raise InputError(f"recipe sparse runs Sol-Attn on bf16 heads, but attention {settings.attention} "
                          f"quantizes Q/K/V to FP8 before any block sees them: run the recipe with attention fa3 "
                          f"or sdpa (FP8 linears combine with it)")
-    fallback = settings.attention if settings.attention in ATTENTION_BACKENDS and settings.attention not in (
-        "sol_attn", "kj_head_sliced") else "sdpa"
+    fallback = settings.attention if settings.attention in SOL_FALLBACKS else "sdpa"
     sol = dataclasses.replace(settings.sol, tau=float(recipe.params["tau"]), fallback=fallback)
     try:
         return resolve_attention("sol_attn", device, settings.replace(attention="sol_attn", sol=sol))[0]
