@@ -90,6 +90,12 @@ def _step_cache():
     return step_cache
 
 
+def _recipes():
+    from ..h3_model.engine import recipes
+
+    return recipes
+
+
 # ------------------------------------------------------------------------------------------ loaders
 class H3ModelLoader:
     """The H3 DiT from models/diffusion_models (ComfyUI single file, any published format, or a diffusers
@@ -357,10 +363,8 @@ class H3Sampler:
             "cache_end": ("FLOAT", {"default": cache.DEFAULT_END_PERCENT, "min": 0.0, "max": 1.0, "step": 0.01}),
             "cache_subsample": ("INT", {"default": cache.DEFAULT_SUBSAMPLE, "min": 1, "max": cache.MAX_SUBSAMPLE}),
             "recipe": ("STRING", {"default": "", "tooltip": (
-                "Opt-in speed recipes (approximate), separated by ';': sparse[:tau=1,dense_steps=10,"
-                "dense_blocks=2] (Sol-Attn, needs comfy-kitchen), first-block-cache[:threshold=0.08], "
-                "turbo[:evaluations=8,video_shift=6] (replaces steps and shifts; load the Turbo LoRA with H3 LoRA "
-                "Loader), sol-engine. Empty: none.")}),
+                "Opt-in speed recipes (approximate), separated by ';' (a Turbo LoRA with H3 LoRA Loader): "
+                + _recipes().recipes_help() + ". Empty: none.")}),
         }
         return types
 

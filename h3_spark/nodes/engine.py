@@ -397,8 +397,7 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
     chosen = _recipes(recipes, step_cache is not None, opts)
     run = recipe_sampling(chosen, steps)
     if run.evaluations is not None:
-        setter = next(r.name for r in chosen if r.name in ("turbo", "fasth3", "fasth3-8step"))
-        log.info("h3-spark recipe %s replaces steps %d and shifts %g/%g with %d and %g/%g", setter, steps,
+        log.info("h3-spark recipe %s replaces steps %d and shifts %g/%g with %d and %g/%g", run.grid_from, steps,
                  shift_video, shift_audio, run.evaluations, run.video_shift, run.audio_shift)
         steps, shift_video, shift_audio = run.evaluations, run.video_shift, run.audio_shift
     dims = (cond.latent_frames, cond.latent_height, cond.latent_width, cond.audio_latents)
