@@ -1,7 +1,7 @@
 """Kernel settings: one typed object, parsed once from the environment at the front door.
 
 Blocks and kernels never read `os.environ`; a front door calls `KernelSettings.from_env()` (or builds
-the dataclass itself) and hands the object to `kernels.dispatch.apply_kernels`. A bad value is an
+the dataclass itself) and hands the object to the engine (`h3_model.engine.kernel_plan.apply_kernels`). A bad value is an
 `H3Error` that names the variable, the value and what is accepted.
 """
 

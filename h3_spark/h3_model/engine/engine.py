@@ -221,7 +221,7 @@ class Engine:
                 apply_loras(model, self.options.loras)
                 self.load_seconds[f"{name}_loras"] = round(time.perf_counter() - start, 3)
             if self.settings is not None:
-                from ...kernels.dispatch import apply_kernels
+                from .kernel_plan import apply_kernels
                 from .memory import configure_in_host
 
                 # A DiT read into host memory (a budget, or low-bit linears to make) is configured block by block

@@ -83,7 +83,8 @@ def use_kernels(dit, attention: str, linear: str, device):
     """Linears once per loaded DiT (they are converted in place, with the first run's attention); then this run's
     attention, when it is another, resolved once for this run. Returns (the run's kernel report, the
     job_attention choice to run it with, or None for the configured one)."""
-    from ...kernels.dispatch import apply_kernels, exactness
+    from ...kernels.dispatch import exactness
+    from .kernel_plan import apply_kernels
     from ...kernels.settings import KernelSettings
     from .job_attention import choose_attention
 
