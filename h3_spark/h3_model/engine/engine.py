@@ -235,7 +235,7 @@ class Engine:
         elif name == "vae":
             model.tile_batch = self.options.vae_tile_batch
             if self.settings is not None:
-                from ...kernels.vae import apply_vae_kernels
+                from .kernel_plan import apply_vae_kernels
 
                 self.kernel_reports[name] = apply_vae_kernels(model, self.settings)
 

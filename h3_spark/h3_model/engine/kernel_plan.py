@@ -2,7 +2,8 @@
 
 The kernels decide (kernels/dispatch.py: `plan_kernels`, every choice resolved and checked before anything
 changes) and build (the FP8 / NVFP4 linears, the fused passes); here, above them, the DiT's modules are
-changed: its attention and Q/K preparation, its modulation, its MLPs' activation, its block linears.
+changed: its attention and Q/K preparation, its modulation, its MLPs' activation, its block linears; and
+the video VAE decoder's attention and fused passes (`apply_vae_kernels`, from kernels/vae.py's plan).
 
 Rules (docs/architecture.md, "Fail closed"): a requested backend or format that cannot run here raises
 KernelUnavailable; `auto` may choose and says what it chose and why; approximate paths (FP8/NVFP4 linears,
@@ -102,3 +103,18 @@ def _install_linears(model: nn.Module, plan: KernelPlan, weight_source: WeightSo
         for blk in model.transformer_blocks:
             blk.ff = Fp8SwiGLU.wrap(blk.ff)
         linear_report["activation_quantizer"] = "triton: one quantized input for q, k and v; SwiGLU writes e4m3 rows"
+
+
+def apply_vae_kernels(vae, settings: KernelSettings | None = None, attention: str | None = None) -> dict:
+    """Set the video VAE decoder's attention backend and fused passes (kernels/vae.py's plan); return what runs
+    and why. `attention`: an exact backend for the decoder (benchmarks compare them); by default `auto`'s exact
+    choice for its dtype, whatever H3_ATTENTION asks of the DiT."""
+    from ...kernels.swiglu import fused_swiglu
+    from ...kernels.vae import fused_decoder_qk_prep, plan_vae_kernels
+
+    plan = plan_vae_kernels(vae, settings, attention)
+    vae.attention = plan.attention
+    for block in vae.decoder.transformer_blocks:
+        block.attn.qk_prep = fused_decoder_qk_prep if plan.fused_qk_prep else None
+        block.ff.net[0].activation = fused_swiglu if plan.fused_swiglu else None
+    return plan.report()
