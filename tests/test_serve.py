@@ -975,3 +975,17 @@ def test_slow_bodies_time_out_and_a_client_gone_is_one_line(model_dir, resident,
         answer = sock.recv(4096).decode()
         sock.close()
         assert answer.startswith("HTTP/1.1 400") and answer.endswith("Invalid HTTP request received."), answer[:80]
+
+
+def test_the_service_logs_what_auto_chose_and_why_it_refused_the_faster_backends(resident, tmp_path):
+    logs = []
+    service = Service(ServiceConfig(output_dir=tmp_path), lambda tracker: resident, log=logs.append)
+    service.start()
+    assert service.wait_loaded(60)
+    service.stop()
+    assert resident.kernel_reports["dit"]["attention"]["requested"] == "auto"
+    line = next(m for m in logs if m.startswith("dit: attention auto chose "))
+    assert line == ("dit: attention auto chose sdpa (cpu (no CUDA GPU): PyTorch SDPA); fa3: fa3 needs sm_90 "
+                    "(FlashAttention-3 kernels are built for Hopper only); this run is on cpu (no CUDA GPU); "
+                    "cudnn_sdpa: cudnn_sdpa needs sm_80 or newer (cuDNN fused attention); this run is on cpu "
+                    "(no CUDA GPU)")

@@ -139,6 +139,7 @@ class Service:
             self.tracker.ready()
             self.log(f"ready: {', '.join(models.modes)} on {', '.join(models.devices)}; loaded in "
                      + ", ".join(f"{k} {v:.1f} s" for k, v in models.load_seconds.items()))
+            self._log_auto_attention(models)
         except Exception as exc:  # noqa: BLE001 - recorded for /ready and the CLI; nothing to serve
             message = str(exc) if isinstance(exc, H3Error) else f"{type(exc).__name__}: {exc}"
             if self.tracker.state != "failed":
@@ -148,6 +149,15 @@ class Service:
             self.log(f"loading failed: {message}")
             if self.on_load_failed is not None:
                 self.on_load_failed(message)
+
+    def _log_auto_attention(self, models: Engine) -> None:
+        """What `auto` chose for each DiT, and why it refused each faster backend (fail closed: say it)."""
+        from ..kernels.attention import auto_line
+
+        for key in models.dit_keys():
+            attention = models.kernel_reports.get(key, {}).get("attention", {})
+            if attention.get("requested") == "auto":
+                self.log(f"{key}: attention {auto_line(attention)}")
 
     def _sweep_partials(self) -> None:
         removed = self.outputs.sweep_partials()
