@@ -372,3 +372,12 @@ def test_hopper_sol_refuses_other_head_sizes_at_set_up_when_strict(hopper):
     lax = settings.replace(sol=SolSettings(fallback="sdpa", strict=False))
     assert resolve_attention("sol_attn", "cpu", lax, dtype=torch.bfloat16, head_dim=64)[1] == "sol_attn"
     assert resolve_attention("sol_attn", "cpu", settings, dtype=torch.bfloat16, head_dim=128)[1] == "sol_attn"
+
+
+def test_attention_help_names_every_backend_and_whether_it_is_exact():
+    text = att.attention_help()
+    assert text.startswith("auto: the fastest exact backend here")
+    for spec in att.SPECS:
+        assert f"{spec.name}: {spec.summary} (" in text
+    assert "fa3: FlashAttention-3 forward (exact)" in text and "ck_int8: comfy-kitchen INT8" in text
+    assert "kj_head_sliced: another backend (H3_HEAD_SLICE_BACKEND) run over slices of heads (as exact as" in text

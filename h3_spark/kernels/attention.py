@@ -259,7 +259,7 @@ class SageBackend(Backend):
 def _load_sage(spec: "BackendSpec", device):
     """sageattention >= 2 with the kernels this GPU needs (`sage2` picks its kernel by GPU generation)."""
     cap = capability(device)
-    module = require_module(spec.name, "sageattention", SAGE_HOW)
+    module = require_module(spec.name, "sageattention", spec.install)
     version = package_version("sageattention") or getattr(module, "__version__", None)
     if version is None or version_tuple(version) < (2,):
         raise KernelUnavailable(f"{spec.name} needs sageattention >= 2, found {version or 'an unknown version'}; "
@@ -347,7 +347,7 @@ class SolBackend(Backend):
 
 
 def _load_comfy_kitchen(spec: "BackendSpec", device):
-    ck = require_module(spec.name, "comfy_kitchen", CK_HOW)
+    ck = require_module(spec.name, "comfy_kitchen", spec.install)
     probe, kernels = {"sol_attn": ("sol_attn_is_available", "its Sol-Attn kernels"),
                       "ck_int8": ("int8_attention_is_available", "int8_attention")}[spec.name]
     if not getattr(ck, probe)(as_device(device)):
@@ -414,7 +414,8 @@ HALF = (torch.bfloat16, torch.float16)
 class BackendSpec:
     """One H3_ATTENTION backend, declared once: what it computes, where it runs, what it needs, how it is built.
 
-    `gpu`: the lowest and highest compute capability it has kernels for (None: any device, the CPU too).
+    `gpu`: the lowest and highest compute capability it has kernels for: one generation (both the same) or
+    every one from the lowest (highest None); None: any device, the CPU too.
     `dtypes` / `head_dims`: the heads it takes (empty: any); a FlashAttention-3 build may ship fewer, which
     `kernel_gap` asks the loaded build. `load(spec, device)` imports what it needs (KernelUnavailable naming
     it and `install` when it cannot); `build(loaded, device, settings, dtype, head_dim)` makes the callable.
@@ -444,8 +445,7 @@ class BackendSpec:
 
 def _load_cudnn(spec: "BackendSpec", device):
     if not torch.backends.cudnn.is_available():
-        raise NotInstalled("cudnn_sdpa needs cuDNN, which this PyTorch build does not load; install a CUDA "
-                           "build of torch (it bundles nvidia-cudnn)")
+        raise NotInstalled(f"cudnn_sdpa needs cuDNN, which this PyTorch build does not load; install {spec.install}")
 
 
 def _load_fa3(spec: "BackendSpec", device):
@@ -517,6 +517,16 @@ QUANTIZED_HEADS = tuple(spec.name for spec in SPECS if spec.qk_heads == "fp8")
 HEAD_SLICE_BACKEND, HEAD_SLICE_SIZE = "auto", 8
 # resolve_attention without settings: the defaults of the knobs the backends read (KernelSettings' own).
 _DEFAULTS = SimpleNamespace(sol=SolSettings(), head_slice_backend=HEAD_SLICE_BACKEND, head_slice_size=HEAD_SLICE_SIZE)
+
+
+def attention_help() -> str:
+    """Every backend name with what it is, exact or approximate, for a front door's help text."""
+    def entry(spec: BackendSpec) -> str:
+        exact = {True: "exact", False: "approximate", None: "as exact as the backend it runs"}[spec.exact]
+        return f"{spec.name}: {spec.summary} ({exact})"
+
+    return "; ".join(["auto: the fastest exact backend here, saying why it passed over faster ones",
+                      *map(entry, SPECS)])
 
 
 def backend_spec(name: str) -> BackendSpec:
