@@ -4,8 +4,7 @@ ComfyUI caches a loader node's output, so many MODEL clones point at one DiT; ea
 and the attention of its own clone. `use_loras` merges exactly the asked set into the shared weights
 (backing up and restoring only the parameters a LoRA touches), `use_kernels` converts the linears once and
 chooses each run's attention and Q/K preparation (job_attention.py installs it for the run), and
-`kernels_line` says what runs. The state lives on the
-DiT itself, so every clone sees the same truth.
+`kernels_line` says what runs. The state lives on the DiT itself, so every clone sees the same truth.
 """
 
 from __future__ import annotations
@@ -84,9 +83,9 @@ def use_kernels(dit, attention: str, linear: str, device):
     attention, when it is another, resolved once for this run. Returns (the run's kernel report, the
     job_attention choice to run it with, or None for the configured one)."""
     from ...kernels.dispatch import exactness
-    from .kernel_plan import apply_kernels
     from ...kernels.settings import KernelSettings
     from .job_attention import choose_attention
+    from .kernel_plan import apply_kernels
 
     settings = KernelSettings.from_env().replace(attention=attention, linear=linear)
     state = dit.__dict__.get(KERNELS)
