@@ -472,7 +472,7 @@ def run(args) -> int:
     import_package()
     import torch
 
-    from h3_spark.kernels.dispatch import apply_kernels
+    from h3_spark.h3_model.engine.kernel_plan import apply_kernels
     from h3_spark.kernels.settings import KernelSettings
     from h3_spark.measure import stamp
     from h3_spark.measure.synthetic import describe

@@ -541,7 +541,7 @@ def model_level():
     from h3_spark.h3_model.dit import layout
     from h3_spark.h3_model.dit.config import DiTConfig
     from h3_spark.h3_model.dit.model import H3DiT
-    from h3_spark.kernels.dispatch import apply_kernels
+    from h3_spark.h3_model.engine.kernel_plan import apply_kernels
     from h3_spark.kernels.settings import KernelSettings
 
     torch.manual_seed(0)

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from h3_spark.h3_model.pipeline.sampler import schedule_timestep_values
     from h3_spark.h3_model.pipeline.scheduler import JointSchedule
     from h3_spark.h3_model.pipeline.step_cache import make_step_cache
-    from h3_spark.kernels.dispatch import apply_kernels
+    from h3_spark.h3_model.engine.kernel_plan import apply_kernels
     from h3_spark.kernels.settings import KernelSettings
     from h3_spark.measure import stamp
     from h3_spark.measure.contract import contract_shape, load_contract

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         cap = f"set_per_process_memory_fraction({args.vram_budget * GB / total:.4f}) = {args.vram_budget} GB at start"
 
     from h3_spark.h3_model.engine.loading import LoadOptions, component_loader
-    from h3_spark.kernels.dispatch import apply_kernels
+    from h3_spark.h3_model.engine.kernel_plan import apply_kernels
     from h3_spark.kernels.settings import KernelSettings
     from h3_spark.kernels.stored_linear import StoredLinear
     from h3_spark.measure import stamp

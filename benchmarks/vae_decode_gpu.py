@@ -31,7 +31,7 @@ def measure(vae, z, kernel_set: str, batch: int, args) -> tuple:
     from h3_spark.measure.profile import profile_call
     from h3_spark.h3_model.vae import video as video_vae
     from h3_spark.kernels.settings import KernelSettings
-    from h3_spark.kernels.vae import apply_vae_kernels
+    from h3_spark.h3_model.engine.kernel_plan import apply_vae_kernels
 
     attention, _, fusion = kernel_set.partition(":")
     fused = {"on": "exact", "off": "off"}[fusion or "off"]

@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from h3_spark.h3_model.checkpoint import StoredLinears, linear_format, load_dit, open_dit
 from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
-from h3_spark.kernels.dispatch import BLOCK_LINEARS, apply_kernels
+from h3_spark.h3_model.engine.kernel_plan import apply_kernels
+from h3_spark.kernels.dispatch import BLOCK_LINEARS
 from h3_spark.kernels.linear_fp8 import Fp8Linear
 from h3_spark.kernels.settings import KernelSettings
 from checkpoints import made_files

@@ -46,6 +46,25 @@ def test_load_reports_each_component_and_configures_it_once(builders):
     assert engine.components.vae.tile_batch == engine.options.vae_tile_batch
 
 
+def test_one_jobs_attention_runs_inside_the_switch_and_the_load_time_one_comes_back(builders):
+    from h3_spark.kernels.capability import KernelUnavailable
+
+    engine = _engine(builders).load(["fl2va"])
+    dit = engine.components.dit
+    loaded = (dit.attention, dit.qk_prep)
+    choice = engine.choose_attention("dit", "kj_head_sliced")
+    assert engine.choose_attention("dit", None) is None
+    with pytest.raises(RuntimeError, match="the job failed"):
+        with engine.job_attention("dit", choice) as report:
+            assert dit.attention is choice.backend and report["attention"]["chosen"] == "kj_head_sliced(sdpa)"
+            raise RuntimeError("the job failed")
+    assert (dit.attention, dit.qk_prep) == loaded
+    with engine.job_attention("dit", None) as report:
+        assert dit.attention is loaded[0] and report["attention"] == engine.kernel_reports["dit"]["attention"]
+    with pytest.raises(KernelUnavailable, match="fa3 needs sm_90"):
+        engine.choose_attention("dit", "fa3")
+
+
 def test_only_the_partitions_the_modes_need_are_loaded(builders):
     engine = _engine(builders).load(["fl2va"])
     assert engine.components.dit is not None and engine.components.dit_ref is None

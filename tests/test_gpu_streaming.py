@@ -31,7 +31,7 @@ torch.cuda.synchronize()
 seconds = time.perf_counter() - start
 gpu_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 # FP8 linears from the file's NVFP4 codes: every layer is read again (memory-mapped) and checked.
-from h3_spark.kernels.dispatch import apply_kernels
+from h3_spark.h3_model.engine.kernel_plan import apply_kernels
 from h3_spark.kernels.settings import KernelSettings
 start = time.perf_counter()
 linear = apply_kernels(model, KernelSettings(attention="sdpa", linear="fp8"))["linear"]

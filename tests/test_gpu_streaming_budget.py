@@ -15,7 +15,7 @@ from h3_spark.h3_model.dit.config import FULL
 from h3_spark.h3_model.engine import memory
 from h3_spark.h3_model.engine.placement import place_dit
 from h3_spark.h3_model.pipeline.scheduler import CONDITION_VIDEO_T
-from h3_spark.kernels.dispatch import apply_kernels
+from h3_spark.h3_model.engine.kernel_plan import apply_kernels
 from h3_spark.kernels.settings import KernelSettings
 from h3_spark.measure.synthetic import synthetic_dit
 from oracle import text_tags

@@ -51,7 +51,11 @@ def test_cpu_resolution_sdpa_and_auto():
     assert name == "sdpa" and fn.exact
     fn, name = resolve_attention("auto", "cpu")
     assert name == "sdpa"
-    assert fn.describe() == {"backend": "sdpa", "exact": True, "chosen_by_auto": "cpu (no CUDA GPU): PyTorch SDPA"}
+    refused = {"fa3": "fa3 needs sm_90 (FlashAttention-3 kernels are built for Hopper only); this run is on cpu "
+                      "(no CUDA GPU)",
+               "cudnn_sdpa": "cudnn_sdpa needs sm_80 or newer (cuDNN fused attention); this run is on cpu (no CUDA GPU)"}
+    assert fn.describe() == {"backend": "sdpa", "exact": True, "chosen_by_auto": "cpu (no CUDA GPU): PyTorch SDPA",
+                             "refused_by_auto": refused}
     q, k, v = qkv()
     assert torch.equal(fn(q, k, v), sdpa(q, k, v))
 
@@ -306,3 +310,74 @@ def test_hopper_fa3_fp8_descales(hopper):
     assert fn.describe()["calls_quantizing_qk_here"] == 1
     with pytest.raises(KernelUnavailable, match="fa3_fp8 runs bf16 models"):
         fn(*qkv(s=40, d=32))
+
+
+# ----------------------------------------------------------------------------- the registry and auto's refusals
+def test_names_and_lists_come_from_the_registry():
+    assert att.ATTENTION_BACKENDS == ("auto", *(spec.name for spec in att.SPECS))
+    assert att.EXACT_BACKENDS == ("sdpa", "cudnn_sdpa", "fa3")
+    assert att.AUTO_ORDER == ("fa3", "cudnn_sdpa", "sdpa")
+    assert att.QUANTIZED_HEADS == ("fa3_fp8",)
+    assert att.SOL_FALLBACKS == tuple(n for n in ATTENTION_BACKENDS if n not in ("sol_attn", "kj_head_sliced"))
+    with pytest.raises(SettingsError, match="H3_SOL_FALLBACK='sol_attn' is not accepted; use one of: auto, sdpa"):
+        KernelSettings.from_env({"H3_SOL_FALLBACK": "sol_attn"})
+
+
+def test_auto_says_why_each_faster_backend_was_refused_on_hopper(hopper):
+    hopper.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    fn, name = resolve_attention("auto", "cpu", dtype=torch.bfloat16, head_dim=64)
+    refused = fn.describe()["refused_by_auto"]
+    assert name == "cudnn_sdpa" and list(refused) == ["fa3"]
+    assert refused["fa3"].startswith("FlashAttention-3 is not installed (fa3_fwd_interface: ")
+    assert refused["fa3"].endswith(att.FA3_HOW)
+    report = {"chosen": name, **fn.describe()}
+    assert att.auto_line(report) == ("auto chose cudnn_sdpa (cuDNN attention: no FlashAttention-3 installed); fa3: "
+                                     + refused["fa3"])
+    hopper.setitem(sys.modules, "fa3_fwd_interface", fake_fa3({torch.bfloat16}, []))
+    fn, _ = resolve_attention("auto", "cpu", dtype=torch.float16, head_dim=64)
+    assert fn.describe()["refused_by_auto"] == {
+        "fa3": "this FlashAttention-3 build (fa3_fwd_interface) has no torch.float16 kernel for head size 64; choose "
+               "cudnn_sdpa or sdpa, or auto"}
+    fn, name = resolve_attention("auto", "cpu", dtype=torch.float32, head_dim=64)
+    assert name == "sdpa" and fn.describe()["refused_by_auto"] == {
+        "fa3": "fa3 takes bf16/fp16 heads and this model computes in torch.float32; run it in bf16 or choose sdpa",
+        "cudnn_sdpa": "cudnn_sdpa takes bf16/fp16 heads and this model computes in torch.float32; run it in bf16 or "
+                      "choose sdpa"}
+    fn, name = resolve_attention("auto", "cpu", dtype=torch.bfloat16, head_dim=64)
+    assert name == "fa3" and "refused_by_auto" not in fn.describe()
+
+
+def test_auto_without_cudnn_names_it(hopper):
+    hopper.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    fn, name = resolve_attention("auto", "cpu")
+    assert name == "sdpa" and fn.describe()["chosen_by_auto"] == "no cuDNN installed: PyTorch SDPA"
+    assert fn.describe()["refused_by_auto"]["cudnn_sdpa"] == (
+        "cudnn_sdpa needs cuDNN, which this PyTorch build does not load; install a CUDA build of torch (it bundles "
+        "nvidia-cudnn)")
+
+
+def test_auto_that_finds_nothing_lists_every_refusal(monkeypatch):
+    monkeypatch.setattr(att, "AUTO_ORDER", ("fa3", "cudnn_sdpa"))
+    with pytest.raises(KernelUnavailable, match=r"auto found no exact attention backend: fa3: fa3 needs sm_90 .*; "
+                                                r"cudnn_sdpa: cudnn_sdpa needs sm_80 or newer"):
+        resolve_attention("auto", "cpu")
+
+
+def test_hopper_sol_refuses_other_head_sizes_at_set_up_when_strict(hopper):
+    hopper.setitem(sys.modules, "comfy_kitchen", fake_comfy_kitchen([]))
+    settings = KernelSettings(sol=SolSettings(fallback="sdpa"))
+    with pytest.raises(KernelUnavailable, match=r"sol_attn takes heads of 128 channels and this model's have 64; "
+                                                r"choose sdpa \(or H3_SOL_STRICT=0\)"):
+        resolve_attention("sol_attn", "cpu", settings, dtype=torch.bfloat16, head_dim=64)
+    lax = settings.replace(sol=SolSettings(fallback="sdpa", strict=False))
+    assert resolve_attention("sol_attn", "cpu", lax, dtype=torch.bfloat16, head_dim=64)[1] == "sol_attn"
+    assert resolve_attention("sol_attn", "cpu", settings, dtype=torch.bfloat16, head_dim=128)[1] == "sol_attn"
+
+
+def test_attention_help_names_every_backend_and_whether_it_is_exact():
+    text = att.attention_help()
+    assert text.startswith("auto: the fastest exact backend here")
+    for spec in att.SPECS:
+        assert f"{spec.name}: {spec.summary} (" in text
+    assert "fa3: FlashAttention-3 forward (exact)" in text and "ck_int8: comfy-kitchen INT8" in text
+    assert "kj_head_sliced: another backend (H3_HEAD_SLICE_BACKEND) run over slices of heads (as exact as" in text

@@ -13,7 +13,7 @@ from h3_spark.h3_model.dit.config import TINY
 from h3_spark.h3_model.dit.model import H3DiT
 from h3_spark.kernels.references import RowModulation
 from h3_spark.kernels.capability import KernelUnavailable
-from h3_spark.kernels.dispatch import apply_kernels
+from h3_spark.h3_model.engine.kernel_plan import apply_kernels
 from h3_spark.kernels.settings import KernelSettings, SettingsError
 from oracle import EQUAL_WIDTH, diffusers_dit, forward_args, ours_from, rel_l2, text_tags
 

@@ -206,7 +206,7 @@ def test_fp8_linears_from_stored_fp8_scaled_codes(tmp_path):
         pytest.skip("rowwise FP8 GEMM needs sm_90+")
     from h3_spark.h3_model.checkpoint import load_dit
     from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint
-    from h3_spark.kernels.dispatch import apply_kernels
+    from h3_spark.h3_model.engine.kernel_plan import apply_kernels
     from h3_spark.kernels.linear_fp8 import fp8_linear_reference
     from oracle import EQUAL_WIDTH
 

@@ -36,7 +36,8 @@ from h3_spark.h3_model.dit import layout
 from h3_spark.h3_model.dit.model import H3DiT
 from h3_spark.kernels.references import RowModulation
 from h3_spark.errors import InputError
-from h3_spark.kernels.dispatch import BLOCK_LINEARS, apply_kernels
+from h3_spark.h3_model.engine.kernel_plan import apply_kernels
+from h3_spark.kernels.dispatch import BLOCK_LINEARS
 from h3_spark.kernels.settings import KernelSettings
 from oracle import EQUAL_WIDTH, forward_args, rel_l2, text_tags
 

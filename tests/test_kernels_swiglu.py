@@ -58,7 +58,7 @@ def test_dispatch_follows_the_fused_modulation(mode, expected):
 
     from h3_spark.h3_model.dit.config import TINY
     from h3_spark.h3_model.dit.model import H3DiT
-    from h3_spark.kernels.dispatch import apply_kernels
+    from h3_spark.h3_model.engine.kernel_plan import apply_kernels
     from h3_spark.kernels.settings import KernelSettings
 
     model = H3DiT(TINY)

@@ -17,7 +17,8 @@ from h3_spark.h3_model.vae import video_blocks
 from h3_spark.h3_model.vae import video_config
 from h3_spark.kernels.capability import KernelUnavailable
 from h3_spark.kernels.settings import KernelSettings
-from h3_spark.kernels.vae import apply_vae_kernels, fused_decoder_qk_prep
+from h3_spark.h3_model.engine.kernel_plan import apply_vae_kernels
+from h3_spark.kernels.vae import fused_decoder_qk_prep
 
 pytest.importorskip("triton")
 

@@ -432,15 +432,22 @@ def test_sampler_logs_what_the_kernels_resolved_to(models, monkeypatch, caplog):
     model, te, vae = load_all(models)
     cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
     sampler = node("H3SparkSampler")
+    from h3_spark.nodes import engine
+
     with caplog.at_level(logging.INFO, logger="h3_spark"):
         sampler.sample(model, cond, latent, 5, STEPS, 12.0, 3.0)
         sampler.sample(model, cond, latent, 5, STEPS, 12.0, 3.0)
+        dit = engine.dit_of(model)
+        configured = dit.attention
         patched = node("H3SparkAttentionPatch").patch(model, "auto")[0]
         sampler.sample(patched, cond, latent, 5, STEPS, 12.0, 3.0)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("h3-spark kernels")]
     assert len(lines) == 2, lines  # once per change, not per run
     assert lines[0].startswith("h3-spark kernels: attention sdpa (asked sdpa), linear ") and lines[0].endswith("exact")
     assert "(asked auto)" in lines[1]
+    # auto says why it passed over each faster backend; the run's switch is undone after it.
+    assert "; auto refused fa3: fa3 needs sm_90" in lines[1] and "; cudnn_sdpa: cudnn_sdpa needs sm_80" in lines[1]
+    assert dit.attention is configured
 
 
 def test_attention_patch(models, monkeypatch):

@@ -189,3 +189,38 @@ def test_turbo_gives_the_published_768p_sigma_grid(dit):
     assert len(schedule) == 4
     assert torch.allclose(schedule.video.sigmas, torch.tensor([1, 0.947368, 0.857143, 0.666667, 0]), atol=1e-5)
     assert torch.allclose(schedule.audio.sigmas, torch.tensor([1, 0.9, 0.75, 0.5, 0]), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the registry and the help texts
+def test_every_registered_recipe_is_in_generate_help_with_its_defaults(capsys, monkeypatch):
+    from h3_spark.cli import main
+    from h3_spark.h3_model.engine import recipes
+
+    monkeypatch.setenv("COLUMNS", "4000")  # argparse wraps at hyphens too: one line keeps each name whole
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert set(recipes.NAMES) == {"sparse", "first-block-cache", "turbo", "fasth3", "fasth3-8step", "sol-engine"}
+    for name, spec in recipes.REGISTRY.items():
+        assert f"{name}{'[:' if spec.parameters else ':'}" in text and spec.help in text, name
+    assert "fasth3[:sparsity=0.9,tile=64]: FastH3 Preview's" in text
+    assert "sol-engine: sparse and first-block-cache" in text
+
+
+def test_the_sampler_node_lists_the_registered_recipes():
+    from h3_spark.h3_model.engine import recipes
+    from h3_spark.nodes.definitions import NODE_CLASS_MAPPINGS
+
+    tooltip = NODE_CLASS_MAPPINGS["H3SparkSampler"].INPUT_TYPES()["optional"]["recipe"][1]["tooltip"]
+    assert recipes.recipes_help() in tooltip and "fasth3-8step[:sparsity=0.8,tile=64]" in tooltip
+
+
+def test_registry_exclusions_name_what_both_recipes_set():
+    from h3_spark.h3_model.engine.recipes import parse_recipes
+
+    with pytest.raises(InputError, match="recipes fasth3-8step and turbo both set the sampling grid: choose one"):
+        parse_recipes(["fasth3-8step", "turbo"])
+    with pytest.raises(InputError, match="recipes fasth3 and fasth3-8step both set the sampling grid and the attention"):
+        parse_recipes(["fasth3-8step", "fasth3"])
+    with pytest.raises(InputError, match="recipes fasth3 and sparse both set the attention"):
+        parse_recipes(["sol-engine", "fasth3"])

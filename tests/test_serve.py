@@ -293,6 +293,23 @@ def test_generate_poll_done_with_a_per_request_attention_switch(serve, resident,
     assert again.status_code == 409 and "overwrite" in again.json()["error"]
 
 
+def test_a_jobs_attention_is_resolved_once_when_it_is_accepted(serve, resident, monkeypatch):
+    from h3_spark.h3_model.engine import engine as engine_module
+
+    chosen = []
+    original = engine_module.choose_attention
+    monkeypatch.setattr(engine_module, "choose_attention",
+                        lambda dit, name, settings, device: chosen.append(name) or original(dit, name, settings, device))
+    client = serve()
+    r = client.post("/generate", json=request("once.mp4", attention="kj_head_sliced"))
+    assert r.status_code == 202, r.text
+    job = wait_job(client, r.json()["id"])
+    assert job["state"] == "done", job["error"]
+    assert chosen == ["kj_head_sliced"] and job["backends"]["attention"]["chosen"] == "kj_head_sliced(sdpa)"
+    refused = client.post("/generate", json=request("fp8.mp4", attention="fa3"))
+    assert refused.status_code == 400 and "attention 'fa3' cannot run here: fa3 needs sm_90" in refused.json()["error"]
+
+
 def test_a_job_with_recipes_runs_them_and_says_so(serve):
     client = serve()
     body = {k: v for k, v in request("turbo.mp4").items() if k != "steps"}  # turbo sets them
@@ -958,3 +975,17 @@ def test_slow_bodies_time_out_and_a_client_gone_is_one_line(model_dir, resident,
         answer = sock.recv(4096).decode()
         sock.close()
         assert answer.startswith("HTTP/1.1 400") and answer.endswith("Invalid HTTP request received."), answer[:80]
+
+
+def test_the_service_logs_what_auto_chose_and_why_it_refused_the_faster_backends(resident, tmp_path):
+    logs = []
+    service = Service(ServiceConfig(output_dir=tmp_path), lambda tracker: resident, log=logs.append)
+    service.start()
+    assert service.wait_loaded(60)
+    service.stop()
+    assert resident.kernel_reports["dit"]["attention"]["requested"] == "auto"
+    line = next(m for m in logs if m.startswith("dit: attention auto chose "))
+    assert line == ("dit: attention auto chose sdpa (cpu (no CUDA GPU): PyTorch SDPA); fa3: fa3 needs sm_90 "
+                    "(FlashAttention-3 kernels are built for Hopper only); this run is on cpu (no CUDA GPU); "
+                    "cudnn_sdpa: cudnn_sdpa needs sm_80 or newer (cuDNN fused attention); this run is on cpu "
+                    "(no CUDA GPU)")

@@ -424,6 +424,9 @@ def test_recipes_are_parsed_and_shown_in_the_record():
     req = parse_request({"prompt": "p", "output": "a.mp4", "recipes": ["turbo:evaluations=4", "first-block-cache"]},
                         LIMITS)
     assert [r.name for r in req.recipes] == ["turbo", "first-block-cache"] and req.steps == 5
+    # A FastH3 grid sets the evaluations too: the record shows the ones the job runs.
+    assert parse_request({"prompt": "p", "output": "a.mp4", "recipes": ["fasth3-8step"]}, LIMITS).steps == 9
+    assert parse_request({"prompt": "p", "output": "a.mp4", "recipes": ["fasth3"]}, LIMITS).steps == 5
     assert req.public()["recipes"][0] == {"name": "turbo", "evaluations": 4, "video_shift": 6.0, "audio_shift": 3.0}
 
 

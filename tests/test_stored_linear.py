@@ -217,7 +217,7 @@ def fp8_files(tmp_path_factory):
 def test_gpu_fp8_linears_from_stored_codes(fp8_files, fmt):
     """H3_LINEAR=fp8 on a stored model starts from the StoredLinear's own codes: an fp8_scaled file's e4m3 codes are
     kept as they are; the FP8 weight matches the one made from the same file loaded dequantized."""
-    from h3_spark.kernels.dispatch import apply_kernels
+    from h3_spark.h3_model.engine.kernel_plan import apply_kernels
     from h3_spark.kernels.settings import KernelSettings
 
     settings = KernelSettings(linear="fp8")

@@ -392,7 +392,7 @@ def run(args) -> int:
         args.plan_rows = _contract_rows(args, contract)  # the budget plans for this contract's length
     model, engine, weights = load_model(args, contract, device, dtype)
     loaded = runner.loaded_facts(engine.load_seconds)
-    from ..kernels.dispatch import apply_kernels
+    from ..h3_model.engine.kernel_plan import apply_kernels
 
     twin = None
     if args.vs == "diffusers":
@@ -417,7 +417,7 @@ def run(args) -> int:
                         profile=args.profile)
     if renders:
         from ..kernels.settings import vae_tile_batch
-        from ..kernels.vae import apply_vae_kernels
+        from ..h3_model.engine.kernel_plan import apply_vae_kernels
 
         if args.budget is not None:  # configured on the device at load; now it waits in host memory
             result["vae_kernels"] = engine.kernel_reports.get("vae")

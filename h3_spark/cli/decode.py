@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from ..h3_model.vae import loading as vae_loading
     from ..h3_model.vae import video_config
     from ..kernels.settings import KernelSettings, vae_tile_batch
-    from ..kernels.vae import apply_vae_kernels
+    from ..h3_model.engine.kernel_plan import apply_vae_kernels
 
     settings = resolve_settings(args)
     tile_batch = vae_tile_batch()

@@ -63,10 +63,11 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                    help="write a small strip of the clip as it forms (false-colour latent view, 4 frames) to "
                         "DIR/step-NNN.png every --preview-every steps")
     p.add_argument("--preview-every", type=int, default=5, metavar="N")
+    from ..h3_model.engine.recipes import recipes_help
+
     p.add_argument("--recipe", action="append", default=[], metavar="NAME[:key=value,...]",
-                   help="an opt-in speed recipe (approximate), repeatable: sparse (tau, dense_steps, dense_blocks), "
-                        "first-block-cache (threshold, start, end), turbo (evaluations, video_shift, audio_shift; "
-                        "pass the Turbo LoRA with --lora), sol-engine (sparse + first-block-cache)")
+                   help="an opt-in speed recipe (approximate), repeatable (a Turbo LoRA with --lora): "
+                        + recipes_help())
     add_parallel_flags(p)
     add_compose_flags(p)
     p.add_argument("--demo", action="store_true",

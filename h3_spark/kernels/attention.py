@@ -1,10 +1,12 @@
 """Attention backends. Each takes q, k, v as (batch, seq, heads, head_dim) and returns the same shape.
 
 `sdpa` is the plain-PyTorch reference every other backend is compared against; `math_reference` is the
-fp32 formula the tests use. `resolve_attention(name, device, settings)` turns an H3_ATTENTION name into
-a callable and the name of what will really run (`auto` picks the fastest exact backend here). A
-backend that cannot run raises KernelUnavailable (an H3Error) at resolve time, naming what is missing
-and how to get it; nothing falls back silently.
+fp32 formula the tests use. Every backend is declared once in `SPECS` (its limits, what it needs and
+its constructor); the names the settings accept, the exact ones, auto's order and the Q/K preparation
+each takes derive from it. `resolve_attention(name, device, settings)` turns an H3_ATTENTION name into
+a callable and the name of what will really run (`auto` picks the fastest exact backend here and says
+why it refused each faster one). A backend that cannot run raises KernelUnavailable (an H3Error) at
+resolve time, naming what is missing and how to get it; nothing falls back silently.
 
 Backends (H200 figures at H3's S = 20,480; docs/perf-notes.md has the measurements):
 - sdpa: PyTorch's default SDPA dispatch (exact).
@@ -26,19 +28,17 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .capability import (HOPPER, KernelUnavailable, as_device, capability, describe_device, package_version,
-                         require_cuda, require_module, version_tuple)
+from .capability import (HOPPER, KernelUnavailable, NotInstalled, SettingsError, as_device, capability,
+                         describe_device, package_version, require_cuda, require_module, version_tuple)
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-# Backends whose output is the exact attention (up to the kernel's own bf16/fp32 rounding).
-EXACT_BACKENDS = ("sdpa", "cudnn_sdpa", "fa3")
-
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Full bidirectional attention, no mask, PyTorch's default SDPA dispatch."""
@@ -83,10 +83,17 @@ class Backend:
     def __call__(self, q, k, v):  # pragma: no cover - every subclass overrides
         raise NotImplementedError
 
+    @property
+    def runs(self) -> str:
+        """What runs, as a report names it (a wrapper names what it wraps)."""
+        return self.name
+
     def describe(self) -> dict:
         d = {"backend": self.name, "exact": self.exact}
         if getattr(self, "auto_reason", None):
             d["chosen_by_auto"] = self.auto_reason
+        if getattr(self, "auto_refused", None):
+            d["refused_by_auto"] = dict(self.auto_refused)
         return d
 
 
@@ -132,7 +139,7 @@ def fa3_module():
     if broken:
         raise FA3ImportFailed(f"FlashAttention-3 is installed but failed to import ({'; '.join(broken)}); reinstall "
                               f"or rebuild it for this torch and CUDA ({FA3_HOW})")
-    raise KernelUnavailable(f"FlashAttention-3 is not installed ({'; '.join(missing)}); {FA3_HOW}")
+    raise NotInstalled(f"FlashAttention-3 is not installed ({'; '.join(missing)}); {FA3_HOW}")
 
 
 # (FA3 module, dtype, head size, device) -> whether that build has the kernel (FA3Backend.supports).
@@ -249,21 +256,22 @@ class SageBackend(Backend):
         return {**super().describe(), "sageattention": self.version}
 
 
-def _resolve_sage(name: str, device) -> Backend:
-    cap = require_cuda(name, device, minimum=(8, 0), why="SageAttention's CUDA kernels")
-    module = require_module(name, "sageattention", SAGE_HOW)
+def _load_sage(spec: "BackendSpec", device):
+    """sageattention >= 2 with the kernels this GPU needs (`sage2` picks its kernel by GPU generation)."""
+    cap = capability(device)
+    module = require_module(spec.name, "sageattention", spec.install)
     version = package_version("sageattention") or getattr(module, "__version__", None)
     if version is None or version_tuple(version) < (2,):
-        raise KernelUnavailable(f"{name} needs sageattention >= 2, found {version or 'an unknown version'}; "
+        raise KernelUnavailable(f"{spec.name} needs sageattention >= 2, found {version or 'an unknown version'}; "
                                 f"{SAGE_HOW}")
     core = getattr(module, "core", None)
     needed = ("SM90_ENABLED" if cap == HOPPER else "SM89_ENABLED" if cap == (8, 9) else "SM80_ENABLED") \
-        if name == "sage2" else "SM80_ENABLED"
+        if spec.name == "sage2" else "SM80_ENABLED"
     if core is not None and getattr(core, needed, True) is False:
-        raise KernelUnavailable(f"{name}: the installed sageattention {version} was built without the "
+        raise KernelUnavailable(f"{spec.name}: the installed sageattention {version} was built without the "
                                 f"{needed[:4].lower()} kernels this GPU ({describe_device(device)}) needs; "
                                 f"rebuild it on this machine")
-    return SageBackend(name, module, version)
+    return module, version
 
 
 # ------------------------------------------------------------------------------------------ comfy-kitchen
@@ -283,6 +291,20 @@ class CKInt8Backend(Backend):
 
     def describe(self) -> dict:
         return {**super().describe(), "comfy_kitchen": package_version("comfy-kitchen")}
+
+
+@dataclass(frozen=True)
+class SolSettings:
+    """comfy-kitchen Sol-Attn (sparse attention) knobs; see kernels/README.md for their meaning."""
+
+    tau: float = 1.3
+    min_tokens: int = 4096
+    thresh_type: str = "diag"
+    topk_ratio: float = 0.1
+    int8_qk: str = "auto"
+    int8_pv: str = "auto"
+    fallback: str = "sage2"
+    strict: bool = True
 
 
 class SolBackend(Backend):
@@ -324,12 +346,17 @@ class SolBackend(Backend):
                 "unsupported_calls_on_fallback": self.unsupported_calls}
 
 
-def _resolve_sol(device, settings, dtype: torch.dtype | None = None, head_dim: int | None = None) -> Backend:
-    require_cuda("sol_attn", device, minimum=(8, 0), why="comfy-kitchen's Sol-Attn CUDA kernels")
-    ck = require_module("sol_attn", "comfy_kitchen", CK_HOW)
-    if not ck.sol_attn_is_available(as_device(device)):
-        raise KernelUnavailable(f"sol_attn: comfy-kitchen {package_version('comfy-kitchen')} reports its Sol-Attn "
-                                f"kernels unavailable on {describe_device(device)} (CUDA extension not loaded?)")
+def _load_comfy_kitchen(spec: "BackendSpec", device):
+    ck = require_module(spec.name, "comfy_kitchen", spec.install)
+    probe, kernels = {"sol_attn": ("sol_attn_is_available", "its Sol-Attn kernels"),
+                      "ck_int8": ("int8_attention_is_available", "int8_attention")}[spec.name]
+    if not getattr(ck, probe)(as_device(device)):
+        raise KernelUnavailable(f"{spec.name}: comfy-kitchen {package_version('comfy-kitchen')} reports {kernels} "
+                                f"unavailable on {describe_device(device)} (CUDA extension not loaded?)")
+    return ck
+
+
+def _build_sol(ck, device, settings, dtype, head_dim) -> Backend:
     sol = settings.sol
     params = inspect.signature(ck.sol_attn).parameters
     extra = {}
@@ -344,15 +371,6 @@ def _resolve_sol(device, settings, dtype: torch.dtype | None = None, head_dim: i
     # Short calls (and, without strict, unsupported heads) run here: it must take the model's heads too.
     fallback, _ = resolve_attention(sol.fallback, device, settings, dtype=dtype, head_dim=head_dim)
     return SolBackend(ck, sol, fallback, extra)
-
-
-def _resolve_ck_int8(device) -> Backend:
-    require_cuda("ck_int8", device, minimum=(7, 5), why="comfy-kitchen's INT8 attention kernel")
-    ck = require_module("ck_int8", "comfy_kitchen", CK_HOW)
-    if not ck.int8_attention_is_available(as_device(device)):
-        raise KernelUnavailable(f"ck_int8: comfy-kitchen {package_version('comfy-kitchen')} reports int8_attention "
-                                f"unavailable on {describe_device(device)} (CUDA extension not loaded?)")
-    return CKInt8Backend(ck)
 
 
 # ------------------------------------------------------------------------------------------ head slicing
@@ -374,6 +392,10 @@ class HeadSlicedBackend(Backend):
             out[:, :, start:end] = part
         return out
 
+    @property
+    def runs(self) -> str:
+        return f"kj_head_sliced({self.inner.runs})"
+
     def describe(self) -> dict:
         return {**super().describe(), "heads_per_slice": self.size, "inner": self.inner.describe()}
 
@@ -384,48 +406,221 @@ def _heads(x, start: int, end: int):
     return x.slice_heads(start, end)
 
 
-# ------------------------------------------------------------------------------------------ resolution
+# ------------------------------------------------------------------------------------------ the registry
 HALF = (torch.bfloat16, torch.float16)
 
 
-def auto_choice(device, dtype: torch.dtype | None = None, head_dim: int | None = None) -> tuple[str, str]:
-    """The fastest exact backend on `device` that has kernels for `dtype` heads of `head_dim` (when given),
-    and why. FlashAttention-3 and cuDNN attention take bf16/fp16 only, and a FlashAttention-3 build may
-    ship a subset of those (the fa3-fwd wheel has no fp16 kernels): it is asked with one tiny call."""
-    cap = capability(device)
-    if cap is None:
-        return "sdpa", f"{describe_device(device)}: PyTorch SDPA"
-    if dtype is not None and dtype not in HALF:
-        return "sdpa", f"{dtype} heads: PyTorch SDPA (FlashAttention-3 and cuDNN attention take bf16/fp16)"
-    why_not_fa3 = "no FlashAttention-3 installed"
-    if cap == HOPPER:
-        try:
-            module = fa3_module()
-            if dtype is None or FA3Backend(module).supports(dtype, head_dim or 128, device):
-                return "fa3", f"Hopper GPU with FlashAttention-3 ({module.__name__}): the fastest exact kernel measured"
-            why_not_fa3 = f"this FlashAttention-3 build has no {dtype} kernel for head size {head_dim or 128}"
-        except FA3ImportFailed as exc:
-            why_not_fa3 = str(exc)
-        except KernelUnavailable:
-            pass
-    if cap >= (8, 0) and torch.backends.cudnn.is_available():
-        why = why_not_fa3 if cap == HOPPER else f"sm_{cap[0]}{cap[1]} (FlashAttention-3 is Hopper only)"
-        return "cudnn_sdpa", f"cuDNN attention: {why}"
-    return "sdpa", f"{describe_device(device)}: no cuDNN attention, PyTorch SDPA"
+@dataclass(frozen=True)
+class BackendSpec:
+    """One H3_ATTENTION backend, declared once: what it computes, where it runs, what it needs, how it is built.
+
+    `gpu`: the lowest and highest compute capability it has kernels for: one generation (both the same) or
+    every one from the lowest (highest None); None: any device, the CPU too.
+    `dtypes` / `head_dims`: the heads it takes (empty: any); a FlashAttention-3 build may ship fewer, which
+    `kernel_gap` asks the loaded build. `load(spec, device)` imports what it needs (KernelUnavailable naming
+    it and `install` when it cannot); `build(loaded, device, settings, dtype, head_dim)` makes the callable.
+    `qk_heads`: what the fused Q/K preparation hands it: "plain" bf16 heads, "rotated" bf16 heads rotated for
+    its own quantizer (Sage smooths and quantizes itself), "fp8" heads quantized per (batch, head).
+    `auto_rank`: its place in `auto`'s order, fastest first (None: auto never picks it, being approximate).
+    """
+
+    name: str
+    exact: bool | None  # None: as exact as the backend it runs (kj_head_sliced)
+    summary: str
+    build: Callable
+    load: Callable | None = None
+    gpu: tuple[tuple[int, int], tuple[int, int] | None] | None = None
+    gpu_why: str = ""
+    dtypes: tuple[torch.dtype, ...] = ()
+    head_dims: tuple[int, ...] = ()
+    needs: str = ""
+    install: str = ""
+    qk_heads: str = "plain"
+    auto_rank: int | None = None
+    kernel_gap: Callable | None = None  # (loaded backend, dtype, head_dim, device) -> None or what is missing
+    strict: Callable = lambda settings: True  # whether heads outside its limits are refused (else routed on)
+    dtype_hint: str = ""
+    chosen_why: Callable | None = None  # (backend, why the next faster one was refused) -> why auto chose it
 
 
-def _check_dtype(backend: "Backend", name: str, device, dtype: torch.dtype | None, head_dim: int | None) -> None:
-    """Fail at set-up, not at the first forward, when a requested backend has no kernel for the model's heads."""
-    if dtype is None or name not in ("cudnn_sdpa", "fa3", "fa3_fp8"):
+def _load_cudnn(spec: "BackendSpec", device):
+    if not torch.backends.cudnn.is_available():
+        raise NotInstalled(f"cudnn_sdpa needs cuDNN, which this PyTorch build does not load; install {spec.install}")
+
+
+def _load_fa3(spec: "BackendSpec", device):
+    return fa3_module()
+
+
+def _build_fa3_fp8(module, device, settings, dtype, head_dim) -> Backend:
+    from ._triton import triton
+
+    return FA3FP8Backend(module, use_triton=triton is not None)
+
+
+def _fa3_gap(backend: FA3Backend, dtype: torch.dtype, head_dim: int | None, device) -> str | None:
+    if backend.supports(dtype, head_dim or 128, device):
+        return None
+    return f"this FlashAttention-3 build has no {dtype} kernel for head size {head_dim or 128}"
+
+
+def _build_head_sliced(loaded, device, settings, dtype, head_dim) -> Backend:
+    inner, _ = resolve_attention(settings.head_slice_backend, device, settings, dtype=dtype, head_dim=head_dim)
+    return HeadSlicedBackend(inner, settings.head_slice_size)
+
+
+SPECS: tuple[BackendSpec, ...] = (
+    BackendSpec("sdpa", True, "PyTorch's default SDPA dispatch", auto_rank=3,
+                chosen_why=lambda backend, faster: f"{faster}: PyTorch SDPA",
+                build=lambda loaded, *_: FunctionBackend("sdpa", sdpa, True)),
+    BackendSpec("cudnn_sdpa", True, "SDPA forced onto cuDNN attention, no fallback", auto_rank=2,
+                chosen_why=lambda backend, faster: f"cuDNN attention: {faster}",
+                gpu=((8, 0), None), gpu_why="cuDNN fused attention", dtypes=HALF, needs="cuDNN",
+                install="a CUDA build of torch (it bundles nvidia-cudnn)", load=_load_cudnn,
+                build=lambda loaded, *_: FunctionBackend("cudnn_sdpa", cudnn_sdpa, True)),
+    BackendSpec("fa3", True, "FlashAttention-3 forward", auto_rank=1, gpu=(HOPPER, HOPPER),
+                gpu_why="FlashAttention-3 kernels are built for Hopper only", dtypes=HALF, needs="FlashAttention-3",
+                install=FA3_HOW, load=_load_fa3, build=lambda module, *_: FA3Backend(module), kernel_gap=_fa3_gap,
+                chosen_why=lambda backend, faster: f"Hopper GPU with FlashAttention-3 ({backend.module.__name__}): "
+                                                   "the fastest exact kernel measured"),
+    BackendSpec("fa3_fp8", False, "FlashAttention-3 on FP8 e4m3 Q/K/V, one descale per (batch, head)",
+                gpu=(HOPPER, HOPPER), gpu_why="FlashAttention-3 kernels are built for Hopper only",
+                dtypes=(torch.bfloat16,), needs="FlashAttention-3", install=FA3_HOW, qk_heads="fp8",
+                load=_load_fa3, build=_build_fa3_fp8),
+    *(BackendSpec(name, False, summary, gpu=((8, 0), None), gpu_why="SageAttention's CUDA kernels", dtypes=HALF,
+                  needs="sageattention >= 2", install=SAGE_HOW, qk_heads="rotated", load=_load_sage,
+                  build=lambda loaded, *_, name=name: SageBackend(name, *loaded))
+      for name, summary in (("sage2", "SageAttention 2: INT8 QK, FP8 PV"),
+                            ("sage2-quality", "SageAttention 2: per-thread INT8 QK, FP16 PV, FP32 accumulation"))),
+    BackendSpec("ck_int8", False, "comfy-kitchen INT8 Q/K/V attention with its own Hadamard", gpu=((7, 5), None),
+                gpu_why="comfy-kitchen's INT8 attention kernel", dtypes=HALF, needs="comfy-kitchen", install=CK_HOW,
+                load=_load_comfy_kitchen, build=lambda ck, *_: CKInt8Backend(ck)),
+    BackendSpec("sol_attn", False, "comfy-kitchen Sol-Attn sparse attention (H3_SOL_*)", gpu=((8, 0), None),
+                gpu_why="comfy-kitchen's Sol-Attn CUDA kernels", dtypes=HALF, head_dims=(128,),
+                needs="comfy-kitchen", install=CK_HOW, load=_load_comfy_kitchen, build=_build_sol,
+                strict=lambda settings: settings.sol.strict, dtype_hint=" (or H3_SOL_STRICT=0)"),
+    BackendSpec("kj_head_sliced", None, "another backend (H3_HEAD_SLICE_BACKEND) run over slices of heads",
+                build=_build_head_sliced),
+)
+REGISTRY: dict[str, BackendSpec] = {spec.name: spec for spec in SPECS}
+
+ATTENTION_BACKENDS = ("auto", *REGISTRY)
+# Backends whose output is the exact attention (up to the kernel's own bf16/fp32 rounding).
+EXACT_BACKENDS = tuple(spec.name for spec in SPECS if spec.exact)
+# What auto tries, fastest first.
+AUTO_ORDER = tuple(s.name for s in sorted((s for s in SPECS if s.auto_rank is not None), key=lambda s: s.auto_rank))
+# Backends that wrap another take a plain one; Sol-Attn's fallback also runs its short sequences.
+HEAD_SLICE_INNER = tuple(b for b in ATTENTION_BACKENDS if b != "kj_head_sliced")
+SOL_FALLBACKS = tuple(b for b in HEAD_SLICE_INNER if b != "sol_attn")
+# Backends whose fused Q/K preparation writes FP8 heads (no other kernel reads them).
+QUANTIZED_HEADS = tuple(spec.name for spec in SPECS if spec.qk_heads == "fp8")
+HEAD_SLICE_BACKEND, HEAD_SLICE_SIZE = "auto", 8
+# resolve_attention without settings: the defaults of the knobs the backends read (KernelSettings' own).
+_DEFAULTS = SimpleNamespace(sol=SolSettings(), head_slice_backend=HEAD_SLICE_BACKEND, head_slice_size=HEAD_SLICE_SIZE)
+
+
+def attention_help() -> str:
+    """Every backend name with what it is, exact or approximate, for a front door's help text."""
+    def entry(spec: BackendSpec) -> str:
+        exact = {True: "exact", False: "approximate", None: "as exact as the backend it runs"}[spec.exact]
+        return f"{spec.name}: {spec.summary} ({exact})"
+
+    return "; ".join(["auto: the fastest exact backend here, saying why it passed over faster ones",
+                      *map(entry, SPECS)])
+
+
+def backend_spec(name: str) -> BackendSpec:
+    """The registered backend `name`, or SettingsError listing the names."""
+    if name not in REGISTRY:
+        raise SettingsError(f"unknown attention backend {name!r}; use one of: {', '.join(ATTENTION_BACKENDS)}")
+    return REGISTRY[name]
+
+
+def _refused(exc: KernelUnavailable, reason: str | None = None) -> KernelUnavailable:
+    """`exc` with the short form of why it rules its backend out, for auto's report (the message stays whole)."""
+    exc.reason = reason or str(exc)
+    return exc
+
+
+def _check_gpu(spec: BackendSpec, device) -> None:
+    if spec.gpu is None:
         return
-    if dtype not in HALF:
-        raise KernelUnavailable(f"{name} takes bf16/fp16 heads and this model computes in {dtype}; run it in bf16 "
-                                f"or choose sdpa")
-    if name == "fa3_fp8" and dtype != torch.bfloat16:
-        raise KernelUnavailable(f"fa3_fp8 runs bf16 models; this one computes in {dtype}")
-    if name == "fa3" and not backend.supports(dtype, head_dim or 128, device):
-        raise KernelUnavailable(f"this FlashAttention-3 build ({backend.module.__name__}) has no {dtype} kernel for "
-                                f"head size {head_dim or 128}; choose cudnn_sdpa or sdpa, or auto")
+    low, high = spec.gpu
+    try:
+        require_cuda(spec.name, device, **({"exactly": low} if low == high else {"minimum": low}), why=spec.gpu_why)
+    except KernelUnavailable as exc:
+        raise _refused(exc, describe_device(device) if capability(device) is None else None)
+
+
+def _load(spec: BackendSpec, device):
+    if spec.load is None:
+        return None
+    try:
+        return spec.load(spec, device)
+    except KernelUnavailable as exc:
+        raise _refused(exc, f"no {spec.needs} installed" if isinstance(exc, NotInstalled) else None)
+
+
+def _check_heads(spec: BackendSpec, settings, dtype, head_dim) -> None:
+    """The model's heads against the declared limits."""
+    if dtype is None or not spec.strict(settings):
+        return
+    if spec.dtypes and dtype not in HALF and set(spec.dtypes) <= set(HALF):
+        raise _refused(KernelUnavailable(f"{spec.name} takes bf16/fp16 heads and this model computes in {dtype}; run "
+                                         f"it in bf16 or choose sdpa{spec.dtype_hint}"), f"{dtype} heads")
+    if spec.dtypes and dtype not in spec.dtypes:
+        raise _refused(KernelUnavailable(f"{spec.name} runs bf16 models; this one computes in {dtype}"),
+                       f"{dtype} heads")
+    if spec.head_dims and head_dim is not None and head_dim not in spec.head_dims:
+        raise _refused(KernelUnavailable(f"{spec.name} takes heads of {' or '.join(map(str, spec.head_dims))} "
+                                         f"channels and this model's have {head_dim}; choose sdpa{spec.dtype_hint}"),
+                       f"heads of {head_dim} channels")
+
+
+def _check_build(spec: BackendSpec, backend: Backend, device, dtype, head_dim) -> None:
+    """The model's heads against what the installed build has kernels for (a wheel may ship a subset)."""
+    gap = spec.kernel_gap(backend, dtype, head_dim, device) if spec.kernel_gap and dtype is not None else None
+    if gap is not None:
+        detail = gap.replace("build", f"build ({backend.module.__name__})", 1)
+        raise _refused(KernelUnavailable(f"{detail}; choose cudnn_sdpa or sdpa, or auto"), gap)
+
+
+def _resolve_spec(spec: BackendSpec, device, settings, dtype, head_dim) -> Backend:
+    """Every check in the order a user can act on: the GPU, the model's heads, the install, the installed build."""
+    _check_gpu(spec, device)
+    _check_heads(spec, settings, dtype, head_dim)
+    backend = spec.build(_load(spec, device), device, settings, dtype, head_dim)
+    _check_build(spec, backend, device, dtype, head_dim)
+    return backend
+
+
+def auto_choice(device, dtype: torch.dtype | None = None, head_dim: int | None = None,
+                settings=None) -> tuple[Backend, str, dict[str, str]]:
+    """The fastest exact backend on `device` with kernels for `dtype` heads of `head_dim` (when given), resolved;
+    why it was chosen; and for each faster one why it was refused (a FlashAttention-3 build may ship a subset
+    of its dtypes: the fa3-fwd wheel has no fp16 kernels, which one tiny call finds out)."""
+    device = as_device(device)
+    settings = settings or _DEFAULTS
+    refused: dict[str, KernelUnavailable] = {}
+    for name in AUTO_ORDER:
+        spec = REGISTRY[name]
+        try:
+            backend = _resolve_spec(spec, device, settings, dtype, head_dim)
+        except KernelUnavailable as exc:
+            if name == AUTO_ORDER[-1]:  # the last resort refused too: say why every candidate was
+                refused[name] = exc
+                raise KernelUnavailable("auto found no exact attention backend: "
+                                        + "; ".join(f"{n}: {e}" for n, e in refused.items())) from None
+            refused[name] = exc
+            continue
+        faster = getattr(list(refused.values())[-1], "reason", None) if refused else None
+        return backend, spec.chosen_why(backend, faster), {n: str(e) for n, e in refused.items()}
+
+
+def auto_line(attention: dict) -> str:
+    """A report's attention entry as one line: what auto chose and why, and why each faster backend was refused."""
+    line = f"auto chose {attention.get('chosen')} ({attention.get('chosen_by_auto')})"
+    return "; ".join([line, *(f"{n}: {why}" for n, why in attention.get("refused_by_auto", {}).items())])
 
 
 def resolve_attention(name: str, device, settings=None, *, dtype: torch.dtype | None = None,
@@ -434,54 +629,16 @@ def resolve_attention(name: str, device, settings=None, *, dtype: torch.dtype | 
 
     Raises KernelUnavailable when the backend cannot run here, or, with `dtype` (and `head_dim`) of the
     model's heads, cannot run them. `auto` resolves to an exact backend and the returned name says which;
-    the callable's `describe()` adds why.
+    the callable's `describe()` adds why, and why each faster backend was refused.
     """
-    from .settings import ATTENTION_BACKENDS, KernelSettings, SettingsError
-
-    settings = settings or KernelSettings()
-    if name not in ATTENTION_BACKENDS:
-        raise SettingsError(f"unknown attention backend {name!r}; use one of: {', '.join(ATTENTION_BACKENDS)}")
+    spec = REGISTRY.get(name) if name != "auto" else None
+    if spec is None and name != "auto":
+        backend_spec(name)  # raises, naming the backends
+    settings = settings or _DEFAULTS
     device = as_device(device)
     if name == "auto":
-        chosen, why = auto_choice(device, dtype, head_dim)
-        backend, _ = resolve_attention(chosen, device, settings)
-        backend.auto_reason = why
-        return backend, chosen
-    if name == "sdpa":
-        return FunctionBackend("sdpa", sdpa, True), name
-    if name == "cudnn_sdpa":
-        require_cuda("cudnn_sdpa", device, minimum=(8, 0), why="cuDNN fused attention")
-        if not torch.backends.cudnn.is_available():
-            raise KernelUnavailable("cudnn_sdpa needs cuDNN, which this PyTorch build does not load; install a CUDA "
-                                    "build of torch (it bundles nvidia-cudnn)")
-        backend = FunctionBackend("cudnn_sdpa", cudnn_sdpa, True)
-        _check_dtype(backend, name, device, dtype, head_dim)
-        return backend, name
-    if name in ("fa3", "fa3_fp8"):
-        require_cuda(name, device, exactly=HOPPER, why="FlashAttention-3 kernels are built for Hopper only")
-        module = fa3_module()
-        if name == "fa3":
-            backend = FA3Backend(module)
-        else:
-            from ._triton import triton
-
-            backend = FA3FP8Backend(module, use_triton=triton is not None)
-        _check_dtype(backend, name, device, dtype, head_dim)
-        return backend, name
-    if name in ("sage2", "sage2-quality"):
-        backend = _resolve_sage(name, device)
-    elif name == "ck_int8":
-        backend = _resolve_ck_int8(device)
-    elif name == "sol_attn":
-        backend = _resolve_sol(device, settings, dtype, head_dim)
-    if name in ("sage2", "sage2-quality", "ck_int8", "sol_attn"):
-        # Their kernels take half-precision heads (ck_int8 would hand an fp32 model bf16 back); sol_attn
-        # without strict routes other heads to its fallback, resolved above for the same heads.
-        if dtype is not None and dtype not in HALF and (name != "sol_attn" or settings.sol.strict):
-            raise KernelUnavailable(f"{name} takes bf16/fp16 heads and this model computes in {dtype}; run it in "
-                                    "bf16 or choose sdpa" + (" (or H3_SOL_STRICT=0)" if name == "sol_attn" else ""))
-        return backend, name
-    # kj_head_sliced
-    inner, inner_name = resolve_attention(settings.head_slice_backend, device, settings, dtype=dtype,
-                                          head_dim=head_dim)
-    return HeadSlicedBackend(inner, settings.head_slice_size), f"kj_head_sliced({inner_name})"
+        backend, why, refused = auto_choice(device, dtype, head_dim, settings)
+        backend.auto_reason, backend.auto_refused = why, refused
+        return backend, backend.runs
+    backend = _resolve_spec(spec, device, settings, dtype, head_dim)
+    return backend, backend.runs

@@ -23,6 +23,14 @@ class KernelUnavailable(H3Error):
     """A requested backend or format cannot run on this machine."""
 
 
+class NotInstalled(KernelUnavailable):
+    """What a backend or format needs is not installed (as opposed to installed and unable to run here)."""
+
+
+class SettingsError(H3Error):
+    """An H3_* kernel variable holds a value we do not accept."""
+
+
 def as_device(device) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device(device if device is not None else "cpu")
 
@@ -73,7 +81,7 @@ def require_module(what: str, module: str, how: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise KernelUnavailable(f"{what} needs the Python module `{module}`, which is not importable here "
+        raise NotInstalled(f"{what} needs the Python module `{module}`, which is not importable here "
                                 f"({exc.__class__.__name__}: {exc}); {how}") from None
 
 

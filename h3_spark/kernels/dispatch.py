@@ -1,7 +1,9 @@
-"""`apply_kernels`: configure a loaded H3DiT from one KernelSettings and report what really runs.
+"""The kernel choices for a loaded H3DiT from one KernelSettings (`plan_kernels`, the `resolve_*` it is made
+of), the linears' conversion, and what the report says of them.
 
-Front doors (CLI, bench, serve, nodes) parse the settings once, call this after loading, and print or
-store the returned report: every approximate path and every `auto` decision is named there.
+The engine installs a plan (h3_model/engine/kernel_plan.py: `apply_kernels`); front doors (CLI, bench,
+serve, nodes) parse the settings once and print or store the returned report: every approximate path and
+every `auto` decision is named there.
 
 Rules (docs/architecture.md, "Fail closed"): a requested backend or format that cannot run here raises KernelUnavailable;
 `auto` may choose and says what it chose and why; approximate paths (FP8/NVFP4 linears, low-bit or sparse
@@ -12,12 +14,13 @@ where the checkpoint's own FP4 weights run natively.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
-from .attention import resolve_attention
+from .attention import backend_spec, resolve_attention
 from .capability import (KernelUnavailable, as_device, capability, describe_device, is_blackwell, require_cuda,
                          require_module, require_triton, triton_interpreting, triton_ready)
 from .references import RowModulation
@@ -53,18 +56,20 @@ def attention_counts(model: nn.Module) -> dict[str, int]:
 
 # ------------------------------------------------------------------------------------------ Q/K preparation
 def resolve_qk_prep(settings: KernelSettings, backend_name: str, device):
-    """(hook or None, report) for the Q/K preparation that goes with an attention backend."""
+    """(hook or None, report) for the Q/K preparation that goes with an attention backend (its registered
+    `qk_heads`: FP8 heads, heads rotated for its own quantizer, or plain ones)."""
     from .qk_prep import FusedQKPrep
 
+    heads = backend_spec(backend_name).qk_heads
     mode = settings.q_rms_rope_int8_fusion
     if mode == "off":
-        note = ("reference norm + RoPE; fa3_fp8 quantizes Q/K per head itself (no smoothing, no rotation)"
-                if backend_name == "fa3_fp8" else "reference norm + RoPE")
+        note = (f"reference norm + RoPE; {backend_name} quantizes Q/K per head itself (no smoothing, no rotation)"
+                if heads == "fp8" else "reference norm + RoPE")
         return None, {"impl": "pytorch-reference", "exact": True, "note": note}
-    if backend_name == "fa3_fp8":
+    if heads == "fp8":
         hook = FusedQKPrep("fp8", settings.qk_smooth_k, settings.qk_hadamard, settings.qk_granularity,
                            triton_ready(device))
-    elif backend_name in ("sage2", "sage2-quality"):
+    elif heads == "rotated":
         # Sage quantizes Q/K itself and smooths K itself; it does not rotate, so the rotation happens here.
         hook = FusedQKPrep(None, False, settings.qk_hadamard, "per_head", triton_ready(device))
     else:
@@ -253,37 +258,41 @@ def exactness(report: dict, also: list[str] | tuple[str, ...] = ()) -> dict:
     return {"approximate_paths": approximate, "exact": not approximate}
 
 
-def switch_attention(model: nn.Module, name: str, settings: KernelSettings, device) -> dict:
-    """Run a configured DiT on another attention backend (and the Q/K preparation that goes with it),
-    weights untouched; returns the report's "attention" and "qk_prep" entries."""
-    backend, chosen = resolve_attention(name, device, settings, **model_heads(model))
-    qk_prep, qk_report = resolve_qk_prep(settings, getattr(backend, "inner", backend).name, device)
-    model.set_attention(backend)
-    model.qk_prep = qk_prep
-    return {"attention": {"requested": name, "chosen": chosen, **backend.describe()}, "qk_prep": qk_report}
+# ------------------------------------------------------------------------------------------ the plan
+@dataclass
+class KernelPlan:
+    """Every kernel choice for one loaded H3DiT, resolved and checked before anything of the model changes
+    (h3_model/engine/kernel_plan.py installs it)."""
+
+    device: torch.device
+    device_name: str  # describe_device's, and the GPU's compute capability (None: no CUDA GPU), for the report
+    capability: tuple[int, int] | None
+    settings: KernelSettings
+    checkpoint_format: str
+    attention: object
+    chosen: str
+    qk_prep: object
+    qk_report: dict
+    modulation: type
+    modulation_report: dict
+    linear: str
+    linear_why: str
+    weight_dtype: str
+
+    def attention_report(self) -> dict:
+        return {"requested": self.settings.attention, "chosen": self.chosen, **self.attention.describe()}
 
 
-# ------------------------------------------------------------------------------------------ the entry point
-def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
-                  weight_source: WeightSource | None = None, checkpoint_format: str | None = None,
-                  device: torch.device | str | None = None) -> dict:
-    """Configure attention, Q/K preparation, modulation and linears of a loaded H3DiT; return the report.
-
-    weight_source(name) may return a layer's stored quantized tensors ({"format": "nvfp4" | "fp8_scaled",
-    "weight", "weight_scale", ["weight_scale_2"]}) so FP8/NVFP4 linears start from the checkpoint's codes
-    rather than from the dequantized bf16 weight; a model loaded by `load_dit` from a quantized file gets
-    its stored codes this way without one. checkpoint_format ("nvfp4" or "bf16") feeds H3_LINEAR=auto;
-    by default it is the loaded file's.
-    """
+def plan_kernels(model: nn.Module, settings: KernelSettings | None = None, checkpoint_format: str | None = None,
+                 device: torch.device | str | None = None) -> KernelPlan:
+    """Resolve attention, Q/K preparation, modulation and linears for `model` on `device` (default: where its
+    blocks are); KernelUnavailable, before anything changes, when one cannot run. checkpoint_format ("nvfp4" or
+    "bf16") feeds H3_LINEAR=auto; by default it is the loaded file's."""
     settings = settings or KernelSettings()
     origin = getattr(model, "checkpoint_origin", None)
     if checkpoint_format is None:
         checkpoint_format = origin.linear_format if origin is not None else "bf16"
-    # `device`: where the model will run, when its blocks wait in host memory (a VRAM budget: the model's
-    # `block_scope(i)` brings block i to the device while its linears are converted).
     device = as_device(device if device is not None else model_device(model))
-    report: dict = {"device": describe_device(device), "settings": settings.to_dict()}
-
     heads = model_heads(model)
     backend, chosen = resolve_attention(settings.attention, device, settings, **heads)
     inner = getattr(backend, "inner", backend)
@@ -291,60 +300,5 @@ def apply_kernels(model: nn.Module, settings: KernelSettings | None = None, *,
     check_linears(model, linear_fmt)
     qk_hook, qk_report = resolve_qk_prep(settings, inner.name, device)
     mod_cls, mod_report = resolve_modulation(settings, device, linear_fmt == "nvfp4")
-
-    weight_dtype = str(heads["dtype"])
-    # Everything is resolved: only now change the model, so a failure above leaves it untouched.
-    model.set_attention(backend)
-    model.qk_prep = qk_hook
-    model.modulation_cls = mod_cls
-    # The fused SwiGLU travels with the fused modulation (auto on a Triton GPU, or exact): both are
-    # exact to bf16 rounding and both are Triton elementwise passes.
-    from .swiglu import fused_swiglu
-
-    fused_act = fused_swiglu if mod_report.get("impl") == "triton" else None
-    for blk in [*model.transformer_blocks, *model.token_refiner.refiner_blocks]:
-        blk.ff.activation = fused_act
-    swiglu_impl = "triton" if fused_act is not None else "pytorch-reference"
-    mod_report = {**mod_report, "swiglu": swiglu_impl}
-    linear_report = {"format": linear_fmt, "why": linear_why, "exact": linear_fmt == "bf16",
-                     "weight_dtype": weight_dtype}
-    if linear_fmt != "bf16":
-        use_triton = triton_ready(device)
-        stored = None
-        if weight_source is None and origin is not None:
-            weight_source = stored = origin.stored_linears(model, linear_fmt)
-        try:
-            linear_report["sources"] = convert_linears(model, linear_fmt, weight_source, use_triton)
-        finally:
-            if stored is not None:
-                stored.close()
-        if stored is not None:
-            linear_report["checkpoint_codes"] = stored.describe()
-        linear_report["activation_quantizer"] = "triton" if use_triton else "pytorch-reference"
-        if linear_fmt == "nvfp4":
-            linear_report.update(nvfp4_fusions(settings, mod_cls, mod_report))
-            if linear_report["swiglu_nvfp4_fusion"]:
-                from .nvfp4 import Nvfp4SwiGLU
-
-                for blk in model.transformer_blocks:
-                    blk.ff = Nvfp4SwiGLU.wrap(blk.ff)
-                # The text refiner keeps its bf16 linears, hence the activation chosen above.
-                mod_report.update(swiglu="nvfp4-fused", swiglu_text_refiner=swiglu_impl)
-        if linear_fmt == "fp8" and fused_act is not None:
-            # Same values as letting each Fp8Linear quantize its input, in fewer passes: q, k and v share
-            # one quantized input, and the SwiGLU kernel writes e4m3 rows itself.
-            from .linear_fp8 import Fp8RowModulation, Fp8SwiGLU
-
-            model.modulation_cls = Fp8RowModulation
-            for blk in model.transformer_blocks:
-                blk.ff = Fp8SwiGLU.wrap(blk.ff)
-            linear_report["activation_quantizer"] = ("triton: one quantized input for q, k and v; SwiGLU "
-                                                     "writes e4m3 rows")
-    report["attention"] = {"requested": settings.attention, "chosen": chosen, **backend.describe()}
-    report["qk_prep"] = qk_report
-    report["modulation"] = mod_report
-    report["linear"] = linear_report
-    report.update(exactness(report))
-    report["triton_interpreter"] = triton_interpreting()
-    report["capability"] = capability(device)
-    return report
+    return KernelPlan(device, describe_device(device), capability(device), settings, checkpoint_format, backend, chosen, qk_hook, qk_report, mod_cls, mod_report,
+                      linear_fmt, linear_why, str(heads["dtype"]))

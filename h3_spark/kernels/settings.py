@@ -1,7 +1,7 @@
 """Kernel settings: one typed object, parsed once from the environment at the front door.
 
 Blocks and kernels never read `os.environ`; a front door calls `KernelSettings.from_env()` (or builds
-the dataclass itself) and hands the object to `kernels.dispatch.apply_kernels`. A bad value is an
+the dataclass itself) and hands the object to the engine (`h3_model.engine.kernel_plan.apply_kernels`). A bad value is an
 `H3Error` that names the variable, the value and what is accepted.
 """
 
@@ -12,10 +12,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..errors import H3Error
+from .attention import (ATTENTION_BACKENDS, HEAD_SLICE_BACKEND, HEAD_SLICE_INNER, HEAD_SLICE_SIZE, SOL_FALLBACKS,
+                        SolSettings)
+from .capability import SettingsError
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "cudnn_sdpa", "fa3", "fa3_fp8", "sage2", "sage2-quality", "ck_int8",
-                      "sol_attn", "kj_head_sliced")
 LINEAR_FORMATS = ("auto", "bf16", "fp8", "nvfp4")
 AUTO_OFF = ("auto", "off")
 MODULATION_FUSION = ("auto", "exact", "off")
@@ -30,29 +30,11 @@ QK_HADAMARD = (0, 16, 32, 64, 128)
 DEFAULT_TILE_BATCH = 16
 
 
-class SettingsError(H3Error):
-    """An H3_* kernel variable holds a value we do not accept."""
-
-
-@dataclass(frozen=True)
-class SolSettings:
-    """comfy-kitchen Sol-Attn (sparse attention) knobs; see kernels/README.md for their meaning."""
-
-    tau: float = 1.3
-    min_tokens: int = 4096
-    thresh_type: str = "diag"
-    topk_ratio: float = 0.1
-    int8_qk: str = "auto"
-    int8_pv: str = "auto"
-    fallback: str = "sage2"
-    strict: bool = True
-
-
 @dataclass(frozen=True)
 class KernelSettings:
     attention: str = "auto"
-    head_slice_backend: str = "auto"
-    head_slice_size: int = 8
+    head_slice_backend: str = HEAD_SLICE_BACKEND
+    head_slice_size: int = HEAD_SLICE_SIZE
     sol: SolSettings = field(default_factory=SolSettings)
     linear: str = "auto"
     swiglu_nvfp4_fusion: str = "auto"
@@ -69,8 +51,7 @@ class KernelSettings:
 
     def __post_init__(self) -> None:
         _check_choice("H3_ATTENTION", self.attention, ATTENTION_BACKENDS)
-        _check_choice("H3_HEAD_SLICE_BACKEND", self.head_slice_backend,
-                      tuple(b for b in ATTENTION_BACKENDS if b != "kj_head_sliced"))
+        _check_choice("H3_HEAD_SLICE_BACKEND", self.head_slice_backend, HEAD_SLICE_INNER)
         if self.head_slice_size < 1:
             raise SettingsError(f"H3_HEAD_SLICE_SIZE must be a positive number of heads, got {self.head_slice_size}")
         _check_choice("H3_LINEAR", self.linear, LINEAR_FORMATS)
@@ -92,8 +73,7 @@ class KernelSettings:
             raise SettingsError(f"H3_SOL_TOPK_RATIO must lie in (0, 1), got {s.topk_ratio}")
         _check_choice("H3_SOL_INT8_QK", s.int8_qk, SOL_INT8)
         _check_choice("H3_SOL_INT8_PV", s.int8_pv, SOL_INT8)
-        _check_choice("H3_SOL_FALLBACK", s.fallback,
-                      tuple(b for b in ATTENTION_BACKENDS if b not in ("sol_attn", "kj_head_sliced")))
+        _check_choice("H3_SOL_FALLBACK", s.fallback, SOL_FALLBACKS)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "KernelSettings":

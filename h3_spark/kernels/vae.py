@@ -1,4 +1,5 @@
-"""The video VAE decoder's kernels: its attention backend and the fused Q/K norm + RoPE and SwiGLU passes.
+"""The video VAE decoder's kernels: its attention backend and the fused Q/K norm + RoPE and SwiGLU passes
+(`plan_vae_kernels` chooses them; the engine installs them: h3_model/engine/kernel_plan.py).
 
 The decoder only takes exact paths, so H3_ATTENTION (a DiT choice, often approximate) does not apply to it:
 it decodes with `auto`'s choice for its dtype (the fastest exact backend with kernels for fp16 or fp32 heads
@@ -7,6 +8,8 @@ fused passes follow the DiT's switches (H3_Q_RMS_ROPE_INT8_FUSION for Q/K, H3_MO
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -29,8 +32,25 @@ def _fusion_on(mode: str, what: str, device) -> bool:
     return mode != "off" and triton_ready(device)
 
 
-def apply_vae_kernels(vae, settings: KernelSettings | None = None, attention: str | None = None) -> dict:
-    """Set the decoder's attention backend and fused passes; return what runs and why.
+@dataclass
+class VaePlan:
+    """The decoder's kernels, resolved and checked (h3_model/engine/kernel_plan.py installs them)."""
+
+    device_name: str
+    attention: object
+    chosen: str
+    why: str
+    fused_qk_prep: bool
+    fused_swiglu: bool
+
+    def report(self) -> dict:
+        impl = {True: "triton", False: "pytorch-reference"}
+        return {"device": self.device_name, "attention": {"chosen": self.chosen, "why": self.why},
+                "qk_prep": impl[self.fused_qk_prep], "swiglu": impl[self.fused_swiglu], "exact": True}
+
+
+def plan_vae_kernels(vae, settings: KernelSettings | None = None, attention: str | None = None) -> VaePlan:
+    """The decoder's attention backend and fused passes, and why.
 
     `attention` names an exact backend for the decoder (benchmarks compare them); by default the decoder
     takes `auto`'s exact choice for its dtype, whatever H3_ATTENTION asks of the DiT.
@@ -50,12 +70,4 @@ def apply_vae_kernels(vae, settings: KernelSettings | None = None, attention: st
         why = backend.auto_reason
     qk = _fusion_on(settings.q_rms_rope_int8_fusion, "the decoder's fused Q/K norm + RoPE", device)
     act = _fusion_on(settings.modulation_fusion, "the decoder's fused SwiGLU", device)
-    from .swiglu import fused_swiglu
-
-    vae.attention = backend
-    for block in vae.decoder.transformer_blocks:
-        block.attn.qk_prep = fused_decoder_qk_prep if qk else None
-        block.ff.net[0].activation = fused_swiglu if act else None
-    impl = {True: "triton", False: "pytorch-reference"}
-    return {"device": describe_device(device), "attention": {"chosen": chosen, "why": why},
-            "qk_prep": impl[qk], "swiglu": impl[act], "exact": True}
+    return VaePlan(describe_device(device), backend, chosen, why, qk, act)

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     record = stamp.stamp_before() if rank == 0 else None
 
-    from ..kernels.dispatch import apply_kernels
+    from ..h3_model.engine.kernel_plan import apply_kernels
 
     contract = load_contract(args.contract)
     model = synthetic_dit(preset(args.preset), torch.bfloat16 if cuda else torch.float32, device, seed=0)

@@ -420,7 +420,7 @@ def bench_vs_exact(model, fast_settings, inputs: dict, contract: Contract, devic
     per-block attention / feed-forward / block-output errors, the final velocity error and both speeds.
     `fast_schedule() -> (attention schedule, evaluation)` adds a recipe's schedule to the fast side, made after
     the fast kernels are applied (engine.recipes.sparse_schedule)."""
-    from ..kernels.dispatch import apply_kernels
+    from ..h3_model.engine.kernel_plan import apply_kernels
     from ..kernels.settings import KernelSettings
 
     exact = dataclasses.replace(KernelSettings(), attention="sdpa", linear="bf16", modulation_fusion="off",

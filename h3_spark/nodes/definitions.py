@@ -13,7 +13,6 @@ import inspect
 import re
 
 from ..h3_model import geometry
-from ..kernels.settings import ATTENTION_BACKENDS, LINEAR_FORMATS
 
 CATEGORY = "h3-spark"
 TEXT_LAYER = 50  # h3_model.text_encoder.DEFAULT_LAYER (not imported: that module imports torch)
@@ -90,6 +89,24 @@ def _step_cache():
     return step_cache
 
 
+def _settings():
+    from ..kernels import settings
+
+    return settings
+
+
+def _attention():
+    from ..kernels import attention
+
+    return attention
+
+
+def _recipes():
+    from ..h3_model.engine import recipes
+
+    return recipes
+
+
 # ------------------------------------------------------------------------------------------ loaders
 class H3ModelLoader:
     """The H3 DiT from models/diffusion_models (ComfyUI single file, any published format, or a diffusers
@@ -102,10 +119,10 @@ class H3ModelLoader:
             "partition": (["auto", "ref2va", "t2va/fl2va"], {
                 "tooltip": "Which released DiT this is; auto reads the folder layout or the file name."}),
             "weight_dtype": (["bfloat16", "float32"],),
-            "linear": (list(LINEAR_FORMATS), {
+            "linear": (list(_settings().LINEAR_FORMATS), {
                 "tooltip": "auto = exact bf16 (NVFP4 natively on Blackwell with an NVFP4 file); fp8/nvfp4 are "
                            "faster and approximate."}),
-            "attention": (list(ATTENTION_BACKENDS), {"tooltip": "auto = the fastest exact backend on this GPU."}),
+            "attention": (list(_attention().ATTENTION_BACKENDS), {"tooltip": _attention().attention_help()}),
         }}
 
     RETURN_TYPES = (H3_MODEL,)
@@ -357,10 +374,8 @@ class H3Sampler:
             "cache_end": ("FLOAT", {"default": cache.DEFAULT_END_PERCENT, "min": 0.0, "max": 1.0, "step": 0.01}),
             "cache_subsample": ("INT", {"default": cache.DEFAULT_SUBSAMPLE, "min": 1, "max": cache.MAX_SUBSAMPLE}),
             "recipe": ("STRING", {"default": "", "tooltip": (
-                "Opt-in speed recipes (approximate), separated by ';': sparse[:tau=1,dense_steps=10,"
-                "dense_blocks=2] (Sol-Attn, needs comfy-kitchen), first-block-cache[:threshold=0.08], "
-                "turbo[:evaluations=8,video_shift=6] (replaces steps and shifts; load the Turbo LoRA with H3 LoRA "
-                "Loader), sol-engine. Empty: none.")}),
+                "Opt-in speed recipes (approximate), separated by ';' (a Turbo LoRA with H3 LoRA Loader): "
+                + _recipes().recipes_help() + ". Empty: none.")}),
         }
         return types
 
@@ -427,7 +442,8 @@ class H3AttentionPatch:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": (H3_MODEL,), "backend": (list(ATTENTION_BACKENDS),)}}
+        return {"required": {"model": (H3_MODEL,), "backend": (list(_attention().ATTENTION_BACKENDS),
+                                                                {"tooltip": _attention().attention_help()})}}
 
     RETURN_TYPES = (H3_MODEL,)
     FUNCTION = "patch"
@@ -445,7 +461,8 @@ class H3NativeAttentionPatch:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"model": ("MODEL", {"tooltip": NATIVE_MODEL_TOOLTIP}),
-                             "backend": (list(ATTENTION_BACKENDS),)}}
+                             "backend": (list(_attention().ATTENTION_BACKENDS),
+                                         {"tooltip": _attention().attention_help()})}}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "patch"

@@ -19,6 +19,7 @@ import torch
 from ..errors import H3Error, InputError
 from ..h3_model import geometry
 from ..h3_model.engine.engine import Engine
+from ..h3_model.engine.job_attention import running
 from ..h3_model.engine.shared_dit import kernels_line, use_kernels, use_loras
 from ..h3_model.text.prompt import check_prompt
 from ..kernels.settings import DEFAULT_TILE_BATCH
@@ -396,8 +397,7 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
     chosen = _recipes(recipes, step_cache is not None, opts)
     run = recipe_sampling(chosen, steps)
     if run.evaluations is not None:
-        setter = next(r.name for r in chosen if r.name in ("turbo", "fasth3", "fasth3-8step"))
-        log.info("h3-spark recipe %s replaces steps %d and shifts %g/%g with %d and %g/%g", setter, steps,
+        log.info("h3-spark recipe %s replaces steps %d and shifts %g/%g with %d and %g/%g", run.grid_from, steps,
                  shift_video, shift_audio, run.evaluations, run.video_shift, run.audio_shift)
         steps, shift_video, shift_audio = run.evaluations, run.video_shift, run.audio_shift
     dims = (cond.latent_frames, cond.latent_height, cond.latent_width, cond.audio_latents)
@@ -419,7 +419,7 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
     use_loras(dit, opts["loras"])
     # Kernels first (converted once, block by block if the DiT waits in host memory), then ComfyUI places the
     # DiT for this request: resident, or streamed where its memory does not reach.
-    report = use_kernels(dit, opts["attention"], opts["linear"], host.compute_device())
+    report, attention = use_kernels(dit, opts["attention"], opts["linear"], host.compute_device())
     device = patchers.load_dit(model, activation_bytes(c, lay.sequence_length, dit.dtype_))
     line = kernels_line(dit, report)
     if line is not None:
@@ -429,14 +429,15 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
     interrupt = host.InterruptFlag()
     request = SamplingRequest(lay, cond.embeds, cond.latent_frames, cond.latent_height, cond.latent_width,
                               cond.audio_latents, cond.condition_latents, cond.audio_condition_rows)
-    # After the kernels: the schedule stays dense with the attention this run resolved.
-    attention_schedule = sparse_schedule(chosen, dit, device, _settings(opts))
-    try:
-        result = Engine.of(device=device).sample(dit, request, schedule, int(seed), device=device,
-                                                 on_step=on_step, cancel=interrupt,
-                                                 step_cache=cache, attention_schedule=attention_schedule)
-    except Cancelled as exc:
-        interrupt.raise_interrupted(exc)
+    with running(dit, attention):
+        # Inside the switch: the schedule stays dense with the attention this run resolved.
+        attention_schedule = sparse_schedule(chosen, dit, device, _settings(opts))
+        try:
+            result = Engine.of(device=device).sample(dit, request, schedule, int(seed), device=device,
+                                                     on_step=on_step, cancel=interrupt,
+                                                     step_cache=cache, attention_schedule=attention_schedule)
+        except Cancelled as exc:
+            interrupt.raise_interrupted(exc)
     if cache is not None:
         # An approximate run says so: which steps were computed and which reused.
         log.info("h3-spark step cache: %s", cache.report())
@@ -535,7 +536,8 @@ class ComfyAttentionOverride:
     ComfyUI calls it as `override(func, q, k, v, heads, mask=None, ..., skip_reshape=...,
     skip_output_reshape=..., transformer_options=..., _inside_attn_wrapper=True)` (attention.py's
     `wrap_attn`). H3 passes q/k/v as (B, heads, S, D) with skip_reshape=True and wants (B, S, heads*D);
-    our backends take and return (B, S, heads, D). The backend is resolved per device on first use.
+    our backends take and return (B, S, heads, D). The backend is selected as for our own DiT (the
+    registry's `resolve_attention` for the heads it is given), once per device, dtype and head size.
     """
 
     def __init__(self, name: str, settings):
@@ -547,12 +549,13 @@ class ComfyAttentionOverride:
         # ComfyUI deep-copies model_options on every clone; resolved backends hold modules, so start afresh.
         return ComfyAttentionOverride(self.name, self.settings)
 
-    def backend(self, device):
+    def backend(self, device, dtype: torch.dtype, head_dim: int):
         from ..kernels.attention import resolve_attention
 
-        key = str(device)
+        key = (str(device), dtype, head_dim)
         if key not in self._backends:
-            self._backends[key] = resolve_attention(self.name, device, self.settings)[0]
+            self._backends[key] = resolve_attention(self.name, device, self.settings, dtype=dtype,
+                                                    head_dim=head_dim)[0]
         return self._backends[key]
 
     def __call__(self, func, q, k, v, heads, mask=None, *args, skip_reshape=False, skip_output_reshape=False,
@@ -568,7 +571,7 @@ class ComfyAttentionOverride:
             b, s, inner = q.shape
             d = inner // heads
             q, k, v = (t.reshape(t.shape[0], t.shape[1], heads, d) for t in (q, k, v))
-        out = self.backend(q.device)(q, k, v)
+        out = self.backend(q.device, q.dtype, d)(q, k, v)
         if skip_output_reshape:
             return out.transpose(1, 2)
         return out.reshape(b, out.shape[1], heads * d)

@@ -275,7 +275,7 @@ def decode_video(patcher, video, latents: torch.Tensor, tile_size: int | None, m
     decoder call as the free memory holds, one per call again if CUDA runs out all the same."""
     from ..h3_model.engine.engine import Engine
     from ..kernels.settings import KernelSettings
-    from ..kernels.vae import apply_vae_kernels
+    from ..h3_model.engine.kernel_plan import apply_vae_kernels
 
     load(patcher, decode_work(video, latents.shape, tile_size, most))
     # Set where it now sits (ComfyUI moves it between devices): fastest exact attention, fused passes on a GPU.

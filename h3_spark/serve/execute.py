@@ -21,7 +21,7 @@ import torch
 from ..errors import H3Error
 from ..h3_model import geometry
 from ..h3_model.engine.engine import Engine
-from ..h3_model.engine.report import AttentionSwitch
+from ..h3_model.engine.job_attention import AttentionChoice
 from ..h3_model.media import files as media
 from ..h3_model.media.refs import load_reference
 from ..h3_model.pipeline.generation import GenerationRequest, Progress
@@ -80,9 +80,10 @@ def dit_key(mode: str) -> str:
     return "dit_ref" if mode == "ref2va" else "dit"
 
 
-def prepare_job(models: Engine, message: dict, lockstep: Lockstep | None,
-                stack: contextlib.ExitStack) -> tuple[GenerationRequest, dict]:
-    """Build the request and switch to the job's attention backend (switched back when `stack` closes).
+def prepare_job(models: Engine, message: dict, lockstep: Lockstep | None, stack: contextlib.ExitStack,
+                attention: AttentionChoice | None = None) -> tuple[GenerationRequest, dict]:
+    """Build the request and switch to the job's attention backend (switched back when `stack` closes):
+    `attention`, resolved when the job was accepted, or (the other ranks) the request's, resolved here.
 
     Under lockstep every rank then agrees before generating: if any rank failed here, or read other
     bytes, every rank raises, so none enters a collective that the others skip.
@@ -91,7 +92,8 @@ def prepare_job(models: Engine, message: dict, lockstep: Lockstep | None,
     error, generation, used = None, None, None
     try:
         generation = build_generation(message)
-        used = stack.enter_context(AttentionSwitch(models, dit_key(req.mode), req.attention))
+        choice = attention if attention is not None else req.attention
+        used = stack.enter_context(models.job_attention(dit_key(req.mode), choice))
         if req.recipes:
             from ..h3_model.engine.recipes import apply_recipes
 
@@ -159,7 +161,7 @@ class JobRunner:
 
         key = dit_key(req.mode)
         with contextlib.ExitStack() as stack:
-            generation, used = prepare_job(self.models, message, lockstep, stack)
+            generation, used = prepare_job(self.models, message, lockstep, stack, job.payload.get("attention"))
             read_inputs = time.perf_counter() - t0
             kernels = self.models.kernel_reports[key]
             job.backends = {**used, "linear": kernels["linear"], "modulation": kernels["modulation"]}

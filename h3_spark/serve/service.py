@@ -18,7 +18,7 @@ from ..errors import H3Error, InputError
 from ..h3_model.engine.engine import Engine
 from ..h3_model.engine.host_memory import host_memory_report
 from ..h3_model.engine.report import describe_models, memory_report, supported_kernels
-from .execute import JobRunner, stderr_log
+from .execute import JobRunner, dit_key, stderr_log
 from .http_limits import HttpLimits
 from .jobs import Job, JobQueue, QueueFull
 from .lockstep import Leader
@@ -139,6 +139,7 @@ class Service:
             self.tracker.ready()
             self.log(f"ready: {', '.join(models.modes)} on {', '.join(models.devices)}; loaded in "
                      + ", ".join(f"{k} {v:.1f} s" for k, v in models.load_seconds.items()))
+            self._log_auto_attention(models)
         except Exception as exc:  # noqa: BLE001 - recorded for /ready and the CLI; nothing to serve
             message = str(exc) if isinstance(exc, H3Error) else f"{type(exc).__name__}: {exc}"
             if self.tracker.state != "failed":
@@ -148,6 +149,15 @@ class Service:
             self.log(f"loading failed: {message}")
             if self.on_load_failed is not None:
                 self.on_load_failed(message)
+
+    def _log_auto_attention(self, models: Engine) -> None:
+        """What `auto` chose for each DiT, and why it refused each faster backend (fail closed: say it)."""
+        from ..kernels.attention import auto_line
+
+        for key in models.dit_keys():
+            attention = models.kernel_reports.get(key, {}).get("attention", {})
+            if attention.get("requested") == "auto":
+                self.log(f"{key}: attention {auto_line(attention)}")
 
     def _sweep_partials(self) -> None:
         removed = self.outputs.sweep_partials()
@@ -187,14 +197,15 @@ class Service:
         if req.mode not in self.models.modes:
             raise RequestError(400, f"{req.mode} needs a DiT partition this service did not load; it serves "
                                     f"{', '.join(self.models.modes)}")
-        if req.attention is not None:
-            self._check_attention(req.attention)
+        attention = self._choose_attention(req)
         if req.recipes:
             self._check_recipes(req.recipes)
         # Checked before any file work so a full queue answers 429 whatever else the request holds.
         if self.queue.stats()["queued"] >= self.queue.capacity:
             raise QueueFull(self.queue.capacity, self.queue.retry_after())
         payload = self._input_paths(req)
+        if attention is not None:
+            payload["attention"] = attention  # resolved once, here; the worker installs it
         job = Job(req, payload)
         job.payload["output_path"] = self.outputs.reserve(req.output, req.overwrite, job.id)
         try:
@@ -222,14 +233,13 @@ class Service:
 
         return png_bytes(preview_image(latents, 768, frames=4))
 
-    def _check_attention(self, name: str) -> None:
-        """Fail the request now, not in the worker, when its backend cannot run here."""
-        from ..kernels.attention import resolve_attention
-
+    def _choose_attention(self, req: JobRequest):
+        """The job's own attention, resolved once for its DiT's heads: the request fails now, not in the worker,
+        when it cannot run here. None: the load-time attention."""
         try:
-            resolve_attention(name, self.models.device, self.models.settings)
+            return self.models.choose_attention(dit_key(req.mode), req.attention)
         except H3Error as exc:
-            raise RequestError(400, f"attention {name!r} cannot run here: {exc}") from None
+            raise RequestError(400, f"attention {req.attention!r} cannot run here: {exc}") from None
 
     def _check_recipes(self, recipes) -> None:
         """A recipe whose kernel cannot run here fails the request now, in one line."""

@@ -223,12 +223,12 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
     except H3Error as exc:
         raise _bad(str(exc)) from None
     recipes = _recipes(body, cache_mode, "steps" in body)
-    for recipe in recipes:
-        if recipe.name == "turbo":  # the record shows the steps the job runs
-            steps = recipe.params["evaluations"] + 1
-            if steps > limits.max_steps:
-                raise _bad(f"recipe turbo: {recipe.params['evaluations']} evaluations exceed this service's "
-                           f"{limits.max_steps - 1}")
+    grid = _recipe_grid(recipes)
+    if grid is not None:  # the record shows the steps the job runs
+        name, evaluations = grid
+        steps = evaluations + 1
+        if steps > limits.max_steps:
+            raise _bad(f"recipe {name}: {evaluations} evaluations exceed this service's {limits.max_steps - 1}")
     return JobRequest(mode, prompt, output, references, first, last, overwrite, width, height, frames, steps, seed,
                       attention, cache, recipes)
 
@@ -243,6 +243,14 @@ def _check_mentions_at_submit(mode: str, prompt: str, references: list[tuple[str
     kinds = [kind for kind, _ in references]
     check_mentions(mode, prompt, images=kinds.count("image"), videos=kinds.count("video"),
                    audios=kinds.count("audio") + kinds.count("video"))
+
+
+def _recipe_grid(recipes: list) -> tuple[str, int] | None:
+    """(the recipe that sets the job's evaluations, how many), or None when none does."""
+    from ..h3_model.engine.recipes import recipe_sampling
+
+    run = recipe_sampling(recipes, 1)  # the count a grid replaces does not matter here
+    return None if run.evaluations is None else (run.grid_from, run.evaluations)
 
 
 def _recipes(body: dict, cache_mode: str, steps_given: bool) -> list:

@@ -12,14 +12,16 @@ HTTP JSON, ComfyUI types) into these calls.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from ...errors import H3Error, InputError
 from ..pipeline.generation import DEFAULT_ENCODE_TILE, Components, GenerationRequest, GenerationResult, Pipeline
+from .job_attention import AttentionChoice, choose_attention, running
 from .loading import LOADED, MODE_PARTITIONS, LoadOptions, check_device, check_fit, component_loader
 from .paths import ComponentPaths
 
@@ -219,7 +221,7 @@ class Engine:
                 apply_loras(model, self.options.loras)
                 self.load_seconds[f"{name}_loras"] = round(time.perf_counter() - start, 3)
             if self.settings is not None:
-                from ...kernels.dispatch import apply_kernels
+                from .kernel_plan import apply_kernels
                 from .memory import configure_in_host
 
                 # A DiT read into host memory (a budget, or low-bit linears to make) is configured block by block
@@ -233,7 +235,7 @@ class Engine:
         elif name == "vae":
             model.tile_batch = self.options.vae_tile_batch
             if self.settings is not None:
-                from ...kernels.vae import apply_vae_kernels
+                from .kernel_plan import apply_vae_kernels
 
                 self.kernel_reports[name] = apply_vae_kernels(model, self.settings)
 
@@ -352,6 +354,27 @@ class Engine:
         if devices is not None:
             self.devices = list(devices)
         self.decode_group = group
+
+    # ------------------------------------------------------------------ one job's attention
+    def choose_attention(self, key: str, name: str | None) -> AttentionChoice | None:
+        """DiT `key`'s attention `name` for one job, resolved once for its heads (KernelUnavailable when it cannot
+        run them); None for the attention it was loaded with."""
+        if name is None:
+            return None
+        return choose_attention(getattr(self.components, key), name, self.settings, self.device)
+
+    @contextlib.contextmanager
+    def job_attention(self, key: str, choice: AttentionChoice | str | None) -> Iterator[dict]:
+        """Run one job on DiT `key` with `choice` (made by `choose_attention`, or a name resolved here; None: the
+        load-time attention), the load-time one back after; yields the job report's "attention" and "qk_prep"."""
+        if isinstance(choice, str):
+            choice = self.choose_attention(key, choice)
+        if choice is None:
+            base = self.kernel_reports[key]
+            yield {"attention": base["attention"], "qk_prep": base["qk_prep"]}
+            return
+        with running(getattr(self.components, key), choice, self.default_attention[key]):
+            yield choice.report
 
     # ------------------------------------------------------------------ the pipeline's stages
     def generate(self, req: GenerationRequest, *, on_progress=None, cancel=None, on_frames=None) -> GenerationResult:

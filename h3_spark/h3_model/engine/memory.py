@@ -240,7 +240,7 @@ def configure_in_host(model: nn.Module, settings, device: torch.device | str, ke
     """apply_kernels for a DiT loaded into host memory: everything but the blocks moves to `device`, and each
     block visits it while its linears are converted (the GPU never holds more than one block of them in the
     file's form). `keep`: each converted block stays on the device (no budget: the model ends up resident)."""
-    from ...kernels.dispatch import apply_kernels
+    from .kernel_plan import apply_kernels
 
     device = torch.device(device)
     outside_blocks_to(model, device)

@@ -20,7 +20,8 @@
   audio 3, and VSA at `sparsity` 0.8. FastVideo publishes it as another checkpoint with its own sampling
   contract, hence its own recipe rather than a step count of fasth3.
 
-Each fails at set-up, before any weights are read, when what it needs is missing (Sol-Attn needs CUDA and
+Each is declared once in `REGISTRY` (name, one line of help, parameters, bundle, exclusions); the front doors'
+help texts come from it (`recipes_help`). Each fails at set-up, before any weights are read, when what it needs is missing (Sol-Attn needs CUDA and
 comfy-kitchen with its kernels) or its values are out of range: one line naming it. What needs the loaded
 model (fasth3's gates) fails when the recipe is applied, before sampling.
 """
@@ -32,18 +33,47 @@ from dataclasses import dataclass, field
 
 from ...errors import H3Error, InputError
 
-# name -> {parameter: (default, low, high)}; a bound of None is open (or checked in `_checked`). Integers stay
-# integers.
-PARAMETERS: dict[str, dict[str, tuple]] = {
-    "sparse": {"tau": (1.0, 0.0, None), "dense_steps": (10, 0, 1000), "dense_blocks": (2, 0, 1000)},
-    "first-block-cache": {"threshold": (0.08, 0.0, None), "start": (0.0, 0.0, 1.0), "end": (1.0, 0.0, 1.0)},
-    "turbo": {"evaluations": (8, 1, 100), "video_shift": (6.0, 0.0, None), "audio_shift": (3.0, 0.0, None)},
-    "fasth3": {"sparsity": (0.9, None, None), "tile": (64, None, None)},
-    "fasth3-8step": {"sparsity": (0.8, None, None), "tile": (64, None, None)},
-}
-BUNDLES = {"sol-engine": ("sparse", "first-block-cache")}
-QUANTIZED_HEADS = ("fa3_fp8",)  # attention backends whose Q/K prep writes FP8 heads
-NAMES = (*PARAMETERS, *BUNDLES)
+@dataclass(frozen=True)
+class RecipeSpec:
+    """One recipe, declared once: its name, one line of help, its parameters {name: (default, low, high)} (a bound
+    of None is open, or checked in `_checked`; integers stay integers), the recipes it stands for when it is a
+    bundle, and the recipes it cannot run with ({other: what both would set})."""
+
+    name: str
+    help: str
+    parameters: dict = field(default_factory=dict)
+    bundle: tuple[str, ...] = ()
+    excludes: dict = field(default_factory=dict)
+
+
+_FASTH3_EXCLUDES = {"turbo": "the sampling grid", "sparse": "the attention"}
+REGISTRY: dict[str, RecipeSpec] = {spec.name: spec for spec in (
+    RecipeSpec("sparse", "Sol-Attn sparse attention after the first dense steps and blocks (needs comfy-kitchen)",
+               {"tau": (1.0, 0.0, None), "dense_steps": (10, 0, 1000), "dense_blocks": (2, 0, 1000)}),
+    RecipeSpec("first-block-cache", "the first_block step cache",
+               {"threshold": (0.08, 0.0, None), "start": (0.0, 0.0, 1.0), "end": (1.0, 0.0, 1.0)}),
+    RecipeSpec("turbo", "the sampling of a few-step Turbo LoRA: its steps and shifts (the LoRA is yours to load)",
+               {"evaluations": (8, 1, 100), "video_shift": (6.0, 0.0, None), "audio_shift": (3.0, 0.0, None)}),
+    RecipeSpec("fasth3", "FastH3 Preview's 4-step grid and Video Sparse Attention (a FastH3 checkpoint)",
+               {"sparsity": (0.9, None, None), "tile": (64, None, None)},
+               excludes={"fasth3-8step": "the sampling grid and the attention", **_FASTH3_EXCLUDES}),
+    RecipeSpec("fasth3-8step", "FastH3-8-Step-V2's 8 trained rungs and Video Sparse Attention (its checkpoint)",
+               {"sparsity": (0.8, None, None), "tile": (64, None, None)}, excludes=_FASTH3_EXCLUDES),
+    RecipeSpec("sol-engine", "sparse and first-block-cache, as Sol-Engine publishes them",
+               bundle=("sparse", "first-block-cache")),
+)}
+PARAMETERS = {name: spec.parameters for name, spec in REGISTRY.items() if not spec.bundle}
+BUNDLES = {name: spec.bundle for name, spec in REGISTRY.items() if spec.bundle}
+NAMES = tuple(REGISTRY)
+
+
+def recipes_help() -> str:
+    """Every registered recipe as `NAME[:key=default,...]: its help`, for a front door's help text."""
+    def entry(spec: RecipeSpec) -> str:
+        values = ",".join(f"{k}={default:g}" for k, (default, _, _) in spec.parameters.items())
+        return f"{spec.name}{'[:' + values + ']' if values else ''}: {spec.help}"
+
+    return "; ".join(entry(spec) for spec in REGISTRY.values())
 
 
 @dataclass(frozen=True)
@@ -107,16 +137,12 @@ def parse_recipes(texts) -> list[Recipe]:
     return recipes
 
 
-# Recipes that set the same thing; one of the two would be ignored.
-_EXCLUSIVE = (("fasth3", "fasth3-8step", "the sampling grid and the attention"),
-              ("fasth3", "turbo", "the sampling grid"), ("fasth3-8step", "turbo", "the sampling grid"),
-              ("fasth3", "sparse", "the attention"), ("fasth3-8step", "sparse", "the attention"))
-
-
 def _check_pairs(names: list[str]) -> None:
-    for a, b, what in _EXCLUSIVE:
-        if a in names and b in names:
-            raise InputError(f"recipes {a} and {b} both set {what}: choose one")
+    """Recipes that set the same thing: one of the two would be ignored."""
+    for a in names:
+        for b, what in REGISTRY[a].excludes.items():
+            if b in names:
+                raise InputError(f"recipes {a} and {b} both set {what}: choose one")
 
 
 def _values(name: str, text: str) -> dict:
@@ -192,8 +218,8 @@ def check_conflicts(recipes: list[Recipe], *, step_cache: bool, explicit_steps: 
 
 def sparse_backend(recipe: Recipe, device, settings):
     """Sol-Attn at the recipe's tau; sequences below H3_SOL_MIN_TOKENS fall back to the run's own attention."""
-    from ...kernels.attention import resolve_attention
-    from ...kernels.settings import ATTENTION_BACKENDS, KernelSettings
+    from ...kernels.attention import QUANTIZED_HEADS, SOL_FALLBACKS, resolve_attention
+    from ...kernels.settings import KernelSettings
 
     settings = settings or KernelSettings()
     if settings.attention in QUANTIZED_HEADS:
@@ -201,8 +227,7 @@ def sparse_backend(recipe: Recipe, device, settings):
         raise InputError(f"recipe sparse runs Sol-Attn on bf16 heads, but attention {settings.attention} "
                          f"quantizes Q/K/V to FP8 before any block sees them: run the recipe with attention fa3 "
                          f"or sdpa (FP8 linears combine with it)")
-    fallback = settings.attention if settings.attention in ATTENTION_BACKENDS and settings.attention not in (
-        "sol_attn", "kj_head_sliced") else "sdpa"
+    fallback = settings.attention if settings.attention in SOL_FALLBACKS else "sdpa"
     sol = dataclasses.replace(settings.sol, tau=float(recipe.params["tau"]), fallback=fallback)
     try:
         return resolve_attention("sol_attn", device, settings.replace(attention="sol_attn", sol=sol))[0]
@@ -213,6 +238,7 @@ def sparse_backend(recipe: Recipe, device, settings):
 def vsa_fine(recipe: Recipe, device, settings, world_size: int = 1) -> str:
     """Where a fasth3 recipe's fine attention runs: "triton" (the block-sparse kernel, on CUDA) or "pytorch"
     (its reference, on a CPU); an InputError where VSA cannot run at all."""
+    from ...kernels.attention import QUANTIZED_HEADS
     from ...kernels.capability import KernelUnavailable, as_device, require_triton
     from ...kernels.settings import KernelSettings
 
@@ -299,6 +325,7 @@ class RecipeSampling:
     # An explicit grid (fasth3-8step's rungs), video and audio, each ending at 0; the shifts are then in it.
     sigmas: list[float] | None = None
     audio_sigmas: list[float] | None = None
+    grid_from: str | None = None  # the recipe that set the evaluations and shifts
 
 
 def recipe_sampling(recipes: list[Recipe], evaluations: int) -> RecipeSampling:
@@ -311,11 +338,13 @@ def recipe_sampling(recipes: list[Recipe], evaluations: int) -> RecipeSampling:
     turbo = by_name.get("turbo")
     if turbo is not None:
         out.evaluations = evaluations = turbo.params["evaluations"]
+        out.grid_from = turbo.name
         out.video_shift, out.audio_shift = turbo.params["video_shift"], turbo.params["audio_shift"]
     fasth3 = next((r for r in recipes if r.name in FASTH3_GRIDS), None)
     if fasth3 is not None:
         grid = FASTH3_GRIDS[fasth3.name]
         out.evaluations = evaluations = grid.evaluations
+        out.grid_from = fasth3.name
         out.video_shift, out.audio_shift = grid.video_shift, grid.audio_shift
         if grid.rungs is not None:
             out.sigmas, out.audio_sigmas = grid.sigmas(grid.video_shift), grid.sigmas(grid.audio_shift)

@@ -1,7 +1,6 @@
-"""What an engine holds and can run, for reports: components, memory, kernels, and per-job attention.
+"""What an engine holds and can run, for reports: components, memory, kernels.
 
-The service's `/ready` and the CLI's summaries read these; `AttentionSwitch` runs one job with another
-attention backend and puts the load-time one back.
+The service's `/ready` and the CLI's summaries read these (one job's attention: job_attention.py).
 """
 
 from __future__ import annotations
@@ -81,33 +80,3 @@ def supported_kernels(device: str, settings: KernelSettings, checkpoint_fmt: str
         except H3Error as exc:
             linear[fmt] = {"supported": False, "why": str(exc)}
     return {"attention": attention, "linear": linear}
-
-
-class AttentionSwitch:
-    """Run one job with another attention backend, then put the load-time one back; weights untouched.
-
-    The Q/K preparation goes with the backend (a low-bit backend may take pre-quantized Q/K that another
-    backend cannot read), so both are switched and both restored, even when the job fails.
-    """
-
-    def __init__(self, models, key: str, name: str | None):
-        self.models, self.key, self.name = models, key, name
-        self.report: dict | None = None
-
-    def __enter__(self) -> dict:
-        from ...kernels.dispatch import switch_attention
-
-        base = self.models.kernel_reports[self.key]
-        if self.name is None:
-            self.report = {"attention": base["attention"], "qk_prep": base["qk_prep"]}
-            return self.report
-        dit = getattr(self.models.components, self.key)
-        self.report = switch_attention(dit, self.name, self.models.settings, self.models.device)
-        return self.report
-
-    def __exit__(self, *exc) -> None:
-        if self.name is not None:
-            dit = getattr(self.models.components, self.key)
-            attention, qk_prep = self.models.default_attention[self.key]
-            dit.set_attention(attention)
-            dit.qk_prep = qk_prep

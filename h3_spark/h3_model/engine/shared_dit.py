@@ -3,8 +3,8 @@
 ComfyUI caches a loader node's output, so many MODEL clones point at one DiT; each run asks for the LoRAs
 and the attention of its own clone. `use_loras` merges exactly the asked set into the shared weights
 (backing up and restoring only the parameters a LoRA touches), `use_kernels` converts the linears once and
-switches attention and Q/K preparation per run, and `kernels_line` says what runs. The state lives on the
-DiT itself, so every clone sees the same truth.
+chooses each run's attention and Q/K preparation (job_attention.py installs it for the run), and
+`kernels_line` says what runs. The state lives on the DiT itself, so every clone sees the same truth.
 """
 
 from __future__ import annotations
@@ -78,10 +78,14 @@ def _restore(params: dict, state: dict) -> None:
     state["applied"], state["backup"] = (), {}
 
 
-def use_kernels(dit, attention: str, linear: str, device) -> dict:
-    """Linears once per loaded DiT (they are converted in place), attention and Q/K preparation per run."""
-    from ...kernels.dispatch import apply_kernels, exactness, switch_attention
+def use_kernels(dit, attention: str, linear: str, device):
+    """Linears once per loaded DiT (they are converted in place, with the first run's attention); then this run's
+    attention, when it is another, resolved once for this run. Returns (the run's kernel report, the
+    job_attention choice to run it with, or None for the configured one)."""
+    from ...kernels.dispatch import exactness
     from ...kernels.settings import KernelSettings
+    from .job_attention import choose_attention
+    from .kernel_plan import apply_kernels
 
     settings = KernelSettings.from_env().replace(attention=attention, linear=linear)
     state = dit.__dict__.get(KERNELS)
@@ -95,11 +99,11 @@ def use_kernels(dit, attention: str, linear: str, device) -> dict:
         else:
             report = apply_kernels(dit, settings)
         dit.__dict__[KERNELS] = state = {"attention": attention, "report": report}
-    elif state["attention"] != attention:
-        report = {**state["report"], **switch_attention(dit, settings.attention, settings, device)}
-        state["attention"] = attention
-        state["report"] = {**report, **exactness(report)}
-    return state["report"]
+    if state["attention"] == attention:
+        return state["report"], None
+    choice = choose_attention(dit, attention, settings, device)
+    report = {**state["report"], **choice.report}
+    return {**report, **exactness(report)}, choice
 
 
 def _in_host(dit) -> bool:
@@ -107,12 +111,15 @@ def _in_host(dit) -> bool:
 
 
 def kernels_line(dit, report: dict) -> str | None:
-    """What `auto` and the loader's choices resolved to, as one line; None when it is the line said last (fail
-    closed means saying it, once per change)."""
+    """What `auto` and the loader's choices resolved to, as one line (with why auto refused each faster
+    backend); None when it is the line said last (fail closed means saying it, once per change)."""
     attention, linear = report.get("attention", {}), report.get("linear", {})
     approx = report.get("approximate_paths") or []
     line = (f"attention {attention.get('chosen')} (asked {attention.get('requested')}), linear {linear.get('format')}, "
             + (f"approximate: {', '.join(approx)}" if approx else "exact"))
+    refused = attention.get("refused_by_auto") or {}
+    if refused:
+        line += "; auto refused " + "; ".join(f"{name}: {why}" for name, why in refused.items())
     if dit.__dict__.get(REPORTED) == line:
         return None
     dit.__dict__[REPORTED] = line
