@@ -244,9 +244,6 @@ def test_fasth3_set_up_checks():
                                          r"Q/K/V to FP8 before any block sees them: run the recipe with attention "
                                          r"fa3 or sdpa"):
         check_recipes(recipes, "cuda", KernelSettings().replace(attention="fa3_fp8"))
-    with pytest.raises(InputError, match=r"^recipe fasth3 tiles one DiT's whole packed sequence in every block; a "
-                                         r"sequence-parallel run \(2 GPUs\) splits it: run the recipe on one GPU$"):
-        check_recipes(recipes, "cpu", KernelSettings(), world_size=2)
     check_recipes(parse_recipes(["fasth3", "first-block-cache"]), "cpu", KernelSettings())
 
 

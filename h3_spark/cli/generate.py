@@ -114,7 +114,7 @@ def run(args) -> int:
     film = is_film(args)  # before the request: a length within one generation becomes --frames
     check_output_flags(args)
     options, settings = engine_options(args, device, world_size)
-    recipes = recipe_flags(args, options, world_size)
+    recipes = recipe_flags(args, options)
     req = build_request(args, settings)
     setup = FilmSetup(args, req) if film else None  # plan, shots and a continued clip, before any weight loads
     engine = load_engine(args, options, req.mode, log)
@@ -210,13 +210,13 @@ def engine_options(args, device: str, world_size: int):
     return load_options(args, device, world_size, loras=[LoraSpec.parse(x) for x in args.lora])
 
 
-def recipe_flags(args, options, world_size: int) -> list:
+def recipe_flags(args, options) -> list:
     """--recipe, parsed and checked against the device, kernels and the other flags."""
     from ..h3_model.engine.recipes import check_recipes, parse_recipes
 
     recipes = parse_recipes(args.recipe)
     check_recipes(recipes, options.device, options.kernels, step_cache=args.cache_mode != "off",
-                  explicit_steps=args.sigmas is not None or args.steps_given, world_size=world_size)
+                  explicit_steps=args.sigmas is not None or args.steps_given)
     return recipes
 
 

@@ -246,7 +246,7 @@ class Service:
         from ..h3_model.engine.recipes import check_recipes
 
         try:
-            check_recipes(recipes, self.models.device, self.models.settings, world_size=self.models.world_size)
+            check_recipes(recipes, self.models.device, self.models.settings)
         except H3Error as exc:
             raise RequestError(400, str(exc)) from None
 

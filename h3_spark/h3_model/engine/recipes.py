@@ -189,17 +189,17 @@ def _checked(name: str, given: dict) -> dict:
 # ------------------------------------------------------------------------------------------ set-up checks
 def check_recipes(recipes: list[Recipe], device, settings, *, step_cache: bool = False,
                   explicit_steps: bool = False, cache_fix: str = "drop --cache-mode",
-                  steps_fix: str = "drop --steps / --sigmas", world_size: int = 1) -> None:
+                  steps_fix: str = "drop --steps / --sigmas") -> None:
     """Before loading: every kernel a recipe needs can run here, and nothing it sets is also set by hand.
-    `cache_fix` / `steps_fix` say, in the front door's own words, how to undo the conflicting setting;
-    `world_size` is the run's sequence-parallel width."""
+    `cache_fix` / `steps_fix` say, in the front door's own words, how to undo the conflicting setting. Every
+    recipe runs under sequence parallelism as on one GPU (the DiT has one forward; `tests/test_parallel.py`)."""
     check_conflicts(recipes, step_cache=step_cache, explicit_steps=explicit_steps, cache_fix=cache_fix,
                     steps_fix=steps_fix)
     for recipe in recipes:
         if recipe.name == "sparse":
             sparse_backend(recipe, device, settings)
         elif recipe.name in FASTH3_GRIDS:
-            vsa_fine(recipe, device, settings, world_size)
+            vsa_fine(recipe, device, settings)
 
 
 def check_conflicts(recipes: list[Recipe], *, step_cache: bool, explicit_steps: bool, cache_fix: str,
@@ -235,7 +235,7 @@ def sparse_backend(recipe: Recipe, device, settings):
         raise InputError(f"recipe sparse needs Sol-Attn: {exc}") from None
 
 
-def vsa_fine(recipe: Recipe, device, settings, world_size: int = 1) -> str:
+def vsa_fine(recipe: Recipe, device, settings) -> str:
     """Where a fasth3 recipe's fine attention runs: "triton" (the block-sparse kernel, on CUDA) or "pytorch"
     (its reference, on a CPU); an InputError where VSA cannot run at all."""
     from ...kernels.attention import QUANTIZED_HEADS
@@ -248,9 +248,6 @@ def vsa_fine(recipe: Recipe, device, settings, world_size: int = 1) -> str:
         raise InputError(f"recipe {name} runs VSA on bf16 heads, but attention {settings.attention} quantizes Q/K/V "
                          f"to FP8 before any block sees them: run the recipe with attention fa3 or sdpa (FP8 "
                          f"linears combine with it)")
-    if world_size > 1:
-        raise InputError(f"recipe {name} tiles one DiT's whole packed sequence in every block; a sequence-parallel "
-                         f"run ({world_size} GPUs) splits it: run the recipe on one GPU")
     if as_device(device).type != "cuda":
         return "pytorch"
     try:
