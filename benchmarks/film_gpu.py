@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     settings = KernelSettings.from_env()
     recipes = parse_recipes(args.recipe)
     fasth3 = any(r.name.startswith("fasth3") for r in recipes)
-    check_recipes(recipes, device, settings, explicit_steps=True)
+    check_recipes(recipes, device, settings)  # a recipe that sets the steps (turbo, fasth3) overrides --steps
     budget = None if args.vram_budget is None else int(args.vram_budget * 1e9)
     engine, load_s = synthetic.synthetic_components(args.preset, ["t2va"], device, torch.bfloat16 if device == "cuda" else torch.float32, kernels=settings,
                                                     vram_budget=budget, fasth3=fasth3)
