@@ -73,6 +73,9 @@ def main(argv=None) -> int:
 
         def window_done(window, entry):
             peaks.append(entry.get("peak_gpu_memory_gb"))
+            print(json.dumps({"film_s": seconds, "window": window.index, "frames": window.frames,
+                              "seconds": entry["seconds"], "timings": entry["timings"],
+                              "peak_gb": entry.get("peak_gpu_memory_gb")}), flush=True)
 
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
