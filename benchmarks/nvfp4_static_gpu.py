@@ -4,7 +4,7 @@ Usage (repository root on the GPU machine):
     python3 benchmarks/nvfp4_static_gpu.py --out $OUT/nvfp4_static.json [--steps 3] [--skip-calibration]
 
 - calibration and gate: the synthetic full-size DiT (random fan_in weights) and the synthetic Qwen3-VL-32B stand-in
-  on the GPU, the DiT's block linears in the NVFP4 reference emulation (kernels/nvfp4_static.emulate_nvfp4:
+  on the GPU, the DiT's block linears in the NVFP4 reference emulation (h3_model/engine/block_linears.emulate_nvfp4:
   FP4 GEMMs do not run on Hopper), t2va-960x544-124f's canvas with --steps sigma points; `--calibration-requests`
   requests calibrate, `--held-out` others are gated. Wall seconds of each, the gate's figures (ratios, drift
   against dynamic scales, verdict), the artifact under $OUT.

@@ -113,7 +113,7 @@ def test_an_fp8_layer_becomes_an_nvfp4_linear_from_its_values():
 
     name, params, tensors = _layer("fp8_scaled", 64, 128, seed=5)
     layer = StoredLinear(StoredForm(name, (64, 128), tensors), torch.float32)
-    made = dispatch._make_linear("nvfp4", layer, None, False)
+    made = dispatch.make_linear("nvfp4", layer, None, False)
     assert made.source == "bf16 weight quantized to NVFP4"
     got = nvfp4.dequantize(made.weight, made.weight_scale, made.weight_scale_2, (64, 128), torch.float32)
     want = layer.dequantized()

@@ -27,6 +27,7 @@ from h3_spark.h3_model.engine.loading import LoadOptions
 from h3_spark.h3_model.pipeline.generation import GenerationRequest
 from h3_spark.kernels import nvfp4 as nv
 from h3_spark.kernels import nvfp4_static
+from h3_spark.kernels.dispatch import block_linears
 from h3_spark.kernels.settings import KernelSettings
 from h3_spark.measure import nvfp4_calibration as cal
 
@@ -275,7 +276,7 @@ def engine_with(path, seed: int = 0, linear: str = "nvfp4") -> Engine:
 
 
 def run_emulated(engine, item) -> tuple[torch.Tensor, dict]:
-    for m in nvfp4_static.block_linears(engine.components.dit).values():
+    for m in block_linears(engine.components.dit).values():
         m.emulate = True  # the CPU's stand-in for the FP4 GEMM; the static scales are what is tested
     engine.pipeline.decode = False
     result = engine.generate(GenerationRequest(mode="t2va", **item))
@@ -305,7 +306,7 @@ def test_promoted_artifact_runs_static_on_its_shapes_and_dynamic_elsewhere(files
     assert s["static"] is False and s["note"] == ("t2va-96x64-124f-2ev is outside the calibrated shapes "
                                                   "(t2va-64x64-124f-2ev): this request ran dynamic NVFP4 scales")
     assert torch.equal(got, want) and s["saturated_blocks"] == 0
-    assert all(m.static_on for m in nvfp4_static.block_linears(engine.components.dit).values())
+    assert all(m.static_on for m in block_linears(engine.components.dit).values())
 
 
 def load_error(path, seed=0, linear="nvfp4") -> str:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from h3_spark.kernels import nvfp4 as nv
+from h3_spark.h3_model.engine.block_linears import emulate_nvfp4
 from h3_spark.kernels import nvfp4_static as ns
 
 
@@ -146,7 +147,7 @@ def emulated_dit():
 
     torch.manual_seed(0)
     model = H3DiT(EQUAL_WIDTH, dtype=torch.bfloat16).eval()
-    sources = ns.emulate_nvfp4(model)
+    sources = emulate_nvfp4(model)
     assert sources == {"bf16 weight quantized to NVFP4": 6 * EQUAL_WIDTH.num_layers}
     return model
 

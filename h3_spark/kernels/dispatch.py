@@ -1,5 +1,5 @@
 """The kernel choices for a loaded H3DiT from one KernelSettings (`plan_kernels`, the `resolve_*` it is made
-of), the linears' conversion, and what the report says of them.
+of), the low-bit linear that replaces a block linear (`make_linear`), and what the report says of them.
 
 The engine installs a plan (h3_model/engine/kernel_plan.py: `apply_kernels`); front doors (CLI, bench,
 serve, nodes) parse the settings once and print or store the returned report: every approximate path and
@@ -13,9 +13,8 @@ where the checkpoint's own FP4 weights run natively.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
@@ -164,7 +163,9 @@ def _require_nvfp4(device) -> None:
     require_triton("the NVFP4 activation quantizer", device)
 
 
-def _make_linear(fmt: str, linear: nn.Module, stored: dict | None, use_triton: bool) -> nn.Module:
+def make_linear(fmt: str, linear: nn.Module, stored: dict | None, use_triton: bool) -> nn.Module:
+    """The `fmt` ("fp8" / "nvfp4") module that replaces block linear `linear`: from `stored` codes where given
+    (or its own, where its format declares them for `fmt`), else from its weight."""
     from .linear_fp8 import Fp8Linear
     from .nvfp4 import Nvfp4Linear
 
@@ -194,24 +195,25 @@ def _make_linear(fmt: str, linear: nn.Module, stored: dict | None, use_triton: b
     return Nvfp4Linear.from_linear(linear)
 
 
-def _block_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    for i, blk in enumerate(model.transformer_blocks):
-        for name in BLOCK_LINEARS:
-            yield f"transformer_blocks.{i}.{name}", blk.get_submodule(name)
+def block_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """The block linears by their model names (transformer_blocks.{i}.attn.to_q, ...)."""
+    return {f"transformer_blocks.{i}.{name}": blk.get_submodule(name)
+            for i, blk in enumerate(model.transformer_blocks) for name in BLOCK_LINEARS}
 
 
 def check_linears(model: nn.Module, fmt: str) -> None:
     """Refuse, before anything changes, a model whose block linears `fmt` cannot replace: already converted
     (the bf16 weights are gone), a bias, or GEMM dims the low-bit kernels do not take."""
+    found = block_linears(model)
     if fmt == "bf16":
-        converted = [n for n, m in _block_linears(model) if not isinstance(m, LINEAR_TYPES)]
+        converted = [n for n, m in found.items() if not isinstance(m, LINEAR_TYPES)]
         if converted:
-            kind = type(model.get_submodule(converted[0])).__name__
+            kind = type(found[converted[0]]).__name__
             raise KernelUnavailable(f"the block linears already run as {kind}; reload the model for exact bf16 "
                                     "linears")
         return
     n_div, k_div = (16, 16) if fmt == "fp8" else (16, 32)
-    for name, m in _block_linears(model):
+    for name, m in found.items():
         if not isinstance(m, LINEAR_TYPES):
             raise KernelUnavailable(f"the block linears were already converted ({type(m).__name__}); reload the "
                                     "model to apply H3_LINEAR again")
@@ -220,34 +222,6 @@ def check_linears(model: nn.Module, fmt: str) -> None:
             raise KernelUnavailable(f"H3_LINEAR={fmt} needs bias-free block linears with out features divisible "
                                     f"by {n_div} and in features by {k_div}; {name} is {n}x{k}"
                                     + (" with a bias" if m.bias is not None else ""))
-
-
-def convert_linears(model: nn.Module, fmt: str, weight_source: WeightSource | None = None,
-                    use_triton: bool = True) -> dict:
-    """Replace the block linears by `fmt` modules; returns counts by weight source."""
-    sources: dict[str, int] = {}
-    scope = getattr(model, "block_scope", None)
-    for i, blk in enumerate(model.transformer_blocks):
-        with scope(i) if scope is not None else contextlib.nullcontext():
-            _convert_block(i, blk, fmt, weight_source, use_triton, sources)
-    return sources
-
-
-def _convert_block(i: int, blk: nn.Module, fmt: str, weight_source: WeightSource | None, use_triton: bool,
-                   sources: dict[str, int]) -> None:
-    for name in BLOCK_LINEARS:
-        parent_name, _, attr = name.rpartition(".")
-        parent = blk.get_submodule(parent_name)
-        old = getattr(parent, attr) if not attr.isdigit() else parent[int(attr)]
-        # A StoredLinear brings its own codes; the weight source serves layers loaded dequantized.
-        wanted = weight_source is not None and not isinstance(old, StoredLinear)
-        stored = weight_source(f"transformer_blocks.{i}.{name}") if wanted else None
-        new = _make_linear(fmt, old, stored, use_triton)
-        if attr.isdigit():
-            parent[int(attr)] = new
-        else:
-            setattr(parent, attr, new)
-        sources[new.source] = sources.get(new.source, 0) + 1
 
 
 def exactness(report: dict, also: list[str] | tuple[str, ...] = ()) -> dict:

@@ -7,7 +7,8 @@ promoted by a gate, removes that pass. An input larger than the static range sat
 block scales clamp at e4m3's 448 and its values at +-6 times that; the saturated blocks are counted per layer.
 
 Here: which layers take static scales, setting and clearing them on a converted DiT, turning them off for one
-request, the amax observer calibration uses, and the reference emulation calibration runs on (any device).
+request, and the amax observer calibration uses. The reference emulation calibration runs on (any device) is
+installed by the engine (h3_model/engine/block_linears.emulate_nvfp4).
 """
 
 from __future__ import annotations
@@ -18,19 +19,13 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .dispatch import BLOCK_LINEARS, check_linears, convert_linears
+from .dispatch import block_linears
 from .nvfp4 import E2M1_MAX, E4M3_MAX, Nvfp4Activation, Nvfp4Linear, StaticInput
 
 # q, k and v read one activation (the fused RMSNorm + AdaLN producer encodes it once for all three), so they
 # take one scale and are excluded together.
 SHARED_INPUT = ("attn.to_q", "attn.to_k", "attn.to_v")
 RANGE = E4M3_MAX * E2M1_MAX  # the largest magnitude a global scale g represents is RANGE * g
-
-
-def block_linears(model: nn.Module) -> dict[str, nn.Module]:
-    """The block linears by their model names (transformer_blocks.{i}.attn.to_q, ...)."""
-    return {f"transformer_blocks.{i}.{name}": blk.get_submodule(name)
-            for i, blk in enumerate(model.transformer_blocks) for name in BLOCK_LINEARS}
 
 
 def nvfp4_linears(model: nn.Module) -> dict[str, Nvfp4Linear]:
@@ -55,25 +50,6 @@ def sharing_group(name: str) -> list[str]:
     if leaf and f"attn.{leaf}" in SHARED_INPUT:
         return [f"{prefix}.{n}" for n in SHARED_INPUT]
     return [name]
-
-
-# ------------------------------------------------------------------------------------------ emulation
-def emulate_nvfp4(model: nn.Module, weight_source=None) -> dict:
-    """Replace the block linears by NVFP4 linears that run the reference emulation on any device (a file's
-    stored NVFP4 codes where the model has them, else its weights quantized); returns counts by source."""
-    check_linears(model, "nvfp4")
-    origin = getattr(model, "checkpoint_origin", None)
-    stored = None
-    if weight_source is None and origin is not None:
-        weight_source = stored = origin.stored_linears(model, "nvfp4")
-    try:
-        sources = convert_linears(model, "nvfp4", weight_source, use_triton=False)
-    finally:
-        if stored is not None:
-            stored.close()
-    for m in nvfp4_linears(model).values():
-        m.emulate = True
-    return sources
 
 
 # ------------------------------------------------------------------------------------------ setting scales

@@ -1,7 +1,7 @@
 """Calibrating static NVFP4 activation scales, and the gate that promotes them.
 
 Both run the DiT's sampling (text encode + every evaluation of every step, no VAE decode) on requests from a
-JSON file, with the block linears on the NVFP4 reference emulation (kernels/nvfp4_static.emulate_nvfp4), so
+JSON file, with the block linears on the NVFP4 reference emulation (h3_model/engine/block_linears.emulate_nvfp4), so
 they run on any device and see what the FP4 GEMMs would compute.
 
 - calibrate: per block linear, the amax of every input it quantizes over all evaluations of all requests;
@@ -27,6 +27,7 @@ import torch
 from ..errors import InputError
 from ..h3_model import geometry
 from ..h3_model.engine import static_scales as art_mod
+from ..h3_model.engine.block_linears import emulate_nvfp4
 from ..h3_model.pipeline.generation import GenerationRequest, schedule_of
 from ..kernels import nvfp4_static
 from . import budget as budgets
@@ -97,7 +98,7 @@ def _identity(req: GenerationRequest) -> tuple:
 def prepare_model(engine, key: str) -> dict:
     """The engine's DiT `key` on the NVFP4 reference emulation, sampling without the VAE decode; returns where
     the NVFP4 weights came from (a file's stored codes, or the loaded weights quantized), by layer count."""
-    sources = nvfp4_static.emulate_nvfp4(getattr(engine.components, key))
+    sources = emulate_nvfp4(getattr(engine.components, key))
     engine.pipeline.decode = False
     return sources
 

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ...kernels.capability import triton_interpreting, triton_ready
-from ...kernels.dispatch import KernelPlan, WeightSource, convert_linears, exactness, nvfp4_fusions, plan_kernels
+from ...kernels.dispatch import KernelPlan, WeightSource, exactness, nvfp4_fusions, plan_kernels
+from .block_linears import convert_linears
 from ...kernels.settings import KernelSettings
 from .job_attention import install_attention
 
