@@ -9,21 +9,11 @@ import pytest
 import torch
 
 from h3_spark.cli import main
-from h3_spark.h3_model.engine.demo import build_demo_models
 from h3_spark.h3_model.media import files as media
 
 pytest.importorskip("av")
 
 TINY = ["--width", "64", "--height", "64", "--steps", "2"]
-
-
-@pytest.fixture(scope="module")
-def demo_models(tmp_path_factory):
-    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
-
-    if not ensure_importable():
-        pytest.skip("the Qwen3-VL processors need torchvision")
-    return build_demo_models(tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture(autouse=True)

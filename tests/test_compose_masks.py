@@ -56,20 +56,9 @@ def test_bad_masks(call, message):
         call()
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from h3_spark.h3_model.engine.engine import Engine
-    from h3_spark.h3_model.engine.loading import LoadOptions
-    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
-    from h3_spark.kernels.settings import KernelSettings
-    from h3_spark.measure import synthetic
-
-    if not ensure_importable():
-        pytest.skip("the Qwen3-VL processors need torchvision")
-    builders = synthetic.component_builders("tiny", ["t2va"], "cpu", torch.float32, torch.float32, text_layer=2)
-    options = LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2,
-                          kernels=KernelSettings(modulation_fusion="off", q_rms_rope_int8_fusion="off"))
-    return Engine(options=options, overrides=builders).load(["t2va"])
+@pytest.fixture
+def engine(tiny_t2va_engine):
+    return tiny_t2va_engine
 
 
 def _source():

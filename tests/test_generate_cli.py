@@ -9,18 +9,8 @@ import torch
 
 from h3_spark.cli import main
 from h3_spark.h3_model.media import files as media
-from h3_spark.h3_model.engine.demo import build_demo_models
 
 pytest.importorskip("av")
-
-
-@pytest.fixture(scope="module")
-def demo_models(tmp_path_factory):
-    from h3_spark.h3_model.text.torchvision_compat import ensure_importable
-
-    if not ensure_importable():
-        pytest.skip("the Qwen3-VL processors need torchvision")
-    return build_demo_models(tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture(autouse=True)

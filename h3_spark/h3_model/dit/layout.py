@@ -240,6 +240,19 @@ def _check_target(latent_frames: int, latent_height: int, latent_width: int, aud
     return (latent_height // patch[1]) * (latent_width // patch[2])
 
 
+def _with_target(pos, text_tags, video_parts, audio_parts, cursor: int, origin: float, audio_latents: int,
+                 latent_frames: int, grid, w_axis) -> Layout:
+    """The target's audio then video rows from `cursor` on, at rotary time `origin`, after the condition rows
+    (`video_parts` / `audio_parts`, packed order); the finished layout."""
+    video_start = _fill_audio(pos, cursor, audio_latents, origin, w_axis)
+    _fill_video(pos, video_start, latent_frames, grid, origin)
+    n_cond_video = sum(int(p.numel()) for p in video_parts)
+    n_cond_audio = sum(int(p.numel()) for p in audio_parts)
+    video_indices = torch.cat(video_parts + [torch.arange(video_start, pos.shape[0])])
+    audio_indices = torch.cat(audio_parts + [torch.arange(cursor, video_start)])
+    return _finish(pos, text_tags, video_indices, audio_indices, n_cond_video, n_cond_audio)
+
+
 def _finish(pos, text_tags, video_indices, audio_indices, n_cond_video, n_cond_audio) -> Layout:
     num_text = text_tags.numel()
     tags = torch.empty(pos.shape[0], dtype=torch.long)
@@ -353,13 +366,8 @@ def build_t2va(text_tags: torch.Tensor, latent_frames: int, latent_height: int, 
             end = _fill_audio(pos, cursor, g.audio_latents, t, w_axis)
             audio_parts.append(torch.arange(cursor, end))
             cursor = end
-    audio_start = cursor
-    video_start = _fill_audio(pos, audio_start, audio_latents, origin, w_axis)
-    _fill_video(pos, video_start, latent_frames, grid, origin)
-
-    video_indices = torch.cat(video_parts + [torch.arange(video_start, total)])
-    audio_indices = torch.cat(audio_parts + [torch.arange(audio_start, video_start)])
-    return _finish(pos, text_tags, video_indices, audio_indices, n_cond_video, n_cond_audio)
+    return _with_target(pos, text_tags, video_parts, audio_parts, cursor, origin, audio_latents, latent_frames, grid,
+                        w_axis)
 
 
 def check_references(blocks: list) -> None:
@@ -423,14 +431,8 @@ def build_ref2va(text_tags: torch.Tensor, references: list, latent_frames: int, 
             cursor = video_end
             clock += max(float(ref.audio_latents), _rope_span_sequential(ref.latent_frames))
 
-    n_cond_video = sum(p.numel() for p in video_parts)
-    n_cond_audio = sum(p.numel() for p in audio_parts)
-    audio_start = cursor
-    video_start = _fill_audio(pos, audio_start, audio_latents, clock, target_w)
-    _fill_video(pos, video_start, latent_frames, target_grid, clock)
-    video_indices = torch.cat(video_parts + [torch.arange(video_start, total)])
-    audio_indices = torch.cat(audio_parts + [torch.arange(audio_start, video_start)])
-    return _finish(pos, text_tags, video_indices, audio_indices, n_cond_video, n_cond_audio)
+    return _with_target(pos, text_tags, video_parts, audio_parts, cursor, clock, audio_latents, latent_frames,
+                        target_grid, target_w)
 
 
 def patchify(latents: torch.Tensor, patch: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
