@@ -481,6 +481,26 @@ def test_paths_are_confined_to_their_folders(serve, tmp_path):
     assert not any(outside.iterdir())
 
 
+def test_a_job_with_guides_reads_them_from_the_input_folder(serve, tmp_path):
+    from PIL import Image
+
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    Image.fromarray(torch.randint(0, 256, (40, 72, 3), dtype=torch.uint8).numpy()).save(inputs / "still.png")
+    client = serve(input_dir=inputs)
+    r = client.post("/generate", json=request("guided.mp4", guides=[{"kind": "image", "path": "still.png",
+                                                                      "frame": 60}], guide_strength=0.9))
+    assert r.status_code == 202, r.text
+    job = wait_job(client, r.json()["id"])
+    assert job["state"] == "done", job["error"]
+    assert job["request"]["guides"] == [{"kind": "image", "path": "still.png", "frame": 60}]
+    r = client.post("/generate", json=request("x.mp4", guides=[{"kind": "clip", "path": "none.mp4", "frame": 0}]))
+    assert r.status_code == 400 and "'none.mp4': no such file in the input folder" in r.json()["error"]
+    r = client.post("/generate", json=request("y.mp4", guides=[{"kind": "image", "path": "still.png", "frame": 200}]))
+    job = wait_job(client, r.json()["id"])
+    assert job["state"] == "failed" and "frame 200 is outside the 124-frame clip" in job["error"]
+
+
 def test_inputs_need_an_input_folder(serve):
     client = serve()
     r = client.post("/generate", json=request("k.mp4", first_frame="a.png"))

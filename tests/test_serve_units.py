@@ -8,6 +8,8 @@ import time
 import uuid
 from pathlib import Path
 
+import re
+
 import pytest
 
 from h3_spark.errors import H3Error, InputError
@@ -32,6 +34,32 @@ def test_defaults_and_mode_inference():
     assert ref.mode == "ref2va" and ref.references == [("video", "v.mp4"), ("audio", "s.wav")]
     public = ref.public()
     assert public["references"][0] == {"kind": "video", "path": "v.mp4"} and public["cache"]["mode"] == "off"
+
+
+def test_guides_are_parsed_and_shown():
+    req = parse_request({"prompt": "p", "output": "a.mp4", "guides": [
+        {"kind": "image", "path": "still.png", "frame": 48}, {"kind": "audio", "path": "s.wav", "frame": -96}],
+        "guide_strength": 0.9}, LIMITS)
+    assert req.mode == "t2va" and req.guides == [("image", "still.png", 48), ("audio", "s.wav", -96)]
+    public = req.public()
+    assert public["guides"][1] == {"kind": "audio", "path": "s.wav", "frame": -96} and public["guide_strength"] == 0.9
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"guides": [{"kind": "photo", "path": "a.png", "frame": 0}]}, "guides[0].kind must be one of image, clip, audio"),
+    ({"guides": [{"kind": "image", "path": "a.png"}]}, "guides[0] must be an object with exactly 'kind', 'path' and 'frame'"),
+    ({"guides": [{"kind": "image", "path": "a.png", "frame": 400}]}, "frame must be in -345..344, got 400"),
+    ({"guides": [{"kind": "image", "path": "a.png", "frame": 1.5}]}, "frame must be an integer, got 1.5"),
+    ({"guides": [{"kind": "image", "path": "a.png", "frame": 0}] * 17}, "guides must be a list of at most 16"),
+    ({"guides": [{"kind": "image", "path": "a.png", "frame": 0}], "references": [{"kind": "image", "path": "b.png"}]},
+     "ref2va takes no guides; guides go with t2va or fl2va"),
+    ({"guide_strength": 0}, "guide_strength is the level conditions are held at, in (0, 1]"),
+    ({"guide_strength": True}, "guide_strength is the level conditions are held at, in (0, 1]"),
+])
+def test_bad_guides(extra, fragment):
+    with pytest.raises(RequestError, match=re.escape(fragment)) as err:
+        parse_request({"prompt": "p", "output": "a.mp4", **extra}, LIMITS)
+    assert err.value.status == 400
 
 
 def test_cache_fields_take_the_mode_defaults():

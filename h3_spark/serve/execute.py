@@ -45,7 +45,8 @@ def job_message(job: Job, *, mlp_chunks: int, vae_tile_size: int | None, limits:
     """Everything a rank needs to build the job's GenerationRequest (picklable: it is broadcast)."""
     p = job.payload
     return {"id": job.id, "request": job.request, "references": list(p.get("references", [])),
-            "first_frame": p.get("first_frame"), "last_frame": p.get("last_frame"), "mlp_chunks": mlp_chunks,
+            "first_frame": p.get("first_frame"), "last_frame": p.get("last_frame"),
+            "guides": list(p.get("guides", [])), "mlp_chunks": mlp_chunks,
             "vae_tile_size": vae_tile_size, "max_image_pixels": limits.max_image_pixels,
             "max_video_frame_pixels": limits.max_video_frame_pixels}
 
@@ -61,6 +62,25 @@ def _read_inputs(message: dict) -> tuple[list, torch.Tensor | None, torch.Tensor
     return refs, first, last
 
 
+def _read_guides(message: dict, frames: int) -> list:
+    """The job's guides read from their files, decoded no further than the clip (a sound a little further, so that
+    one too long for its frame is refused as such, not silently cut)."""
+    from ..h3_model.compose.guides import Guide
+
+    guides = []
+    for kind, path, frame in message.get("guides", []):
+        if kind == "image":
+            guides.append(Guide("image", frame, image=media.read_image(path, max_pixels=message["max_image_pixels"])))
+        elif kind == "clip":
+            clip = media.read_video(path, fps=geometry.FPS, max_frames=frames, with_audio=False,
+                                    max_pixels=message["max_video_frame_pixels"])
+            guides.append(Guide("clip", frame, clip=clip.frames))
+        else:
+            sound = media.read_audio_clip(path, max_seconds=frames / geometry.FPS + 1.0)
+            guides.append(Guide("audio", frame, audio=sound.audio, sample_rate=sound.sample_rate))
+    return guides
+
+
 def build_generation(message: dict) -> GenerationRequest:
     """The job's GenerationRequest, its inputs read and its step cache made; the same on every rank."""
     req = message["request"]
@@ -68,7 +88,8 @@ def build_generation(message: dict) -> GenerationRequest:
     generation = GenerationRequest(
         mode=req.mode, prompt=req.prompt, references=references, first_frame=first, last_frame=last,
         width=req.width, height=req.height, frames=req.frames, steps=req.steps, seed=req.seed,
-        mlp_chunks=message["mlp_chunks"], vae_tile_size=message["vae_tile_size"])
+        mlp_chunks=message["mlp_chunks"], vae_tile_size=message["vae_tile_size"],
+        guides=_read_guides(message, geometry.snap_frames(req.frames)), guide_strength=req.guide_strength)
     if req.cache.mode != "off":
         c = req.cache
         generation.step_cache = make_step_cache(c.mode, c.threshold, c.start_percent, c.end_percent,

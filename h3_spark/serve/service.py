@@ -251,8 +251,9 @@ class Service:
             raise RequestError(400, str(exc)) from None
 
     def _input_paths(self, req: JobRequest) -> dict:
-        named = [k for k in ("first_frame", "last_frame") if getattr(req, k)] + (["references"] if req.references
-                                                                                   else [])
+        named = ([k for k in ("first_frame", "last_frame") if getattr(req, k)] + (["references"] if req.references
+                                                                                    else [])
+                 + (["guides"] if req.guides else []))
         if not named:
             return {}
         if self.inputs is None:
@@ -262,6 +263,8 @@ class Service:
         for key in ("first_frame", "last_frame"):
             if getattr(req, key):
                 payload[key] = self.inputs.media(getattr(req, key), "image")
+        file_kind = {"image": "image", "clip": "video", "audio": "audio"}
+        payload["guides"] = [(kind, self.inputs.media(path, file_kind[kind]), frame) for kind, path, frame in req.guides]
         return payload
 
     def _run_job(self, job: Job) -> tuple[str, str | None]:

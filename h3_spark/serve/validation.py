@@ -21,6 +21,10 @@ Fields (defaults in brackets):
   cache_mode         off | easycache | h3_cache | first_block [off]
   cache_threshold, cache_start_percent, cache_end_percent, cache_subsample_factor  (see h3_model.step_cache)
   recipes            list of NAME or NAME:key=value,... (h3_model/engine/recipes.py), at most 4 [none]
+  guides             [{"kind": "image" | "clip" | "audio", "path": "<file in --input-dir>", "frame": int}]: a still,
+                     a 17k+5-frame clip or a sound pinned at a frame (negative counts from the end), at most 16
+                     (t2va, fl2va; docs/compose.md)
+  guide_strength     number in (0, 1]: the level visual conditions are held at [0.999, as released]
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 
 from ..errors import H3Error
 from ..h3_model import geometry
+from ..h3_model.compose.guides import GUIDE_KINDS, MAX_GUIDES
 from ..h3_model.dit.layout import check_references
 from ..h3_model.pipeline.generation import MAX_STEPS, MODES
 from ..h3_model.pipeline.step_cache import (DEFAULT_END_PERCENT, DEFAULT_START_PERCENT, DEFAULT_SUBSAMPLE,
@@ -41,7 +46,7 @@ from ..kernels.settings import ATTENTION_BACKENDS
 REFERENCE_KINDS = ("image", "video", "audio")
 FIELDS = ("mode", "prompt", "references", "first_frame", "last_frame", "output", "overwrite", "width", "height",
           "frames", "steps", "seed", "attention", "cache_mode", "cache_threshold", "cache_start_percent",
-          "cache_end_percent", "cache_subsample_factor", "recipes")
+          "cache_end_percent", "cache_subsample_factor", "recipes", "guides", "guide_strength")
 MAX_RECIPES = 4
 
 
@@ -97,6 +102,8 @@ class JobRequest:
     attention: str | None = None
     cache: CacheOptions = field(default_factory=CacheOptions)
     recipes: list = field(default_factory=list)  # engine.recipes.Recipe, parsed and range-checked
+    guides: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, path in --input-dir, frame)
+    guide_strength: float | None = None
 
     @property
     def evaluations(self) -> int:
@@ -111,6 +118,8 @@ class JobRequest:
         out["cache"] = {"mode": c.mode, "threshold": c.threshold, "start_percent": c.start_percent,
                         "end_percent": c.end_percent, "subsample_factor": c.subsample_factor}
         out["recipes"] = [r.describe() for r in self.recipes]
+        out["guides"] = [{"kind": k, "path": p, "frame": f} for k, p, f in self.guides]
+        out["guide_strength"] = self.guide_strength
         return out
 
 
@@ -188,6 +197,14 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         raise _bad("fl2va needs first_frame and/or last_frame")
     if mode != "fl2va" and (first or last):
         raise _bad(f"{mode} takes no keyframes; use fl2va")
+    guides = _guides(body.get("guides"), limits)
+    if mode == "ref2va" and guides:
+        raise _bad("ref2va takes no guides; guides go with t2va or fl2va")
+    guide_strength = body.get("guide_strength")
+    if guide_strength is not None and (isinstance(guide_strength, bool) or not isinstance(guide_strength, (int, float))
+                                       or not 0 < guide_strength <= 1):
+        raise _bad(f"guide_strength is the level conditions are held at, in (0, 1] (0.999 as released), got "
+                   f"{guide_strength!r}")
     try:
         check_prompt(mode, prompt)
         _check_mentions_at_submit(mode, prompt, references, first, last)
@@ -230,7 +247,7 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         if steps > limits.max_steps:
             raise _bad(f"recipe {name}: {evaluations} evaluations exceed this service's {limits.max_steps - 1}")
     return JobRequest(mode, prompt, output, references, first, last, overwrite, width, height, frames, steps, seed,
-                      attention, cache, recipes)
+                      attention, cache, recipes, guides, guide_strength)
 
 
 def _check_mentions_at_submit(mode: str, prompt: str, references: list[tuple[str, str]], first, last) -> None:
@@ -272,6 +289,27 @@ def _recipes(body: dict, cache_mode: str, steps_given: bool) -> list:
     except H3Error as exc:
         raise _bad(str(exc)) from None
     return recipes
+
+
+def _guides(value: object, limits: Limits) -> list[tuple[str, str, int]]:
+    """The request's guides as (kind, path, frame); the files and the frames against the clip are checked later
+    (the input folder by the service, the lengths when the job reads them)."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > MAX_GUIDES:
+        raise _bad(f"guides must be a list of at most {MAX_GUIDES} {{kind, path, frame}} objects, got "
+                   f"{type(value).__name__ if not isinstance(value, list) else f'{len(value)} of them'}")
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or set(item) != {"kind", "path", "frame"}:
+            raise _bad(f"guides[{i}] must be an object with exactly 'kind', 'path' and 'frame', got {item!r}")
+        if item["kind"] not in GUIDE_KINDS:
+            raise _bad(f"guides[{i}].kind must be one of {', '.join(GUIDE_KINDS)}, got {item['kind']!r}")
+        frame = _int(item, "frame", None, -limits.max_frames, limits.max_frames - 1)
+        if frame is None:
+            raise _bad(f"guides[{i}].frame must be an integer")
+        out.append((item["kind"], _string(item, "path", limits.max_path_chars, required=True), frame))
+    return out
 
 
 def _references(value: object, limits: Limits) -> list[tuple[str, str]]:
