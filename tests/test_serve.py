@@ -501,6 +501,29 @@ def test_a_job_with_guides_reads_them_from_the_input_folder(serve, tmp_path):
     assert job["state"] == "failed" and "frame 200 is outside the 124-frame clip" in job["error"]
 
 
+def test_a_film_job_runs_its_windows_and_a_shot_list(serve):
+    client = serve()
+
+    def film(output, **extra):  # the length in seconds or shots, not frames
+        return {k: v for k, v in request(output, steps=2, **extra).items() if k != "frames"}
+
+    r = client.post("/generate", json=film("film.mp4", seconds=16))
+    assert r.status_code == 202, r.text
+    job = wait_job(client, r.json()["id"], timeout=120)
+    assert job["state"] == "done", job["error"]
+    assert job["info"]["frames"] == 384 and job["info"]["audio_samples"] == 512000
+    assert [w["film_frames"] for w in job["info"]["windows"]] == [[0, 192], [192, 384]]
+    assert job["request"]["shots"] == [{"frames": 384, "prompt": job["request"]["prompt"]}]
+    r = client.post("/generate", json=film("shots.mp4", shots=[{"seconds": 1, "prompt": "a fox"},
+                                                               {"seconds": 1.5, "prompt": "a crow"}]))
+    job = wait_job(client, r.json()["id"], timeout=120)
+    assert job["state"] == "done", job["error"]
+    assert job["info"]["frames"] == 60 and [w["shot"] for w in job["info"]["windows"]] == [0, 1]
+    r = client.post("/generate", json=film("one.mp4", seconds=5))  # within one generation: snapped to 124
+    job = wait_job(client, r.json()["id"], timeout=120)
+    assert job["state"] == "done" and job["request"]["frames"] == 120 and job["request"]["shots"] == []
+
+
 def test_inputs_need_an_input_folder(serve):
     client = serve()
     r = client.post("/generate", json=request("k.mp4", first_frame="a.png"))

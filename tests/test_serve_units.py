@@ -62,6 +62,34 @@ def test_bad_guides(extra, fragment):
     assert err.value.status == 400
 
 
+def test_films_are_parsed_into_shots():
+    req = parse_request({"prompt": "p", "output": "a.mp4", "seconds": 20}, LIMITS)
+    assert req.shots == [(480, "p")] and req.is_film
+    req = parse_request({"prompt": "p", "output": "a.mp4", "shots": [{"seconds": 2, "prompt": "a"},
+                                                                     {"seconds": 3, "prompt": "b"}]}, LIMITS)
+    assert req.shots == [(48, "a"), (72, "b")] and req.public()["shots"][1] == {"frames": 72, "prompt": "b"}
+    one = parse_request({"prompt": "p", "output": "a.mp4", "seconds": 10}, LIMITS)
+    assert not one.is_film and one.frames == 240
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"seconds": 61}, "seconds must be a number of seconds in (0, 60] (this service's longest film), got 61"),
+    ({"seconds": "20"}, "seconds must be a number of seconds"),
+    ({"seconds": 20, "shots": []}, "seconds and shots both give the length: use one"),
+    ({"seconds": 20, "frames": 124}, "frames and seconds / shots both give the length: use one"),
+    ({"shots": "a"}, "shots must be a list of 1..32 {seconds, prompt} objects"),
+    ({"shots": [{"seconds": 1}]}, "shots[0] must be an object with exactly 'seconds' and 'prompt'"),
+    ({"shots": [{"seconds": 40, "prompt": "a"}, {"seconds": 30, "prompt": "b"}]},
+     "the shots last 70 s; this service's longest film is 60 s"),
+    ({"seconds": 20, "last_frame": "k.png"},
+     "a film past one generation (seconds, shots) is made of t2va windows; fl2va takes one generation"),
+])
+def test_bad_films(extra, fragment):
+    with pytest.raises(RequestError, match=re.escape(fragment)) as err:
+        parse_request({"prompt": "p", "output": "a.mp4", **extra}, LIMITS)
+    assert err.value.status == 400
+
+
 def test_cache_fields_take_the_mode_defaults():
     req = parse_request({"prompt": "p", "output": "a.mp4", "cache_mode": "easycache", "cache_subsample_factor": 4},
                         LIMITS)

@@ -11,6 +11,7 @@ exception is gone); the models stay resident and the next job runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 import traceback
@@ -95,6 +96,27 @@ def build_generation(message: dict) -> GenerationRequest:
         generation.step_cache = make_step_cache(c.mode, c.threshold, c.start_percent, c.end_percent,
                                                 c.subsample_factor, evaluations=req.evaluations)
     return generation
+
+
+def generate_job(models: Engine, generation: GenerationRequest, req, *, progress=None, cancel=None,
+                 on_frames=None, on_window=None):
+    """One generation, or a film's windows one after another (compose/): the result holds the audio, and for a
+    film no frames (they went to `on_frames`) but its windows in `info`."""
+    if not req.is_film:
+        return models.generate(generation, on_progress=progress, cancel=cancel, on_frames=on_frames)
+    from ..h3_model.compose.film import Shot, assign_guides, render_film
+    from ..h3_model.compose.windows import DEFAULT_HISTORY_FRAMES, plan_film
+
+    plan = plan_film([frames for frames, _ in req.shots])
+    guides = assign_guides(plan, generation.guides)
+    base = dataclasses.replace(generation, guides=[], step_cache=None)
+    c = req.cache
+    fresh = None if c.mode == "off" else (lambda: make_step_cache(c.mode, c.threshold, c.start_percent, c.end_percent,
+                                                                  c.subsample_factor, evaluations=req.evaluations))
+    return render_film(lambda r: models.generate(r, on_progress=progress, cancel=cancel), base, plan,
+                       [Shot(prompt, frames) for frames, prompt in req.shots], history_frames=DEFAULT_HISTORY_FRAMES,
+                       on_frames=on_frames or (lambda frames: None), guides=guides, fresh_step_cache=fresh,
+                       on_window=on_window)
 
 
 def dit_key(mode: str) -> str:
@@ -192,7 +214,10 @@ class JobRunner:
                                                                  overwrite=req.overwrite))
             dit = getattr(self.models.components, key)
             calls_before = attention_counts(dit)
-            result = self.models.generate(generation, on_progress=progress, cancel=cancel, on_frames=stream.add)
+            result = generate_job(self.models, generation, req, progress=progress, cancel=cancel,
+                                  on_frames=stream.add, on_window=lambda w, entry: self.log(
+                                      f"job {job.id}: window {w.index + 1} kept film frames {entry['film_frames'][0]}.."
+                                      f"{entry['film_frames'][1]} in {entry['seconds']:.2f} s"))
             # This job's share of the backend's counters (calls it ran on a fallback kernel, ...).
             job.backends["attention"] = {**job.backends["attention"],
                                          **{k: v - calls_before.get(k, 0) for k, v in attention_counts(dit).items()}}
@@ -206,13 +231,19 @@ class JobRunner:
             mux = time.perf_counter() - t1
         path = job.payload["output_path"]
         cache = generation.step_cache
-        timings = {"read_inputs": read_inputs, **result.timings, "mux": mux}
-        info = {k: v for k, v in result.info.items() if k not in ("step_cache", "step_seconds")}
-        info["step_seconds"] = [round(s, 4) for s in result.info.get("step_seconds", [])]
+        if req.is_film:  # its windows' own timings are in info["windows"]
+            timings = {"read_inputs": read_inputs, "film": time.perf_counter() - t0 - read_inputs - mux, "mux": mux}
+            info = {"frames": result.frames, "audio_samples": int(result.audio.shape[1]),
+                    "windows": result.info["windows"]}
+        else:
+            timings = {"read_inputs": read_inputs, **result.timings, "mux": mux}
+            info = {k: v for k, v in result.info.items() if k not in ("step_cache", "step_seconds")}
+            info["step_seconds"] = [round(s, 4) for s in result.info.get("step_seconds", [])]
         # Everything that is not the exact path, as apply_kernels reports it, plus this job's own choices.
-        job.backends.update(exactness(job.backends, (["step_cache"] if cache is not None and cache.reused else [])
+        reused = cache is not None and (cache.reused or req.is_film)  # a film's windows had caches of their own
+        job.backends.update(exactness(job.backends, (["step_cache"] if reused else [])
                                       + [f"recipe {r['name']}" for r in generation.recipes]))
-        job.step_cache = result.info.get("step_cache", {"mode": "off"})
+        job.step_cache = result.info.get("step_cache", {"mode": req.cache.mode} if req.is_film else {"mode": "off"})
         job.timings, job.info, job.output = timings, info, str(path)
         job.progress = {"stage": "done", "step": 0, "total": 0}
         self.log(f"[perf] job {job.id} mode={req.mode} {info.get('width')}x{info.get('height')}x{info.get('frames')} "

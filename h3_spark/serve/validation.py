@@ -25,6 +25,10 @@ Fields (defaults in brackets):
                      a 17k+5-frame clip or a sound pinned at a frame (negative counts from the end), at most 16
                      (t2va, fl2va; docs/compose.md)
   guide_strength     number in (0, 1]: the level visual conditions are held at [0.999, as released]
+  seconds            number, 0 < s <= limits.max_film_seconds: the clip's length instead of `frames`; past 345
+                     frames it is made in windows, each going on from the one before (t2va; docs/compose.md)
+  shots              [{"seconds": number, "prompt": string}], at most 32: a film of shots, each starting afresh
+                     with its own prompt (t2va; `prompt` is still required and is what the record shows)
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from ..kernels.settings import ATTENTION_BACKENDS
 REFERENCE_KINDS = ("image", "video", "audio")
 FIELDS = ("mode", "prompt", "references", "first_frame", "last_frame", "output", "overwrite", "width", "height",
           "frames", "steps", "seed", "attention", "cache_mode", "cache_threshold", "cache_start_percent",
-          "cache_end_percent", "cache_subsample_factor", "recipes", "guides", "guide_strength")
+          "cache_end_percent", "cache_subsample_factor", "recipes", "guides", "guide_strength", "seconds", "shots")
+MAX_SHOTS = 32
 MAX_RECIPES = 4
 
 
@@ -73,6 +78,8 @@ class Limits:
     # uses are decoded).
     max_image_pixels: int = 50_000_000
     max_video_frame_pixels: int = 4096 * 2304
+    # The longest film a job may ask for (its windows run one after another on the service's GPU).
+    max_film_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         if not 2 <= self.max_steps <= MAX_STEPS:
@@ -104,6 +111,12 @@ class JobRequest:
     recipes: list = field(default_factory=list)  # engine.recipes.Recipe, parsed and range-checked
     guides: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, path in --input-dir, frame)
     guide_strength: float | None = None
+    # A film past one generation (compose/): its shots as (frames, prompt); empty for one generation.
+    shots: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def is_film(self) -> bool:
+        return bool(self.shots)
 
     @property
     def evaluations(self) -> int:
@@ -120,6 +133,7 @@ class JobRequest:
         out["recipes"] = [r.describe() for r in self.recipes]
         out["guides"] = [{"kind": k, "path": p, "frame": f} for k, p, f in self.guides]
         out["guide_strength"] = self.guide_strength
+        out["shots"] = [{"frames": f, "prompt": p} for f, p in self.shots]
         return out
 
 
@@ -219,6 +233,14 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
     if (width is None) != (height is None):
         raise _bad("width and height go together, or neither")
     frames = _int(body, "frames", geometry.DEFAULT_FRAMES, 1, limits.max_frames)
+    shots = _shots(body, prompt, limits)
+    if shots and mode != "t2va":
+        raise _bad(f"a film past one generation (seconds, shots) is made of t2va windows; {mode} takes one "
+                   f"generation of at most {limits.max_frames} frames")
+    if shots and "frames" in body:
+        raise _bad("frames and seconds / shots both give the length: use one")
+    if len(shots) == 1 and shots[0][0] <= limits.max_frames and "shots" not in body:
+        frames, shots = shots[0][0], []  # one generation: the usual snapping to 17k+5 applies
     steps = _int(body, "steps", 50, 2, limits.max_steps)
     seed = _int(body, "seed", 0, 0, 2 ** 63 - 1)
     try:
@@ -247,7 +269,7 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         if steps > limits.max_steps:
             raise _bad(f"recipe {name}: {evaluations} evaluations exceed this service's {limits.max_steps - 1}")
     return JobRequest(mode, prompt, output, references, first, last, overwrite, width, height, frames, steps, seed,
-                      attention, cache, recipes, guides, guide_strength)
+                      attention, cache, recipes, guides, guide_strength, shots)
 
 
 def _check_mentions_at_submit(mode: str, prompt: str, references: list[tuple[str, str]], first, last) -> None:
@@ -289,6 +311,38 @@ def _recipes(body: dict, cache_mode: str, steps_given: bool) -> list:
     except H3Error as exc:
         raise _bad(str(exc)) from None
     return recipes
+
+
+def _seconds(value: object, name: str, limits: Limits) -> int:
+    """Frames for a length in seconds, within the service's longest film."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= limits.max_film_seconds:
+        raise _bad(f"{name} must be a number of seconds in (0, {limits.max_film_seconds:g}] (this service's longest "
+                   f"film), got {value!r}")
+    return round(value * geometry.FPS)
+
+
+def _shots(body: dict, prompt: str, limits: Limits) -> list[tuple[int, str]]:
+    """(frames, prompt) of each shot: `shots`, or one shot of `prompt` for `seconds`; [] for neither."""
+    if "seconds" in body and "shots" in body:
+        raise _bad("seconds and shots both give the length: use one")
+    if "seconds" in body:
+        return [(_seconds(body["seconds"], "seconds", limits), prompt)]
+    value = body.get("shots")
+    if value is None:
+        return []
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_SHOTS:
+        raise _bad(f"shots must be a list of 1..{MAX_SHOTS} {{seconds, prompt}} objects, got {value!r:.200}")
+    shots = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or set(item) != {"seconds", "prompt"}:
+            raise _bad(f"shots[{i}] must be an object with exactly 'seconds' and 'prompt', got {item!r:.200}")
+        text = _string(item, "prompt", limits.max_prompt_chars, required=True)
+        shots.append((_seconds(item["seconds"], f"shots[{i}].seconds", limits), text))
+    total = sum(f for f, _ in shots)
+    if total > round(limits.max_film_seconds * geometry.FPS):
+        raise _bad(f"the shots last {total / geometry.FPS:g} s; this service's longest film is "
+                   f"{limits.max_film_seconds:g} s")
+    return shots
 
 
 def _guides(value: object, limits: Limits) -> list[tuple[str, str, int]]:
