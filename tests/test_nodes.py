@@ -176,7 +176,7 @@ def sound(seconds, rate=32000, channels=2, seed=0):
 
 # ------------------------------------------------------------------------------------------ tests
 def test_every_node_describes_itself():
-    assert len(NODE_CLASS_MAPPINGS) == 12
+    assert len(NODE_CLASS_MAPPINGS) == 13
     for key, cls in NODE_CLASS_MAPPINGS.items():
         spec = cls.INPUT_TYPES()
         assert set(spec) <= {"required", "optional", "hidden"}, key
@@ -1104,3 +1104,25 @@ def test_native_guides_become_guide_blocks_in_list_order():
     assert out.blocks == [GuideBlock(102, 7, 0), GuideBlock(48, 1, 30)] and out.anchors == ()
     assert [z.shape[2] for z in out.condition_latents] == [7, 1]
     assert torch.equal(out.audio_condition_rows[0], sound[0].permute(1, 2, 0).reshape(-1, 32))
+
+
+def test_add_guide_chains_stills_clips_and_sounds_the_sampler_takes(models, monkeypatch):
+    fake_comfy(monkeypatch, models)
+    model, te, vae = load_all(models)
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+    add = node("H3SparkAddGuide").add
+    cond, latent = add(cond, latent, vae, 48, image=image(3))
+    clip = torch.cat([image(4 + i) for i in range(25)])  # 25 frames: cut to the longest 17k+5, 22
+    cond, latent = add(cond, latent, vae, -22, image=clip, audio=sound(0.5))
+    guides = cond[0][1]["minimax_keyframes"]
+    assert [g["resolved_frame_index"] for g in guides] == [48, 102]
+    assert guides[0]["latent"].shape[2] == 1 and guides[1]["latent"].shape[2] == 7
+    assert guides[1]["audio_latent"].shape[-1] == 20 and "audio_latent" not in guides[0]
+    out = node("H3SparkSampler").sample(model, cond, latent, 3, STEPS, 12.0, 3.0)[0]
+    plain = node("H3SparkSampler").sample(model, *node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES), 3,
+                                          STEPS, 12.0, 3.0)[0]
+    assert not torch.equal(out["samples"][0], plain["samples"][0])  # the guides condition the clip
+    with pytest.raises(InputError, match="H3 Add Guide needs an image"):
+        add(cond, latent, vae, 0)
+    with pytest.raises(InputError, match=r"guide 1 \(image\): frame 200 is outside the 124-frame clip"):
+        add(cond, latent, vae, 200, image=image(1))

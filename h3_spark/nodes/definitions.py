@@ -283,6 +283,36 @@ class H3FirstLastFrameToVideo:
         return _engine().fl2va(text_encoder, vae, prompt, width, height, length, first_frame, last_frame)
 
 
+class H3AddGuide:
+    """Pin a still, a clip or a sound at any frame of the clip: appended to the conditioning's guides, which the
+    H3 sampler (and ComfyUI's own MiniMax H3 sampling) reads. Chain several for several guides."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"positive": ("CONDITIONING", {"tooltip": "An H3 conditioning (ours or ComfyUI's "
+                                                                       "native); the guide is appended to it."}),
+                             "latent": ("LATENT", {"tooltip": "The clip's H3 audio-video latent: its length and "
+                                                              "canvas place and size the guide."}),
+                             "vae": ("H3_VAE", {"tooltip": "Encodes the guide's pictures and sound."}),
+                             "frame_idx": ("INT", {"default": 0, "min": -9999, "max": 9999,
+                                                   "tooltip": "The frame the guide starts at; negative counts from "
+                                                              "the end (-1 is the last frame)."})},
+                "optional": {"image": ("IMAGE", {"tooltip": "One frame: a still. 5 or more: a clip, cut to the "
+                                                            "longest 17k+5 (5, 22, 39, ...); it must end in the "
+                                                            "clip."}),
+                             "audio": ("AUDIO", {"tooltip": "A sound from the guide's frame on; it must fit in "
+                                                            "what remains of the clip."})}}
+
+    RETURN_TYPES = ("CONDITIONING", "LATENT")
+    RETURN_NAMES = ("positive", "latent")
+    FUNCTION = "add"
+    CATEGORY = f"{CATEGORY}/conditioning"
+    TITLE = "H3 Add Guide"
+
+    def add(self, positive, latent, vae, frame_idx, image=None, audio=None):
+        return _engine().add_guide(positive, latent, vae, frame_idx, image, audio)
+
+
 class H3ReferenceToVideo:
     """Ref2VA: prompt + reference images, videos (with optional soundtracks) and audio -> CONDITIONING + LATENT.
 
@@ -505,7 +535,7 @@ def _described(node_class):
 
 
 NODES = (H3ModelLoader, H3LoraLoader, H3TextEncoderLoader, H3VAELoader, H3TextToVideo, H3FirstLastFrameToVideo,
-         H3ReferenceToVideo, H3Sampler, H3Decode, H3SaveVideo, H3AttentionPatch, H3NativeAttentionPatch)
+         H3ReferenceToVideo, H3AddGuide, H3Sampler, H3Decode, H3SaveVideo, H3AttentionPatch, H3NativeAttentionPatch)
 NODES = tuple(_described(cls) for cls in NODES)
 NODE_CLASS_MAPPINGS = {f"H3Spark{cls.__name__[2:]}": cls for cls in NODES}
 NODE_DISPLAY_NAME_MAPPINGS = {key: cls.TITLE for key, cls in NODE_CLASS_MAPPINGS.items()}

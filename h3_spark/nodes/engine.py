@@ -319,6 +319,43 @@ def ref2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, heigh
     return payload.make_conditioning(embeds, tags, refs=blocks), _empty(vae, width, height, frames)
 
 
+def add_guide(conditioning, latent, vae: VAEHandle, frame_idx: int, image=None, audio=None):
+    """A still (one IMAGE frame), a clip (5 or more frames, cut to the longest 17k+5 as ComfyUI's AddGuide cuts
+    them) and/or a sound pinned at `frame_idx` (negative: from the end) of the LATENT's clip, appended to the
+    conditioning's guides (`minimax_keyframes`, which the H3 sampler and ComfyUI's own read alike)."""
+    from ..h3_model.compose.guides import Guide, prepare_guides
+    from ..h3_model.media.refs import PreparedReference
+
+    if image is None and audio is None:
+        raise InputError("H3 Add Guide needs an image (a still or a clip) or an audio input")
+    video, _ = payload.unpack_latent(latent)
+    frames = payload.frames_of(int(video.shape[2]))
+    height, width = int(video.shape[3]) * geometry.VAE_SPATIAL, int(video.shape[4]) * geometry.VAE_SPATIAL
+    guides = []
+    if image is not None:
+        pixels = frames_u8(image, "the guide image")
+        if pixels.shape[0] < geometry.VAE_LATENTS_PER_CHUNK:
+            guides.append(Guide("image", frame_idx, image=pixels[0]))
+        else:
+            guides.append(Guide("clip", frame_idx, clip=pixels[:geometry.snap_frames_down(int(pixels.shape[0]))]))
+    if audio is not None:
+        wave, rate = waveform(audio, "the guide audio")
+        guides.append(Guide("audio", frame_idx, audio=wave, sample_rate=rate))
+    prepared = prepare_guides(guides, frames=frames, width=width, height=height)
+    block: dict = {"resolved_frame_index": prepared[0].frame}
+    for p in prepared:
+        if p.pixels is not None:
+            block["latent"], = vae.encode_video([p], lambda engine, g: engine.encode_reference(PreparedReference(
+                "image" if g.pixels.ndim == 3 else "video", pixels=g.pixels), tile_size=vae.tile_size).latent)
+        else:
+            sound, = vae.encode_audio([p], lambda engine, g: engine.encode_reference(
+                PreparedReference("audio", audio=g.audio)).audio)
+            block["audio_latent"] = payload.audio_to_comfy(sound)
+    (embeds, extras), = conditioning
+    extras = {**extras, payload.KEYFRAMES: [*(extras.get(payload.KEYFRAMES) or []), block]}
+    return [[embeds, extras]], latent
+
+
 def _encode_references(vae: VAEHandle, prepared: list):
     """The references' video latents, then their audio latents (iterators, in reference order): each VAE loaded
     once, for all the references that need it, one stage after the other."""
