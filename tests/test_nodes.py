@@ -176,7 +176,7 @@ def sound(seconds, rate=32000, channels=2, seed=0):
 
 # ------------------------------------------------------------------------------------------ tests
 def test_every_node_describes_itself():
-    assert len(NODE_CLASS_MAPPINGS) == 13
+    assert len(NODE_CLASS_MAPPINGS) == 15
     for key, cls in NODE_CLASS_MAPPINGS.items():
         spec = cls.INPUT_TYPES()
         assert set(spec) <= {"required", "optional", "hidden"}, key
@@ -1126,3 +1126,36 @@ def test_add_guide_chains_stills_clips_and_sounds_the_sampler_takes(models, monk
         add(cond, latent, vae, 0)
     with pytest.raises(InputError, match=r"guide 1 \(image\): frame 200 is outside the 124-frame clip"):
         add(cond, latent, vae, 200, image=image(1))
+
+
+def test_extend_and_join_make_a_longer_clip_whose_window_goes_on_from_the_first(models, monkeypatch):
+    from h3_spark.h3_model.compose.windows import frame_sample
+
+    fake_comfy(monkeypatch, models)
+    model, te, vae = load_all(models)
+    decode = node("H3SparkDecode").decode
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+    first_images, first_audio = decode(vae, node("H3SparkSampler").sample(model, cond, latent, 3, STEPS, 12.0, 3.0)[0])
+    cond, latent = node("H3SparkTextToVideo").encode(te, "the cat jumps", W, H, FRAMES)
+    cond, latent = node("H3SparkExtendVideo").extend(cond, latent, vae, first_images, 22, audio=first_audio)
+    extras = cond[0][1]
+    assert extras["h3_spark_history"]["latent"].shape[2] == 7  # 22 frames
+    assert extras["h3_spark_history"]["audio_latent"].shape[-1] == 36  # whole latents under 22 frames
+    assert extras["minimax_keyframes"][0]["resolved_frame_index"] == 0
+    second = node("H3SparkSampler").sample(model, cond, latent, 3, STEPS, 12.0, 3.0)[0]
+    images_b, audio_b = decode(vae, second)
+    images, audio = node("H3SparkJoinVideo").join(first_images, images_b, 1, first_audio, audio_b)
+    assert images.shape[0] == 124 + 123 and torch.equal(images[:124], first_images)
+    assert torch.equal(images[124:], images_b[1:])
+    assert audio["waveform"].shape == (1, 2, frame_sample(247))
+    # The sound of the join: the first clip's up to its end, then the second's from its frame 1.
+    assert torch.equal(audio["waveform"][0, :, :frame_sample(124)], first_audio["waveform"][0, :, :frame_sample(124)])
+    start = frame_sample(123)
+    assert torch.equal(audio["waveform"][0, :, frame_sample(124):],
+                       audio_b["waveform"][0, :, frame_sample(124) - start:frame_sample(247) - start])
+    with pytest.raises(InputError, match="the clip to extend is 32x64, the new latent 64x64"):
+        node("H3SparkExtendVideo").extend(cond, latent, vae, first_images[:, :, :32], 22)
+    with pytest.raises(InputError, match="it needs at least 23"):
+        node("H3SparkExtendVideo").extend(cond, latent, vae, first_images[:20], 22)
+    with pytest.raises(InputError, match="overlap must be 0..123"):
+        node("H3SparkJoinVideo").join(first_images, images_b, 124)

@@ -313,6 +313,58 @@ class H3AddGuide:
         return _engine().add_guide(positive, latent, vae, frame_idx, image, audio)
 
 
+class H3ExtendVideo:
+    """The next window of a clip past 15 s: the conditioning (from H3 Text to Video, at the clip's canvas) goes on
+    from the clip's last frames and sound; sample it, decode it, then H3 Join Video drops the frame it repeats."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"positive": ("CONDITIONING", {"tooltip": "The new window's prompt (H3 Text to Video "
+                                                                       "at the clip's width and height)."}),
+                             "latent": ("LATENT", {"tooltip": "The new window's H3 latent: its length is what is "
+                                                              "made, 5 to 14.4 s."}),
+                             "vae": ("H3_VAE", {"tooltip": "Encodes the clip's tail."}),
+                             "images": ("IMAGE", {"tooltip": "The clip so far (24 fps)."}),
+                             "history_frames": ("INT", {"default": 22, "min": 5, "max": 107, "step": 17,
+                                                        "tooltip": "Frames before the clip's last one that the new "
+                                                                   "window goes on from (17k+5)."})},
+                "optional": {"audio": ("AUDIO", {"tooltip": "The clip's sound; without it the history is "
+                                                            "silent."})}}
+
+    RETURN_TYPES = ("CONDITIONING", "LATENT")
+    RETURN_NAMES = ("positive", "latent")
+    FUNCTION = "extend"
+    CATEGORY = f"{CATEGORY}/conditioning"
+    TITLE = "H3 Extend Video"
+
+    def extend(self, positive, latent, vae, images, history_frames, audio=None):
+        return _engine().extend_video(positive, latent, vae, images, audio, history_frames)
+
+
+class H3JoinVideo:
+    """Two clips one after the other, the second without the frames it repeats (1 after H3 Extend Video), their
+    sound cut on one sample grid so that it stays exactly as long as the picture."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"images_a": ("IMAGE", {"tooltip": "The clip so far."}),
+                             "images_b": ("IMAGE", {"tooltip": "Its continuation."}),
+                             "overlap": ("INT", {"default": 1, "min": 0, "max": 345,
+                                                 "tooltip": "Frames of the second clip's start that repeat the "
+                                                            "first's end (1 after H3 Extend Video)."})},
+                "optional": {"audio_a": ("AUDIO", {"tooltip": "The first clip's sound (silence without it)."}),
+                             "audio_b": ("AUDIO", {"tooltip": "The second clip's sound (silence without it)."})}}
+
+    RETURN_TYPES = ("IMAGE", "AUDIO")
+    RETURN_NAMES = ("images", "audio")
+    FUNCTION = "join"
+    CATEGORY = f"{CATEGORY}/video"
+    TITLE = "H3 Join Video"
+
+    def join(self, images_a, images_b, overlap, audio_a=None, audio_b=None):
+        return _engine().join_video(images_a, audio_a, images_b, audio_b, overlap)
+
+
 class H3ReferenceToVideo:
     """Ref2VA: prompt + reference images, videos (with optional soundtracks) and audio -> CONDITIONING + LATENT.
 
@@ -535,7 +587,7 @@ def _described(node_class):
 
 
 NODES = (H3ModelLoader, H3LoraLoader, H3TextEncoderLoader, H3VAELoader, H3TextToVideo, H3FirstLastFrameToVideo,
-         H3ReferenceToVideo, H3AddGuide, H3Sampler, H3Decode, H3SaveVideo, H3AttentionPatch, H3NativeAttentionPatch)
+         H3ReferenceToVideo, H3AddGuide, H3ExtendVideo, H3JoinVideo, H3Sampler, H3Decode, H3SaveVideo, H3AttentionPatch, H3NativeAttentionPatch)
 NODES = tuple(_described(cls) for cls in NODES)
 NODE_CLASS_MAPPINGS = {f"H3Spark{cls.__name__[2:]}": cls for cls in NODES}
 NODE_DISPLAY_NAME_MAPPINGS = {key: cls.TITLE for key, cls in NODE_CLASS_MAPPINGS.items()}

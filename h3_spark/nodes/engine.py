@@ -356,6 +356,88 @@ def add_guide(conditioning, latent, vae: VAEHandle, frame_idx: int, image=None, 
     return [[embeds, extras]], latent
 
 
+def extend_video(conditioning, latent, vae: VAEHandle, images, audio=None, history_frames: int = 22):
+    """The next window of a clip: the conditioning goes on from the clip's last frames, as `generate --seconds`
+    windows do (compose/film.py). Its history is the `history_frames` frames before the clip's last frame, with
+    the whole audio latents of sound under them, placed before the target on the time axis; the last frame is
+    its first-frame guide, so the new clip's frame 0 repeats it (H3 Join Video drops it)."""
+    from ..h3_model.compose.guides import AUDIO_SAMPLES_PER_LATENT
+    from ..h3_model.compose.windows import check_history_frames, frame_sample
+    from ..h3_model.media.refs import PreparedReference, resample_audio
+
+    check_history_frames(history_frames)
+    video, _ = payload.unpack_latent(latent)
+    height, width = int(video.shape[3]) * geometry.VAE_SPATIAL, int(video.shape[4]) * geometry.VAE_SPATIAL
+    clip = frames_u8(images, "the clip to extend")
+    if tuple(clip.shape[1:3]) != (height, width):
+        raise InputError(f"the clip to extend is {clip.shape[2]}x{clip.shape[1]}, the new latent {width}x{height}: a "
+                         "clip is continued at its own size")
+    if clip.shape[0] < history_frames + 1:
+        raise InputError(f"the clip to extend has {clip.shape[0]} frames; it needs at least {history_frames + 1} (its "
+                         f"last frame and {history_frames} before it)")
+    last = int(clip.shape[0]) - 1
+    history = clip[last - history_frames:last]
+    sound = None
+    if audio is not None:
+        wave, rate = waveform(audio, "the clip's audio")
+        if wave.shape[0] == 1:
+            wave = wave.expand(2, -1)
+        wave = wave[:2].float() if rate == geometry.AUDIO_SAMPLE_RATE else resample_audio(
+            wave[:2].float(), rate, geometry.AUDIO_SAMPLE_RATE)
+        end = frame_sample(last)  # the last frame's first sample: the new clip's frame 0 starts there
+        latents = geometry.AUDIO_LATENTS_PER_SECOND * history_frames // geometry.FPS
+        if end > wave.shape[1] or end < latents * AUDIO_SAMPLES_PER_LATENT:
+            raise InputError(f"the clip's audio has {wave.shape[1]} samples; the history needs the "
+                             f"{latents * AUDIO_SAMPLES_PER_LATENT} before sample {end}")
+        sound = wave[:, end - latents * AUDIO_SAMPLES_PER_LATENT:end].contiguous()
+    tile = vae.tile_size
+    pictures = vae.encode_video([PreparedReference("video", pixels=history), PreparedReference("image", pixels=clip[last])],
+                                lambda engine, ref: engine.encode_reference(ref, tile_size=tile).latent)
+    block = {"latent": pictures[0], "audio_latent": None}
+    if sound is not None:
+        encoded, = vae.encode_audio([PreparedReference("audio", audio=sound)],
+                                    lambda engine, ref: engine.encode_reference(ref).audio)
+        block["audio_latent"] = payload.audio_to_comfy(encoded)
+    (embeds, extras), = conditioning
+    if extras.get(payload.REFS):
+        raise InputError("H3 Extend Video goes on from text-to-video conditioning (H3 Text to Video), not references")
+    guide = {"resolved_frame_index": 0, "latent": pictures[1]}
+    extras = {**extras, payload.HISTORY: block, payload.KEYFRAMES: [guide, *(extras.get(payload.KEYFRAMES) or [])]}
+    return [[embeds, extras]], latent
+
+
+def join_video(images_a, audio_a, images_b, audio_b, overlap: int = 1):
+    """Clip a, then clip b without its first `overlap` frames (the frame an extension repeats), and their sound
+    cut on one grid (frame g starts at sample round(g x 4000 / 3)), so the joined sound is exactly as long as
+    the joined picture."""
+    from ..h3_model.compose.windows import frame_sample
+    from ..h3_model.media.refs import resample_audio
+
+    a, b = frames_u8(images_a, "the first clip"), frames_u8(images_b, "the second clip")
+    if tuple(a.shape[1:3]) != tuple(b.shape[1:3]):
+        raise InputError(f"the clips are {a.shape[2]}x{a.shape[1]} and {b.shape[2]}x{b.shape[1]}; joined clips "
+                         "share one size")
+    if not 0 <= overlap < b.shape[0]:
+        raise InputError(f"overlap must be 0..{b.shape[0] - 1} (the second clip's frames), got {overlap}")
+    first, start = int(a.shape[0]), int(a.shape[0]) - overlap  # the film frame of b's frame 0
+
+    def stereo_32k(audio, what: str, samples: int) -> torch.Tensor:
+        if audio is None:
+            return torch.zeros(2, samples)
+        wave, rate = waveform(audio, what)
+        wave = (wave.expand(2, -1) if wave.shape[0] == 1 else wave[:2]).float()
+        if rate != geometry.AUDIO_SAMPLE_RATE:
+            wave = resample_audio(wave, rate, geometry.AUDIO_SAMPLE_RATE)
+        return torch.nn.functional.pad(wave, (0, max(0, samples - wave.shape[1])))
+
+    sound_a = stereo_32k(audio_a, "the first clip's audio", frame_sample(first))[:, :frame_sample(first)]
+    end = start + int(b.shape[0])
+    sound_b = stereo_32k(audio_b, "the second clip's audio", frame_sample(end) - frame_sample(start))
+    sound_b = sound_b[:, frame_sample(first) - frame_sample(start):frame_sample(end) - frame_sample(start)]
+    frames = torch.cat([a, b[overlap:]]).float() / 255
+    return frames, {"waveform": torch.cat([sound_a, sound_b], dim=1)[None], "sample_rate": geometry.AUDIO_SAMPLE_RATE}
+
+
 def _encode_references(vae: VAEHandle, prepared: list):
     """The references' video latents, then their audio latents (iterators, in reference order): each VAE loaded
     once, for all the references that need it, one stage after the other."""

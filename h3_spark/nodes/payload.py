@@ -5,7 +5,9 @@ One format for both node sets, so native and h3-spark nodes mix (docs/comfyui.md
   `minimax_token_tags` (L,) (0 = vision, 1 = text) and either `minimax_refs` (blocks of kind image /
   video / video_audio / audio with `latent` (1, C, T, h, w), `audio_latent` (1, C_a, 2, T_a) and their
   sizes) or `minimax_keyframes` (`resolved_frame_index`, and `latent` (a still or a 5k+2-frame clip) and/or
-  `audio_latent`: FL2VA's first/last frames and AddGuide's guides at any frame). Latents are normalised.
+  `audio_latent`: FL2VA's first/last frames and AddGuide's guides at any frame), and ours alone
+  `h3_spark_history` (`latent` (1, C, 5k+2, h, w), `audio_latent` or None: the clip a window goes on from,
+  placed before the target on the time axis; H3 Extend Video makes it). Latents are normalised.
 - LATENT: `{"samples": video+audio}`; inside ComfyUI a `comfy.nested_tensor.NestedTensor((video, audio))`
   with video (B, C, T, H/16, W/16) and audio (B, C_a, 2, T_a) (what native VAEDecode and VAEDecodeAudio
   take), outside ComfyUI the plain tuple (video, audio).
@@ -21,12 +23,13 @@ import torch
 
 from ..errors import InputError
 from ..h3_model import geometry
-from ..h3_model.dit.layout import AudioBlock, GuideBlock, ImageBlock, VideoBlock
+from ..h3_model.dit.layout import AudioBlock, GuideBlock, HistoryBlock, ImageBlock, VideoBlock
 from .host import optional_module
 
 TAGS = "minimax_token_tags"
 REFS = "minimax_refs"
 KEYFRAMES = "minimax_keyframes"
+HISTORY = "h3_spark_history"
 
 
 # ------------------------------------------------------------------------------------------ LATENT
@@ -134,13 +137,32 @@ def read_conditions(conditioning, latent) -> Conditions:
     refs, keyframes = extras.get(REFS) or [], extras.get(KEYFRAMES) or []
     if refs and keyframes:
         raise InputError("references (Ref2VA) and keyframes (FL2VA) cannot be combined in one H3 generation")
+    history = extras.get(HISTORY)
+    if history is not None and refs:
+        raise InputError("a history (H3 Extend Video) goes with text-to-video conditioning, not with references")
     out = Conditions("ref2va" if refs else "fl2va" if keyframes else "t2va", embeds, tags,
                      int(video.shape[2]), int(video.shape[3]), int(video.shape[4]), int(audio.shape[3]))
+    if history is not None:  # first in packed order: right after the text
+        _read_history(history, out, video.shape)
     if refs:
         _read_refs(refs, out)
     elif keyframes:
         _read_keyframes(keyframes, out, video.shape)
     return out
+
+
+def _read_history(history: dict, out: Conditions, video_shape) -> None:
+    z = _latent(history, "latent", "the history", 5)
+    if tuple(z.shape[3:]) != tuple(video_shape[3:]):
+        raise InputError(f"the history is at latent size {tuple(z.shape[3:])}, the clip at {tuple(video_shape[3:])}: "
+                         "a clip is continued at its own size")
+    out.condition_latents.append(z)
+    audio_t = 0
+    if history.get("audio_latent") is not None:
+        a = _latent(history, "audio_latent", "the history", 4)
+        out.audio_condition_rows.append(audio_rows(a))
+        audio_t = int(a.shape[3])
+    out.blocks.append(HistoryBlock(int(z.shape[2]), audio_t))
 
 
 def _latent(block: dict, key: str, what: str, ndim: int) -> torch.Tensor:
