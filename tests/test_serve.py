@@ -524,6 +524,31 @@ def test_a_film_job_runs_its_windows_and_a_shot_list(serve):
     assert job["state"] == "done" and job["request"]["frames"] == 120 and job["request"]["shots"] == []
 
 
+def test_continue_and_repaint_jobs_read_their_clips_from_the_input_folder(serve, tmp_path):
+    from h3_spark.h3_model.media import files as media
+
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    for name, count in (("short.mp4", 48), ("full.mp4", 124)):
+        sound = torch.rand(2, round(count / 24 * 32000), generator=gen) - 0.5
+        media.write_mp4(inputs / name, torch.randint(0, 256, (count, 64, 64, 3), dtype=torch.uint8, generator=gen),
+                        sound)
+    client = serve(input_dir=inputs)
+    body = {k: v for k, v in request("more.mp4", steps=2).items() if k not in ("frames", "width", "height")}
+    r = client.post("/generate", json={**body, "seconds": 1, "continue": "short.mp4"})
+    assert r.status_code == 202, r.text
+    job = wait_job(client, r.json()["id"], timeout=120)
+    assert job["state"] == "done", job["error"]
+    assert job["info"]["frames"] == 72 and job["info"]["windows"][0]["history_frames"] == 22
+    r = client.post("/generate", json={**body, "output": "fixed.mp4", "repaint": "full.mp4",
+                                       "regenerate_seconds": [1, 2]})
+    job = wait_job(client, r.json()["id"], timeout=120)
+    assert job["state"] == "done", job["error"]
+    # Frames 24..47 touch latent frames 7..14; the test VAE is 4x spatial: 64x64 is 8x8 patches a latent frame.
+    assert job["info"]["kept_rows"]["video"] == 29 * 64
+
+
 def test_inputs_need_an_input_folder(serve):
     client = serve()
     r = client.post("/generate", json=request("k.mp4", first_frame="a.png"))

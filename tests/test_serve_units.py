@@ -90,6 +90,30 @@ def test_bad_films(extra, fragment):
     assert err.value.status == 400
 
 
+def test_continue_and_repaint_are_parsed():
+    req = parse_request({"prompt": "p", "output": "a.mp4", "seconds": 3, "continue": "clip.mp4"}, LIMITS)
+    assert req.is_film and req.continue_from == "clip.mp4" and req.public()["continue"] == "clip.mp4"
+    req = parse_request({"prompt": "p", "output": "a.mp4", "repaint": "c.mp4", "mask": "m.png",
+                         "regenerate_seconds": [1, 2.5]}, LIMITS)
+    assert (req.repaint, req.mask, req.regenerate_seconds) == ("c.mp4", "m.png", (1.0, 2.5))
+    assert req.public()["regenerate_seconds"] == [1.0, 2.5]
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"continue": "c.mp4"}, "continue needs the new part's length: seconds or shots"),
+    ({"mask": "m.png"}, "mask and regenerate_seconds go with repaint"),
+    ({"repaint": "c.mp4"}, "repaint needs what to make anew: mask, regenerate_seconds or both"),
+    ({"repaint": "c.mp4", "regenerate_seconds": [2, 1]}, "regenerate_seconds must be [start, end] in seconds"),
+    ({"repaint": "c.mp4", "mask": "m.png", "frames": 124},
+     "repaint keeps its clip's length and canvas: drop frames, width/height, seconds, shots and continue"),
+    ({"repaint": "c.mp4", "mask": "m.png", "last_frame": "k.png"}, "fl2va takes no repaint; repainting a clip is t2va"),
+])
+def test_bad_continues_and_repaints(extra, fragment):
+    with pytest.raises(RequestError, match=re.escape(fragment)) as err:
+        parse_request({"prompt": "p", "output": "a.mp4", **extra}, LIMITS)
+    assert err.value.status == 400
+
+
 def test_cache_fields_take_the_mode_defaults():
     req = parse_request({"prompt": "p", "output": "a.mp4", "cache_mode": "easycache", "cache_subsample_factor": 4},
                         LIMITS)

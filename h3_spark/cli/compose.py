@@ -243,7 +243,7 @@ def film_summary(args, engine, result, kernels: dict, exactness: dict, options) 
 def parse_repaint(args):
     """(Source, NoiseMask) of --repaint, --mask and --regenerate-seconds, or (None, None)."""
     from ..h3_model import geometry
-    from ..h3_model.compose.masks import NoiseMask, Source, time_span_mask
+    from ..h3_model.compose.masks import Source, repaint_mask
     from ..h3_model.media import files as media
 
     if args.repaint is None:
@@ -252,34 +252,16 @@ def parse_repaint(args):
         return None, None
     if args.mask is None and args.regenerate_seconds is None:
         raise InputError("--repaint needs what to make anew: --mask, --regenerate-seconds or both")
-    clip = media.read_video(args.repaint, fps=geometry.FPS, sample_rate=geometry.AUDIO_SAMPLE_RATE)
-    frames, height, width = (int(n) for n in clip.frames.shape[:3])
-    video = audio = None
+    span = None
     if args.regenerate_seconds is not None:
         start, sep, end = args.regenerate_seconds.partition("-")
         try:
-            span = time_span_mask(frames, float(start), float(end))
+            span = (float(start), float(end))
         except ValueError:
             raise InputError(f"--regenerate-seconds must be START-END in seconds, got {args.regenerate_seconds!r}") from None
         if not sep:
             raise InputError(f"--regenerate-seconds must be START-END in seconds, got {args.regenerate_seconds!r}")
-        video, audio = span.video[:, None, None].expand(frames, height, width), span.audio
-    if args.mask is not None:
-        image = media.read_image(args.mask)
-        if tuple(image.shape[:2]) != (height, width):
-            raise InputError(f"--mask {args.mask} is {image.shape[1]}x{image.shape[0]}; the clip is {width}x{height}")
-        region = (image.amax(-1) > 0).float()
-        video = region.expand(frames, height, width) if video is None else video * region
-        if audio is None:
-            audio = torch_zeros_like_sound(frames)
-    return Source(clip.frames, clip.audio), NoiseMask(video, audio)
-
-
-def torch_zeros_like_sound(frames: int):
-    """An audio mask that keeps all of a clip's sound."""
-    import torch
-
-    from ..h3_model import geometry
-    from ..h3_model.compose.masks import AUDIO_SAMPLES_PER_LATENT
-
-    return torch.zeros(geometry.audio_latent_frames(frames) * AUDIO_SAMPLES_PER_LATENT)
+    clip = media.read_video(args.repaint, fps=geometry.FPS, sample_rate=geometry.AUDIO_SAMPLE_RATE)
+    frames, height, width = (int(n) for n in clip.frames.shape[:3])
+    region = None if args.mask is None else media.read_image(args.mask)
+    return Source(clip.frames, clip.audio), repaint_mask(frames, height, width, region, span, f"--mask {args.mask}")

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import H3Error
+from ..errors import H3Error, InputError
 from ..h3_model import geometry
 from ..h3_model.engine.engine import Engine
 from ..h3_model.engine.job_attention import AttentionChoice
@@ -47,7 +47,9 @@ def job_message(job: Job, *, mlp_chunks: int, vae_tile_size: int | None, limits:
     p = job.payload
     return {"id": job.id, "request": job.request, "references": list(p.get("references", [])),
             "first_frame": p.get("first_frame"), "last_frame": p.get("last_frame"),
-            "guides": list(p.get("guides", [])), "mlp_chunks": mlp_chunks,
+            "guides": list(p.get("guides", [])), "continue": p.get("continue"), "repaint": p.get("repaint"),
+            "mask": p.get("mask"), "max_film_frames": round(limits.max_film_seconds * geometry.FPS),
+            "mlp_chunks": mlp_chunks,
             "vae_tile_size": vae_tile_size, "max_image_pixels": limits.max_image_pixels,
             "max_video_frame_pixels": limits.max_video_frame_pixels}
 
@@ -82,6 +84,35 @@ def _read_guides(message: dict, frames: int) -> list:
     return guides
 
 
+def _read_repaint(message: dict):
+    """(Source, NoiseMask) of a repaint job, or (None, None): its clip (no more than one generation's frames) and
+    what to make anew."""
+    from ..h3_model.compose.masks import Source, repaint_mask
+
+    if not message.get("repaint"):
+        return None, None
+    req = message["request"]
+    clip = media.read_video(message["repaint"], fps=geometry.FPS, max_frames=geometry.snap_frames(345),
+                            max_pixels=message["max_video_frame_pixels"], sample_rate=geometry.AUDIO_SAMPLE_RATE)
+    frames, height, width = (int(n) for n in clip.frames.shape[:3])
+    region = None
+    if message.get("mask"):
+        region = media.read_image(message["mask"], max_pixels=message["max_image_pixels"])
+    return Source(clip.frames, clip.audio), repaint_mask(frames, height, width, region, req.regenerate_seconds,
+                                                         f"the mask {req.mask!r}")
+
+
+def read_continued(message: dict):
+    """The clip a film job goes on from (at most the service's longest film), or None."""
+    from ..h3_model.compose.film import ContinuedClip
+
+    if not message.get("continue"):
+        return None
+    clip = media.read_video(message["continue"], fps=geometry.FPS, max_frames=message["max_film_frames"],
+                            max_pixels=message["max_video_frame_pixels"], sample_rate=geometry.AUDIO_SAMPLE_RATE)
+    return ContinuedClip(clip.frames, clip.audio)
+
+
 def build_generation(message: dict) -> GenerationRequest:
     """The job's GenerationRequest, its inputs read and its step cache made; the same on every rank."""
     req = message["request"]
@@ -90,7 +121,8 @@ def build_generation(message: dict) -> GenerationRequest:
         mode=req.mode, prompt=req.prompt, references=references, first_frame=first, last_frame=last,
         width=req.width, height=req.height, frames=req.frames, steps=req.steps, seed=req.seed,
         mlp_chunks=message["mlp_chunks"], vae_tile_size=message["vae_tile_size"],
-        guides=_read_guides(message, geometry.snap_frames(req.frames)), guide_strength=req.guide_strength)
+        guides=_read_guides(message, geometry.snap_frames(req.frames)), guide_strength=req.guide_strength,
+        **dict(zip(("source", "mask"), _read_repaint(message))))
     if req.cache.mode != "off":
         c = req.cache
         generation.step_cache = make_step_cache(c.mode, c.threshold, c.start_percent, c.end_percent,
@@ -99,15 +131,23 @@ def build_generation(message: dict) -> GenerationRequest:
 
 
 def generate_job(models: Engine, generation: GenerationRequest, req, *, progress=None, cancel=None,
-                 on_frames=None, on_window=None):
-    """One generation, or a film's windows one after another (compose/): the result holds the audio, and for a
-    film no frames (they went to `on_frames`) but its windows in `info`."""
+                 on_frames=None, on_window=None, continued=None):
+    """One generation, or a film's windows one after another (compose/), after the clip it `continued` (at that
+    clip's canvas): the result holds the audio, and for a film no frames (they went to `on_frames`) but its
+    windows in `info`."""
     if not req.is_film:
         return models.generate(generation, on_progress=progress, cancel=cancel, on_frames=on_frames)
     from ..h3_model.compose.film import Shot, assign_guides, render_film
     from ..h3_model.compose.windows import DEFAULT_HISTORY_FRAMES, plan_film
 
-    plan = plan_film([frames for frames, _ in req.shots])
+    if continued is not None:
+        height, width = (int(n) for n in continued.frames.shape[1:3])
+        if generation.width is not None and (generation.width, generation.height) != (width, height):
+            raise InputError(f"the clip to continue is {width}x{height}; the request asks for {generation.width}x"
+                             f"{generation.height}: a clip is continued at its own size")
+        generation = dataclasses.replace(generation, width=width, height=height)
+    plan = plan_film([frames for frames, _ in req.shots], continues=0 if continued is None else
+                     int(continued.frames.shape[0]))
     guides = assign_guides(plan, generation.guides)
     base = dataclasses.replace(generation, guides=[], step_cache=None)
     c = req.cache
@@ -115,8 +155,8 @@ def generate_job(models: Engine, generation: GenerationRequest, req, *, progress
                                                                   c.subsample_factor, evaluations=req.evaluations))
     return render_film(lambda r: models.generate(r, on_progress=progress, cancel=cancel), base, plan,
                        [Shot(prompt, frames) for frames, prompt in req.shots], history_frames=DEFAULT_HISTORY_FRAMES,
-                       on_frames=on_frames or (lambda frames: None), guides=guides, fresh_step_cache=fresh,
-                       on_window=on_window)
+                       on_frames=on_frames or (lambda frames: None), continued=continued, guides=guides,
+                       fresh_step_cache=fresh, on_window=on_window)
 
 
 def dit_key(mode: str) -> str:
@@ -215,7 +255,7 @@ class JobRunner:
             dit = getattr(self.models.components, key)
             calls_before = attention_counts(dit)
             result = generate_job(self.models, generation, req, progress=progress, cancel=cancel,
-                                  on_frames=stream.add, on_window=lambda w, entry: self.log(
+                                  on_frames=stream.add, continued=read_continued(message), on_window=lambda w, entry: self.log(
                                       f"job {job.id}: window {w.index + 1} kept film frames {entry['film_frames'][0]}.."
                                       f"{entry['film_frames'][1]} in {entry['seconds']:.2f} s"))
             # This job's share of the backend's counters (calls it ran on a fallback kernel, ...).

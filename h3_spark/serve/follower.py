@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from ..errors import H3Error
-from .execute import free_memory, generate_job, prepare_job
+from .execute import free_memory, generate_job, prepare_job, read_continued
 from .lockstep import Lockstep, LockstepCancel, load_in_lockstep
 
 
@@ -43,7 +43,8 @@ def follow(lockstep: Lockstep, load: Callable[[], object], log: Callable[[str], 
         try:
             with contextlib.ExitStack() as stack:
                 generation, _ = prepare_job(models, message, lockstep, stack)
-                generate_job(models, generation, message["request"], cancel=LockstepCancel())  # rank 0 writes
+                generate_job(models, generation, message["request"], cancel=LockstepCancel(),
+                             continued=read_continued(message))  # rank 0 writes the output
             log(f"job {job_id} done")
         except Cancelled as exc:
             log(f"job {job_id} {exc}")

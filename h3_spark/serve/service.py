@@ -253,7 +253,8 @@ class Service:
     def _input_paths(self, req: JobRequest) -> dict:
         named = ([k for k in ("first_frame", "last_frame") if getattr(req, k)] + (["references"] if req.references
                                                                                     else [])
-                 + (["guides"] if req.guides else []))
+                 + (["guides"] if req.guides else [])
+                 + [k for k, v in (("continue", req.continue_from), ("repaint", req.repaint), ("mask", req.mask)) if v])
         if not named:
             return {}
         if self.inputs is None:
@@ -265,6 +266,10 @@ class Service:
                 payload[key] = self.inputs.media(getattr(req, key), "image")
         file_kind = {"image": "image", "clip": "video", "audio": "audio"}
         payload["guides"] = [(kind, self.inputs.media(path, file_kind[kind]), frame) for kind, path, frame in req.guides]
+        for key, name, kind in (("continue", req.continue_from, "video"), ("repaint", req.repaint, "video"),
+                                ("mask", req.mask, "image")):
+            if name:
+                payload[key] = self.inputs.media(name, kind)
         return payload
 
     def _run_job(self, job: Job) -> tuple[str, str | None]:

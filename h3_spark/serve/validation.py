@@ -29,6 +29,12 @@ Fields (defaults in brackets):
                      frames it is made in windows, each going on from the one before (t2va; docs/compose.md)
   shots              [{"seconds": number, "prompt": string}], at most 32: a film of shots, each starting afresh
                      with its own prompt (t2va; `prompt` is still required and is what the record shows)
+  continue           "<video in --input-dir>": the film goes on from this clip (with seconds or shots; the
+                     output is the clip, then the new part; the canvas is the clip's)
+  repaint            "<video in --input-dir>", 17k+5 frames (124..345): keep parts of it, make the rest anew
+                     (t2va; the canvas and length are the clip's), with `mask` and/or `regenerate_seconds`
+  mask               "<image in --input-dir>" at the clip's size: the region to make anew (non-black pixels)
+  regenerate_seconds [start, end]: the span of time to make anew (picture and sound)
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ from ..kernels.settings import ATTENTION_BACKENDS
 REFERENCE_KINDS = ("image", "video", "audio")
 FIELDS = ("mode", "prompt", "references", "first_frame", "last_frame", "output", "overwrite", "width", "height",
           "frames", "steps", "seed", "attention", "cache_mode", "cache_threshold", "cache_start_percent",
-          "cache_end_percent", "cache_subsample_factor", "recipes", "guides", "guide_strength", "seconds", "shots")
+          "cache_end_percent", "cache_subsample_factor", "recipes", "guides", "guide_strength", "seconds", "shots",
+          "continue", "repaint", "mask", "regenerate_seconds")
 MAX_SHOTS = 32
 MAX_RECIPES = 4
 
@@ -113,6 +120,11 @@ class JobRequest:
     guide_strength: float | None = None
     # A film past one generation (compose/): its shots as (frames, prompt); empty for one generation.
     shots: list[tuple[int, str]] = field(default_factory=list)
+    continue_from: str | None = None  # a video in --input-dir the film goes on from
+    # A repaint: the clip, the region to make anew and/or the span (start, end) in seconds.
+    repaint: str | None = None
+    mask: str | None = None
+    regenerate_seconds: tuple[float, float] | None = None
 
     @property
     def is_film(self) -> bool:
@@ -134,6 +146,8 @@ class JobRequest:
         out["guides"] = [{"kind": k, "path": p, "frame": f} for k, p, f in self.guides]
         out["guide_strength"] = self.guide_strength
         out["shots"] = [{"frames": f, "prompt": p} for f, p in self.shots]
+        out.update({"continue": self.continue_from, "repaint": self.repaint, "mask": self.mask,
+                    "regenerate_seconds": None if self.regenerate_seconds is None else list(self.regenerate_seconds)})
         return out
 
 
@@ -239,8 +253,15 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
                    f"generation of at most {limits.max_frames} frames")
     if shots and "frames" in body:
         raise _bad("frames and seconds / shots both give the length: use one")
-    if len(shots) == 1 and shots[0][0] <= limits.max_frames and "shots" not in body:
+    continue_from = _string(body, "continue", limits.max_path_chars)
+    if continue_from is not None and not shots:
+        raise _bad("continue needs the new part's length: seconds or shots")
+    if len(shots) == 1 and shots[0][0] <= limits.max_frames and "shots" not in body and continue_from is None:
         frames, shots = shots[0][0], []  # one generation: the usual snapping to 17k+5 applies
+    repaint, mask, span = _repaint(body, mode, limits)
+    if repaint is not None and (shots or continue_from is not None or "frames" in body or width is not None):
+        raise _bad("repaint keeps its clip's length and canvas: drop frames, width/height, seconds, shots and "
+                   "continue")
     steps = _int(body, "steps", 50, 2, limits.max_steps)
     seed = _int(body, "seed", 0, 0, 2 ** 63 - 1)
     try:
@@ -269,7 +290,7 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         if steps > limits.max_steps:
             raise _bad(f"recipe {name}: {evaluations} evaluations exceed this service's {limits.max_steps - 1}")
     return JobRequest(mode, prompt, output, references, first, last, overwrite, width, height, frames, steps, seed,
-                      attention, cache, recipes, guides, guide_strength, shots)
+                      attention, cache, recipes, guides, guide_strength, shots, continue_from, repaint, mask, span)
 
 
 def _check_mentions_at_submit(mode: str, prompt: str, references: list[tuple[str, str]], first, last) -> None:
@@ -311,6 +332,27 @@ def _recipes(body: dict, cache_mode: str, steps_given: bool) -> list:
     except H3Error as exc:
         raise _bad(str(exc)) from None
     return recipes
+
+
+def _repaint(body: dict, mode: str, limits: Limits) -> tuple[str | None, str | None, tuple[float, float] | None]:
+    repaint = _string(body, "repaint", limits.max_path_chars)
+    mask = _string(body, "mask", limits.max_path_chars)
+    span = body.get("regenerate_seconds")
+    if repaint is None:
+        if mask is not None or span is not None:
+            raise _bad("mask and regenerate_seconds go with repaint")
+        return None, None, None
+    if mode != "t2va":
+        raise _bad(f"{mode} takes no repaint; repainting a clip is t2va")
+    if mask is None and span is None:
+        raise _bad("repaint needs what to make anew: mask, regenerate_seconds or both")
+    if span is not None:
+        if (not isinstance(span, list) or len(span) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in span)
+                or not 0 <= span[0] < span[1]):
+            raise _bad(f"regenerate_seconds must be [start, end] in seconds, 0 <= start < end, got {span!r:.100}")
+        span = (float(span[0]), float(span[1]))
+    return repaint, mask, span
 
 
 def _seconds(value: object, name: str, limits: Limits) -> int:

@@ -103,3 +103,23 @@ def time_span_mask(frames: int, start_s: float, end_s: float) -> NoiseMask:
     audio = torch.zeros(samples)
     audio[math.floor(start_s * geometry.AUDIO_SAMPLE_RATE):min(samples, math.ceil(end_s * geometry.AUDIO_SAMPLE_RATE))] = 1
     return NoiseMask(video, audio)
+
+
+def repaint_mask(frames: int, height: int, width: int, region: torch.Tensor | None = None,
+                 span: tuple[float, float] | None = None, what: str = "the mask") -> NoiseMask:
+    """What a repaint makes anew: `region` (a uint8 (H, W, 3) picture, non-black = anew) in every frame, the sound
+    kept; or `span` (start, end seconds), picture and sound; or the region within the span."""
+    if region is None and span is None:
+        raise InputError("a repaint needs what to make anew: a region, a time span or both")
+    video = audio = None
+    if span is not None:
+        timed = time_span_mask(frames, *span)
+        video, audio = timed.video[:, None, None].expand(frames, height, width), timed.audio
+    if region is not None:
+        if tuple(region.shape[:2]) != (height, width):
+            raise InputError(f"{what} is {region.shape[1]}x{region.shape[0]}; the clip is {width}x{height}")
+        anew = (region.amax(-1) > 0).float()
+        video = anew.expand(frames, height, width) if video is None else video * anew
+        if audio is None:  # a region of the picture: the sound is kept whole
+            audio = torch.zeros(geometry.audio_latent_frames(frames) * AUDIO_SAMPLES_PER_LATENT)
+    return NoiseMask(video, audio)
