@@ -53,9 +53,15 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     http.add_argument("--max-headers", type=int, default=64, help="headers in one request (more: 431)")
     http.add_argument("--keep-alive-s", type=int, default=5, help="an idle connection is closed after this long")
     http.add_argument("--max-connections", type=int, default=64,
-                      help="connections and requests at once (more: 503 until some end)")
+                      help="requests worked on at once, a request with a body from its last byte (more: 503 with "
+                           "Retry-After); stalled clients do not count")
     http.add_argument("--body-timeout-s", type=float, default=30.0,
                       help="a request body must arrive within this long of its head (else 408)")
+    http.add_argument("--head-timeout-s", type=float, default=10.0,
+                      help="a request's head must arrive whole within this long of the connection opening or of "
+                           "the previous response (else the socket is closed)")
+    http.add_argument("--max-sockets", type=int, default=2048,
+                      help="open sockets at once, stalled ones included (one more is closed as it opens)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="the service's own log lines: text, or one JSON object per line with the job id")
@@ -91,7 +97,8 @@ def service_settings(args, device: str | None = None):
         raise InputError(f"--max-header-kb must be 1..1024, got {args.max_header_kb}")
     http = HttpLimits(max_header_bytes=args.max_header_kb << 10, max_headers=args.max_headers,
                       keep_alive_s=args.keep_alive_s, max_connections=args.max_connections,
-                      body_timeout_s=args.body_timeout_s)
+                      body_timeout_s=args.body_timeout_s, head_timeout_s=args.head_timeout_s,
+                      max_sockets=args.max_sockets)
     config = ServiceConfig(output_dir=args.output_dir, input_dir=args.input_dir, queue_size=args.queue_size,
                            limits=Limits(max_steps=args.max_steps, max_input_file_bytes=args.max_input_mb << 20),
                            vae_tile_size=request.vae_tile_size, mlp_chunks=request.mlp_chunks,

@@ -98,8 +98,12 @@ def png(body: bytes) -> Response:
 
 
 def middleware(http: HttpLimits, allowed_hosts: tuple[str, ...] | None, api_key: str | None) -> list[Middleware]:
-    """Outermost first: a request with too many headers costs nothing more; then the Host list; then the token."""
-    stack = [Middleware(HeaderLimits, count=http.max_headers, size=http.max_header_bytes)]
+    """Outermost first: the cap on requests worked on at once; a request with too many headers costs nothing more;
+    then the Host list; then the token."""
+    from .http_guard import RequestLimit
+
+    stack = [Middleware(RequestLimit, limit=http.max_connections),
+             Middleware(HeaderLimits, count=http.max_headers, size=http.max_header_bytes)]
     if allowed_hosts:
         # DNS rebinding: a page at attacker.example, resolved to 127.0.0.1, sends Host: attacker.example.
         from starlette.middleware.trustedhost import TrustedHostMiddleware

@@ -1,10 +1,11 @@
 """What one HTTP client may cost the service: header size and count, idle and half-sent connections, bodies.
 
 uvicorn enforces what it has settings for (`uvicorn_settings`): the size of a request's head
-(h11_max_incomplete_event_size: past it h11 answers 431/400 and closes), the keep-alive timeout between requests,
-and the connections and tasks at once (limit_concurrency: past it 503). What it has none for is here: a cap on
-the number and bytes of headers (`HeaderLimits`, 431), a deadline for reading a body (`read_body`, 408), and a client that
-hangs up mid-body is one log line, not a traceback.
+(h11_max_incomplete_event_size: past it h11 answers 431/400 and closes) and the keep-alive timeout between
+requests. `http_guard.py` adds, on uvicorn's protocol, a deadline for a whole head and a cap on open sockets,
+and the cap on requests being worked on (503 with Retry-After) that stalled clients do not count against. Here:
+a cap on the number and bytes of headers (`HeaderLimits`, 431), a deadline for reading a body (`read_body`, 408),
+and a client that hangs up mid-body is one log line, not a traceback.
 """
 
 from __future__ import annotations
@@ -24,23 +25,31 @@ class HttpLimits:
     max_header_bytes: int = 16 * 1024  # the request line and every header together
     max_headers: int = 64
     keep_alive_s: int = 5  # an idle connection is closed after this long
-    max_connections: int = 64  # open connections (and requests in progress) at once; past it 503
+    max_connections: int = 64  # requests worked on at once (a body counts once it has arrived); past it 503
     body_timeout_s: float = 30.0  # a body not fully received this long after the head is refused (408)
+    head_timeout_s: float = 10.0  # a head not whole this long after the connection or the last response: closed
+    max_sockets: int = 2048  # open sockets at once; one more is closed as it opens
 
     def __post_init__(self) -> None:
         # Named as serve's flags (its --max-header-kb is checked there, in KiB).
         for name, low, high in (("max_header_bytes", 1024, 1 << 20), ("max_headers", 8, 1000),
                                 ("keep_alive_s", 1, 3600), ("max_connections", 4, 100_000),
-                                ("body_timeout_s", 1, 3600)):
+                                ("body_timeout_s", 1, 3600), ("head_timeout_s", 0.1, 3600),
+                                ("max_sockets", 16, 1_000_000)):
             value = getattr(self, name)
             if not low <= value <= high:
                 raise InputError(f"--{name.replace('_', '-')} must be {low}..{high}, got {value}")
 
 
 def uvicorn_settings(limits: HttpLimits) -> dict:
-    """uvicorn.Config keywords for `limits` (h11: its head-size limit is the one uvicorn can set)."""
-    return {"http": "h11", "h11_max_incomplete_event_size": limits.max_header_bytes,
-            "timeout_keep_alive": limits.keep_alive_s, "limit_concurrency": limits.max_connections}
+    """uvicorn.Config keywords for `limits`: h11 (its head-size limit is the one uvicorn can set) with our head
+    deadline and socket cap; no `limit_concurrency`, which would count stalled sockets (RequestLimit counts the
+    requests being worked on instead)."""
+    from .http_guard import guarded_protocol
+
+    return {"http": guarded_protocol(limits.head_timeout_s, limits.max_sockets),
+            "h11_max_incomplete_event_size": limits.max_header_bytes, "timeout_keep_alive": limits.keep_alive_s,
+            "limit_concurrency": None}
 
 
 class HeaderLimits:
