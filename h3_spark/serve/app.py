@@ -31,6 +31,11 @@ from .http_app import build_app, json_body, live, metrics_endpoint, png
 from .service import Service
 
 
+def _client(request: Request):
+    """The request's key (auth.Client), None when the service has no keys."""
+    return request.scope.get("state", {}).get("client")
+
+
 def create_app(service: Service) -> Starlette:
     async def ready(request: Request) -> JSONResponse:
         ok, body = await run_in_threadpool(service.ready)
@@ -38,16 +43,17 @@ def create_app(service: Service) -> Starlette:
 
     async def generate(request: Request) -> JSONResponse:
         body = await json_body(request, service.limits.max_body_bytes, service.config.http.body_timeout_s)
-        job = await run_in_threadpool(service.submit, body)
+        job = await run_in_threadpool(service.submit, body, _client(request))
         url = f"/jobs/{job.id}"
         return JSONResponse({"id": job.id, "state": "queued", "url": url}, status_code=202,
                             headers={"Location": url})
 
     async def jobs(request: Request) -> JSONResponse:
-        return JSONResponse({"queue": service.queue.stats(), "jobs": service.queue.list()})
+        return JSONResponse({"queue": service.queue.stats(), "jobs": service.jobs_of(_client(request))})
 
     async def job(request: Request) -> JSONResponse:
         job_id = request.path_params["job_id"]
+        service.visible(job_id, _client(request))
         if request.method == "DELETE":
             record = service.cancel(job_id)
             return JSONResponse(record, status_code=202 if record["state"] == "running" else 200)
@@ -57,6 +63,7 @@ def create_app(service: Service) -> Starlette:
         return JSONResponse(record)
 
     async def preview(request: Request):
+        service.visible(request.path_params["job_id"], _client(request))
         return png(await run_in_threadpool(service.preview_png, request.path_params["job_id"]))
 
     @contextlib.asynccontextmanager

@@ -36,6 +36,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", type=Path, default=None,
                    help="a file whose first line is the bearer token every request must send (default: $H3_API_KEY); "
                         "required to listen beyond 127.0.0.1")
+    p.add_argument("--keys-file", type=Path, default=None,
+                   help="several clients' keys, one `NAME TOKEN [admin]` a line (chmod 600): each key sees, reads "
+                        "and cancels only its own jobs, an admin key all of them; records carry the name")
     p.add_argument("--queue-size", type=int, default=4, help="jobs that may wait behind the running one")
     add_precision_flags(p)
     add_kernel_flags(p, attention_note="; requests may pick another per job", linear_note="; fixed at load")
@@ -108,9 +111,11 @@ def service_settings(args, device: str | None = None):
         from ..measure.synthetic import describe
 
         config.weights = describe(args.synthetic)
-    from .auth import check_binding, read_api_key
+    from .auth import check_binding, read_api_key, read_keys_file
 
-    config.api_key = read_api_key(args.api_key_file)
+    if args.keys_file is not None and args.api_key_file is not None:
+        raise InputError("--keys-file and --api-key-file both give the keys: use one")
+    config.api_key = read_keys_file(args.keys_file) if args.keys_file is not None else read_api_key(args.api_key_file)
     args.auth_line = check_binding(args.host, config.api_key)
     config.allowed_hosts = allowed_hosts(args.host, args.allowed_host)
     return component_paths(args), options, config

@@ -50,12 +50,14 @@ class Job:
         self.error: str | None = None
         self.cancel = threading.Event()
         self.preview_latents = None  # the newest sampling step's clean-latent estimate (C, T, H, W), for /preview
+        self.client: str | None = None  # the name of the key that submitted it (serve/auth.py), never the key
 
     def to_dict(self) -> dict:
         out = {"id": self.id, "state": self.state, "progress": dict(self.progress), "created": self.created,
                "started": self.started, "finished": self.finished,
                "timings": {k: round(v, 4) for k, v in self.timings.items()}, "output": self.output,
-               "backends": self.backends, "step_cache": self.step_cache, "info": self.info, "error": self.error}
+               "backends": self.backends, "step_cache": self.step_cache, "info": self.info, "error": self.error,
+               "client": self.client}
         if self.state == "running" and self.cancel.is_set():
             out["cancel_requested"] = True
         public = getattr(self.request, "public", None)
@@ -153,7 +155,7 @@ class JobQueue:
     def list(self, stored: bool = True) -> list[dict]:
         """{"id", "state"} of the jobs in memory, after those only in the records file (`stored`)."""
         with self._cond:
-            live = [{"id": j.id, "state": j.state} for j in self._jobs.values()]
+            live = [{"id": j.id, "state": j.state, "client": j.client} for j in self._jobs.values()]
         if self._records is None or not stored:
             return live
         known = {j["id"] for j in live}

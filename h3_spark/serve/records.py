@@ -188,7 +188,8 @@ class JobRecords:
         return [(json.loads(record), None if owner is None else json.loads(owner)) for record, owner in found]
 
     def states(self) -> list[dict]:
-        """{"id", "state"} of every record, oldest first."""
+        """{"id", "state", "client"} of every record, oldest first."""
         with self._lock:
-            found = self._db.execute("SELECT id, state FROM jobs ORDER BY created").fetchall()
-        return [{"id": job_id, "state": state} for job_id, state in found]
+            found = self._db.execute("SELECT id, state, record FROM jobs ORDER BY created").fetchall()
+        return [{"id": job_id, "state": state, "client": json.loads(record).get("client")}
+                for job_id, state, record in found]

@@ -42,7 +42,8 @@ class ServiceConfig:
     vae_tile_size: int | None = 256  # None: untiled decode
     mlp_chunks: int = 1
     weights: str = "checkpoint files"  # what /ready says the weights are (serve --synthetic: random ones)
-    api_key: str | None = field(default=None, repr=False)  # bearer token every request needs (serve/auth.py)
+    # The bearer token every request needs, or {token: Client} of named keys (serve/auth.py).
+    api_key: "str | dict | None" = field(default=None, repr=False)
     allowed_hosts: tuple[str, ...] | None = None  # Host headers answered (others: 400); None: any (serve --allowed-host)
     state_dir: Path | None = None  # the job records file's folder (records.py); None: records in memory only
     state_name: str = STATE_FILE
@@ -187,7 +188,22 @@ class Service:
         return ready, body
 
     # ------------------------------------------------------------------ jobs
-    def submit(self, body: object) -> Job:
+    def visible(self, job_id: str, client) -> None:
+        """404 unless `client` (auth.Client, None without keys) may see job `job_id`: its own, or every job for an
+        admin key. Another client's job is answered as if it did not exist."""
+        if client is None or client.admin:
+            return
+        record = self.queue.snapshot(job_id)
+        if record is None or record.get("client") != client.name:
+            raise RequestError(404, f"no job {job_id}")
+
+    def jobs_of(self, client) -> list[dict]:
+        jobs = self.queue.list()
+        if client is None or client.admin:
+            return jobs
+        return [j for j in jobs if j.get("client") == client.name]
+
+    def submit(self, body: object, client=None) -> Job:
         if self.tracker.state != "ready":
             still = self.tracker.snapshot()
             what = ("loading failed: " + still.get("error", "")) if still["state"] == "failed" else \
@@ -207,6 +223,7 @@ class Service:
         if attention is not None:
             payload["attention"] = attention  # resolved once, here; the worker installs it
         job = Job(req, payload)
+        job.client = None if client is None else client.name
         job.payload["output_path"] = self.outputs.reserve(req.output, req.overwrite, job.id)
         try:
             return self.queue.submit(job)
