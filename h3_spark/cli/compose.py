@@ -77,7 +77,7 @@ def parse_guides(items: list[str]) -> list:
 def parse_shots(args) -> list:
     """The film's shots: --shot items, or the --shots file, or one shot of --prompt for --seconds."""
     from ..h3_model.compose.film import Shot
-    from ..h3_model.compose.windows import frames_for_seconds
+    from ..h3_model.compose.windows import MAX_FILM_SECONDS, frames_for_seconds
 
     if args.shot and args.shots:
         raise InputError("--shot and --shots both give the shots: use one")
@@ -99,16 +99,9 @@ def parse_shots(args) -> list:
         raise InputError(f"a film has 1..{MAX_SHOTS} shots, got {len(items)}")
     shots = [Shot(item["prompt"], frames_for_seconds(item["seconds"])) for item in items]
     total = sum(s.frames for s in shots)
-    most = frames_for_seconds(_max_film_seconds())
-    if total > most:
-        raise InputError(f"the shots last {total / 24:g} s; a film lasts at most {_max_film_seconds():g} s")
+    if total > frames_for_seconds(MAX_FILM_SECONDS):
+        raise InputError(f"the shots last {total / 24:g} s; a film lasts at most {MAX_FILM_SECONDS:g} s")
     return shots
-
-
-def _max_film_seconds() -> float:
-    from ..h3_model.compose.windows import MAX_FILM_SECONDS
-
-    return MAX_FILM_SECONDS
 
 
 def _shot_file(path: Path) -> list[dict]:

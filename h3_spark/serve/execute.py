@@ -88,11 +88,12 @@ def _read_repaint(message: dict):
     """(Source, NoiseMask) of a repaint job, or (None, None): its clip (no more than one generation's frames) and
     what to make anew."""
     from ..h3_model.compose.masks import Source, repaint_mask
+    from ..h3_model.compose.windows import MAX_WINDOW_FRAMES
 
     if not message.get("repaint"):
         return None, None
     req = message["request"]
-    clip = media.read_video(message["repaint"], fps=geometry.FPS, max_frames=geometry.snap_frames(345),
+    clip = media.read_video(message["repaint"], fps=geometry.FPS, max_frames=MAX_WINDOW_FRAMES,
                             max_pixels=message["max_video_frame_pixels"], sample_rate=geometry.AUDIO_SAMPLE_RATE)
     frames, height, width = (int(n) for n in clip.frames.shape[:3])
     region = None
