@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     import_package()
     import torch
 
-    from h3_spark.h3_model.compose.film import Shot, render_film
+    from h3_spark.h3_model.compose.film import Film, Shot, render_film
     from h3_spark.h3_model.compose.windows import frames_for_seconds, plan_film
     from h3_spark.h3_model.engine.recipes import apply_recipes, check_recipes, parse_recipes
     from h3_spark.h3_model.media import files as media
@@ -81,8 +81,8 @@ def main(argv=None) -> int:
             torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
         with media.mp4_writer(out_dir / f"film-{seconds:g}s.mp4") as stream:
-            film = render_film(generate, base, plan, [Shot(base.prompt, frames)], history_frames=22,
-                               on_frames=stream.add, on_window=window_done)
+            whole = Film(plan, [Shot(base.prompt, frames)], {}, None, args.width, args.height)
+            film = render_film(generate, base, whole, on_frames=stream.add, on_window=window_done)
             stream.finish(film.audio)
         total = time.perf_counter() - started
         results.append({"seconds": seconds, "frames": film.frames, "audio_samples": int(film.audio.shape[1]),

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from h3_spark.errors import InputError
-from h3_spark.h3_model.compose.film import ContinuedClip, Shot, render_film
+from h3_spark.h3_model.compose.film import ContinuedClip, Film, Shot, history_of, plan_request, render_film
+from h3_spark.h3_model.compose.guides import Guide
 from h3_spark.h3_model.compose.windows import frame_sample, plan_film
 from h3_spark.h3_model.pipeline.generation import GenerationRequest
 
@@ -24,8 +25,7 @@ def _render(engine, plan, shots, continued=None):
         return engine.generate(request)
 
     base = GenerationRequest("t2va", shots[0].prompt, width=64, height=64, steps=2, seed=7)
-    result = render_film(generate, base, plan, shots, history_frames=22, on_frames=chunks.append,
-                         continued=continued)
+    result = render_film(generate, base, Film(plan, shots, {}, continued, 64, 64), on_frames=chunks.append)
     return result, requests, torch.cat(chunks)
 
 
@@ -65,5 +65,53 @@ def test_a_new_shot_carries_nothing_and_a_continued_clip_comes_first(engine):
 def test_a_film_is_made_of_t2va_windows(engine):
     base = GenerationRequest("fl2va", "x", last_frame=torch.zeros(8, 8, 3, dtype=torch.uint8))
     with pytest.raises(InputError, match="a film is made of t2va windows, got mode 'fl2va'"):
-        render_film(engine.generate, base, plan_film([400]), [Shot("x", 400)], history_frames=22,
+        render_film(engine.generate, base, Film(plan_film([400]), [Shot("x", 400)], {}, None, 64, 64),
                     on_frames=lambda f: None)
+
+
+def _clip(frames, seed=3):
+    return torch.randint(0, 256, (frames, 32, 48, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_request_takes_the_continued_clips_canvas_and_its_guides_go_to_the_windows_that_keep_them():
+    clip = ContinuedClip(_clip(30))
+    guides = [Guide("image", 250, image=_clip(1)[0]), Guide("image", -1, image=_clip(1, 4)[0])]
+    film = plan_request([Shot("a", 400)], guides, width=None, height=None, continued=clip)
+    assert (film.width, film.height) == (48, 32) and film.plan.first_frame == 30
+    # Film frames past the clip: guide 1 at new frame 250 (film frame 280), guide 2 at the last (film frame 429).
+    kept = {w.index: (w.start + w.keep_from, w.start + w.keep_to) for w in film.plan.windows}
+    for guide, film_frame in zip(guides, (280, 429)):
+        index, = [i for i, (a, b) in kept.items() if a <= film_frame < b]
+        placed, = [g for g in film.guides[index] if g.image is guide.image]
+        assert placed.frame == film_frame - film.plan.windows[index].start
+
+
+def test_a_request_is_refused_when_it_names_another_canvas_or_a_guide_crosses_windows():
+    with pytest.raises(InputError, match=r"^the clip to continue is 48x32; the request asks for 64x64: a clip is "
+                                         r"continued at its own size$"):
+        plan_request([Shot("a", 100)], [], width=64, height=64, continued=ContinuedClip(_clip(30)))
+    plan = plan_film([400])
+    boundary = plan.windows[1].start + plan.windows[1].keep_from  # the second window's first kept frame
+    clip = Guide("clip", boundary - 3, clip=_clip(5), fps=24.0)
+    with pytest.raises(InputError, match=r"^guide 1 \(clip\): its 5 frames from frame 205 cross a window boundary"):
+        plan_request([Shot("a", 400)], [clip], width=64, height=64)
+
+
+def test_the_history_is_the_frames_before_the_last_with_the_sound_that_ends_where_the_last_begins():
+    tail = _clip(30)
+    sound = torch.randn(2, 50_000, generator=torch.Generator().manual_seed(5))
+    history, last = history_of(tail, sound, 40_000, 22)
+    assert torch.equal(history.pixels, tail[7:29]) and torch.equal(last, tail[29])
+    # 22 frames at 24 fps are 22 x 40 / 24 -> 36 whole audio latents of 800 samples before sample 40,000.
+    assert torch.equal(history.audio, sound[:, 40_000 - 36 * 800:40_000])
+    assert history_of(tail, None, 40_000, 22)[0].audio is None
+
+
+@pytest.mark.parametrize("frames, end, message", [
+    (22, 40_000, r"^going on from a clip takes its last frame and 22 before it; it has 22 frames$"),
+    (30, 17_000, r"^the clip's sound has 50000 samples; the history needs the 28800 before sample 17000$"),
+    (30, 50_001, r"^the clip's sound has 50000 samples; the history needs the 28800 before sample 50001$"),
+])
+def test_a_history_that_the_clip_cannot_give_is_refused(frames, end, message):
+    with pytest.raises(InputError, match=message):
+        history_of(_clip(frames), torch.randn(2, 50_000), end, 22)

@@ -1155,7 +1155,7 @@ def test_extend_and_join_make_a_longer_clip_whose_window_goes_on_from_the_first(
                        audio_b["waveform"][0, :, frame_sample(124) - start:frame_sample(247) - start])
     with pytest.raises(InputError, match="the clip to extend is 32x64, the new latent 64x64"):
         node("H3SparkExtendVideo").extend(cond, latent, vae, first_images[:, :, :32], 22)
-    with pytest.raises(InputError, match="it needs at least 23"):
+    with pytest.raises(InputError, match="going on from a clip takes its last frame and 22 before it; it has 20 frames"):
         node("H3SparkExtendVideo").extend(cond, latent, vae, first_images[:20], 22)
     with pytest.raises(InputError, match="overlap must be 0..123"):
         node("H3SparkJoinVideo").join(first_images, images_b, 124)

@@ -140,48 +140,37 @@ def is_film(args) -> bool:
     return bool(args.shot or args.shots or args.continue_from)
 
 
-def read_continued(path: Path, width: int | None, height: int | None):
+def read_continued(path: Path):
     """The clip --continue goes on from: its frames at 24 fps and its sound at 32 kHz."""
     from ..h3_model import geometry
     from ..h3_model.compose.film import ContinuedClip
     from ..h3_model.media import files as media
 
     clip = media.read_video(path, fps=geometry.FPS, sample_rate=geometry.AUDIO_SAMPLE_RATE)
-    h, w = clip.frames.shape[1:3]
-    if width is not None and (width, height) != (w, h):
-        raise InputError(f"--continue {path} is {w}x{h}; the request asks for {width}x{height}: a clip is "
-                         "continued at its own size (drop --width/--height)")
     return ContinuedClip(clip.frames, clip.audio)
 
 
-class FilmSetup:
-    """A film's plan, shots and continued clip, made from the flags before any weight loads."""
+def plan_film_flags(args, req):
+    """The film the flags ask for (compose/film.py's Film), planned before any weight loads; `req` takes the
+    continued clip's canvas and hands its guides to the windows."""
+    from ..h3_model.compose.film import plan_request
 
-    def __init__(self, args, req):
-        from ..h3_model.compose.film import assign_guides
-        from ..h3_model.compose.windows import plan_film
-
-        if req.mode != "t2va":
-            raise InputError(f"a film past one generation is made of t2va windows; {req.mode} takes one "
-                             "generation of at most 345 frames")
-        if args.continue_from is not None and args.seconds is None and not (args.shot or args.shots):
-            raise InputError("--continue needs the new part's length: --seconds, --shot or --shots")
-        self.shots = parse_shots(args)
-        self.continued = None
-        if args.continue_from is not None:
-            self.continued = read_continued(args.continue_from, req.width, req.height)
-            req.height, req.width = (int(n) for n in self.continued.frames.shape[1:3])
-        first = 0 if self.continued is None else int(self.continued.frames.shape[0])
-        self.plan = plan_film([s.frames for s in self.shots], history=args.history_frames, continues=first)
-        self.guides = assign_guides(self.plan, req.guides)
-        req.guides = []
-        self.history_frames = args.history_frames
-        # Later windows hold condition rows at levels the first may not have (a history's sound at t = 1): the
-        # AdaLN weights must outlive the first window's tables.
-        args.keep_adaln = True
+    if req.mode != "t2va":
+        raise InputError(f"a film past one generation is made of t2va windows; {req.mode} takes one "
+                         "generation of at most 345 frames")
+    if args.continue_from is not None and args.seconds is None and not (args.shot or args.shots):
+        raise InputError("--continue needs the new part's length: --seconds, --shot or --shots")
+    continued = None if args.continue_from is None else read_continued(args.continue_from)
+    film = plan_request(parse_shots(args), req.guides, width=req.width, height=req.height, continued=continued,
+                        history_frames=args.history_frames, what=f"--continue {args.continue_from}")
+    req.width, req.height, req.guides = film.width, film.height, []
+    # Later windows hold condition rows at levels the first may not have (a history's sound at t = 1): the
+    # AdaLN weights must outlive the first window's tables.
+    args.keep_adaln = True
+    return film
 
 
-def render_film_out(args, engine, req, setup: FilmSetup, progress, rank: int, fresh_step_cache=None):
+def render_film_out(args, engine, req, film, progress, rank: int, fresh_step_cache=None):
     """The film into --out (rank 0), its windows run in lockstep on every rank under --gpus."""
     import time
 
@@ -191,17 +180,16 @@ def render_film_out(args, engine, req, setup: FilmSetup, progress, rank: int, fr
     def generate(request):
         return engine.generate(request, on_progress=progress)
 
-    def film(on_frames, on_window=None):
-        return render_film(generate, req, setup.plan, setup.shots, history_frames=setup.history_frames,
-                           on_frames=on_frames, continued=setup.continued, guides=setup.guides,
-                           fresh_step_cache=fresh_step_cache, on_window=on_window)
+    def render(on_frames, on_window=None):
+        return render_film(generate, req, film, on_frames=on_frames, fresh_step_cache=fresh_step_cache,
+                           on_window=on_window)
 
     if rank:
-        film(lambda frames: None)
+        render(lambda frames: None)
         return None
     started = time.perf_counter()
     with media.mp4_writer(args.out, loglevel=args.ffmpeg_loglevel) as stream:
-        result = film(stream.add, lambda window, entry: progress_window(args, window, entry))
+        result = render(stream.add, lambda window, entry: progress_window(args, window, entry))
         mux = time.perf_counter()
         stream.finish(result.audio)
         result.info["mux_s"] = round(time.perf_counter() - mux, 3)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from ..h3_model.engine.options import (add_budget_flags, add_kernel_flags, add_model_flags, add_parallel_flags,
                                        add_precision_flags)
-from .compose import (FilmSetup, add_compose_flags, film_summary, is_film, parse_guides, parse_repaint,
-                      render_film_out)
+from .compose import (add_compose_flags, film_summary, is_film, parse_guides, parse_repaint,
+                      plan_film_flags, render_film_out)
 
 REF_KINDS = ("image", "video", "audio")
 DEFAULT_STEPS = 50
@@ -116,11 +116,11 @@ def run(args) -> int:
     options, settings = engine_options(args, device, world_size)
     recipes = recipe_flags(args, options)
     req = build_request(args, settings)
-    setup = FilmSetup(args, req) if film else None  # plan, shots and a continued clip, before any weight loads
+    film_plan = plan_film_flags(args, req) if film else None  # its windows, before any weight loads
     engine = load_engine(args, options, req.mode, log)
     req = prepare_for(engine, req, recipes, options, world, log)
-    if setup is not None:
-        return run_film(args, engine, req, setup, progress_hook(args, device, log), rank, options)
+    if film_plan is not None:
+        return run_film(args, engine, req, film_plan, progress_hook(args, device, log), rank, options)
     if rank:
         engine.generate(req, on_progress=progress_hook(args, device, log))
         return 0
@@ -130,11 +130,11 @@ def run(args) -> int:
     return 0
 
 
-def run_film(args, engine, req, setup, progress, rank: int, options) -> int:
+def run_film(args, engine, req, film_plan, progress, rank: int, options) -> int:
     """A film past one generation (compose.py): windows into --out, and its summary."""
     step_cache, req.step_cache = req.step_cache, None
     fresh = None if step_cache is None else (lambda: _step_cache(args))
-    result = render_film_out(args, engine, req, setup, progress, rank, fresh)
+    result = render_film_out(args, engine, req, film_plan, progress, rank, fresh)
     if result is not None and not args.quiet:
         kernels = engine.kernel_reports[_dit_key(req.mode)]
         print(json.dumps(film_summary(args, engine, result, kernels,

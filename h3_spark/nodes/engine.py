@@ -361,7 +361,7 @@ def extend_video(conditioning, latent, vae: VAEHandle, images, audio=None, histo
     windows do (compose/film.py). Its history is the `history_frames` frames before the clip's last frame, with
     the whole audio latents of sound under them, placed before the target on the time axis; the last frame is
     its first-frame guide, so the new clip's frame 0 repeats it (H3 Join Video drops it)."""
-    from ..h3_model.compose.guides import AUDIO_SAMPLES_PER_LATENT
+    from ..h3_model.compose.film import history_of
     from ..h3_model.compose.windows import check_history_frames, frame_sample
     from ..h3_model.media.refs import PreparedReference, resample_audio
 
@@ -372,26 +372,18 @@ def extend_video(conditioning, latent, vae: VAEHandle, images, audio=None, histo
     if tuple(clip.shape[1:3]) != (height, width):
         raise InputError(f"the clip to extend is {clip.shape[2]}x{clip.shape[1]}, the new latent {width}x{height}: a "
                          "clip is continued at its own size")
-    if clip.shape[0] < history_frames + 1:
-        raise InputError(f"the clip to extend has {clip.shape[0]} frames; it needs at least {history_frames + 1} (its "
-                         f"last frame and {history_frames} before it)")
-    last = int(clip.shape[0]) - 1
-    history = clip[last - history_frames:last]
-    sound = None
+    wave = None
     if audio is not None:
         wave, rate = waveform(audio, "the clip's audio")
         if wave.shape[0] == 1:
             wave = wave.expand(2, -1)
         wave = wave[:2].float() if rate == geometry.AUDIO_SAMPLE_RATE else resample_audio(
             wave[:2].float(), rate, geometry.AUDIO_SAMPLE_RATE)
-        end = frame_sample(last)  # the last frame's first sample: the new clip's frame 0 starts there
-        latents = geometry.AUDIO_LATENTS_PER_SECOND * history_frames // geometry.FPS
-        if end > wave.shape[1] or end < latents * AUDIO_SAMPLES_PER_LATENT:
-            raise InputError(f"the clip's audio has {wave.shape[1]} samples; the history needs the "
-                             f"{latents * AUDIO_SAMPLES_PER_LATENT} before sample {end}")
-        sound = wave[:, end - latents * AUDIO_SAMPLES_PER_LATENT:end].contiguous()
+    # The last frame's first sample: the new clip's frame 0 starts there.
+    past, last = history_of(clip, wave, frame_sample(int(clip.shape[0]) - 1), history_frames)
+    history, sound = past.pixels, past.audio
     tile = vae.tile_size
-    pictures = vae.encode_video([PreparedReference("video", pixels=history), PreparedReference("image", pixels=clip[last])],
+    pictures = vae.encode_video([PreparedReference("video", pixels=history), PreparedReference("image", pixels=last)],
                                 lambda engine, ref: engine.encode_reference(ref, tile_size=tile).latent)
     block = {"latent": pictures[0], "audio_latent": None}
     if sound is not None:

@@ -138,26 +138,16 @@ def generate_job(models: Engine, generation: GenerationRequest, req, *, progress
     windows in `info`."""
     if not req.is_film:
         return models.generate(generation, on_progress=progress, cancel=cancel, on_frames=on_frames)
-    from ..h3_model.compose.film import Shot, assign_guides, render_film
-    from ..h3_model.compose.windows import DEFAULT_HISTORY_FRAMES, plan_film
+    from ..h3_model.compose.film import Shot, plan_request, render_film
 
-    if continued is not None:
-        height, width = (int(n) for n in continued.frames.shape[1:3])
-        if generation.width is not None and (generation.width, generation.height) != (width, height):
-            raise InputError(f"the clip to continue is {width}x{height}; the request asks for {generation.width}x"
-                             f"{generation.height}: a clip is continued at its own size")
-        generation = dataclasses.replace(generation, width=width, height=height)
-    plan = plan_film([frames for frames, _ in req.shots], continues=0 if continued is None else
-                     int(continued.frames.shape[0]))
-    guides = assign_guides(plan, generation.guides)
-    base = dataclasses.replace(generation, guides=[], step_cache=None)
+    film = plan_request([Shot(prompt, frames) for frames, prompt in req.shots], generation.guides,
+                        width=generation.width, height=generation.height, continued=continued)
+    base = dataclasses.replace(generation, width=film.width, height=film.height, guides=[], step_cache=None)
     c = req.cache
     fresh = None if c.mode == "off" else (lambda: make_step_cache(c.mode, c.threshold, c.start_percent, c.end_percent,
                                                                   c.subsample_factor, evaluations=req.evaluations))
-    return render_film(lambda r: models.generate(r, on_progress=progress, cancel=cancel), base, plan,
-                       [Shot(prompt, frames) for frames, prompt in req.shots], history_frames=DEFAULT_HISTORY_FRAMES,
-                       on_frames=on_frames or (lambda frames: None), continued=continued, guides=guides,
-                       fresh_step_cache=fresh, on_window=on_window)
+    return render_film(lambda r: models.generate(r, on_progress=progress, cancel=cancel), base, film,
+                       on_frames=on_frames or (lambda frames: None), fresh_step_cache=fresh, on_window=on_window)
 
 
 def dit_key(mode: str) -> str:

@@ -23,7 +23,7 @@ from ...errors import InputError
 from .. import geometry
 from ..media.refs import resample_fps
 from .guides import AUDIO_SAMPLES_PER_LATENT, Guide, History, check_clip_length, resolve_frame
-from .windows import FilmPlan, Window, frame_sample
+from .windows import DEFAULT_HISTORY_FRAMES, FilmPlan, Window, frame_sample, plan_film
 
 
 @dataclass
@@ -39,6 +39,55 @@ class ContinuedClip:
 
     frames: torch.Tensor
     audio: torch.Tensor | None = None
+
+
+@dataclass
+class Film:
+    """A film request planned before any weight loads: its windows, its shots (a prompt and a length each), the
+    guides by window, the clip it goes on from (or None) and the canvas (a continued clip's own)."""
+
+    plan: FilmPlan
+    shots: list[Shot]
+    guides: dict[int, list[Guide]]
+    continued: ContinuedClip | None
+    width: int | None
+    height: int | None
+    history_frames: int = DEFAULT_HISTORY_FRAMES
+
+
+def plan_request(shots: list[Shot], guides: list[Guide], *, width: int | None, height: int | None,
+                 continued: ContinuedClip | None = None, history_frames: int = DEFAULT_HISTORY_FRAMES,
+                 what: str = "the clip to continue") -> Film:
+    """The film a request asks for: shots planned into windows after the `continued` clip, which sets the canvas
+    (a request that names another is refused: a clip is continued at its own size), and its guides given to the
+    windows that keep their frames."""
+    if continued is not None:
+        h, w = (int(n) for n in continued.frames.shape[1:3])
+        if width is not None and (width, height) != (w, h):
+            raise InputError(f"{what} is {w}x{h}; the request asks for {width}x{height}: a clip is continued at its "
+                             "own size")
+        width, height = w, h
+    plan = plan_film([s.frames for s in shots], history=history_frames,
+                     continues=0 if continued is None else int(continued.frames.shape[0]))
+    return Film(plan, shots, assign_guides(plan, guides), continued, width, height, history_frames)
+
+
+def history_of(tail: torch.Tensor, sound: torch.Tensor | None, end_sample: int,
+               history_frames: int) -> tuple[History, torch.Tensor]:
+    """What a clip that goes on from `tail` (uint8 (F, H, W, 3), its last frame last) is conditioned on: the
+    `history_frames` frames before the last frame, with the whole audio latents of `sound` (stereo at 32 kHz)
+    that end at `end_sample`, the last frame's first sample; and the last frame, its first-frame guide."""
+    if tail.shape[0] < history_frames + 1:
+        raise InputError(f"going on from a clip takes its last frame and {history_frames} before it; it has "
+                         f"{tail.shape[0]} frames")
+    audio = None
+    if sound is not None:
+        samples = geometry.AUDIO_LATENTS_PER_SECOND * history_frames // geometry.FPS * AUDIO_SAMPLES_PER_LATENT
+        if not samples <= end_sample <= sound.shape[1]:
+            raise InputError(f"the clip's sound has {sound.shape[1]} samples; the history needs the {samples} "
+                             f"before sample {end_sample}")
+        audio = sound[:, end_sample - samples:end_sample].contiguous()
+    return History(tail[-history_frames - 1:-1].contiguous(), audio), tail[-1]
 
 
 @dataclass
@@ -94,25 +143,23 @@ def _window_request(base, window: Window, prompt: str, tail: _Tail, sound: list[
                                   guides=list(guides), history=None, step_cache=step_cache)
     if not window.carries:
         return request
-    if tail.frames is None or tail.frames.shape[0] < history_frames + 1:
-        raise InputError(f"window {window.index} goes on from {history_frames + 1} frames; the film has fewer")
-    film_audio = torch.cat(sound, dim=1)
-    end = frame_sample(window.start)  # the last frame's first sample: the window's frame 0 starts there
-    latents = geometry.AUDIO_LATENTS_PER_SECOND * history_frames // geometry.FPS
-    request.history = History(tail.frames[:-1].contiguous(),
-                              film_audio[:, end - latents * AUDIO_SAMPLES_PER_LATENT:end].contiguous())
-    request.guides = [Guide("image", 0, image=tail.frames[-1])] + list(guides)
+    if tail.frames is None:
+        raise InputError(f"window {window.index} goes on from the film, which has no frames before it")
+    # The last frame's first sample: the window's frame 0 starts there.
+    request.history, last = history_of(tail.frames, torch.cat(sound, dim=1), frame_sample(window.start),
+                                       history_frames)
+    request.guides = [Guide("image", 0, image=last)] + list(guides)
     return request
 
 
-def render_film(generate: Callable, base, plan: FilmPlan, shots: list[Shot], *, history_frames: int,
-                on_frames: Callable[[torch.Tensor], None], continued: ContinuedClip | None = None,
-                guides: dict[int, list[Guide]] | None = None, fresh_step_cache: Callable | None = None,
+def render_film(generate: Callable, base, film: Film, *, on_frames: Callable[[torch.Tensor], None],
+                fresh_step_cache: Callable | None = None,
                 on_window: Callable[[Window, dict], None] | None = None) -> FilmResult:
-    """Render `plan` with `generate(request) -> GenerationResult` (a pipeline's or an engine's), `base` a T2VA
+    """Render `film` with `generate(request) -> GenerationResult` (a pipeline's or an engine's), `base` a T2VA
     request whose canvas, steps, seed (window i uses seed + i) and recipes every window takes. Kept frames go
-    to `on_frames` in film order. `guides`: by window (`assign_guides`); `fresh_step_cache()`: a step cache for
-    each window (a cache's state belongs to one generation)."""
+    to `on_frames` in film order; `fresh_step_cache()`: a step cache for each window (a cache's state belongs to
+    one generation)."""
+    plan, shots, continued, history_frames = film.plan, film.shots, film.continued, film.history_frames
     if base.mode != "t2va":
         raise InputError(f"a film is made of t2va windows, got mode {base.mode!r}")
     if base.guides or base.history is not None:
@@ -135,7 +182,7 @@ def render_film(generate: Callable, base, plan: FilmPlan, shots: list[Shot], *, 
             tail.clear()
         started = time.perf_counter()
         request = _window_request(base, window, shots[window.shot].prompt, tail, sound, history_frames,
-                                  (guides or {}).get(window.index, []),
+                                  film.guides.get(window.index, []),
                                   fresh_step_cache() if fresh_step_cache is not None else None)
         result = generate(request)
         frames = result.video[window.keep_from:window.keep_to]
