@@ -252,9 +252,44 @@ def test_guide_strength_sets_the_level_conditions_are_held_at(engine):
     assert 0.5 in schedule_timestep_values(lay, JointSchedule.create(10), 0.5)
 
 
-@pytest.mark.parametrize("strength", [0, 1.5, True, "high"])
-def test_bad_guide_strengths(strength):
+def test_audio_guide_strength_sets_the_level_audio_conditions_are_held_at(engine):
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest
+    from h3_spark.h3_model.pipeline.sampler import audio_condition_rows, schedule_timestep_values
+    from h3_spark.h3_model.pipeline.scheduler import JointSchedule
+
+    sound = torch.randn(2, 32000, generator=torch.Generator().manual_seed(4)) * 0.3
+
+    def request(strength):
+        return GenerationRequest("t2va", "a boat", width=64, height=64, frames=124, steps=3,
+                                 audio_guide_strength=strength, guides=[Guide("audio", 24, audio=sound)])
+
+    default, released, loose = (engine.generate(request(s)) for s in (None, 1.0, 0.5))
+    assert torch.equal(default.audio_latents, released.audio_latents)  # 1.0 (clean) is the released level
+    assert torch.equal(default.video_latents, released.video_latents)
+    assert not torch.allclose(default.audio_latents, loose.audio_latents)
+    assert loose.info["audio_guide_strength"] == 0.5 and "audio_guide_strength" not in default.info
+    # The mix: level x rows + (1 - level) x a draw from the seed + 1 stream; the sampling stream is untouched.
+    rows = [torch.randn(6, 32, generator=torch.Generator().manual_seed(1))]
+    generator = torch.Generator().manual_seed(9)
+    mixed, = audio_condition_rows(rows, generator, 0.5)
+    noise = torch.randn(6, 32, generator=torch.Generator().manual_seed(10))
+    assert torch.equal(mixed, 0.5 * rows[0] + 0.5 * noise)
+    assert torch.equal(torch.randn(3, generator=generator), torch.randn(3, generator=torch.Generator().manual_seed(9)))
+    assert audio_condition_rows(rows, generator, 1.0) is rows
+    # Its level is a timestep the AdaLN tables are made for while the target audio is noisier than it.
+    lay = _layout([GuideBlock(48, 0, 3)])
+    assert 0.5 in schedule_timestep_values(lay, JointSchedule.create(10), condition_audio_t=0.5)
+    assert 0.5 not in schedule_timestep_values(lay, JointSchedule.create(10))
+
+
+@pytest.mark.parametrize("field, name, strength", [
+    ("guide_strength", "guide strength", 0), ("guide_strength", "guide strength", 1.5),
+    ("guide_strength", "guide strength", True), ("guide_strength", "guide strength", "high"),
+    ("audio_guide_strength", "audio guide strength", 0), ("audio_guide_strength", "audio guide strength", 1.01),
+    ("audio_guide_strength", "audio guide strength", False),
+])
+def test_bad_guide_strengths(field, name, strength):
     from h3_spark.h3_model.pipeline.generation import GenerationRequest
 
-    with pytest.raises(InputError, match=re.escape("guide strength is the level conditions are held at, in (0, 1]")):
-        GenerationRequest("t2va", "p", guide_strength=strength).validate()
+    with pytest.raises(InputError, match="^" + re.escape(f"{name} is the level conditions are held at, in (0, 1]")):
+        GenerationRequest("t2va", "p", **{field: strength}).validate()

@@ -1104,6 +1104,14 @@ def test_native_guides_become_guide_blocks_in_list_order():
     assert out.blocks == [GuideBlock(102, 7, 0), GuideBlock(48, 1, 30)] and out.anchors == ()
     assert [z.shape[2] for z in out.condition_latents] == [7, 1]
     assert torch.equal(out.audio_condition_rows[0], sound[0].permute(1, 2, 0).reshape(-1, 32))
+    assert (out.visual_level, out.audio_level) == (None, None)  # as released
+    cond[0][1].update(minimax_visual_cond_noise_aug=0.8, minimax_audio_cond_noise_aug=0.9)
+    out = read_conditions(cond, pack_latent(video, audio))
+    assert (out.visual_level, out.audio_level) == (0.8, 0.9)
+    cond[0][1]["minimax_audio_cond_noise_aug"] = 1.2
+    with pytest.raises(InputError, match=r"^the conditioning's minimax_audio_cond_noise_aug is the level its "
+                                         r"conditions are held at, in \(0, 1\], got 1.2$"):
+        read_conditions(cond, pack_latent(video, audio))
 
 
 def test_add_guide_chains_stills_clips_and_sounds_the_sampler_takes(models, monkeypatch):
@@ -1122,6 +1130,11 @@ def test_add_guide_chains_stills_clips_and_sounds_the_sampler_takes(models, monk
     plain = node("H3SparkSampler").sample(model, *node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES), 3,
                                           STEPS, 12.0, 3.0)[0]
     assert not torch.equal(out["samples"][0], plain["samples"][0])  # the guides condition the clip
+    # A pack's anchor strengths (ComfyUI's condition levels) loosen the guides: the sampler reads both.
+    for key, index in (("minimax_visual_cond_noise_aug", 0), ("minimax_audio_cond_noise_aug", 1)):
+        loose = [[cond[0][0], {**cond[0][1], key: 0.5}]]
+        moved = node("H3SparkSampler").sample(model, loose, latent, 3, STEPS, 12.0, 3.0)[0]["samples"]
+        assert not torch.equal(moved[index], out["samples"][index])
     with pytest.raises(InputError, match="H3 Add Guide needs an image"):
         add(cond, latent, vae, 0)
     with pytest.raises(InputError, match=r"guide 1 \(image\): frame 200 is outside the 124-frame clip"):

@@ -39,10 +39,11 @@ def test_defaults_and_mode_inference():
 def test_guides_are_parsed_and_shown():
     req = parse_request({"prompt": "p", "output": "a.mp4", "guides": [
         {"kind": "image", "path": "still.png", "frame": 48}, {"kind": "audio", "path": "s.wav", "frame": -96}],
-        "guide_strength": 0.9}, LIMITS)
+        "guide_strength": 0.9, "audio_guide_strength": 0.8}, LIMITS)
     assert req.mode == "t2va" and req.guides == [("image", "still.png", 48), ("audio", "s.wav", -96)]
     public = req.public()
     assert public["guides"][1] == {"kind": "audio", "path": "s.wav", "frame": -96} and public["guide_strength"] == 0.9
+    assert req.audio_guide_strength == 0.8 and public["audio_guide_strength"] == 0.8
 
 
 @pytest.mark.parametrize("extra, fragment", [
@@ -55,6 +56,8 @@ def test_guides_are_parsed_and_shown():
      "ref2va takes no guides; guides go with t2va or fl2va"),
     ({"guide_strength": 0}, "guide_strength is the level conditions are held at, in (0, 1]"),
     ({"guide_strength": True}, "guide_strength is the level conditions are held at, in (0, 1]"),
+    ({"audio_guide_strength": 1.5}, "audio_guide_strength is the level conditions are held at, in (0, 1] (1.0 as "
+                                    "released), got 1.5"),
 ])
 def test_bad_guides(extra, fragment):
     with pytest.raises(RequestError, match=re.escape(fragment)) as err:

@@ -23,6 +23,9 @@ def add_compose_flags(parser) -> None:
     group.add_argument("--guide-strength", type=float, default=None, metavar="LEVEL",
                        help="the level the visual conditions (keyframes, guides, references) are held at, in (0, 1]: "
                             "0.999 as released; lower holds them more loosely")
+    group.add_argument("--audio-guide-strength", type=float, default=None, metavar="LEVEL",
+                       help="the level the audio conditions (sound guides, references, a history's sound) are held "
+                            "at, in (0, 1]: 1.0 (clean) as released; lower holds them more loosely")
     group.add_argument("--seconds", type=float, default=None,
                        help=f"the clip's length in seconds instead of --frames; past {MAX_WINDOW_FRAMES} frames "
                             f"(14.4 s) it is made in windows, each going on from the one before (at most "

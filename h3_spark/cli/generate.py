@@ -231,6 +231,7 @@ def build_request(args, settings):
     mode = args.mode or ("ref2va" if refs else "fl2va" if (first is not None or last is not None) else "t2va")
     req = GenerationRequest(mode=mode, prompt=args.prompt, references=refs, first_frame=first, last_frame=last,
                             guides=parse_guides(args.guide), guide_strength=args.guide_strength,
+                            audio_guide_strength=args.audio_guide_strength,
                             **dict(zip(("source", "mask"), parse_repaint(args))),
                             width=args.width, height=args.height, frames=args.frames, steps=args.steps,
                             seed=args.seed, video_shift=args.video_shift, audio_shift=args.audio_shift,

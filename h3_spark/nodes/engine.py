@@ -540,6 +540,10 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
     interrupt = host.InterruptFlag()
     request = SamplingRequest(lay, cond.embeds, cond.latent_frames, cond.latent_height, cond.latent_width,
                               cond.audio_latents, cond.condition_latents, cond.audio_condition_rows)
+    if cond.visual_level is not None:
+        request.condition_video_t = cond.visual_level
+    if cond.audio_level is not None:
+        request.condition_audio_t = cond.audio_level
     with running(dit, attention):
         # Inside the switch: the schedule stays dense with the attention this run resolved.
         attention_schedule = sparse_schedule(chosen, dit, device, _settings(opts))

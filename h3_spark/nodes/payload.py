@@ -30,6 +30,10 @@ TAGS = "minimax_token_tags"
 REFS = "minimax_refs"
 KEYFRAMES = "minimax_keyframes"
 HISTORY = "h3_spark_history"
+# The levels a conditioning's visual and audio conditions are held at (ComfyUI's names; packs set them as an
+# "anchor strength"): 0.999 and 1.0 as released.
+VISUAL_LEVEL = "minimax_visual_cond_noise_aug"
+AUDIO_LEVEL = "minimax_audio_cond_noise_aug"
 
 
 # ------------------------------------------------------------------------------------------ LATENT
@@ -116,6 +120,8 @@ class Conditions:
     anchors: tuple[str, ...] = ()  # fl2va keyframe anchors, packed order
     condition_latents: list[torch.Tensor] = field(default_factory=list)
     audio_condition_rows: list[torch.Tensor] = field(default_factory=list)
+    visual_level: float | None = None  # None: as released
+    audio_level: float | None = None
 
 
 def read_conditions(conditioning, latent) -> Conditions:
@@ -141,7 +147,8 @@ def read_conditions(conditioning, latent) -> Conditions:
     if history is not None and refs:
         raise InputError("a history (H3 Extend Video) goes with text-to-video conditioning, not with references")
     out = Conditions("ref2va" if refs else "fl2va" if keyframes else "t2va", embeds, tags,
-                     int(video.shape[2]), int(video.shape[3]), int(video.shape[4]), int(audio.shape[3]))
+                     int(video.shape[2]), int(video.shape[3]), int(video.shape[4]), int(audio.shape[3]),
+                     visual_level=_level(extras, VISUAL_LEVEL), audio_level=_level(extras, AUDIO_LEVEL))
     if history is not None:  # first in packed order: right after the text
         _read_history(history, out, video.shape)
     if refs:
@@ -149,6 +156,15 @@ def read_conditions(conditioning, latent) -> Conditions:
     elif keyframes:
         _read_keyframes(keyframes, out, video.shape)
     return out
+
+
+def _level(extras: dict, key: str) -> float | None:
+    level = extras.get(key)
+    if level is None:
+        return None
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level <= 1:
+        raise InputError(f"the conditioning's {key} is the level its conditions are held at, in (0, 1], got {level!r}")
+    return float(level)
 
 
 def _read_history(history: dict, out: Conditions, video_shape) -> None:

@@ -25,6 +25,7 @@ Fields (defaults in brackets):
                      a 17k+5-frame clip or a sound pinned at a frame (negative counts from the end), at most 16
                      (t2va, fl2va; docs/compose.md)
   guide_strength     number in (0, 1]: the level visual conditions are held at [0.999, as released]
+  audio_guide_strength  number in (0, 1]: the level audio conditions are held at [1.0 (clean), as released]
   seconds            number, 0 < s <= limits.max_film_seconds: the clip's length instead of `frames`; past 345
                      frames it is made in windows, each going on from the one before (t2va; docs/compose.md)
   shots              [{"seconds": number, "prompt": string}], at most 32: a film of shots, each starting afresh
@@ -56,8 +57,8 @@ from ..kernels.settings import ATTENTION_BACKENDS
 REFERENCE_KINDS = ("image", "video", "audio")
 FIELDS = ("mode", "prompt", "references", "first_frame", "last_frame", "output", "overwrite", "width", "height",
           "frames", "steps", "seed", "attention", "cache_mode", "cache_threshold", "cache_start_percent",
-          "cache_end_percent", "cache_subsample_factor", "recipes", "guides", "guide_strength", "seconds", "shots",
-          "continue", "repaint", "mask", "regenerate_seconds")
+          "cache_end_percent", "cache_subsample_factor", "recipes", "guides", "guide_strength", "audio_guide_strength",
+          "seconds", "shots", "continue", "repaint", "mask", "regenerate_seconds")
 MAX_SHOTS = 32
 MAX_RECIPES = 4
 
@@ -125,6 +126,7 @@ class JobRequest:
     repaint: str | None = None
     mask: str | None = None
     regenerate_seconds: tuple[float, float] | None = None
+    audio_guide_strength: float | None = None
 
     @property
     def is_film(self) -> bool:
@@ -144,7 +146,7 @@ class JobRequest:
                         "end_percent": c.end_percent, "subsample_factor": c.subsample_factor}
         out["recipes"] = [r.describe() for r in self.recipes]
         out["guides"] = [{"kind": k, "path": p, "frame": f} for k, p, f in self.guides]
-        out["guide_strength"] = self.guide_strength
+        out["guide_strength"], out["audio_guide_strength"] = self.guide_strength, self.audio_guide_strength
         out["shots"] = [{"frames": f, "prompt": p} for f, p in self.shots]
         out.update({"continue": self.continue_from, "repaint": self.repaint, "mask": self.mask,
                     "regenerate_seconds": None if self.regenerate_seconds is None else list(self.regenerate_seconds)})
@@ -228,11 +230,8 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
     guides = _guides(body.get("guides"), limits)
     if mode == "ref2va" and guides:
         raise _bad("ref2va takes no guides; guides go with t2va or fl2va")
-    guide_strength = body.get("guide_strength")
-    if guide_strength is not None and (isinstance(guide_strength, bool) or not isinstance(guide_strength, (int, float))
-                                       or not 0 < guide_strength <= 1):
-        raise _bad(f"guide_strength is the level conditions are held at, in (0, 1] (0.999 as released), got "
-                   f"{guide_strength!r}")
+    guide_strength = _level(body, "guide_strength", "0.999")
+    audio_guide_strength = _level(body, "audio_guide_strength", "1.0")
     try:
         check_prompt(mode, prompt)
         _check_mentions_at_submit(mode, prompt, references, first, last)
@@ -290,7 +289,16 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         if steps > limits.max_steps:
             raise _bad(f"recipe {name}: {evaluations} evaluations exceed this service's {limits.max_steps - 1}")
     return JobRequest(mode, prompt, output, references, first, last, overwrite, width, height, frames, steps, seed,
-                      attention, cache, recipes, guides, guide_strength, shots, continue_from, repaint, mask, span)
+                      attention, cache, recipes, guides, guide_strength, shots, continue_from, repaint, mask, span,
+                      audio_guide_strength)
+
+
+def _level(body: dict, name: str, released: str) -> float | None:
+    """A condition level (guide_strength, audio_guide_strength): a number in (0, 1], or None."""
+    level = body.get(name)
+    if level is not None and (isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level <= 1):
+        raise _bad(f"{name} is the level conditions are held at, in (0, 1] ({released} as released), got {level!r}")
+    return level
 
 
 def _check_mentions_at_submit(mode: str, prompt: str, references: list[tuple[str, str]], first, last) -> None:

@@ -82,6 +82,7 @@ class GenerationRequest:
     # How tightly visual conditions hold (keyframes, guides, references, a history, kept rows): the level they
     # are held at, in (0, 1]; None: 0.999 as released (pipeline/sampler.py).
     guide_strength: float | None = None
+    audio_guide_strength: float | None = None
     width: int | None = None
     height: int | None = None
     frames: int = geometry.DEFAULT_FRAMES
@@ -147,11 +148,12 @@ class GenerationRequest:
             raise InputError(f"{self.mode} takes no noise mask; repainting a clip is t2va")
         if self.source is not None:
             self._take_source_canvas()
-        if self.guide_strength is not None and not (isinstance(self.guide_strength, (int, float))
-                                                    and not isinstance(self.guide_strength, bool)
-                                                    and 0 < self.guide_strength <= 1):
-            raise InputError(f"guide strength is the level conditions are held at, in (0, 1] (0.999 as released), "
-                             f"got {self.guide_strength!r}")
+        for name, level, released in (("guide strength", self.guide_strength, "0.999"),
+                                      ("audio guide strength", self.audio_guide_strength, "1.0")):
+            if level is not None and not (isinstance(level, (int, float)) and not isinstance(level, bool)
+                                          and 0 < level <= 1):
+                raise InputError(f"{name} is the level conditions are held at, in (0, 1] ({released} as released), "
+                                 f"got {level!r}")
         check_mentions(self.mode, self.prompt, *self._reference_counts())
         if (self.width is None) != (self.height is None):
             raise InputError("width and height go together, or neither")
@@ -315,6 +317,9 @@ class Pipeline:
                 if req.guide_strength is not None:
                     sampling.condition_video_t = float(req.guide_strength)
                     info["guide_strength"] = float(req.guide_strength)
+                if req.audio_guide_strength is not None:
+                    sampling.condition_audio_t = float(req.audio_guide_strength)
+                    info["audio_guide_strength"] = float(req.audio_guide_strength)
                 result = self.sample(dit, sampling, schedule,
                                      req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,
                                      step_cache=req.step_cache, attention_schedule=req.attention_schedule)

@@ -48,6 +48,9 @@ class SamplingRequest:
     # The level visual conditions (keyframes, guides, references, a history, kept rows) are held at: 0.999 as
     # released; lower mixes in more noise and loosens their hold (ComfyUI's minimax_visual_cond_noise_aug).
     condition_video_t: float = CONDITION_VIDEO_T
+    # The level audio conditions (guides, references, a history's sound, kept rows) are held at: 1.0 (clean) as
+    # released; lower mixes in noise drawn from the seed + 1 stream (ComfyUI's minimax_audio_cond_noise_aug).
+    condition_audio_t: float = CONDITION_AUDIO_T
 
 
 @dataclass
@@ -80,6 +83,17 @@ def condition_rows(conditions: list[torch.Tensor], generator: torch.Generator, p
     return torch.cat(rows) if rows else None
 
 
+def audio_condition_rows(rows: list[torch.Tensor], generator: torch.Generator, level: float) -> list[torch.Tensor]:
+    """The audio conditions at t = `level`: as given at 1.0, else mixed with noise from a stream of their own
+    (the sampling seed + 1), so the video's draws are the same whatever the audio's level."""
+    if level >= 1.0 or not rows:
+        return rows
+    audio_generator = torch.Generator().manual_seed(generator.initial_seed() + 1)
+    t = torch.tensor(level, dtype=torch.float32)
+    return [t * r.float().cpu() + (1.0 - t) * torch.randn(r.shape, generator=audio_generator, dtype=torch.float32)
+            for r in rows]
+
+
 def initial_noise(req: SamplingRequest, generator: torch.Generator, video_channels: int, audio_channels: int,
                   patch) -> tuple[torch.Tensor, torch.Tensor]:
     video = torch.randn((1, video_channels, req.latent_frames, req.latent_height, req.latent_width),
@@ -88,13 +102,13 @@ def initial_noise(req: SamplingRequest, generator: torch.Generator, video_channe
     return patchify(video, patch), audio
 
 
-def schedule_timestep_values(layout: Layout, schedule: JointSchedule,
-                             condition_video_t: float = CONDITION_VIDEO_T) -> set[float]:
+def schedule_timestep_values(layout: Layout, schedule: JointSchedule, condition_video_t: float = CONDITION_VIDEO_T,
+                             condition_audio_t: float = CONDITION_AUDIO_T) -> set[float]:
     """Every distinct timestep any step of this schedule feeds the model (for AdaLN precompute)."""
     values: set[float] = set()
     for i in range(len(schedule)):
         tv, ta = schedule.step_timesteps(i)
-        values.update(layout.row_timesteps(tv, ta, max(tv, condition_video_t), CONDITION_AUDIO_T)[0].tolist())
+        values.update(layout.row_timesteps(tv, ta, max(tv, condition_video_t), max(ta, condition_audio_t))[0].tolist())
     return values
 
 
@@ -130,7 +144,8 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
     held_v, held_a = _held(lay, req, video_noise, audio_noise)
     n_cv, n_ca = lay.num_condition_video_rows, lay.num_condition_audio_rows
     video = torch.cat([cond, video_noise]) if cond is not None else video_noise
-    audio = torch.cat(req.audio_condition_rows + [audio_noise]) if req.audio_condition_rows else audio_noise
+    audio_conditions = audio_condition_rows(req.audio_condition_rows, generator, req.condition_audio_t)
+    audio = torch.cat(audio_conditions + [audio_noise]) if audio_conditions else audio_noise
     if video.shape[0] != lay.video_indices.numel() or audio.shape[0] != lay.audio_indices.numel():
         raise H3Error(
             f"the layout reserves {lay.video_indices.numel()} video and {lay.audio_indices.numel()} audio rows but the "
@@ -150,7 +165,7 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
         # Only this schedule's tables are kept (~10 MB per timestep value at full size), so a resident model
         # serving many schedules does not accumulate them.
         dit.clear_modulation_cache()
-        dit.precompute_modulation(schedule_timestep_values(lay, schedule, req.condition_video_t))
+        dit.precompute_modulation(schedule_timestep_values(lay, schedule, req.condition_video_t, req.condition_audio_t))
         if release_adaln:
             dit.release_adaln()
 
@@ -160,7 +175,7 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
             raise Cancelled(f"cancelled before step {i + 1} of {len(schedule)}")
         start = time.perf_counter()
         tv, ta = schedule.step_timesteps(i)
-        ts, tidx = lay.row_timesteps(tv, ta, max(tv, req.condition_video_t), CONDITION_AUDIO_T)
+        ts, tidx = lay.row_timesteps(tv, ta, max(tv, req.condition_video_t), max(ta, req.condition_audio_t))
 
         def forward(**extra):
             return dit(video[None], audio[None], None, ts.to(device), tidx.to(device), position_ids=position_ids,
@@ -202,8 +217,8 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
 
 
 def _held(lay: Layout, req: SamplingRequest, video_noise: torch.Tensor, audio_noise: torch.Tensor):
-    """The noise masks' kept rows, set in the initial noise in place: the clip's video latents mixed with the
-    row's own noise at t = 0.999, its audio rows clean. (None, None) without masks."""
+    """The noise masks' kept rows, set in the initial noise in place: the clip's latents mixed with the row's own
+    noise at the conditions' levels (video 0.999, audio 1.0: clean, as released). (None, None) without masks."""
     held_v = held_a = None
     if lay.held_video is not None:
         src = _source(req.source_video_rows, video_noise, "video")
@@ -213,7 +228,11 @@ def _held(lay: Layout, req: SamplingRequest, video_noise: torch.Tensor, audio_no
     if lay.held_audio is not None:
         src = _source(req.source_audio_rows, audio_noise, "audio")
         held_a = lay.held_audio
-        audio_noise[held_a] = src[held_a]
+        if req.condition_audio_t >= 1.0:
+            audio_noise[held_a] = src[held_a]
+        else:
+            t = torch.tensor(req.condition_audio_t, dtype=torch.float32)
+            audio_noise[held_a] = t * src[held_a] + (1.0 - t) * audio_noise[held_a]
     return held_v, held_a
 
 
