@@ -66,6 +66,12 @@ def test_sound_is_made_stereo_at_32_khz():
     (Guide("audio", 110, audio=_tone(1.0)),
      "guide 1 (audio): 1.000 s of sound from frame 110 runs past the clip's end (0.600 s remain)"),
     (Guide("audio", 0), "guide 1 (audio) needs a (channels, samples) waveform"),
+    # The canvas is 64x32 (2:1): a 1:2 still would keep a quarter of its height, a 1:3 one a sixth.
+    (Guide("image", 0, image=_pixels(300, 100, 3)),
+     "guide 1 (image) is 100x300: cover-cropped to the 64x32 canvas it would keep 16.7% of its height; its aspect "
+     "must be within 4x of the canvas's"),
+    (Guide("clip", 0, clip=_pixels(5, 2, 40, 3)),
+     "guide 1 (clip) is 40x2: cover-cropped to the 64x32 canvas it would keep 10.0% of its width"),
     (Guide("audio", 0, audio=torch.rand(3, 100)), "guide 1 (audio) must be a (channels, samples) mono or stereo"),
 ])
 def test_bad_guides(guide, message):

@@ -84,17 +84,34 @@ def remaining_audio_latents(frame: int, frames: int) -> int:
     return geometry.audio_latent_frames(frames) - (frame * geometry.AUDIO_LATENTS_PER_SECOND) // geometry.FPS
 
 
+# How far a guide's aspect may stray from the canvas's: cover-cropping keeps at least this share of each side.
+MAX_CROP_RATIO = 4.0
+
+
+def check_fits(src_height: int, src_width: int, height: int, width: int, what: str) -> None:
+    """A picture that cover-cropping can fit to the canvas: its aspect within 4x of the canvas's (a 1x4000 strip
+    would be scaled to millions of pixels across and keep a sliver of itself)."""
+    ratio = (src_width / src_height) / (width / height)
+    if not 1 / MAX_CROP_RATIO <= ratio <= MAX_CROP_RATIO:
+        kept = 100 / max(ratio, 1 / ratio)
+        raise InputError(f"{what} is {src_width}x{src_height}: cover-cropped to the {width}x{height} canvas it would "
+                         f"keep {kept:.1f}% of its {'width' if ratio > 1 else 'height'}; its aspect must be within "
+                         f"{MAX_CROP_RATIO:g}x of the canvas's")
+
+
 def _prepare_one(guide: Guide, frames: int, width: int, height: int, what: str) -> PreparedGuide:
     if guide.kind not in GUIDE_KINDS:
         raise InputError(f"{what}: a guide is one of {', '.join(GUIDE_KINDS)}, got {guide.kind!r}")
     frame = resolve_frame(guide.frame, frames, what)
     if guide.kind == "image":
         image = check_image(guide.image, what)
+        check_fits(int(image.shape[0]), int(image.shape[1]), height, width, what)
         return PreparedGuide("image", frame, pixels=cover_crop(image, height, width))
     if guide.kind == "clip":
         clip = guide.clip
         if not isinstance(clip, torch.Tensor) or clip.dtype != torch.uint8 or clip.ndim != 4 or clip.shape[-1] != 3:
             raise InputError(f"{what} must be uint8 (F, H, W, 3) frames")
+        check_fits(int(clip.shape[1]), int(clip.shape[2]), height, width, what)
         clip = resample_fps(clip, guide.fps)
         check_clip_length(int(clip.shape[0]), what)
         if frame + clip.shape[0] > frames:
