@@ -574,6 +574,11 @@ def test_each_key_sees_only_its_own_jobs_and_an_admin_all(serve):
     assert client.get("/jobs", headers=as_("not-a-key-of-anyone-0000")).status_code == 401
     for job_id, token in ((a, alice), (b, bob)):
         assert wait_job_auth(client, job_id, as_(token))["state"] == "done"
+    # The metrics count each key's jobs under its name; no token appears in them.
+    body = client.get("/metrics", headers=as_(root)).text
+    assert 'h3_spark_jobs_finished_total{client="alice",state="done"} 1.0' in body
+    assert 'h3_spark_jobs_finished_total{client="bob",state="done"} 1.0' in body
+    assert not any(token in body for token in (alice, bob, root))
 
 
 def test_inputs_need_an_input_folder(serve):
@@ -914,7 +919,7 @@ def test_live_and_metrics(serve):
     assert text.status_code == 200 and text.headers["content-type"].startswith("text/plain")
     body = text.text
     assert 'h3_spark_jobs{state="done"} 1.0' in body and 'h3_spark_jobs{state="queued"} 0.0' in body
-    assert 'h3_spark_jobs_finished_total{state="done"} 1.0' in body
+    assert 'h3_spark_jobs_finished_total{client="",state="done"} 1.0' in body
     assert 'h3_spark_stage_seconds_count{stage="sampling"} 1.0' in body
     assert "h3_spark_queue_depth 0.0" in body and "h3_spark_queue_capacity 4.0" in body
     assert 'h3_spark_models_state{state="ready"} 1.0' in body

@@ -1,6 +1,6 @@
 """`GET /metrics`: the service's state for an operator, in Prometheus' text format (prometheus-client).
 
-Counted as jobs end: `h3_spark_jobs_finished_total{state}` and, for finished jobs, the seconds of each stage
+Counted as jobs end: `h3_spark_jobs_finished_total{state, client}` and, for finished jobs, the seconds of each stage
 (`h3_spark_stage_seconds{stage}`, a histogram). Read at each scrape: the jobs the service holds by state,
 the queue's depth and capacity, whether the models are loaded, GPU memory, and which kernels the loaded
 DiTs run (an info metric). Each service has its own registry (tests run several in one process).
@@ -31,14 +31,15 @@ class ServiceMetrics:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry()
-        self.finished = Counter("h3_spark_jobs_finished", "Jobs that ended, by their final state", ["state"],
-                                registry=self.registry)
+        # By the name of the key that submitted the job (--keys-file), never the key; "" without keys.
+        self.finished = Counter("h3_spark_jobs_finished", "Jobs that ended, by their final state and client",
+                                ["state", "client"], registry=self.registry)
         self.stage = Histogram("h3_spark_stage_seconds", "Seconds per stage of the jobs that finished",
                                ["stage"], buckets=STAGE_BUCKETS, registry=self.registry)
         self.registry.register(_Now(service))
 
     def job_finished(self, job) -> None:
-        self.finished.labels(job.state).inc()
+        self.finished.labels(job.state, job.client or "").inc()
         if job.state == "done":
             for stage, seconds in job.timings.items():
                 self.stage.labels(stage).observe(seconds)
