@@ -258,7 +258,25 @@ def load_engine(args, options, mode: str, log):
     engine = Engine(component_paths(args), options, offload_text_encoder=args.offload_text_encoder,
                     release_adaln=not args.keep_adaln)
     engine.load([mode], on_progress=lambda event: event.state == "loading" and log(f"loading {event.component}"))
+    if not args.quiet:
+        for note in load_notes(engine):
+            print(f"h3-spark: note: {note}", file=sys.stderr, flush=True)
     return engine
+
+
+def load_notes(engine) -> list[str]:
+    """What the readers said about the files they loaded (a GGUF declaring another architecture, the vision file a
+    GGUF text encoder took), one line each."""
+    from ..h3_model.engine.loading import LOADED
+
+    notes = []
+    for name in LOADED:
+        component = getattr(engine.components, name, None)
+        for note in (getattr(getattr(component, "checkpoint_origin", None), "note", None),
+                     getattr(component, "vision_note", None)):
+            if note:
+                notes.append(note)
+    return notes
 
 
 def prepare_for(engine, req, recipes: list, options, world: int, log):
@@ -349,6 +367,9 @@ def summarize(args, engine, req, result, options, world: int) -> dict:
     # Beside the GPU's: under a VRAM budget the streamed weights wait in host memory, and a container is
     # stopped on its cgroup's count (page cache and pinned buffers included), not on the GPU's.
     summary.update(host_memory_report())
+    notes = load_notes(engine)
+    if notes:
+        summary["load_notes"] = notes
     if args.demo:
         summary["note"] = "demo: tiny synthetic random weights, the video and sound are noise"
     return summary
