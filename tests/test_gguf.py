@@ -399,8 +399,9 @@ def test_an_image_presentation_needs_the_vision_tower(te_files):
         te.encode(te.prompts.fl2va("a boat", [frame]))
     assert str(err.value) == (f"the text encoder {te_files['Q8_0']} has no vision tower (a GGUF without its mmproj): "
                               "Ref2VA image and video references and FL2VA keyframes need Qwen3-VL's vision tower; "
-                              "load a text encoder file that holds it (visual.*: ComfyUI's single file, or a GGUF "
-                              "converted from it)")
+                              "give its llama.cpp vision file (--text-encoder-vision mmproj-....gguf, or one "
+                              "mmproj*.gguf beside it) or load a file that holds the tower (visual.*: ComfyUI's single "
+                              "file)")
     report = inspect_checkpoint(te_files["Q8_0"])
     assert report["model"] == "text_encoder" and report["complete"] and not report["structure"]["vision_tower"]
     # Six linears a layer and the embedding; down_proj's 48-value rows are not whole blocks (F16).

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 # Which model a checkpoint is made for.
-COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder")
+COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder", "taeh3")
 # --format values per component (the VAEs are written as published, unquantized).
 DIT_FORMATS = ("bf16", "fp8_scaled", "nvfp4", "int8_convrot")
 # A GGUF DiT: gguf:<GGML type>, the writable types checked by the writer (h3_model/checkpoint/gguf_writer.py).
@@ -267,6 +267,26 @@ def _run_text_encoder(args) -> int:
     return 0
 
 
+def _run_taeh3(args) -> int:
+    """TAEH3 (madebyollin/taehv's taeh3.safetensors: encoder and temporal decoder, fp16), random weights."""
+    from ..errors import InputError
+    from ..h3_model.vae.taeh3_synthetic import write_taeh3
+
+    if args.format != "bf16" or args.layout != "comfy" or args.device != "cpu" or args.tokenizer_out is not None \
+            or args.fasth3 or args.mmproj or args.quantize_refiner or args.curve_grid is not None \
+            or args.curve_rank is not None:
+        raise InputError("--component taeh3 takes only --preset (tiny: the demo VAE's 4 latent channels, full: 24), "
+                         "--seed and --force (it is written as published: one fp16 .safetensors file)")
+    out = Path(args.out)
+    stale = check_output(out, "comfy", args.force)
+    start = time.perf_counter()
+    with replacing(stale):
+        path = write_taeh3(out, args.preset, args.seed)
+    print(json.dumps({"out": str(path), "component": "taeh3", "preset": args.preset, "seed": args.seed,
+                      "bytes": path.stat().st_size, "seconds": round(time.perf_counter() - start, 3)}))
+    return 0
+
+
 def _progress_printer():
     last = [0.0]
 
@@ -298,6 +318,8 @@ def run(args) -> int:
 
     if args.component == "text_encoder":
         return _run_text_encoder(args)
+    if args.component == "taeh3":
+        return _run_taeh3(args)
     if args.tokenizer_out is not None:
         raise InputError("--tokenizer-out applies to --component text_encoder")
     if args.mmproj:
