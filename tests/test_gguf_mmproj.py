@@ -9,8 +9,10 @@ and the ComfyUI bf16 single file of the same seed loaded through the dense path.
   states are O(1)); the tower found beside the text file is named in `vision_note`;
 - `h3-spark generate` FL2VA with the GGUF text encoder and the mmproj beside it writes the clip and says which
   vision file it took; the same files without the mmproj refuse the keyframe;
+- discovery beside the text GGUF passes over other models' mmproj files (a shared folder);
 - bad inputs, one line each: an mmproj for another model (projection width; projector type), a file that is not
-  an mmproj, two mmproj files beside the text GGUF, --text-encoder-vision with a file that holds its own tower.
+  an mmproj, two mmproj files of this model beside the text GGUF, --text-encoder-vision with a file that holds its
+  own tower.
 """
 
 import json
@@ -167,10 +169,21 @@ def test_two_mmproj_files_beside_the_text_gguf_are_refused(files, tmp_path):
     shutil.copy(files["BF16"].with_name("mmproj-te.gguf"), tmp_path / "mmproj-BF16.gguf")
     with pytest.raises(InputError) as err:
         _te(tmp_path / "te.gguf", files)
-    _one_line(err, f"{tmp_path}: 2 mmproj files beside te.gguf (mmproj-BF16.gguf, mmproj-te.gguf); name the one for "
-                   "this text encoder with --text-encoder-vision")
+    _one_line(err, f"{tmp_path}: 2 mmproj files for this text encoder beside te.gguf (mmproj-BF16.gguf, "
+                   "mmproj-te.gguf); name the one to use with --text-encoder-vision")
     # Naming one settles it.
     assert _te(tmp_path / "te.gguf", files, vision=tmp_path / "mmproj-te.gguf").vision_tower
+
+
+def test_other_models_vision_files_beside_are_passed_over(files, tmp_path):
+    """A shared folder (ComfyUI's text_encoders) holds other models' mmproj files: discovery takes only this model's."""
+    shutil.copy(files["F16"], tmp_path / "te.gguf")
+    _copy(files["F16"].with_name("mmproj-te.gguf"), tmp_path / "mmproj-big-model.gguf",
+          fields={"clip.vision.projection_dim": 5120})
+    assert not _te(tmp_path / "te.gguf", files).vision_tower
+    shutil.copy(files["F16"].with_name("mmproj-te.gguf"), tmp_path / "mmproj-te.gguf")
+    te = _te(tmp_path / "te.gguf", files)
+    assert te.vision_tower and te.vision_note == "text encoder vision tower from mmproj-te.gguf, found beside te.gguf"
 
 
 def test_a_vision_file_for_a_text_encoder_that_holds_its_tower_is_refused(files):

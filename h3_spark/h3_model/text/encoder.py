@@ -341,7 +341,7 @@ def _text_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...
 
 def _open_vision(sources: _Sources, weights: SingleFile, vision: str | Path | None) -> tuple[Mmproj | None, str | None]:
     """(the mmproj holding the tower, a note saying which file it is): the one given, else the one `mmproj*.gguf`
-    beside a text GGUF that has no tower; (None, None) for a file that holds its own tower."""
+    beside a text GGUF that has no tower and is this model's; (None, None) for a file that holds its own tower."""
     if vision is not None:
         vision = Path(vision)
         if not weights.gguf or weights.has_vision:
@@ -352,10 +352,14 @@ def _open_vision(sources: _Sources, weights: SingleFile, vision: str | Path | No
         return Mmproj(vision), f"text encoder vision tower from {vision} (--text-encoder-vision)"
     if not weights.gguf or weights.has_vision:
         return None, None
-    found = find_beside(sources.weights)
+    embedding = weights.shape("language_model.embed_tokens.weight")
+    if embedding is None:
+        return None, None  # _config_from_shapes names the missing tensor
+    deepstack = weights.source.field("qwen3vl.n_deepstack_layers")
+    found = find_beside(sources.weights, embedding[1], None if deepstack is None else int(deepstack))
     if found is None:
         return None, None
-    return Mmproj(found), f"text encoder vision tower from {found.name}, found beside {sources.weights.name}"
+    return found, f"text encoder vision tower from {found.path.name}, found beside {sources.weights.name}"
 
 
 def _load_single_file(tf, sources: _Sources, tokenizer, layer: int, dtype: torch.dtype, device: torch.device,

@@ -176,13 +176,28 @@ class Mmproj:
         self.source.close()
 
 
-def find_beside(text_file: Path) -> Path | None:
-    """The one `mmproj*.gguf` in the text GGUF's folder (None when there is none); several are refused, since the
-    wrong one would be another model's tower or another precision than asked."""
-    found = sorted(p for p in text_file.parent.iterdir()
-                   if p.is_file() and p.name.lower().startswith("mmproj") and p.suffix.lower() == ".gguf")
-    if len(found) > 1:
-        raise InputError(f"{text_file.parent}: {len(found)} mmproj files beside {text_file.name} "
-                         f"({', '.join(p.name for p in found)}); name the one for this text encoder with "
+def find_beside(text_file: Path, text_hidden: int, text_deepstack: int | None) -> Mmproj | None:
+    """The one `mmproj*.gguf` in the text GGUF's folder that is this text model's tower (its projection width and
+    DeepStack count), opened; None when there is none. A shared folder (ComfyUI's text_encoders) may hold other
+    models' vision files: those are passed over. Several that fit are refused: which precision to take is the
+    user's choice."""
+    fitting = []
+    for path in sorted(p for p in text_file.parent.iterdir()
+                       if p.is_file() and p.name.lower().startswith("mmproj") and p.suffix.lower() == ".gguf"):
+        try:
+            candidate = Mmproj(path)
+        except CheckpointError:
+            continue
+        try:
+            candidate.check_belongs(text_hidden, text_deepstack)
+        except CheckpointError:
+            candidate.close()
+            continue
+        fitting.append(candidate)
+    if len(fitting) > 1:
+        for candidate in fitting:
+            candidate.close()
+        raise InputError(f"{text_file.parent}: {len(fitting)} mmproj files for this text encoder beside "
+                         f"{text_file.name} ({', '.join(c.path.name for c in fitting)}); name the one to use with "
                          "--text-encoder-vision")
-    return found[0] if found else None
+    return fitting[0] if fitting else None
