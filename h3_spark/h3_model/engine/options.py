@@ -32,7 +32,7 @@ def add_model_flags(parser, text_layer_help: str = f"Qwen3-VL hidden state the D
     models.add_argument("--text-encoder-layer", type=int, default=None, help=text_layer_help)
     models.add_argument("--text-encoder-vision", type=Path, default=None, metavar="MMPROJ",
                         help="a llama.cpp text encoder GGUF's vision file (mmproj*.gguf), for FL2VA keyframes and "
-                             "Ref2VA images; default: the one mmproj*.gguf beside the text GGUF, if any (the summary's "
+                             "Ref2VA images; default: the one mmproj*.gguf of that model beside the text GGUF, if any (the summary's "
                              "load_notes says which)")
     models.add_argument("--qkv-layout", choices=["auto", "stacked", "interleaved"], default="auto",
                         help="fused qkv order of original-named DiT files: auto (interleaved for MiniMaxAI's own "
