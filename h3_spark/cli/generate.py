@@ -59,6 +59,11 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     cache.add_argument("--cache-start-percent", type=float, default=0.2)
     cache.add_argument("--cache-end-percent", type=float, default=0.9)
     cache.add_argument("--cache-subsample-factor", type=int, default=1)
+    p.add_argument("--decoder", choices=["vae", "taeh3"], default="vae",
+                   help="video decoder: vae (the full video VAE) or taeh3 (a draft: the whole clip through the tiny "
+                        "temporal TAEH3, madebyollin/taehv's taeh3.safetensors given with --taeh3; the same frames "
+                        "and size, much faster and lighter, approximate; audio still through the audio VAE)")
+    p.add_argument("--taeh3", type=Path, default=None, metavar="PATH", help="the TAEH3 file for --decoder taeh3")
     p.add_argument("--preview", type=Path, default=None, metavar="DIR",
                    help="write a small strip of the clip as it forms (false-colour latent view, 4 frames) to "
                         "DIR/step-NNN.png every --preview-every steps")
@@ -200,6 +205,18 @@ def check_output_flags(args) -> None:
         raise InputError(f"--out must end in .mp4, got {args.out}")
     check_outputs(args.out, args.save_latents)
     check_preview(args.preview, args.preview_every)
+    check_decoder(args.decoder, args.taeh3)
+
+
+def check_decoder(decoder: str, taeh3: Path | None) -> None:
+    from ..errors import InputError
+
+    if decoder == "taeh3" and taeh3 is None:
+        raise InputError("--decoder taeh3 needs --taeh3 PATH (madebyollin/taehv's taeh3.safetensors)")
+    if decoder != "taeh3" and taeh3 is not None:
+        raise InputError(f"--taeh3 {taeh3} is read only with --decoder taeh3")
+    if taeh3 is not None and not taeh3.is_file():
+        raise InputError(f"--taeh3 {taeh3}: no such file")
 
 
 def engine_options(args, device: str, world_size: int):
@@ -259,7 +276,27 @@ def load_engine(args, options, mode: str, log):
     engine = Engine(component_paths(args), options, offload_text_encoder=args.offload_text_encoder,
                     release_adaln=not args.keep_adaln)
     engine.load([mode], on_progress=lambda event: event.state == "loading" and log(f"loading {event.component}"))
+    if args.decoder == "taeh3":
+        engine.use_draft_decoder(args.taeh3)
+    if not args.quiet:
+        for note in load_notes(engine):
+            print(f"h3-spark: note: {note}", file=sys.stderr, flush=True)
     return engine
+
+
+def load_notes(engine) -> list[str]:
+    """What the readers said about the files they loaded (a GGUF declaring another architecture, the vision file a
+    GGUF text encoder took), one line each."""
+    from ..h3_model.engine.loading import LOADED
+
+    notes = []
+    for name in LOADED:
+        component = getattr(engine.components, name, None)
+        for note in (getattr(getattr(component, "checkpoint_origin", None), "note", None),
+                     getattr(component, "vision_note", None)):
+            if note:
+                notes.append(note)
+    return notes
 
 
 def prepare_for(engine, req, recipes: list, options, world: int, log):
@@ -330,7 +367,7 @@ def summarize(args, engine, req, result, options, world: int) -> dict:
                "load_s": {k: round(v, 3) for k, v in engine.load_seconds.items()},
                "attention": kernels.get("attention", {}).get("chosen"),
                "linear": kernels.get("linear", {}).get("format"),
-               **exactness(kernels, req.step_cache is not None, req.recipes),
+               **exactness(kernels, req.step_cache is not None, req.recipes), "decoder": args.decoder,
                "vae_attention": (vae_kernels or {}).get("attention", {}).get("chosen")}
     if "step_cache" in result.info:
         summary["step_cache"] = result.info["step_cache"]
@@ -350,6 +387,12 @@ def summarize(args, engine, req, result, options, world: int) -> dict:
     # Beside the GPU's: under a VRAM budget the streamed weights wait in host memory, and a container is
     # stopped on its cgroup's count (page cache and pinned buffers included), not on the GPU's.
     summary.update(host_memory_report())
+    if args.decoder == "taeh3":
+        summary["exact"] = False
+        summary["approximate_paths"] = [*summary["approximate_paths"], "decoder taeh3"]
+    notes = load_notes(engine)
+    if notes:
+        summary["load_notes"] = notes
     if args.demo:
         summary["note"] = "demo: tiny synthetic random weights, the video and sound are noise"
     return summary

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 # Which model a checkpoint is made for.
-COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder")
+COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder", "taeh3")
 # --format values per component (the VAEs are written as published, unquantized).
 DIT_FORMATS = ("bf16", "fp8_scaled", "nvfp4", "int8_convrot")
 # A GGUF DiT: gguf:<GGML type>, the writable types checked by the writer (h3_model/checkpoint/gguf_writer.py).
@@ -77,6 +77,10 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "beside the file (x.safetensors -> x.tokenizer/). It holds a byte-level stand-in tokenizer "
                         "with Qwen3-VL's special tokens (tiny: also the model's config.json); a full file loads with "
                         "the real one (MiniMaxAI/MiniMax-H3's tokenizer/ and processor/) as well")
+    p.add_argument("--mmproj", action="store_true",
+                   help="text_encoder gguf:<X>: also write the vision tower as llama.cpp's separate vision file, "
+                        "mmproj-<name>.gguf beside the text GGUF (F16; F32/BF16 with those text types), which generate "
+                        "finds there (or takes with --text-encoder-vision) for FL2VA keyframes and Ref2VA images")
     p.add_argument("--fasth3", action="store_true",
                    help="DiT: a FastH3 model (FastVideo's distilled student): the base DiT plus one random, non-zero "
                         "VSA gate per block (attn.to_gate_compress, bf16), in the diffusers or comfy layout")
@@ -229,22 +233,57 @@ def _run_text_encoder(args) -> int:
         if out.suffix.lower() != ".gguf":
             raise InputError(f"{out}: a GGUF text encoder is one file; give a path ending in .gguf")
         writer = write_text_encoder_gguf
+    elif args.mmproj:
+        raise InputError("--mmproj writes a llama.cpp text GGUF's vision file: it takes --format gguf:<X> (a ComfyUI "
+                         "single file holds its own vision tower)")
     else:
         if out.suffix != ".safetensors":
             raise InputError(f"{out}: a ComfyUI text encoder is one file; give a path ending in .safetensors")
         writer = write_text_encoder
     tokenizer_dir = Path(args.tokenizer_out) if args.tokenizer_out is not None else default_tokenizer_dir(out)
     stale = check_output(out, "comfy", args.force) + check_tokenizer_out(tokenizer_dir, args.force)
+    if args.mmproj:
+        from ..h3_model.text.gguf_writer import mmproj_path
+
+        stale += check_output(mmproj_path(out), "comfy", args.force)
     start = time.perf_counter()
+    vision = None
     with replacing(stale):
         made = writer(out, args.preset, args.format, seed=args.seed, tokenizer_dir=tokenizer_dir,
                       device=args.device, progress=_progress_printer())
+        if args.mmproj:
+            from ..h3_model.text.gguf_writer import write_mmproj
+
+            vision = write_mmproj(out, args.preset, scheme_of(args.format), seed=args.seed, device=args.device)
     if sys.stderr.isatty():
         print(file=sys.stderr)
-    print(json.dumps({"out": str(made.path), "component": args.component, "preset": args.preset,
-                      "format": args.format, "layout": "comfy", "seed": args.seed, "device": args.device,
-                      "tokenizer": str(made.tokenizer_dir), "layers": made.layers, "bytes": made.bytes,
-                      "seconds": round(time.perf_counter() - start, 3)}))
+    summary = {"out": str(made.path), "component": args.component, "preset": args.preset,
+               "format": args.format, "layout": "comfy", "seed": args.seed, "device": args.device,
+               "tokenizer": str(made.tokenizer_dir), "layers": made.layers, "bytes": made.bytes,
+               "seconds": round(time.perf_counter() - start, 3)}
+    if vision is not None:
+        summary["mmproj"] = str(vision)
+    print(json.dumps(summary))
+    return 0
+
+
+def _run_taeh3(args) -> int:
+    """TAEH3 (madebyollin/taehv's taeh3.safetensors: encoder and temporal decoder, fp16), random weights."""
+    from ..errors import InputError
+    from ..h3_model.vae.taeh3_synthetic import write_taeh3
+
+    if args.format != "bf16" or args.layout != "comfy" or args.device != "cpu" or args.tokenizer_out is not None \
+            or args.fasth3 or args.mmproj or args.quantize_refiner or args.curve_grid is not None \
+            or args.curve_rank is not None:
+        raise InputError("--component taeh3 takes only --preset (tiny: the demo VAE's 4 latent channels, full: 24), "
+                         "--seed and --force (it is written as published: one fp16 .safetensors file)")
+    out = Path(args.out)
+    stale = check_output(out, "comfy", args.force)
+    start = time.perf_counter()
+    with replacing(stale):
+        path = write_taeh3(out, args.preset, args.seed)
+    print(json.dumps({"out": str(path), "component": "taeh3", "preset": args.preset, "seed": args.seed,
+                      "bytes": path.stat().st_size, "seconds": round(time.perf_counter() - start, 3)}))
     return 0
 
 
@@ -279,8 +318,12 @@ def run(args) -> int:
 
     if args.component == "text_encoder":
         return _run_text_encoder(args)
+    if args.component == "taeh3":
+        return _run_taeh3(args)
     if args.tokenizer_out is not None:
         raise InputError("--tokenizer-out applies to --component text_encoder")
+    if args.mmproj:
+        raise InputError("--mmproj applies to --component text_encoder --format gguf:<X>")
     if args.fasth3 and args.component != "dit":
         raise InputError("--fasth3 applies to --component dit")
     if args.component != "dit":

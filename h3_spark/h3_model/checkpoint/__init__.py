@@ -74,7 +74,8 @@ def load_dit(path: str | Path, *, dtype: torch.dtype = torch.float32, device: st
     finally:
         reader.source.close()
     # The FP8/NVFP4 linears start from the stored codes (stored.StoredLinears), so the model says where it came from.
-    model.checkpoint_origin = CheckpointOrigin(str(path), partition, reader.qkv_layout, stored_formats(reader))
+    model.checkpoint_origin = CheckpointOrigin(str(path), partition, reader.qkv_layout, stored_formats(reader),
+                                              reader.note)
     return model.eval()
 
 

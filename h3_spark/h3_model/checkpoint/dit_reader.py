@@ -27,7 +27,7 @@ from ..dit.config import DiTConfig
 from . import keymap
 from .detect import Detected, detect
 from .dit_config import config_from_comfy, config_from_diffusers_shapes, config_from_json
-from .gguf_source import ARCHITECTURES, GgufSource, GgufSpec, readable
+from .gguf_source import GgufSource, GgufSpec, declared, readable
 from .gguf_source import dequantize as gguf_dequantize
 from ...kernels.formats import FORMATS
 from ...kernels.stored_linear import StoredForm
@@ -77,10 +77,25 @@ class DitReader:
         self.source = source
         self.qkv_layout = qkv_layout
         self.gguf = isinstance(source, GgufSource)
-        if self.gguf and source.architecture not in (None, "minimax_h3"):
-            raise CheckpointError(f"{source.path}: general.architecture is {source.architecture!r}, a "
-                                  f"{ARCHITECTURES[source.architecture]} GGUF, not the DiT "
-                                  "(an H3 DiT GGUF declares minimax_h3 or nothing)")
+        # A GGUF that declares another architecture is judged by its tensors: H3's names and shapes load it
+        # (a community repack labels H3's DiT `wan`), with a note saying so; anything else is refused here.
+        mislabelled = self.gguf and source.architecture not in (None, "minimax_h3")
+        self.note: str | None = None
+        try:
+            self._open(source, config)
+            if mislabelled:
+                self.check()
+        except CheckpointError as exc:
+            if not mislabelled:
+                raise
+            why = str(exc).removeprefix(f"{source.path}: ")
+            raise CheckpointError(f"{source.path}: general.architecture is {declared(source.architecture)}, and its "
+                                  f"tensors are not an H3 DiT's ({why}): not an H3 DiT GGUF") from None
+        if mislabelled:
+            self.note = (f"{source.path.name} declares general.architecture {source.architecture!r} but holds the "
+                         "H3 DiT's tensors (every name and shape checked): loaded as the H3 DiT")
+
+    def _open(self, source, config: DiTConfig | None) -> None:
         self.detected: Detected = detect(source.keys, str(source.path))
         if self.detected.model != "dit":
             what = {"video_vae": "video VAE", "audio_vae": "audio VAE", "text_encoder": "text encoder"}[self.detected.model]

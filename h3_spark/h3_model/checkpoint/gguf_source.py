@@ -8,7 +8,9 @@ open, each failure one line naming the file and, where there is one, the tensor:
 - every tensor: a GGML type gguf knows, rows that are whole blocks of it, bytes that fit in the file and
   exactly fill the space before the next tensor (GGUF stores no byte count: the type and the dims give it,
   and a wrong type or shape shows as a tensor running into the next one, or leaving a gap);
-- `general.architecture`: absent, or one an H3 GGUF declares (ARCHITECTURES).
+- nothing about `general.architecture`: the component readers judge it (a DiT reader loads a file that declares
+  another architecture when its tensor names and shapes are H3's, with a note; a file that is not H3 is refused
+  there, naming the declared architecture).
 
 Dims. GGUF lists a tensor's dims fastest first (`ne[0]` is the row length), the reverse of PyTorch: a
 linear weight [N out, K in] is stored as ne = [K, N], rows of K values one after another, which is the
@@ -27,9 +29,11 @@ The published H3 GGUFs (facts from ComfyUI-GGUF, stable-diffusion.cpp, audio.cpp
   (ComfyUI-GGUF PR #476: `minimax_h3_fl2va_pruned_fp8_Q4_0.gguf`); the stable-diffusion.cpp files
   (unsloth/MiniMax-H3-GGUF `minimax_h3_{fl2va,ref2va}_pruned-{Q2_K,Q3_K,Q4_K,Q5_0,Q6_K,Q8_0}.gguf`,
   leejet/MiniMax-H3-GGUF) carry no metadata at all (PR #480: kv_count = 0, 532 tensors); one community
-  repack (`MiniMax-H3-FL2VA-Q3_K_M.gguf`, PR #476) mislabels itself `wan` and is refused here.
+  repack (`MiniMax-H3-FL2VA-Q3_K_M.gguf`, PR #476) mislabels itself `wan` while holding H3's tensors
+  (ComfyUI-GGUF loads it by its names): the DiT reader loads it with a note.
 - Text encoders: llama.cpp's Qwen3-VL conversion (`general.architecture = qwen3vl`, `blk.N.attn_q.weight`,
-  ..., the vision tower in a separate mmproj file), or ComfyUI's names (`model.layers.N.*`, `visual.*`).
+  ..., the vision tower in a separate mmproj file, `general.architecture = clip`: text/mmproj.py), or
+  ComfyUI's names (`model.layers.N.*`, `visual.*`).
 """
 
 from __future__ import annotations
@@ -56,8 +60,8 @@ MAGIC = b"GGUF"
 PLAIN = ("F32", "F16", "BF16")
 # Integer and fp64 tensors are readable but never an H3 weight: the readers refuse them by name.
 INTEGER = ("I8", "I16", "I32", "I64", "F64")
-# general.architecture -> the component that declares it.
-ARCHITECTURES = {"minimax_h3": "DiT", "qwen3vl": "text encoder"}
+# general.architecture -> the H3 component that declares it (llama.cpp's mmproj files declare clip).
+ARCHITECTURES = {"minimax_h3": "DiT", "qwen3vl": "text encoder", "clip": "vision tower (mmproj)"}
 ORIG_SHAPE_KEY = "comfy.gguf.orig_shape."
 _HEADER_BYTES = 24  # magic, version, tensor count, key/value count
 _LONG_ARRAY = 32  # metadata arrays longer than this are summarised (a tokenizer's 151k tokens)
@@ -69,6 +73,11 @@ def gguf_module():
     except ImportError:
         raise CheckpointError("reading .gguf files needs the gguf package: pip install 'gguf>=0.10'") from None
     return gguf
+
+
+def declared(arch: str) -> str:
+    """'qwen3vl' -> "'qwen3vl', a text encoder GGUF"; an architecture no H3 component declares -> "'wan'"."""
+    return f"{arch!r}, a {ARCHITECTURES[arch]} GGUF" if arch in ARCHITECTURES else repr(arch)
 
 
 # ------------------------------------------------------------------------------------------ entries
@@ -317,9 +326,6 @@ class GgufSource:
         self._fields = fields
         metadata = {k: _metadata_text(f) for k, f in fields.items()}
         arch = metadata.get("general.architecture")
-        if arch is not None and arch not in ARCHITECTURES:
-            raise CheckpointError(f"{path}: general.architecture is {arch!r}, not an H3 GGUF (an H3 DiT declares "
-                                  "minimax_h3 or nothing, its text encoder qwen3vl or nothing)")
         entries = {t.name: self._entry(t, fields) for t in self._reader.tensors}
         self.header = GgufHeader(path, size, int(self._reader.data_offset), version, int(self._reader.alignment),
                                  arch, metadata, entries)

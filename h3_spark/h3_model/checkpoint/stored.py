@@ -27,6 +27,7 @@ class CheckpointOrigin:
     partition: str | None
     qkv_layout: str
     formats: tuple[str, ...]  # the stored quantization formats (QuantSpec.format), sorted
+    note: str | None = None  # what the reader wants said about the file (a GGUF declaring another architecture)
 
     @property
     def linear_format(self) -> str:

@@ -394,6 +394,16 @@ class Engine:
     def sample(self, dit, request, schedule, seed: int, **kwargs):
         return self.pipeline.sample(dit, request, schedule, seed, **kwargs)
 
+    def use_draft_decoder(self, path) -> None:
+        """Decode every clip with TAEH3 from `path` (a draft: its frames, not the VAE's; the audio VAE as before);
+        None goes back to the video VAE."""
+        if path is None:
+            self.pipeline.draft_decoder = None
+            return
+        from ..vae.tiny_decoder import load_tiny_decoder
+
+        self.pipeline.draft_decoder = load_tiny_decoder(path, device=self.options.device, dtype=self.options.vae_dtype)
+
     def decode_video(self, latents: torch.Tensor, tile_size: int | None = 256, on_frames=None) -> torch.Tensor:
         return self.pipeline.decode_video(latents, tile_size, on_frames)
 

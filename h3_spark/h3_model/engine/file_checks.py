@@ -45,7 +45,8 @@ def check_files(plan: Mapping[str, object], options: LoadOptions, tokenizer: Pat
             finally:
                 reader.source.close()
     if "text_encoder" in plan and "text_encoder" not in skip:
-        checked.text_hidden = check_text_encoder(plan["text_encoder"], tokenizer=tokenizer, layer=options.text_layer)
+        checked.text_hidden = check_text_encoder(plan["text_encoder"], tokenizer=tokenizer, layer=options.text_layer,
+                                                 vision=options.text_vision)
     if "vae" in plan and "vae" not in skip:
         checked.video_latents = check_video_vae(plan["vae"]).latent_channels
     if "audio_vae" in plan and "audio_vae" not in skip:

@@ -29,6 +29,8 @@ class LoadOptions:
     loras: list = field(default_factory=list)
     qkv_layout: str = "auto"
     text_layer: int = 50  # hidden_states[50] for the released Qwen3-VL; tiny test models read less
+    # A llama.cpp text GGUF's vision file (mmproj; --text-encoder-vision); None: the one mmproj*.gguf beside it, if any.
+    text_vision: Path | None = None
     # The kernels each DiT and the video VAE are configured with once, after loading; None leaves them as
     # built (the bench builds its diffusers twin from the bf16 weights before it applies its own).
     kernels: KernelSettings | None = field(default_factory=KernelSettings)
@@ -72,7 +74,8 @@ def component_loader(name: str, path: Path, opts: LoadOptions, tokenizer: Path |
                                     qkv_layout=opts.qkv_layout, stored=opts.stored_weights),
         "text_encoder": lambda: TextEncoder.from_pretrained(path, dtype=opts.text_dtype or opts.dtype,
                                                             device=te_device, tokenizer=tokenizer,
-                                                            layer=opts.text_layer, stored=opts.stored_weights),
+                                                            layer=opts.text_layer, stored=opts.stored_weights,
+                                                            vision=opts.text_vision),
         "vae": lambda: load_video_vae(path, device=opts.device, decode_dtype=opts.vae_dtype),
         "audio_vae": lambda: load_audio_vae(path, device=opts.device),
     }

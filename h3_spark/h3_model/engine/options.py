@@ -30,6 +30,10 @@ def add_model_flags(parser, text_layer_help: str = f"Qwen3-VL hidden state the D
     for flag in ("dit", "dit-ref", "text-encoder", "tokenizer", "vae", "audio-vae"):
         models.add_argument(f"--{flag}", type=Path)
     models.add_argument("--text-encoder-layer", type=int, default=None, help=text_layer_help)
+    models.add_argument("--text-encoder-vision", type=Path, default=None, metavar="MMPROJ",
+                        help="a llama.cpp text encoder GGUF's vision file (mmproj*.gguf), for FL2VA keyframes and "
+                             "Ref2VA images; default: the one mmproj*.gguf of that model beside the text GGUF, if any (the summary's "
+                             "load_notes says which)")
     models.add_argument("--qkv-layout", choices=["auto", "stacked", "interleaved"], default="auto",
                         help="fused qkv order of original-named DiT files: auto (interleaved for MiniMaxAI's own "
                              "transformer/ folders, stacked for single files), stacked (Comfy-Org) or interleaved")
@@ -162,6 +166,7 @@ def load_options(args, device: str, world: int = 1, loras: list | None = None):
     text_layer = RELEASED_TEXT_LAYER if args.text_encoder_layer is None else args.text_encoder_layer
     options = LoadOptions(device=device, dtype=dtype, vae_dtype=getattr(torch, vae_dtype), loras=list(loras or ()),
                           qkv_layout=args.qkv_layout, text_layer=text_layer, kernels=settings,
+                          text_vision=getattr(args, "text_encoder_vision", None),
                           vae_tile_batch=vae_tile_batch(), vram_budget=placement_budget(args, world),
                           prefetch_depth=check_depth(args.prefetch_depth), host_budget=host_budget(args.host_budget))
     return options, RequestSettings(vae_tile_size=tile or None, mlp_chunks=args.mlp_chunks)

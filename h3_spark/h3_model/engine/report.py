@@ -29,6 +29,9 @@ def describe_models(models) -> dict:
         devices = sorted({str(p.device) for p in params})
         out[name] = {"class": type(module if name != "text_encoder" else obj).__name__, "dtypes": dtypes,
                      "devices": devices, "parameter_bytes": sum(p.numel() * p.element_size() for p in params)}
+        note = getattr(getattr(obj, "checkpoint_origin", None), "note", None)
+        if note:
+            out[name]["note"] = note
         if getattr(getattr(module, "sequence_parallel", None), "world", 1) > 1:
             # Per rank: every rank holds a full copy of the weights.
             out[name]["sequence_parallel"] = models.world_size

@@ -220,6 +220,8 @@ class Pipeline:
         # of the DiT); a resident service must keep them for other step counts.
         self.release_adaln = release_adaln
         self.decode = decode
+        # --decoder taeh3: the whole clip through TAEH3 (vae/tiny_decoder.py) instead of the video VAE, for drafts.
+        self.draft_decoder = None
         # Under sequence parallelism every rank samples in lockstep; the video decode's windows are then
         # shared out over the ranks (bit-identical to one process).
         self.decode_group = decode_group
@@ -505,8 +507,16 @@ class Pipeline:
 
     def decode_video(self, latents: torch.Tensor, tile_size: int | None = 256,
                      on_frames: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Normalised video latents (1, C, T, h, w) -> uint8 frames (F, H, W, 3)."""
+        """Normalised video latents (1, C, T, h, w) -> uint8 frames (F, H, W, 3); with a draft decoder, its frames
+        (as many and as large as the VAE's)."""
         vae = self._need(self.c.vae, "the video VAE")
+        if self.draft_decoder is not None:
+            from ..vae.tiny_decoder import decode_draft
+
+            frames = decode_draft(latents, self.draft_decoder, vae.config)
+            if on_frames is not None:
+                on_frames(frames)
+            return frames
         with self.visit(vae):
             return vae.decode_to_buffer(vae.denormalize(latents), tile_size=tile_size, group=self.decode_group,
                                         on_frames=None if on_frames is None else

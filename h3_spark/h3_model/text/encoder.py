@@ -16,9 +16,11 @@ The model, tokenizer and processor are transformers' Qwen3-VL classes (`Qwen3VLM
   with `tokenizer=` naming a folder that holds the tokenizer and processor files;
 - a GGUF file, read the same way (each tensor F32/F16/BF16 or GGML blocks: a block linear kept as its blocks
   with `stored=True`), in ComfyUI's names or in llama.cpp's Qwen3-VL names (`blk.N.attn_q.weight`, ...:
-  checkpoint/gguf_source.py maps them). llama.cpp keeps the vision tower in a separate mmproj file, so
-  such a GGUF holds the language model only: it loads without the tower (`vision_tower` False) and encodes
-  text presentations (T2VA, Ref2VA with audio references only); one with images or videos raises.
+  checkpoint/gguf_source.py maps them). llama.cpp keeps the vision tower in a separate mmproj file
+  (text/mmproj.py): given (`vision=`, CLI --text-encoder-vision) or the one `mmproj*.gguf` beside the text GGUF,
+  it is read into the tower (dequantized at load) and `vision_note` says which file it was; without one the GGUF
+  loads without the tower (`vision_tower` False) and encodes text presentations only (T2VA, Ref2VA with audio
+  references only); one with images or videos raises.
 A single file's tensors are read by `single_file.py`, by the rules every checkpoint reader shares.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import itertools
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -38,6 +41,7 @@ from ...errors import CheckpointError, H3Error, InputError
 from ...kernels.stored_linear import StoredForm, StoredLinear
 from ..checkpoint.gguf_source import GgufSource
 from ..checkpoint.source import open_source
+from .mmproj import Mmproj, find_beside
 from .single_file import LM_LAYER, SingleFile, target_name
 from .prompt import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, Presentation, PresentationBuilder
 
@@ -299,40 +303,90 @@ def _vision_from_shapes(weights: SingleFile, need) -> dict:
                 deepstack_visual_indexes=list(QWEN3VL_DEEPSTACK))
 
 
-def _plan_single_file(tf, sources: _Sources, weights: SingleFile, tokenizer, layer: int):
-    """(config, model on the meta device, its parameter shapes) for a single file, its names and shapes checked."""
+def _plan_single_file(tf, sources: _Sources, weights: SingleFile, tokenizer, layer: int, mmproj: Mmproj | None = None):
+    """(config, model on the meta device, its parameter shapes) for a single file (and the mmproj that holds its
+    vision tower), its names and shapes checked."""
     if sources.config_path is not None:
         config = _read_config(tf, sources.config_path)
     else:
         config = _config_from_shapes(tf, weights, tokenizer)
     config = _truncated(config, layer, weights.num_layers, sources.weights)
+    if mmproj is not None:
+        # The tower is the mmproj's: its header gives the sizes, and it must be this text model's.
+        deepstack = weights.source.field("qwen3vl.n_deepstack_layers")
+        mmproj.check_belongs(int(config.text_config.hidden_size), None if deepstack is None else int(deepstack))
+        config.vision_config = type(config.vision_config)(**mmproj.vision)
     with torch.device("meta"):
         model = tf.Qwen3VLModel(config)
     _drop_final_norm(model)
-    if weights.gguf and not weights.has_vision:
+    if weights.gguf and not weights.has_vision and mmproj is None:
         # llama.cpp keeps the tower in a separate mmproj file: this file is the language model alone.
         model.visual = _AbsentVisionTower(no_vision_tower_message(sources.weights))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    weights.check(shapes)
+    if mmproj is not None:
+        weights.check(_text_shapes(shapes))
+        mmproj.plan(_vision_shapes(shapes))
+    else:
+        weights.check(shapes)
     return config, model, shapes
 
 
+def _vision_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    return {n: s for n, s in shapes.items() if n.startswith("visual.")}
+
+
+def _text_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    return {n: s for n, s in shapes.items() if not n.startswith("visual.")}
+
+
+def _open_vision(sources: _Sources, weights: SingleFile, vision: str | Path | None) -> tuple[Mmproj | None, str | None]:
+    """(the mmproj holding the tower, a note saying which file it is): the one given, else the one `mmproj*.gguf`
+    beside a text GGUF that has no tower and is this model's; (None, None) for a file that holds its own tower."""
+    if vision is not None:
+        vision = Path(vision)
+        if not weights.gguf or weights.has_vision:
+            raise InputError(f"--text-encoder-vision {vision}: the text encoder {sources.weights} holds its own "
+                             "vision tower (only a llama.cpp text GGUF keeps it in a separate mmproj file)")
+        if not vision.is_file():
+            raise InputError(f"--text-encoder-vision {vision}: no such file")
+        return Mmproj(vision), f"text encoder vision tower from {vision} (--text-encoder-vision)"
+    if not weights.gguf or weights.has_vision:
+        return None, None
+    embedding = weights.shape("language_model.embed_tokens.weight")
+    if embedding is None:
+        return None, None  # _config_from_shapes names the missing tensor
+    deepstack = weights.source.field("qwen3vl.n_deepstack_layers")
+    found = find_beside(sources.weights, embedding[1], None if deepstack is None else int(deepstack))
+    if found is None:
+        return None, None
+    return found, f"text encoder vision tower from {found.path.name}, found beside {sources.weights.name}"
+
+
 def _load_single_file(tf, sources: _Sources, tokenizer, layer: int, dtype: torch.dtype, device: torch.device,
-                      stored: bool = False):
+                      stored: bool = False, vision: str | Path | None = None):
+    """(model, config, the vision note) of a single file (and its mmproj)."""
     weights = SingleFile(sources.weights, layer)
+    mmproj = None
     try:
-        config, model, shapes = _plan_single_file(tf, sources, weights, tokenizer, layer)
-        _assign(model, weights.tensors(shapes, dtype, device, stored), shapes, sources.weights, dtype)
+        mmproj, note = _open_vision(sources, weights, vision)
+        config, model, shapes = _plan_single_file(tf, sources, weights, tokenizer, layer, mmproj)
+        tensors = weights.tensors(shapes, dtype, device, stored)
+        if mmproj is not None:
+            tensors = itertools.chain(tensors, mmproj.tensors(_vision_shapes(shapes), dtype, device))
+        _assign(model, tensors, shapes, sources.weights, dtype)
     finally:
         weights.source.close()
+        if mmproj is not None:
+            mmproj.close()
     _rebuild_rotary(model, config, device)
-    return model, config
+    return model, config, note
 
 
 def no_vision_tower_message(source: object) -> str:
     return (f"the text encoder {source} has no vision tower (a GGUF without its mmproj): Ref2VA image and video "
-            "references and FL2VA keyframes need Qwen3-VL's vision tower; load a text encoder file that holds it "
-            "(visual.*: ComfyUI's single file, or a GGUF converted from it)")
+            "references and FL2VA keyframes need Qwen3-VL's vision tower; give its llama.cpp vision file "
+            "(--text-encoder-vision mmproj-....gguf, or one mmproj*.gguf beside it) or load a file that holds the "
+            "tower (visual.*: ComfyUI's single file)")
 
 
 class _AbsentVisionTower(torch.nn.Module):
@@ -403,7 +457,8 @@ _FIELD_EVIDENCE = (
 )
 
 
-def check_text_encoder(path: str | Path, *, tokenizer: str | Path | None = None, layer: int = DEFAULT_LAYER) -> int:
+def check_text_encoder(path: str | Path, *, tokenizer: str | Path | None = None, layer: int = DEFAULT_LAYER,
+                       vision: str | Path | None = None) -> int:
     """The text encoder's hidden size, after checking from its config, tokenizer and safetensors headers alone
     (before any weight is read) what from_pretrained refuses: missing shards, a config.json whose sizes the
     tensors contradict (one line naming the file and the field), tensors the truncated model lacks or shapes it
@@ -413,11 +468,16 @@ def check_text_encoder(path: str | Path, *, tokenizer: str | Path | None = None,
     tok, _ = _load_processing(tf, sources)
     if sources.single_file:
         weights = SingleFile(sources.weights, layer)
+        mmproj = None
         try:
-            config, _, _ = _plan_single_file(tf, sources, weights, tok, layer)
+            mmproj, _ = _open_vision(sources, weights, vision)
+            config, _, _ = _plan_single_file(tf, sources, weights, tok, layer, mmproj)
         finally:
             weights.source.close()
+            if mmproj is not None:
+                mmproj.close()
     else:
+        _no_vision_file(path, vision)
         config = _check_folder(tf, sources, layer)
     _check_token_ids(config, tok, path)
     return int(config.text_config.hidden_size)
@@ -471,6 +531,12 @@ def _check_folder(tf, sources: _Sources, layer: int):
     return config
 
 
+def _no_vision_file(path: object, vision: str | Path | None) -> None:
+    if vision is not None:
+        raise InputError(f"--text-encoder-vision {vision}: the text encoder {path} is a model folder, which holds "
+                         "its own vision tower (only a llama.cpp text GGUF keeps it in a separate mmproj file)")
+
+
 # ---------------------------------------------------------------------------- the encoder
 class TextEncoder:
     """Qwen3-VL cut after decoder layer `layer`, with its tokenizer, processor and a prompt cache.
@@ -494,27 +560,33 @@ class TextEncoder:
         self.cache_hits = 0
         self._cache: OrderedDict[str, EncodedPrompt] = OrderedDict()
         self._resident = True
+        self.vision_note: str | None = None  # which mmproj gave a GGUF's vision tower
         # Under a VRAM budget the decoder layers stream (engine/memory.py) and the rest visits per encode.
         self.layer_stream = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype, device: str | torch.device,
                         layer: int = DEFAULT_LAYER, tokenizer: str | Path | None = None,
-                        cache_size: int = 8, stored: bool = False) -> "TextEncoder":
+                        cache_size: int = 8, stored: bool = False, vision: str | Path | None = None) -> "TextEncoder":
         """Load a transformers/diffusers folder or a ComfyUI single file (which needs `tokenizer`). `stored`: a
-        single file's quantized layers stay as stored (StoredLinear, dequantized at use to the same bits)."""
+        single file's quantized layers stay as stored (StoredLinear, dequantized at use to the same bits).
+        `vision`: the mmproj of a llama.cpp text GGUF (default: the one mmproj*.gguf beside it, if any)."""
         sources = _resolve(path, tokenizer)
         tf = _transformers()
         tok, processor = _load_processing(tf, sources)
         device = torch.device(device)
+        note = None
         if sources.single_file:
-            model, config = _load_single_file(tf, sources, tok, layer, dtype, device, stored)
+            model, config, note = _load_single_file(tf, sources, tok, layer, dtype, device, stored, vision)
         else:
+            _no_vision_file(path, vision)
             model, config = _load_folder(tf, sources, layer, dtype, device)
             _drop_final_norm(model)
         _check_token_ids(config, tok, path)
-        return cls(model, tok, processor, layer=layer, dtype=dtype, device=device, source=str(path),
-                   cache_size=cache_size)
+        encoder = cls(model, tok, processor, layer=layer, dtype=dtype, device=device, source=str(path),
+                      cache_size=cache_size)
+        encoder.vision_note = note
+        return encoder
 
     # ------------------------------------------------------------------ state
     @property

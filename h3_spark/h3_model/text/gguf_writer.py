@@ -22,6 +22,13 @@ The token embedding takes the mix's base type, as llama.cpp gives an untied mode
 head; the file here omits it, H3 never reads it). A row that is not whole blocks of its type falls back as
 llama.cpp's does (Q2_K / Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), then to F16 where even that
 does not fit (the tiny preset's 48-wide ffn_down rows).
+
+The vision tower, on request (`write_mmproj`, make-checkpoint --mmproj), as llama.cpp's separate vision file:
+`mmproj-<name>.gguf` beside the text GGUF, `general.architecture = clip`, `clip.projector_type = qwen3vl_merger`,
+the `clip.vision.*` sizes, the tower's tensors under the names text/mmproj.py reads (the gguf package's V_* table:
+the patch kernel split into its two time steps, DeepStack mergers named by the block they tap), drawn as the
+ComfyUI file's `visual.*` tensors of the same seed and rounded to bf16 as that file stores them. Its weights are
+F16 (llama.cpp's default for an mmproj), or the text file's own type when that is F32 or BF16; 1-D tensors F32.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from ..checkpoint.gguf_quantize import block_of
 from ..checkpoint.gguf_source import PLAIN, comfy_to_llama_cpp, gguf_module
 from ..checkpoint.gguf_writer import GGUF_PREFIX, PlannedTensor, write_planned, writable_types
 from ..checkpoint.writer import Group
+from .mmproj import ARCHITECTURE as MMPROJ_ARCHITECTURE
+from .mmproj import PROJECTOR, file_names
 from .synthetic import (MadeTextEncoder, Preset, no_draw, plan, preset, random_tensor, stored_shapes,
                         write_tokenizer_folder)
 
@@ -139,6 +148,7 @@ def _metadata(chosen: Preset, scheme: str, seed: int) -> Callable[[object], None
         writer.add_rope_freq_base(float(rope["rope_theta"]))
         writer.add_rope_dimension_sections([*rope["mrope_section"], 0])
         writer.add_layer_norm_rms_eps(float(text.rms_norm_eps))
+        writer.add_num_deepstack_layers(len(chosen.config.vision_config.deepstack_visual_indexes))
         writer.add_string("h3_spark", json.dumps({"maker": "h3-spark make-checkpoint", "component": "text_encoder",
                                                   "preset": chosen.name, "format": GGUF_PREFIX + scheme,
                                                   "seed": str(seed)}))
@@ -171,3 +181,78 @@ def planned_bytes(chosen: Preset | str, fmt: str) -> int:
     """The tensor bytes of a preset's GGUF in `fmt`, from the plan alone (nothing drawn)."""
     chosen = preset(chosen) if isinstance(chosen, str) else chosen
     return sum(t.nbytes for _, ts in gguf_plan(chosen, scheme_of(fmt), no_draw) for t in ts)
+
+
+# ---------------------------------------------------------------------------- the vision file (mmproj)
+def mmproj_path(text_gguf: str | Path) -> Path:
+    """`x.gguf` -> `mmproj-x.gguf` beside it (the name the encoder's discovery looks for: mmproj*.gguf)."""
+    text_gguf = Path(text_gguf)
+    return text_gguf.with_name(f"mmproj-{text_gguf.name}")
+
+
+def mmproj_type(scheme: str) -> str:
+    return scheme if scheme in ("F32", "BF16") else "F16"
+
+
+def mmproj_plan(chosen: Preset, gguf_type: str, draw: Callable[[str, tuple[int, ...]], torch.Tensor]
+                ) -> list[tuple[Group, list[PlannedTensor]]]:
+    """The bf16 file's `visual.*` groups, each producing its mmproj tensors (the patch kernel as two)."""
+    deepstack = list(chosen.config.vision_config.deepstack_visual_indexes)
+    out = []
+    for group in plan(stored_shapes(chosen.config), "bf16", draw):
+        (name, _, shape), = group.entries
+        if not name.startswith("visual."):
+            continue
+        targets = file_names(name, deepstack)
+        if len(targets) == 2:
+            shape = (shape[0], shape[1], *shape[3:])  # one time step of the Conv3d kernel
+
+            def make(group=group, name=name, targets=targets):
+                kernel = group.make()[name]
+                return {targets[0]: kernel[:, :, 0], targets[1]: kernel[:, :, 1]}
+        else:
+            def make(group=group, name=name, targets=targets):
+                return {targets[0]: group.make()[name]}
+        tensors = [PlannedTensor(t, tuple(shape), gguf_type if len(shape) >= 2 else "F32") for t in targets]
+        out.append((Group(group.entries, make), tensors))
+    return out
+
+
+def _mmproj_metadata(chosen: Preset, seed: int, text_file: str) -> Callable[[object], None]:
+    vision = chosen.config.vision_config
+    text = chosen.config.text_config
+
+    def add(writer) -> None:
+        writer.add_clip_has_vision_encoder(True)
+        writer.add_clip_projector_type(PROJECTOR)
+        writer.add_vision_projection_dim(int(vision.out_hidden_size))
+        writer.add_vision_embedding_length(int(vision.hidden_size))
+        writer.add_vision_feed_forward_length(int(vision.intermediate_size))
+        writer.add_vision_block_count(int(vision.depth))
+        writer.add_vision_head_count(int(vision.num_heads))
+        writer.add_vision_patch_size(int(vision.patch_size))
+        writer.add_vision_spatial_merge_size(int(vision.spatial_merge_size))
+        writer.add_vision_image_size(int(round(vision.num_position_embeddings ** 0.5)) * int(vision.patch_size))
+        writer.add_vision_attention_layernorm_eps(float(text.rms_norm_eps))
+        writer.add_vision_use_gelu(True)
+        taps = set(vision.deepstack_visual_indexes)
+        writer.add_vision_is_deepstack_layers([i in taps for i in range(int(vision.depth))])
+        writer.add_string("h3_spark", json.dumps({"maker": "h3-spark make-checkpoint", "component": "text_encoder "
+                                                  "vision tower", "preset": chosen.name, "seed": str(seed),
+                                                  "text_file": text_file}))
+
+    return add
+
+
+def write_mmproj(text_gguf: str | Path, chosen: Preset | str, scheme: str, *, seed: int = 0,
+                 device: str | torch.device = "cpu", progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write the vision tower of the seed's model as `mmproj-<name>.gguf` beside `text_gguf`; returns its path."""
+    chosen = preset(chosen) if isinstance(chosen, str) else chosen
+    out = mmproj_path(text_gguf)
+
+    def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return random_tensor(name, shape, seed, device)
+
+    write_planned(out, mmproj_plan(chosen, mmproj_type(scheme), draw), MMPROJ_ARCHITECTURE,
+                  _mmproj_metadata(chosen, seed, Path(text_gguf).name), progress)
+    return out

@@ -20,7 +20,7 @@ from ...errors import CheckpointError
 from ...kernels.stored_linear import StoredForm
 from ..checkpoint import layer_reading
 from ..checkpoint.detect import detect
-from ..checkpoint.gguf_source import ARCHITECTURES, GgufSource, GgufSpec, text_encoder_names
+from ..checkpoint.gguf_source import GgufSource, GgufSpec, declared, text_encoder_names
 from ..checkpoint.gguf_source import dequantize as gguf_dequantize
 from ..checkpoint.quant import LEGACY_MARKER, QuantSpec, split_param
 from ..checkpoint.source import CheckpointSource, open_source
@@ -64,7 +64,7 @@ class SingleFile:
         self.gguf = isinstance(self.source, GgufSource)
         arch = self.source.architecture if self.gguf else None
         if arch not in (None, "qwen3vl"):
-            raise CheckpointError(f"{path}: general.architecture is {arch!r}, a {ARCHITECTURES[arch]} GGUF, not the "
+            raise CheckpointError(f"{path}: general.architecture is {declared(arch)}, not the "
                                   "Qwen3-VL text encoder (which declares qwen3vl or nothing)")
         # ComfyUI-style name -> the file's name: a llama.cpp GGUF's `blk.N.*` names are mapped here.
         names = text_encoder_names(self.source.keys)

@@ -1,5 +1,9 @@
-"""A tiny decoder for H3 video latents, for live previews: the TAEHV design (madebyollin/taehv), read from a
-`taeh3.safetensors` file (Kijai/MiniMax-H3-TAE publishes one; ComfyUI keeps it in models/vae_approx).
+"""TAEH3, the tiny temporal decoder for H3 video latents (the TAEHV design): live previews and whole-clip drafts.
+
+The weights are madebyollin/taehv's `safetensors/taeh3.safetensors` (MIT; 128 tensors, fp16: the decoder below
+and an encoder, which is ignored here). ComfyUI keeps it in models/vae_approx. Kijai/MiniMax-H3-TAE publishes a
+different file under the same name, a 2D decoder that makes each latent frame's picture alone: it has no memory
+blocks and no time growth, cannot decode the clip in time, and is refused in one line (`load_tiny_decoder`).
 
 The decoder is a plain stack, stored as `decoder.<index>...`:
     0 clamp (3 tanh(x/3)), 1 conv latent->256, 2 ReLU,
@@ -9,7 +13,13 @@ The decoder is a plain stack, stored as `decoder.<index>...`:
     21 ReLU, 22 conv 64 -> 3 x 2 x 2, then a 2x2 pixel shuffle.
 So one latent cell becomes 16x16 pixels and one latent frame four frames; the first three outputs are the
 causal start-up and are dropped. A memory block sees its input and the previous frame's input (zeros before
-the first). Only the decoder is read; an encoder in the file is ignored.
+the first). It reads the normalized latents the sampler makes (not the VAE's denormalized ones).
+
+A whole clip (`decode_draft`) comes out as the full VAE's: H3's encoder makes 5 latents of each 17-frame clip,
+the first of them for one frame and the others for four (the stream keeps 5n + 2 latents for 17n + 5 frames),
+so of the four frames TAEH3 grows from a clip's first latent only the last is kept, as the start-up trim does for
+the very first. That reading of the layout is ours (the frame counts agree with the VAE's for every length the
+pipeline makes; `decode_draft` checks them against it).
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import CheckpointError
+from ...errors import CheckpointError, InputError
 
 WIDTHS = (256, 128, 64, 64)
 PATCH = 2
@@ -90,8 +100,31 @@ class TinyVideoDecoder(nn.Module):
         return F.pixel_shuffle(x, PATCH).clamp(0, 1)[self.startup_frames:]
 
 
+# Where the temporal design shows in the file: a memory block's first conv reads [this frame, the previous one],
+# and the time-grow convs of stages 2 and 3 make two frames' channels from one.
+_MEMORY_CONV = "3.conv.0.weight"
+_TIME_GROWS = ("13.conv.weight", "19.conv.weight")
+
+
+def _check_temporal(path: Path, decoder: dict) -> None:
+    """A 2D per-frame decoder (Kijai's taeh3, TAESD-style) is refused before anything is loaded."""
+    why = None
+    conv = decoder.get(_MEMORY_CONV)
+    if conv is None or conv.ndim != 4 or conv.shape[1] != 2 * conv.shape[0]:
+        got = "absent" if conv is None else str(list(conv.shape))
+        why = f"decoder.{_MEMORY_CONV} is {got}, a memory block's first conv is [N, 2N, 3, 3] (this frame and the last)"
+    for key in _TIME_GROWS:
+        grow = decoder.get(key)
+        if why is None and (grow is None or grow.ndim != 4 or grow.shape[0] < 2 * grow.shape[1]):
+            got = "absent" if grow is None else str(list(grow.shape))
+            why = f"decoder.{key} is {got}, a time-grow conv makes two frames' channels [2N, N, 1, 1]"
+    if why is not None:
+        raise CheckpointError(f"{path}: not the temporal TAEH3 decoder (madebyollin/taehv's taeh3.safetensors): "
+                              f"{why}; a per-frame 2D decoder cannot decode the clip in time")
+
+
 def load_tiny_decoder(path: str | Path, device="cpu", dtype=torch.float32) -> TinyVideoDecoder:
-    """The decoder of a taeh3.safetensors file (safetensors only)."""
+    """The decoder of a taeh3.safetensors file (safetensors only), checked to be the temporal one."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -101,6 +134,7 @@ def load_tiny_decoder(path: str | Path, device="cpu", dtype=torch.float32) -> Ti
     decoder = {k.split("decoder.", 1)[1]: v for k, v in tensors.items() if "decoder." in k}
     if "1.weight" not in decoder:
         raise CheckpointError(f"{path.name} holds no TAEHV decoder (no decoder.1.weight)")
+    _check_temporal(path, decoder)
     model = TinyVideoDecoder(latent_channels=int(decoder["1.weight"].shape[1]))
     expected = model.decoder.state_dict()
     for key, value in list(decoder.items()):
@@ -119,3 +153,47 @@ def load_tiny_decoder(path: str | Path, device="cpu", dtype=torch.float32) -> Ti
     except RuntimeError as exc:
         raise CheckpointError(f"{path.name}: {str(exc).splitlines()[0]}") from None
     return model.to(device=device, dtype=dtype).eval()
+
+
+# ------------------------------------------------------------------------------------------ whole clips
+def clip_openings(num_latents: int, chunk: int, drop: int) -> list[int]:
+    """The latent frames that open one of the encoder's clips (each stands for a single frame): the first, and
+    every `chunk`-th after the `chunk - drop` latents the stream keeps of its first clip."""
+    return [t for t in range(num_latents) if t == 0 or (t + drop) % chunk == 0]
+
+
+def draft_frame_count(num_latents: int, vae_config) -> int:
+    """Frames `decode_draft` makes of `num_latents` latents for a VAE of this config."""
+    openings = clip_openings(num_latents, vae_config.tokens_chunk_size, vae_config.token_drop)
+    return num_latents * vae_config.temporal_ratio - (vae_config.temporal_ratio - 1) * len(openings)
+
+
+@torch.no_grad()
+def decode_draft(latents: torch.Tensor, decoder: TinyVideoDecoder, vae_config) -> torch.Tensor:
+    """Normalized video latents (1, C, T, h, w), as the sampler makes them -> uint8 frames (F, H, W, 3) on the CPU,
+    F, H and W those of the full VAE (`vae_config`) for the same latents: the whole clip through TAEH3, for drafts
+    and thumbnails. All frames go through each layer at once (fast; memory grows with the clip)."""
+    from .video_tiling import decoded_num_frames
+
+    if latents.ndim != 5 or latents.shape[0] != 1:
+        raise InputError(f"decode_draft takes latents (1, C, T, h, w), got {list(latents.shape)}")
+    _, c, t, h, w = latents.shape
+    if c != decoder.latent_channels:
+        raise InputError(f"the latents have {c} channels, the TAEH3 decoder reads {decoder.latent_channels}")
+    scale = 2 ** 3 * PATCH
+    if vae_config.spatial_ratio != scale or vae_config.temporal_ratio != decoder.time_upscale:
+        raise InputError(f"TAEH3 makes {scale}x space and {decoder.time_upscale}x time, the video VAE "
+                         f"{vae_config.spatial_ratio}x and {vae_config.temporal_ratio}x: no draft of the same frames")
+    frames = draft_frame_count(t, vae_config)
+    if frames != decoded_num_frames(vae_config, t):
+        raise InputError(f"{t} latent frames: TAEH3 would make {frames} frames, the video VAE "
+                         f"{decoded_num_frames(vae_config, t)}; drafts take the lengths the pipeline makes (5n + 2)")
+    parameter = next(decoder.parameters())
+    pictures = decoder(latents[0].transpose(0, 1).to(parameter.device, parameter.dtype))  # (4T - 3, 3, H, W)
+    keep = torch.ones(pictures.shape[0], dtype=torch.bool)
+    ratio = decoder.time_upscale
+    for opening in clip_openings(t, vae_config.tokens_chunk_size, vae_config.token_drop)[1:]:
+        first = opening * ratio - decoder.startup_frames  # this latent's first frame after the start-up trim
+        keep[first:first + ratio - 1] = False
+    pictures = pictures[keep.to(pictures.device)]
+    return (pictures.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
