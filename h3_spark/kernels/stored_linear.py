@@ -50,6 +50,8 @@ class StoredForm:
     # format "gguf": the GGML block type's name ("Q4_K", "Q8_0", ...); "weight" is then the raw blocks, uint8
     # [N, bytes per row] (kernels/gguf_codec.py).
     gguf_type: str | None = None
+    # asym_w4a8_int8: the input columns that share a scale (the declaration's group_size).
+    group_size: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -102,6 +104,7 @@ class StoredLinear(nn.Module):
         self.convrot_group = form.convrot_group
         self.swap_halves = form.swap_halves
         self.gguf_type = form.gguf_type
+        self.group_size = form.group_size
         if self.format == "gguf" and not self.gguf_type:
             raise ValueError("a gguf StoredForm names its GGML block type (gguf_type)")
         if self.swap_halves and self.out_features % 2:
@@ -121,7 +124,7 @@ class StoredLinear(nn.Module):
 
     @property
     def _params(self) -> LayerParams:
-        return LayerParams(self.convrot_group, self.gguf_type)
+        return LayerParams(self.convrot_group, self.gguf_type, self.group_size)
 
     @property
     def label(self) -> str:
