@@ -38,7 +38,9 @@ class StoredForm:
 
     tensors: "weight" (fp8 / int8 codes [N, K], or NVFP4 uint8 [>= N, K_pad / 2]), "weight_scale" (fp8: scalar;
     int8: scalar or [N, 1]; NVFP4: plain e4m3 [>= N, K_pad / 16], see `stored_codec.plain_nvfp4_scales`),
-    "weight_scale_2" (NVFP4 global), optional "pre_quant_scale" [K]."""
+    "weight_scale_2" (NVFP4 global), optional "pre_quant_scale" [K]; the 4-bit formats as their format modules
+    declare them (convrot_w4a4: packed int8 [N, K / 2] and a scale per row; asym_w4a8_int8: packed codes,
+    "weight_s_rel", "weight_s_channel", optional "weight_codebook" [16] and "weight_correction" held as [N, groups])."""
 
     format: str
     shape: tuple[int, int]
