@@ -13,7 +13,8 @@ import torch
 
 from h3_spark.errors import CheckpointError
 from h3_spark.h3_model.checkpoint import quant
-from h3_spark.h3_model.checkpoint.quant import QuantSpec, convrot_group_for, quantize_fp8, quantize_int8_rows
+from h3_spark.h3_model.checkpoint.quant import (QuantSpec, convrot_group_for, four_bit_conf, four_bit_tensors,
+                                                quantize_fp8, quantize_int8_rows)
 from h3_spark.kernels import formats
 from h3_spark.kernels import nvfp4_codec as nvfp4
 from h3_spark.kernels import stored_linear
@@ -33,20 +34,29 @@ def _layer(label: str, n: int, k: int, seed: int = 0):
         group = convrot_group_for(k) if label == "int8_convrot" else None
         q, s = quantize_int8_rows(w, group)
         return "int8_tensorwise", LayerParams(group), {"weight": q, "weight_scale": s}
+    if label in ("int4_convrot", "w4a8", "w4a8_sym", "w4a8_asym"):
+        conf = four_bit_conf(label, k)
+        stored = {key.rsplit(".", 1)[1]: t for key, t in four_bit_tensors(label, "x", w, conf).items()}
+        stored.pop("comfy_quant")
+        return conf["format"], LayerParams(conf["convrot_groupsize"], group_size=conf.get("group_size")), stored
     packed, scales, g = nvfp4.quantize(w)
     return "nvfp4", LayerParams(), {"weight": packed, "weight_scale": scales, "weight_scale_2": g}
 
 
-LABELS = ("fp8_scaled", "fp8_e5m2_scaled", "int8", "int8_convrot", "nvfp4")
+LABELS = ("fp8_scaled", "fp8_e5m2_scaled", "int8", "int8_convrot", "nvfp4", "int4_convrot", "w4a8", "w4a8_sym",
+          "w4a8_asym")
 
 
 def test_the_table_is_what_the_readers_and_stored_linear_read():
-    assert set(FORMATS) == {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "nvfp4", "gguf", "convrot_w4a4"}
+    assert set(FORMATS) == {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "nvfp4", "gguf", "convrot_w4a4",
+                            "asym_w4a8_int8"}
     assert stored_linear.LABELS == {name: fmt.label for name, fmt in FORMATS.items()}
     assert set(quant.FORMAT_TENSORS) == set(FORMATS) - {"gguf"}
     assert quant.FORMAT_TENSORS["nvfp4"] == {"weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"}
     assert quant.FORMAT_TENSORS["int8_tensorwise"] == {"weight_scale"}
-    assert quant.KNOWN_UNSUPPORTED == ("mxfp8", "asym_w4a8_int8")
+    assert quant.KNOWN_UNSUPPORTED == ("mxfp8",)
+    assert quant.FORMAT_TENSORS["asym_w4a8_int8"] == {"weight_s_rel", "weight_s_channel", "weight_codebook",
+                                                      "weight_correction"}
     assert all(fmt.parts[0] == "weight" for fmt in FORMATS.values())
     assert formats.serving("fp8") == ("float8_e4m3fn", "float8_e5m2", "nvfp4")
     assert formats.serving("nvfp4") == ("nvfp4",)
@@ -59,7 +69,7 @@ def test_rows_dequantize_as_the_whole_layer(label, dtype):
     n, k = 48, 256
     name, params, tensors = _layer(label, n, k)
     fmt = FORMATS[name]
-    assert fmt.label_for(params) == label
+    assert fmt.label_for(params) == label.removesuffix("_sym").removesuffix("_asym")
     whole = fmt.dequantize(tensors, (n, k), dtype, params, "layer")
     held = fmt.held(tensors)
     for a, b in ((0, 16), (16, 33), (33, 48)):

@@ -25,7 +25,7 @@ def _digest(path) -> str:
 
 
 @pytest.mark.parametrize("layout", ["comfy", "comfy-pruned"])
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_scaled", "nvfp4", "int8_convrot"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_scaled", "nvfp4", "int8_convrot", "int4_convrot"])
 def test_comfy_files_are_deterministic_and_named_like_comfyui(tmp_path, capsys, layout, fmt):
     a, b, c = (tmp_path / f"{n}.safetensors" for n in "abc")
     for path, seed in ((a, 0), (b, 0), (c, 1)):
@@ -133,6 +133,36 @@ def test_full_preset_streams_one_layer_at_a_time():
     assert fit.table.shape == (1025, 8) and fit.residual < 1e-3
 
 
+@pytest.mark.parametrize("fmt, parts, marker", [
+    ("int4_convrot", {"weight": ("I8", [5376, 3584]), "weight_scale": ("F32", [5376])},
+     {"format": "convrot_w4a4", "convrot_groupsize": 256}),
+    ("w4a8", {"weight": ("I8", [5376, 3584]), "weight_s_rel": ("F8_E4M3", [5376, 448]),
+              "weight_s_channel": ("F32", [5376]), "weight_codebook": ("F32", [16])},
+     {"format": "asym_w4a8_int8", "group_size": 16, "convrot": True, "convrot_groupsize": 256}),
+    ("w4a8_asym", {"weight": ("I8", [5376, 3584]), "weight_s_rel": ("F8_E4M3", [5376, 448]),
+                   "weight_s_channel": ("F32", [5376]), "weight_correction": ("BF16", [448, 5376])},
+     {"format": "asym_w4a8_int8", "group_size": 16, "convrot": True, "convrot_groupsize": 256}),
+])
+def test_full_preset_four_bit_plan_is_the_published_form(fmt, parts, marker):
+    """Header facts only (nothing drawn): every block linear of the full DiT in the format, with the tensors and
+    the marker the published files carry, and the plan's entries are what a made layer holds."""
+    from h3_spark.h3_model.checkpoint.safetensors_header import TORCH_TO_ST
+
+    groups = comfy_groups(FULL, lambda name: pytest.fail(f"planning drew {name}"), fmt)
+    out_proj = next(g for g in groups if g.entries[0][0] == "blocks.7.attn.out_proj.weight")
+    planned = {name.rsplit(".", 1)[1]: (dtype, list(shape)) for name, dtype, shape in out_proj.entries}
+    assert planned == {**parts, "comfy_quant": ("U8", [len(json.dumps(marker))])}
+    markers = [e for g in groups for e in g.entries if e[0].endswith(".comfy_quant")]
+    assert len(markers) == 4 * FULL.num_layers
+    # A made layer holds what was planned (a 64-row slice of the weight stands in for the 5376 rows).
+    from h3_spark.h3_model.checkpoint.quant import four_bit_tensors
+    made = four_bit_tensors(fmt, "x", torch.randn(64, 7168) * 0.02, marker)
+    for suffix, (dtype, shape) in parts.items():
+        got = made[f"x.{suffix}"]
+        assert TORCH_TO_ST[got.dtype] == dtype and list(got.shape) == [64 if s == 5376 else s for s in shape], suffix
+    assert json.loads(bytes(made["x.comfy_quant"].tolist())) == marker
+
+
 @pytest.mark.parametrize("component,layout", [("vae", "comfy"), ("vae", "diffusers"), ("audio_vae", "comfy"),
                                               ("audio_vae", "diffusers")])
 def test_make_vae_components_inspect_complete_and_load(tmp_path, capsys, component, layout):
@@ -160,7 +190,8 @@ def test_make_vae_refuses_dit_options(tmp_path, capsys):
     assert "published VAE files are not quantized" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", ["fp8_scaled", "nvfp4", "int8_convrot"])
+@pytest.mark.parametrize("fmt", ["fp8_scaled", "nvfp4", "int8_convrot", "int4_convrot", "w4a8", "w4a8_sym",
+                                 "w4a8_asym"])
 @pytest.mark.parametrize("pruned", [False, True])
 def test_quantized_layers_are_made_on_the_weights_device(fmt, pruned):
     """make-checkpoint --device cuda draws and quantizes on the GPU. Checked here with meta tensors: any

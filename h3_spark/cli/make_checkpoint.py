@@ -15,10 +15,11 @@ from pathlib import Path
 # Which model a checkpoint is made for.
 COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder", "taeh3")
 # --format values per component (the VAEs are written as published, unquantized).
-DIT_FORMATS = ("bf16", "fp8_scaled", "nvfp4", "int8_convrot")
+DIT_FORMATS = ("bf16", "fp8_scaled", "nvfp4", "int8_convrot", "int4_convrot", "w4a8", "w4a8_sym", "w4a8_asym")
 # A GGUF DiT: gguf:<GGML type>, the writable types checked by the writer (h3_model/checkpoint/gguf_writer.py).
 GGUF_FORMAT = "gguf:"
-TEXT_ENCODER_FORMATS = ("bf16", "fp8_scaled", "int8_convrot", "nvfp4_awq")
+TEXT_ENCODER_FORMATS = ("bf16", "fp8_scaled", "int8_convrot", "nvfp4_awq", "int4_convrot", "w4a8", "w4a8_sym",
+                        "w4a8_asym")
 # What a text encoder's tokenizer folder holds; --force replaces only these.
 TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.j*", "processor_config.json",
@@ -50,13 +51,17 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["tiny", "full"], default="tiny")
     p.add_argument("--format", choices=_FormatChoices(sorted(set(DIT_FORMATS) | set(TEXT_ENCODER_FORMATS))
                                                      + [GGUF_FORMAT + "<TYPE>"]), default="bf16",
-                   help="DiT (bf16|fp8_scaled|nvfp4|int8_convrot): storage of the 4 linears of every block; "
-                        "everything else stays bf16/fp32. DiT gguf:<TYPE> (Q8_0, Q5_1, Q5_0, Q4_1, Q4_0: bit for bit "
+                   help="DiT (bf16|fp8_scaled|nvfp4|int8_convrot|int4_convrot|w4a8|w4a8_sym|w4a8_asym): storage "
+                        "of the 4 linears of every block; everything else stays bf16/fp32. int4_convrot is ComfyUI's "
+                        "convrot_w4a4; w4a8 is asym_w4a8_int8 in its codebook variant (as published), w4a8_sym and "
+                        "w4a8_asym its symmetric and asymmetric ones (group 16, ConvRot 256); a linear whose input "
+                        "width a 4-bit format cannot hold stays bf16. DiT gguf:<TYPE> (Q8_0, Q5_1, Q5_0, Q4_1, Q4_0: bit for bit "
                         "the gguf package's quantizers; Q6_K, Q5_K, Q4_K, Q3_K, Q2_K: our own K-quant quantizer; "
                         "F16, BF16, F32; quantized on --device): a .gguf file as the published GGUFs hold it, the "
                         "comfy or comfy-pruned layout's names, every 2-D weight in TYPE where its rows are whole "
                         "blocks (else F16), 1-D tensors, the curve table and the patch projections F32. "
-                        "text_encoder (bf16|fp8_scaled|int8_convrot|nvfp4_awq): "
+                        "text_encoder (bf16|fp8_scaled|int8_convrot|nvfp4_awq|int4_convrot|w4a8|w4a8_sym|"
+                        "w4a8_asym): "
                         "storage of the 7 linears of every decoder layer, the rest as Comfy-Org's files keep it "
                         "(nvfp4_awq: AWQ pre_quant_scale on o_proj/down_proj, the other scales folded into the "
                         "norms, int8 embedding); text_encoder gguf:<TYPE> (the DiT's GGUF types) or the llama.cpp "

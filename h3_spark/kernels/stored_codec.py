@@ -17,6 +17,11 @@ Formats (as ComfyUI's `comfy_quant` layers store them):
   group rotation is undone first on the integer codes, exactly (W = W_rot @ H per group, H symmetric and
   orthogonal: `_unrotated`), so the one rounding is the final scaling's;
 - NVFP4: E2M1 value x (global x block scale), in the output dtype, from plain (row-major) block scales;
+- the 4-bit ConvRot formats (`convrot_w4a4`, `asym_w4a8_int8`): in comfy-kitchen's eager order, dtype step by
+  dtype step, so each value is the one its eager dequantization gives on the same device (ComfyUI's own loads
+  hold those bits): scaled in fp32, the rotation undone by a float GEMM (fp32 for convrot_w4a4, the output
+  dtype for asym_w4a8_int8), which rounds as it goes. Unlike int8_convrot's exact path, these values are not
+  the correctly rounded product, and a GPU's GEMM may round them differently from a CPU's;
 - AWQ `pre_quant_scale` (smoothing per input column): folded into the dequantized weight in fp32.
 """
 
@@ -56,11 +61,12 @@ def hadamard(size: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def rotate_groups(weight: torch.Tensor, group: int) -> torch.Tensor:
-    """W -> W @ H^T applied to each group of `group` input columns (fp32). It is its own inverse."""
+    """W -> W @ H^T applied to each group of `group` input columns, a GEMM in W's own dtype (H's entries, +-2^-n,
+    are exact in every float dtype). It is its own inverse."""
     n, k = weight.shape
     if k % group:
         raise CheckpointError(f"ConvRot group size {group} does not divide the {k} input columns")
-    h = hadamard(group, weight.device)
+    h = hadamard(group, weight.device).to(weight.dtype)
     return torch.matmul(weight.reshape(n, k // group, group), h.T).reshape(n, k)
 
 
@@ -123,6 +129,42 @@ def _unrotated(codes: torch.Tensor, group: int) -> torch.Tensor:
     else:
         sums = flat.float() @ h.to(torch.float32)
     return sums.reshape(r, k)
+
+
+def chunk_rows(k: int) -> int:
+    """Rows of a 4-bit layer dequantized at a time: its fp32 temporaries (~4 a value) stay near 64 MB whatever K."""
+    return max(1, min(CHUNK_ROWS, (1 << 24) // k))
+
+
+def int4_convrot_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """convrot_w4a4 rows: signed codes [R, K] x fp32 row scale [R], rotated back, in comfy-kitchen's eager order
+    (its bits on the same device): the product in fp32, the fp32 GEMM with H^T, one cast to out's dtype."""
+    values = codes.float() * scale.float().reshape(-1, 1)
+    out.copy_(rotate_groups(values, group))
+    return out
+
+
+def w4a8_grid(codes: torch.Tensor, s_rel: torch.Tensor, codebook: torch.Tensor | None,
+              group_size: int) -> torch.Tensor:
+    """asym_w4a8_int8 rows on the int8 grid the W4A8 GEMM reads: each 4-bit code's level (the codebook's entry, or
+    code - 8) x its group's relative scale, in fp32, rounded half to even and clamped to [-127, 127]."""
+    r, k = codes.shape
+    levels = codebook.float()[codes.long()] if codebook is not None else codes.float() - 8.0
+    scaled = levels.reshape(r, k // group_size, group_size) * s_rel.float().unsqueeze(-1)
+    return scaled.reshape(r, k).round().clamp_(-127, 127).to(torch.int8)
+
+
+def w4a8_into(out: torch.Tensor, grid: torch.Tensor, s_channel: torch.Tensor, correction: torch.Tensor | None,
+              group_size: int, convrot_group: int) -> torch.Tensor:
+    """asym_w4a8_int8 rows from their int8 grid [R, K], in comfy-kitchen's eager order (its bits on the same
+    device): x the channel scale in fp32, + the asymmetric variant's correction [R, K / group_size] (a second
+    rounding, as there), cast to out's dtype, and the rotation undone by a GEMM in out's dtype."""
+    r, k = grid.shape
+    values = grid.float().reshape(r, k // group_size, group_size) * s_channel.float().reshape(r, 1, 1)
+    if correction is not None:
+        values = values + correction.float().unsqueeze(-1)
+    out.copy_(rotate_groups(values.reshape(r, k).to(out.dtype), convrot_group))
+    return out
 
 
 def nvfp4_into(out: torch.Tensor, packed: torch.Tensor, plain_scales: torch.Tensor,

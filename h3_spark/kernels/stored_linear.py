@@ -38,7 +38,9 @@ class StoredForm:
 
     tensors: "weight" (fp8 / int8 codes [N, K], or NVFP4 uint8 [>= N, K_pad / 2]), "weight_scale" (fp8: scalar;
     int8: scalar or [N, 1]; NVFP4: plain e4m3 [>= N, K_pad / 16], see `stored_codec.plain_nvfp4_scales`),
-    "weight_scale_2" (NVFP4 global), optional "pre_quant_scale" [K]."""
+    "weight_scale_2" (NVFP4 global), optional "pre_quant_scale" [K]; the 4-bit formats as their format modules
+    declare them (convrot_w4a4: packed int8 [N, K / 2] and a scale per row; asym_w4a8_int8: packed codes,
+    "weight_s_rel", "weight_s_channel", optional "weight_codebook" [16] and "weight_correction" held as [N, groups])."""
 
     format: str
     shape: tuple[int, int]
@@ -50,6 +52,8 @@ class StoredForm:
     # format "gguf": the GGML block type's name ("Q4_K", "Q8_0", ...); "weight" is then the raw blocks, uint8
     # [N, bytes per row] (kernels/gguf_codec.py).
     gguf_type: str | None = None
+    # asym_w4a8_int8: the input columns that share a scale (the declaration's group_size).
+    group_size: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -102,6 +106,7 @@ class StoredLinear(nn.Module):
         self.convrot_group = form.convrot_group
         self.swap_halves = form.swap_halves
         self.gguf_type = form.gguf_type
+        self.group_size = form.group_size
         if self.format == "gguf" and not self.gguf_type:
             raise ValueError("a gguf StoredForm names its GGML block type (gguf_type)")
         if self.swap_halves and self.out_features % 2:
@@ -121,7 +126,7 @@ class StoredLinear(nn.Module):
 
     @property
     def _params(self) -> LayerParams:
-        return LayerParams(self.convrot_group, self.gguf_type)
+        return LayerParams(self.convrot_group, self.gguf_type, self.group_size)
 
     @property
     def label(self) -> str:

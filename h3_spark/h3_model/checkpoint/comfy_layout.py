@@ -5,7 +5,9 @@ being converted); output is a list of writer Groups, one per stored layer, so th
 Storage follows the published ComfyUI files: the patch projections, output heads and time MLP
 (the fp32 islands) stay fp32; the curve table and the curve-form AdaLN are fp32; everything else
 is bf16 unless it is one of the quantized linears (the 4 linears of each DiT block, and optionally
-the refiner's), which are stored in the requested format.
+the refiner's), which are stored in the requested format. The 4-bit ConvRot formats (int4_convrot, w4a8*) keep a
+linear whose input width they cannot hold in bf16 (w4a8: K not a multiple of 16, as the tiny model's 24), as
+mixed files do.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from ..dit.config import DiTConfig
 from . import keymap
 from .dit_config import comfy_metadata_for, expected_inv_freq
 from .pruned import CurveFit, project
-from .quant import convrot_group_for, encode_marker, quantize_fp8, quantize_int8_rows
+from .quant import (FOUR_BIT_WRITES, convrot_group_for, encode_marker, four_bit_conf, four_bit_entries,
+                    four_bit_tensors, quantize_fp8, quantize_int8_rows)
 from .safetensors_header import TORCH_TO_ST
 from .writer import Group
 
-FORMATS = ("bf16", "fp8_scaled", "nvfp4", "int8_convrot")
+FORMATS = ("bf16", "fp8_scaled", "nvfp4", "int8_convrot") + FOUR_BIT_WRITES
 GetParam = Callable[[str], torch.Tensor]
 
 _FP32_ORIGINAL = ("video_patch_proj", "audio_patch_proj", "time_embedder.proj_in", "time_embedder.proj_out",
@@ -88,6 +91,9 @@ def _storage_dtype(layer: str, config: DiTConfig) -> torch.dtype:
 
 def _quant_entries(layer: str, fmt: str, n: int, k: int) -> tuple[list, dict]:
     """Planned stored tensors of a quantized layer and its comfy_quant JSON."""
+    if fmt in FOUR_BIT_WRITES:
+        conf = four_bit_conf(fmt, k)
+        return four_bit_entries(fmt, layer, n, k, conf), conf
     if fmt == "fp8_scaled":
         conf = {"format": "float8_e4m3fn"}
         entries = [(f"{layer}.weight", "F8_E4M3", (n, k)), (f"{layer}.weight_scale", "F32", ())]
@@ -110,6 +116,8 @@ def _quant_entries(layer: str, fmt: str, n: int, k: int) -> tuple[list, dict]:
 
 
 def _quantize(layer: str, fmt: str, weight: torch.Tensor, conf: dict) -> dict[str, torch.Tensor]:
+    if fmt in FOUR_BIT_WRITES:
+        return four_bit_tensors(fmt, layer, weight, conf)
     if fmt == "fp8_scaled":
         q, s = quantize_fp8(weight)
         out = {"weight": q, "weight_scale": s}
@@ -157,6 +165,8 @@ def comfy_groups(config: DiTConfig, get: GetParam, fmt: str, *, fit: CurveFit | 
     for layer in original_layers(config):
         logical = layer_shapes(layer, config, shapes)
         quantized = fmt != "bf16" and is_quantized_layer(layer, quantize_refiner)
+        if quantized and fmt in FOUR_BIT_WRITES:
+            quantized = four_bit_conf(fmt, logical["weight"][1]) is not None
         store = _storage_dtype(layer, config)
         if quantized:
             n, k = logical["weight"]

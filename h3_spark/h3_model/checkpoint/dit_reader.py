@@ -403,7 +403,8 @@ class DitReader:
         spec = layer.spec
         rows, cols = self.logical_shape(layer, "weight")
         tensors = layer_reading.held(self.source, spec, layer.keys, (rows, cols), device, layer.name)
-        per_row = {s for s, t in tensors.items() if s != "pre_quant_scale" and t.ndim >= 1 and t.numel() > 1}
+        shared = FORMATS[spec.format].shared + ("pre_quant_scale",)
+        per_row = {s for s, t in tensors.items() if s not in shared and t.ndim >= 1 and t.numel() > 1}
         outs = self._weight_outputs(layer, "weight")
         swap = self.detected.names == "original" and layer.target.endswith(".ff.net.0.proj")
         group = spec.convrot_groupsize if spec.convrot else None
@@ -413,9 +414,10 @@ class DitReader:
                                          self.qkv_layout) for s in per_row}
             for i, (name, shape) in enumerate(outs):
                 cut = {s: (parts[s][i] if s in parts else t) for s, t in tensors.items()}
-                yield name, StoredForm(spec.format, (rows // 3, cols), cut, group)
+                yield name, StoredForm(spec.format, (rows // 3, cols), cut, group, group_size=spec.group_size)
             return
-        yield outs[0][0], StoredForm(spec.format, (rows, cols), tensors, group, swap_halves=swap)
+        yield outs[0][0], StoredForm(spec.format, (rows, cols), tensors, group, swap_halves=swap,
+                                     group_size=spec.group_size)
 
     def _dequantized(self, layer: Layer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return layer_reading.dequantized(self.source, layer.spec, layer.keys, self.logical_shape(layer, "weight"),

@@ -16,6 +16,8 @@ from pathlib import Path
 from .detect import Detected, detect
 from .dit_reader import DitReader
 from .gguf_source import GgufSource, GgufSpec, gguf_module, gguf_spec, readable, text_encoder_names
+from ...kernels.formats import FORMATS
+from ...kernels.formats import asym_w4a8_int8 as w4a8
 from .quant import LEGACY_MARKER, QUANT_SUFFIXES, QuantSpec, declare_layers, split_param
 from .safetensors_header import DTYPES
 from .source import CheckpointSource, open_source
@@ -74,6 +76,14 @@ def _scale_layout(spec: QuantSpec, suffix: str, shape: tuple[int, ...], n: int) 
         return "nvfp4 block scales, 1 per 16 inputs, cuBLAS 128x4 blocked (swizzled)"
     if suffix == "weight_scale" and spec.format == "int8_tensorwise":
         return "per-row" if math.prod(shape) == n and n > 1 else "per-tensor"
+    if suffix in ("weight_s_channel", "weight_scale") and spec.format in ("asym_w4a8_int8", "convrot_w4a4"):
+        return "per-row"
+    if suffix == "weight_s_rel":
+        return f"per group of {spec.group_size} inputs, relative to the row's scale"
+    if suffix == "weight_codebook":
+        return "the 16 levels a 4-bit code decodes to (x the group's scale)"
+    if suffix == "weight_correction":
+        return f"per group of {spec.group_size} inputs, [groups, rows], added after the row scale (asymmetric)"
     if suffix == "pre_quant_scale":
         return "per-input-channel (AWQ smoothing, multiplies the input)"
     if suffix == "input_scale":
@@ -93,14 +103,21 @@ def _quant_layer(source: CheckpointSource, name: str, keys: dict[str, str], spec
         else:
             info["logical_shape"] = list(logical)
     else:
-        info["logical_shape"] = list(logical) if logical is not None else list(w.shape)
+        per_column = FORMATS[spec.format].values_per_column
+        info["logical_shape"] = list(logical) if logical is not None else [w.shape[0], w.shape[1] * per_column]
+    if spec.format in ("convrot_w4a4", "asym_w4a8_int8"):
+        info["nibble_order"] = "even element in the low nibble"
+    if spec.format == "asym_w4a8_int8":
+        info["variant"] = w4a8.variant(keys)
+        info["group_size"] = spec.group_size
     if spec.convrot:
         info["convrot_groupsize"] = spec.convrot_groupsize
     if spec.full_precision_mm:
         info["full_precision_matrix_mult"] = True
     scales = []
     rows = (logical or w.shape)[0]
-    for suffix in ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale"):
+    for suffix in ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "weight_s_rel",
+                   "weight_s_channel", "weight_codebook", "weight_correction"):
         if suffix not in keys:
             continue
         e = source.entry(keys[suffix])
@@ -247,8 +264,8 @@ def _other(source: CheckpointSource, detected: Detected) -> dict:
             continue
         e = source.entry(k)
         split = split_param(k[len(p):])
-        if split and split[1] == "weight" and split[0] in specs and specs[split[0]].format == "nvfp4":
-            params += e.numel * 2
+        if split and split[1] == "weight" and split[0] in specs:
+            params += e.numel * FORMATS[specs[split[0]].format].values_per_column
         else:
             params += e.numel
     quant_layers = {n: _quant_layer(source, n, full[n], s, None) for n, s in specs.items()}

@@ -42,6 +42,8 @@ class QuantSpec:
     convrot: bool = False
     convrot_groupsize: int = 256
     full_precision_mm: bool = False
+    # Input columns sharing a scale, for the formats that have such a group (asym_w4a8_int8's group_size).
+    group_size: int | None = None
     # Where it was declared (comfy_quant | metadata | scaled_fp8): a report fact, not part of the format,
     # so a layer declared the same way by a marker and by the metadata compares equal.
     source: str = field(default="comfy_quant", compare=False)
@@ -49,7 +51,7 @@ class QuantSpec:
 
     @property
     def params(self) -> LayerParams:
-        return LayerParams(self.convrot_groupsize if self.convrot else None)
+        return LayerParams(self.convrot_groupsize if self.convrot else None, group_size=self.group_size)
 
     @property
     def label(self) -> str:
@@ -77,9 +79,15 @@ def parse_layer_conf(conf: object, layer: str, source: str) -> QuantSpec:
         raise CheckpointError(f"{layer}: convrot is only defined for {rotated}, not {fmt}")
     if convrot:
         hadamard(group)  # validates the size
-    extra = {k: v for k, v in conf.items() if k not in ("format", "convrot", "convrot_groupsize",
+    group_size = None
+    if FORMATS[fmt].default_group is not None:
+        group_size = conf.get("group_size", params.get("group_size", FORMATS[fmt].default_group))
+        if isinstance(group_size, bool) or not isinstance(group_size, int):
+            raise CheckpointError(f"{layer}: {fmt} group_size must be an integer, got {group_size!r}")
+    extra = {k: v for k, v in conf.items() if k not in ("format", "convrot", "convrot_groupsize", "group_size",
                                                          "full_precision_matrix_mult", "params")}
-    return QuantSpec(fmt, convrot, group, bool(conf.get("full_precision_matrix_mult", False)), source, extra)
+    return QuantSpec(fmt, convrot, group, bool(conf.get("full_precision_matrix_mult", False)), group_size, source,
+                     extra)
 
 
 def decode_marker(tensor: torch.Tensor, layer: str) -> dict:
@@ -257,3 +265,140 @@ def quantize_int8_rows(weight: torch.Tensor, convrot_group: int | None,
         q[start:start + rows_per_chunk] = (w / safe).round().clamp(-128, 127).to(torch.int8)
         scale[start:start + rows_per_chunk] = s
     return q, scale
+
+
+def quantize_int4_convrot(weight: torch.Tensor, group: int,
+                          rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """convrot_w4a4: rotated per group, then per row symmetric 4-bit (scale = row amax / 7, codes in [-7, 7]),
+    packed two a byte, the low nibble the even column. Returns (int8 [N, K / 2], fp32 scale [N])."""
+    n, k = weight.shape
+    packed = torch.empty(n, k // 2, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+    for start in range(0, n, rows_per_chunk):
+        w = rotate_groups(weight[start:start + rows_per_chunk].float(), group)
+        s = (w.abs().amax(dim=1, keepdim=True) / 7).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = (w / s).round().clamp(-7, 7).to(torch.int16)
+        packed[start:start + rows_per_chunk] = _pack_nibbles(codes)
+        scale[start:start + rows_per_chunk] = s.reshape(-1)
+    return packed, scale
+
+
+W4A8_VARIANTS = ("codebook", "symmetric", "asymmetric")
+_CODEBOOK_SAMPLE = 1 << 18
+
+
+def quantize_w4a8(weight: torch.Tensor, group_size: int, convrot_group: int, variant: str,
+                  rows_per_chunk: int = 4096) -> dict[str, torch.Tensor]:
+    """asym_w4a8_int8 in one of its variants: rotated per ConvRot group, then per group of `group_size` columns a
+    scale d and 4-bit levels (codebook: the table's entries x the group's amax; symmetric: code - 8 with d = amax / 7;
+    asymmetric: code - 8 with d = range / 15 and a correction 8 d + min). The row's largest decoded level goes to
+    127 on the int8 grid: s_channel = that / 127, s_rel = d / s_channel in e4m3. Returns the stored tensors
+    (weight, weight_s_rel, weight_s_channel, weight_codebook or weight_correction)."""
+    if variant not in W4A8_VARIANTS:
+        raise CheckpointError(f"unknown w4a8 variant {variant!r}; choose one of {', '.join(W4A8_VARIANTS)}")
+    n, k = weight.shape
+    groups = k // group_size
+    codebook = _w4a8_codebook(weight, group_size, convrot_group) if variant == "codebook" else None
+    out = {"weight": torch.empty(n, k // 2, dtype=torch.int8, device=weight.device),
+           "weight_s_rel": torch.empty(n, groups, dtype=torch.float8_e4m3fn, device=weight.device),
+           "weight_s_channel": torch.empty(n, dtype=torch.float32, device=weight.device)}
+    if variant == "asymmetric":
+        out["weight_correction"] = torch.empty(groups, n, dtype=torch.bfloat16, device=weight.device)
+    for start in range(0, n, rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        w = rotate_groups(weight[rows].float(), convrot_group).reshape(-1, groups, group_size)
+        if variant == "codebook":
+            d = w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+            codes = _nearest(w / d, codebook)
+            levels = codebook[codes]
+        elif variant == "symmetric":
+            d = (w.abs().amax(dim=-1, keepdim=True) / 7).clamp(min=1e-30)
+            codes = ((w / d).round().clamp(-8, 7) + 8).to(torch.int16)
+            levels = codes.float() - 8
+        else:
+            low = w.amin(dim=-1, keepdim=True)
+            d = ((w.amax(dim=-1, keepdim=True) - low) / 15).clamp(min=1e-30)
+            codes = ((w - low) / d).round().clamp(0, 15).to(torch.int16)
+            levels = codes.float() - 8
+            out["weight_correction"][:, rows] = (8 * d + low).reshape(-1, groups).t().to(torch.bfloat16)
+        channel = ((levels * d).abs().amax(dim=(1, 2)) / 127).clamp(min=1e-30)
+        out["weight_s_rel"][rows] = (d.squeeze(-1) / channel[:, None]).to(torch.float8_e4m3fn)
+        out["weight_s_channel"][rows] = channel
+        out["weight"][rows] = _pack_nibbles(codes.reshape(-1, k).to(torch.int16))
+    if codebook is not None:
+        out["weight_codebook"] = codebook
+    return out
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """int16 codes [R, K] (signed or 0..15) -> int8 [R, K / 2], the even column in the low nibble."""
+    return ((codes[:, 0::2] & 0xF) | ((codes[:, 1::2] & 0xF) << 4)).to(torch.uint8).view(torch.int8)
+
+
+def _nearest(values: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest entry of a sorted table (ties to the lower one)."""
+    above = torch.searchsorted(table, values.contiguous()).clamp(1, table.numel() - 1)
+    below = above - 1
+    return torch.where((values - table[below]).abs() <= (table[above] - values).abs(), below, above)
+
+
+def _w4a8_codebook(weight: torch.Tensor, group_size: int, convrot_group: int) -> torch.Tensor:
+    """16 sorted levels in [-1, 1] for a layer's amax-normalised groups: Lloyd's iterations from the quantiles, on a
+    fixed sample of rows (deterministic, and a full-size layer is not rotated twice whole)."""
+    n, k = weight.shape
+    rows = torch.linspace(0, n - 1, max(1, min(n, _CODEBOOK_SAMPLE // k)), device=weight.device).long()
+    w = rotate_groups(weight[rows].float(), convrot_group).reshape(-1, group_size)
+    x = (w / w.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)).flatten()
+    table = torch.quantile(x, torch.linspace(0, 1, 16, device=x.device))
+    for _ in range(8):
+        nearest = _nearest(x, table)
+        sums = torch.zeros(16, device=x.device).index_add_(0, nearest, x)
+        counts = torch.zeros(16, device=x.device).index_add_(0, nearest, torch.ones_like(x))
+        table = torch.where(counts > 0, sums / counts.clamp(min=1), table).sort().values
+    return table.contiguous()
+
+
+# --------------------------------------------------------------------- the 4-bit ConvRot layers the writers store
+# make-checkpoint's --format -> the asym_w4a8_int8 variant it writes ("w4a8" is the published codebook form).
+W4A8_WRITES = {"w4a8": "codebook", "w4a8_sym": "symmetric", "w4a8_asym": "asymmetric"}
+FOUR_BIT_WRITES = ("int4_convrot",) + tuple(W4A8_WRITES)
+W4A8_GROUP = 16
+
+
+def four_bit_conf(label: str, k: int) -> dict | None:
+    """The `.comfy_quant` of a layer with `k` input columns written as `label` (int4_convrot or a w4a8 one), as the
+    published files declare it; None where the format cannot hold such a layer (no power-of-4 ConvRot group; w4a8:
+    K not a multiple of 16), which a writer then keeps in bf16 as mixed files do."""
+    group = convrot_group_for(k)
+    if label == "int4_convrot":
+        return None if group is None or k % 2 else {"format": "convrot_w4a4", "convrot_groupsize": group}
+    if group is None or k % W4A8_GROUP:
+        return None
+    return {"format": "asym_w4a8_int8", "group_size": W4A8_GROUP, "convrot": True, "convrot_groupsize": group}
+
+
+def four_bit_entries(label: str, layer: str, n: int, k: int, conf: dict) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The stored tensors (name, safetensors dtype, shape) of such a layer, its marker included."""
+    marker = (f"{layer}.comfy_quant", "U8", (len(json.dumps(conf).encode("utf-8")),))
+    if label == "int4_convrot":
+        return [(f"{layer}.weight", "I8", (n, k // 2)), (f"{layer}.weight_scale", "F32", (n,)), marker]
+    groups = k // conf["group_size"]
+    entries = [(f"{layer}.weight", "I8", (n, k // 2)), (f"{layer}.weight_s_rel", "F8_E4M3", (n, groups)),
+               (f"{layer}.weight_s_channel", "F32", (n,))]
+    variant = W4A8_WRITES[label]
+    if variant == "codebook":
+        entries.append((f"{layer}.weight_codebook", "F32", (16,)))
+    elif variant == "asymmetric":
+        entries.append((f"{layer}.weight_correction", "BF16", (groups, n)))
+    return entries + [marker]
+
+
+def four_bit_tensors(label: str, layer: str, weight: torch.Tensor, conf: dict) -> dict[str, torch.Tensor]:
+    """The stored tensors of such a layer, quantized from its weight, keyed by stored name."""
+    if label == "int4_convrot":
+        packed, scale = quantize_int4_convrot(weight, conf["convrot_groupsize"])
+        out = {"weight": packed, "weight_scale": scale}
+    else:
+        out = quantize_w4a8(weight, conf["group_size"], conf["convrot_groupsize"], W4A8_WRITES[label])
+    out["comfy_quant"] = encode_marker(conf)
+    return {f"{layer}.{k}": v for k, v in out.items()}

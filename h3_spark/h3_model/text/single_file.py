@@ -210,4 +210,5 @@ class SingleFile:
             raw = self.source.get(layer.keys["weight"]).to(device)
             return StoredForm("gguf", shape, {"weight": raw}, gguf_type=layer.spec.gguf_type)
         held = layer_reading.held(self.source, layer.spec, layer.keys, shape, device, stored)
-        return StoredForm(layer.spec.format, shape, held, layer.spec.params.convrot_group)
+        return StoredForm(layer.spec.format, shape, held, layer.spec.params.convrot_group,
+                          group_size=layer.spec.group_size)

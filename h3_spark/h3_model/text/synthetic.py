@@ -41,6 +41,13 @@ read from the int8 file and assumed of the others). Names are ComfyUI's, without
 `visual.deepstack_merger_list.0.norm.weight` and `model.layers.49.self_attn.q_proj.weight`;
 comfy/text_encoders/llama.py's Qwen3VL_32BConfig has 50 layers, no final norm, no LM head).
 
+The 4-bit files. `qwen3vl_32b_minimax_h3_int4_convrot.safetensors` (Abiray's, ~15.0 GB) has no published
+header we could read; written here as the int8_convrot file with its decoder linears in convrot_w4a4 (int8
+[out, in/2] packed codes, a F32 [out] scale, marker {"format": "convrot_w4a4", "convrot_groupsize": 256}).
+No w4a8 text encoder is published; `w4a8` / `w4a8_sym` / `w4a8_asym` store the decoder linears in
+asym_w4a8_int8's codebook, symmetric or asymmetric variant with the marker of the published w4a8 DiT files
+({"format": "asym_w4a8_int8", "group_size": 16, "convrot": true, "convrot_groupsize": 256}).
+
 Chosen here, not published: fp8_scaled. Comfy-Org ships no fp8 text encoder, so the decoder linears
 are float8_e4m3fn with a per-tensor F32 `weight_scale` and marker {"format": "float8_e4m3fn"} (the
 form of the fp8 DiT files) and everything else is bf16, as in the int8 file. (A community
@@ -81,13 +88,14 @@ import torch
 
 from ...errors import InputError
 from ...kernels import nvfp4_codec as nvfp4
-from ..checkpoint.quant import convrot_group_for, encode_marker, quantize_fp8, quantize_int8_rows
+from ..checkpoint.quant import (FOUR_BIT_WRITES, convrot_group_for, encode_marker, four_bit_conf, four_bit_entries,
+                                four_bit_tensors, quantize_fp8, quantize_int8_rows)
 from ..checkpoint.safetensors_header import encode_header
 from ..checkpoint.synthetic import tensor_seed
 from ..checkpoint.writer import Group, write_groups
 from . import stand_in
 
-FORMATS = ("bf16", "fp8_scaled", "int8_convrot", "nvfp4_awq")
+FORMATS = ("bf16", "fp8_scaled", "int8_convrot", "nvfp4_awq") + FOUR_BIT_WRITES
 PRESETS = ("tiny", "full")
 # The Comfy-Org files' sizes in bytes (model-manifest listings of Comfy-Org/MiniMax-H3).
 PUBLISHED_BYTES = {"bf16": 51_506_295_256, "int8_convrot": 27_141_342_152, "nvfp4_awq": 15_687_142_551}
@@ -221,6 +229,8 @@ def _entries(name: str, shape: tuple[int, ...], fmt: str) -> list[tuple[str, str
     if fmt == "int8_convrot":
         return [(name, "I8", shape), (f"{layer}.weight_scale", "F32", (n, 1)),
                 _marker_entry(layer, _convrot_marker(layer, k))]
+    if fmt in FOUR_BIT_WRITES:
+        return four_bit_entries(fmt, layer, n, k, _four_bit_marker(layer, fmt, k))
     entries = [(name, "U8", nvfp4.packed_shape(n, k)), (f"{layer}.weight_scale", "F8_E4M3", nvfp4.scale_shape(n, k)),
                (f"{layer}.weight_scale_2", "F32", ())]
     if _carries_pre_quant_scale(name):
@@ -233,6 +243,14 @@ def _convrot_marker(layer: str, k: int) -> dict:
     if group is None:
         raise InputError(f"{layer}: {k} input columns admit no power-of-4 ConvRot group")
     return {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group}
+
+
+def _four_bit_marker(layer: str, fmt: str, k: int) -> dict:
+    conf = four_bit_conf(fmt, k)
+    if conf is None:
+        raise InputError(f"{layer}: {fmt} cannot hold {k} input columns (a power-of-4 ConvRot group must divide them; "
+                         "w4a8 also needs a multiple of 16)")
+    return conf
 
 
 def _carries_pre_quant_scale(name: str) -> bool:
@@ -266,6 +284,8 @@ def _make(name: str, shape: tuple[int, ...], fmt: str, draw: Draw) -> dict[str, 
         conf = _convrot_marker(layer, shape[1])
         q, s = quantize_int8_rows(value, conf["convrot_groupsize"])
         return {name: q, f"{layer}.weight_scale": s, f"{layer}.comfy_quant": encode_marker(conf)}
+    if fmt in FOUR_BIT_WRITES:
+        return four_bit_tensors(fmt, layer, value, _four_bit_marker(layer, fmt, shape[1]))
     return _nvfp4_awq(name, value, draw)
 
 

@@ -4,8 +4,9 @@ TensorCoreConvRotW4A4Layout). The weight is rotated by ConvRot per group of `con
 codes in [-7, 7] (the nibble holds -8 too), scale = row absmax / 7. Stored: `weight` int8 [N, K / 2], two
 two's-complement nibbles a byte, the low nibble the even column; `weight_scale` fp32 [N], one per row.
 
-Dequantized as int8_convrot is: the rotation undone exactly on the integer codes and one rounding of code sums x
-row scale (`stored_codec.int8_into`), a row chunk at a time. No fast linear here takes int4 codes."""
+Dequantized by `stored_codec.int4_convrot_into` in comfy-kitchen's eager order (code x scale in fp32, the fp32
+rotation GEMM, one cast), so a layer holds the bits ComfyUI's own dequantization gives it, a row chunk at a time.
+No fast linear here takes int4 codes."""
 
 from __future__ import annotations
 
@@ -40,11 +41,12 @@ def _check(tensors: dict, shape: tuple[int, int], params: LayerParams, layer: st
 
 
 def _dequantize_rows(out: torch.Tensor, held: dict, start: int, end: int, params: LayerParams) -> None:
-    packed, scale = held["weight"].view(torch.int8), held["weight_scale"].float().reshape(-1, 1)
-    # Unpacked a chunk at a time: the codes of a whole fc1 as int8 would be a temporary of N x K bytes.
-    for a in range(start, end, codec.CHUNK_ROWS):
-        b = min(end, a + codec.CHUNK_ROWS)
-        codec.int8_into(out[a - start:b - start], unpack_codes(packed[a:b]), scale[a:b], params.convrot_group)
+    packed, scale = held["weight"].view(torch.int8), held["weight_scale"].reshape(-1)
+    # Unpacked a chunk at a time: the codes of a whole fc1 as fp32 would be a temporary of 4 x N x K bytes.
+    step = codec.chunk_rows(out.shape[1])
+    for a in range(start, end, step):
+        b = min(end, a + step)
+        codec.int4_convrot_into(out[a - start:b - start], unpack_codes(packed[a:b]), scale[a:b], params.convrot_group)
 
 
 DECLARED = (LayerFormat("convrot_w4a4", "int4_convrot", ("weight", "weight_scale"), _check, _dequantize_rows,

@@ -21,10 +21,12 @@ from ...errors import CheckpointError
 
 @dataclass(frozen=True)
 class LayerParams:
-    """What a layer's declaration adds to its format: the ConvRot group (rotated formats) or the GGML block type."""
+    """What a layer's declaration adds to its format: the ConvRot group (rotated formats), the GGML block type, or
+    the quantization group (input columns that share a scale: asym_w4a8_int8's `group_size`)."""
 
     convrot_group: int | None = None
     gguf_type: str | None = None
+    group_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,10 @@ class LayerFormat:
     # Tensors a layer may carry that the weight does not need: the activation scale ComfyUI's own low-bit GEMMs
     # read (ours compute activations in the model dtype).
     unused: tuple[str, ...] = ("input_scale",)
+    # Parts every row shares (a codebook): a reader cutting a layer into row ranges (QKV) keeps them whole.
+    shared: tuple[str, ...] = ()
+    # The quantization group a declaration that names none gets; None where the format has no such group.
+    default_group: int | None = None
 
     @property
     def tensors(self) -> frozenset[str]:
