@@ -107,7 +107,7 @@ def read_head_bank(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[
 
 def _count(path: Path, parts: dict, metadata: dict[str, str]) -> int:
     """The bank's head count: the same along all four tensors, and the file's `pdd_num_steps` (else 32)."""
-    counts = {key: int(value.shape[0]) for key, value in parts.values()}
+    counts = {parts[p][0]: int(parts[p][1].shape[0]) for p in _RELEASED}  # in the published order
     if len(set(counts.values())) != 1:
         raise CheckpointError(f"{path}: the head bank's tensors disagree on the head count: "
                               + ", ".join(f"{k} {n}" for k, n in counts.items()))
