@@ -593,9 +593,11 @@ def _settings(opts: dict):
 
 def _recipes(text: str, step_cache: bool, opts: dict) -> list:
     """The sampler node's recipes (`;`-separated), checked before anything runs, and said in the log."""
-    from ..h3_model.engine.recipes import check_recipes, parse_recipes
+    from ..h3_model.engine.recipes import check_pdd_loras, check_recipes, parse_recipes
 
     chosen = parse_recipes([t for t in (text or "").split(";") if t.strip()])
+    if not chosen and opts["loras"]:
+        check_pdd_loras(chosen, opts["loras"])  # a PDD LoRA's bank needs recipe pdd: said before any merge
     if chosen:
         check_recipes(chosen, host.compute_device(), _settings(opts), step_cache=step_cache,
                       cache_fix="set the sampler's cache to off", loras=opts["loras"])
