@@ -200,7 +200,8 @@ def _edited(tmp_path, pdd_file, name="bad.safetensors", drop=(), meta=None, **te
     (lambda: {"__drop__": ("audio_proj_out.bias",)},
      "a PDD head bank needs proj_out.weight, proj_out.bias, audio_proj_out.weight, audio_proj_out.bias; "
      "it lacks audio_proj_out.bias"),
-    (lambda: {"__meta__": {"pdd_num_steps": "thirty-two"}}, "metadata pdd_num_steps='thirty-two' is not a whole number"),
+    (lambda: {"__meta__": {"pdd_num_steps": "thirty-two"}},
+     "metadata pdd_num_steps='thirty-two' is not a whole number"),
 ])
 def test_a_bank_that_does_not_fit_the_dit_is_refused_before_any_weight_changes(tmp_path, pdd_file, edit, message):
     change = edit()

@@ -30,7 +30,7 @@ import torch
 
 from ...errors import CheckpointError, InputError
 from .keymap import original_layer_to_diffusers, split_qkv, swap_halves
-from .pdd import bank_part, read_head_bank
+from .pdd import bank_part, check_bank_strength, read_head_bank
 
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", "base_model.model.")
 _PAIR = re.compile(r"^(?P<layer>.+?)\.(?:(?P<peft>lora_[AB])(?:\.default)?|(?P<kohya>lora_down|lora_up))(?:\.weight)?$")
@@ -297,8 +297,7 @@ def apply_loras(model, specs: list[LoraSpec], *, base: dict[str, torch.Tensor] |
 
 
 def _check_bank_spec(spec: LoraSpec, earlier: LoraSpec | None) -> None:
-    """A head bank is a whole set of heads trained with its trunk: one per DiT, at the strength it was trained."""
+    """One head bank per DiT (the heads replace each other, they do not add up), at strength 1."""
     if earlier is not None:
         raise CheckpointError(f"{earlier.path} and {spec.path} both carry a PDD head bank: load one PDD LoRA")
-    if spec.strength != 1.0:
-        raise InputError(f"{spec.path}: a PDD LoRA (it carries a head bank) runs at strength 1, got {spec.strength:g}")
+    check_bank_strength(spec.path, spec.strength)

@@ -72,6 +72,12 @@ def has_head_bank(path: Path) -> bool:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
+def check_bank_strength(path: Path, strength: float) -> None:
+    """A head bank is a whole set of heads trained with its trunk: the trunk merges at the strength it was trained."""
+    if strength != 1.0:
+        raise InputError(f"{path}: a PDD LoRA (it carries a head bank) runs at strength 1, got {strength:g}")
+
+
 def read_head_bank(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], config: DiTConfig,
                    device=None) -> HeadBank | None:
     """The file's head bank checked against the DiT it will run on, or None when it has none. Every misfit is

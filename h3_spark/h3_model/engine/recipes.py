@@ -243,7 +243,7 @@ def check_pdd_loras(recipes: list[Recipe], loras: list) -> None:
     from pathlib import Path
 
     from ..checkpoint.lora import check_lora_path
-    from ..checkpoint.pdd import has_head_bank
+    from ..checkpoint.pdd import check_bank_strength, has_head_bank
 
     pairs = [(Path(x.path), x.strength) if hasattr(x, "path") else (Path(x[0]), float(x[1])) for x in loras]
     paths = [p for p, _ in pairs]
@@ -251,8 +251,7 @@ def check_pdd_loras(recipes: list[Recipe], loras: list) -> None:
     for path, strength in pairs:
         check_lora_path(path)  # a missing or pickled file says so, not "no bank"
         if has_head_bank(path):
-            if strength != 1.0:
-                raise InputError(f"{path}: a PDD LoRA (it carries a head bank) runs at strength 1, got {strength:g}")
+            check_bank_strength(path, strength)
             banked.append(path)
     asked = any(r.name == "pdd" for r in recipes)
     if asked and not banked:
