@@ -389,6 +389,34 @@ def test_lora_is_merged_per_run_and_taken_out(models, monkeypatch):
     assert all(torch.equal(p, weights[n]) for n, p in model.model.inner.named_parameters())
 
 
+def test_pdd_lora_through_the_lora_loader_samples_with_recipe_pdd(models, monkeypatch):
+    """The stock LoRA loader takes a PDD file whole: its trunk merges, its head bank rides on the DiT for the run
+    and leaves with it; the sampler needs recipe pdd for it, and recipe pdd needs it."""
+    from h3_spark.h3_model.checkpoint.pdd import make_pdd_lora
+    from h3_spark.h3_model.dit.head_bank import HeadBank
+    from h3_spark.nodes import engine
+
+    fake_comfy(monkeypatch, models)
+    make_pdd_lora(models / "models" / "loras" / "pdd.safetensors", TINY, rank=4, seed=1)
+    model, te, vae = load_all(models)
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+    sampler = node("H3SparkSampler")
+    base = sampler.sample(model, cond, latent, 5, STEPS, 12.0, 3.0)[0]["samples"][0]
+    with pytest.raises(InputError, match="no LoRA carries one"):
+        sampler.sample(model, cond, latent, 5, STEPS, 12.0, 3.0, recipe="pdd")
+    pdd = node("H3SparkLoraLoader").load(model, "pdd.safetensors", 1.0)[0]
+    with pytest.raises(InputError, match="pdd.safetensors is a PDD LoRA .* sample it with recipe pdd"):
+        sampler.sample(pdd, cond, latent, 5, STEPS, 12.0, 3.0)
+    mixes = []
+    mixed = HeadBank.mixed
+    monkeypatch.setattr(HeadBank, "mixed", lambda self, mix: mixes.append(mix) or mixed(self, mix))
+    with_pdd = sampler.sample(pdd, cond, latent, 5, STEPS, 12.0, 3.0, recipe="pdd")[0]["samples"][0]
+    assert len(mixes) == 8 and not torch.equal(with_pdd, base)
+    assert engine.dit_of(pdd).head_bank is not None
+    again = sampler.sample(model, cond, latent, 5, STEPS, 12.0, 3.0)[0]["samples"][0]
+    assert torch.equal(again, base) and engine.dit_of(model).head_bank is None
+
+
 def test_vae_loader_refuses_a_tile_size_the_decoder_cannot_use(models, monkeypatch):
     fake_comfy(monkeypatch, models)
     loader = node("H3SparkVAELoader")

@@ -4,8 +4,8 @@ Tolerance: rel L2 <= 1e-5 in fp32, for single forwards and for whole sampler run
 order inside a head; the projections over fewer rows may round differently in the last bit). Under the split the
 block loop's hooks run as in one process: the first-block cache (its change measured over the whole sequence, the
 same number on every rank, so the ranks reuse the same steps), an attention schedule that alternates two exact
-backends per block, FastH3's VSA schedule (per head, over all rows: each rank's slice of heads) and released AdaLN
-weights.
+backends per block, FastH3's VSA schedule (per head, over all rows: each rank's slice of heads), released AdaLN
+weights and recipe pdd's per-step head mix (the heads run after the gather, on every rank alike).
 """
 
 import dataclasses
@@ -24,6 +24,8 @@ from h3_spark.h3_model.dit.model import H3DiT
 from h3_spark.h3_model.dit.parallel import ONE_PROCESS, SequenceParallel, SequenceShards, UlyssesAttention, \
     split_over_ranks
 from h3_spark.h3_model.engine.recipes import VsaSchedule
+from h3_spark.h3_model.dit.head_bank import HeadBank
+from h3_spark.h3_model.pipeline.pdd import PddHeads
 from h3_spark.h3_model.pipeline.sampler import SamplingRequest, sample
 from h3_spark.h3_model.pipeline.scheduler import JointSchedule
 from h3_spark.h3_model.pipeline.step_cache import make_step_cache
@@ -105,7 +107,19 @@ def _runs(split=lambda model: model):
     out["vsa_schedule"] = _sample(split(_model(config=gated)), attention_schedule=vsa), None
     model = split(_model())
     out["released_adaln"] = _sample(model, release_adaln=True), model.adaln_released
+    model = split(_model())
+    model.head_bank = _head_bank()
+    out["pdd_heads"] = _sample(model, head_schedule=PddHeads(8)), None
     return out
+
+
+def _head_bank(count=8):
+    gen = torch.Generator().manual_seed(4)
+    c = CONFIG
+    return HeadBank(0.3 * torch.randn(count, c.video_patch_dim, c.hidden_size, generator=gen),
+                    0.3 * torch.randn(count, c.video_patch_dim, generator=gen),
+                    0.3 * torch.randn(count, c.audio_in_channels, c.hidden_size, generator=gen),
+                    0.3 * torch.randn(count, c.audio_in_channels, generator=gen))
 
 
 def _worker(rank, world, port, queue):
@@ -190,6 +204,10 @@ def _check_runs(got):
     # VSA at sparsity 0.5 is not the dense run: the schedule, not the model's attention, ran.
     dense = _sample(_model(config=dataclasses.replace(CONFIG, gate_compress=True)))
     assert _rel_l2(expected["vsa_schedule"][0][0], dense[0]) > 1e-3
+    # The bank's heads, not the DiT's own, made the pdd run.
+    plain = _sample(_model())
+    (video, audio), _ = expected["pdd_heads"]
+    assert _rel_l2(video, plain[0]) > 1e-3 and _rel_l2(audio, plain[1]) > 1e-3
 
 
 def test_shards_cover_the_sequence_unevenly():

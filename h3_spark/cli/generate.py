@@ -71,7 +71,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     from ..h3_model.engine.recipes import recipes_help
 
     p.add_argument("--recipe", action="append", default=[], metavar="NAME[:key=value,...]",
-                   help="an opt-in speed recipe (approximate), repeatable (a Turbo LoRA with --lora): "
+                   help="an opt-in speed recipe (approximate), repeatable (a Turbo or PDD LoRA with --lora): "
                         + recipes_help())
     add_parallel_flags(p)
     add_compose_flags(p)
@@ -233,7 +233,7 @@ def recipe_flags(args, options) -> list:
 
     recipes = parse_recipes(args.recipe)
     check_recipes(recipes, options.device, options.kernels, step_cache=args.cache_mode != "off",
-                  explicit_steps=args.sigmas is not None or args.steps_given)
+                  explicit_steps=args.sigmas is not None or args.steps_given, loras=options.loras)
     return recipes
 
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 # Which model a checkpoint is made for.
-COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder", "taeh3")
+COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder", "taeh3", "pdd")
 # --format values per component (the VAEs are written as published, unquantized).
 DIT_FORMATS = ("bf16", "fp8_scaled", "nvfp4", "int8_convrot", "int4_convrot", "w4a8", "w4a8_sym", "w4a8_asym")
 # A GGUF DiT: gguf:<GGML type>, the writable types checked by the writer (h3_model/checkpoint/gguf_writer.py).
@@ -44,7 +44,10 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                                    "tensor names, in a published layout and format, streamed tensor by tensor "
                                    "(the full preset never needs its 66 GB in RAM). --component text_encoder "
                                    "writes ComfyUI's Qwen3-VL single file (the 50 decoder layers the DiT reads, "
-                                   "tiny: the demo's 2) and, beside it, the tokenizer folder that loading it needs.")
+                                   "tiny: the demo's 2) and, beside it, the tokenizer folder that loading it needs. "
+                                   "--component pdd writes a PDD acceleration LoRA for the preset's DiT: the trunk "
+                                   "LoRA pairs and the 32-head bank per modality under the published names (rank 64 "
+                                   "full, 4 tiny; bf16), for --lora with --recipe pdd.")
     p.add_argument("out", help="output: a .safetensors file (comfy layouts), a .gguf file (gguf:<TYPE> formats) or "
                                "a folder (diffusers, released)")
     p.add_argument("--component", choices=COMPONENTS, default="dit", help="which model to write")
@@ -304,6 +307,29 @@ def _progress_printer():
     return progress
 
 
+def _run_pdd(args) -> int:
+    """A PDD LoRA: one .safetensors file, the published names and shapes for the preset's DiT."""
+    from ..errors import InputError
+    from ..h3_model.checkpoint.pdd import PDD_RANK, make_pdd_lora
+    from ..h3_model.dit.config import preset
+
+    if args.format != "bf16" or args.layout != "comfy" or args.quantize_refiner or args.fasth3 \
+            or args.curve_grid is not None or args.curve_rank is not None or args.device != "cpu":
+        raise InputError("--component pdd takes only --preset, --seed and --force (the published PDD files are one "
+                         "bf16 .safetensors file)")
+    out = Path(args.out)
+    stale = check_output(out, "comfy", args.force)
+    start = time.perf_counter()
+    rank = PDD_RANK[args.preset]
+    with replacing(stale):
+        size = make_pdd_lora(out, preset(args.preset), rank=rank, seed=args.seed, progress=_progress_printer())
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(json.dumps({"out": str(out), "component": args.component, "preset": args.preset, "rank": rank,
+                      "seed": args.seed, "bytes": size, "seconds": round(time.perf_counter() - start, 3)}))
+    return 0
+
+
 def _fasth3(args, config):
     """A FastH3 checkpoint: the layouts and formats FastVideo's students are published in."""
     from ..errors import InputError
@@ -325,6 +351,10 @@ def run(args) -> int:
         return _run_text_encoder(args)
     if args.component == "taeh3":
         return _run_taeh3(args)
+    if args.component == "pdd":
+        if args.tokenizer_out is not None:
+            raise InputError("--tokenizer-out applies to --component text_encoder")
+        return _run_pdd(args)
     if args.tokenizer_out is not None:
         raise InputError("--tokenizer-out applies to --component text_encoder")
     if args.mmproj:

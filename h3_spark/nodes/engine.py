@@ -503,7 +503,7 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
                          "text encoder and model do not belong together")
     if not 1 <= steps <= 1000 or not 0 <= seed < 2 ** 63:
         raise InputError(f"steps must be 1..1000 and seed 0..2^63-1, got {steps} and {seed}")
-    from ..h3_model.engine.recipes import recipe_sampling, sparse_schedule
+    from ..h3_model.engine.recipes import pdd_heads, recipe_sampling, sparse_schedule
 
     chosen = _recipes(recipes, step_cache is not None, opts)
     run = recipe_sampling(chosen, steps)
@@ -528,6 +528,7 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
 
     from ..h3_model.engine.memory import activation_bytes
     use_loras(dit, opts["loras"])
+    head_schedule = pdd_heads(chosen, dit)  # recipe pdd: the head bank the LoRA set just brought
     # Kernels first (converted once, block by block if the DiT waits in host memory), then ComfyUI places the
     # DiT for this request: resident, or streamed where its memory does not reach.
     report, attention = use_kernels(dit, opts["attention"], opts["linear"], host.compute_device())
@@ -550,7 +551,8 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
         try:
             result = Engine.of(device=device).sample(dit, request, schedule, int(seed), device=device,
                                                      on_step=on_step, cancel=interrupt,
-                                                     step_cache=cache, attention_schedule=attention_schedule)
+                                                     step_cache=cache, attention_schedule=attention_schedule,
+                                                     head_schedule=head_schedule)
         except Cancelled as exc:
             interrupt.raise_interrupted(exc)
     if cache is not None:
@@ -587,12 +589,14 @@ def _settings(opts: dict):
 
 def _recipes(text: str, step_cache: bool, opts: dict) -> list:
     """The sampler node's recipes (`;`-separated), checked before anything runs, and said in the log."""
-    from ..h3_model.engine.recipes import check_recipes, parse_recipes
+    from ..h3_model.engine.recipes import check_pdd_loras, check_recipes, parse_recipes
 
     chosen = parse_recipes([t for t in (text or "").split(";") if t.strip()])
+    if not chosen and opts["loras"]:
+        check_pdd_loras(chosen, opts["loras"])  # a PDD LoRA's bank needs recipe pdd: said before any merge
     if chosen:
         check_recipes(chosen, host.compute_device(), _settings(opts), step_cache=step_cache,
-                      cache_fix="set the sampler's cache to off")
+                      cache_fix="set the sampler's cache to off", loras=opts["loras"])
         log.info("h3-spark recipes (approximate): %s",
                  "; ".join(", ".join(f"{k}={v}" for k, v in r.describe().items()) for r in chosen))
     return chosen

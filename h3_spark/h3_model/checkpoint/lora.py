@@ -10,6 +10,9 @@ Accepted key styles (all map to our diffusers-named parameters):
 - full deltas `.diff` (weight) / `.diff_b` (bias);
 - full replacement tensors for pruned checkpoints (`adaln_proj.linear.weight|bias`, `adaln_t_table`,
   also written `.set_weight`), merged as base + strength * (new - base).
+- a PDD head bank beside the pairs (pdd.py: `proj_out.weight` [32, 96, 5376], ...), installed whole on the
+  DiT (`head_bank`) for recipe pdd to mix per step; pairs written without `.weight` (`...to_q.lora_down`) as
+  PDD files have them.
 
 A fused qkv LoRA shares lora_A and splits lora_B into q, k, v (stacked, or per-head interleaved
 for DiffSynth's peft dumps); an original-named fc1 LoRA swaps the halves of lora_B, `.diff` and
@@ -27,9 +30,10 @@ import torch
 
 from ...errors import CheckpointError, InputError
 from .keymap import original_layer_to_diffusers, split_qkv, swap_halves
+from .pdd import bank_part, check_bank_strength, read_head_bank
 
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", "base_model.model.")
-_PAIR = re.compile(r"^(?P<layer>.+?)\.(?:(?P<peft>lora_[AB])(?:\.default)?|(?P<kohya>lora_down|lora_up))\.weight$")
+_PAIR = re.compile(r"^(?P<layer>.+?)\.(?:(?P<peft>lora_[AB])(?:\.default)?|(?P<kohya>lora_down|lora_up))(?:\.weight)?$")
 _REPLACEMENT = re.compile(r"^(?P<layer>.+?)\.(?:set_)?(?P<param>weight|bias)$")
 
 
@@ -91,13 +95,18 @@ class _LayerResolver:
         return None
 
 
-def read_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from safetensors import SafetensorError, safe_open
-
+def check_lora_path(path: Path) -> None:
+    """What can be said of a LoRA path before reading it: it exists and is a safetensors file."""
     if not path.is_file():
         raise InputError(f"{path}: no such LoRA file")
     if path.suffix != ".safetensors":
         raise InputError(f"{path}: LoRAs load from .safetensors only (pickle files are refused)")
+
+
+def read_lora(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import SafetensorError, safe_open
+
+    check_lora_path(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
@@ -171,8 +180,8 @@ def plan_lora(model, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
     unmatched: list[str] = []
     alphas = {k[: -len(".alpha")]: v for k, v in tensors.items() if k.endswith(".alpha")}
     for key, value in tensors.items():
-        if key.endswith(".alpha"):
-            continue
+        if key.endswith(".alpha") or bank_part(key, value.ndim) is not None:
+            continue  # a head bank is installed whole (read_head_bank), not merged
         m = _PAIR.match(key)
         if m:
             part = {"lora_A": "down", "lora_down": "down", "lora_B": "up", "lora_up": "up"}[m["peft"] or m["kohya"]]
@@ -238,6 +247,7 @@ def apply_loras(model, specs: list[LoraSpec], *, base: dict[str, torch.Tensor] |
     targets = lora_targets(model)
     reports = []
     originals: dict[str, torch.Tensor] = {}
+    bank, bank_spec = None, None
     for spec in specs:
         tensors, metadata = read_lora(spec.path)
         interleaved = any(".default." in k for k in tensors)
@@ -246,8 +256,12 @@ def apply_loras(model, specs: list[LoraSpec], *, base: dict[str, torch.Tensor] |
             raise CheckpointError(
                 f"{spec.path}: {len(unmatched)} LoRA tensors match no H3 layer, e.g. {', '.join(sorted(unmatched)[:3])}"
             )
-        if not ops:
+        spec_bank = read_head_bank(spec.path, tensors, metadata, model.config, device=model.proj_out.weight.device)
+        if not ops and spec_bank is None:
             raise CheckpointError(f"{spec.path}: holds no LoRA tensors")
+        if spec_bank is not None:
+            _check_bank_spec(spec, bank_spec)
+            bank, bank_spec = spec_bank, spec
         for op in ops:
             if op.param not in targets:
                 raise CheckpointError(f"{spec.path}: {op.param} is not a parameter of this model")
@@ -275,5 +289,15 @@ def apply_loras(model, specs: list[LoraSpec], *, base: dict[str, torch.Tensor] |
             del value
         reports.append({"path": str(spec.path), "strength": spec.strength,
                         "merged": sum(op.kind == "delta" for op in ops),
-                        "replaced": sum(op.kind == "replace" for op in ops)})
+                        "replaced": sum(op.kind == "replace" for op in ops),
+                        **({"head_bank": spec_bank.count} if spec_bank is not None else {})})
+    if bank is not None:
+        model.head_bank = bank
     return reports
+
+
+def _check_bank_spec(spec: LoraSpec, earlier: LoraSpec | None) -> None:
+    """One head bank per DiT (the heads replace each other, they do not add up), at strength 1."""
+    if earlier is not None:
+        raise CheckpointError(f"{earlier.path} and {spec.path} both carry a PDD head bank: load one PDD LoRA")
+    check_bank_strength(spec.path, spec.strength)

@@ -30,6 +30,7 @@ from ...kernels.attention import AttentionFn, sdpa
 from ...kernels.references import RowModulation, SwiGLU
 from ...kernels.stored_linear import StoredForm, StoredLinear
 from .config import ADALN_VECTORS, NUM_MODALITIES, DiTConfig
+from .head_bank import HeadBank, HeadMix, MixedHead
 from .layout import adaln_rows
 from .parallel import ONE_PROCESS, OneProcess, SequenceParallel
 
@@ -277,6 +278,9 @@ class H3DiT(nn.Module):
         self.sampling_step: int | None = None
         # Where the forward splits its sequence over ranks (dit/parallel.py, `--gpus N`); one process by default.
         self.sequence_parallel: SequenceParallel | OneProcess = ONE_PROCESS
+        # Per-interval output heads a PDD LoRA brings (head_bank.py); a forward given a `head_mix` uses them in
+        # place of proj_out / audio_proj_out.
+        self.head_bank: HeadBank | None = None
 
     # ----------------------------------------------------------------- settings
     def set_attention(self, fn: AttentionFn) -> None:
@@ -446,7 +450,7 @@ class H3DiT(nn.Module):
                 audio_indices: torch.Tensor, text_indices: torch.Tensor, *, text_embeds: torch.Tensor | None = None,
                 output_video_rows: torch.Tensor | None = None, output_audio_rows: torch.Tensor | None = None,
                 mlp_chunks: int = 1, step_callback: Callable[[int], None] | None = None,
-                block_cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+                block_cache=None, head_mix: HeadMix | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Velocities (fp32) for the video and audio rows.
 
         By default every video/audio row is returned in the order of video_indices/audio_indices.
@@ -454,7 +458,8 @@ class H3DiT(nn.Module):
         rows) so the heads only run where needed. `block_cache` (step_cache.FirstBlockCache) sees the first
         block's residual and may answer with the other blocks' residual from an earlier step instead of
         running them. Under sequence parallelism (`sequence_parallel`, dit/parallel.py) each rank runs the blocks
-        on its own rows and every rank returns the whole result.
+        on its own rows and every rank returns the whole result. `head_mix` (one sampling step's weights over
+        `head_bank`) replaces the two heads by the bank's mix for this forward.
         """
         if text_embeds is None:
             if encoder_hidden_states is None:
@@ -491,7 +496,7 @@ class H3DiT(nn.Module):
                 block_cache.store_rest(x - after_first)
 
         return self.heads(part.gather(x), timestep_indices, tables.final, video_indices, audio_indices,
-                          output_video_rows, output_audio_rows)
+                          output_video_rows, output_audio_rows, head_mix)
 
     def embed_rows(self, hidden_states: torch.Tensor, audio_hidden_states: torch.Tensor, text_embeds: torch.Tensor,
                    video_indices: torch.Tensor, audio_indices: torch.Tensor, text_indices: torch.Tensor,
@@ -506,15 +511,21 @@ class H3DiT(nn.Module):
 
     def heads(self, x: torch.Tensor, timestep_indices: torch.Tensor, final: torch.Tensor, video_indices: torch.Tensor,
               audio_indices: torch.Tensor, output_video_rows: torch.Tensor | None,
-              output_audio_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Output norm and the two fp32 heads over the requested video/audio rows."""
+              output_audio_rows: torch.Tensor | None,
+              head_mix: HeadMix | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output norm and the two fp32 heads (the bank's mix under `head_mix`) over the requested rows."""
         video_rows = video_indices if output_video_rows is None else video_indices[output_video_rows]
         audio_rows = audio_indices if output_audio_rows is None else audio_indices[output_audio_rows]
-        return (self._head(x, video_rows, timestep_indices, final, self.proj_out),
-                self._head(x, audio_rows, timestep_indices, final, self.audio_proj_out))
+        video_proj, audio_proj = self.proj_out, self.audio_proj_out
+        if head_mix is not None:
+            if self.head_bank is None:
+                raise H3Error("a per-step head mix needs a head bank on the DiT (a PDD LoRA), and this one has none")
+            video_proj, audio_proj = self.head_bank.mixed(head_mix)
+        return (self._head(x, video_rows, timestep_indices, final, video_proj),
+                self._head(x, audio_rows, timestep_indices, final, audio_proj))
 
     def _head(self, x: torch.Tensor, rows: torch.Tensor, timestep_indices: torch.Tensor, final: torch.Tensor,
-              proj: nn.Linear) -> torch.Tensor:
+              proj: "nn.Linear | MixedHead") -> torch.Tensor:
         shift, scale = final.chunk(2, dim=-1)
         t_rows = timestep_indices.index_select(0, rows)
         h = self.norm_out.norm(x.index_select(1, rows))

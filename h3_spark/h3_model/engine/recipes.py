@@ -19,6 +19,10 @@
 - fasth3-8step: FastH3-8-Step-V2's: its 8 trained rungs 999, 874, ..., 125 (of 1000) shifted by video 10,
   audio 3, and VSA at `sparsity` 0.8. FastVideo publishes it as another checkpoint with its own sampling
   contract, hence its own recipe rather than a step count of fasth3.
+- pdd: what Alibaba PAI's PDD acceleration LoRAs are trained for: `evaluations` (8, or 4) on the plain grid at
+  video shift 12, audio 3 (it lands on the bank's interval boundaries), each evaluation through the mean of the
+  head-bank heads its step spans, weighted by their overlap (pipeline/pdd.py). The file is a LoRA (`--lora`,
+  the LoRA loader node): its trunk merges as any LoRA, its bank goes onto the DiT; the recipe fails without one.
 
 Each is declared once in `REGISTRY` (name, one line of help, parameters, bundle, exclusions); the front doors'
 help texts come from it (`recipes_help`). Each fails at set-up, before any weights are read, when what it needs is missing (Sol-Attn needs CUDA and
@@ -32,6 +36,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ...errors import H3Error, InputError
+from ..pipeline.pdd import PDD_AUDIO_SHIFT, PDD_VIDEO_SHIFT
 
 @dataclass(frozen=True)
 class RecipeSpec:
@@ -59,9 +64,15 @@ REGISTRY: dict[str, RecipeSpec] = {spec.name: spec for spec in (
                excludes={"fasth3-8step": "the sampling grid and the attention", **_FASTH3_EXCLUDES}),
     RecipeSpec("fasth3-8step", "FastH3-8-Step-V2's 8 trained rungs and Video Sparse Attention (its checkpoint)",
                {"sparsity": (0.8, None, None), "tile": (64, None, None)}, excludes=_FASTH3_EXCLUDES),
+    RecipeSpec("pdd", "a PDD acceleration LoRA's trained grid (shifts 12/3) through its head bank (load the file "
+                      "as a LoRA)", {"evaluations": (8, 4, 8)},
+               excludes={"turbo": "the sampling grid", "fasth3": "the sampling grid",
+                         "fasth3-8step": "the sampling grid"}),
     RecipeSpec("sol-engine", "sparse and first-block-cache, as Sol-Engine publishes them",
                bundle=("sparse", "first-block-cache")),
 )}
+# The evaluation counts whose plain grid lands on the bank's interval boundaries (32 heads: 8 or 4 per step).
+PDD_EVALUATIONS = (4, 8)
 PARAMETERS = {name: spec.parameters for name, spec in REGISTRY.items() if not spec.bundle}
 BUNDLES = {name: spec.bundle for name, spec in REGISTRY.items() if spec.bundle}
 NAMES = tuple(REGISTRY)
@@ -114,7 +125,8 @@ class Recipe:
 
     def describe(self) -> dict:
         grid = FASTH3_GRIDS.get(self.name)
-        return {"name": self.name, **self.params, **(grid.describe() if grid is not None else {})}
+        shifts = {"video_shift": PDD_VIDEO_SHIFT, "audio_shift": PDD_AUDIO_SHIFT} if self.name == "pdd" else {}
+        return {"name": self.name, **self.params, **shifts, **(grid.describe() if grid is not None else {})}
 
 
 def parse_recipes(texts) -> list[Recipe]:
@@ -175,6 +187,9 @@ def _checked(name: str, given: dict) -> dict:
         raise InputError(f"recipe first-block-cache: start {params['start']} is after end {params['end']}")
     if name == "sparse" and params["tau"] <= 0:
         raise InputError("recipe sparse: tau must be > 0")
+    if name == "pdd" and params["evaluations"] not in PDD_EVALUATIONS:
+        raise InputError(f"recipe pdd: evaluations must be {' or '.join(map(str, PDD_EVALUATIONS))} (each then spans "
+                         f"whole intervals of the bank), got {params['evaluations']}")
     if name in FASTH3_GRIDS:
         from ...kernels.vsa_reference import TILE_SHAPES
 
@@ -189,12 +204,16 @@ def _checked(name: str, given: dict) -> dict:
 # ------------------------------------------------------------------------------------------ set-up checks
 def check_recipes(recipes: list[Recipe], device, settings, *, step_cache: bool = False,
                   explicit_steps: bool = False, cache_fix: str = "drop --cache-mode",
-                  steps_fix: str = "drop --steps / --sigmas") -> None:
+                  steps_fix: str = "drop --steps / --sigmas", loras: list | None = None) -> None:
     """Before loading: every kernel a recipe needs can run here, and nothing it sets is also set by hand.
     `cache_fix` / `steps_fix` say, in the front door's own words, how to undo the conflicting setting. Every
-    recipe runs under sequence parallelism as on one GPU (the DiT has one forward; `tests/test_parallel.py`)."""
+    recipe runs under sequence parallelism as on one GPU (the DiT has one forward; `tests/test_parallel.py`).
+    `loras` (the run's LoRA paths, when the door knows them): recipe pdd and a LoRA with a head bank come
+    together, read from the files' headers."""
     check_conflicts(recipes, step_cache=step_cache, explicit_steps=explicit_steps, cache_fix=cache_fix,
                     steps_fix=steps_fix)
+    if loras is not None:
+        check_pdd_loras(recipes, loras)
     for recipe in recipes:
         if recipe.name == "sparse":
             sparse_backend(recipe, device, settings)
@@ -210,10 +229,51 @@ def check_conflicts(recipes: list[Recipe], *, step_cache: bool, explicit_steps: 
         raise InputError(f"recipe first-block-cache is a step cache: {cache_fix} (one step cache per run)")
     if explicit_steps and "turbo" in names:
         raise InputError(f"recipe turbo sets the steps and the video shift: {steps_fix}")
+    if explicit_steps and "pdd" in names:
+        raise InputError(f"recipe pdd sets the steps and the shifts its head bank was trained for: {steps_fix}")
     fasth3 = next((n for n in names if n in FASTH3_GRIDS), None)
     if explicit_steps and fasth3 is not None:
         raise InputError(f"recipe {fasth3} sets the steps and the shifts the distilled model was trained with "
                          f"({FASTH3_GRIDS[fasth3].evaluations} evaluations): {steps_fix}")
+
+
+def check_pdd_loras(recipes: list[Recipe], loras: list) -> None:
+    """Recipe pdd needs one LoRA with a head bank, and a LoRA with a bank needs recipe pdd (its trunk with the
+    plain heads samples noise), at strength 1. `loras`: LoraSpecs or (path, strength) pairs."""
+    from pathlib import Path
+
+    from ..checkpoint.lora import check_lora_path
+    from ..checkpoint.pdd import check_bank_strength, has_head_bank
+
+    pairs = [(Path(x.path), x.strength) if hasattr(x, "path") else (Path(x[0]), float(x[1])) for x in loras]
+    paths = [p for p, _ in pairs]
+    banked = []
+    for path, strength in pairs:
+        check_lora_path(path)  # a missing or pickled file says so, not "no bank"
+        if has_head_bank(path):
+            check_bank_strength(path, strength)
+            banked.append(path)
+    asked = any(r.name == "pdd" for r in recipes)
+    if asked and not banked:
+        named = ", ".join(p.name for p in paths) or "none"
+        raise InputError(f"recipe pdd samples through a PDD LoRA's head bank (proj_out.weight [32, 96, 5376] and "
+                         f"its audio twin), and no LoRA carries one (LoRAs: {named}): load the PDD file as a LoRA")
+    if banked and not asked:
+        raise InputError(f"{banked[0]} is a PDD LoRA (it carries a head bank): sample it with recipe pdd")
+
+
+def pdd_heads(recipes: list[Recipe], dit):
+    """Recipe pdd's head schedule for `dit` (pipeline/pdd.PddHeads over its bank), or None without the recipe;
+    an InputError when the DiT carries no bank."""
+    if not any(r.name == "pdd" for r in recipes):
+        return None
+    from ..pipeline.pdd import PddHeads
+
+    bank = getattr(dit, "head_bank", None)
+    if bank is None:
+        raise InputError("recipe pdd samples through a PDD LoRA's head bank, and the loaded DiT has none: load the "
+                         "PDD file as a LoRA (--lora FILE, the LoRA loader node)")
+    return PddHeads(bank.count)
 
 
 def sparse_backend(recipe: Recipe, device, settings):
@@ -312,8 +372,8 @@ class SparseSchedule:
 
 @dataclass
 class RecipeSampling:
-    """What the recipes set for one sampling run besides its attention: evaluations and shifts (turbo) and the
-    step cache (first-block-cache); None where no recipe sets it."""
+    """What the recipes set for one sampling run besides its attention and heads: evaluations and shifts (turbo,
+    pdd, fasth3) and the step cache (first-block-cache); None where no recipe sets it."""
 
     evaluations: int | None = None
     video_shift: float | None = None
@@ -337,6 +397,11 @@ def recipe_sampling(recipes: list[Recipe], evaluations: int) -> RecipeSampling:
         out.evaluations = evaluations = turbo.params["evaluations"]
         out.grid_from = turbo.name
         out.video_shift, out.audio_shift = turbo.params["video_shift"], turbo.params["audio_shift"]
+    pdd = by_name.get("pdd")
+    if pdd is not None:
+        out.evaluations = evaluations = pdd.params["evaluations"]
+        out.grid_from = pdd.name
+        out.video_shift, out.audio_shift = PDD_VIDEO_SHIFT, PDD_AUDIO_SHIFT
     fasth3 = next((r for r in recipes if r.name in FASTH3_GRIDS), None)
     if fasth3 is not None:
         grid = FASTH3_GRIDS[fasth3.name]
@@ -370,7 +435,8 @@ def apply_recipes(recipes: list[Recipe], req, dit, device, settings):
     schedule for `dit`; and their description for the outputs."""
     run = recipe_sampling(recipes, len(req.sigmas) - 1 if req.sigmas is not None else req.steps - 1)
     changes: dict = {"recipes": [r.describe() for r in recipes],
-                     "attention_schedule": sparse_schedule(recipes, dit, device, settings)}
+                     "attention_schedule": sparse_schedule(recipes, dit, device, settings),
+                     "head_schedule": pdd_heads(recipes, dit)}
     if run.evaluations is not None:
         changes.update(steps=run.evaluations + 1, video_shift=run.video_shift, audio_shift=run.audio_shift,
                        sigmas=run.sigmas, audio_sigmas=run.audio_sigmas)

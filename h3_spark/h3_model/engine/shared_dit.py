@@ -45,6 +45,7 @@ def use_loras(dit, loras: list) -> None:
     Placement.of(dit).unstream()  # a streamed block's weights are back in its module for the merge
     params = dict(dit.named_parameters())
     _restore(params, state)
+    dit.head_bank = None  # a PDD LoRA's heads leave with it (apply_loras installs the new set's)
     if not want:
         return
     specs = [LoraSpec(Path(p), s) for p, s in want]

@@ -100,6 +100,8 @@ class GenerationRequest:
     # Set by engine.recipes.apply_recipes: the sparse recipe's attention per evaluation and block, and what the
     # outputs say of the recipes used.
     attention_schedule: object | None = None
+    # Set by apply_recipes for recipe pdd: each evaluation's mix of the DiT's head bank (pipeline/pdd.py).
+    head_schedule: object | None = None
     recipes: list[dict] = field(default_factory=list)
 
     def _reference_counts(self) -> tuple[int, int, int]:
@@ -324,7 +326,8 @@ class Pipeline:
                     info["audio_guide_strength"] = float(req.audio_guide_strength)
                 result = self.sample(dit, sampling, schedule,
                                      req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,
-                                     step_cache=req.step_cache, attention_schedule=req.attention_schedule)
+                                     step_cache=req.step_cache, attention_schedule=req.attention_schedule,
+                                     head_schedule=req.head_schedule)
         finally:  # read (and reset) even when cancelled, so the next request counts only its own
             saturation = static.saturation() if static is not None else None
         if static is not None:
@@ -498,12 +501,13 @@ class Pipeline:
                 geometry.audio_latent_frames(frames))
 
     def sample(self, dit, request: SamplingRequest, schedule: JointSchedule, seed: int, *, on_step=None,
-               cancel=None, mlp_chunks: int = 1, step_cache=None, device=None, attention_schedule=None):
+               cancel=None, mlp_chunks: int = 1, step_cache=None, device=None, attention_schedule=None,
+               head_schedule=None):
         """The seeded flow-matching loop (sampler.py): final normalised video and audio latents."""
         return sample(dit, request, schedule, torch.Generator().manual_seed(int(seed)),
                       device=self.c.device if device is None else device, on_step=on_step, cancel=cancel,
                       mlp_chunks=mlp_chunks, step_cache=step_cache, release_adaln=self.release_adaln,
-                      attention_schedule=attention_schedule)
+                      attention_schedule=attention_schedule, head_schedule=head_schedule)
 
     def decode_video(self, latents: torch.Tensor, tile_size: int | None = 256,
                      on_frames: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from ...errors import H3Error
+from ...errors import H3Error, InputError
 from ..dit.layout import Layout, patchify, unpatchify
 from .scheduler import CONDITION_AUDIO_T, CONDITION_VIDEO_T, JointSchedule
 
@@ -116,11 +116,13 @@ def schedule_timestep_values(layout: Layout, schedule: JointSchedule, condition_
 def sample(dit, req: SamplingRequest, schedule: JointSchedule, generator: torch.Generator, *,
            device: str | torch.device = "cpu", on_step: Callable[[StepInfo], None] | None = None,
            cancel: threading.Event | None = None, mlp_chunks: int = 1, step_cache=None,
-           release_adaln: bool = False, attention_schedule=None) -> SamplingResult:
+           release_adaln: bool = False, attention_schedule=None, head_schedule=None) -> SamplingResult:
     """Run the loop; `generator` must be a CPU generator (noise is drawn on the CPU, then moved).
 
     `attention_schedule` (`at(step, block) -> attention`) chooses the attention per evaluation and block for
-    this run only (a recipe's sparse attention)."""
+    this run only (a recipe's sparse attention). `head_schedule` (`mixes(schedule) -> [HeadMix]`, recipe pdd's
+    pdd.PddHeads) gives each evaluation its mix of the DiT's head bank; a DiT with a bank samples only with one."""
+    head_mixes = _head_mixes(dit, head_schedule, schedule)
     if hasattr(attention_schedule, "for_layout"):
         # An attention that tiles the packed sequence (recipe fasth3's VSA) is made for this request's layout.
         attention_schedule = attention_schedule.for_layout(req.layout, (req.latent_frames, req.latent_height,
@@ -129,14 +131,32 @@ def sample(dit, req: SamplingRequest, schedule: JointSchedule, generator: torch.
     if attention_schedule is not None:
         dit.attention_schedule = attention_schedule  # set on the model itself: the forward reads it there
     try:
-        return _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, step_cache, release_adaln)
+        return _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, step_cache, release_adaln,
+                       head_mixes)
     finally:
         if attention_schedule is not None:
             dit.attention_schedule, dit.sampling_step = previous, None
 
 
+def _head_mixes(dit, head_schedule, schedule: JointSchedule) -> list | None:
+    """Each step's head mix, or None for the DiT's own heads; a bank and a schedule come together or not at all."""
+    bank = getattr(dit, "head_bank", None)
+    if head_schedule is None:
+        if bank is not None:
+            # The PDD trunk with the plain heads samples noise: fail instead of handing it back.
+            raise InputError(f"the DiT carries a PDD head bank ({bank.origin or 'from a LoRA'}): sample it with "
+                             "recipe pdd, or load it without that LoRA")
+        return None
+    if bank is None:
+        raise InputError("recipe pdd samples with a PDD LoRA's head bank, and the DiT has none: load the PDD file "
+                         "as a LoRA")
+    if head_schedule.count != bank.count:
+        raise H3Error(f"the head schedule is for {head_schedule.count} heads but the DiT's bank holds {bank.count}")
+    return head_schedule.mixes(schedule)
+
+
 def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, step_cache,
-            release_adaln) -> SamplingResult:
+            release_adaln, head_mixes=None) -> SamplingResult:
     c = dit.config
     lay = req.layout
     cond = condition_rows(req.condition_latents, generator, c.patch_size, req.condition_video_t)
@@ -175,13 +195,14 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
             raise Cancelled(f"cancelled before step {i + 1} of {len(schedule)}")
         start = time.perf_counter()
         tv, ta = schedule.step_timesteps(i)
+        heads = {} if head_mixes is None else {"head_mix": head_mixes[i]}
         ts, tidx = lay.row_timesteps(tv, ta, max(tv, req.condition_video_t), max(ta, req.condition_audio_t))
 
         def forward(**extra):
             return dit(video[None], audio[None], None, ts.to(device), tidx.to(device), position_ids=position_ids,
                        text_embeds=text, output_video_rows=target_video, output_audio_rows=target_audio,
                        mlp_chunks=mlp_chunks, step_callback=_block_cancel(cancel, i, len(schedule)), **structure,
-                       **extra)
+                       **heads, **extra)
 
         if getattr(dit, "attention_schedule", None) is not None:
             dit.sampling_step = i
