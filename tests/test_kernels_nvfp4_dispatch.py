@@ -259,7 +259,7 @@ def test_auto_runs_an_nvfp4_checkpoint_as_nvfp4_on_blackwell(blackwell, monkeypa
     assert all(model.get_submodule(name).weight is packed for name, packed in stored.items())
 
     lin = apply_kernels(nvfp4_dit(), auto, checkpoint_format="bf16")["linear"]
-    assert lin["format"] == "bf16" and lin["why"] == "auto: exact bf16 (FP8 and NVFP4 linears are opt-in via H3_LINEAR)"
+    assert lin["format"] == "bf16" and lin["why"] == "auto: exact bf16 (FP8, NVFP4 and W4A8 linears are opt-in via H3_LINEAR)"
     monkeypatch.setitem(sys.modules, "comfy_kitchen", None)  # None in sys.modules makes the import fail
     lin = apply_kernels(nvfp4_dit(), auto, checkpoint_format="nvfp4")["linear"]
     assert lin["format"] == "bf16" and lin["why"].startswith(

@@ -7,8 +7,9 @@ every `auto` decision is named there.
 
 Rules (docs/architecture.md, "Fail closed"): a requested backend or format that cannot run here raises KernelUnavailable;
 `auto` may choose and says what it chose and why; approximate paths (FP8/NVFP4 linears, low-bit or sparse
-attention) are opt-in. H3_LINEAR=auto is bf16 (exact) except on Blackwell with an NVFP4 checkpoint,
-where the checkpoint's own FP4 weights run natively.
+attention, W4A8 integer GEMMs) are opt-in. H3_LINEAR=auto is bf16 (exact) except on Blackwell with an NVFP4
+checkpoint, where the checkpoint's own FP4 weights run natively; it never chooses w4a8 (its speed on Hopper is
+unmeasured).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def resolve_linear(settings: KernelSettings, device, checkpoint_format: str) -> 
                                  "sources say which layers kept their stored codes)")
             except KernelUnavailable as exc:
                 return "bf16", f"auto: NVFP4 GEMM unavailable ({exc}); exact bf16"
-        return "bf16", "auto: exact bf16 (FP8 and NVFP4 linears are opt-in via H3_LINEAR)"
+        return "bf16", "auto: exact bf16 (FP8, NVFP4 and W4A8 linears are opt-in via H3_LINEAR)"
     if fmt == "fp8":
         require_cuda("H3_LINEAR=fp8", device, minimum=(9, 0),
                      why="rowwise-scaled FP8 GEMMs (torch._scaled_mm) need Hopper or newer")
@@ -150,7 +151,28 @@ def resolve_linear(settings: KernelSettings, device, checkpoint_format: str) -> 
     if fmt == "nvfp4":
         _require_nvfp4(device)
         return "nvfp4", "requested: NVFP4 weights x NVFP4 activations (comfy-kitchen scaled_mm_nvfp4)"
+    if fmt == "w4a8":
+        _require_int_mm(device)
+        return "w4a8", ("requested: a w4a8 file's layers as their int8 grid x per-token int8 activations "
+                        "(torch._int_mm); layers of other formats keep their own path")
     return "bf16", "requested: exact, model dtype"
+
+
+def _require_int_mm(device) -> None:
+    """torch's int8 GEMM runs on this device: asked with one tiny call, so a device it cannot serve is refused when
+    the kernels are set up rather than at the first forward."""
+    device = as_device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise KernelUnavailable(f"H3_LINEAR=w4a8 needs the CPU or a CUDA GPU (torch._int_mm); this run is on "
+                                f"{describe_device(device)}")
+    try:
+        # cuBLASLt's int8 GEMM takes more than 16 rows and dims that are multiples of 8.
+        torch._int_mm(torch.ones(32, 32, dtype=torch.int8, device=device),
+                      torch.ones(32, 32, dtype=torch.int8, device=device))
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KernelUnavailable(f"H3_LINEAR=w4a8: torch._int_mm does not run on {describe_device(device)} "
+                                f"({first})") from None
 
 
 def _require_nvfp4(device) -> None:
@@ -164,14 +186,21 @@ def _require_nvfp4(device) -> None:
 
 
 def make_linear(fmt: str, linear: nn.Module, stored: dict | None, use_triton: bool) -> nn.Module:
-    """The `fmt` ("fp8" / "nvfp4") module that replaces block linear `linear`: from `stored` codes where given
-    (or its own, where its format declares them for `fmt`), else from its weight."""
+    """The `fmt` ("fp8" / "nvfp4" / "w4a8") module that replaces block linear `linear`: from `stored` codes where
+    given (or its own, where its format declares them for `fmt`), else from its weight. "w4a8" replaces only an
+    asym_w4a8_int8 layer kept as stored and returns any other linear as it is (its own path)."""
     from .linear_fp8 import Fp8Linear
     from .nvfp4 import Nvfp4Linear
 
     if not isinstance(linear, LINEAR_TYPES):
         raise KernelUnavailable(f"the block linears were already converted ({type(linear).__name__}); reload the "
                                 f"model to change H3_LINEAR")
+    if fmt == "w4a8":
+        if is_w4a8(linear):
+            from .linear_w4a8 import W4A8Linear
+
+            return W4A8Linear.from_stored(linear)
+        return linear
     if isinstance(linear, StoredLinear):
         # Its own codes where its format declares that `fmt` linears start from them; else its exact dequantized
         # weight (an fp8_scaled layer's codes are no NVFP4 values).
@@ -201,9 +230,54 @@ def block_linears(model: nn.Module) -> dict[str, nn.Module]:
             for i, blk in enumerate(model.transformer_blocks) for name in BLOCK_LINEARS}
 
 
+def is_w4a8(module: nn.Module) -> bool:
+    """An asym_w4a8_int8 layer kept as the file stores it: what H3_LINEAR=w4a8 runs as an integer GEMM."""
+    from .formats.asym_w4a8_int8 import NAME
+
+    return isinstance(module, StoredLinear) and module.format == NAME
+
+
+def linear_path(module: nn.Module) -> str:
+    """How a linear computes, in the words the report counts layers by (`source`; a dense layer its dtype)."""
+    source = getattr(module, "source", None)
+    return source if isinstance(source, str) else f"{str(module.weight.dtype).removeprefix('torch.')} dense weights"
+
+
+def w4a8_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The DiT's asym_w4a8_int8 layers kept as stored, by their model names (blocks and any other layer)."""
+    return {name: m for name, m in model.named_modules() if is_w4a8(m)}
+
+
+def check_w4a8_linears(model: nn.Module, device) -> None:
+    """Refuse, before anything changes, a model H3_LINEAR=w4a8 cannot run: no asym_w4a8_int8 layer kept as stored,
+    one of the asymmetric variant (its per-group correction has no place in an integer GEMM), or one whose output
+    features cuBLASLt's int8 GEMM does not take."""
+    from .formats.asym_w4a8_int8 import variant
+
+    converted = [n for n, m in block_linears(model).items() if not isinstance(m, LINEAR_TYPES)]
+    if converted:
+        kind = type(model.get_submodule(converted[0])).__name__
+        raise KernelUnavailable(f"the block linears were already converted ({kind}); reload the model to apply "
+                                "H3_LINEAR again")
+    layers = w4a8_layers(model)
+    if not layers:
+        paths = sorted({linear_path(m) for m in block_linears(model).values()})
+        raise KernelUnavailable("H3_LINEAR=w4a8 runs a w4a8 (asym_w4a8_int8) checkpoint's layers kept as stored, and "
+                                f"this DiT has none (its block linears: {'; '.join(paths)}); load a w4a8 file with "
+                                "its stored weights, or use H3_LINEAR=bf16")
+    for name, m in layers.items():
+        if variant(m._held()) == "asymmetric":
+            raise KernelUnavailable(f"H3_LINEAR=w4a8: {name} is an asymmetric w4a8 layer, whose correction per group "
+                                    "after the channel scale the integer GEMM cannot carry; use H3_LINEAR=bf16")
+        if as_device(device).type == "cuda" and m.out_features % 8:
+            raise KernelUnavailable(f"H3_LINEAR=w4a8: {name} has {m.out_features} output features; cuBLASLt's int8 "
+                                    "GEMM needs a multiple of 8")
+
+
 def check_linears(model: nn.Module, fmt: str) -> None:
     """Refuse, before anything changes, a model whose block linears `fmt` cannot replace: already converted
-    (the bf16 weights are gone), a bias, or GEMM dims the low-bit kernels do not take."""
+    (the bf16 weights are gone), a bias, or GEMM dims the low-bit kernels do not take. (w4a8 is
+    `check_w4a8_linears`, which needs the device.)"""
     found = block_linears(model)
     if fmt == "bf16":
         converted = [n for n, m in found.items() if not isinstance(m, LINEAR_TYPES)]
@@ -271,7 +345,10 @@ def plan_kernels(model: nn.Module, settings: KernelSettings | None = None, check
     backend, chosen = resolve_attention(settings.attention, device, settings, **heads)
     inner = getattr(backend, "inner", backend)
     linear_fmt, linear_why = resolve_linear(settings, device, checkpoint_format)
-    check_linears(model, linear_fmt)
+    if linear_fmt == "w4a8":
+        check_w4a8_linears(model, device)
+    else:
+        check_linears(model, linear_fmt)
     qk_hook, qk_report = resolve_qk_prep(settings, inner.name, device)
     mod_cls, mod_report = resolve_modulation(settings, device, linear_fmt == "nvfp4")
     return KernelPlan(device, describe_device(device), capability(device), settings, checkpoint_format, backend, chosen, qk_hook, qk_report, mod_cls, mod_report,

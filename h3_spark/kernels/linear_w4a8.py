@@ -10,8 +10,10 @@ file's grid, unchanged): measured 0.77 % relative L2 against the dequantize-then
 dequantize-then-bf16 on a Hopper GPU is not measured here.
 
 The asymmetric variant's correction is a per-group offset the integer GEMM cannot carry: such a layer is refused,
-as is any layer of another format (no silent fallback). On CUDA cuBLASLt's int8 GEMM wants more than 16 rows and
-N, K multiples of 8: fewer rows are padded with zeros (their outputs dropped), N not a multiple of 8 is refused.
+as is any layer of another format (no silent fallback). `H3_LINEAR=w4a8` installs it for every asym_w4a8_int8 layer
+of a DiT kept as stored (`kernels.dispatch.check_w4a8_linears` refuses what it cannot run before the model changes).
+On CUDA cuBLASLt's int8 GEMM wants more than 16 rows and N, K multiples of 8: fewer rows are padded with zeros
+(their outputs dropped), N not a multiple of 8 is refused.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class W4A8Linear(nn.Module):
         self.out_features, self.in_features = n, k
         self.convrot_group = convrot_group
         self.out_dtype = out_dtype
-        self.register_buffer("grid", grid.contiguous())
+        # Named `weight` as the other linears' codes are: the kernels find a model's device and dtype through it.
+        self.register_buffer("weight", grid.contiguous())
         self.register_buffer("s_channel", s_channel.float().reshape(1, n))
         self.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
         self.source = "asym_w4a8_int8 codes on their int8 grid x per-token int8 activations"
@@ -79,7 +82,7 @@ class W4A8Linear(nn.Module):
         codes = (rotated / x_scale).round().clamp(-127, 127).to(torch.int8)
         if codes.is_cuda and m < _MIN_CUDA_ROWS:
             codes = torch.cat([codes, codes.new_zeros(_MIN_CUDA_ROWS - m, k)])
-        acc = torch._int_mm(codes, self.grid.t())[:m]
+        acc = torch._int_mm(codes, self.weight.t())[:m]
         out = acc.float() * x_scale * self.s_channel
         if self.bias is not None:
             out = out + self.bias.float()

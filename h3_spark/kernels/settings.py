@@ -16,7 +16,7 @@ from .attention import (ATTENTION_BACKENDS, HEAD_SLICE_BACKEND, HEAD_SLICE_INNER
                         SolSettings)
 from .capability import SettingsError
 
-LINEAR_FORMATS = ("auto", "bf16", "fp8", "nvfp4")
+LINEAR_FORMATS = ("auto", "bf16", "fp8", "nvfp4", "w4a8")
 AUTO_OFF = ("auto", "off")
 MODULATION_FUSION = ("auto", "exact", "off")
 SOL_THRESH_TYPES = ("diag", "topk")

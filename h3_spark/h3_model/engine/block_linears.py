@@ -7,20 +7,37 @@ import contextlib
 
 from torch import nn
 
-from ...kernels.dispatch import BLOCK_LINEARS, WeightSource, check_linears, make_linear
+from ...kernels.dispatch import BLOCK_LINEARS, WeightSource, check_linears, is_w4a8, linear_path, make_linear
 from ...kernels.nvfp4_static import nvfp4_linears
 from ...kernels.stored_linear import StoredLinear
 
 
 def convert_linears(model: nn.Module, fmt: str, weight_source: WeightSource | None = None,
                     use_triton: bool = True) -> dict:
-    """Replace the block linears by `fmt` modules; returns counts by weight source."""
+    """Replace the block linears by `fmt` modules; returns counts by weight source. For "w4a8" every asym_w4a8_int8
+    layer of the DiT is replaced (a block's or not) and any other layer keeps its path, counted by it."""
     sources: dict[str, int] = {}
     scope = getattr(model, "block_scope", None)  # a streamed block is on the device only inside its scope
     for i, blk in enumerate(model.transformer_blocks):
         with scope(i) if scope is not None else contextlib.nullcontext():
             _convert_block(i, blk, fmt, weight_source, use_triton, sources)
+    if fmt == "w4a8":
+        _convert_other_w4a8(model, sources)
     return sources
+
+
+def _convert_other_w4a8(model: nn.Module, sources: dict[str, int]) -> None:
+    """The asym_w4a8_int8 layers outside the blocks (a file may quantize more than the block linears)."""
+    outside = [n for n, m in model.named_modules() if is_w4a8(m) and not n.startswith("transformer_blocks.")]
+    for name in outside:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        new = make_linear("w4a8", parent.get_submodule(attr), None, False)
+        if attr.isdigit():
+            parent[int(attr)] = new
+        else:
+            setattr(parent, attr, new)
+        sources[new.source] = sources.get(new.source, 0) + 1
 
 
 def _convert_block(i: int, blk: nn.Module, fmt: str, weight_source: WeightSource | None, use_triton: bool,
@@ -37,7 +54,8 @@ def _convert_block(i: int, blk: nn.Module, fmt: str, weight_source: WeightSource
             parent[int(attr)] = new
         else:
             setattr(parent, attr, new)
-        sources[new.source] = sources.get(new.source, 0) + 1
+        path = linear_path(new)
+        sources[path] = sources.get(path, 0) + 1
 
 
 def emulate_nvfp4(model: nn.Module, weight_source=None) -> dict:

@@ -2,7 +2,8 @@
 
 The kernels decide (kernels/dispatch.py: `plan_kernels`, every choice resolved and checked before anything
 changes) and build (the FP8 / NVFP4 linears, the fused passes); here, above them, the DiT's modules are
-changed: its attention and Q/K preparation, its modulation, its MLPs' activation, its block linears; and
+changed: its attention and Q/K preparation, its modulation, its MLPs' activation, its block linears (and, for
+H3_LINEAR=w4a8, every asym_w4a8_int8 layer); and
 the video VAE decoder's attention and fused passes (`apply_vae_kernels`, from kernels/vae.py's plan).
 
 Rules (docs/architecture.md, "Fail closed"): a requested backend or format that cannot run here raises
@@ -72,6 +73,11 @@ def _install_linears(model: nn.Module, plan: KernelPlan, weight_source: WeightSo
     """The block linears as `plan.linear` modules (from the file's stored codes where it has them), and the
     producers that hand them quantized inputs."""
     fmt, settings = plan.linear, plan.settings
+    if fmt == "w4a8":
+        # A w4a8 layer carries its own codes; the file's other layers keep their path (no weight source).
+        linear_report["sources"] = convert_linears(model, fmt)
+        linear_report["activation_quantizer"] = "pytorch: per-token int8 after the ConvRot rotation (W4A8Linear)"
+        return
     use_triton = triton_ready(plan.device)
     origin = getattr(model, "checkpoint_origin", None)
     stored = None

@@ -15,7 +15,7 @@ DTYPES = ("bfloat16", "float32")
 VAE_DTYPES = ("float16", "float32")
 RELEASED_TEXT_LAYER = 50  # the Qwen3-VL hidden state the released DiT reads
 ATTENTION_HELP = "attention backend (default: $H3_ATTENTION or auto)"
-LINEAR_HELP = "block linear format: auto, bf16, fp8, nvfp4 (default: $H3_LINEAR or auto)"
+LINEAR_HELP = "block linear format: auto, bf16, fp8, nvfp4, w4a8 (default: $H3_LINEAR or auto)"
 DTYPE_HELP = "DiT/text dtype"
 GPUS_HELP = ("split each DiT forward over N GPUs (Ulysses sequence parallel, via torchrun; N must divide the 56 "
              "heads: 2, 4, 7 or 8)")
