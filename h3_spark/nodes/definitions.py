@@ -121,7 +121,8 @@ class H3ModelLoader:
             "weight_dtype": (["bfloat16", "float32"],),
             "linear": (list(_settings().LINEAR_FORMATS), {
                 "tooltip": "auto = exact bf16 (NVFP4 natively on Blackwell with an NVFP4 file); fp8/nvfp4 are "
-                           "faster and approximate."}),
+                           "faster and approximate; w4a8 runs a w4a8 file's layers as int8 GEMMs (approximate, "
+                           "its speed unmeasured)."}),
             "attention": (list(_attention().ATTENTION_BACKENDS), {"tooltip": _attention().attention_help()}),
         }}
 
