@@ -179,7 +179,16 @@ def test_the_benchmark_checks_its_arguments_and_runs_tiny_on_the_cpu(tmp_path, c
     args = taeh3_gpu.parse(["--out", "x.json"])
     assert args.latent_shape == (37, 48, 84) and args.preset == "full"
     out = tmp_path / "taeh3.json"
+    with pytest.raises(SystemExit):
+        taeh3_gpu.parse(["--out", "x.json", "--chunk", "0"])
+    assert "--chunk must be at least 1 latent frame, got 0" in capsys.readouterr().err
     assert taeh3_gpu.main(["--out", str(out), "--preset", "tiny", "--device", "cpu", "--latent", "7,2,2",
-                           "--repeats", "1"]) == 0
+                           "--repeats", "1", "--chunk", "5"]) == 0
     result = json.loads(out.read_text())
-    assert result["same_frame_shape"] is True and result["taeh3_run"]["frames_shape"] == [22, 32, 32, 3]
+    runs = result["taeh3_runs"]
+    assert result["same_frame_shape"] is True and result["chunked_equals_whole"] is True
+    assert runs["chunked"]["frames_shape"] == runs["whole"]["frames_shape"] == [22, 32, 32, 3]
+    assert runs["chunked"]["chunk"] == 5 and set(result["taeh3_speedup"]) == {"chunked", "whole"}
+    # 128 x H x W values a latent frame, 4 bytes each in fp32: 5 latent frames of 32x32, and all 7.
+    assert runs["chunked"]["predicted_activation_gb"] == 5 * 128 * 32 * 32 * 4 / 1e9
+    assert runs["whole"]["predicted_activation_gb"] == 7 * 128 * 32 * 32 * 4 / 1e9
