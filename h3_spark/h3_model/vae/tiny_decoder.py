@@ -117,7 +117,8 @@ class TinyVideoDecoder(nn.Module):
 
         `memory` holds, per memory block (its index in the stack), the last input frame it saw; `{}` at the
         clip's start (zeros come before the first frame), and updated here for the next chunk. The network is
-        causal in time, so chunks of any size carrying it make the frames of one pass over the whole clip."""
+        causal in time, so chunks of any size carrying it make the frames of one pass over the whole clip (up to
+        the convolutions' rounding, see the module notes)."""
         x = latents
         for index, layer in enumerate(self.decoder):
             if isinstance(layer, MemoryBlock):
@@ -200,7 +201,7 @@ def draft_frame_count(num_latents: int, vae_config) -> int:
 
 def _kept_frames(start: int, stop: int, openings: set[int], ratio: int) -> list[int]:
     """Of the `ratio` frames each latent in [start, stop) grows, the ones a draft keeps (indices into the chunk's
-    frames): all four, or only the last for a clip-opening latent (latent 0's being the causal start-up)."""
+    frames): all of them, or only the last for a clip-opening latent (latent 0's being the causal start-up)."""
     return [(t - start) * ratio + k for t in range(start, stop)
             for k in (range(ratio - 1, ratio) if t in openings else range(ratio))]
 
