@@ -83,3 +83,48 @@ def test_what_is_not_a_tiny_decoder_is_refused(tmp_path):
     save_file(tensors, str(tmp_path / "half.safetensors"))
     with pytest.raises(CheckpointError, match=r"is not an H3 TAEHV decoder: missing \['22.weight'\]"):
         load_tiny_decoder(tmp_path / "half.safetensors")
+
+
+def _in_chunks(model, latents, chunk):
+    memory = {}
+    return torch.cat([model.decode_chunk(latents[s:s + chunk], memory) for s in range(0, latents.shape[0], chunk)])
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 5, 7, 12, 20])
+def test_chunks_carrying_each_blocks_last_input_are_the_whole_pass_bit_for_bit(chunk):
+    # 12 latent frames: 2, 3 and 12 divide it, 5 and 7 do not (last chunks of 2 and 5), 20 is one chunk.
+    model = _random(TinyVideoDecoder(latent_channels=6), seed=4).eval()
+    latents = torch.randn(12, 6, 2, 3, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        whole = model.decode_chunk(latents, {})
+        got = _in_chunks(model, latents, chunk)
+    assert got.shape == whole.shape == (48, 3, 32, 48)
+    # Each frame's convolutions are the same sums over fewer frames: fp32 on the CPU gives the same bits.
+    assert torch.equal(got, whole)
+    assert ((whole > 0.001) & (whole < 0.999)).float().mean() > 0.1  # pixels inside (0, 1): equality means something
+
+
+@pytest.mark.parametrize("chunk", [1, 11])
+def test_one_frame_chunks_round_within_1e5(chunk):
+    # A one-frame convolution takes another CPU kernel for the small early layers (chunk 11 leaves one frame
+    # last): its sums round differently, measured 6e-6 of a [0, 1] pixel.
+    model = _random(TinyVideoDecoder(latent_channels=6), seed=4).eval()
+    latents = torch.randn(12, 6, 2, 3, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        whole = model.decode_chunk(latents, {})
+        got = _in_chunks(model, latents, chunk)
+    assert got.shape == whole.shape
+    assert (got - whole).abs().max() <= 1e-5
+
+
+def test_the_carried_memory_is_one_frame_per_block_not_a_view_of_the_chunk():
+    model = _random(TinyVideoDecoder(latent_channels=6), seed=4).eval()
+    latents = torch.randn(5, 6, 2, 3, generator=torch.Generator().manual_seed(6))
+    memory = {}
+    with torch.no_grad():
+        model.decode_chunk(latents, memory)
+    blocks = [i for i, layer in enumerate(model.decoder) if isinstance(layer, MemoryBlock)]
+    assert sorted(memory) == blocks
+    for frame in memory.values():
+        # One frame of its own storage: a view would keep the chunk's whole input alive until the next chunk.
+        assert frame.shape[0] == 1 and frame.untyped_storage().nbytes() == frame.numel() * frame.element_size()

@@ -512,15 +512,12 @@ class Pipeline:
     def decode_video(self, latents: torch.Tensor, tile_size: int | None = 256,
                      on_frames: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Normalised video latents (1, C, T, h, w) -> uint8 frames (F, H, W, 3); with a draft decoder, its frames
-        (as many and as large as the VAE's)."""
+        (as many and as large as the VAE's, decoded and streamed to `on_frames` a few latent frames at a time)."""
         vae = self._need(self.c.vae, "the video VAE")
         if self.draft_decoder is not None:
             from ..vae.tiny_decoder import decode_draft
 
-            frames = decode_draft(latents, self.draft_decoder, vae.config)
-            if on_frames is not None:
-                on_frames(frames)
-            return frames
+            return decode_draft(latents, self.draft_decoder, vae.config, on_frames=on_frames)
         with self.visit(vae):
             return vae.decode_to_buffer(vae.denormalize(latents), tile_size=tile_size, group=self.decode_group,
                                         on_frames=None if on_frames is None else

@@ -20,10 +20,27 @@ the first of them for one frame and the others for four (the stream keeps 5n + 2
 so of the four frames TAEH3 grows from a clip's first latent only the last is kept, as the start-up trim does for
 the very first. That reading of the layout is ours (the frame counts agree with the VAE's for every length the
 pipeline makes; `decode_draft` checks them against it).
+
+Memory. The widest tensors are the last stage's, at half the output size (H/2 x W/2, before the pixel shuffle):
+the stage-3 time grow makes 4 frames x 64 channels of each latent frame and the 64 -> 64 conv reads them into as
+many, so that conv holds 2 x 4 x 64 x (H/2)(W/2) = 128 H W values per latent frame (every earlier layer holds
+less). At 1344x768 that is 132 M values, 264 MB in fp16 (528 MB in fp32), a latent frame: the whole-clip pass of
+37 latents (124 frames) needs 9.8 GB of it and of 87 latents (345 frames) 23 GB, while `decode_draft`'s default
+chunk of 8 latent frames stays at 2.1 GB (4.2 GB fp32) for any length, plus the convolutions' copies and
+workspace and the uint8 frames on the host. Measured on the CPU (fp32, 12 latents at 256x256, the growth of the
+process's peak RSS): 651 MB at once, 507 / 143 / 89 MB in chunks of 8 / 2 / 1, against 403 / 268 / 67 / 34 MB
+counted. Peak memory grows with the picture's area only through that figure, so there is no spatial tiling: at
+1344x768 a chunk's peak is a few GB, and `chunk=1` (264 MB in fp16 by the count) is the floor.
+
+Chunked and whole passes do the same convolutions over different numbers of frames. On the CPU in fp32 they give
+the same bits whenever each chunk holds at least two latent frames; a one-frame chunk takes another convolution
+kernel for the small early layers, whose sums round differently (within 1e-5 of a [0, 1] pixel, one uint8 level
+at most). On a GPU the convolution algorithm may also change with the frame count: the same rounding caveat.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,6 +51,8 @@ from ...errors import CheckpointError, InputError
 
 WIDTHS = (256, 128, 64, 64)
 PATCH = 2
+# Latent frames a draft decodes at a time: activations of about 2.1 GB in fp16 at 1344x768 (the module notes).
+DRAFT_CHUNK = 8
 
 
 def _conv(n_in: int, n_out: int, bias: bool = True) -> nn.Conv2d:
@@ -90,14 +109,26 @@ class TinyVideoDecoder(nn.Module):
     @torch.no_grad()
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         """(T, C, H, W) latents -> (4T - 3, 3, 16H, 16W) frames in [0, 1], all frames at once."""
+        return self.decode_chunk(latents, {})[self.startup_frames:]
+
+    @torch.no_grad()
+    def decode_chunk(self, latents: torch.Tensor, memory: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The next (T, C, H, W) latents of a clip -> their 4T frames in [0, 1], the start-up not trimmed.
+
+        `memory` holds, per memory block (its index in the stack), the last input frame it saw; `{}` at the
+        clip's start (zeros come before the first frame), and updated here for the next chunk. The network is
+        causal in time, so chunks of any size carrying it make the frames of one pass over the whole clip (up to
+        the convolutions' rounding, see the module notes)."""
         x = latents
-        for layer in self.decoder:
+        for index, layer in enumerate(self.decoder):
             if isinstance(layer, MemoryBlock):
-                past = torch.cat([torch.zeros_like(x[:1]), x[:-1]])  # the previous frame's input, zeros first
+                before = memory.get(index)
+                past = torch.cat([torch.zeros_like(x[:1]) if before is None else before, x[:-1]])
+                memory[index] = x[-1:].clone()  # a copy: a view would keep the whole chunk's input alive
                 x = layer(x, past)
             else:
                 x = layer(x)
-        return F.pixel_shuffle(x, PATCH).clamp(0, 1)[self.startup_frames:]
+        return F.pixel_shuffle(x, PATCH).clamp(0, 1)
 
 
 # Where the temporal design shows in the file: a memory block's first conv reads [this frame, the previous one],
@@ -168,15 +199,33 @@ def draft_frame_count(num_latents: int, vae_config) -> int:
     return num_latents * vae_config.temporal_ratio - (vae_config.temporal_ratio - 1) * len(openings)
 
 
+def _kept_frames(start: int, stop: int, openings: set[int], ratio: int) -> list[int]:
+    """Of the `ratio` frames each latent in [start, stop) grows, the ones a draft keeps (indices into the chunk's
+    frames): all of them, or only the last for a clip-opening latent (latent 0's being the causal start-up)."""
+    return [(t - start) * ratio + k for t in range(start, stop)
+            for k in (range(ratio - 1, ratio) if t in openings else range(ratio))]
+
+
 @torch.no_grad()
-def decode_draft(latents: torch.Tensor, decoder: TinyVideoDecoder, vae_config) -> torch.Tensor:
+def decode_draft(latents: torch.Tensor, decoder: TinyVideoDecoder, vae_config, chunk: int | None = DRAFT_CHUNK,
+                 on_frames: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """Normalized video latents (1, C, T, h, w), as the sampler makes them -> uint8 frames (F, H, W, 3) on the CPU,
     F, H and W those of the full VAE (`vae_config`) for the same latents: the whole clip through TAEH3, for drafts
-    and thumbnails. All frames go through each layer at once (fast; memory grows with the clip)."""
+    and thumbnails.
+
+    `chunk` latent frames go through the decoder at a time, each memory block carrying the last input frame it
+    saw into the next chunk: the frames of the whole-clip pass (the same convolutions over fewer frames; see
+    the module notes for what that changes in the last bit), with activation memory bounded by the chunk, not the
+    clip (about 128 x H x W values a latent frame, 2.1 GB for 8 in fp16 at 1344x768). `None` sends every frame
+    through each layer at once (memory grows with the clip). `on_frames` gets each chunk's finished frames,
+    (n, H, W, 3) uint8 in order, as soon as they are made (views of the returned buffer, not written again)."""
     from .video_tiling import decoded_num_frames
 
     if latents.ndim != 5 or latents.shape[0] != 1:
         raise InputError(f"decode_draft takes latents (1, C, T, h, w), got {list(latents.shape)}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise InputError(f"decode_draft chunk must be a whole number of latent frames, 1 or more (or None for the "
+                         f"whole clip at once), got {chunk!r}")
     _, c, t, h, w = latents.shape
     if c != decoder.latent_channels:
         raise InputError(f"the latents have {c} channels, the TAEH3 decoder reads {decoder.latent_channels}")
@@ -189,11 +238,23 @@ def decode_draft(latents: torch.Tensor, decoder: TinyVideoDecoder, vae_config) -
         raise InputError(f"{t} latent frames: TAEH3 would make {frames} frames, the video VAE "
                          f"{decoded_num_frames(vae_config, t)}; drafts take the lengths the pipeline makes (5n + 2)")
     parameter = next(decoder.parameters())
-    pictures = decoder(latents[0].transpose(0, 1).to(parameter.device, parameter.dtype))  # (4T - 3, 3, H, W)
-    keep = torch.ones(pictures.shape[0], dtype=torch.bool)
-    ratio = decoder.time_upscale
-    for opening in clip_openings(t, vae_config.tokens_chunk_size, vae_config.token_drop)[1:]:
-        first = opening * ratio - decoder.startup_frames  # this latent's first frame after the start-up trim
-        keep[first:first + ratio - 1] = False
-    pictures = pictures[keep.to(pictures.device)]
-    return (pictures.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    openings = set(clip_openings(t, vae_config.tokens_chunk_size, vae_config.token_drop))
+    out = torch.empty((frames, h * scale, w * scale, 3), dtype=torch.uint8)
+    step = t if chunk is None else chunk
+    memory: dict[int, torch.Tensor] = {}
+    written = 0
+    for start in range(0, t, step):
+        stop = min(t, start + step)
+        pictures = decoder.decode_chunk(latents[0, :, start:stop].transpose(0, 1).to(parameter.device,
+                                                                                      parameter.dtype), memory)
+        keep = _kept_frames(start, stop, openings, decoder.time_upscale)
+        if len(keep) < pictures.shape[0]:
+            pictures = pictures[torch.tensor(keep, device=pictures.device)]
+        n = len(keep)
+        scaled = pictures.float().clamp_(0, 1).mul_(255).round_()  # in place: one fp32 copy of the chunk's frames
+        out[written:written + n] = scaled.to(torch.uint8).permute(0, 2, 3, 1)
+        del pictures, scaled  # the chunk's frames on the device go before the next chunk's are made
+        if on_frames is not None:
+            on_frames(out[written:written + n])
+        written += n
+    return out
