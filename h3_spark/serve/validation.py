@@ -65,10 +65,13 @@ MAX_RECIPES = 4
 class RequestError(H3Error):
     """A request the service refuses; `status` is the HTTP status it answers with."""
 
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, *,
+                 param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status = status
         self.headers = headers or {}
+        # The field it is about and a machine-readable reason, for the OpenAI-style routes' error objects.
+        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
