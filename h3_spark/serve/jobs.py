@@ -159,8 +159,8 @@ class JobQueue:
             return job.to_dict()
 
     def forget(self, job_id: str) -> dict:
-        """Delete a job: a queued one is cancelled, a running one asked to stop (its record goes when it ends),
-        an ended one's record dropped from memory and the records file. Raises KeyError for an unknown id."""
+        """Delete a job: its record dropped from memory and the records file at once; a queued one cancelled, a
+        running one asked to stop (it is not recorded again when it ends). Raises KeyError for an unknown id."""
         with self._cond:
             job = self._jobs.get(job_id)
             stored = self._records.get(job_id) if job is None and self._records is not None else None
@@ -170,9 +170,9 @@ class JobQueue:
                 self._pending.remove(job)
                 self._finish(job, "cancelled", "deleted")
             if job is not None and job.state == "running":
+                # Gone from now on for every reader; it stops within a DiT block and is not recorded again.
                 job.cancel.set()
                 job.forgotten = True
-                return job.to_dict()
             record = job.to_dict() if job is not None else stored
             self._jobs.pop(job_id, None)
             if self._records is not None:
@@ -230,13 +230,7 @@ class JobQueue:
             self._on_finish(job)
         except Exception as exc:  # noqa: BLE001 - recorded on the job; the worker must go on
             job.error = f"{error + '; ' if error else ''}cleanup failed: {type(exc).__name__}: {exc}"
-        if job.forgotten:  # deleted while it ran
-            self._jobs.pop(job.id, None)
-            if self._records is not None:
-                try:
-                    self._records.delete(job.id)
-                except Exception:  # noqa: BLE001 - the worker must go on; the record then says it was cancelled
-                    self._save(job)
+        if job.forgotten:  # deleted while it ran: its record is already gone
             return
         unrecorded = self._save(job)
         if unrecorded:
