@@ -28,7 +28,8 @@ from starlette.routing import Route
 from . import openai_videos as ov
 from .http_app import json_body
 from .uploads import Form, UploadFolder, read_form
-from .validation import RequestError
+from .http_limits import HttpLimits
+from .validation import Limits, RequestError
 
 VIDEO_FOLDER = "videos"  # the outputs of /v1/ jobs, in the output folder
 SYNC_TIMEOUT_S = 600.0  # /v1/videos/sync waits this long, then answers 504 with the video's id to poll
@@ -42,7 +43,9 @@ class VideoBackend:
 
     keep_days: float
     started: float
-    uploads: UploadFolder
+    limits: Limits
+    http: HttpLimits
+    uploads: UploadFolder | None  # None: no folder to take uploads in (multipart refused)
 
     async def submit(self, submission: ov.Submission, client) -> dict:  # the job's record
         raise NotImplementedError
@@ -66,7 +69,7 @@ class ServiceVideos(VideoBackend):
     def __init__(self, service):
         self.service = service
         self.keep_days = service.config.keep_days
-        self.http = service.config.http
+        self.limits, self.http = service.limits, service.config.http
         self.started = time.time()
         self.uploads = UploadFolder(service.config.state_dir or service.outputs.root, service.limits)
 
@@ -120,9 +123,11 @@ def _output_name() -> str:
 async def _read_request(request: Request, backend: VideoBackend, file_fields: tuple[str, ...]) -> tuple[dict, Form]:
     """(fields, form with its uploads) of a JSON or multipart/form-data POST."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    limits, http = backend.uploads.limits, getattr(backend, "http", None)
-    timeout = http.body_timeout_s if http is not None else 30.0
+    limits, timeout = backend.limits, backend.http.body_timeout_s
     if kind == "multipart/form-data":
+        if backend.uploads is None:
+            raise RequestError(400, "this front has no state folder to take uploads in; send JSON",
+                               code="uploads_unavailable")
         if request.headers.get("origin") is not None:
             # A web page may send a form to another origin without asking first; our clients are programs.
             raise RequestError(403, f"{request.url.path} refuses multipart bodies from web pages (Origin "

@@ -336,6 +336,8 @@ def video_object(record: dict, keep_days: float) -> dict:
            "prompt": request.get("prompt"), "size": f"{width}x{height}", "seconds": f"{frames / geometry.FPS:.2f}",
            "remixed_from_video_id": labels.get("remixed_from"), "error": None,
            "job_id": record["id"], "mode": request.get("mode"), "seed": request.get("seed")}
+    if record.get("replica"):  # on a fleet: the replica that holds it
+        out["replica"] = record["replica"]
     if labels.get("extended_from"):
         out["extended_from_video_id"] = labels["extended_from"]
     if record["state"] in ("failed", "cancelled"):
