@@ -77,7 +77,8 @@ def _trips(base: str, runs: int) -> dict:
 
 
 def _run(argv: list[str], base: str, runs: int, timeout: float) -> dict:
-    env = {**os.environ, **ENV}
+    # This checkout's h3_spark in Ray's workers too (they do not start in its folder).
+    env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
