@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {"what": "openai client round trip (create_and_poll + download_content) of a tiny /v1/videos job "
                       "(64x64, 124 frames, 2 steps; synthetic random weights) on loopback, CPU",
-              "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, no GPU", "python": platform.python_version(),
+              "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, no GPU",
+              "python": platform.python_version(),
               "torch": torch.__version__, "commit": commit, "env": ENV,
               "command": f"python benchmarks/videos_openai_cpu.py --out {args.out} --runs {args.runs}"}
     h3 = [sys.executable, "-m", "h3_spark.cli"]

@@ -14,8 +14,8 @@
   GET    /live       liveness: the process answers
   GET    /metrics    Prometheus text: jobs by state, queue, stage seconds, GPU memory, kernels
   /v1/videos, /v1/models   OpenAI's Videos API onto the same jobs (openai_routes.py)
-Errors are JSON: {"error": "..."} (OpenAI's error object on /v1/); the errors, the body reading and the middleware are http_app.py's (the fleet's
-router shares them).
+Errors are JSON: {"error": "..."} (OpenAI's error object on /v1/); the errors, the body reading and the middleware
+are http_app.py's (the fleet's router shares them).
 """
 
 from __future__ import annotations

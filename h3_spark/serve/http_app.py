@@ -1,8 +1,9 @@
 """What the service's HTTP API (app.py) and the fleet's router (fleet/router.py) are both built on; each keeps only
 its routes.
 
-  errors      every refusal is JSON {"error": "..."} (OpenAI's error object on /v1/, api_errors.py): a RequestError with its status and headers, Starlette's own
-              (unknown route, wrong method) naming the request, anything else 500 naming only the exception's type
+  errors      every refusal is JSON {"error": "..."} (OpenAI's error object on /v1/, api_errors.py): a RequestError
+              with its status and headers, Starlette's own (unknown route, wrong method) naming the request, anything
+              else 500 naming only the exception's type
   bodies      a POST's JSON: Content-Type checked (415), read within the limits (http_limits.py: 408, 413), parsed
               strictly (400); a client that hangs up mid-body is one log line
   middleware  outermost first: the header limits (431), the Host list (DNS rebinding), the bearer token (401)

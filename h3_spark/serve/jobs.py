@@ -54,7 +54,7 @@ class Job:
         # What a front door records of its own request (openai_videos.py: the model name, the source video); shown
         # in the record when set.
         self.labels: dict | None = None
-        self.forgotten = False  # deleted while it ran: its record goes when it ends
+        self.forgotten = False  # deleted while it ran: no reader sees it, and it is not recorded again
 
     def to_dict(self) -> dict:
         out = {"id": self.id, "state": self.state, "progress": dict(self.progress), "created": self.created,

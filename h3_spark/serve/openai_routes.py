@@ -19,6 +19,7 @@ import asyncio
 import time
 import uuid
 from pathlib import Path
+from typing import Protocol
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -38,7 +39,7 @@ MAX_FORM_FIELDS = 64
 TERMINAL = ("done", "failed", "cancelled")
 
 
-class VideoBackend:
+class VideoBackend(Protocol):
     """What the routes need of whoever holds the jobs. `client` is the request's auth.Client (None without keys)."""
 
     keep_days: float
@@ -47,23 +48,18 @@ class VideoBackend:
     http: HttpLimits
     uploads: UploadFolder | None  # None: no folder to take uploads in (multipart refused)
 
-    async def submit(self, submission: ov.Submission, client) -> dict:  # the job's record
-        raise NotImplementedError
+    async def submit(self, submission: ov.Submission, client) -> dict: ...  # the queued job's record
 
-    async def record(self, job_id: str, client) -> dict | None:  # None: no such video for this client
-        raise NotImplementedError
+    async def record(self, job_id: str, client) -> dict | None: ...  # None: no such video for this client
 
-    async def records(self, client) -> list[dict]:
-        raise NotImplementedError
+    async def records(self, client) -> list[dict]: ...
 
-    async def delete(self, job_id: str, client) -> None:
-        raise NotImplementedError
+    async def delete(self, job_id: str, client) -> None: ...
 
-    async def modes(self) -> list[str]:
-        raise NotImplementedError
+    async def modes(self) -> list[str]: ...
 
 
-class ServiceVideos(VideoBackend):
+class ServiceVideos:
     """The service's own jobs."""
 
     def __init__(self, service):
@@ -169,8 +165,10 @@ async def _visible(backend: VideoBackend, video_id: str, client) -> dict:
 def _finished_file(record: dict, video_id: str) -> Path:
     state = record["state"]
     if state in ("failed", "cancelled"):
-        raise RequestError(404, f"video {video_id} has no content: it {'failed' if state == 'failed' else 'was'} "
-                                f"{record.get('error') or state}", code="video_failed")
+        why = record.get("error")
+        what = "failed" if state == "failed" else "was cancelled"
+        raise RequestError(404, f"video {video_id} has no content: it {what}{': ' + why if why else ''}",
+                           code="video_failed")
     if state != "done":
         raise RequestError(409, f"video {video_id} is {ov.STATUS[state]}; its content is there once its status is "
                                 f"completed", code="video_not_ready")
@@ -198,7 +196,7 @@ def video_routes(backend: VideoBackend) -> list[Route]:
                 raise RequestError(504, f"video {video_id} did not finish within {SYNC_TIMEOUT_S:g} s; it goes on: "
                                         f"GET /v1/videos/{video_id}", code="timeout")
             if await request.is_disconnected():
-                return Response(status_code=499)  # no one to answer; the job goes on
+                return Response(status_code=499)  # nginx's "client closed": no one reads it; the job goes on
             await asyncio.sleep(SYNC_POLL_S)
             record = await backend.record(record["id"], client) or record
         if record["state"] != "done":

@@ -10,13 +10,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..openai_routes import VideoBackend, _sees
+from ..openai_routes import _sees
 from ..openai_videos import Submission, is_video
 from ..uploads import UploadFolder
 from ..validation import RequestError
 
 
-class FleetVideos(VideoBackend):
+class FleetVideos:
+    """openai_routes.VideoBackend on the router."""
+
     def __init__(self, router):
         self.router = router
         self.keep_days = router.keep_days
