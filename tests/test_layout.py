@@ -134,6 +134,10 @@ def test_geometry_frames_and_latents():
 @pytest.mark.parametrize("call,message", [
     (lambda: geometry.snap_frames(100), "H3 generates 124..345 frames"),
     (lambda: geometry.snap_frames(346), "H3 generates 124..345 frames"),
+    (lambda: geometry.snap_frames(96), "nearest valid: 124 frames, 5.17 s"),
+    (lambda: geometry.snap_frames(400), "nearest valid: 345 frames, 14.38 s"),
+    (lambda: geometry.check_canvas(1280, 720), "got 1280x720 \\(nearest valid: 1280x704\\)"),
+    (lambda: geometry.check_canvas(1344, 1344, max_pixels=768 * 1344), "nearest valid: 992x992"),
     (lambda: geometry.align_frames(0), "frame count must be positive"),
     (lambda: geometry.video_latent_frames(30), "frame count must be 17n\\+5"),
     (lambda: geometry.resolve_canvas(5, 1), "outside 1:4 .. 4:1"),

@@ -152,9 +152,10 @@ def test_gate_refuses_over_the_limit_and_excludes_on_request(files, capsys):
 
 # ------------------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("item, message", [
-    ({"prompt": "x", "width": 100, "height": 64}, "request 0: width and height must be multiples of 32, got 100x64"),
+    ({"prompt": "x", "width": 100, "height": 64}, "request 0: width and height must be multiples of 32, got 100x64 (nearest valid: 96x64)"),
     ({"prompt": "x", "width": 640, "height": 64}, "request 0: aspect ratio 640:64 (10) is outside 1:4 .. 4:1"),
-    ({"prompt": "x", "frames": 30}, "request 0: 30 frames snaps to 39 (1.62 s); H3 generates 124..345 frames (5-15 s at 24 fps)"),
+    ({"prompt": "x", "frames": 30}, "request 0: 30 frames snaps to 39 (1.62 s); H3 generates 124..345 frames (5-15 s at 24 fps; "
+                                  "nearest valid: 124 frames, 5.17 s)"),
     ({"prompt": "x", "mode": "ref2va"}, "request 0: mode 'ref2va': calibration requests are t2va"),
     ({"prompt": "x", "canvas": 3}, "request 0: unknown field(s) ['canvas']"),
 ])

@@ -52,14 +52,29 @@ def resolve_canvas(aspect_width: float = 16, aspect_height: float = 9, *, short_
     return max(multiple, round(height / multiple) * multiple), max(multiple, round(width / multiple) * multiple)
 
 
+def nearest_canvas(width: int, height: int, *, multiple: int = CANVAS_MULTIPLE,
+                   max_pixels: int | None = None) -> tuple[int, int]:
+    """(width, height) of the canvas nearest a wanted one: each side rounded to the multiple, then scaled down
+    (rounding down) until it fits the pixel limit. What an error names as the size to ask for instead."""
+    w, h = max(multiple, round(width / multiple) * multiple), max(multiple, round(height / multiple) * multiple)
+    if max_pixels is not None and w * h > max_pixels:
+        scale = math.sqrt(max_pixels / (w * h))
+        w = max(multiple, math.floor(w * scale / multiple) * multiple)
+        h = max(multiple, math.floor(h * scale / multiple) * multiple)
+    return w, h
+
+
 def check_canvas(width: int, height: int, *, multiple: int = CANVAS_MULTIPLE,
                  max_pixels: int | None = None) -> None:
-    """Reject an explicit canvas the model cannot generate."""
+    """Reject an explicit canvas the model cannot generate, naming the nearest one it can."""
     if width % multiple or height % multiple:
-        raise InputError(f"width and height must be multiples of {multiple}, got {width}x{height}")
+        w, h = nearest_canvas(width, height, multiple=multiple, max_pixels=max_pixels)
+        raise InputError(f"width and height must be multiples of {multiple}, got {width}x{height} "
+                         f"(nearest valid: {w}x{h})")
     _check_aspect(width, height)
     if max_pixels is not None and width * height > max_pixels:
-        raise InputError(f"canvas {width}x{height} exceeds the {max_pixels} pixel limit")
+        w, h = nearest_canvas(width, height, multiple=multiple, max_pixels=max_pixels)
+        raise InputError(f"canvas {width}x{height} exceeds the {max_pixels} pixel limit (nearest valid: {w}x{h})")
 
 
 def align_frames(num_frames: int) -> int:
@@ -76,9 +91,11 @@ def snap_frames(num_frames: int, *, min_seconds: float = MIN_SECONDS, max_second
     lo, hi = align_frames(math.ceil(min_seconds * FPS)), int(max_seconds * FPS)
     hi -= (hi - VAE_LATENTS_PER_CHUNK) % VAE_FRAMES_PER_CHUNK
     if not lo <= aligned <= hi:
+        nearest = lo if aligned < lo else hi
         raise InputError(
             f"{num_frames} frames snaps to {aligned} ({aligned / FPS:.2f} s); "
-            f"H3 generates {lo}..{hi} frames ({min_seconds:g}-{max_seconds:g} s at {FPS} fps)"
+            f"H3 generates {lo}..{hi} frames ({min_seconds:g}-{max_seconds:g} s at {FPS} fps; nearest valid: "
+            f"{nearest} frames, {nearest / FPS:.2f} s)"
         )
     return aligned
 

@@ -13,8 +13,9 @@
   GET    /jobs/{id}/preview  PNG of the newest sampling step's preview strip (404 until the first step)
   GET    /live       liveness: the process answers
   GET    /metrics    Prometheus text: jobs by state, queue, stage seconds, GPU memory, kernels
-Errors are JSON: {"error": "..."}; the errors, the body reading and the middleware are http_app.py's (the fleet's
-router shares them).
+  /v1/videos, /v1/models   OpenAI's Videos API onto the same jobs (openai_routes.py)
+Errors are JSON: {"error": "..."} (OpenAI's error object on /v1/); the errors, the body reading and the middleware
+are http_app.py's (the fleet's router shares them).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .http_app import build_app, json_body, live, metrics_endpoint, png
+from .openai_routes import ServiceVideos, video_routes
 from .service import Service
 
 
@@ -78,7 +80,7 @@ def create_app(service: Service) -> Starlette:
               Route("/jobs", jobs, methods=["GET"]), Route("/jobs/{job_id}", job, methods=["GET", "DELETE"]),
               Route("/jobs/{job_id}/preview", preview, methods=["GET"]), Route("/live", live, methods=["GET"]),
               Route("/metrics", metrics_endpoint(lambda: service.metrics, "serve", in_thread=True),
-                    methods=["GET"])]
+                    methods=["GET"]), *video_routes(ServiceVideos(service))]
     app = build_app(routes, lifespan, service.config.http, service.config.allowed_hosts, service.config.api_key,
                     service.log)
     app.state.service = service

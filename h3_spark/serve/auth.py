@@ -140,9 +140,11 @@ class BearerAuth:
             if client is not None:
                 scope.setdefault("state", {})["client"] = client
             return await self.app(scope, receive, send)
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": b'{"error": "unauthorized"}'})
+        from .api_errors import error_response
+
+        # No detail on which part was wrong (missing, unknown, another scheme).
+        response = error_response(scope["path"], 401, "unauthorized", {"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
 
     def _client(self, scope) -> Client | None:
         given = next((value for name, value in scope.get("headers", []) if name == b"authorization"), b"")

@@ -1,8 +1,9 @@
 """What the service's HTTP API (app.py) and the fleet's router (fleet/router.py) are both built on; each keeps only
 its routes.
 
-  errors      every refusal is JSON {"error": "..."}: a RequestError with its status and headers, Starlette's own
-              (unknown route, wrong method) naming the request, anything else 500 naming only the exception's type
+  errors      every refusal is JSON {"error": "..."} (OpenAI's error object on /v1/, api_errors.py): a RequestError
+              with its status and headers, Starlette's own (unknown route, wrong method) naming the request, anything
+              else 500 naming only the exception's type
   bodies      a POST's JSON: Content-Type checked (415), read within the limits (http_limits.py: 408, 413), parsed
               strictly (400); a client that hangs up mid-body is one log line
   middleware  outermost first: the header limits (431), the Host list (DNS rebinding), the bearer token (401)
@@ -21,6 +22,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from .api_errors import error_response
 from .http_limits import ClientGone, HeaderLimits, HttpLimits, client_gone_line, read_body
 from .validation import RequestError
 
@@ -61,17 +63,17 @@ async def json_body(request: Request, limit: int, timeout_s: float) -> object:
 
 
 async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
-    return JSONResponse({"error": str(exc)}, status_code=exc.status, headers=exc.headers)
+    return error_response(request.url.path, exc.status, str(exc), exc.headers, param=exc.param, code=exc.code)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     # Starlette's own refusals (unknown route, wrong method) in the API's JSON shape.
-    return JSONResponse({"error": f"{request.method} {request.url.path}: {exc.detail}"}, status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return error_response(request.url.path, exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                          getattr(exc, "headers", None))
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, status_code=500)
+    return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}")
 
 
 async def live(request: Request) -> JSONResponse:

@@ -113,8 +113,8 @@ class _Busy(Exception):
 
 
 async def _busy(scope, receive, send) -> None:
-    from starlette.responses import JSONResponse
+    from .api_errors import error_response
 
-    response = JSONResponse({"error": "the service is busy: too many requests at once; retry shortly"},
-                            status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    response = error_response(scope["path"], 503, "the service is busy: too many requests at once; retry shortly",
+                              {"Retry-After": str(RETRY_AFTER_S)}, code="busy")
     await response(scope, receive, send)

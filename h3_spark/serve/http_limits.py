@@ -69,9 +69,9 @@ class HeaderLimits:
                        f"the request's headers are {size} bytes; the limit is {self.size}" if size > self.size
                        else None)
             if problem is not None:
-                from starlette.responses import JSONResponse
+                from .api_errors import error_response
 
-                response = JSONResponse({"error": problem}, status_code=431, headers={"Connection": "close"})
+                response = error_response(scope["path"], 431, problem, {"Connection": "close"})
                 return await response(scope, receive, send)
         return await self.app(scope, receive, send)
 

@@ -51,6 +51,10 @@ class Job:
         self.cancel = threading.Event()
         self.preview_latents = None  # the newest sampling step's clean-latent estimate (C, T, H, W), for /preview
         self.client: str | None = None  # the name of the key that submitted it (serve/auth.py), never the key
+        # What a front door records of its own request (openai_videos.py: the model name, the source video); shown
+        # in the record when set.
+        self.labels: dict | None = None
+        self.forgotten = False  # deleted while it ran: no reader sees it, and it is not recorded again
 
     def to_dict(self) -> dict:
         out = {"id": self.id, "state": self.state, "progress": dict(self.progress), "created": self.created,
@@ -62,6 +66,8 @@ class Job:
             out["cancel_requested"] = True
         public = getattr(self.request, "public", None)
         out["request"] = public() if public else None
+        if self.labels is not None:
+            out["labels"] = self.labels
         return out
 
 
@@ -152,6 +158,27 @@ class JobQueue:
                 raise RequestError(409, f"job {job_id} already ended ({job.state}); nothing to cancel")
             return job.to_dict()
 
+    def forget(self, job_id: str) -> dict:
+        """Delete a job: its record dropped from memory and the records file at once; a queued one cancelled, a
+        running one asked to stop (it is not recorded again when it ends). Raises KeyError for an unknown id."""
+        with self._cond:
+            job = self._jobs.get(job_id)
+            stored = self._records.get(job_id) if job is None and self._records is not None else None
+            if job is None and stored is None:
+                raise KeyError(job_id)
+            if job is not None and job.state == "queued":
+                self._pending.remove(job)
+                self._finish(job, "cancelled", "deleted")
+            if job is not None and job.state == "running":
+                # Gone from now on for every reader; it stops within a DiT block and is not recorded again.
+                job.cancel.set()
+                job.forgotten = True
+            record = job.to_dict() if job is not None else stored
+            self._jobs.pop(job_id, None)
+            if self._records is not None:
+                self._records.delete(job_id)
+            return record
+
     def list(self, stored: bool = True) -> list[dict]:
         """{"id", "state"} of the jobs in memory, after those only in the records file (`stored`)."""
         with self._cond:
@@ -203,6 +230,8 @@ class JobQueue:
             self._on_finish(job)
         except Exception as exc:  # noqa: BLE001 - recorded on the job; the worker must go on
             job.error = f"{error + '; ' if error else ''}cleanup failed: {type(exc).__name__}: {exc}"
+        if job.forgotten:  # deleted while it ran: its record is already gone
+            return
         unrecorded = self._save(job)
         if unrecorded:
             job.error = f"{job.error + '; ' if job.error else ''}{unrecorded}"

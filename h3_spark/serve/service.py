@@ -203,7 +203,10 @@ class Service:
             return jobs
         return [j for j in jobs if j.get("client") == client.name]
 
-    def submit(self, body: object, client=None) -> Job:
+    def submit(self, body: object, client=None, files: dict | None = None, labels: dict | None = None) -> Job:
+        """Queue a job for a /generate body. `files` (the /v1/ routes): media names in `body` that stand for
+        files the service already holds (uploads, an earlier job's output), checked where they were made; the
+        uploads among them (`labels["uploads"]`) are removed when the job ends. `labels` go into its record."""
         if self.tracker.state != "ready":
             still = self.tracker.snapshot()
             what = ("loading failed: " + still.get("error", "")) if still["state"] == "failed" else \
@@ -219,17 +222,31 @@ class Service:
         # Checked before any file work so a full queue answers 429 whatever else the request holds.
         if self.queue.stats()["queued"] >= self.queue.capacity:
             raise QueueFull(self.queue.capacity, self.queue.retry_after())
-        payload = self._input_paths(req)
+        payload = self._input_paths(req, files or {})
         if attention is not None:
             payload["attention"] = attention  # resolved once, here; the worker installs it
         job = Job(req, payload)
         job.client = None if client is None else client.name
+        if labels is not None:
+            job.labels = labels
+            payload["uploads"] = [files[name] for name in labels.get("uploads", [])]
         job.payload["output_path"] = self.outputs.reserve(req.output, req.overwrite, job.id)
         try:
             return self.queue.submit(job)
         except Exception:
             self.outputs.release(job.payload["output_path"])
             raise
+
+    def delete(self, job_id: str) -> dict:
+        """Forget a job and remove its output: a queued one at once, a running one once it stops. 404 for an
+        unknown id."""
+        try:
+            record = self.queue.forget(job_id)
+        except KeyError:
+            raise RequestError(404, f"no job {job_id}") from None
+        if record["state"] in ("done", "failed", "cancelled") and record.get("output"):
+            Path(record["output"]).unlink(missing_ok=True)
+        return record
 
     def cancel(self, job_id: str) -> dict:
         """Cancel a job: a queued one at once, a running one within a DiT block. 404 for an unknown id."""
@@ -267,26 +284,29 @@ class Service:
         except H3Error as exc:
             raise RequestError(400, str(exc)) from None
 
-    def _input_paths(self, req: JobRequest) -> dict:
-        named = ([k for k in ("first_frame", "last_frame") if getattr(req, k)] + (["references"] if req.references
-                                                                                    else [])
-                 + (["guides"] if req.guides else [])
-                 + [k for k, v in (("continue", req.continue_from), ("repaint", req.repaint), ("mask", req.mask)) if v])
-        if not named:
-            return {}
-        if self.inputs is None:
+    def _input_paths(self, req: JobRequest, files: dict) -> dict:
+        named = ([k for k in ("first_frame", "last_frame") if getattr(req, k) and getattr(req, k) not in files]
+                 + (["references"] if any(p not in files for _, p in req.references) else [])
+                 + (["guides"] if any(p not in files for _, p, _ in req.guides) else [])
+                 + [k for k, v in (("continue", req.continue_from), ("repaint", req.repaint), ("mask", req.mask))
+                    if v and v not in files])
+        if named and self.inputs is None:
             raise RequestError(400, f"{', '.join(named)} name input files, but this service was started without "
                                     f"--input-dir")
-        payload: dict = {"references": [(kind, self.inputs.media(path, kind)) for kind, path in req.references]}
+
+        def media(name: str, kind: str) -> Path:
+            return files[name] if name in files else self.inputs.media(name, kind)
+
+        payload: dict = {"references": [(kind, media(path, kind)) for kind, path in req.references]}
         for key in ("first_frame", "last_frame"):
             if getattr(req, key):
-                payload[key] = self.inputs.media(getattr(req, key), "image")
+                payload[key] = media(getattr(req, key), "image")
         file_kind = {"image": "image", "clip": "video", "audio": "audio"}
-        payload["guides"] = [(kind, self.inputs.media(path, file_kind[kind]), frame) for kind, path, frame in req.guides]
+        payload["guides"] = [(kind, media(path, file_kind[kind]), frame) for kind, path, frame in req.guides]
         for key, name, kind in (("continue", req.continue_from, "video"), ("repaint", req.repaint, "video"),
                                 ("mask", req.mask, "image")):
             if name:
-                payload[key] = self.inputs.media(name, kind)
+                payload[key] = media(name, kind)
         return payload
 
     def _run_job(self, job: Job) -> tuple[str, str | None]:
@@ -294,6 +314,10 @@ class Service:
 
     def _release(self, job: Job) -> None:
         self.outputs.release(job.payload.get("output_path"))
+        for upload in job.payload.get("uploads", []):  # read by now, or never to be
+            Path(upload).unlink(missing_ok=True)
+        if job.forgotten and job.output:  # deleted while it ran, and it finished anyway
+            Path(job.output).unlink(missing_ok=True)
         if self.metrics is not None:
             self.metrics.job_finished(job)
 

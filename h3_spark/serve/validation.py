@@ -26,8 +26,9 @@ Fields (defaults in brackets):
                      (t2va, fl2va; docs/compose.md)
   guide_strength     number in (0, 1]: the level visual conditions are held at [0.999, as released]
   audio_guide_strength  number in (0, 1]: the level audio conditions are held at [1.0 (clean), as released]
-  seconds            number, 0 < s <= limits.max_film_seconds: the clip's length instead of `frames`; past 345
-                     frames it is made in windows, each going on from the one before (t2va; docs/compose.md)
+  seconds            number, 0 < s <= limits.max_film_seconds: the clip's length instead of `frames` (any mode);
+                     past 345 frames it is made in windows, each going on from the one before (t2va;
+                     docs/compose.md)
   shots              [{"seconds": number, "prompt": string}], at most 32: a film of shots, each starting afresh
                      with its own prompt (t2va; `prompt` is still required and is what the record shows)
   continue           "<video in --input-dir>": the film goes on from this clip (with seconds or shots; the
@@ -66,10 +67,13 @@ MAX_RECIPES = 4
 class RequestError(H3Error):
     """A request the service refuses; `status` is the HTTP status it answers with."""
 
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, *,
+                 param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status = status
         self.headers = headers or {}
+        # The field it is about and a machine-readable reason, for the OpenAI-style routes' error objects.
+        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -247,16 +251,16 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         raise _bad("width and height go together, or neither")
     frames = _int(body, "frames", geometry.DEFAULT_FRAMES, 1, limits.max_frames)
     shots = _shots(body, prompt, limits)
-    if shots and mode != "t2va":
-        raise _bad(f"a film past one generation (seconds, shots) is made of t2va windows; {mode} takes one "
-                   f"generation of at most {limits.max_frames} frames")
     if shots and "frames" in body:
         raise _bad("frames and seconds / shots both give the length: use one")
     continue_from = _string(body, "continue", limits.max_path_chars)
     if continue_from is not None and not shots:
         raise _bad("continue needs the new part's length: seconds or shots")
     if len(shots) == 1 and shots[0][0] <= limits.max_frames and "shots" not in body and continue_from is None:
-        frames, shots = shots[0][0], []  # one generation: the usual snapping to 17k+5 applies
+        frames, shots = shots[0][0], []  # one generation (any mode): the usual snapping to 17k+5 applies
+    if shots and mode != "t2va":
+        raise _bad(f"a film past one generation (seconds, shots) is made of t2va windows; {mode} takes one "
+                   f"generation of at most {limits.max_frames} frames")
     repaint, mask, span = _repaint(body, mode, limits)
     if repaint is not None and (shots or continue_from is not None or "frames" in body or width is not None):
         raise _bad("repaint keeps its clip's length and canvas: drop frames, width/height, seconds, shots and "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..command import allowed_hosts
 from . import require_ray
-from .config import FleetConfig, Secret, load_config
+from .config import FleetConfig, Secret, load_config, serve_parser
 
 APP_NAME = "h3-spark-fleet"
 # Router -> replica calls in flight: status polls and job polls must never wait behind each other.
@@ -40,7 +40,10 @@ def build_fleet(config: FleetConfig, api_key: str | None = None):
     settings = {"replicas": [spec.name for spec in config.replicas], "poll_seconds": config.poll_seconds,
                 "call_timeout_seconds": config.call_timeout_seconds, "lost_after_seconds": config.lost_after_seconds,
                 "api_key": Secret(api_key) if api_key is not None else None,
-                "allowed_hosts": allowed_hosts(config.host, None), "state_file": check_state_file(config)}
+                "allowed_hosts": allowed_hosts(config.host, None), "state_file": check_state_file(config),
+                # The soonest any replica drops an ended record: what a video's expires_at says.
+                "keep_days": min(serve_parser().parse_args(list(spec.serve_argv)).keep_days
+                                 for spec in config.replicas)}
     return router.bind(settings, *bound)
 
 

@@ -171,6 +171,12 @@ class Ledger:
             self._save(job_id)
         self._evict()
 
+    def forget(self, job_id: str) -> None:
+        """A deleted job: gone from the ledger and its file."""
+        self.entries.pop(job_id, None)
+        if self.records is not None:
+            self.records.delete(job_id)
+
     def placed(self, job_id: str, name: str, instance: str, record: dict) -> None:
         self.views[name].assigned += 1
         self.record(job_id, name, instance, record)

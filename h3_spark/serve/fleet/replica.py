@@ -103,6 +103,31 @@ class Replica:
             return answer(self.instance, exc.status, {"error": str(exc)}, exc.headers)
         return answer(self.instance, 202, job.to_dict())
 
+    def submit_video(self, body: dict, files: dict, labels: dict, client) -> dict:
+        """A /v1/ create the router translated: `files` are its uploads (under the shared state folder) or an
+        earlier job's output, by the names `body` gives them."""
+        from pathlib import Path
+
+        from ..openai_routes import submit_video
+        from ..openai_videos import Submission
+
+        if self.service is None:
+            return answer(self.instance, 503, {"error": f"replica {self.name} set-up failed: {self.setup_error}"})
+        try:
+            job = submit_video(self.service, Submission(body, {k: Path(v) for k, v in files.items()}, labels), client)
+        except RequestError as exc:
+            return answer(self.instance, exc.status, {"error": str(exc), "param": exc.param, "code": exc.code},
+                          exc.headers)
+        return answer(self.instance, 202, job.to_dict())
+
+    def delete(self, job_id: str) -> dict:
+        if self.service is None:
+            return answer(self.instance, 404, {"error": f"no job {job_id}"})
+        try:
+            return answer(self.instance, 200, self.service.delete(job_id))
+        except RequestError as exc:
+            return answer(self.instance, exc.status, {"error": str(exc)}, exc.headers)
+
     def job(self, job_id: str) -> dict:
         record = None if self.service is None else self.service.queue.snapshot(job_id)
         if record is None:

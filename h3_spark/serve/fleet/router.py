@@ -10,6 +10,8 @@
   GET    /jobs/{id}           the owner's record (named `replica`); a lost owner's jobs end `failed` with why
   DELETE /jobs/{id}           cancel on the owner
   GET    /jobs/{id}/preview   the owner's preview PNG
+  /v1/videos, /v1/models      OpenAI's Videos API (openai_routes.py): a create placed as /generate is, every call
+                              about a video sent to the replica that holds it; the files read from the shared folder
 
 The router holds one handle per replica deployment rather than one deployment of N replicas: Ray's handle of a
 multi-replica deployment picks the replica itself, and a poll of job X has to reach the one process that holds
@@ -33,6 +35,7 @@ from starlette.routing import Route
 from ..http_app import build_app, json_body, live, metrics_endpoint, png
 from ..http_limits import HttpLimits
 from ..jobs import TERMINAL
+from ..openai_routes import video_routes
 from ..validation import Limits
 from .ledger import Ledger
 
@@ -70,6 +73,12 @@ class Router:
         self.api_key = settings.get("api_key")  # config.Secret or None
         self.limits = Limits()
         self.http = settings.get("http") or HttpLimits()
+        # The /v1/ routes: how long an ended video's record is kept (the replicas' --keep-days), and the folder its
+        # uploads go to (the ledger's, which the replicas share).
+        self.keep_days = settings.get("keep_days", 7.0)
+        from .videos import state_folder
+
+        self.state_folder = state_folder(settings)
         # Host headers answered (None: any); loopback names only when the front listens on loopback.
         self.allowed_hosts = settings.get("allowed_hosts")
         self._monitor: asyncio.Task | None = None
@@ -147,18 +156,25 @@ class Router:
                 return 409, {"error": f"output {output!r} is being written by job {taken}"}, {}
             self.placing[key] = output
         try:
-            return await self._place(body)
+            status, answer, headers = await self.place("submit", body)
         finally:
             if key is not None:
                 self.placing.pop(key, None)
+        if status != 202:
+            return status, answer, headers
+        url = f"/jobs/{answer['id']}"
+        return 202, {"id": answer["id"], "state": "queued", "url": url, "replica": answer["replica"]}, \
+            {"Location": url}
 
-    async def _place(self, body: object) -> tuple[int, dict, dict]:
+    async def place(self, method: str, *args) -> tuple[int, dict, dict]:
+        """Call `method(*args)` (a submission) on the ready replica with the fewest jobs, the next one when it is
+        full or not ready: (202, the job's record with its `replica`, {}), or the refusal."""
         refusals: list[tuple[int, dict, dict]] = []
         for name in self.ledger.candidates():
             view = self.ledger.views[name]
             view.pending += 1
             try:
-                got = await self.call(name, "submit", body)
+                got = await self.call(name, method, *args)
             except (ReplicaGone, ReplicaSilent):
                 continue
             finally:
@@ -166,8 +182,7 @@ class Router:
             if got["status"] == 202:
                 record = got["body"]
                 self.ledger.placed(record["id"], name, got["instance"], record)
-                url = f"/jobs/{record['id']}"
-                return 202, {"id": record["id"], "state": "queued", "url": url, "replica": name}, {"Location": url}
+                return 202, {**record, "replica": name}, {}
             if got["status"] in (429, 503):  # full or not (yet, any more) ready: the next replica may take it
                 refusals.append((got["status"], got["body"], got["headers"]))
                 continue
@@ -214,6 +229,24 @@ class Router:
             self.ledger.record(job_id, entry.replica, entry.instance, got["body"])
             return got["status"], self.ledger.answer(job_id), {}
         return got["status"], got["body"], got["headers"]
+
+    async def delete(self, job_id: str) -> tuple[int, dict, dict]:
+        """Forget a job on its owner (cancelled if it runs, its output removed) and in the ledger."""
+        entry = self.ledger.entry(job_id) or await self.find(job_id)
+        if entry is None:
+            return 404, {"error": f"no job {job_id}"}, {}
+        if not entry.lost:
+            try:
+                got = await self.ask_owner(entry, "delete", job_id)
+            except ReplicaGone:
+                got = None
+            except ReplicaSilent as exc:
+                return 503, {"error": f"replica {entry.replica}, which holds job {job_id}, is not answering ({exc}); "
+                                      f"retry"}, {"Retry-After": "5"}
+            if got is not None and got["status"] not in (200, 404):
+                return got["status"], got["body"], got["headers"]
+        self.ledger.forget(job_id)
+        return 200, {"id": job_id, "deleted": True}, {}
 
     async def preview(self, job_id: str) -> tuple[int, dict | bytes]:
         entry = self.ledger.entry(job_id) or await self.find(job_id)
@@ -299,7 +332,10 @@ def create_router_app(router: Router) -> Starlette:
         finally:
             router._monitor.cancel()
 
-    routes = [Route("/ready", ready, methods=["GET"]), Route("/fleet", fleet, methods=["GET"]),
+    from .videos import FleetVideos
+
+    routes = [*video_routes(FleetVideos(router)), Route("/ready", ready, methods=["GET"]),
+              Route("/fleet", fleet, methods=["GET"]),
               Route("/live", live, methods=["GET"]),
               Route("/metrics", metrics_endpoint(lambda: router.metrics, "fleet", in_thread=False), methods=["GET"]),
               Route("/generate", generate, methods=["POST"]),
