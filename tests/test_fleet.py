@@ -68,6 +68,11 @@ def body(steps=3, **extra) -> dict:
     ({"replicas": [{"name": "a"}, {"name": "a"}]}, "fleet config t: two replicas are named 'a'"),
     ({"replicas": [{"name": "Bad_Name"}]}, "fleet config t: replica name 'Bad_Name' must be 1-40 of a-z"),
     ({"env": {"H3_ATTENTION": ["sdpa"]}}, "fleet config t: env H3_ATTENTION must be a string or a number"),
+    ({"api_key_file": "a", "keys_file": "b"}, "fleet config t: api_key_file (one token) and keys_file (named keys) "
+                                              "both give the front's keys: use one"),
+    ({"keys_file": 3}, "fleet config t: keys_file must be a file path, got 3"),
+    ({"serve": {"keys_file": "k"}}, "fleet config t: replica replica-1: serve option 'keys_file' is not per replica: "
+                                    "the fleet's front checks the keys"),
 ])
 def test_bad_config_values_are_one_line_errors(tmp_path, mapping, message):
     if "--output-dir" not in message:
@@ -214,6 +219,11 @@ def test_the_front_asks_for_the_token_and_refuses_beyond_loopback_without_one(tm
         assert got.status_code == 200 and "h3_spark_fleet_jobs" in got.text
     assert main(["fleet", "--host", "0.0.0.0", "--device", "cpu", "--output-dir", str(tmp_path)]) == 2
     assert "--host 0.0.0.0 listens beyond this machine and the API has no token" in capsys.readouterr().err
+    keys = tmp_path / "keys"
+    keys.write_text("alice alice-token-0123456789\n")
+    keys.chmod(0o644)
+    assert main(["fleet", "--keys-file", str(keys), "--device", "cpu", "--output-dir", str(tmp_path)]) == 2
+    assert f"--keys-file {keys} is open to other users (mode 644): chmod 600 it" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ `h3-spark fleet` listens on loopback only

@@ -117,3 +117,51 @@ def test_videos_spread_over_replicas_and_each_call_reaches_its_owner(fleet):
             call()
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         c.videos.create(prompt="x", **{**SMALL, "extra_body": {"n": 3}})
+
+
+def test_each_key_sees_only_its_own_jobs_and_videos_through_the_router(fleet):
+    """A router with named keys (a keys file's): each key's jobs and videos are its own (404 for another's, as if
+    they did not exist), an admin key sees all; the replicas' records carry the key's name."""
+    from starlette.testclient import TestClient
+
+    from h3_spark.serve.auth import Client
+    from h3_spark.serve.fleet.config import Secret
+    from h3_spark.serve.fleet.router import Router
+
+    alice, bob, root = "alice-token-0123456789", "bob-token-0123456789ab", "root-token-0123456789ab"
+    keys = {alice: Client("alice"), bob: Client("bob"), root: Client("root", admin=True)}
+    settings = {"replicas": list(fleet.router.names), "poll_seconds": 0.1, "call_timeout_seconds": 60,
+                "lost_after_seconds": 600, "api_key": Secret(keys)}
+    router = Router(settings, *fleet.router.handles.values())
+
+    def as_(token):
+        return {"Authorization": f"Bearer {token}"}
+
+    with TestClient(router.__serve_build_asgi_app__()) as client:
+        assert client.get("/jobs").status_code == 401
+        job = client.post("/generate", json={"prompt": "a heron", "output": "keys-a.mp4", "width": 64, "height": 64,
+                                             "frames": 124, "steps": 2}, headers=as_(alice))
+        assert job.status_code == 202, job.text
+        job_id = job.json()["id"]
+        video = client.post("/v1/videos", json={"prompt": "a crane", "size": "64x64", "seconds": "5.17",
+                                                "steps": 2}, headers=as_(alice)).json()
+        for method, path in (("GET", f"/jobs/{job_id}"), ("DELETE", f"/jobs/{job_id}"),
+                             ("GET", f"/jobs/{job_id}/preview")):
+            got = client.request(method, path, headers=as_(bob))
+            assert got.status_code == 404 and got.json() == {"error": f"no job {job_id}"}
+        got = client.get(f"/v1/videos/{video['id']}", headers=as_(bob))
+        assert got.status_code == 404 and got.json()["error"]["message"] == f"no video {video['id']}"
+        assert client.get("/jobs", headers=as_(bob)).json()["jobs"] == []
+        assert client.get("/v1/videos", headers=as_(bob)).json()["data"] == []
+        everyone = {j["id"] for j in client.get("/jobs", headers=as_(root)).json()["jobs"]}
+        assert {job_id, video["job_id"]} <= everyone
+        assert [v["id"] for v in client.get("/v1/videos", headers=as_(alice)).json()["data"]] == [video["id"]]
+        deadline = time.monotonic() + 90
+        while True:
+            records = [client.get(f"/jobs/{i}", headers=as_(alice)).json() for i in (job_id, video["job_id"])]
+            if all(r["state"] in ("done", "failed", "cancelled") for r in records) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert [r["state"] for r in records] == ["done", "done"], records
+        assert [r["client"] for r in records] == ["alice", "alice"]
+        assert client.get(f"/jobs/{job_id}", headers=as_(root)).json()["client"] == "alice"

@@ -33,6 +33,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="the front's port (default 8000)")
     p.add_argument("--api-key-file", type=Path, help="a file whose first line is the bearer token every request "
                                                      "must send (default: $H3_API_KEY)")
+    p.add_argument("--keys-file", type=Path, help="named keys instead, one `NAME TOKEN [admin]` a line, chmod 600: "
+                                                  "each key sees, reads and cancels only its own jobs and videos, an "
+                                                  "admin key all")
     ray_group = p.add_argument_group("Ray")
     ray_group.add_argument("--address", help="join this Ray cluster (e.g. auto); without it, a local head starts")
     ray_group.add_argument("--num-cpus", type=int, help="CPUs of the local head (default: all)")
@@ -60,8 +63,9 @@ def config_from_args(args):
 
     overrides = {key: getattr(args, key) for key in ("replicas", "gpus_per_replica", "cpus_per_replica", "host",
                                                       "port") if getattr(args, key) is not None}
-    if args.api_key_file is not None:
-        overrides["api_key_file"] = str(args.api_key_file)
+    for key in ("api_key_file", "keys_file"):
+        if getattr(args, key) is not None:
+            overrides[key] = str(getattr(args, key))
     serve_options = {flag: getattr(args, flag.replace("-", "_")) for flag, _ in SERVE_FLAGS}
     serve_options = {k.replace("-", "_"): str(v) if isinstance(v, Path) else v
                      for k, v in serve_options.items() if v is not None}
@@ -141,13 +145,13 @@ def _interrupt(signum, frame):
 
 
 def run(args) -> int:
-    from ..serve.auth import check_binding, read_api_key
+    from ..serve.auth import check_binding, read_api_key, read_keys_file
     from ..serve.fleet import require_ray
 
     keep_ray_on_loopback(args)
     serve = require_ray()
     config = config_from_args(args)
-    key = read_api_key(config.api_key_file)
+    key = read_keys_file(config.keys_file) if config.keys_file is not None else read_api_key(config.api_key_file)
     auth_line = check_binding(config.host, key)
     from ..serve.fleet.app import APP_NAME, build_fleet
 

@@ -28,14 +28,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from .auth import client_of
 from .http_app import build_app, json_body, live, metrics_endpoint, png
 from .openai_routes import ServiceVideos, video_routes
 from .service import Service
-
-
-def _client(request: Request):
-    """The request's key (auth.Client), None when the service has no keys."""
-    return request.scope.get("state", {}).get("client")
 
 
 def create_app(service: Service) -> Starlette:
@@ -45,17 +41,17 @@ def create_app(service: Service) -> Starlette:
 
     async def generate(request: Request) -> JSONResponse:
         body = await json_body(request, service.limits.max_body_bytes, service.config.http.body_timeout_s)
-        job = await run_in_threadpool(service.submit, body, _client(request))
+        job = await run_in_threadpool(service.submit, body, client_of(request))
         url = f"/jobs/{job.id}"
         return JSONResponse({"id": job.id, "state": "queued", "url": url}, status_code=202,
                             headers={"Location": url})
 
     async def jobs(request: Request) -> JSONResponse:
-        return JSONResponse({"queue": service.queue.stats(), "jobs": service.jobs_of(_client(request))})
+        return JSONResponse({"queue": service.queue.stats(), "jobs": service.jobs_of(client_of(request))})
 
     async def job(request: Request) -> JSONResponse:
         job_id = request.path_params["job_id"]
-        service.visible(job_id, _client(request))
+        service.visible(job_id, client_of(request))
         if request.method == "DELETE":
             record = service.cancel(job_id)
             return JSONResponse(record, status_code=202 if record["state"] == "running" else 200)
@@ -65,7 +61,7 @@ def create_app(service: Service) -> Starlette:
         return JSONResponse(record)
 
     async def preview(request: Request):
-        service.visible(request.path_params["job_id"], _client(request))
+        service.visible(request.path_params["job_id"], client_of(request))
         return png(await run_in_threadpool(service.preview_png, request.path_params["job_id"]))
 
     @contextlib.asynccontextmanager

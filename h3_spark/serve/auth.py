@@ -126,6 +126,16 @@ def check_binding(host: str, key: str | None) -> str | None:
     return None
 
 
+def client_of(request) -> Client | None:
+    """The key a request came with (what BearerAuth put in its scope), None when the service has no keys."""
+    return request.scope.get("state", {}).get("client")
+
+
+def sees(client: Client | None, record: dict) -> bool:
+    """Whether `client` may see a job of this record: its own, every job for an admin key or without keys."""
+    return client is None or client.admin or record.get("client") == client.name
+
+
 class BearerAuth:
     """ASGI middleware: HTTP requests without a right bearer token end here with 401; the others carry their
     `Client` in `scope["state"]["client"]`."""

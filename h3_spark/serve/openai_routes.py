@@ -27,6 +27,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from . import openai_videos as ov
+from .auth import client_of, sees
 from .http_app import json_body
 from .uploads import Form, UploadFolder, read_form
 from .http_limits import HttpLimits
@@ -75,7 +76,7 @@ class ServiceVideos:
 
     async def record(self, job_id, client):
         record = self.service.queue.snapshot(job_id)
-        if not ov.is_video(record) or not _sees(client, record):
+        if not ov.is_video(record) or not sees(client, record):
             return None
         return record
 
@@ -102,14 +103,6 @@ def submit_video(service, submission: ov.Submission, client):
     (service.outputs.root / VIDEO_FOLDER).mkdir(exist_ok=True)
     ov.kept_body(submission)
     return service.submit(submission.body, client, files=submission.files, labels=submission.labels)
-
-
-def _sees(client, record: dict) -> bool:
-    return client is None or client.admin or record.get("client") == client.name
-
-
-def _client(request: Request):
-    return request.scope.get("state", {}).get("client")
 
 
 def _output_name() -> str:
@@ -182,12 +175,12 @@ def video_routes(backend: VideoBackend) -> list[Route]:
     async def create(request: Request) -> JSONResponse:
         fields, form = await _read_request(request, backend, ov.UPLOAD_FIELDS)
         record = await _submit(backend, lambda: ov.creation(fields, form.files, _output_name()), form,
-                               _client(request))
+                               client_of(request))
         return JSONResponse(ov.video_object(record, backend.keep_days))
 
     async def sync(request: Request) -> Response:
         fields, form = await _read_request(request, backend, ov.UPLOAD_FIELDS)
-        client = _client(request)
+        client = client_of(request)
         record = await _submit(backend, lambda: ov.creation(fields, form.files, _output_name()), form, client)
         video_id = ov.PREFIX + record["id"]
         deadline = time.monotonic() + SYNC_TIMEOUT_S
@@ -208,14 +201,14 @@ def video_routes(backend: VideoBackend) -> list[Route]:
 
     async def listing(request: Request) -> JSONResponse:
         after, limit, order = ov.list_params(request.query_params)
-        records = await backend.records(_client(request))
+        records = await backend.records(client_of(request))
         return JSONResponse(ov.page(records, after, limit, order, backend.keep_days))
 
     async def video(request: Request) -> JSONResponse:
         video_id = request.path_params["video_id"]
-        record = await _visible(backend, video_id, _client(request))
+        record = await _visible(backend, video_id, client_of(request))
         if request.method == "DELETE":
-            await backend.delete(record["id"], _client(request))
+            await backend.delete(record["id"], client_of(request))
             return JSONResponse(ov.deleted(video_id))
         return JSONResponse(ov.video_object(record, backend.keep_days))
 
@@ -230,7 +223,7 @@ def video_routes(backend: VideoBackend) -> list[Route]:
         if variant not in ("video", "0", *VARIANTS):
             raise RequestError(400, f"variant must be video, thumbnail, spritesheet or 0, got {variant!r:.40}",
                                param="variant", code="invalid_variant")
-        path = _finished_file(await _visible(backend, video_id, _client(request)), video_id)
+        path = _finished_file(await _visible(backend, video_id, client_of(request)), video_id)
         if variant in ("video", "0"):
             return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
         make, media_type = VARIANTS[variant]
@@ -238,7 +231,7 @@ def video_routes(backend: VideoBackend) -> list[Route]:
 
     async def extend(request: Request) -> JSONResponse:
         fields, form = await _read_request(request, backend, ov.EXTENSION_UPLOAD_FIELDS)
-        client = _client(request)
+        client = client_of(request)
         try:
             source_id = ov.extension_source(fields)
             if source_id is None and "video" not in form.files:
@@ -258,7 +251,7 @@ def video_routes(backend: VideoBackend) -> list[Route]:
     async def remix(request: Request) -> JSONResponse:
         video_id = request.path_params["video_id"]
         fields, form = await _read_request(request, backend, ())
-        client = _client(request)
+        client = client_of(request)
         unknown = sorted(set(fields) - {"prompt"})
         if unknown:
             raise RequestError(400, f"unknown field(s) {', '.join(map(repr, unknown))}; a remix takes prompt",

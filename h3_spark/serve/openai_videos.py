@@ -40,15 +40,15 @@ EXTENSION_UPLOAD_FIELDS = ("video",)
 _ALIASES = {"task": "mode", "num_inference_steps": "steps", "num_frames": "frames", "duration": "seconds"}
 # /generate fields a /v1/ create passes on as they are (its output is the service's to name).
 _PASSED = ("mode", "steps", "seed", "frames", "width", "height", "references", "first_frame", "last_frame", "guides",
-           "guide_strength", "recipes", "attention", "cache_mode", "cache_threshold", "cache_start_percent",
-           "cache_end_percent", "cache_subsample_factor", "shots", "continue", "repaint", "mask",
-           "regenerate_seconds")
+           "guide_strength", "audio_guide_strength", "recipes", "attention", "cache_mode", "cache_threshold",
+           "cache_start_percent", "cache_end_percent", "cache_subsample_factor", "shots", "continue", "repaint",
+           "mask", "regenerate_seconds")
 _OURS = ("prompt", "model", "seconds", "size", "n", "user", "input_reference", "aspect_ratio", "fps", "extra_params")
 CREATE_FIELDS = _OURS + _PASSED + tuple(_ALIASES)
 # Form fields are text: these are read as numbers or JSON (a recipe list may also be NAME,NAME).
 _INTS = ("steps", "seed", "frames", "width", "height", "n", "cache_subsample_factor", "num_inference_steps",
          "num_frames")
-_NUMBERS = ("seconds", "guide_strength", "cache_threshold", "cache_start_percent", "cache_end_percent", "fps",
+_NUMBERS = ("seconds", "guide_strength", "audio_guide_strength", "cache_threshold", "cache_start_percent", "cache_end_percent", "fps",
             "duration")
 _JSON = ("references", "guides", "shots", "recipes", "regenerate_seconds", "extra_params", "video")
 

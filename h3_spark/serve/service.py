@@ -18,6 +18,7 @@ from ..errors import H3Error, InputError
 from ..h3_model.engine.engine import Engine
 from ..h3_model.engine.host_memory import host_memory_report
 from ..h3_model.engine.report import describe_models, memory_report, supported_kernels
+from .auth import sees
 from .execute import JobRunner, dit_key, stderr_log
 from .http_limits import HttpLimits
 from .jobs import Job, JobQueue, QueueFull
@@ -194,14 +195,11 @@ class Service:
         if client is None or client.admin:
             return
         record = self.queue.snapshot(job_id)
-        if record is None or record.get("client") != client.name:
+        if record is None or not sees(client, record):
             raise RequestError(404, f"no job {job_id}")
 
     def jobs_of(self, client) -> list[dict]:
-        jobs = self.queue.list()
-        if client is None or client.admin:
-            return jobs
-        return [j for j in jobs if j.get("client") == client.name]
+        return [j for j in self.queue.list() if sees(client, j)]
 
     def submit(self, body: object, client=None, files: dict | None = None, labels: dict | None = None) -> Job:
         """Queue a job for a /generate body. `files` (the /v1/ routes): media names in `body` that stand for

@@ -21,8 +21,9 @@ REPLICA_MAX_ONGOING = 256
 ROUTER_MAX_ONGOING = 1024
 
 
-def build_fleet(config: FleetConfig, api_key: str | None = None):
-    """The bound application (`serve.run` takes it); `api_key` is the token the router asks every request for."""
+def build_fleet(config: FleetConfig, api_key=None):
+    """The bound application (`serve.run` takes it); `api_key` is the token the router asks every request for, or
+    the named keys (token -> auth.Client) of a keys file, each owning its jobs."""
     serve = require_ray()
     from .replica import Replica
     from .router import Router
@@ -67,11 +68,12 @@ def check_state_file(config: FleetConfig) -> str | None:
 
 def app_builder(args: dict):
     """`serve run h3_spark.serve.fleet.app:app_builder config=FILE`: the fleet from a config file; the token
-    from the config's `api_key_file` or H3_API_KEY. `serve run`'s own --host/--port say where it listens."""
+    from the config's `api_key_file` or H3_API_KEY, or its `keys_file`. `serve run`'s own --host/--port say where it listens."""
     from ...errors import InputError
-    from ..auth import read_api_key
+    from ..auth import read_api_key, read_keys_file
 
     if "config" not in args:
         raise InputError("the fleet's serve run target needs config=FILE (a YAML or JSON fleet config)")
     config = load_config(args["config"])
-    return build_fleet(config, read_api_key(config.api_key_file))
+    keys = read_keys_file(config.keys_file) if config.keys_file is not None else read_api_key(config.api_key_file)
+    return build_fleet(config, keys)

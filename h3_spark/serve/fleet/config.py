@@ -35,11 +35,12 @@ MAX_REPLICAS = 256
 ROUTER_STATE_FILE = ".h3-spark-fleet.sqlite"
 NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 KEYS = ("replicas", "serve", "gpus_per_replica", "cpus_per_replica", "env", "host", "port", "api_key_file",
-        "poll_seconds", "call_timeout_seconds", "lost_after_seconds", "state_dir")
+        "keys_file", "poll_seconds", "call_timeout_seconds", "lost_after_seconds", "state_dir")
 # Flags of `h3-spark serve` a replica must not take, and why.
 FRONT_FLAGS = {"host": "the fleet's front listens (set `host` at the top of the config)",
                "port": "the fleet's front listens (set `port` at the top of the config)",
-               "api_key_file": "the fleet's front checks the token (set `api_key_file` at the top of the config)"}
+               "api_key_file": "the fleet's front checks the token (set `api_key_file` at the top of the config)",
+               "keys_file": "the fleet's front checks the keys (set `keys_file` at the top of the config)"}
 SPANNING_FLAGS = ("gpus", "nnodes", "node_rank", "rdzv_endpoint")
 
 
@@ -73,6 +74,7 @@ class FleetConfig:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     api_key_file: Path | None = None
+    keys_file: Path | None = None  # named keys, each owning its jobs (serve/auth.py's format)
     poll_seconds: float = 0.5  # how often the router asks every replica for its state and its jobs'
     call_timeout_seconds: float = 10.0  # one call to a replica; past it the replica counts as not answering
     lost_after_seconds: float = 120.0  # a replica that has not answered this long has lost its jobs
@@ -151,13 +153,20 @@ def config_from_mapping(data: dict, source: str = "flags") -> FleetConfig:
     port = data.get("port", DEFAULT_PORT)
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         raise InputError(f"fleet config {source}: port must be 1..65535, got {port!r}")
-    key_file = data.get("api_key_file")
+    key_file, keys_file = data.get("api_key_file"), data.get("keys_file")
+    for name, value in (("api_key_file", key_file), ("keys_file", keys_file)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise InputError(f"fleet config {source}: {name} must be a file path, got {value!r}")
+    if key_file is not None and keys_file is not None:
+        raise InputError(f"fleet config {source}: api_key_file (one token) and keys_file (named keys) both give the "
+                         "front's keys: use one")
     state_dir = data.get("state_dir", shared.get("state_dir", shared.get("output_dir")))
     if state_dir is not None and (not isinstance(state_dir, str) or not state_dir):
         raise InputError(f"fleet config {source}: state_dir must be a folder, got {state_dir!r}")
     return FleetConfig(
         replicas=replicas, cpus_per_replica=cpus, gpus_per_replica=gpus, env={k: str(v) for k, v in env.items()},
         host=host, port=port, api_key_file=Path(key_file) if key_file is not None else None,
+        keys_file=Path(keys_file) if keys_file is not None else None,
         poll_seconds=_number(data, "poll_seconds", 0.5, source, low=0.05, high=60),
         call_timeout_seconds=_number(data, "call_timeout_seconds", 10.0, source, low=0.5, high=600),
         lost_after_seconds=_number(data, "lost_after_seconds", 120.0, source, low=1, high=86400),
@@ -233,9 +242,10 @@ def _number(data: dict, key: str, default: float, source: str, *, low: float, hi
 
 
 class Secret:
-    """The bearer token on its way to the router (a deployment argument): never shown by repr or str."""
+    """The bearer token, or the named keys (token -> auth.Client), on their way to the router (a deployment
+    argument): never shown by repr or str."""
 
-    def __init__(self, value: str):
+    def __init__(self, value):
         self.value = value
 
     def __repr__(self) -> str:

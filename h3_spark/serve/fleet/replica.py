@@ -94,11 +94,12 @@ class Replica:
         ok, body = self.service.ready()
         return answer(self.instance, 200 if ok else 503, body)
 
-    def submit(self, body) -> dict:
+    def submit(self, body, client=None) -> dict:
+        """A /generate body the router placed here; `client` (auth.Client, None without keys) owns the job."""
         if self.service is None:
             return answer(self.instance, 503, {"error": f"replica {self.name} set-up failed: {self.setup_error}"})
         try:
-            job = self.service.submit(body)
+            job = self.service.submit(body, client)
         except RequestError as exc:
             return answer(self.instance, exc.status, {"error": str(exc)}, exc.headers)
         return answer(self.instance, 202, job.to_dict())

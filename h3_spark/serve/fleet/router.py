@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..auth import client_of, sees
 from ..http_app import build_app, json_body, live, metrics_endpoint, png
 from ..http_limits import HttpLimits
 from ..jobs import TERMINAL
@@ -70,7 +71,7 @@ class Router:
         self.poll = settings["poll_seconds"]
         self.timeout = settings["call_timeout_seconds"]
         self.lost_after = settings["lost_after_seconds"]
-        self.api_key = settings.get("api_key")  # config.Secret or None
+        self.api_key = settings.get("api_key")  # config.Secret (a token, or token -> auth.Client) or None
         self.limits = Limits()
         self.http = settings.get("http") or HttpLimits()
         # The /v1/ routes: how long an ended video's record is kept (the replicas' --keep-days), and the folder its
@@ -142,7 +143,7 @@ class Router:
             await asyncio.sleep(self.poll)
 
     # ------------------------------------------------------------------ jobs
-    async def submit(self, body: object) -> tuple[int, dict, dict]:
+    async def submit(self, body: object, client=None) -> tuple[int, dict, dict]:
         """Place a job. Its output name is held from here (before the first await, so no concurrent submission
         can take it in between) until its replica answers, and then by its live entry in the ledger until it
         ends: a second job for a name held either way is refused (409) at once, `overwrite` or not."""
@@ -156,7 +157,7 @@ class Router:
                 return 409, {"error": f"output {output!r} is being written by job {taken}"}, {}
             self.placing[key] = output
         try:
-            status, answer, headers = await self.place("submit", body)
+            status, answer, headers = await self.place("submit", body, client)
         finally:
             if key is not None:
                 self.placing.pop(key, None)
@@ -194,8 +195,16 @@ class Router:
                 {"Retry-After": str(wait)}
         return 503, {"error": f"no replica is ready ({self.ledger.not_ready_reason()})"}, {"Retry-After": "5"}
 
-    async def job(self, job_id: str) -> tuple[int, dict]:
+    async def owned(self, job_id: str, client):
+        """The ledger's entry of a job `client` may see (its own, or any for an admin key or without keys), else
+        None: another client's job is answered as if it did not exist."""
         entry = self.ledger.entry(job_id) or await self.find(job_id)
+        if entry is None or not sees(client, entry.record):
+            return None
+        return entry
+
+    async def job(self, job_id: str, client=None) -> tuple[int, dict]:
+        entry = await self.owned(job_id, client)
         if entry is None:
             return 404, {"error": f"no job {job_id}"}
         if entry.lost or entry.record.get("state") in TERMINAL:
@@ -210,8 +219,8 @@ class Router:
             self.ledger.record(job_id, entry.replica, entry.instance, got["body"])
         return 200, self.ledger.answer(job_id)
 
-    async def cancel(self, job_id: str) -> tuple[int, dict, dict]:
-        entry = self.ledger.entry(job_id) or await self.find(job_id)
+    async def cancel(self, job_id: str, client=None) -> tuple[int, dict, dict]:
+        entry = await self.owned(job_id, client)
         if entry is None:
             return 404, {"error": f"no job {job_id}"}, {}
         if entry.lost:
@@ -230,9 +239,9 @@ class Router:
             return got["status"], self.ledger.answer(job_id), {}
         return got["status"], got["body"], got["headers"]
 
-    async def delete(self, job_id: str) -> tuple[int, dict, dict]:
+    async def delete(self, job_id: str, client=None) -> tuple[int, dict, dict]:
         """Forget a job on its owner (cancelled if it runs, its output removed) and in the ledger."""
-        entry = self.ledger.entry(job_id) or await self.find(job_id)
+        entry = await self.owned(job_id, client)
         if entry is None:
             return 404, {"error": f"no job {job_id}"}, {}
         if not entry.lost:
@@ -248,8 +257,8 @@ class Router:
         self.ledger.forget(job_id)
         return 200, {"id": job_id, "deleted": True}, {}
 
-    async def preview(self, job_id: str) -> tuple[int, dict | bytes]:
-        entry = self.ledger.entry(job_id) or await self.find(job_id)
+    async def preview(self, job_id: str, client=None) -> tuple[int, dict | bytes]:
+        entry = await self.owned(job_id, client)
         if entry is None:
             return 404, {"error": f"no job {job_id}"}
         if entry.lost:
@@ -306,20 +315,22 @@ def create_router_app(router: Router) -> Starlette:
 
     async def generate(request: Request) -> JSONResponse:
         body = await json_body(request, router.limits.max_body_bytes, router.http.body_timeout_s)
-        return _json(*await router.submit(body))
+        return _json(*await router.submit(body, client_of(request)))
 
     async def jobs(request: Request) -> JSONResponse:
+        client = client_of(request)
         queues = {name: view.queue for name, view in router.ledger.views.items()}
-        return _json(200, {"replicas": queues, "jobs": router.ledger.jobs()})
+        mine = [job for job in router.ledger.jobs() if sees(client, router.ledger.entry(job["id"]).record)]
+        return _json(200, {"replicas": queues, "jobs": mine})
 
     async def job(request: Request) -> JSONResponse:
         job_id = request.path_params["job_id"]
         if request.method == "DELETE":
-            return _json(*await router.cancel(job_id))
-        return _json(*await router.job(job_id))
+            return _json(*await router.cancel(job_id, client_of(request)))
+        return _json(*await router.job(job_id, client_of(request)))
 
     async def preview(request: Request) -> Response:
-        status, body = await router.preview(request.path_params["job_id"])
+        status, body = await router.preview(request.path_params["job_id"], client_of(request))
         if isinstance(body, bytes):
             return png(body)
         return _json(status, body)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..openai_routes import _sees
+from ..auth import sees
 from ..openai_videos import Submission, is_video
 from ..uploads import UploadFolder
 from ..validation import RequestError
@@ -37,18 +37,18 @@ class FleetVideos:
         return answer
 
     async def record(self, job_id: str, client) -> dict | None:
-        status, record = await self.router.job(job_id)
-        if status != 200 or not is_video(record) or not _sees(client, record):
+        status, record = await self.router.job(job_id, client)
+        if status != 200 or not is_video(record):
             return None
         return record
 
     async def records(self, client) -> list[dict]:
         ledger = self.router.ledger
         found = (ledger.answer(job["id"]) for job in ledger.jobs())
-        return [r for r in found if is_video(r) and _sees(client, r)]
+        return [r for r in found if is_video(r) and sees(client, r)]
 
     async def delete(self, job_id: str, client) -> None:
-        status, answer, headers = await self.router.delete(job_id)
+        status, answer, headers = await self.router.delete(job_id, client)
         if status != 200:
             raise RequestError(status, answer.get("error", "refused"), headers)
 
