@@ -230,8 +230,7 @@ class Router:
         except ReplicaGone:
             got = None
         except ReplicaSilent as exc:
-            return 503, {"error": f"replica {entry.replica}, which holds job {job_id}, is not answering ({exc}); "
-                                  f"retry"}, {"Retry-After": "5"}
+            return _not_answering(entry, job_id, exc)
         if got is None:  # its replica was lost: the ledger has failed it
             return 409, {"error": f"job {job_id} already ended (failed: {self.ledger.answer(job_id)['error']})"}, {}
         if got["status"] in (200, 202):
@@ -250,8 +249,7 @@ class Router:
             except ReplicaGone:
                 got = None
             except ReplicaSilent as exc:
-                return 503, {"error": f"replica {entry.replica}, which holds job {job_id}, is not answering ({exc}); "
-                                      f"retry"}, {"Retry-After": "5"}
+                return _not_answering(entry, job_id, exc)
             if got is not None and got["status"] not in (200, 404):
                 return got["status"], got["body"], got["headers"]
         self.ledger.forget(job_id)
@@ -300,6 +298,11 @@ class Router:
     # ------------------------------------------------------------------ Ray Serve's ASGI hook
     def __serve_build_asgi_app__(self):
         return create_router_app(self)
+
+
+def _not_answering(entry, job_id: str, exc: Exception) -> tuple[int, dict, dict]:
+    return 503, {"error": f"replica {entry.replica}, which holds job {job_id}, is not answering ({exc}); retry"}, \
+        {"Retry-After": "5"}
 
 
 def _json(status: int, body, headers: dict | None = None) -> JSONResponse:
