@@ -141,7 +141,7 @@ class FakeReplica:
         return {"instance": self.instance, "state": "ready", "queue": {"queued": 0}, "now": time.time(),
                 "jobs": list(self.jobs.values())}
 
-    def _submit(self, body):
+    def _submit(self, body, client=None):
         rec = {"id": uuid.uuid4().hex, "state": "queued", "created": time.time(), "finished": None,
                "request": {"output": body["output"], "overwrite": body.get("overwrite", False)}}
         self.jobs[rec["id"]] = rec
