@@ -253,7 +253,8 @@ def build_request(args, settings):
                             width=args.width, height=args.height, frames=args.frames, steps=args.steps,
                             seed=args.seed, video_shift=args.video_shift, audio_shift=args.audio_shift,
                             reference_policy=args.image_ref_size, mlp_chunks=settings.mlp_chunks,
-                            vae_tile_size=settings.vae_tile_size, sigmas=_parse_sigmas(args.sigmas))
+                            vae_tile_size=settings.vae_tile_size, sigmas=_parse_sigmas(args.sigmas),
+                            decoder=args.decoder)
     req.validate()
     if req.sigmas is not None:
         args.steps = len(req.sigmas)  # grid points: the step cache counts len - 1 evaluations
@@ -277,7 +278,7 @@ def load_engine(args, options, mode: str, log):
                     release_adaln=not args.keep_adaln)
     engine.load([mode], on_progress=lambda event: event.state == "loading" and log(f"loading {event.component}"))
     if args.decoder == "taeh3":
-        engine.use_draft_decoder(args.taeh3)
+        engine.load_taeh3(args.taeh3)
     if not args.quiet:
         for note in load_notes(engine):
             print(f"h3-spark: note: {note}", file=sys.stderr, flush=True)
@@ -367,7 +368,7 @@ def summarize(args, engine, req, result, options, world: int) -> dict:
                "load_s": {k: round(v, 3) for k, v in engine.load_seconds.items()},
                "attention": kernels.get("attention", {}).get("chosen"),
                "linear": kernels.get("linear", {}).get("format"),
-               **exactness(kernels, req.step_cache is not None, req.recipes), "decoder": args.decoder,
+               **exactness(kernels, req.step_cache is not None, req.recipes), "decoder": result.info["decoder"],
                "vae_attention": (vae_kernels or {}).get("attention", {}).get("chosen")}
     if "step_cache" in result.info:
         summary["step_cache"] = result.info["step_cache"]
@@ -387,7 +388,7 @@ def summarize(args, engine, req, result, options, world: int) -> dict:
     # Beside the GPU's: under a VRAM budget the streamed weights wait in host memory, and a container is
     # stopped on its cgroup's count (page cache and pinned buffers included), not on the GPU's.
     summary.update(host_memory_report())
-    if args.decoder == "taeh3":
+    if result.info["decoder"] == "taeh3":
         summary["exact"] = False
         summary["approximate_paths"] = [*summary["approximate_paths"], "decoder taeh3"]
     notes = load_notes(engine)

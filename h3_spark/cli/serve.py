@@ -38,9 +38,10 @@ def run(args) -> int:
             from ..serve.models import LoadTracker, load_models
 
             # The same checks as rank 0 (a bad flag stops every rank before any loading).
-            paths, options, _ = service_settings(args, lockstep.device)
+            paths, options, config = service_settings(args, lockstep.device)
             overrides = synthetic_overrides(args, options)
-            return follow(lockstep, lambda: load_models(paths, options, LoadTracker(), overrides),
+            # TAEH3 too: every rank runs the job's decode, a taeh3 job's through it.
+            return follow(lockstep, lambda: load_models(paths, options, LoadTracker(), overrides, config.taeh3),
                           rank_log(lockstep.rank))
     service = build_service(args, lockstep)
     if args.auth_line:

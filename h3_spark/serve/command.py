@@ -24,6 +24,10 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     models.add_argument("--synthetic-modes", default="ref2va",
                         help="with --synthetic: the modes whose DiT partition to build (comma-separated; default "
                              "ref2va: one full-size partition and the text encoder fill most of an H200)")
+    models.add_argument("--taeh3", type=Path, default=None, metavar="PATH",
+                        help="TAEH3, the tiny temporal decoder (madebyollin/taehv's taeh3.safetensors), checked and "
+                             "loaded at start: requests may then ask for decoder taeh3 (drafts), and /jobs/{id}/preview "
+                             "shows decoded frames instead of the false-colour latent view")
     p.add_argument("--output-dir", type=Path, required=True, help="every output is written inside this folder")
     p.add_argument("--input-dir", type=Path, help="references and keyframes are read from inside this folder "
                                                   "(without it, only t2va requests are accepted)")
@@ -118,7 +122,21 @@ def service_settings(args, device: str | None = None):
     config.api_key = read_keys_file(args.keys_file) if args.keys_file is not None else read_api_key(args.api_key_file)
     args.auth_line = check_binding(args.host, config.api_key)
     config.allowed_hosts = allowed_hosts(args.host, args.allowed_host)
+    config.taeh3 = check_taeh3(args.taeh3)
     return component_paths(args), options, config
+
+
+def check_taeh3(path: Path | None) -> Path | None:
+    """--taeh3's file, read and checked to be the temporal TAEH3 before any model loads (it is small)."""
+    if path is None:
+        return None
+    from ..errors import InputError
+    from ..h3_model.vae.tiny_decoder import load_tiny_decoder
+
+    if not path.is_file():
+        raise InputError(f"--taeh3 {path}: no such file")
+    load_tiny_decoder(path)
+    return path
 
 
 def allowed_hosts(bind: str, given: list[str] | None) -> tuple[str, ...] | None:
@@ -160,11 +178,12 @@ def build_service(args, lockstep=None, state_name: str | None = None):
     overrides = synthetic_overrides(args, options)
     log = make_log(args.log_format)
     if lockstep is None:
-        return Service(config, lambda tracker: load_models(paths, options, tracker, overrides), log=log)
+        return Service(config, lambda tracker: load_models(paths, options, tracker, overrides, config.taeh3), log=log)
     leader = Leader(lockstep, log)
 
     def load(tracker):
-        return load_in_lockstep(lambda: load_models(paths, options, tracker, overrides), lockstep, leader)
+        return load_in_lockstep(lambda: load_models(paths, options, tracker, overrides, config.taeh3), lockstep,
+                                leader)
 
     return Service(config, load, leader=leader, log=log)
 

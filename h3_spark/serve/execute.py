@@ -123,7 +123,7 @@ def build_generation(message: dict) -> GenerationRequest:
         width=req.width, height=req.height, frames=req.frames, steps=req.steps, seed=req.seed,
         mlp_chunks=message["mlp_chunks"], vae_tile_size=message["vae_tile_size"],
         guides=_read_guides(message, geometry.snap_frames(req.frames)), guide_strength=req.guide_strength,
-        audio_guide_strength=req.audio_guide_strength,
+        audio_guide_strength=req.audio_guide_strength, decoder=req.decoder,
         **dict(zip(("source", "mask"), _read_repaint(message))))
     if req.cache.mode != "off":
         c = req.cache
@@ -266,7 +266,7 @@ class JobRunner:
         if req.is_film:  # its windows' own timings are in info["windows"]
             timings = {"read_inputs": read_inputs, "film": time.perf_counter() - t0 - read_inputs - mux, "mux": mux}
             info = {"frames": result.frames, "audio_samples": int(result.audio.shape[1]),
-                    "windows": result.info["windows"]}
+                    "windows": result.info["windows"], "decoder": req.decoder}
         else:
             timings = {"read_inputs": read_inputs, **result.timings, "mux": mux}
             info = {k: v for k, v in result.info.items() if k not in ("step_cache", "step_seconds")}
@@ -274,7 +274,8 @@ class JobRunner:
         # Everything that is not the exact path, as apply_kernels reports it, plus this job's own choices.
         reused = cache is not None and (cache.reused or req.is_film)  # a film's windows had caches of their own
         job.backends.update(exactness(job.backends, (["step_cache"] if reused else [])
-                                      + [f"recipe {r['name']}" for r in generation.recipes]))
+                                      + [f"recipe {r['name']}" for r in generation.recipes]
+                                      + (["decoder taeh3"] if req.decoder == "taeh3" else [])))
         job.step_cache = result.info.get("step_cache", {"mode": req.cache.mode} if req.is_film else {"mode": "off"})
         job.timings, job.info, job.output = timings, info, str(path)
         job.progress = {"stage": "done", "step": 0, "total": 0}

@@ -8,6 +8,8 @@ going on. Everything else (paths, loaders, kernel checks and configuration) is t
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 from typing import Callable, Mapping
 
 from ..h3_model.engine.engine import Engine, LoadEvent
@@ -58,14 +60,24 @@ class LoadTracker:
 
 
 def load_models(paths: ComponentPaths, options: LoadOptions, tracker: LoadTracker,
-                overrides: Mapping[str, Callable[[], object]] | None = None) -> Engine:
-    """The engine with the text encoder, the DiT partition(s) found, the video VAE and the audio VAE loaded.
+                overrides: Mapping[str, Callable[[], object]] | None = None, taeh3: Path | None = None) -> Engine:
+    """The engine with the text encoder, the DiT partition(s) found, the video VAE and the audio VAE loaded, and
+    TAEH3 from `taeh3` (serve --taeh3) when given.
 
     `overrides` maps a component name to a function that builds that component instead of reading it
     from a path (an embedding host that already holds the model, or a test's in-memory encoder).
     Raises H3Error naming what is missing or cannot run; the tracker records it too.
     """
     engine = Engine(paths, options, overrides=overrides)
-    tracker.plan(list(engine.plan()))
+    tracker.plan(list(engine.plan()) + (["taeh3"] if taeh3 is not None else []))
     engine.load(on_progress=tracker.record)
+    if taeh3 is not None:
+        tracker.record(LoadEvent("taeh3", "loading"))
+        started = time.perf_counter()
+        try:
+            engine.load_taeh3(taeh3)
+        except Exception as exc:
+            tracker.record(LoadEvent("taeh3", "failed", error=str(exc)))
+            raise
+        tracker.record(LoadEvent("taeh3", "resident", seconds=time.perf_counter() - started))
     return engine

@@ -42,7 +42,7 @@ _ALIASES = {"task": "mode", "num_inference_steps": "steps", "num_frames": "frame
 _PASSED = ("mode", "steps", "seed", "frames", "width", "height", "references", "first_frame", "last_frame", "guides",
            "guide_strength", "audio_guide_strength", "recipes", "attention", "cache_mode", "cache_threshold",
            "cache_start_percent", "cache_end_percent", "cache_subsample_factor", "shots", "continue", "repaint",
-           "mask", "regenerate_seconds")
+           "mask", "regenerate_seconds", "decoder")
 _OURS = ("prompt", "model", "seconds", "size", "n", "user", "input_reference", "aspect_ratio", "fps", "extra_params")
 CREATE_FIELDS = _OURS + _PASSED + tuple(_ALIASES)
 # Form fields are text: these are read as numbers or JSON (a recipe list may also be NAME,NAME).

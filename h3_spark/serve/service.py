@@ -30,6 +30,8 @@ from .validation import JobRequest, Limits, RequestError, parse_request
 
 Loader = Callable[[LoadTracker], Engine]
 NOT_READY_RETRY_S = 5
+# /jobs/{id}/preview: a strip of this many frames spread over the clip, about this many pixels wide.
+PREVIEW_FRAMES, PREVIEW_SIZE = 4, 768
 STATE_FILE = ".h3-spark-jobs.sqlite"  # hidden: a client cannot name it as an output (outputs.py)
 
 
@@ -50,6 +52,7 @@ class ServiceConfig:
     state_name: str = STATE_FILE
     keep_days: float = 7.0  # ended records older than this are dropped from the file
     http: HttpLimits = field(default_factory=HttpLimits)
+    taeh3: Path | None = None  # serve --taeh3: the file the loader reads TAEH3 from (checked by command.py)
 
     def __post_init__(self) -> None:
         if not 1 <= self.queue_size <= 10_000:
@@ -185,7 +188,8 @@ class Service:
                         models=describe_models(m), weights=self.config.weights,
                         memory=memory_report(m.device), supported=self.supported, vram_budget_auto=m.auto_budget,
                         limits=vars(self.limits), input_dir=str(self.inputs.root) if self.inputs else None,
-                        output_dir=str(self.outputs.root))
+                        output_dir=str(self.outputs.root),
+                        draft_decoder=None if m.taeh3 is None else Path(m.taeh3.source).name)
         return ready, body
 
     # ------------------------------------------------------------------ jobs
@@ -214,6 +218,9 @@ class Service:
         if req.mode not in self.models.modes:
             raise RequestError(400, f"{req.mode} needs a DiT partition this service did not load; it serves "
                                     f"{', '.join(self.models.modes)}")
+        if req.decoder == "taeh3" and self.models.taeh3 is None:
+            raise RequestError(400, "decoder taeh3 needs the TAEH3 file, and this service was started without "
+                                    "--taeh3 PATH; use decoder vae", param="decoder")
         attention = self._choose_attention(req)
         if req.recipes:
             self._check_recipes(req.recipes)
@@ -254,16 +261,21 @@ class Service:
             raise RequestError(404, f"no job {job_id}") from None
 
     def preview_png(self, job_id: str) -> bytes:
-        """PNG of the job's newest sampling-step preview (a 4-frame strip); 404 before the first step."""
+        """PNG of the job's newest sampling-step preview (a 4-frame strip); 404 before the first step. With TAEH3
+        loaded the strip's frames are decoded pictures (each from the few latent frames up to it, here on the
+        thread that serves the request), else the false-colour view of the latents."""
         job = self.queue.get(job_id)
         if job is None:
             raise RequestError(404, f"no job {job_id}")
         latents = job.preview_latents
         if latents is None:
             raise RequestError(404, f"job {job_id} has no preview yet (one comes after each sampling step)")
-        from ..h3_model.pipeline.preview import png_bytes, preview_image
+        from ..h3_model.pipeline.preview import decoded_strip, png_bytes, preview_image
 
-        return png_bytes(preview_image(latents, 768, frames=4))
+        taeh3 = self.models.taeh3
+        if taeh3 is not None:
+            return png_bytes(decoded_strip(taeh3, latents, PREVIEW_SIZE, frames=PREVIEW_FRAMES))
+        return png_bytes(preview_image(latents, PREVIEW_SIZE, frames=PREVIEW_FRAMES))
 
     def _choose_attention(self, req: JobRequest):
         """The job's own attention, resolved once for its DiT's heads: the request fails now, not in the worker,

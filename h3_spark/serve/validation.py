@@ -37,6 +37,8 @@ Fields (defaults in brackets):
                      (t2va; the canvas and length are the clip's), with `mask` and/or `regenerate_seconds`
   mask               "<image in --input-dir>" at the clip's size: the region to make anew (non-black pixels)
   regenerate_seconds [start, end]: the span of time to make anew (picture and sound)
+  decoder            vae | taeh3 [vae]: taeh3 decodes the clip (each window of a film) with the tiny temporal
+                     decoder, a draft; only on a service started with --taeh3 PATH
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from ..errors import H3Error
 from ..h3_model import geometry
 from ..h3_model.compose.guides import GUIDE_KINDS, MAX_GUIDES
 from ..h3_model.dit.layout import check_references
-from ..h3_model.pipeline.generation import MAX_STEPS, MODES
+from ..h3_model.pipeline.generation import DECODERS, MAX_STEPS, MODES
 from ..h3_model.pipeline.step_cache import (DEFAULT_END_PERCENT, DEFAULT_START_PERCENT, DEFAULT_SUBSAMPLE,
                                             DEFAULT_THRESHOLD)
 from ..h3_model.pipeline.step_cache import MODES as CACHE_MODES
@@ -59,7 +61,7 @@ REFERENCE_KINDS = ("image", "video", "audio")
 FIELDS = ("mode", "prompt", "references", "first_frame", "last_frame", "output", "overwrite", "width", "height",
           "frames", "steps", "seed", "attention", "cache_mode", "cache_threshold", "cache_start_percent",
           "cache_end_percent", "cache_subsample_factor", "recipes", "guides", "guide_strength", "audio_guide_strength",
-          "seconds", "shots", "continue", "repaint", "mask", "regenerate_seconds")
+          "seconds", "shots", "continue", "repaint", "mask", "regenerate_seconds", "decoder")
 MAX_SHOTS = 32
 MAX_RECIPES = 4
 
@@ -131,6 +133,7 @@ class JobRequest:
     mask: str | None = None
     regenerate_seconds: tuple[float, float] | None = None
     audio_guide_strength: float | None = None
+    decoder: str = "vae"  # the video decoder (pipeline.generation.DECODERS)
 
     @property
     def is_film(self) -> bool:
@@ -143,7 +146,8 @@ class JobRequest:
     def public(self) -> dict:
         """What the job record shows of its request."""
         out = {k: getattr(self, k) for k in ("mode", "prompt", "output", "overwrite", "width", "height", "frames",
-                                             "steps", "seed", "attention", "first_frame", "last_frame")}
+                                             "steps", "seed", "attention", "first_frame", "last_frame",
+                                             "decoder")}
         out["references"] = [{"kind": k, "path": p} for k, p in self.references]
         c = self.cache
         out["cache"] = {"mode": c.mode, "threshold": c.threshold, "start_percent": c.start_percent,
@@ -274,6 +278,7 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
     except H3Error as exc:
         raise _bad(str(exc)) from None
     attention = _choice(body, "attention", ATTENTION_BACKENDS, None)
+    decoder = _choice(body, "decoder", DECODERS, "vae")
 
     cache_mode = _choice(body, "cache_mode", CACHE_MODES, "off")
     try:
@@ -294,7 +299,7 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
             raise _bad(f"recipe {name}: {evaluations} evaluations exceed this service's {limits.max_steps - 1}")
     return JobRequest(mode, prompt, output, references, first, last, overwrite, width, height, frames, steps, seed,
                       attention, cache, recipes, guides, guide_strength, shots, continue_from, repaint, mask, span,
-                      audio_guide_strength)
+                      audio_guide_strength, decoder)
 
 
 def _level(body: dict, name: str, released: str) -> float | None:

@@ -394,18 +394,25 @@ class Engine:
     def sample(self, dit, request, schedule, seed: int, **kwargs):
         return self.pipeline.sample(dit, request, schedule, seed, **kwargs)
 
-    def use_draft_decoder(self, path) -> None:
-        """Decode every clip with TAEH3 from `path` (a draft: its frames, not the VAE's; the audio VAE as before);
-        None goes back to the video VAE."""
+    def load_taeh3(self, path) -> None:
+        """Load TAEH3 from `path` (madebyollin/taehv's taeh3.safetensors, checked to be the temporal decoder) for
+        the requests that choose decoder "taeh3" (drafts: its frames, not the VAE's; the audio VAE as before) and
+        for decoded previews; None drops it. The video VAE stays every other request's decoder."""
         if path is None:
-            self.pipeline.draft_decoder = None
+            self.pipeline.taeh3 = None
             return
         from ..vae.tiny_decoder import load_tiny_decoder
 
-        self.pipeline.draft_decoder = load_tiny_decoder(path, device=self.options.device, dtype=self.options.vae_dtype)
+        self.pipeline.taeh3 = load_tiny_decoder(path, device=self.options.device, dtype=self.options.vae_dtype)
 
-    def decode_video(self, latents: torch.Tensor, tile_size: int | None = 256, on_frames=None) -> torch.Tensor:
-        return self.pipeline.decode_video(latents, tile_size, on_frames)
+    @property
+    def taeh3(self):
+        """The loaded TAEH3 decoder (its file in `.source`), or None."""
+        return self.pipeline.taeh3
+
+    def decode_video(self, latents: torch.Tensor, tile_size: int | None = 256, on_frames=None,
+                     decoder: str = "vae") -> torch.Tensor:
+        return self.pipeline.decode_video(latents, tile_size, on_frames, decoder)
 
     def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
         return self.pipeline.decode_audio(latents)

@@ -34,6 +34,9 @@ from .sampler import SamplingRequest, StepInfo, sample
 from .scheduler import AUDIO_SHIFT, VIDEO_SHIFT, JointSchedule, Schedule, custom_sigmas
 
 MODES = ("t2va", "fl2va", "ref2va")
+# The video decoders a request may choose: the full video VAE, or TAEH3 (vae/tiny_decoder.py), a draft of the same
+# frames from the tiny temporal decoder, which an engine holds only once it has loaded one (Engine.load_taeh3).
+DECODERS = ("vae", "taeh3")
 MAX_STEPS = 1000
 DEFAULT_ENCODE_TILE = 256  # pixels; encode_condition's own default
 
@@ -103,6 +106,7 @@ class GenerationRequest:
     # Set by apply_recipes for recipe pdd: each evaluation's mix of the DiT's head bank (pipeline/pdd.py).
     head_schedule: object | None = None
     recipes: list[dict] = field(default_factory=list)
+    decoder: str = "vae"  # one of DECODERS
 
     def _reference_counts(self) -> tuple[int, int, int]:
         """(images, videos, audio labels) as the presentation will number them (keyframes are pictures)."""
@@ -129,6 +133,8 @@ class GenerationRequest:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.decoder not in DECODERS:
+            raise InputError(f"decoder must be one of {', '.join(DECODERS)}, got {self.decoder!r}")
         check_prompt(self.mode, self.prompt)
         if self.sigmas is None and not 2 <= self.steps <= MAX_STEPS:
             raise InputError(f"steps must be between 2 and {MAX_STEPS}, got {self.steps}")
@@ -222,8 +228,8 @@ class Pipeline:
         # of the DiT); a resident service must keep them for other step counts.
         self.release_adaln = release_adaln
         self.decode = decode
-        # --decoder taeh3: the whole clip through TAEH3 (vae/tiny_decoder.py) instead of the video VAE, for drafts.
-        self.draft_decoder = None
+        # TAEH3 (vae/tiny_decoder.py), for the requests that choose decoder "taeh3" (drafts); None until loaded.
+        self.taeh3 = None
         # Under sequence parallelism every rank samples in lockstep; the video decode's windows are then
         # shared out over the ranks (bit-identical to one process).
         self.decode_group = decode_group
@@ -257,8 +263,10 @@ class Pipeline:
     # ------------------------------------------------------------------ the whole generation
     def _generate(self, req: GenerationRequest, report, cancel, on_frames=None) -> GenerationResult:
         timings: dict[str, float] = {}
-        info: dict = {"mode": req.mode, "seed": req.seed}
+        info: dict = {"mode": req.mode, "seed": req.seed, "decoder": req.decoder}
         dit = self.c.dit_for(req.mode)
+        if self.decode and req.decoder == "taeh3":  # refused now, not at the decode after the sampling
+            self._loaded_taeh3()
         if self.decode and self.c.vae is not None:  # checked here, not at the decode after the sampling
             from ..vae.video_config import DEFAULT_TILE_MIN_OVERLAP
             from ..vae.video_tiling import check_tiling
@@ -345,7 +353,7 @@ class Pipeline:
             return GenerationResult(empty, torch.empty(2, 0), result.video_latents, result.audio_latents, timings, info)
         t0 = time.perf_counter()
         report(Progress("video_decode"))
-        video = self.decode_video(result.video_latents, req.vae_tile_size, on_frames)
+        video = self.decode_video(result.video_latents, req.vae_tile_size, on_frames, decoder=req.decoder)
         timings["video_decode"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         report(Progress("audio_decode"))
@@ -510,18 +518,27 @@ class Pipeline:
                       attention_schedule=attention_schedule, head_schedule=head_schedule)
 
     def decode_video(self, latents: torch.Tensor, tile_size: int | None = 256,
-                     on_frames: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Normalised video latents (1, C, T, h, w) -> uint8 frames (F, H, W, 3); with a draft decoder, its frames
-        (as many and as large as the VAE's, decoded and streamed to `on_frames` a few latent frames at a time)."""
+                     on_frames: Callable[[torch.Tensor], None] | None = None, decoder: str = "vae") -> torch.Tensor:
+        """Normalised video latents (1, C, T, h, w) -> uint8 frames (F, H, W, 3). `decoder` "taeh3": TAEH3's draft
+        of them (as many frames and as large as the VAE's, decoded and streamed to `on_frames` a few latent frames
+        at a time)."""
+        if decoder not in DECODERS:
+            raise InputError(f"decoder must be one of {', '.join(DECODERS)}, got {decoder!r}")
         vae = self._need(self.c.vae, "the video VAE")
-        if self.draft_decoder is not None:
+        if decoder == "taeh3":
             from ..vae.tiny_decoder import decode_draft
 
-            return decode_draft(latents, self.draft_decoder, vae.config, on_frames=on_frames)
+            return decode_draft(latents, self._loaded_taeh3(), vae.config, on_frames=on_frames)
         with self.visit(vae):
             return vae.decode_to_buffer(vae.denormalize(latents), tile_size=tile_size, group=self.decode_group,
                                         on_frames=None if on_frames is None else
                                         (lambda chunk: on_frames(chunk[0])))[0]
+
+    def _loaded_taeh3(self):
+        if self.taeh3 is None:
+            raise InputError("no TAEH3 decoder is loaded: decoder taeh3 needs the tiny temporal decoder's file "
+                             "(madebyollin/taehv's taeh3.safetensors) given at load (--taeh3 PATH)")
+        return self.taeh3
 
     def decode_audio(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalised audio latents (2, C, T) -> stereo float32 (2, samples) at 32 kHz on the CPU."""

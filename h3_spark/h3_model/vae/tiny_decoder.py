@@ -183,6 +183,7 @@ def load_tiny_decoder(path: str | Path, device="cpu", dtype=torch.float32) -> Ti
         model.decoder.load_state_dict(decoder)
     except RuntimeError as exc:
         raise CheckpointError(f"{path.name}: {str(exc).splitlines()[0]}") from None
+    model.source = path  # what a report names it by
     return model.to(device=device, dtype=dtype).eval()
 
 
