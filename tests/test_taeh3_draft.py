@@ -157,6 +157,13 @@ def test_generate_with_the_taeh3_decoder(taeh3, demo_models, tmp_path, capsys, _
     assert "decoder taeh3" in summary["approximate_paths"]
     info = media.probe(out)
     assert info["frames"] == 124 and (info["width"], info["height"]) == (64, 64)
+    # A film's windows decode with it too, and its summary says so.
+    film = tmp_path / "draft-film.mp4"
+    assert main(["generate", "--demo", "--demo-dir", str(demo_models), "--steps", "2", "--width", "64", "--height",
+                 "64", "--seconds", "16", "--decoder", "taeh3", "--taeh3", str(taeh3), "--out", str(film)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["decoder"] == "taeh3" and summary["frames"] == 384 and summary["exact"] is False
+    assert "decoder taeh3" in summary["approximate_paths"] and len(summary["windows"]) == 2
 
 
 @pytest.mark.parametrize("argv, message", [

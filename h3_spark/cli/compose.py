@@ -221,7 +221,7 @@ def film_summary(args, engine, result, kernels: dict, exactness: dict, options) 
             "windows": result.info["windows"], "total_s": result.info["total_s"], "mux_s": result.info["mux_s"],
             "load_s": {k: round(v, 3) for k, v in engine.load_seconds.items()},
             "attention": kernels.get("attention", {}).get("chosen"),
-            "linear": kernels.get("linear", {}).get("format"), **exactness}
+            "linear": kernels.get("linear", {}).get("format"), "decoder": args.decoder, **exactness}
 
 
 def parse_repaint(args):

@@ -143,7 +143,8 @@ def run_film(args, engine, req, film_plan, progress, rank: int, options) -> int:
     if result is not None and not args.quiet:
         kernels = engine.kernel_reports[_dit_key(req.mode)]
         print(json.dumps(film_summary(args, engine, result, kernels,
-                                      exactness(kernels, step_cache is not None, req.recipes), options)))
+                                      exactness(kernels, step_cache is not None, req.recipes, req.decoder),
+                                      options)))
     return 0
 
 
@@ -368,7 +369,8 @@ def summarize(args, engine, req, result, options, world: int) -> dict:
                "load_s": {k: round(v, 3) for k, v in engine.load_seconds.items()},
                "attention": kernels.get("attention", {}).get("chosen"),
                "linear": kernels.get("linear", {}).get("format"),
-               **exactness(kernels, req.step_cache is not None, req.recipes), "decoder": result.info["decoder"],
+               **exactness(kernels, req.step_cache is not None, req.recipes, result.info["decoder"]),
+               "decoder": result.info["decoder"],
                "vae_attention": (vae_kernels or {}).get("attention", {}).get("chosen")}
     if "step_cache" in result.info:
         summary["step_cache"] = result.info["step_cache"]
@@ -388,9 +390,6 @@ def summarize(args, engine, req, result, options, world: int) -> dict:
     # Beside the GPU's: under a VRAM budget the streamed weights wait in host memory, and a container is
     # stopped on its cgroup's count (page cache and pinned buffers included), not on the GPU's.
     summary.update(host_memory_report())
-    if result.info["decoder"] == "taeh3":
-        summary["exact"] = False
-        summary["approximate_paths"] = [*summary["approximate_paths"], "decoder taeh3"]
     notes = load_notes(engine)
     if notes:
         summary["load_notes"] = notes
@@ -444,11 +443,12 @@ def preview_writer(folder: Path | None, every: int):
     return write
 
 
-def exactness(kernels: dict, step_cache: bool, recipes: list[dict] = ()) -> dict:
-    """The summary's "exact" and "approximate_paths": a step cache or a recipe is approximate whatever the kernels
-    are; the recipes are listed with their values."""
+def exactness(kernels: dict, step_cache: bool, recipes: list[dict] = (), decoder: str = "vae") -> dict:
+    """The summary's "exact" and "approximate_paths": a step cache, a recipe or the TAEH3 draft decoder is
+    approximate whatever the kernels are; the recipes are listed with their values."""
     approximate = list(kernels.get("approximate_paths", [])) + (["step_cache"] if step_cache else [])
     approximate += [f"recipe {r['name']}" for r in recipes]
+    approximate += ["decoder taeh3"] if decoder == "taeh3" else []
     out = {"exact": kernels.get("exact") is True and not approximate, "approximate_paths": approximate}
     if recipes:
         out["recipes"] = list(recipes)
