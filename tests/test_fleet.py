@@ -92,6 +92,12 @@ def test_a_config_file_gives_each_replica_its_serve_flags(tmp_path):
                                              "--queue-size", "9")
     assert config.gpus_per_replica == 0 and config.port == 8123 and config.host == "127.0.0.2"
     assert config.env == {"H3_ATTENTION": "sdpa"}
+    # The front checks uploads and steps against the strictest replica's limits (any may take the job).
+    strict = config_from_mapping({"replicas": [{"name": "a", "serve": {"max_input_mb": 8, "keep_days": 3}},
+                                               {"name": "b", "serve": {"max_steps": 12}}],
+                                  "serve": {"output_dir": str(tmp_path)}}, "t")
+    limits, keep_days = strict.front_limits()
+    assert (limits.max_input_file_bytes, limits.max_steps, keep_days) == (8 << 20, 12, 3.0)
     (tmp_path / "bad.yaml").write_text("replicas: [1\n")
     with pytest.raises(InputError, match=r"bad.yaml: not valid YAML at line 2$"):
         load_config(tmp_path / "bad.yaml")

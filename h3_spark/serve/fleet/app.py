@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..command import allowed_hosts
 from . import require_ray
-from .config import FleetConfig, Secret, load_config, serve_parser
+from .config import FleetConfig, Secret, load_config
 
 APP_NAME = "h3-spark-fleet"
 # Router -> replica calls in flight: status polls and job polls must never wait behind each other.
@@ -38,13 +38,14 @@ def build_fleet(config: FleetConfig, api_key=None):
              .bind(spec.name, list(spec.serve_argv), config.threads_per_replica) for spec in config.replicas]
     router = serve.deployment(serve.ingress(None)(Router), name="router", num_replicas=1,
                               max_ongoing_requests=ROUTER_MAX_ONGOING, ray_actor_options={"num_cpus": 0})
+    limits, keep_days = config.front_limits()
     settings = {"replicas": [spec.name for spec in config.replicas], "poll_seconds": config.poll_seconds,
                 "call_timeout_seconds": config.call_timeout_seconds, "lost_after_seconds": config.lost_after_seconds,
                 "api_key": Secret(api_key) if api_key is not None else None,
                 "allowed_hosts": allowed_hosts(config.host, None), "state_file": check_state_file(config),
-                # The soonest any replica drops an ended record: what a video's expires_at says.
-                "keep_days": min(serve_parser().parse_args(list(spec.serve_argv)).keep_days
-                                 for spec in config.replicas)}
+                # The soonest any replica drops an ended record (what a video's expires_at says), and the strictest
+                # upload and step limits: checked at the front, whichever replica then takes the job.
+                "keep_days": keep_days, "limits": limits}
     return router.bind(settings, *bound)
 
 

@@ -85,6 +85,16 @@ class FleetConfig:
     def state_file(self) -> Path | None:
         return None if self.state_dir is None else Path(self.state_dir) / ROUTER_STATE_FILE
 
+    def front_limits(self):
+        """(validation.Limits, keep_days) the router applies at the front: the strictest of the replicas', since
+        any of them may take a job (an upload checked against one replica's larger limit could land on another)."""
+        from ..validation import Limits
+
+        parsed = [serve_parser().parse_args(list(spec.serve_argv)) for spec in self.replicas]
+        limits = Limits(max_steps=min(p.max_steps for p in parsed),
+                        max_input_file_bytes=min(p.max_input_mb for p in parsed) << 20)
+        return limits, min(p.keep_days for p in parsed)
+
     @property
     def threads_per_replica(self) -> int:
         """Torch threads of a CPU replica: its CPU share, so replicas on one host do not fight over cores."""

@@ -72,7 +72,7 @@ class Router:
         self.timeout = settings["call_timeout_seconds"]
         self.lost_after = settings["lost_after_seconds"]
         self.api_key = settings.get("api_key")  # config.Secret (a token, or token -> auth.Client) or None
-        self.limits = Limits()
+        self.limits = settings.get("limits") or Limits()  # the replicas' strictest (FleetConfig.front_limits)
         self.http = settings.get("http") or HttpLimits()
         # The /v1/ routes: how long an ended video's record is kept (the replicas' --keep-days), and the folder its
         # uploads go to (the ledger's, which the replicas share).
