@@ -5,6 +5,13 @@ u = 1 - j/32 (video s = 12: g(j) = 12(32-j) / (384-11j); audio s = 3: g(j) = 3(3
 (the boundaries are fp64; a step's fp32 ends snap to them). The mixed head against a plain fp64 mean of the
 heads' outputs: rel L2 <= 1e-6 (fp32 einsum). A forward through the bank against forwards through each head:
 rel L2 <= 1e-5 (the same trunk, fp32 heads).
+
+ComfyUI's converted layout (block 0 a whole head, block j > 0 head j - head 0, flattened into `set_weight` /
+`set_bias`) against the released file of the same seed: the heads bit-equal (fp32 offsets of bf16 heads subtract
+and add back exactly here; in general head 0 + (head j - head 0) in fp32 is within 2^-24 (2|h_j| + |h_0|) of
+h_j, checked on fp32 heads); block 0 and the offsets stored in bf16 within 2^-8 (|h_j - h_0| + |h_0|) +
+2^-23 |h_j|. The merged trunk and the sampled velocities: rel L2 <= 1e-6 (bit-equal here; the fused qkv pair
+multiplies through zero blocks).
 """
 
 import json
@@ -136,6 +143,16 @@ def pdd_file(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("pdd") / "pdd-tiny.safetensors"
     assert main(["make-checkpoint", str(out), "--component", "pdd", "--preset", "tiny", "--seed", "3"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def comfy_pdd_file(tmp_path_factory):
+    """The same seed's file as ComfyUI's converted layout, by make-checkpoint's own command."""
+    from h3_spark.cli import main
+
+    out = tmp_path_factory.mktemp("pdd") / "pdd-tiny-comfy.safetensors"
+    assert main(["make-checkpoint", str(out), "--component", "pdd", "--layout", "comfy", "--seed", "3"]) == 0
     return out
 
 
@@ -291,33 +308,45 @@ def test_the_sampler_gives_each_step_its_mix_and_refuses_a_bank_without_the_reci
     assert seen == PddHeads(HEADS).mixes(JointSchedule.create(9, 12.0, 3.0))
 
 
-def test_generate_recipe_pdd_runs_eight_steps_through_the_real_loaders(demo_models, pdd_file, tmp_path, capsys,
-                                                                       monkeypatch):
+def test_generate_recipe_pdd_runs_eight_steps_through_the_real_loaders(demo_models, pdd_file, comfy_pdd_file,
+                                                                       tmp_path, capsys, monkeypatch):
+    """Both layouts of one seed, through generate: the same steps, and the same velocities out of the heads."""
     from h3_spark.cli import main
+    from h3_spark.h3_model.dit.head_bank import MixedHead
 
     pytest.importorskip("av")
     monkeypatch.setenv("H3_MODULATION_FUSION", "off")
     monkeypatch.setenv("H3_Q_RMS_ROPE_INT8_FUSION", "off")
-    steps = []
-    mixed = HeadBank.mixed
+    steps, velocities = [], []
+    mixed, call = HeadBank.mixed, MixedHead.__call__
     monkeypatch.setattr(HeadBank, "mixed", lambda self, mix: steps.append(mix) or mixed(self, mix))
-    out = tmp_path / "pdd.mp4"
-    code = main(["generate", "--demo-dir", str(demo_models), "--width", "64", "--height", "64", "--out", str(out),
-                 "--recipe", "pdd", "--lora", str(pdd_file)])
-    cap = capsys.readouterr()
-    assert code == 0, cap.err
-    summary = json.loads(cap.out.strip().splitlines()[-1])
-    assert (summary["evaluations"], summary["video_shift"], summary["audio_shift"]) == (8, 12.0, 3.0)
-    assert summary["recipes"] == [{"name": "pdd", "evaluations": 8, "video_shift": 12.0, "audio_shift": 3.0}]
-    assert "recipe pdd" in summary["approximate_paths"] and out.is_file()
-    assert steps == PddHeads(HEADS).mixes(JointSchedule.create(9, 12.0, 3.0))
+    monkeypatch.setattr(MixedHead, "__call__", lambda self, x: velocities.append(call(self, x)) or velocities[-1])
+    runs = {}
+    for name, lora in (("released", pdd_file), ("comfy", comfy_pdd_file)):
+        steps.clear(), velocities.clear()
+        out = tmp_path / f"pdd-{name}.mp4"
+        code = main(["generate", "--demo-dir", str(demo_models), "--width", "64", "--height", "64", "--out", str(out),
+                     "--recipe", "pdd", "--lora", str(lora)])
+        cap = capsys.readouterr()
+        assert code == 0, cap.err
+        summary = json.loads(cap.out.strip().splitlines()[-1])
+        assert (summary["evaluations"], summary["video_shift"], summary["audio_shift"]) == (8, 12.0, 3.0)
+        assert summary["recipes"] == [{"name": "pdd", "evaluations": 8, "video_shift": 12.0, "audio_shift": 3.0}]
+        assert "recipe pdd" in summary["approximate_paths"] and out.is_file()
+        assert steps == PddHeads(HEADS).mixes(JointSchedule.create(9, 12.0, 3.0))
+        runs[name] = list(velocities)
+    assert len(runs["comfy"]) == len(runs["released"]) == 16  # 8 steps x (video, audio)
+    for a, b in zip(runs["comfy"], runs["released"]):
+        assert rel_l2(a, b) <= 1e-6
 
 
 def test_make_checkpoint_pdd_errors(tmp_path, capsys):
     from h3_spark.cli import main
 
     for argv, message in (([str(tmp_path / "p.safetensors"), "--format", "nvfp4"], "--component pdd takes only "
-                                                                                    "--preset, --seed and --force"),
+                           "--preset, --layout released|comfy, --seed and --force"),
+                          ([str(tmp_path / "p.safetensors"), "--layout", "diffusers"], "--component pdd takes only "
+                           "--preset, --layout released|comfy, --seed and --force"),
                           ([str(tmp_path / "p.gguf")], "a PDD LoRA is one file; give a path ending in .safetensors")):
         assert main(["make-checkpoint", *argv, "--component", "pdd"]) == 2
         assert message in capsys.readouterr().err
@@ -373,3 +402,142 @@ def test_the_bank_is_held_in_buffers_outside_the_state_dict(pdd_file):
     assert not any(n.startswith("head_bank.") for n in model.state_dict())
     assert {n for n, _ in model.named_buffers() if n.startswith("head_bank.")} == {
         "head_bank.video_weight", "head_bank.video_bias", "head_bank.audio_weight", "head_bank.audio_bias"}
+
+
+# ------------------------------------------------------------------------------ ComfyUI's converted layout
+def _tensors(path):
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def test_the_converted_file_holds_head_0_and_offsets_on_comfyuis_names(comfy_pdd_file, pdd_file):
+    t, meta = _tensors(comfy_pdd_file)
+    released, _ = _tensors(pdd_file)
+    bank = "diffusion_model.final_layer."
+    assert {k: tuple(v.shape) for k, v in t.items() if k.startswith(bank)} == {
+        bank + "video_out.set_weight": (32 * 16, 24), bank + "video_out.set_bias": (32 * 16,),
+        bank + "audio_out.set_weight": (32 * 8, 24), bank + "audio_out.set_bias": (32 * 8,)}
+    assert {t[k].dtype for k in t if k.startswith(bank)} == {torch.float32}
+    # 2 blocks x (qkv_proj, out_proj, fc1, fc2, adaln_proj.linear) + 2 refiner blocks x 4, each A, B and alpha.
+    assert len(t) == 3 * (2 * 5 + 2 * 4) + 4 and (meta["pdd_num_steps"], meta["pdd_block_size"]) == ("32", "4")
+    qkv = "diffusion_model.blocks.1.attn.qkv_proj"
+    assert t[f"{qkv}.lora_A.weight"].shape == (12, 24) and t[f"{qkv}.lora_B.weight"].shape == (96, 12)
+    assert float(t[f"{qkv}.alpha"]) == 12.0 and float(t["diffusion_model.token_refiner.blocks.0.mlp.fc1.alpha"]) == 4.0
+    assert has_head_bank(comfy_pdd_file)
+    # ComfyUI's rule, worked here: head 0 is block 0, head j is block 0 + block j, in fp32.
+    for flat, heads, outputs in (("video_out.set_weight", "proj_out.weight", 16),
+                                 ("audio_out.set_bias", "audio_proj_out.bias", 8)):
+        blocks = t[bank + flat].reshape(32, outputs, *t[bank + flat].shape[1:])
+        want = released[heads].float()
+        assert torch.equal(blocks[0], want[0])
+        assert all(torch.equal(blocks[0] + blocks[j], want[j]) for j in range(1, 32))
+
+
+def test_the_converted_file_reads_as_the_released_one(comfy_pdd_file, pdd_file):
+    torch.manual_seed(0)
+    released = H3DiT(TINY)
+    comfy = H3DiT(TINY)
+    comfy.load_state_dict(released.state_dict())
+    report = apply_loras(comfy, [LoraSpec(comfy_pdd_file)])[0]
+    apply_loras(released, [LoraSpec(pdd_file)])
+    assert report["merged"] == 26 and report["head_bank"] == 32  # q, k and v of one fused pair: 26 deltas
+    for name in ("video_weight", "video_bias", "audio_weight", "audio_bias"):
+        assert torch.equal(getattr(comfy.head_bank, name), getattr(released.head_bank, name)), name
+    ours = dict(comfy.named_parameters())
+    for name, p in released.named_parameters():
+        assert rel_l2(ours[name], p) <= 1e-6, name
+    check_recipes(parse_recipes(["pdd"]), "cpu", None, loras=[LoraSpec(comfy_pdd_file)])  # told from its header
+    a = _sampling(released.eval(), head_schedule=PddHeads(HEADS))
+    b = _sampling(comfy.eval(), head_schedule=PddHeads(HEADS))
+    assert rel_l2(b.video_latents, a.video_latents) <= 1e-6 and rel_l2(b.audio_latents, a.audio_latents) <= 1e-6
+
+
+def test_offsets_add_back_to_the_heads_within_the_fp32_and_bf16_bounds():
+    from h3_spark.h3_model.checkpoint.pdd import offset_blocks, whole_heads
+
+    heads = torch.randn(32, 16, 24, generator=torch.Generator().manual_seed(4)) * torch.logspace(-6, 0, 24)
+    back = whole_heads(offset_blocks(heads))
+    assert torch.equal(back[0], heads[0])
+    bound = 2.0 ** -24 * (2 * heads.abs() + heads[:1].abs())
+    assert ((back - heads).abs() <= bound).all()
+    assert not torch.equal(back, heads)  # fp32 heads of spread magnitudes do not all come back bit for bit
+    stored = whole_heads(offset_blocks(heads).bfloat16())  # a converted file that kept its offsets in bf16
+    bound = 2.0 ** -8 * ((heads - heads[:1]).abs() + heads[:1].abs()) + 2.0 ** -23 * heads.abs()
+    assert ((stored - heads).abs() <= bound).all() and rel_l2(stored, heads) > 1e-4
+
+
+def _converted(tmp_path, comfy_pdd_file, name="bad.safetensors", drop=(), meta=None, **tensors):
+    t, metadata = _tensors(comfy_pdd_file)
+    t = {k: v for k, v in t.items() if k not in drop}
+    t.update({f"diffusion_model.final_layer.{k.replace('__', '.')}": v for k, v in tensors.items()})
+    path = tmp_path / name
+    save_file(t, str(path), {**metadata, **(meta or {})})
+    return path
+
+
+_V, _A = "diffusion_model.final_layer.video_out", "diffusion_model.final_layer.audio_out"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(video_out__set_weight=torch.randn(32 * 16 + 3, 24)),
+     f"{_V}.set_weight [515, 24] is not a whole number of this DiT's video heads (515 rows, 16 per head)"),
+    (dict(audio_out__set_bias=torch.randn(32 * 8 - 1)),
+     f"{_A}.set_bias [255] is not a whole number of this DiT's audio heads (255 rows, 8 per head)"),
+    (dict(video_out__set_weight=torch.randn(512, 48), audio_out__set_weight=torch.randn(256, 48)),
+     f"the head bank is for a DiT of width 48 ({_V}.set_weight [512, 48]), and this DiT is 24 wide"),
+    (dict(audio_out__set_weight=torch.randn(31 * 8, 24), audio_out__set_bias=torch.randn(31 * 8)),
+     f"the head bank's tensors disagree on the head count: {_V}.set_weight 32, {_V}.set_bias 32, "
+     f"{_A}.set_weight 31, {_A}.set_bias 31"),
+    (dict(video_out__set_weight=torch.randn(16 * 16, 24), video_out__set_bias=torch.randn(16 * 16),
+          audio_out__set_weight=torch.randn(16 * 8, 24), audio_out__set_bias=torch.randn(16 * 8)),
+     "the head bank holds 16 heads, but its metadata pdd_num_steps says 32"),
+    (dict(__drop__=(f"{_A}.set_bias",)),
+     f"a PDD head bank needs {_V}.set_weight, {_V}.set_bias, {_A}.set_weight, {_A}.set_bias; it lacks {_A}.set_bias"),
+    (dict(__drop__=(f"{_V}.set_weight",), **{"proj_out.weight": torch.randn(32, 16, 24)}),
+     "the head bank mixes the released layout (proj_out.weight, proj_out.bias, audio_proj_out.weight, "
+     "audio_proj_out.bias) with ComfyUI's flattened one (final_layer.video_out.set_weight, "
+     "final_layer.video_out.set_bias, final_layer.audio_out.set_weight, final_layer.audio_out.set_bias): a file "
+     "holds one"),
+])
+def test_a_converted_bank_that_does_not_fit_is_refused_before_any_weight_changes(tmp_path, comfy_pdd_file, edit,
+                                                                                 message):
+    edit = dict(edit)
+    drop = edit.pop("__drop__", ())
+    released = {k: edit.pop(k) for k in list(edit) if k.startswith("proj_out")}
+    path = _converted(tmp_path, comfy_pdd_file, drop=drop, **edit)
+    if released:
+        t, meta = _tensors(path)
+        save_file({**t, **released}, str(path), meta)
+    model = H3DiT(TINY)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CheckpointError) as err:
+        apply_loras(model, [LoraSpec(path)])
+    assert str(err.value) == f"{path}: {message}"
+    assert model.head_bank is None and all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_single_head_set_weight_is_not_a_bank(tmp_path):
+    """ComfyUI treats a one-head set_weight as a plain head; we do not replace heads: it is refused as a bank of 1."""
+    path = tmp_path / "one-head.safetensors"
+    save_file({f"{_V}.set_weight": torch.randn(16, 24), f"{_V}.set_bias": torch.randn(16),
+               f"{_A}.set_weight": torch.randn(8, 24), f"{_A}.set_bias": torch.randn(8)}, str(path))
+    with pytest.raises(CheckpointError) as err:
+        apply_loras(H3DiT(TINY), [LoraSpec(path)])
+    assert str(err.value) == (f"{path}: the head bank holds 1 heads, but PDD banks hold 32 (one per interval of the "
+                              "trained grid)")
+
+
+def test_make_pdd_lora_writes_a_full_size_converted_header(tmp_path, monkeypatch):
+    from h3_spark.h3_model.checkpoint import pdd
+    from h3_spark.h3_model.dit.config import FULL
+
+    written = {}
+    monkeypatch.setattr(pdd, "write_groups", lambda path, groups, metadata, progress: written.update(
+        {name: (dtype, shape) for g in groups for name, dtype, shape in g.entries}) or 0)
+    make_pdd_lora(tmp_path / "full.safetensors", FULL, rank=64, layout="comfy")
+    assert len(written) == 3 * (50 * 5 + 2 * 4) + 4
+    assert written[f"{_V}.set_weight"] == ("F32", (32 * 96, 5376)) and written[f"{_A}.set_bias"] == ("F32", (32 * 32,))
+    assert written["diffusion_model.blocks.49.attn.qkv_proj.lora_B.weight"] == ("BF16", (3 * 7168, 192))
+    assert written["diffusion_model.token_refiner.blocks.1.mlp.fc2.lora_A.weight"] == ("BF16", (64, 14336))
+    with pytest.raises(InputError, match="a PDD LoRA is written in the released or comfy layout, not diffusers"):
+        make_pdd_lora(tmp_path / "x.safetensors", FULL, rank=64, layout="diffusers")

@@ -47,7 +47,8 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                                    "tiny: the demo's 2) and, beside it, the tokenizer folder that loading it needs. "
                                    "--component pdd writes a PDD acceleration LoRA for the preset's DiT: the trunk "
                                    "LoRA pairs and the 32-head bank per modality under the published names (rank 64 "
-                                   "full, 4 tiny; bf16), for --lora with --recipe pdd.")
+                                   "full, 4 tiny; bf16), or with --layout comfy the same values as ComfyUI's converted "
+                                   "file holds them, for --lora with --recipe pdd.")
     p.add_argument("out", help="output: a .safetensors file (comfy layouts), a .gguf file (gguf:<TYPE> formats) or "
                                "a folder (diffusers, released)")
     p.add_argument("--component", choices=COMPONENTS, default="dit", help="which model to write")
@@ -71,9 +72,11 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "mixes gguf:Q4_K_M / gguf:Q2_K_M: a .gguf file as llama.cpp converts Qwen3-VL's text model "
                         "(llama.cpp's names, no vision tower: text prompts only). VAEs are written as published "
                         "(video fp16 comfy / fp32 diffusers, audio fp32)")
-    p.add_argument("--layout", choices=["comfy", "comfy-pruned", "diffusers", "released"], default="comfy",
-                   help="released: the folder MiniMaxAI's per-mode download holds (transformer/, video_vae/ or "
-                        "audio_vae/ of FL2VA/ and Ref2VA/)")
+    p.add_argument("--layout", choices=["comfy", "comfy-pruned", "diffusers", "released"], default=None,
+                   help="default comfy (pdd: released). released: the folder MiniMaxAI's per-mode download holds "
+                        "(transformer/, video_vae/ or audio_vae/ of FL2VA/ and Ref2VA/); for --component pdd the "
+                        "file Alibaba PAI published, and comfy ComfyUI's converted file (trunk on ComfyUI's names, "
+                        "the head bank as flattened set_weight / set_bias, later heads as offsets from head 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu",
                    help="draw and quantize the DiT's or text encoder's tensors there (cuda: minutes instead of an "
@@ -308,25 +311,28 @@ def _progress_printer():
 
 
 def _run_pdd(args) -> int:
-    """A PDD LoRA: one .safetensors file, the published names and shapes for the preset's DiT."""
+    """A PDD LoRA: one .safetensors file, the published (or ComfyUI's converted) names and shapes for the preset's
+    DiT."""
     from ..errors import InputError
-    from ..h3_model.checkpoint.pdd import PDD_RANK, make_pdd_lora
+    from ..h3_model.checkpoint.pdd import LAYOUTS, PDD_RANK, make_pdd_lora
     from ..h3_model.dit.config import preset
 
-    if args.format != "bf16" or args.layout != "comfy" or args.quantize_refiner or args.fasth3 \
+    if args.format != "bf16" or args.layout not in LAYOUTS or args.quantize_refiner or args.fasth3 \
             or args.curve_grid is not None or args.curve_rank is not None or args.device != "cpu":
-        raise InputError("--component pdd takes only --preset, --seed and --force (the published PDD files are one "
-                         "bf16 .safetensors file)")
+        raise InputError("--component pdd takes only --preset, --layout released|comfy, --seed and --force (the "
+                         "published PDD files are one .safetensors file)")
     out = Path(args.out)
     stale = check_output(out, "comfy", args.force)
     start = time.perf_counter()
     rank = PDD_RANK[args.preset]
     with replacing(stale):
-        size = make_pdd_lora(out, preset(args.preset), rank=rank, seed=args.seed, progress=_progress_printer())
+        size = make_pdd_lora(out, preset(args.preset), rank=rank, seed=args.seed, layout=args.layout,
+                             progress=_progress_printer())
     if sys.stderr.isatty():
         print(file=sys.stderr)
-    print(json.dumps({"out": str(out), "component": args.component, "preset": args.preset, "rank": rank,
-                      "seed": args.seed, "bytes": size, "seconds": round(time.perf_counter() - start, 3)}))
+    print(json.dumps({"out": str(out), "component": args.component, "preset": args.preset, "layout": args.layout,
+                      "rank": rank, "seed": args.seed, "bytes": size,
+                      "seconds": round(time.perf_counter() - start, 3)}))
     return 0
 
 
@@ -347,6 +353,8 @@ def run(args) -> int:
     from ..h3_model.checkpoint.make import CURVE_DEFAULTS, make_dit_checkpoint
     from ..h3_model.dit.config import preset
 
+    if args.layout is None:  # a PDD file's published form is Alibaba PAI's, every other component's ComfyUI's
+        args.layout = "released" if args.component == "pdd" else "comfy"
     if args.component == "text_encoder":
         return _run_text_encoder(args)
     if args.component == "taeh3":

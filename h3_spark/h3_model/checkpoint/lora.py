@@ -10,9 +10,9 @@ Accepted key styles (all map to our diffusers-named parameters):
 - full deltas `.diff` (weight) / `.diff_b` (bias);
 - full replacement tensors for pruned checkpoints (`adaln_proj.linear.weight|bias`, `adaln_t_table`,
   also written `.set_weight`), merged as base + strength * (new - base).
-- a PDD head bank beside the pairs (pdd.py: `proj_out.weight` [32, 96, 5376], ...), installed whole on the
-  DiT (`head_bank`) for recipe pdd to mix per step; pairs written without `.weight` (`...to_q.lora_down`) as
-  PDD files have them.
+- a PDD head bank beside the pairs (pdd.py: `proj_out.weight` [32, 96, 5376], ..., or ComfyUI's converted
+  `final_layer.video_out.set_weight` [32 x 96, 5376], ...), installed whole on the DiT (`head_bank`) for recipe
+  pdd to mix per step; pairs written without `.weight` (`...to_q.lora_down`) as PDD files have them.
 
 A fused qkv LoRA shares lora_A and splits lora_B into q, k, v (stacked, or per-head interleaved
 for DiffSynth's peft dumps); an original-named fc1 LoRA swaps the halves of lora_B, `.diff` and
