@@ -49,6 +49,27 @@ def test_a_film_past_one_generation_is_made_in_windows(demo_models, tmp_path, ca
     assert info["frames"] == 384 and info["audio_duration"] == pytest.approx(16.0, abs=1e-3)
 
 
+@pytest.mark.parametrize("argv", [["--recipe", "turbo"], ["--cache-mode", "easycache", "--steps", "6"]])
+def test_a_recipe_or_a_step_cache_runs_in_every_window(argv, demo_models, tmp_path, capsys, monkeypatch):
+    from h3_spark.h3_model.engine.engine import Engine
+
+    requests = []
+    real = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, req, *a, **k: requests.append(req) or real(self, req, *a, **k))
+    code = main(["generate", "--demo", "--demo-dir", str(demo_models), "--width", "64", "--height", "64",
+                 "--seconds", "16", *argv, "--out", str(tmp_path / "film.mp4")])
+    cap = capsys.readouterr()
+    assert code == 0, cap.err
+    summary = json.loads(cap.out.strip().splitlines()[-1])
+    assert len(summary["windows"]) == len(requests) == 2 and summary["exact"] is False
+    if argv[0] == "--recipe":
+        assert summary["recipes"][0]["name"] == "turbo" and "recipe turbo" in summary["approximate_paths"]
+        assert all(r.recipes[0]["name"] == "turbo" and (r.steps, r.video_shift) == (9, 6.0) for r in requests)
+    else:  # a fresh cache per window: its state belongs to one generation
+        assert requests[0].step_cache is not requests[1].step_cache
+        assert all("step_cache" in w for w in summary["windows"]) and "step_cache" in summary["approximate_paths"]
+
+
 def test_shots_each_start_afresh(demo_models, tmp_path, capsys):
     out = tmp_path / "shots.mp4"
     summary = _generate(capsys, demo_models, "--shot", "1:a fox runs", "--shot", "1.5:a crow lands", "--out",

@@ -216,6 +216,28 @@ def test_fasth3_runs_a_generation_in_four_evaluations_of_vsa(engine, monkeypatch
     assert not torch.equal(dense.video_latents, result.video_latents)
 
 
+def test_fasth3_runs_inside_a_films_windows(engine, monkeypatch):
+    """Each window of a film runs the recipe's 4 VSA evaluations; a window that goes on tiles its history and
+    first-frame guide as prefix runs of their own (more prefix tiles, the same video tiles)."""
+    from h3_spark.h3_model.compose.film import Film, Shot, render_film
+    from h3_spark.h3_model.compose.windows import plan_film
+
+    bound = []
+    for_layout = VsaSchedule.for_layout
+    monkeypatch.setattr(VsaSchedule, "for_layout", lambda self, *a: bound.append(for_layout(self, *a)) or bound[-1])
+    dit = engine.components.dit
+    base = apply_recipes(parse_recipes(["fasth3"]), _req(width=64, height=64, seed=1), dit, "cpu", KernelSettings())
+    plan = plan_film([400])
+    chunks = []
+    result = render_film(engine.generate, base, Film(plan, [Shot(base.prompt, 400)], {}, None, 64, 64),
+                         on_frames=chunks.append)
+    assert sum(c.shape[0] for c in chunks) == 400 and len(result.info["windows"]) == 2
+    first, second = (b.attention for b in bound)
+    assert first.calls == second.calls == 4 * dit.config.num_layers
+    assert second.tiles.num_video_tiles == first.tiles.num_video_tiles
+    assert second.tiles.num_prefix_tiles > first.tiles.num_prefix_tiles
+
+
 # ------------------------------------------------------------------------------------------ set-up errors
 @pytest.mark.parametrize("texts, message", [
     (["fasth3:sparsity=1"], r"^recipe fasth3: sparsity must be in \[0, 1\), got 1\.0$"),
