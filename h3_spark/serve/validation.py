@@ -271,12 +271,16 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
                    "continue")
     steps = _int(body, "steps", 50, 2, limits.max_steps)
     seed = _int(body, "seed", 0, 0, 2 ** 63 - 1)
+    # The field named in an OpenAI-style error (`param`): the /v1/ routes' names for the canvas and the length.
     try:
         if width is not None:
             geometry.check_canvas(width, height, max_pixels=limits.max_pixels)
+    except H3Error as exc:
+        raise RequestError(400, str(exc), param="size") from None
+    try:
         geometry.snap_frames(frames)
     except H3Error as exc:
-        raise _bad(str(exc)) from None
+        raise RequestError(400, str(exc), param="seconds" if "seconds" in body else "frames") from None
     attention = _choice(body, "attention", ATTENTION_BACKENDS, None)
     decoder = _choice(body, "decoder", DECODERS, "vae")
 
