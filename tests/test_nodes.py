@@ -1163,6 +1163,13 @@ def test_add_guide_chains_stills_clips_and_sounds_the_sampler_takes(models, monk
         loose = [[cond[0][0], {**cond[0][1], key: 0.5}]]
         moved = node("H3SparkSampler").sample(model, loose, latent, 3, STEPS, 12.0, 3.0)[0]["samples"]
         assert not torch.equal(moved[index], out["samples"][index])
+    # Our node sets them: a level other than the released one becomes the conditioning's; the released one
+    # leaves what the conditioning said.
+    assert "minimax_visual_cond_noise_aug" not in cond[0][1] and "minimax_audio_cond_noise_aug" not in cond[0][1]
+    strong, _ = add(cond, latent, vae, 0, image=image(5), guide_strength=0.6, audio_guide_strength=0.7)
+    assert (strong[0][1]["minimax_visual_cond_noise_aug"], strong[0][1]["minimax_audio_cond_noise_aug"]) == (0.6, 0.7)
+    kept, _ = add(strong, latent, vae, 10, image=image(6))
+    assert kept[0][1]["minimax_visual_cond_noise_aug"] == 0.6 and len(kept[0][1]["minimax_keyframes"]) == 4
     with pytest.raises(InputError, match="H3 Add Guide needs an image"):
         add(cond, latent, vae, 0)
     with pytest.raises(InputError, match=r"guide 1 \(image\): frame 200 is outside the 124-frame clip"):

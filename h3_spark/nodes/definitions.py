@@ -302,7 +302,17 @@ class H3AddGuide:
                                                             "longest 17k+5 (5, 22, 39, ...); it must end in the "
                                                             "clip."}),
                              "audio": ("AUDIO", {"tooltip": "A sound from the guide's frame on; it must fit in "
-                                                            "what remains of the clip."})}}
+                                                            "what remains of the clip."}),
+                             "guide_strength": ("FLOAT", {
+                                 "default": 0.999, "min": 0.001, "max": 1.0, "step": 0.001,
+                                 "tooltip": "The level this conditioning's pictures (every guide and keyframe at "
+                                            "once, as ComfyUI's minimax_visual_cond_noise_aug) are held at: 0.999 as "
+                                            "released; lower holds them more loosely. Left at 0.999 it keeps what "
+                                            "the conditioning already says."}),
+                             "audio_guide_strength": ("FLOAT", {
+                                 "default": 1.0, "min": 0.001, "max": 1.0, "step": 0.001,
+                                 "tooltip": "The same for its sounds (minimax_audio_cond_noise_aug): 1.0, clean, as "
+                                            "released."})}}
 
     RETURN_TYPES = ("CONDITIONING", "LATENT")
     RETURN_NAMES = ("positive", "latent")
@@ -310,8 +320,10 @@ class H3AddGuide:
     CATEGORY = f"{CATEGORY}/conditioning"
     TITLE = "H3 Add Guide"
 
-    def add(self, positive, latent, vae, frame_idx, image=None, audio=None):
-        return _engine().add_guide(positive, latent, vae, frame_idx, image, audio)
+    def add(self, positive, latent, vae, frame_idx, image=None, audio=None, guide_strength=0.999,
+            audio_guide_strength=1.0):
+        return _engine().add_guide(positive, latent, vae, frame_idx, image, audio, guide_strength,
+                                   audio_guide_strength)
 
 
 class H3ExtendVideo:

@@ -21,6 +21,7 @@ from ..h3_model import geometry
 from ..h3_model.engine.engine import Engine
 from ..h3_model.engine.job_attention import running
 from ..h3_model.engine.shared_dit import kernels_line, use_kernels, use_loras
+from ..h3_model.pipeline.scheduler import CONDITION_AUDIO_T, CONDITION_VIDEO_T
 from ..h3_model.text.prompt import check_prompt
 from ..kernels.settings import DEFAULT_TILE_BATCH
 from . import host, payload
@@ -319,10 +320,13 @@ def ref2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, heigh
     return payload.make_conditioning(embeds, tags, refs=blocks), _empty(vae, width, height, frames)
 
 
-def add_guide(conditioning, latent, vae: VAEHandle, frame_idx: int, image=None, audio=None):
+def add_guide(conditioning, latent, vae: VAEHandle, frame_idx: int, image=None, audio=None,
+              guide_strength: float = CONDITION_VIDEO_T, audio_guide_strength: float = CONDITION_AUDIO_T):
     """A still (one IMAGE frame), a clip (5 or more frames, cut to the longest 17k+5 as ComfyUI's AddGuide cuts
     them) and/or a sound pinned at `frame_idx` (negative: from the end) of the LATENT's clip, appended to the
-    conditioning's guides (`minimax_keyframes`, which the H3 sampler and ComfyUI's own read alike)."""
+    conditioning's guides (`minimax_keyframes`, which the H3 sampler and ComfyUI's own read alike). A strength
+    other than the released level sets the conditioning's (ComfyUI's names, one value for all its conditions); at
+    the released level the conditioning keeps what it says."""
     from ..h3_model.compose.guides import Guide, prepare_guides
     from ..h3_model.media.refs import PreparedReference
 
@@ -353,6 +357,10 @@ def add_guide(conditioning, latent, vae: VAEHandle, frame_idx: int, image=None, 
             block["audio_latent"] = payload.audio_to_comfy(sound)
     (embeds, extras), = conditioning
     extras = {**extras, payload.KEYFRAMES: [*(extras.get(payload.KEYFRAMES) or []), block]}
+    for key, level, released in ((payload.VISUAL_LEVEL, guide_strength, CONDITION_VIDEO_T),
+                                 (payload.AUDIO_LEVEL, audio_guide_strength, CONDITION_AUDIO_T)):
+        if level != released:
+            extras[key] = float(level)
     return [[embeds, extras]], latent
 
 
