@@ -39,6 +39,9 @@ if sys.argv[2] == "read-whole-file-first":
 stored = sys.argv[2].startswith("stored")
 model = load_dit(sys.argv[1], dtype=torch.bfloat16, stored=stored)
 size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+import ctypes, gc
+gc.collect()
+ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the system: what the model holds, not the allocator
 loaded = anon() - before
 if sys.argv[2] in ("stream-blocks", "stored-stream-blocks"):
     # A VRAM budget's placement (CPU standing in for the GPU): one block resident, the rest packed into host
@@ -90,11 +93,11 @@ def test_a_quantized_file_kept_stored_adds_almost_nothing(tmp_path, fmt):
     stored = _probe(out, "stored")
     dense = _probe(out, "stream")
     assert stored["model"] < 0.7 * dense["model"]
-    # The probe's RSS reading varies run to run (50-102 MB for this NVFP4 file, before and after the format
-    # layer; 96.9 MB in two clean-clone runs): the bound leaves room for that noise, still far below the dense
-    # load's > 0.7 x model.
-    assert stored["after_load"] <= 0.4 * stored["model"] + 32e6, stored
-    assert dense["after_load"] > 0.7 * dense["model"], dense
+    # Read after the freed heap is handed back (malloc_trim): 33-39 MB for these files, steady run to run (without
+    # the trim the reading wandered between 46 and 106 MB, the allocator's free lists). The dense control adds
+    # ~0.71 x its model (the dequantized linears; the file's bf16 tensors stay views).
+    assert stored["after_load"] <= 0.25 * stored["model"] + 16e6, stored
+    assert dense["after_load"] > 0.6 * dense["model"], dense
 
 
 def test_streaming_stored_blocks_packs_their_stored_bytes(tmp_path):
