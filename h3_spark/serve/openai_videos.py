@@ -24,7 +24,7 @@ from pathlib import Path
 from ..errors import H3Error
 from ..h3_model import geometry
 from ..h3_model.pipeline.generation import MODES
-from .validation import RequestError
+from .validation import FIELDS, RequestError
 
 MODEL = "h3"
 PREFIX = "video_"
@@ -39,10 +39,7 @@ EXTENSION_UPLOAD_FIELDS = ("video",)
 # The names a field of the peers' (SGLang, vLLM-Omni) arrives under, and ours.
 _ALIASES = {"task": "mode", "num_inference_steps": "steps", "num_frames": "frames", "duration": "seconds"}
 # /generate fields a /v1/ create passes on as they are (its output is the service's to name).
-_PASSED = ("mode", "steps", "seed", "frames", "width", "height", "references", "first_frame", "last_frame", "guides",
-           "guide_strength", "audio_guide_strength", "recipes", "attention", "cache_mode", "cache_threshold",
-           "cache_start_percent", "cache_end_percent", "cache_subsample_factor", "shots", "continue", "repaint",
-           "mask", "regenerate_seconds", "decoder")
+_PASSED = tuple(f for f in FIELDS if f not in ("prompt", "output", "overwrite", "seconds"))
 _OURS = ("prompt", "model", "seconds", "size", "n", "user", "input_reference", "aspect_ratio", "fps", "extra_params")
 CREATE_FIELDS = _OURS + _PASSED + tuple(_ALIASES)
 # Form fields are text: these are read as numbers or JSON (a recipe list may also be NAME,NAME).
