@@ -23,6 +23,7 @@ from h3_spark.h3_model.checkpoint import load_dit  # noqa: E402
 from h3_spark.h3_model.checkpoint.make import make_dit_checkpoint  # noqa: E402
 from h3_spark.h3_model.dit import layout  # noqa: E402
 from h3_spark.h3_model.dit.config import TINY  # noqa: E402
+from gguf_files import rewrite_gguf  # noqa: E402
 from oracle import text_tags  # noqa: E402
 
 # Rows of 256 values: every block linear takes Q3_K (the published repack's type) without an F16 fallback.
@@ -32,19 +33,7 @@ K_ALIGNED = dataclasses.replace(TINY, hidden_size=256, num_attention_heads=2, at
 
 def _relabel(src, dst, arch, *, replace=None):
     """src's tensors (stored bytes as they are) under `arch`; `replace` swaps a tensor for another array."""
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, arch)
-    for t in reader.tensors:
-        if replace and t.name in replace:
-            writer.add_tensor(t.name, replace[t.name])
-            continue
-        raw = None if t.tensor_type.name in ("F32", "F16") else t.tensor_type
-        writer.add_tensor(t.name, np.array(t.data), raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
+    return rewrite_gguf(src, dst, arch, replace=replace)
 
 
 @pytest.fixture(scope="module")

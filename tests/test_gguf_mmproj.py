@@ -26,6 +26,7 @@ gguf = pytest.importorskip("gguf")
 
 from h3_spark.cli import main  # noqa: E402
 from h3_spark.errors import CheckpointError, InputError  # noqa: E402
+from gguf_files import rewrite_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -117,24 +118,7 @@ def test_generate_fl2va_with_a_gguf_text_encoder_and_its_mmproj(files, demo_mode
 
 def _copy(src, dst, *, fields=None):
     """src (an mmproj) again, its tensors as stored, with key/values replaced by `fields`."""
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, "clip")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = (fields or {}).get(key, field.contents())
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, value, field.types[0], sub_type=field.types[-1])
-        else:
-            writer.add_key_value(key, value, field.types[0])
-    for t in reader.tensors:
-        raw = None if t.tensor_type.name in ("F32", "F16") else t.tensor_type
-        writer.add_tensor(t.name, np.array(t.data), raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
+    return rewrite_gguf(src, dst, "clip", copy_fields=True, fields=fields)
 
 
 def _one_line(exc_info, text):
