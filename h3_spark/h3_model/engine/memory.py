@@ -381,7 +381,13 @@ def planned_bytes(plan: dict, options) -> int | None:
     total, config = 0, None
     for name, source in plan.items():
         if callable(source):
-            return None  # built in memory (synthetic, a host's own): nothing to read the size from
+            # Built in memory: a synthetic builder sizes itself from its config; a host's own cannot be sized.
+            size = getattr(source, "planned_bytes", None)
+            if size is None:
+                return None
+            total += size()
+            config = getattr(source, "dit_config", None) or config
+            continue
         if name in ("dit", "dit_ref"):
             reader = open_dit(source, partition="t2va" if name == "dit" else "ref2va")
             try:
