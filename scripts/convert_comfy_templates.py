@@ -45,14 +45,21 @@ def outputs(source: Path) -> dict[Path, str]:
     return files, conversion
 
 
+def cell(text: str) -> str:
+    """Table text as markdown shows it: a prompt's <Picture 2> is not an HTML tag."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+
+
 def readme(conversions) -> str:
     lines = ["# Comfy-Org's MiniMax H3 templates on h3-spark nodes", "",
              f"Made by `scripts/convert_comfy_templates.py` from {PACKAGE} {PINNED} (`h3-spark convert-workflow`; "
              "docs/comfyui.md). The API prompts in `workflows/api/templates/` exist for the templates that convert "
-             "completely.", "", "| template | converted | not carried (node id, type: why) |", "|---|---|---|"]
+             "completely.", "", "| template | converted | not carried (node id, type: why) | changed, warnings |", "|---|---|---|---|"]
     for name, conversion in conversions:
-        missing = "<br>".join(f"[{e['id']}] {e['type']}: {e['detail']}" for e in conversion.not_carried) or "-"
-        lines.append(f"| `{name}` | {'complete' if conversion.complete else 'partly'} | {missing} |")
+        missing = "<br>".join(cell(f"[{e['id']}] {e['type']}: {e['detail']}") for e in conversion.not_carried) or "-"
+        notes = "<br>".join(map(cell, [*conversion.settings.get("settings_not_carried", []),
+                                       *conversion.settings.get("warnings", [])])) or "-"
+        lines.append(f"| `{name}` | {'complete' if conversion.complete else 'partly'} | {missing} | {notes} |")
     return "\n".join(lines) + "\n"
 
 

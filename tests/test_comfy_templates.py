@@ -151,22 +151,31 @@ def test_the_multiframe_template_guides_at_36_72_and_120_in_order(converted):
     assert guides[::-1] == EXPECTED["video_minimax_h3_multiframe_reference"]["guides"]
 
 
+def test_a_prompt_naming_guide_pictures_is_flagged(converted, tmp_path, capsys):
+    """The multiframe template's prompt calls its three guides <Picture 2..4>; ComfyUI's AddGuide does not show
+    them to the text encoder, and h3-spark refuses a prompt naming a picture it is not given: said up front."""
+    conversion, _, _ = converted["video_minimax_h3_multiframe_reference"]
+    assert conversion.settings["warnings"] == [
+        "[136] MiniMaxH3ReferenceToVideo: the prompt names <Picture 2>, <Picture 3>, <Picture 4>, but the text "
+        "encoder is given 1 picture(s) (guide pictures are not shown to it): h3-spark refuses this prompt when it "
+        "runs"]
+    assert not any("warnings" in converted[n][0].settings for n in EXPECTED if "multiframe" not in n)
+    assert cli_main(["convert-workflow", str(TEMPLATES / "video_minimax_h3_multiframe_reference.json"), "--out",
+                     str(tmp_path / "m.json"), "--api"]) == 0
+    assert "warning: [136] MiniMaxH3ReferenceToVideo: the prompt names <Picture 2>" in capsys.readouterr().err
+
+
 def enable_lora(graph: dict) -> dict:
-    """The template with its "Enable ... LoRA" boolean switched on, wherever the template keeps it."""
+    """The template with its LoRA switch on, wherever the template keeps it: a "... LoRA" boolean node, or the
+    BOOLEAN subgraph input labelled turbo_mode / enable_turbo_lora that the instance sets."""
     graph = copy.deepcopy(graph)
-    definitions = [*graph["nodes"]] + [n for sg in graph.get("definitions", {}).get("subgraphs", [])
-                                       for n in sg["nodes"]]
-    for node in definitions:
+    subgraphs = {sg["id"]: sg for sg in graph.get("definitions", {}).get("subgraphs", [])}
+    for node in graph["nodes"]:
         if node["type"] == "PrimitiveBoolean" and "LoRA" in (node.get("title") or ""):
-            node["widgets_values"] = [True]
-            node["widgets_values_named"] = {"value": True}
-    for node in graph["nodes"]:  # a subgraph instance's own value for its turbo switch input
-        named = node.get("widgets_values_named") or {}
-        labels = {i.get("name"): i.get("label", "") for i in node.get("inputs", [])}
-        for key in named:
-            if "turbo" in labels.get(key, "") and isinstance(named[key], bool) or key == "value" and \
-                    isinstance(named[key], bool):
-                named[key] = True
+            node["widgets_values"], node["widgets_values_named"] = [True], {"value": True}
+        for item in subgraphs.get(node["type"], {}).get("inputs", []):
+            if item.get("type") == "BOOLEAN" and "turbo" in (item.get("label") or ""):
+                node["widgets_values_named"][item["name"]] = True
     return graph
 
 
@@ -344,3 +353,13 @@ def test_the_output_is_not_written_over_the_template(tmp_path):
     src = tmp_path / "t.json"
     src.write_text((TEMPLATES / "video_minimax_h3_t2v.json").read_text())
     assert cli_main(["convert-workflow", str(src), "--out", str(src)]) == 2
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_a_graph_saved_without_named_widget_values_converts_the_same(name, converted):
+    """The packaged templates name each widget value; a graph saved by ComfyUI's frontend lists them by position
+    only. Both read the same."""
+    graph = load(name)
+    for node in [*graph["nodes"], *(n for sg in graph.get("definitions", {}).get("subgraphs", []) for n in sg["nodes"])]:
+        node.pop("widgets_values_named", None)
+    assert convert_graph(graph, name)[1] == converted[name][1]

@@ -40,6 +40,8 @@ def run(args) -> int:
         print(f"not carried: [{entry['id']}] {entry['type']}: {entry['detail']}", file=sys.stderr)
     for change in conversion.settings.get("settings_not_carried", []):
         print(f"changed: {change}", file=sys.stderr)
+    for warning in conversion.settings.get("warnings", []):
+        print(f"warning: {warning}", file=sys.stderr)
     if args.strict and not conversion.complete:
         raise InputError(f"{source}: {len(conversion.not_carried)} node(s) cannot be carried (listed above); "
                          f"nothing written (--strict)")

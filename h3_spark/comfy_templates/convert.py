@@ -10,6 +10,7 @@ template's, and the report says so by node id and type)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ..errors import InputError
@@ -173,11 +174,13 @@ class Converter:
         inputs = {"images": Link(decode.id, 0), "filename_prefix": prefix, "fps": int(round(fps)), "crf": 18}
         if audio is not None:
             inputs["audio"] = audio
-        save = self.add("H3SparkSaveVideo", inputs, "H3 Save Video", out.key)
+        self.add("H3SparkSaveVideo", inputs, "H3 Save Video", out.key)
         self.settings.update(filename_prefix=prefix, fps=fps)
         if float(fps) != round(float(fps)):
             self.not_carried(create.key, f"fps {fps} is not a whole number (H3 Save Video takes an INT)")
-        del save
+        for name in ("format", "codec"):
+            if out.widgets.get(name, "auto") not in ("auto", "mp4", "h264"):
+                self.not_carried_setting(out, f"{name} {out.widgets[name]!r}: H3 Save Video writes H.264 + AAC mp4")
 
     def save_image(self, out) -> None:
         images, _ = self.node(self.graph.param(out.key, "images"), where=f"{out.describe()}.images")
@@ -474,6 +477,16 @@ class Converter:
         self.settings["prompt"] = prompt
         return prompt
 
+    def check_mentions(self, node, prompt: str, pictures: int) -> None:
+        """Warn when the prompt names a <Picture i> the text encoder is not given: h3-spark's conditioning
+        nodes refuse such a prompt when they run (ComfyUI's own leave the label as plain text)."""
+        named = sorted({int(n) for n in re.findall(r"<Picture (\d+)>", prompt)} - set(range(1, pictures + 1)))
+        if named:
+            labels = ", ".join(f"<Picture {n}>" for n in named)
+            self.settings.setdefault("warnings", []).append(
+                f"{node.describe()}: the prompt names {labels}, but the text encoder is given {pictures} "
+                f"picture(s) (guide pictures are not shown to it): h3-spark refuses this prompt when it runs")
+
     def image(self, source, where: str) -> Link | None:
         followed = self.fold.follow(source)
         if followed is None:
@@ -513,6 +526,7 @@ class Converter:
         inputs = {"text_encoder": Link(encoder.id, 0), "vae": Link(self.vae_loader().id, 0), "prompt": prompt,
                   **canvas, **frames}
         self.settings["keyframes"] = sorted(frames)
+        self.check_mentions(node, prompt, len(frames))
         return self.add("H3SparkFirstLastFrameToVideo", inputs, "H3 First-Last Frame to Video", node.key).id
 
     def reference_to_video(self, node) -> int:
@@ -548,6 +562,7 @@ class Converter:
             inputs[f"image_{index}"] = link
             self.settings["references"].append(self.file_of(link))
         self.settings["reference_size"] = size
+        self.check_mentions(node, prompt, min(len(refs), 4))
         return self.add("H3SparkReferenceToVideo", inputs, "H3 Reference to Video", node.key).id
 
     def add_guide(self, node) -> int:
