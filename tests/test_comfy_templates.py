@@ -363,3 +363,13 @@ def test_a_graph_saved_without_named_widget_values_converts_the_same(name, conve
     for node in [*graph["nodes"], *(n for sg in graph.get("definitions", {}).get("subgraphs", []) for n in sg["nodes"])]:
         node.pop("widgets_values_named", None)
     assert convert_graph(graph, name)[1] == converted[name][1]
+
+
+def test_an_embedding_stays_in_the_prompt_as_written():
+    """Style embeddings are named in the prompt as `embedding:NAME` (the templates' notes); carried verbatim."""
+    graph = load("video_minimax_h3_r2v")
+    prompt = next(n for n in graph["nodes"] if n["type"] == "PrimitiveStringMultiline")
+    text = "embedding:minimaxh3_art_is_explosion, <Picture 1> fights <Picture 2> over the city."
+    prompt["widgets_values"], prompt["widgets_values_named"] = [text], {"value": text}
+    _, api, _ = convert_graph(graph, "r2v")
+    assert one(api, "H3SparkReferenceToVideo")["prompt"] == text
