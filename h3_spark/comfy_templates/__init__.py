@@ -3,7 +3,8 @@
 `ui_graph` reads a UI workflow with its subgraphs opened, `folding` evaluates the helper nodes of newer ComfyUI
 releases into plain values (`expression` is the Math Expression node's arithmetic, without eval), `convert`
 maps the graph onto h3-spark nodes and gives every template node its fate in a report, `writers` writes the
-result as an API prompt or a UI workflow. None of it imports torch or ComfyUI."""
+result as an API prompt or a UI workflow (node classes read from the pack's own definitions). ComfyUI is not
+imported: the converter runs wherever h3-spark is installed."""
 
 from __future__ import annotations
 

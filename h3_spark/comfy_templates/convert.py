@@ -14,29 +14,23 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import InputError
+from ..h3_model import geometry
+from ..nodes.definitions import TEXT_LAYER
 from .folding import FOLDED, Folder
 from .ui_graph import BYPASSED, MUTED, FlatGraph, Out, Value
 
 H3_TYPE_PREFIX = "MiniMaxH3"
 # Defaults the h3-spark loaders take where the template has no counterpart (our shipped workflows' choices).
 TOKENIZER = "qwen3vl_tokenizer/"
-TEXT_LAYER = 50
 AUDIO_VAE = "minimax_h3_audio_vae_fp32.safetensors"
-SHIFTS = (12.0, 3.0)  # the model's own, when the template installs no MiniMaxH3SigmaShift
 ATTENTION = {"comfy kitchen attention": "ck_int8", "pytorch attention": "sdpa"}
 WEIGHT_DTYPES = {"default": "bfloat16"}
 SAMPLERS = ("euler", "res_multistep")
 SCHEDULERS = ("h3", "simple", "beta", "normal")
 # BlockSparseAttention's settings that the VSA recipes run with; another value is not carried.
 VSA_FIXED = {"end_percent": 1, "dense_blocks": "", "min_tokens": 12288, "sink_conditioning": "exact_kv_and_rows"}
-ABSORBED = {"BasicGuider", "RandomNoise", "KSamplerSelect", "BasicScheduler", "SamplerCustomAdvanced",
-            "VAEDecodeAudio", "VAEDecode", "CreateVideo", "VAELoader", "LTXVSeparateAVLatent", "EmptyLatentImage",
-            "CLIPTextEncode"}
 NOTES = {"MarkdownNote", "Note"}
 UNUSED_WHEN_UNREACHED = FOLDED | {"LoraLoaderModelOnly"}
-# ComfyUI core nodes of 0.3.64 the converted graph carries unchanged: inputs -> outputs.
-CORE_NODES = {"LoadImage": (("image",), ("IMAGE", "MASK")), "SaveImage": (("images", "filename_prefix"), ()),
-              "LoadAudio": (("audio",), ("AUDIO",))}
 
 
 @dataclass
@@ -280,13 +274,14 @@ class Converter:
         model = self.model_chain(self.graph.param(guider.key, "model"), f"{guider.describe()}.model")
         # The scheduler's model decides the sigmas: its sigma shift is the one that counts.
         shift_chain = self.shifts(self.graph.param(sigmas.key, "model"))
-        shifts = shift_chain or model["shifts"] or SHIFTS
+        shifts = shift_chain or model["shifts"] or released_shifts()
         positive, latent = self.conditioning(guider, sca)
         recipe = model["recipe"]
-        inputs = {"model": model["link"], "positive": positive, "latent_image": latent, "seed": seed,
-                  "steps": steps, "shift_video": float(shifts[0]), "shift_audio": float(shifts[1]), "cache": "off",
-                  "cache_threshold": 0.0, "cache_start": 0.2, "cache_end": 0.9, "cache_subsample": 1,
-                  "recipe": recipe, "sampler_name": sampler_name, "scheduler": scheduler}
+        # The sampler's other settings (its step cache) at the node's own defaults: the templates have none.
+        inputs = {"model": model["link"], "positive": positive, "latent_image": latent,
+                  **declared_defaults("H3SparkSampler")}
+        inputs.update(seed=seed, steps=steps, shift_video=float(shifts[0]), shift_audio=float(shifts[1]),
+                      recipe=recipe, sampler_name=sampler_name, scheduler=scheduler)
         node = self.add("H3SparkSampler", inputs, "H3 Sampler", sca.key, properties={"seed_control": control})
         self.settings.update(seed=seed, seed_control=control, steps=steps, sampler_name=sampler_name,
                              scheduler=scheduler, shift_video=float(shifts[0]), shift_audio=float(shifts[1]),
@@ -303,6 +298,7 @@ class Converter:
             seen.add(followed.key)
             node = self.graph.nodes[followed.key]
             if node.type == "MiniMaxH3SigmaShift":
+                self.fate(node.key, "converted", "-> H3 Sampler shift_video / shift_audio")
                 return float(self.setting(node, "shift_video")), float(self.setting(node, "shift_audio"))
             if node.type == "UNETLoader":
                 return None
@@ -538,8 +534,6 @@ class Converter:
         canvas = self.canvas(node)
         prompt = self.prompt(node, "prompt")
         size = self.setting(node, "ref_image_size", "match")
-        from ..h3_model import geometry
-
         if size not in geometry.REFERENCE_POLICIES:
             self.not_carried_setting(node, f"ref_image_size {size!r} is not one of "
                                            f"{', '.join(geometry.REFERENCE_POLICIES)}; match used")
@@ -681,6 +675,29 @@ class Converter:
 
 class _NotCarried(Exception):
     """A branch of the template stops at a node h3-spark cannot run (already named in the report)."""
+
+
+def declared_defaults(class_type: str) -> dict:
+    """An h3-spark node's settings at their declared defaults (a combo at its first choice)."""
+    from ..nodes.definitions import NODE_CLASS_MAPPINGS
+
+    spec = NODE_CLASS_MAPPINGS[class_type].INPUT_TYPES()
+    defaults = {}
+    for group in ("required", "optional"):
+        for name, entry in spec.get(group, {}).items():
+            options = entry[1] if len(entry) > 1 else {}
+            if isinstance(entry[0], list) and entry[0]:
+                defaults[name] = options.get("default", entry[0][0])
+            elif "default" in options:
+                defaults[name] = options["default"]
+    return defaults
+
+
+def released_shifts() -> tuple[float, float]:
+    """The model's own shifts, which run when a template installs no MiniMaxH3SigmaShift."""
+    from ..h3_model.pipeline import scheduler
+
+    return scheduler.VIDEO_SHIFT, scheduler.AUDIO_SHIFT
 
 
 def _is_output(node) -> bool:

@@ -6,13 +6,13 @@ does not declare yet are written after them, so a graph made before a node gains
 
 from __future__ import annotations
 
-from .convert import CORE_NODES, Conversion, Link, TargetNode
+from .convert import Conversion, Link, TargetNode
 
 WIRE_TYPES = {"H3_MODEL", "H3_TEXT_ENCODER", "H3_VAE", "MODEL", "CONDITIONING", "LATENT", "IMAGE", "AUDIO", "MASK"}
 COLUMN, ROW_GAP, WIDTH = 420, 40, 360
-CORE_WIDGETS = {"LoadImage": [("image", "COMBO")], "SaveImage": [("filename_prefix", "STRING")],
-                "LoadAudio": [("audio", "COMBO")]}
-CORE_WIRES = {"LoadImage": [], "SaveImage": [("images", "IMAGE")], "LoadAudio": []}
+# ComfyUI core nodes (0.3.64) the converted graphs carry unchanged: (wire inputs, widgets, output types).
+CORE_NODES = {"LoadImage": ([], ["image"], ("IMAGE", "MASK")),
+              "SaveImage": ([("images", "IMAGE")], ["filename_prefix"], ())}
 
 
 def _classes():
@@ -24,8 +24,8 @@ def _classes():
 def _declared(class_type: str) -> tuple[list, list, tuple]:
     """(wire inputs [(name, type)], widget inputs [(name, options)], output types) as the class declares them."""
     if class_type in CORE_NODES:
-        widgets = [(name, {}) for name, _ in CORE_WIDGETS[class_type]]
-        return CORE_WIRES[class_type], widgets, CORE_NODES[class_type][1]
+        wires, widgets, outputs = CORE_NODES[class_type]
+        return wires, [(name, {}) for name in widgets], outputs
     cls = _classes()[class_type]
     spec = cls.INPUT_TYPES()
     wires, widgets = [], []
@@ -40,10 +40,6 @@ def _declared(class_type: str) -> tuple[list, list, tuple]:
     return wires, widgets, tuple(cls.RETURN_TYPES)
 
 
-def _active(nodes: list[TargetNode]) -> dict[int, TargetNode]:
-    return {node.id: node for node in nodes}
-
-
 def _through_bypass(link: Link, nodes: dict[int, TargetNode]) -> Link:
     """A link out of a bypassed node is its same-typed input's link (the API prompt has no bypassed nodes)."""
     while nodes[link.node].mode == 4:
@@ -55,7 +51,7 @@ def _through_bypass(link: Link, nodes: dict[int, TargetNode]) -> Link:
 
 
 def api_prompt(conversion: Conversion) -> dict:
-    nodes = _active(conversion.nodes)
+    nodes = {node.id: node for node in conversion.nodes}
     prompt = {}
     for node in conversion.nodes:
         if node.mode == 4:
