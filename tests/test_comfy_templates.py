@@ -373,3 +373,36 @@ def test_an_embedding_stays_in_the_prompt_as_written():
     prompt["widgets_values"], prompt["widgets_values_named"] = [text], {"value": text}
     _, api, _ = convert_graph(graph, "r2v")
     assert one(api, "H3SparkReferenceToVideo")["prompt"] == text
+
+
+# Inputs of H3 Sampler the converter writes before every pack declares them (ComfyUI drops undeclared values).
+PENDING_SAMPLER_INPUTS = ["sampler_name", "scheduler"]
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_the_ui_graphs_widget_values_line_up_with_the_nodes_widgets(name):
+    """Each node's widgets_values, read in its widgets' order, are valid values for them (ComfyUI's frontend
+    reads them by position): the committed UI graph against the pack's node definitions."""
+    from test_workflows import is_wire, options_of, signature, value_ok
+
+    ui = json.loads((ROOT / "workflows" / "templates" / f"{name}.json").read_text())
+    for node in ui["nodes"]:
+        if node["type"] in CORE:
+            assert node["widgets_values"] and all(isinstance(v, str) for v in node["widgets_values"])
+            continue
+        inputs, _ = signature(node["type"])
+        values = list(node["widgets_values"])
+        for input_name, (kind, _) in inputs.items():
+            if is_wire(kind):
+                continue
+            value, options = values.pop(0), options_of(node["type"], input_name)
+            one_frame = (node["type"], input_name, value) == ("H3SparkTextToVideo", "length", 1)
+            assert value_ok(kind, options, value, input_name) or (one_frame and options["min"] > 1), \
+                (node["type"], input_name, value)
+            if options.get("control_after_generate"):
+                assert values.pop(0) in ("fixed", "randomize")
+        if node["type"] == "H3SparkSampler":
+            pending = [i for i in PENDING_SAMPLER_INPUTS if i not in inputs]
+            assert len(values) == len(pending)  # written after the declared ones, in this order
+            values = []
+        assert not values, (node["type"], values)

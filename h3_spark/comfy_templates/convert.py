@@ -99,6 +99,13 @@ class Converter:
 
     # ---------------------------------------------------------------- bookkeeping
     def add(self, class_type: str, inputs: dict, title: str, source=None, **extra) -> TargetNode:
+        if class_type.startswith("H3Spark"):
+            # Every setting written, the ones the template has no word on at the node's declared defaults, so
+            # the UI graph's widget values line up with the node's widgets.
+            given = inputs
+            inputs = {k: v for k, v in given.items() if isinstance(v, Link)}
+            inputs.update({k: v for k, v in declared_defaults(class_type).items() if k not in inputs})
+            inputs.update(given)
         node = TargetNode(len(self.nodes) + 1, class_type, inputs, title, **extra)
         self.nodes.append(node)
         if source is not None:
@@ -277,11 +284,9 @@ class Converter:
         shifts = shift_chain or model["shifts"] or released_shifts()
         positive, latent = self.conditioning(guider, sca)
         recipe = model["recipe"]
-        # The sampler's other settings (its step cache) at the node's own defaults: the templates have none.
-        inputs = {"model": model["link"], "positive": positive, "latent_image": latent,
-                  **declared_defaults("H3SparkSampler")}
-        inputs.update(seed=seed, steps=steps, shift_video=float(shifts[0]), shift_audio=float(shifts[1]),
-                      recipe=recipe, sampler_name=sampler_name, scheduler=scheduler)
+        inputs = {"model": model["link"], "positive": positive, "latent_image": latent, "seed": seed,
+                  "steps": steps, "shift_video": float(shifts[0]), "shift_audio": float(shifts[1]),
+                  "recipe": recipe, "sampler_name": sampler_name, "scheduler": scheduler}
         node = self.add("H3SparkSampler", inputs, "H3 Sampler", sca.key, properties={"seed_control": control})
         self.settings.update(seed=seed, seed_control=control, steps=steps, sampler_name=sampler_name,
                              scheduler=scheduler, shift_video=float(shifts[0]), shift_audio=float(shifts[1]),
