@@ -185,6 +185,8 @@ def test_the_lora_switch_picks_the_lora_branch_and_its_steps(name, converted):
     _, _, ui = converted[name]
     off = [n for n in ui["nodes"] if n["type"] == "H3SparkLoraLoader"]
     assert [(n["mode"], n["widgets_values"]) for n in off] == [(4, [lora_name, strength])]  # carried, bypassed
+    if steps is not None:  # the steps the template's switch would give with it, on the node's title
+        assert off[0]["title"] == f"H3 LoRA Loader (off as in the template; on: H3 Sampler steps {steps})"
     _, api, _ = convert_graph(enable_lora(load(name)), name)
     lora = one(api, "H3SparkLoraLoader")
     assert (lora["lora_name"], lora["strength"]) == (lora_name, strength)

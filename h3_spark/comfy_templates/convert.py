@@ -96,6 +96,7 @@ class Converter:
         self.settings: dict = {"guides": [], "references": [], "images": [], "loras": []}
         self.vae_files: dict[str, str] = {}
         self.vae_properties: list = []
+        self.bypassed_loras: list[TargetNode] = []
 
     # ---------------------------------------------------------------- bookkeeping
     def add(self, class_type: str, inputs: dict, title: str, source=None, **extra) -> TargetNode:
@@ -288,6 +289,11 @@ class Converter:
                   "steps": steps, "shift_video": float(shifts[0]), "shift_audio": float(shifts[1]),
                   "recipe": recipe, "sampler_name": sampler_name, "scheduler": scheduler}
         node = self.add("H3SparkSampler", inputs, "H3 Sampler", sca.key, properties={"seed_control": control})
+        other_steps = self.steps_when_switched(self.graph.param(sigmas.key, "steps"))
+        if other_steps is not None:
+            self.settings["steps_when_switched"] = other_steps
+            for lora in self.bypassed_loras:  # what turning it on asks of the sampler, where the user sees it
+                lora.title = f"H3 LoRA Loader (off as in the template; on: H3 Sampler steps {other_steps})"
         self.settings.update(seed=seed, seed_control=control, steps=steps, sampler_name=sampler_name,
                              scheduler=scheduler, shift_video=float(shifts[0]), shift_audio=float(shifts[1]),
                              recipe=recipe, shifts_from_template=bool(shift_chain or model["shifts"]))
@@ -374,7 +380,21 @@ class Converter:
             self.fate(node.key, "unused", "the LoRA switch is off: an H3 LoRA Loader carries it bypassed",
                       loader.id)
         self.settings["loras"].append({"name": name, "strength": strength, "enabled": active})
+        if not active:
+            self.bypassed_loras.append(loader)
         return Link(loader.id, 0)
+
+    def steps_when_switched(self, source) -> int | None:
+        """The steps a switch in front of the scheduler gives on its other branch (the LoRA's steps, when the
+        template's "Enable ... LoRA" is off), or None when no switch decides them."""
+        while isinstance(source, Out):
+            node = self.graph.nodes[source.key]
+            if node.type != "ComfySwitchNode":
+                return None
+            chosen = bool(self.fold.value(self.graph.param(node.key, "switch"), f"{node.describe()}.switch"))
+            other = self.fold.follow(self.graph.param(node.key, "on_false" if chosen else "on_true"))
+            return int(other.value) if isinstance(other, Value) else None
+        return None
 
     def unused_loras(self, unet, active) -> list:
         """LoRA loaders on the model that a switch left out: carried bypassed, so turning them on is one click."""
