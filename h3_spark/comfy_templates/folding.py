@@ -53,7 +53,10 @@ class Folder:
                 continue
             if node.type in FOLDED:
                 value = self._compute(node, source.slot)
-                self.folded.setdefault(node.key, f"= {value!r}")
+                if node.type == "ResolutionSelector":
+                    self.folded[node.key] = "= {} x {}".format(self._compute(node, 0), self._compute(node, 1))
+                else:
+                    self.folded.setdefault(node.key, f"= {value!r}")
                 return Value(value)
             return source
         return source
