@@ -209,6 +209,8 @@ def test_text_to_image_is_one_frame_on_the_32_pixel_grid(converted):
     vae = one(api, "H3SparkVAELoader")
     assert vae["vae_name"] == "minimax_h3_video_vae_fp16.safetensors"
     assert vae["audio_vae_name"] == "minimax_h3_audio_vae_fp32.safetensors"  # the loader needs one; none in the template
+    ui_vae = next(n for n in converted["image_minimax_h3_t2i"][2]["nodes"] if n["type"] == "H3SparkVAELoader")
+    assert [m["name"] for m in ui_vae["properties"]["models"]] == ui_vae["widgets_values"][:2]  # both downloadable
     fates = {e["id"]: (e["type"], e["fate"], e["detail"]) for e in conversion.report}
     assert fates["79"] == ("ResolutionSelector", "folded", "= 1296 x 728")
     assert fates["58:39"][:2] == ("LTXVSeparateAVLatent", "absorbed")  # H3 Decode reads the video latent itself

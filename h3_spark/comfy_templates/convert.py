@@ -23,6 +23,9 @@ H3_TYPE_PREFIX = "MiniMaxH3"
 # Defaults the h3-spark loaders take where the template has no counterpart (our shipped workflows' choices).
 TOKENIZER = "qwen3vl_tokenizer/"
 AUDIO_VAE = "minimax_h3_audio_vae_fp32.safetensors"
+# Where ComfyUI's missing-models dialog fetches it (the address Comfy-Org's video templates give).
+AUDIO_VAE_DOWNLOAD = {"name": AUDIO_VAE, "directory": "vae",
+                      "url": f"https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/vae/{AUDIO_VAE}"}
 ATTENTION = {"comfy kitchen attention": "ck_int8", "pytorch attention": "sdpa"}
 WEIGHT_DTYPES = {"default": "bfloat16"}
 SAMPLERS = ("euler", "res_multistep")
@@ -639,6 +642,8 @@ class Converter:
             if "audio" not in self.vae_files:
                 self.vae_files["audio"] = AUDIO_VAE
                 self.settings["audio_vae_added"] = AUDIO_VAE  # H3 VAE Loader loads both; the template has none
+                if self.vae_properties:
+                    self.vae_properties.append(AUDIO_VAE_DOWNLOAD)
             node.inputs.update(vae_name=self.vae_files.get("video", ""), audio_vae_name=self.vae_files["audio"],
                                decode_dtype="float32", tile_size=256)
             if self.vae_properties:
