@@ -117,7 +117,10 @@ def test_every_local_h3_template_converts_with_its_settings(name, converted):
         want["seed"], want["steps"], want["sampler"], want["scheduler"])
     assert (sampler["shift_video"], sampler["shift_audio"]) == want["shifts"]
     assert sampler["recipe"] == want["recipe"]
-    assert one(api, "H3SparkModelLoader")["dit_name"] == want["dit"]
+    loader = one(api, "H3SparkModelLoader")
+    assert loader["dit_name"] == want["dit"]
+    # FastH3 file names name no partition: the graph's conditioning says which one runs.
+    assert loader["partition"] == ("ref2va" if want["node"] == "H3SparkReferenceToVideo" else "t2va/fl2va")
     assert one(api, "H3SparkTextEncoderLoader")["text_encoder_name"] == "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors"
     cond = one(api, want["node"])
     if "canvas" in want:

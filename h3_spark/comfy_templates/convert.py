@@ -287,6 +287,7 @@ class Converter:
         shift_chain = self.shifts(self.graph.param(sigmas.key, "model"))
         shifts = shift_chain or model["shifts"] or released_shifts()
         positive, latent = self.conditioning(guider, sca)
+        self.set_partition(model["loader"])
         recipe = model["recipe"]
         inputs = {"model": model["link"], "positive": positive, "latent_image": latent, "seed": seed,
                   "steps": steps, "shift_video": float(shifts[0]), "shift_audio": float(shifts[1]),
@@ -370,7 +371,18 @@ class Converter:
             self.settings["attention"] = ATTENTION.get(backend, "auto")
             link = Link(patch.id, 0)
         recipe = self.vsa_recipe(found["vsa"], dit) if found["vsa"] is not None else ""
-        return {"link": link, "shifts": found["shifts"], "recipe": recipe}
+        return {"link": link, "shifts": found["shifts"], "recipe": recipe, "loader": loader}
+
+    def set_partition(self, loader: TargetNode) -> None:
+        """The DiT partition the conditioning runs (FastH3 file names say neither, so `auto` could not tell)."""
+        partition = "ref2va" if self.settings.get("mode") == "ref2va" else "t2va/fl2va"
+        loader.inputs["partition"] = partition
+        tokens = set(re.split(r"[^a-z0-9]+", loader.inputs["dit_name"].lower()))
+        other = {"ref2va": {"t2va", "fl2va", "i2v", "t2v"}, "t2va/fl2va": {"ref2va", "r2v"}}[partition]
+        if tokens & other:
+            self.settings.setdefault("warnings", []).append(
+                f"{loader.inputs['dit_name']} reads as the other partition, but the graph's conditioning runs "
+                f"{partition}")
 
     def lora(self, node, link: Link, active: bool) -> Link:
         name = self.setting(node, "lora_name")
@@ -545,11 +557,13 @@ class Converter:
         frames = {k: v for k, v in frames.items() if v is not None}
         if not frames:
             inputs = {"text_encoder": Link(encoder.id, 0), "prompt": prompt, **canvas}
+            self.settings["mode"] = "t2va"
             return self.add("H3SparkTextToVideo", inputs, "H3 Text to Video", node.key).id
         self.note_vae(node, "vae", "video")
         inputs = {"text_encoder": Link(encoder.id, 0), "vae": Link(self.vae_loader().id, 0), "prompt": prompt,
                   **canvas, **frames}
         self.settings["keyframes"] = sorted(frames)
+        self.settings["mode"] = "fl2va"
         self.check_mentions(node, prompt, len(frames))
         return self.add("H3SparkFirstLastFrameToVideo", inputs, "H3 First-Last Frame to Video", node.key).id
 
@@ -584,6 +598,7 @@ class Converter:
             inputs[f"image_{index}"] = link
             self.settings["references"].append(self.file_of(link))
         self.settings["reference_size"] = size
+        self.settings["mode"] = "ref2va"
         self.check_mentions(node, prompt, min(len(refs), 4))
         return self.add("H3SparkReferenceToVideo", inputs, "H3 Reference to Video", node.key).id
 
@@ -632,6 +647,7 @@ class Converter:
                   "height": canvas["height"], "length": 1}
         node = self.add("H3SparkTextToVideo", inputs, "H3 Text to Video (one frame)", encode.key)
         self.fate(latent_node.key, "absorbed", "H3 Text to Video makes the one-frame latent", node.id)
+        self.settings["mode"] = "t2va"
         self.settings["length"] = 1
         return Link(node.id, 0), Link(node.id, 1)
 
