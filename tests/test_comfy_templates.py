@@ -360,6 +360,21 @@ def test_a_link_to_a_missing_node_is_refused():
         convert_graph(graph, "r2v")
 
 
+def test_a_subgraph_that_holds_itself_is_refused():
+    graph = load("video_minimax_h3_t2v")
+    definition = graph["definitions"]["subgraphs"][0]
+    definition["nodes"].append({"id": 999, "type": definition["id"], "inputs": [], "outputs": []})
+    with pytest.raises(InputError, match=r"is nested more than 16 deep \(at node 140:999:999"):
+        convert_graph(graph, "t2v")
+
+
+def test_a_switch_that_feeds_itself_is_refused():
+    graph = load("video_minimax_h3_r2v")
+    graph["links"] = [[l[0], 141, 0, *l[3:]] if l[0] == 287 else l for l in graph["links"]]  # on_false <- itself
+    with pytest.raises(InputError, match=r"\[141\] ComfySwitchNode \(If/Else Switch \(model\)\) feeds itself"):
+        convert_graph(graph, "r2v")
+
+
 def test_the_output_is_not_written_over_the_template(tmp_path):
     src = tmp_path / "t.json"
     src.write_text((TEMPLATES / "video_minimax_h3_t2v.json").read_text())

@@ -327,6 +327,8 @@ class Converter:
         chain = []
         while True:
             node, _ = self.node(source, where=where)
+            if node in chain:
+                raise InputError(f"{self.graph.name}: the model chain runs through {node.describe()} twice")
             chain.append(node)
             if node.type == "UNETLoader":
                 break

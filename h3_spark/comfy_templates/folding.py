@@ -44,8 +44,12 @@ class Folder:
         self.folded: dict[str, str] = {}  # node key -> what it gave
 
     def follow(self, source):
+        seen = set()
         while isinstance(source, Out):
             node = self.graph.nodes[source.key]
+            if node.key in seen:
+                raise InputError(f"{self.graph.name}: {node.describe()} feeds itself through its switches")
+            seen.add(node.key)
             if node.type == "ComfySwitchNode":
                 chosen = bool(self.value(self.graph.param(node.key, "switch"), f"{node.describe()}.switch"))
                 self.folded.setdefault(node.key, f"switch {chosen}: takes on_{str(chosen).lower()}")

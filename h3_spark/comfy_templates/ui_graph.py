@@ -15,6 +15,7 @@ from pathlib import Path
 from ..errors import InputError
 
 SUBGRAPH_INPUT, SUBGRAPH_OUTPUT = -10, -20
+MAX_NESTING = 16  # subgraphs inside subgraphs; deeper is a graph that holds itself
 BYPASSED, MUTED = 4, 2
 # Wire types: a subgraph input of one of these is a connection, any other type is a widget.
 WIRES = {"MODEL", "CLIP", "VAE", "CONDITIONING", "LATENT", "IMAGE", "MASK", "AUDIO", "VIDEO", "NOISE", "GUIDER",
@@ -124,6 +125,9 @@ class FlatGraph:
         for raw in scope.nodes.values():
             key = f"{scope.prefix}{raw['id']}"
             if raw.get("type") in self.subgraphs:
+                if key.count(":") >= MAX_NESTING:
+                    raise InputError(f"{self.name}: subgraph {raw['type']} is nested more than {MAX_NESTING} deep "
+                                     f"(at node {key}): a subgraph that holds itself")
                 definition = self.subgraphs[raw["type"]]
                 inner = _Scope(f"{key}:", _links(definition.get("links") or [], self.name),
                                _by_id(definition.get("nodes") or [], self.name), definition, scope, raw)
