@@ -379,6 +379,9 @@ def test_the_output_is_not_written_over_the_template(tmp_path):
     src = tmp_path / "t.json"
     src.write_text((TEMPLATES / "video_minimax_h3_t2v.json").read_text())
     assert cli_main(["convert-workflow", str(src), "--out", str(src)]) == 2
+    out = tmp_path / "out.json"
+    assert cli_main(["convert-workflow", str(src), "--out", str(out), "--report", str(out)]) == 2
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("name", EXPECTED)

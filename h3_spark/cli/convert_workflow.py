@@ -35,6 +35,8 @@ def run(args) -> int:
     source, out = Path(args.source), Path(args.out)
     if out.resolve() == source.resolve():
         raise InputError(f"--out {out} is the template itself; name another file")
+    if args.report and Path(args.report).resolve() in (out.resolve(), source.resolve()):
+        raise InputError(f"--report {args.report} is the template or the --out file; name another file")
     conversion, graph = convert_file(source, api=args.api)
     for entry in conversion.not_carried:
         print(f"not carried: [{entry['id']}] {entry['type']}: {entry['detail']}", file=sys.stderr)
