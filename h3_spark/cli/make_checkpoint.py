@@ -94,7 +94,12 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "finds there (or takes with --text-encoder-vision) for FL2VA keyframes and Ref2VA images")
     p.add_argument("--fasth3", action="store_true",
                    help="DiT: a FastH3 model (FastVideo's distilled student): the base DiT plus one random, non-zero "
-                        "VSA gate per block (attn.to_gate_compress, bf16), in the diffusers or comfy layout")
+                        "VSA gate per block (attn.to_gate_compress, bf16), in the diffusers, comfy or comfy-pruned "
+                        "layout (the templates' FastH3 V2 and OmniRef files: --layout comfy-pruned --format "
+                        "int8_convrot --quantize-gates)")
+    p.add_argument("--quantize-gates", action="store_true",
+                   help="--fasth3 in a comfy layout: store the VSA gates in --format too, as the published FastH3 "
+                        "ComfyUI files do (else bf16)")
     p.add_argument("--quantize-refiner", action="store_true",
                    help="also quantize the token refiner's linears (ComfyUI files keep them bf16)")
     p.add_argument("--curve-grid", type=int, default=None,
@@ -336,16 +341,20 @@ def _run_pdd(args) -> int:
     return 0
 
 
-def _fasth3(args, config):
+def _fasth3(args, config, curve):
     """A FastH3 checkpoint: the layouts and formats FastVideo's students are published in."""
     from ..errors import InputError
     from ..h3_model.checkpoint.fasth3 import LAYOUTS, make_fasth3_checkpoint
 
     if args.layout not in LAYOUTS:
-        raise InputError(f"--fasth3 writes the {' or '.join(LAYOUTS)} layout (FastH3 has no pruned form), "
-                         f"not {args.layout}")
+        raise InputError(f"--fasth3 writes the {', '.join(LAYOUTS)} layout, not {args.layout}")
+    if args.quantize_gates and (args.layout == "diffusers" or args.format == "bf16"):
+        raise InputError("--quantize-gates stores the gates in --format: it takes a comfy layout and a quantized "
+                         "--format (int8_convrot for the published files)")
     return make_fasth3_checkpoint(args.out, config, layout=args.layout, fmt=args.format, seed=args.seed,
-                                  progress=_progress_printer(), device=args.device)
+                                  progress=_progress_printer(), device=args.device,
+                                  curve=curve if args.layout == "comfy-pruned" else None,
+                                  quantize_gates=args.quantize_gates)
 
 
 def run(args) -> int:
@@ -355,6 +364,8 @@ def run(args) -> int:
 
     if args.layout is None:  # a PDD file's published form is Alibaba PAI's, every other component's ComfyUI's
         args.layout = "released" if args.component == "pdd" else "comfy"
+    if args.quantize_gates and not args.fasth3:
+        raise InputError("--quantize-gates applies to --fasth3 (the VSA gates are a FastH3 model's)")
     if args.component == "text_encoder":
         return _run_text_encoder(args)
     if args.component == "taeh3":
@@ -387,7 +398,7 @@ def run(args) -> int:
     start = time.perf_counter()
     with replacing(stale):
         if args.fasth3:
-            made = _fasth3(args, preset(args.preset))
+            made = _fasth3(args, preset(args.preset), curve)
         else:
             made = make_dit_checkpoint(args.out, preset(args.preset), args.format, args.layout, seed=args.seed,
                                        quantize_refiner=args.quantize_refiner, curve=curve,
