@@ -147,6 +147,26 @@ def test_turbo_loras_merge_onto_the_stored_pruned_int8_dit(files, dit):
         assert all(isinstance(b.attn.to_gate_compress, StoredLinear) for b in model.transformer_blocks)
 
 
+def test_a_lora_in_the_pruned_adaln_basis_merges_onto_the_pruned_dit(files, tmp_path):
+    """The form ComfyUI conversions give AdaLN adapters for a pruned DiT (the Turbo LoRAs have none): lora_A
+    reads the curve table's k-wide coordinates, a diff_b carries the bias change."""
+    dit = _path(files, "minimax_h3_ref2va_pruned_int8_convrot")
+    gen = torch.Generator().manual_seed(3)
+    a, b, db = torch.randn(3, 4, generator=gen), torch.randn(432, 3, generator=gen), torch.randn(432, generator=gen)
+    path = tmp_path / "adaln.safetensors"
+    save_file({"diffusion_model.blocks.1.adaln_proj.linear.lora_A.weight": a,
+               "diffusion_model.blocks.1.adaln_proj.linear.lora_B.weight": b,
+               "diffusion_model.blocks.1.adaln_proj.linear.diff_b": db}, str(path))
+    model = load_dit(dit, stored=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    apply_loras(model, [LoraSpec(path, 0.5)])
+    params = dict(model.named_parameters())
+    layer = "transformer_blocks.1.adaln_proj.linear"
+    assert rel_l2(params[f"{layer}.weight"], before[f"{layer}.weight"] + 0.5 * b @ a) <= 1e-6
+    assert rel_l2(params[f"{layer}.bias"], before[f"{layer}.bias"] + 0.5 * db) <= 1e-6
+    assert all(torch.equal(p, before[n]) for n, p in params.items() if not n.startswith(layer))
+
+
 def test_the_comfyui_and_lightx2v_turbo_files_merge_alike(files):
     dit = _path(files, "minimax_h3_fl2va_pruned_int8_convrot")
     name = "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16"

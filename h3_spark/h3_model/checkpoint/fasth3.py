@@ -6,8 +6,12 @@ refiner's), and a config.json without any gate field (diffusers' transformer has
 FastH3 model by those names (dit_config.has_gates). ComfyUI files name the gate `blocks.N.attn.to_gate_compress`.
 The ComfyUI files the FastH3 workflow templates download (FastH3 V2 8-step, `fastvideo_fasth3_8step_v2_pruned_
 int8_convrot`; the Ref2VA student OmniRef, `fasth3_omniref_8step_pruned_int8_convrot` and its bf16 twin) are the
-pruned ("curve-form") AdaLN layout with the gates beside the block linears, stored int8_convrot like them in the
-int8 files: `comfy-pruned` here, with `quantize_gates`.
+pruned ("curve-form") AdaLN layout, their names say, with ComfyUI's gate beside each block's attention (ComfyUI's
+model builds `attn.to_gate_compress` as a bias-free linear hidden -> heads x head_dim when the file has it). The
+gates' storage in the int8 files is inferred: a reader of the published header lists `to_gate_compress.weight` I8
+with a F32 `weight_scale` and a `comfy_quant` marker, i.e. int8_convrot like the block linears; the file sizes do
+not settle it (the bf16 twin's 44.2 GB is the pruned bf16 DiT plus bf16 gates, 40.2 + 3.9 GB). Written here as
+`comfy-pruned` with `quantize_gates`; the reader takes either storage.
 
 `make_fasth3_checkpoint` writes a random-weight one with non-zero gates, streamed like make-checkpoint's files;
 `is_fasth3` says whether a checkpoint is one, from its tensor names.
