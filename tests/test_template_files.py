@@ -321,6 +321,9 @@ def test_loras_whose_targets_the_dit_lacks_are_refused_in_one_line(files, tmp_pa
     (["--fasth3", "--quantize-gates"], "--quantize-gates stores the gates in --format: it takes a comfy layout "
                                        "and a quantized --format (int8_convrot for the published files)"),
     (["--fasth3", "--layout", "released"], "--fasth3 writes the diffusers, comfy, comfy-pruned layout, not released"),
+    (["--fasth3", "--quantize-gates", "--format", "gguf:Q8_0"],
+     "--quantize-gates is for the comfy_quant formats; a GGUF stores every 2-D weight whose rows its blocks fit, the "
+     "VSA gates included"),
     (["--component", "turbo", "--format", "int8_convrot"],
      "--component turbo takes only --preset, --layout comfy|released, --seed and --force (the published Turbo "
      "LoRAs are one bf16 .safetensors file)"),

@@ -58,6 +58,9 @@ def make_dit_checkpoint(out: str | Path, config: DiTConfig, fmt: str, layout: st
     `device` draws and quantizes each tensor there (a GPU makes a full-size file in minutes rather than an
     hour); only the finished tensor goes to the host, one at a time. The random stream is the device's."""
     if fmt.startswith(GGUF_PREFIX):
+        if quantize_gates:
+            raise InputError("--quantize-gates is for the comfy_quant formats; a GGUF stores every 2-D weight whose "
+                             "rows its blocks fit, the VSA gates included")
         return _make_gguf(Path(out), config, fmt, layout, seed, quantize_refiner, curve, progress, device)
     if fmt not in FORMATS:
         raise InputError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
