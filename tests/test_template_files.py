@@ -294,14 +294,14 @@ def test_a_fasth3_file_missing_a_gate_is_refused_in_one_line(files, tmp_path):
 def test_loras_whose_targets_the_dit_lacks_are_refused_in_one_line(files, tmp_path):
     pruned = _path(files, "minimax_h3_fl2va_pruned_int8_convrot")
     gen = torch.Generator().manual_seed(0)
-    # A full-AdaLN LoRA (its A reads the time embedding, 32 wide in the tiny model) on the pruned DiT (4 wide).
+    # A full-AdaLN LoRA (its A reads the time embedding, 16 wide in the tiny model) on the pruned DiT (4 wide).
     full = tmp_path / "full_adaln.safetensors"
-    save_file({"diffusion_model.blocks.0.adaln_proj.linear.lora_A.weight": torch.randn(2, 32, generator=gen),
+    save_file({"diffusion_model.blocks.0.adaln_proj.linear.lora_A.weight": torch.randn(2, 16, generator=gen),
                "diffusion_model.blocks.0.adaln_proj.linear.lora_B.weight": torch.randn(432, 2, generator=gen)},
               str(full))
     model = load_dit(pruned, stored=True)
     with pytest.raises(CheckpointError, match=rf"^{full}: transformer_blocks\.0\.adaln_proj\.linear\.weight delta "
-                                              r"\(432, 32\) does not fit the weight \(432, 4\) \(a LoRA for full "
+                                              r"\(432, 16\) does not fit the weight \(432, 4\) \(a LoRA for full "
                                               r"checkpoints on a pruned one\?\)$"):
         apply_loras(model, [LoraSpec(full, 1.0)])
     # A gate LoRA on a DiT without gates, and a LoRA for more blocks than the DiT has.
