@@ -14,8 +14,9 @@ LightX2V's layout is read from its loaders; the ComfyUI file's is inferred from 
 map for H3 (`diffusion_model.` + the model's own names, pairs by ComfyUI's generic adapters): rank 128 on those
 six linears of 52 blocks, qkv fused that way, is 978,059,264 bf16 values, 1.82 GiB, the published size of the
 Ref2VA file (beside those pairs, an AdaLN adapter of any rank, full or in a pruned DiT's curve basis, would
-overshoot the published size's last digit: rank 1 on 50 blocks is 9.7 MB). The two FL2V files' ranks are not known from a size; they are written at the same rank. No AdaLN adapter
-means nothing in them depends on the AdaLN's form: they merge onto a pruned (curve-form) DiT as onto a full one.
+overshoot the published size's last digit: rank 1 on 50 blocks is 9.7 MB). The two FL2V files' ranks are not
+known from a size; they are written at the same rank. No AdaLN adapter means nothing in them depends on the
+AdaLN's form: they merge onto a pruned (curve-form) DiT as onto a full one.
 (A LoRA that does adapt a pruned DiT's AdaLN, as ComfyUI conversions of PDD LoRAs do, reads the curve table's
 k-wide coordinates: lora_A [r, k], plus a `diff_b` for the bias; lora.py merges that form too.)
 
