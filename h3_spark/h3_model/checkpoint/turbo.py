@@ -12,8 +12,9 @@ int8_convrot DiTs. They are LightX2V's Turbo LoRAs converted to ComfyUI's names:
   fc1's up side in ComfyUI's [gate; value] row order, bf16, the scale 1 (no `.alpha`: alpha equals the rank).
 LightX2V's layout is read from its loaders; the ComfyUI file's is inferred from its size and ComfyUI's LoRA key
 map for H3 (`diffusion_model.` + the model's own names, pairs by ComfyUI's generic adapters): rank 128 on those
-six linears of 52 blocks, qkv fused that way, is 978,059,264 bf16 values, 1.82 GiB, the published size of the
-Ref2VA file (beside those pairs, an AdaLN adapter of any rank, full or in a pruned DiT's curve basis, would
+six linears of 52 blocks, qkv fused that way, is 978,059,264 bf16 values, 1.82 GiB, the listed size of the
+Ref2VA file (the listing's sizes are GiB: its 19.53 for the pruned int8 DiT is that file's 20,970,379,616 bytes;
+beside those pairs, an AdaLN adapter of any rank, full or in a pruned DiT's curve basis, would
 overshoot the published size's last digit: rank 1 on 50 blocks is 9.7 MB). The two FL2V files' ranks are not
 known from a size; they are written at the same rank. No AdaLN adapter means nothing in them depends on the
 AdaLN's form: they merge onto a pruned (curve-form) DiT as onto a full one.
