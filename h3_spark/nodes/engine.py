@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,17 +111,14 @@ def detect_partition(path: Path, choice: str) -> str:
             return "ref2va"
         if has_t2va or path.name == "transformer":
             return "t2va"
-    # Whole tokens of the file name ("h3_t2va_refined" is not a ref2va file); both kinds of token, or
-    # neither, is a question for the user: the partitions share one architecture, so a wrong guess would
-    # run the wrong weights silently.
-    tokens = set(re.split(r"[^a-z0-9]+", path.name.lower().removesuffix(".safetensors")))
-    kinds = {kind for kind, words in PARTITION_TOKENS.items() if tokens & words}
-    if len(kinds) == 1:
-        return kinds.pop()
+    # The name's whole tokens (checkpoint/published.py); both partitions' words, or neither, is a question for
+    # the user: the partitions share one architecture, so a wrong guess would run the wrong weights silently.
+    from ..h3_model.checkpoint.published import partition_from_name
+
+    named = partition_from_name(path.name)
+    if named is not None:
+        return named
     raise InputError(f"cannot tell whether {path.name} is the ref2va or the t2va/fl2va partition; choose it")
-
-
-PARTITION_TOKENS = {"ref2va": {"ref2va", "r2v", "ref"}, "t2va": {"t2va", "fl2va", "i2v", "t2v"}}
 
 
 def load_model(path: Path, partition: str, weight_dtype: str, linear: str, attention: str):
