@@ -1,6 +1,7 @@
 """Guides at any frame: the request's checks (one line each), the rows they add to the packed sequence (against
 the formulas worked by hand), FL2VA's keyframes as guides, and a generation that carries them to the DiT."""
 
+import math
 import re
 
 import numpy as np
@@ -62,9 +63,6 @@ def test_sound_is_made_stereo_at_32_khz():
     (Guide("clip", 110, clip=_pixels(22, 8, 8, 3)),
      "guide 1 (clip): its 22 frames from frame 110 run past the clip's end (124 frames); anchor it at 102 or earlier"),
     (Guide("clip", 0, clip=_pixels(22, 8, 8)), "guide 1 (clip) must be uint8 (F, H, W, 3) frames"),
-    # 207 audio latents for 124 frames; from frame 110 (latent 183) 24 remain: 0.6 s.
-    (Guide("audio", 110, audio=_tone(1.0)),
-     "guide 1 (audio): 1.000 s of sound from frame 110 runs past the clip's end (0.600 s remain)"),
     (Guide("audio", 0), "guide 1 (audio) needs a (channels, samples) waveform"),
     # The canvas is 64x32 (2:1): a 1:2 still would keep a quarter of its height, a 1:3 one a sixth.
     (Guide("image", 0, image=_pixels(300, 100, 3)),
@@ -189,16 +187,6 @@ def test_guides_reach_the_dit_as_encoded_condition_rows(engine, monkeypatch):
     assert result.video.shape == (124, 64, 64, 3)  # the target is unchanged in size: guides only condition it
 
 
-def test_ref2va_takes_no_guides():
-    from h3_spark.h3_model.media.refs import ImageReference
-    from h3_spark.h3_model.pipeline.generation import GenerationRequest
-
-    req = GenerationRequest("ref2va", "", references=[ImageReference(_pixels(8, 8, 3))],
-                            guides=[Guide("image", 0, image=_pixels(8, 8, 3))])
-    with pytest.raises(InputError, match="ref2va takes no guides; guides go with t2va or fl2va"):
-        req.validate()
-
-
 def test_a_history_comes_before_the_target_which_goes_on_where_it_ends():
     from h3_spark.h3_model.dit.layout import HistoryBlock
 
@@ -299,3 +287,80 @@ def test_bad_guide_strengths(field, name, strength):
 
     with pytest.raises(InputError, match="^" + re.escape(f"{name} is the level conditions are held at, in (0, 1]")):
         GenerationRequest("t2va", "p", **{field: strength}).validate()
+
+
+# ------------------------------------------------------------------ a sound's count: ComfyUI's
+def _comfy_kept(frames, frame):
+    """ComfyUI's MiniMaxH3AddGuide: the audio latents a sound at `frame` keeps, floor(T - 5/3 x frame) with T the
+    latent's audio length round(frames / 24 x 40), in its float arithmetic."""
+    return math.floor(round(frames / 24 * 40) - (5.0 / 3.0) * frame)
+
+
+@pytest.mark.parametrize("frames", [124, 345])
+def test_a_sound_keeps_comfyuis_count_at_every_frame(frames):
+    from h3_spark.h3_model.compose.guides import remaining_audio_latents
+
+    audio = audio_latent_frames(frames)
+    latent_frames = video_latent_frames(frames)
+    long_sound = _tone(frames / 24 + 0.5)
+    kept = []
+    for frame in range(frames):
+        expected = _comfy_kept(frames, frame)
+        assert remaining_audio_latents(frame, frames) == expected, frame
+        # The guide as prepared keeps that many once encoded; the layout takes that many and refuses one more.
+        prepared, = prepare_guides([Guide("audio", frame, audio=long_sound)], frames=frames, width=64, height=32)
+        assert prepared.max_audio_latents == expected, frame
+        assert prepared.keep(torch.zeros(2, 4, audio + 1)).shape[-1] == expected
+        layout.check_guides([GuideBlock(frame, 0, expected)], latent_frames, audio)
+        with pytest.raises(InputError, match=re.escape(f"{expected + 1} audio latents from frame {frame} run past")):
+            layout.check_guides([GuideBlock(frame, 0, expected + 1)], latent_frames, audio)
+        kept.append(expected)
+    # Where 5/3 x frame is not whole the count rounds it up: at frame 29 of 124, 207 - 48.33 -> 158, not 159.
+    if frames == 124:
+        assert kept[29] == 158 and kept[30] == 157 and kept[0] == 207
+    # Every last row stays before the target's end: frame x 5/3 + kept <= T.
+    assert all(f * 5 / 3 + k <= audio for f, k in enumerate(kept))
+
+
+def test_a_sound_past_the_end_is_cropped_with_a_note():
+    from h3_spark.h3_model.compose.guides import check_guides
+
+    guide = Guide("audio", 110, audio=_tone(1.0))
+    # 207 audio latents for 124 frames; from frame 110 (5/3 x 110 = 183.33) 23 remain: 0.575 s.
+    note = ("guide 1 (audio): 1.000 s of sound from frame 110 runs past the clip's end; cropped to the 23 audio "
+            "latents (0.575 s) that remain")
+    assert check_guides([guide], frames=124, width=64, height=32) == [note]
+    prepared, = prepare_guides([guide], frames=124, width=64, height=32)
+    assert prepared.note == note and prepared.max_audio_latents == 23
+    assert prepared.audio.shape == (2, 32000)  # the whole sound is encoded; its latents are cut (as ComfyUI does)
+    # One that fits is kept whole, without a note.
+    short, = prepare_guides([Guide("audio", 110, audio=_tone(0.5))], frames=124, width=64, height=32)
+    assert short.note is None and short.max_audio_latents == 23
+    assert check_guides([Guide("audio", 110, audio=_tone(0.5))], frames=124, width=64, height=32) == []
+
+
+def test_a_cropped_sound_reaches_the_dit_at_comfyuis_count(engine, monkeypatch):
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest, Pipeline
+
+    seen = {}
+    real = Pipeline.sample
+    monkeypatch.setattr(Pipeline, "sample", lambda self, dit, request, *a, **k: seen.setdefault("request", request)
+                        and real(self, dit, request, *a, **k))
+    sound = _tone(2.0) * torch.linspace(0.2, 1.0, 64000)
+    result = engine.generate(GenerationRequest("t2va", "a boat", width=64, height=64, frames=124, steps=2,
+                                               guides=[Guide("audio", 29, audio=sound)]))
+    full = engine.components.audio_vae.encode_stereo(sound).float()
+    assert full.shape[-1] == 80
+    rows, = seen["request"].audio_condition_rows
+    assert rows.shape[0] == 2 * 80 and "notes" not in result.info  # within the 158 that remain: kept whole
+    sound_long = _tone(6.0)
+    seen.clear()
+    result = engine.generate(GenerationRequest("t2va", "a boat", width=64, height=64, frames=124, steps=2,
+                                               guides=[Guide("audio", 29, audio=sound_long)]))
+    full = engine.components.audio_vae.encode_stereo(sound_long).float()
+    kept = full[..., :158]  # ComfyUI crops the encoded latents at floor(207 - 5/3 x 29) = 158
+    rows, = seen["request"].audio_condition_rows
+    assert torch.equal(rows, kept.transpose(1, 2).reshape(-1, kept.shape[1]))
+    assert seen["request"].layout.num_condition_audio_rows == 2 * 158
+    assert result.info["notes"] == ["guide 1 (audio): 6.000 s of sound from frame 29 runs past the clip's end; "
+                                    "cropped to the 158 audio latents (3.950 s) that remain"]
