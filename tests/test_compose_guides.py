@@ -364,3 +364,92 @@ def test_a_cropped_sound_reaches_the_dit_at_comfyuis_count(engine, monkeypatch):
     assert seen["request"].layout.num_condition_audio_rows == 2 * 158
     assert result.info["notes"] == ["guide 1 (audio): 6.000 s of sound from frame 29 runs past the clip's end; "
                                     "cropped to the 158 audio latents (3.950 s) that remain"]
+
+
+# ------------------------------------------------------------------ guides in Ref2VA
+def test_ref2va_guides_follow_the_text_and_start_where_the_references_end():
+    """ComfyUI's PackedLayout with keyframes and refs, worked by hand: guide rows right after the text, then the
+    reference blocks; the references' clock starts at the text's end, the guides' time (and the target's) where
+    the references' spans end, 5/3 per pixel frame on, on the target's grid."""
+    from h3_spark.h3_model.dit.layout import AudioBlock, ImageBlock, VideoBlock, build_ref2va
+
+    refs = [ImageBlock(6, 4), AudioBlock(10), VideoBlock(7, 4, 6, 36)]
+    guides = (GuideBlock(36, 1), GuideBlock(72, 1), GuideBlock(120, 1), GuideBlock(5, 7, 20))
+    lay = build_ref2va(torch.ones(TEXT, dtype=torch.long), refs, LATENT_FRAMES, LH, LW, AUDIO, guides=guides)
+    pos, grid = lay.position_ids, 6  # the target's 4x6 latent: 2x3 patches
+    # ComfyUI's cursor: the text, then each reference's span (image 1, sound its latents, video the longer of its
+    # sound and its frames' spans), summed in that order in floats.
+    video_span = sum(5.0 / 3.0 * n for n in (1, 4, 4, 4, 4, 1, 4))  # 22 frames: 36.67 > its 36 sound latents
+    origin = float(TEXT) + 1.0 + 10.0 + video_span
+    # The three stills (the multiframe template's 1.5 s, 3 s and 5 s), one latent frame each, in order.
+    for i, frame in enumerate((36, 72, 120)):
+        rows = slice(TEXT + i * grid, TEXT + (i + 1) * grid)
+        assert torch.all(pos[rows, 0] == origin + 5.0 / 3.0 * frame), frame
+    target = lay.target_video_indices
+    target_grid = pos[target[:grid], 1:]
+    assert torch.equal(pos[TEXT:TEXT + 3 * grid, 1:], target_grid.repeat(3, 1))
+    # The clip from frame 5: 7 latent frames at (1, 4, 4, 4, 4, 1) x 5/3 after it; then its sound from frame 5, one
+    # unit a latent, left channel at the target's lowest width, right at its highest.
+    clip = slice(TEXT + 3 * grid, TEXT + 10 * grid)
+    t5 = origin + 5.0 / 3.0 * 5
+    starts = t5 + np.cumsum([0, 1, 4, 4, 4, 4, 1]) * 5 / 3
+    assert torch.allclose(pos[clip, 0].reshape(7, grid)[:, 0], torch.tensor(starts), rtol=0, atol=1e-12)
+    sound = slice(TEXT + 10 * grid, TEXT + 10 * grid + 40)
+    assert torch.all(pos[sound, 0] == (t5 + torch.arange(20.0, dtype=torch.float64)).repeat(2))
+    assert torch.all(pos[sound][:20, 2] == target_grid[:, 1].min()) and torch.all(pos[sound][20:, 2] == target_grid[:, 1].max())
+    # The references after them, on their own clock from the text's end: the 6x4 image (3x2 patches, its own grid)
+    # at the text's end, the sound from one slot later, the video's sound and frames from 11 slots later.
+    start = TEXT + 10 * grid + 40
+    image = slice(start, start + 6)
+    assert torch.all(pos[image, 0] == float(TEXT))
+    assert not torch.equal(pos[image, 1:], target_grid)  # 3x2 patches of its own, not the target's 2x3
+    ref_sound = slice(start + 6, start + 26)
+    assert torch.all(pos[ref_sound, 0] == (TEXT + 1.0 + torch.arange(10.0, dtype=torch.float64)).repeat(2))
+    video_sound = slice(start + 26, start + 98)
+    assert torch.all(pos[video_sound, 0] == (TEXT + 11.0 + torch.arange(36.0, dtype=torch.float64)).repeat(2))
+    video = slice(start + 98, start + 98 + 7 * grid)
+    assert torch.allclose(pos[video, 0].reshape(7, grid)[:, 0],
+                          torch.tensor(TEXT + 11.0 + np.cumsum([0, 1, 4, 4, 4, 4, 1]) * 5 / 3), rtol=0, atol=1e-12)
+    # The target after them all, at the same origin as the guides.
+    assert target[0] == start + 98 + 7 * grid + 2 * AUDIO
+    assert pos[target[0], 0] == origin and pos[lay.target_audio_indices[0], 0] == origin
+    # Condition rows in packed order (the order of their latents and noise draws): the guides', then the references'.
+    assert torch.equal(lay.video_indices[:lay.num_condition_video_rows],
+                       torch.cat([torch.arange(TEXT, TEXT + 10 * grid), torch.arange(start, start + 6),
+                                  torch.arange(start + 98, start + 98 + 7 * grid)]))
+    assert torch.equal(lay.audio_indices[:lay.num_condition_audio_rows],
+                       torch.cat([torch.arange(sound.start, sound.stop), torch.arange(start + 6, start + 98)]))
+    levels, index = lay.row_timesteps(0.3, 0.6, CONDITION_VIDEO_T, CONDITION_AUDIO_T)
+    rows = levels[index]
+    assert torch.all(rows[TEXT:TEXT + 10 * grid] == CONDITION_VIDEO_T) and torch.all(rows[sound] == CONDITION_AUDIO_T)
+    assert torch.all(lay.token_tags[TEXT:TEXT + 10 * grid] == layout.VIDEO_TAG)
+    assert torch.all(lay.token_tags[sound] == layout.AUDIO_TAG)
+
+
+def test_ref2va_without_guides_is_unchanged_and_a_last_frame_guide_takes_comfyuis_time():
+    from h3_spark.h3_model.dit.layout import ImageBlock, VideoBlock, build_ref2va
+
+    tags = torch.ones(TEXT, dtype=torch.long)
+    refs = [ImageBlock(4, 6), VideoBlock(37, 4, 6, 200)]
+    plain = build_ref2va(tags, refs, LATENT_FRAMES, LH, LW, AUDIO)
+    guided = build_ref2va(tags, refs, LATENT_FRAMES, LH, LW, AUDIO, guides=(GuideBlock(FRAMES - 1, 1),))
+    # The guide adds one frame of rows after the text; everything else moves down by them, at the same times.
+    grid = 6
+    assert torch.equal(guided.position_ids[:TEXT], plain.position_ids[:TEXT])
+    assert torch.equal(guided.position_ids[TEXT + grid:], plain.position_ids[TEXT:])
+    origin = plain.position_ids[plain.target_video_indices[0], 0].item()
+    # Ref2VA's last frame: origin + 5/3 x 123, as ComfyUI computes it (no released pipeline's pairwise sum).
+    assert guided.position_ids[TEXT, 0].item() == origin + 5.0 / 3.0 * (FRAMES - 1)
+
+
+@pytest.mark.parametrize("guide, message", [
+    (GuideBlock(124, 1), "guide 1: frame 124 is outside the 124-frame target"),
+    (GuideBlock(110, 7), "guide 1: its 22 frames from frame 110 run past the 124-frame target"),
+    (GuideBlock(120, 0, 8), "guide 1: 8 audio latents from frame 120 run past the target's 207 (7 remain)"),
+])
+def test_bad_ref2va_guide_blocks(guide, message):
+    from h3_spark.h3_model.dit.layout import ImageBlock, build_ref2va
+
+    with pytest.raises(InputError, match=re.escape(message)):
+        build_ref2va(torch.ones(TEXT, dtype=torch.long), [ImageBlock(4, 6)], LATENT_FRAMES, LH, LW, AUDIO,
+                     guides=(guide,))

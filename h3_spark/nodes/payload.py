@@ -116,7 +116,7 @@ class Conditions:
     latent_height: int
     latent_width: int
     audio_latents: int
-    blocks: list = field(default_factory=list)  # ref2va layout blocks, or guide blocks, request order
+    blocks: list = field(default_factory=list)  # guide blocks, then ref2va's reference blocks, packed order
     anchors: tuple[str, ...] = ()  # fl2va keyframe anchors, packed order
     condition_latents: list[torch.Tensor] = field(default_factory=list)
     audio_condition_rows: list[torch.Tensor] = field(default_factory=list)
@@ -141,8 +141,6 @@ def read_conditions(conditioning, latent) -> Conditions:
         raise InputError(f"conditioning has {embeds.shape[1]} embeddings but {tags.numel()} token tags")
     video, audio = unpack_latent(latent)
     refs, keyframes = extras.get(REFS) or [], extras.get(KEYFRAMES) or []
-    if refs and keyframes:
-        raise InputError("references (Ref2VA) and keyframes (FL2VA) cannot be combined in one H3 generation")
     history = extras.get(HISTORY)
     if history is not None and refs:
         raise InputError("a history (H3 Extend Video) goes with text-to-video conditioning, not with references")
@@ -152,6 +150,10 @@ def read_conditions(conditioning, latent) -> Conditions:
     if history is not None:  # first in packed order: right after the text
         _read_history(history, out, video.shape)
     if refs:
+        # AddGuide on a Ref2VA conditioning: its guides (never FL2VA's anchors) come first in packed order, right
+        # after the text, then the references (dit/layout.build_ref2va).
+        if keyframes:
+            _read_guides(keyframes, out, video.shape, frames_of(int(video.shape[2])) - 1)
         _read_refs(refs, out)
     elif keyframes:
         _read_keyframes(keyframes, out, video.shape)
