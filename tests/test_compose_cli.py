@@ -122,6 +122,41 @@ def test_guides_from_files(demo_models, tmp_path, capsys):
     assert summary["sequence_length"] - plain["sequence_length"] == 8 * 4 + 40
 
 
+@pytest.mark.slow
+def test_ref2va_with_three_guides_the_multiframe_reference_template(demo_models, tmp_path, capsys, monkeypatch):
+    """ComfyUI's multiframe reference template: one reference picture (the identity) and three guides at 1.5, 3
+    and 5 s (frames 36, 72, 120 of 124), a whole tiny generation. The guides' rows come after the text, before
+    the reference, at the target's time for their frames (the text and the reference's slot, then 5/3 a frame)."""
+    from PIL import Image
+
+    from h3_spark.h3_model.pipeline.generation import Pipeline
+
+    pictures = []
+    for i in range(4):
+        pictures.append(tmp_path / f"h3_frame_ref_{i + 1}.png")
+        Image.fromarray(np.random.default_rng(i).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(pictures[-1])
+    layouts = []
+    real = Pipeline.sample
+    monkeypatch.setattr(Pipeline, "sample", lambda self, dit, request, *a, **k: layouts.append(request.layout)
+                        or real(self, dit, request, *a, **k))
+    argv = ["--ref", f"image:{pictures[0]}", "--prompt", "<Picture 1> walks through three shots"]
+    guided = _generate(capsys, demo_models, *argv, "--guide", f"image:{pictures[1]}@36", "--guide",
+                       f"image:{pictures[2]}@72", "--guide", f"image:{pictures[3]}@120", "--out",
+                       str(tmp_path / "multiframe.mp4"))
+    plain = _generate(capsys, demo_models, *argv, "--out", str(tmp_path / "plain.mp4"))
+    assert guided["mode"] == "ref2va" and guided["frames"] == 124 and media.probe(tmp_path / "multiframe.mp4")["frames"] == 124
+    grid = 4  # 64x64: a 4x4 latent, 2x2 patches a frame
+    assert guided["sequence_length"] - plain["sequence_length"] == 3 * grid
+    lay, bare = layouts
+    pos, text = lay.position_ids, int(lay.text_indices.numel())
+    origin = pos[lay.target_video_indices[0], 0].item()
+    assert origin == text + 1.0 == bare.position_ids[bare.target_video_indices[0], 0].item()
+    for i, frame in enumerate((36, 72, 120)):
+        assert torch.all(pos[text + i * grid:text + (i + 1) * grid, 0] == origin + 5.0 / 3.0 * frame)
+    assert torch.equal(pos[text + 3 * grid:], bare.position_ids[text:])  # the reference and the target, unmoved
+    assert lay.num_condition_video_rows == 4 * grid
+
+
 def test_repaint_a_region_and_a_span(demo_models, tmp_path, capsys):
     from PIL import Image
 

@@ -2,10 +2,11 @@
 
 One format for both node sets, so native and h3-spark nodes mix (docs/comfyui.md, "Wires"):
 - CONDITIONING: `[[embeds, extras]]`, embeds = Qwen3-VL hidden state (1, L, D); extras holds
-  `minimax_token_tags` (L,) (0 = vision, 1 = text) and either `minimax_refs` (blocks of kind image /
-  video / video_audio / audio with `latent` (1, C, T, h, w), `audio_latent` (1, C_a, 2, T_a) and their
-  sizes) or `minimax_keyframes` (`resolved_frame_index`, and `latent` (a still or a 5k+2-frame clip) and/or
-  `audio_latent`: FL2VA's first/last frames and AddGuide's guides at any frame), and ours alone
+  `minimax_token_tags` (L,) (0 = vision, 1 = text) and `minimax_refs` (blocks of kind image / video /
+  video_audio / audio with `latent` (1, C, T, h, w), `audio_latent` (1, C_a, 2, T_a) and their sizes) and / or
+  `minimax_keyframes` (`resolved_frame_index`, and `latent` (a still or a 5k+2-frame clip) and/or
+  `audio_latent`: FL2VA's first/last frames and AddGuide's guides at any frame, on a Ref2VA conditioning too),
+  and ours alone
   `h3_spark_history` (`latent` (1, C, 5k+2, h, w), `audio_latent` or None: the clip a window goes on from,
   placed before the target on the time axis; H3 Extend Video makes it). Latents are normalised.
 - LATENT: `{"samples": video+audio}`; inside ComfyUI a `comfy.nested_tensor.NestedTensor((video, audio))`
