@@ -30,6 +30,7 @@ from ..dit.layout import (AudioBlock, GuideBlock, HistoryBlock, ImageBlock, Layo
                           build_t2va)
 from ..media.refs import PreparedReference, Reference, prepare_keyframes, prepare_references, prompt_references
 from ..text.prompt import check_mentions, check_prompt
+from .checks import request_canvas
 from .sampler import SamplingRequest, StepInfo, sample
 from .scheduler import AUDIO_SHIFT, VIDEO_SHIFT, JointSchedule, Schedule, custom_sigmas
 
@@ -365,8 +366,6 @@ class Pipeline:
     # ------------------------------------------------------------------ stages, in the order they run
     def prepare(self, req: GenerationRequest) -> Canvas:
         """The canvas, the keyframes (FL2VA) and the prepared references (Ref2VA) of a request."""
-        from .checks import request_canvas
-
         width, height, frames = request_canvas(req)
         keyframes, anchors, prepared = [], (), []
         if req.mode == "fl2va":
