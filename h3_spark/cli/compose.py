@@ -174,16 +174,16 @@ def plan_film_flags(args, req):
     return film
 
 
-def check_flags(args, req, film=None) -> list[str]:
+def check_flags(args, req, film=None, rank: int = 0) -> list[str]:
     """Every refusal the flags allow, made before any weight is read (pipeline/checks.check_request: the guides
-    against the clip or each window, the request's own checks); what is taken with a change is printed as a note
-    and kept for the summary."""
+    against the clip or each window, the request's own checks); what is taken with a change is printed (rank 0)
+    as a note and kept for the summary."""
     import sys
 
     from ..h3_model.pipeline.checks import check_request
 
     args.compose_notes = check_request(req, film)
-    if not args.quiet:
+    if not args.quiet and not rank:
         for note in args.compose_notes:
             print(f"h3-spark: note: {note}", file=sys.stderr, flush=True)
     return args.compose_notes

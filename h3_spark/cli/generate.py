@@ -122,7 +122,7 @@ def run(args) -> int:
     recipes = recipe_flags(args, options)
     req = build_request(args, settings)
     film_plan = plan_film_flags(args, req) if film else None  # its windows, before any weight loads
-    check_flags(args, req, film_plan)  # every refusal the flags allow, before any weight is read
+    check_flags(args, req, film_plan, rank)  # every refusal the flags allow, before any weight is read
     engine = load_engine(args, options, req.mode, log)
     req = prepare_for(engine, req, recipes, options, world, log)
     if film_plan is not None:
