@@ -320,10 +320,13 @@ def add_guide(conditioning, latent, vae: VAEHandle, frame_idx: int, image=None, 
               guide_strength: float = CONDITION_VIDEO_T, audio_guide_strength: float = CONDITION_AUDIO_T):
     """A still (one IMAGE frame), a clip (5 or more frames, cut to the longest 17k+5 as ComfyUI's AddGuide cuts
     them) and/or a sound pinned at `frame_idx` (negative: from the end) of the LATENT's clip, appended to the
-    conditioning's guides (`minimax_keyframes`, which the H3 sampler and ComfyUI's own read alike). A strength
+    conditioning's guides (`minimax_keyframes`, which the H3 sampler and ComfyUI's own read alike), on any H3
+    conditioning (text, keyframes or references). A sound longer than what remains of the clip after the frame
+    is cropped there, as ComfyUI's AddGuide crops it (a logged note). Every check is made before anything is
+    encoded (compose/guides.check_guides, the one pass the CLI and the service make too). A strength
     other than the released level sets the conditioning's (ComfyUI's names, one value for all its conditions); at
     the released level the conditioning keeps what it says."""
-    from ..h3_model.compose.guides import Guide, prepare_guides
+    from ..h3_model.compose.guides import Guide, check_guides, prepare_guides
     from ..h3_model.media.refs import PreparedReference
 
     if image is None and audio is None:
@@ -341,6 +344,8 @@ def add_guide(conditioning, latent, vae: VAEHandle, frame_idx: int, image=None, 
     if audio is not None:
         wave, rate = waveform(audio, "the guide audio")
         guides.append(Guide("audio", frame_idx, audio=wave, sample_rate=rate))
+    for note in check_guides(guides, frames=frames, width=width, height=height):
+        log.warning("H3 Add Guide: %s", note)
     prepared = prepare_guides(guides, frames=frames, width=width, height=height)
     block: dict = {"resolved_frame_index": prepared[0].frame}
     for p in prepared:
@@ -350,7 +355,7 @@ def add_guide(conditioning, latent, vae: VAEHandle, frame_idx: int, image=None, 
         else:
             sound, = vae.encode_audio([p], lambda engine, g: engine.encode_reference(
                 PreparedReference("audio", audio=g.audio)).audio)
-            block["audio_latent"] = payload.audio_to_comfy(sound)
+            block["audio_latent"] = payload.audio_to_comfy(p.keep(sound))
     (embeds, extras), = conditioning
     extras = {**extras, payload.KEYFRAMES: [*(extras.get(payload.KEYFRAMES) or []), block]}
     for key, level, released in ((payload.VISUAL_LEVEL, guide_strength, CONDITION_VIDEO_T),
