@@ -455,12 +455,12 @@ class Identity:
     quantized: dict[str, "QuantizedLayer"]
 
     @property
-    def format(self) -> str:
-        """What inspect and the reports say of the weights: "fp16 / fp32 as stored", or the quantized linears."""
+    def weights(self) -> str:
+        """What inspect says of the weights: floats as stored, or which decoder linears are quantized, and how."""
         if not self.quantized:
-            return "floats"
+            return "floats as stored (no quantized layer)"
         labels = sorted({layer.spec.label for layer in self.quantized.values()})
-        return f"{' + '.join(labels)} decoder linears ({len(self.quantized)})"
+        return f"{' + '.join(labels)} decoder linears ({len(self.quantized)}), the rest floats as stored"
 
 
 def _video_identity(source: Source, files: TensorFiles, given: VC.VideoVAEConfig | None) -> Identity:
