@@ -328,7 +328,8 @@ def vae_stage_bytes(vae, audio_vae) -> int:
         lh, lw = latent_size(height, width)
         estimate = decode_memory_estimate(vae.config, video_latent_frames(DEFAULT_FRAMES), lh, lw,
                                           tile_batch=getattr(vae, "tile_batch", 1))
-        need = tensor_bytes(vae) + estimate["transient"] + estimate["window"]
+        # A quantized decoder's linears are dequantized at use into a scratch the size of the largest one.
+        need = tensor_bytes(vae) + scratch_bytes(vae) + estimate["transient"] + estimate["window"]
     if audio_vae is not None:
         # Its weights and as much again for its activations: 0.6 GB at the released size, far below the video
         # decode, so the guess never decides the reserve there.
