@@ -278,3 +278,59 @@ def test_metadata_declarations_read_as_markers(files, tmp_path):
     z = _latent(2)
     assert torch.equal(load_video_vae(path, decode_dtype=torch.float32).decode(z),
                        load_video_vae(files["int8"], decode_dtype=torch.float32).decode(z))
+
+
+# ------------------------------------------------------------------------------------------ front doors
+def test_make_checkpoint_writes_it_and_inspect_names_it(tmp_path, capsys):
+    from h3_spark.cli import main
+
+    out = tmp_path / "minimax_h3_video_vae_int8_convrot.safetensors"
+    assert main(["make-checkpoint", "--component", "vae", "--format", "int8_convrot", "--seed", "5", str(out)]) == 0
+    made = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert made["format"] == "int8_convrot" and made["layout"] == "comfy" and made["bytes"] == out.stat().st_size
+    assert set(_layers(out)) == {f"decoder.transformer_blocks.0.{n}" for n in LINEARS}
+    assert main(["inspect", str(out), "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "video VAE, int8_convrot decoder linears (4), the rest floats as stored" in printed
+    assert "quantized layers: int8_convrot x4 (declared by comfy_quant)" in printed
+    report = json.loads(next(tmp_path.glob("*.inspect.json")).read_text())
+    assert report["complete"] is True and report["model"] == "video_vae"
+    layer = report["layers"]["decoder.transformer_blocks.0.attn.to_qkv"]
+    assert layer["format"] == "int8_convrot" and layer["convrot_groupsize"] == 16
+    assert layer["stored"]["dtype"] == "I8" and layer["scales"][0]["layout"] == "per-row"
+    # Its fp16 twin of the same seed: the same tensors but the quantized ones.
+    twin = tmp_path / "fp16.safetensors"
+    assert main(["make-checkpoint", "--component", "vae", "--seed", "5", str(twin)]) == 0
+    with safe_open(str(out), "pt") as a, safe_open(str(twin), "pt") as b:
+        assert torch.equal(a.get_tensor("encoder.conv_in.weight"), b.get_tensor("encoder.conv_in.weight"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--component", "audio_vae", "--format", "int8_convrot"],
+     "--component audio_vae is written as published (leave --format out), not --format int8_convrot"),
+    (["--component", "vae", "--format", "int8_convrot", "--layout", "diffusers"],
+     "--format int8_convrot writes ComfyUI's single-file video VAE (--layout comfy), not the diffusers layout"),
+    (["--component", "vae", "--format", "nvfp4"], "int8_convrot (ComfyUI's quantized video VAE), not --format nvfp4"),
+])
+def test_make_checkpoint_refuses_other_vae_formats(tmp_path, capsys, argv, message):
+    from h3_spark.cli import main
+
+    assert main(["make-checkpoint", *argv, str(tmp_path / "v")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_inspect_and_file_checks_refuse_a_bad_file_from_its_header(files, tmp_path):
+    from h3_spark.h3_model.checkpoint.inspect import inspect_checkpoint, summary_lines
+    from h3_spark.h3_model.engine.file_checks import check_files
+    from h3_spark.h3_model.engine.loading import LoadOptions
+
+    edit, message = BAD["an encoder conv"]
+    bad = _rewrite(files["int8"], tmp_path / "bad.safetensors", edit)
+    report = inspect_checkpoint(bad)
+    assert report["complete"] is False and message in report["structure"]["loader_refuses"]
+    assert any("INCOMPLETE: the video VAE loader refuses it" in line for line in summary_lines(report))
+    with pytest.raises(CheckpointError, match="encoder.conv_in is declared int8; a video VAE keeps only"):
+        check_files({"vae": bad}, LoadOptions(), None)
+    assert check_files({"vae": files["int8"]}, LoadOptions(), None).video_latents == CONFIG.latent_channels

@@ -274,7 +274,7 @@ def _other(source: CheckpointSource, detected: Detected) -> dict:
              "text_encoder": _text_encoder_missing}[detected.model]
     missing, facts = check(set(stripped))
     refused = None
-    if detected.model == "video_vae":
+    if detected.model == "video_vae" and specs:
         facts, refused = _video_vae_loadable(source, facts)
     return {
         "logical_parameters": params,
@@ -288,8 +288,8 @@ def _other(source: CheckpointSource, detected: Detected) -> dict:
 
 
 def _video_vae_loadable(source: CheckpointSource, facts: dict) -> tuple[dict, str | None]:
-    """The video VAE loader's own header checks (names, shapes, which layers may be quantized and how): what its
-    weights are, or the one line it refuses the file with."""
+    """For a video VAE with quantized layers, the loader's own header checks (names, shapes, which layers may be
+    quantized and how): what its weights are, or the one line it refuses the file with."""
     from ..vae.loading import video_identity
 
     if facts.get("encoder_tensors", 0) == 0:
