@@ -17,12 +17,15 @@ them). Columns (--columns):
 - int8: the int8_convrot file as loaded by default, its decoder linears held as stored (StoredLinear) and dequantized
   at use before each GEMM: the path measured;
 - int8_at_load: the same file dequantized at load (plain fp16 linears): a check that the stored path gives its
-  frames bit for bit on this device (`frames_equal_int8`), and what holding the codes saves.
+  frames bit for bit on this device (`frames_equal_int8`), and what holding the codes saves;
+- int8_gemm (opt-in, never a default of the product): the stored codes run as an integer GEMM, each decoder linear
+  swapped for `W4A8Linear.from_int8_convrot` (activations rotated and quantized per token to int8, `torch._int_mm`,
+  as ComfyUI's own int8 linears compute); its error is the activations' int8 rounding, reported against the fp16
+  column and against the int8 column (`frames_vs_int8`).
 Each column: median seconds of `decode_to_buffer` (host clock around a synchronised call), peak GPU memory of the
 decode and the weights' bytes on the device, and the frames against the fp16 column's (PSNR over 255, max abs
 difference in uint8 levels, rel L2). The card's name and the software are stamped. Only one model is on the
-device at a time. There is no int8 GEMM column: ComfyUI's own decode multiplies int8 activations with these codes,
-ours dequantizes them and runs the fp16 GEMM.
+device at a time.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_gpu import import_package  # noqa: E402
 
-COLUMNS = ("fp16", "int8", "int8_at_load")
+COLUMNS = ("fp16", "int8", "int8_at_load", "int8_gemm")
 FULL_LATENT = "37,48,84"  # 124 frames at 1344x768
 TINY_LATENT = "3,4,4"
 
@@ -118,6 +121,8 @@ def measure(column: str, path: Path, z, args) -> tuple[dict, "object"]:
     load_s = time.perf_counter() - start
     kernels = apply_vae_kernels(vae, KernelSettings.from_env())
     stored = sum(isinstance(m, StoredLinear) for m in vae.modules())
+    if column == "int8_gemm":
+        integer_gemm(vae)
     for _ in range(args.warmup):
         vae.decode_to_buffer(z)
     if cuda:
@@ -140,6 +145,16 @@ def measure(column: str, path: Path, z, args) -> tuple[dict, "object"]:
     if cuda:
         torch.cuda.empty_cache()
     return record, frames
+
+
+def integer_gemm(vae) -> None:
+    """The opt-in column's model: every stored decoder linear swapped for the integer GEMM on its codes."""
+    from h3_spark.kernels.linear_w4a8 import W4A8Linear
+    from h3_spark.kernels.stored_linear import StoredLinear
+
+    for name, module in list(vae.decoder.named_modules()):
+        if isinstance(module, StoredLinear):
+            vae.decoder.set_submodule(name, W4A8Linear.from_int8_convrot(module))
 
 
 def compare(frames, reference) -> dict:
@@ -187,12 +202,16 @@ def main(argv=None) -> int:
             run["frames_vs_fp16"] = compare(outputs[run["column"]], outputs["fp16"])
         if run["column"] == "int8_at_load" and "int8" in outputs:
             run["frames_equal_int8"] = bool(torch.equal(outputs["int8"], outputs["int8_at_load"]))
+        if run["column"] == "int8_gemm" and "int8" in outputs:
+            run["frames_vs_int8"] = compare(outputs["int8_gemm"], outputs["int8"])
     speed = {}
     by = {r["column"]: r for r in runs}
     if "fp16" in by and "int8" in by:
         speed["int8_over_fp16_time"] = by["int8"]["decode_s_median"] / by["fp16"]["decode_s_median"]
         if cuda:
             speed["int8_minus_fp16_peak_gb"] = by["int8"]["peak_gpu_memory_gb"] - by["fp16"]["peak_gpu_memory_gb"]
+    if "fp16" in by and "int8_gemm" in by:
+        speed["int8_gemm_over_fp16_time"] = by["int8_gemm"]["decode_s_median"] / by["fp16"]["decode_s_median"]
     frames = next(iter(outputs.values()))
     result = {
         "benchmark": f"video VAE decode, int8_convrot (dequantized at use) vs fp16, {preset} preset, latent "
