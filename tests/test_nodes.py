@@ -427,6 +427,32 @@ def test_vae_loader_refuses_a_tile_size_the_decoder_cannot_use(models, monkeypat
     assert loader.load("tiny-video-vae.safetensors", "tiny-audio-vae.safetensors", "float32", 0)[0].tile_size is None
 
 
+def test_vae_loader_reads_comfyuis_int8_convrot_video_vae(models, tmp_path, monkeypatch):
+    """ComfyUI's minimax_h3_video_vae_int8_convrot through H3 VAE Loader and its video decode: the decoder linears
+    held as stored, the frames those of the same file dequantized at load and decoded by the engine, bit for bit."""
+    from h3_spark.h3_model.engine.engine import Engine
+    from h3_spark.h3_model.vae import synthetic as vae_synthetic
+    from h3_spark.h3_model.vae import video_config
+    from h3_spark.h3_model.vae.loading import load_video_vae
+    from h3_spark.kernels.stored_linear import StoredLinear
+
+    folder = tmp_path / "models" / "vae"
+    folder.mkdir(parents=True)
+    vae16 = dataclasses.replace(video_config.TINY, block_out_channels=(8, 8, 16, 16), spatial_downsample_factors=(2,) * 4,
+                                temporal_downsample_factors=(2, 2, 1, 1))
+    path = vae_synthetic.write_vae_checkpoint(folder / "video-int8.safetensors", vae16, "comfy", 1, fmt="int8_convrot")
+    (folder / "audio.safetensors").symlink_to(models / "models" / "vae" / "tiny-audio-vae.safetensors")
+    fake_comfy(monkeypatch, tmp_path)
+    vae = node("H3SparkVAELoader").load("video-int8.safetensors", "audio.safetensors", "float32", 0)[0]
+    assert isinstance(vae.video.decoder.transformer_blocks[0].attn.to_q, StoredLinear)
+    latents = torch.randn(1, vae16.latent_channels, 3, 2, 2, generator=torch.Generator().manual_seed(7))
+    frames = vae.decode_video(latents)  # what H3 Decode runs for the video
+    reference = Engine.of(vae=load_video_vae(path, decode_dtype=torch.float32, stored=False)).decode_video(latents,
+                                                                                                            None)
+    assert frames.dtype == torch.uint8 and frames.float().std() > 5
+    assert torch.equal(frames, reference)
+
+
 def test_lora_change_on_converted_linears_is_refused(models, monkeypatch):
     """fp8/nvfp4 linears are converted in place at the first run: a later LoRA set cannot be merged, so it is
     refused with what to do instead of failing inside the merge."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 # Which model a checkpoint is made for.
 COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder", "taeh3", "pdd", "turbo")
-# --format values per component (the VAEs are written as published, unquantized).
+# --format values per component (the VAEs are written as published; the video VAE also as int8_convrot).
 DIT_FORMATS = ("bf16", "fp8_scaled", "nvfp4", "int8_convrot", "int4_convrot", "w4a8", "w4a8_sym", "w4a8_asym")
 # A GGUF DiT: gguf:<GGML type>, the writable types checked by the writer (h3_model/checkpoint/gguf_writer.py).
 GGUF_FORMAT = "gguf:"
@@ -26,6 +26,9 @@ TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "vo
                    "preprocessor_config.json", "video_preprocessor_config.json")
 # What a checkpoint folder holds; --force removes only these from an existing folder.
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "config.yaml", "metadata.json")
+# --format per VAE: "float" is as published (the default, --format bf16 on the command line); the video VAE also as
+# ComfyUI's minimax_h3_video_vae_int8_convrot (its decoder blocks' linears int8 + ConvRot).
+VAE_FORMATS = {"vae": ("float", "int8_convrot"), "audio_vae": ("float",)}
 # MiniMaxAI's video_vae/ keeps its weights in this subfolder.
 SOURCE_FOLDER = "source"
 
@@ -75,7 +78,10 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "norms, int8 embedding); text_encoder gguf:<TYPE> (the DiT's GGUF types) or the llama.cpp "
                         "mixes gguf:Q4_K_M / gguf:Q2_K_M: a .gguf file as llama.cpp converts Qwen3-VL's text model "
                         "(llama.cpp's names, no vision tower: text prompts only). VAEs are written as published "
-                        "(video fp16 comfy / fp32 diffusers, audio fp32)")
+                        "(video fp16 comfy / fp32 diffusers, audio fp32); vae int8_convrot: ComfyUI's "
+                        "minimax_h3_video_vae_int8_convrot single file (the decoder blocks' 4 linears int8 + ConvRot "
+                        "256, 144 at full size, each with its .comfy_quant; the rest fp16 as the fp16 file of the "
+                        "same seed)")
     p.add_argument("--layout", choices=["comfy", "comfy-pruned", "diffusers", "released"], default=None,
                    help="default comfy (pdd: released; turbo: comfy, or released for LightX2V's PEFT file). "
                         "released: the folder MiniMaxAI's per-mode download holds "
@@ -188,18 +194,29 @@ def _run_vae(args) -> int:
     from ..errors import InputError
     from ..h3_model.vae.synthetic import write_audio_vae_checkpoint, write_vae_checkpoint
 
-    if args.format != "bf16" or args.layout == "comfy-pruned" or args.quantize_refiner or args.curve_grid is not None \
+    if args.layout == "comfy-pruned" or args.quantize_refiner or args.curve_grid is not None \
             or args.curve_rank is not None:
         raise InputError(f"--component {args.component} takes only --preset, --layout comfy|diffusers|released, "
-                         "--seed and --force (the published VAE files are not quantized)")
+                         "--format (vae: int8_convrot), --seed and --force")
+    fmt = "float" if args.format == "bf16" else args.format
+    if fmt not in VAE_FORMATS.get(args.component, ()):
+        raise InputError(f"--component {args.component} is written as published (leave --format out)"
+                         + (f" or as {', '.join(VAE_FORMATS['vae'][1:])} (ComfyUI's quantized video VAE)"
+                            if args.component == "vae" else "") + f", not --format {args.format}")
+    if fmt != "float" and args.layout != "comfy":
+        raise InputError(f"--format {args.format} writes ComfyUI's single-file video VAE (--layout comfy), not the "
+                         f"{args.layout} layout")
     stale = check_output(Path(args.out), args.layout, args.force)
     start = time.perf_counter()
-    writer = write_vae_checkpoint if args.component == "vae" else write_audio_vae_checkpoint
     with replacing(stale):
-        path = writer(args.out, args.preset, args.layout, args.seed)
+        if args.component == "vae":
+            path = write_vae_checkpoint(args.out, args.preset, args.layout, args.seed, fmt=fmt)
+        else:
+            path = write_audio_vae_checkpoint(args.out, args.preset, args.layout, args.seed)
     size = sum(f.stat().st_size for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())
     print(json.dumps({"out": str(path), "component": args.component, "preset": args.preset, "layout": args.layout,
-                      "seed": args.seed, "bytes": size, "seconds": round(time.perf_counter() - start, 3)}))
+                      "format": args.format if fmt != "float" else "as published", "seed": args.seed,
+                      "bytes": size, "seconds": round(time.perf_counter() - start, 3)}))
     return 0
 
 

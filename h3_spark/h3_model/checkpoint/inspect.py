@@ -16,6 +16,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from ...errors import CheckpointError
 from .detect import Detected, detect
 from .dit_reader import DitReader
 from .gguf_source import GgufSource, GgufSpec, gguf_module, gguf_spec, readable, text_encoder_names
@@ -301,6 +302,9 @@ def _other(source: CheckpointSource, detected: Detected) -> dict:
     check = {"video_vae": _video_vae_missing, "audio_vae": _audio_vae_missing,
              "text_encoder": _text_encoder_missing}[detected.model]
     missing, facts = check(set(stripped))
+    refused = None
+    if detected.model == "video_vae" and specs:
+        facts, refused = _video_vae_loadable(source, facts)
     return {
         "logical_parameters": params,
         "quantization": _quant_summary(specs, len(layers)),
@@ -308,8 +312,22 @@ def _other(source: CheckpointSource, detected: Detected) -> dict:
         "missing": missing,
         "structure": facts,
         "other_components": len(source.keys) - len(own),
-        "complete": not missing,
+        "complete": not missing and refused is None,
     }
+
+
+def _video_vae_loadable(source: CheckpointSource, facts: dict) -> tuple[dict, str | None]:
+    """For a video VAE with quantized layers, the loader's own header checks (names, shapes, which layers may be
+    quantized and how): what its weights are, or the one line it refuses the file with."""
+    from ..vae.loading import video_identity
+
+    if facts.get("encoder_tensors", 0) == 0:
+        return facts, None  # already incomplete; the loader would only repeat it
+    try:
+        identity = video_identity(source.path)
+    except CheckpointError as exc:
+        return {**facts, "loader_refuses": str(exc)}, str(exc)
+    return {**facts, "weights": identity.weights}, None
 
 
 def _gguf_text_encoder(source: GgufSource, detected: Detected, names: dict[str, str]) -> dict:
@@ -462,6 +480,9 @@ def summary_lines(report: dict) -> list[str]:
         if later:
             lines.append(f"  {len(later)} GGML-block layers dequantized at load (not a linear, ComfyUI-GGUF's "
                          f"reshaped rows, or a type the codec does not keep), e.g. {later[0]}")
+    weights = (report.get("structure") or {}).get("weights") if report["model"] == "video_vae" else None
+    if weights:
+        lines.append(f"  video VAE, {weights}")
     hist = ", ".join(f"{k} {v['tensors']}" for k, v in report["dtype_histogram"].items())
     lines.append(f"  dtypes: {hist}")
     q = report["quantization"]
@@ -472,6 +493,9 @@ def summary_lines(report: dict) -> list[str]:
     else:
         lines.append("  no quantized layers")
     problems = []
+    refused = (report.get("structure") or {}).get("loader_refuses")
+    if refused:
+        problems.append(f"the video VAE loader refuses it: {refused}")
     for key in ("missing", "unexpected", "unmapped", "weight_missing", "gguf_unreadable"):
         items = list(report.get(key) or [])  # gguf_unreadable maps names to types
         if items:
