@@ -141,6 +141,9 @@ def temporal_plan(cfg: VideoVAEConfig, num_latent_frames: int) -> TemporalPlan:
 
 
 def decoded_num_frames(cfg: VideoVAEConfig, num_latent_frames: int) -> int:
+    """Pixel frames a decode gives: one for one latent frame (a still), else the temporal plan's."""
+    if num_latent_frames == 1:
+        return 1
     return temporal_plan(cfg, num_latent_frames).num_frames
 
 
