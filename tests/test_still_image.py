@@ -23,6 +23,7 @@ from h3_spark.h3_model.pipeline.generation import GenerationRequest
 from h3_spark.h3_model.vae import loading as vae_loading
 from h3_spark.h3_model.vae import video_config, video_tiling
 from oracle import randomize_vae_
+from test_nodes import models  # noqa: F401  (the ComfyUI models folder fixture)
 
 FP32_BUDGET = 1e-5
 
@@ -174,3 +175,51 @@ def test_still_flags_are_refused_in_one_line(demo_models, argv, message, capsys,
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------ the nodes
+def test_the_node_graph_makes_the_pipelines_still(models, monkeypatch):
+    """H3 Text to Video at length 1 -> H3 Sampler -> H3 Decode: one IMAGE frame (what Save Image takes), equal to
+    the pipeline's still, and the frame's length of silence without the audio VAE decoding."""
+    from test_nodes import fake_comfy, load_all, node, pipeline_for
+
+    fake_comfy(monkeypatch, models)
+    model, te, vae = load_all(models)
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a lighthouse at dusk", 64, 96, 1)
+    video, audio = latent["samples"]
+    assert video.shape == (1, 24, 1, 6, 4) and audio.shape == (1, 32, 2, 2)  # ComfyUI's one-frame latent
+    out = node("H3SparkSampler").sample(model, cond, latent, 9, 2, 12.0, 3.0)[0]
+    monkeypatch.setattr(type(vae), "decode_audio", lambda *a: pytest.fail("a still decodes no audio"))
+    images, sound = node("H3SparkDecode").decode(vae, out)
+    assert images.shape == (1, 96, 64, 3) and images.dtype == torch.float32
+    assert sound["sample_rate"] == 32000 and sound["waveform"].shape == (1, 2, 1333)
+    assert not sound["waveform"].any()
+    monkeypatch.undo()
+    req = GenerationRequest("t2va", "a lighthouse at dusk", width=64, height=96, frames=1, steps=3, seed=9)
+    theirs = pipeline_for(model, te, vae, "t2va").generate(req)
+    assert torch.equal(out["samples"][0], theirs.video_latents)
+    assert torch.equal((images * 255).round().to(torch.uint8), theirs.video)
+
+
+def test_a_still_is_made_by_text_to_video_only(models, monkeypatch):
+    from test_nodes import fake_comfy, image, load_all, node
+
+    fake_comfy(monkeypatch, models)
+    _, te, vae = load_all(models)
+    with pytest.raises(InputError, match="length 1 is a still image, made by H3 Text to Video; fl2va makes clips"):
+        node("H3SparkFirstLastFrameToVideo").encode(te, vae, "", 64, 64, 1, image(1))
+    with pytest.raises(InputError, match="3 frames snaps to 5 .* or 1 frame for a still image"):
+        node("H3SparkTextToVideo").encode(te, "a cat", 64, 64, 3)
+    length = type(node("H3SparkTextToVideo")).INPUT_TYPES()["required"]["length"][1]
+    assert (length["min"], length["max"]) == (1, 345) and "still image" in length["tooltip"]
+
+
+# ------------------------------------------------------------------------------------------ the service
+@pytest.mark.parametrize("extra", [{"frames": 1}, {"seconds": 0.04}])
+def test_the_service_refuses_a_still_and_says_why(extra):
+    from h3_spark.serve.validation import Limits, RequestError, parse_request
+
+    with pytest.raises(RequestError) as err:
+        parse_request({"prompt": "a cat", "output": "a.mp4", **extra}, Limits())
+    assert err.value.status == 400 and "frames 1 is a still image, which the service does not make: its outputs " \
+        "are mp4 clips" in str(err.value) and "h3-spark generate --image" in str(err.value)

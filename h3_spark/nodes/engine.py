@@ -233,9 +233,12 @@ def waveform(audio, what: str) -> tuple[torch.Tensor, int]:
 
 
 # ------------------------------------------------------------------------------------------ conditioning
-def _canvas(width: int, height: int, length: int) -> int:
+def _canvas(width: int, height: int, length: int, mode: str = "t2va") -> int:
     geometry.check_canvas(width, height)
     frames = geometry.snap_frames(length)
+    if frames == geometry.STILL_FRAMES and mode != "t2va":
+        raise InputError(f"length 1 is a still image, made by H3 Text to Video; {mode} makes clips of 124..345 "
+                         "frames")
     if frames != length:
         # Said, not done quietly: the clip comes out longer than asked.
         log.warning("h3-spark: length %d snaps up to %d frames (%.2f s): H3 makes 17n+5 frames", length, frames,
@@ -270,7 +273,7 @@ def fl2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, height
     from ..h3_model.media.refs import PreparedReference, prepare_keyframes
 
     check_prompt("fl2va", prompt)
-    frames = _canvas(width, height, length)
+    frames = _canvas(width, height, length, "fl2va")
     first = None if first_frame is None else image_u8(first_frame, "first_frame")
     last = None if last_frame is None else image_u8(last_frame, "last_frame")
     keyframes, anchors, width, height = prepare_keyframes(first, last, width, height)
@@ -292,7 +295,7 @@ def ref2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, heigh
     from ..h3_model.media.refs import AudioReference, ImageReference, VideoReference, prepare_references
 
     check_prompt("ref2va", prompt)
-    frames = _canvas(width, height, length)
+    frames = _canvas(width, height, length, "ref2va")
     refs = [ImageReference(image_u8(img, f"reference image {i + 1}")) for i, img in enumerate(images)]
     for i, (clip, sound) in enumerate(videos):
         wave, rate = waveform(sound, f"soundtrack of reference video {i + 1}") if sound is not None else (None, 32000)
@@ -620,7 +623,14 @@ def decode(vae: VAEHandle, latent) -> tuple[torch.Tensor, dict]:
     # between the video VAE's load and its decode.
     # uint8 like the pipeline and the CLI, so a saved video holds the same frames whichever front door made it.
     frames = vae.decode_video(video.float())
-    wave = vae.decode_audio(payload.audio_from_comfy(audio.float()))
+    if video.shape[2] == 1:
+        # A still (text to image): one IMAGE frame. Its two audio latents are not decoded (the audio VAE is not
+        # loaded); the AUDIO output is the frame's length of silence, so a wired audio input still gets a sound.
+        from ..h3_model.compose.windows import frame_sample
+
+        wave = torch.zeros(2, frame_sample(1))
+    else:
+        wave = vae.decode_audio(payload.audio_from_comfy(audio.float()))
     return frames.float() / 255.0, {"waveform": wave[None], "sample_rate": geometry.AUDIO_SAMPLE_RATE}
 
 

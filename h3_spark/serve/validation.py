@@ -14,7 +14,8 @@ Fields (defaults in brackets):
   output             "<name>.mp4" inside --output-dir (required; sub-folders must exist)
   overwrite          bool [false]; without it an existing output is a 409
   width, height      ints, multiples of 32, together or not at all [the 16:9 768p canvas]
-  frames             int, 124..345 (5-15 s at 24 fps; snapped up to 17n+5) [124]
+  frames             int, 124..345 (5-15 s at 24 fps; snapped up to 17n+5) [124]; 1 (a still) is refused: the
+                     outputs are mp4 clips
   steps              int, 2..limits.max_steps (sigma grid points: steps - 1 DiT forwards) [50]
   seed               int, 0..2^63-1 [0]
   attention          an H3_ATTENTION backend name, for this job only [the service's]
@@ -281,6 +282,12 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         geometry.snap_frames(frames)
     except H3Error as exc:
         raise RequestError(400, str(exc), param="seconds" if "seconds" in body else "frames") from None
+    if frames == geometry.STILL_FRAMES:
+        # A job's output is an mp4 streamed while it decodes, and what /v1/videos, the thumbnails and the records
+        # serve: a picture has none of those, so stills are the CLI's and the nodes'.
+        raise RequestError(400, "frames 1 is a still image, which the service does not make: its outputs are mp4 "
+                                "clips (124..345 frames); make stills with `h3-spark generate --image` or H3 Text to "
+                                "Video at length 1", param="seconds" if "seconds" in body else "frames")
     attention = _choice(body, "attention", ATTENTION_BACKENDS, None)
     decoder = _choice(body, "decoder", DECODERS, "vae")
 

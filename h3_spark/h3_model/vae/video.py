@@ -11,7 +11,7 @@ Conventions (the released model's, as in diffusers' `AutoencoderKLMiniMaxH3`):
 - Time: `clip_length` (17) pixel frames are encoded at a time into 5 latent frames, and
   `token_drop` (3) trailing latent frames are dropped once, so 17n+5 frames give 5n+2 latent
   frames. A single frame gives one latent frame through the exact 2-D shortcut (see `encode`), and
-  one latent frame decodes alone to one picture (a still, `_decode_still`). Decoding runs 7-latent-frame windows every 5 latent frames, drops 3 leading pixel frames of
+  one latent frame decodes alone to one picture (a still: `temporal_plan`'s one-frame window). Decoding runs 7-latent-frame windows every 5 latent frames, drops 3 leading pixel frames of
   each window and cross-fades 5 frames between windows, which inverts that geometry.
 - Space: 16x. Tiling is on by default for encode and decode (256 px tiles, overlaps of at least
   64 px widened in 16 px steps round robin, linear blends), because the released frames are the
@@ -304,9 +304,6 @@ class VideoVAE(nn.Module):
         check_tiling(tile_size, tile_min_overlap, self.config.spatial_ratio)
         tile_batch = self.tile_batch if tile_batch is None else check_tile_batch(tile_batch)
         cfg = self.config
-        if z.shape[2] == 1:
-            yield 0, self._decode_still(z, tile_size, tile_min_overlap, tile_batch)
-            return
         plan = temporal_plan(cfg, z.shape[2])
         z = z.to(device=self.device, dtype=torch.float32)
         if plan.pad_tokens:
@@ -337,15 +334,6 @@ class VideoVAE(nn.Module):
             del pixels, chunk
         if tail is not None:
             yield from _emit(tail, written, plan.num_frames)
-
-    def _decode_still(self, z: torch.Tensor, tile_size: int | None, min_overlap: int, tile_batch: int) -> torch.Tensor:
-        """One latent frame -> its one picture (B, 3, 1, H, W): the latent frame alone through the decoder (the
-        same spatial tiles), keeping the frame a video's first latent frame keeps (index frame_pre_padding of
-        its temporal_ratio frames; the last one, 3 of 4, in the released geometry, as ComfyUI's single-image
-        decode keeps). Not the first frame of a longer decode: the decoder attends across a window's latent
-        frames, so that frame also depends on the frames after it."""
-        z = z.to(device=self.device, dtype=torch.float32)
-        return self._decode_window(z, [self.config.frame_pre_padding], tile_size, min_overlap, tile_batch)
 
     def decode(self, z: torch.Tensor, **tiling: Any) -> torch.Tensor:
         """Raw latents -> fp32 ImageNet-space video (B, 3, F, H, W), like diffusers' `decode`.
