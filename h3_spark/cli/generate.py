@@ -54,6 +54,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                    help="image references: scaled down to the canvas area (match, ComfyUI's default), to a 2048 px "
                         "short edge (max), or resized to 2048 px like diffusers")
     add_model_flags(p)
+    p.add_argument("--embeddings", type=Path, default=None, metavar="DIR",
+                   help="the folder `embedding:NAME` in the prompt is found in (NAME or NAME.safetensors; "
+                        "safetensors only): its vectors go into the text encoder's input at that place")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]", help="merged at load; repeatable")
     add_precision_flags(p)
     add_budget_flags(p)
@@ -128,8 +131,11 @@ def run(args) -> int:
     options, settings = engine_options(args, device, world_size)
     recipes = recipe_flags(args, options)
     req = build_request(args, settings)
+    embeddings = prompt_embeddings(args, options)  # found and checked before any weight loads
     film_plan = plan_film_flags(args, req) if film else None  # its windows, before any weight loads
     engine = load_engine(args, options, req.mode, log, audio=not still)
+    if embeddings is not None:
+        engine.components.text_encoder.prompts.embeddings = embeddings
     req = prepare_for(engine, req, recipes, options, world, log)
     if film_plan is not None:
         return run_film(args, engine, req, film_plan, progress_hook(args, device, log), rank, options)
@@ -292,6 +298,48 @@ def build_request(args, settings):
     if args.cache_mode != "off":
         req.step_cache = _step_cache(args)
     return req
+
+
+def prompt_embeddings(args, options):
+    """--embeddings: the library the prompts' `embedding:NAME` are read from, each one the prompts name found and
+    checked from its header against the text encoder's hidden size (read from its config and headers). A prompt
+    naming one without --embeddings is refused."""
+    from ..errors import InputError
+    from ..h3_model.text.embeddings import EmbeddingLibrary, names_in, no_library_message
+
+    prompts = [args.prompt] + [shot.prompt for shot in _shots(args)]
+    if args.embeddings is None:
+        for prompt in prompts:
+            refused = no_library_message(prompt)
+            if refused is not None:
+                raise InputError(refused)
+        return None
+    library = EmbeddingLibrary([args.embeddings])
+    if any(names_in(p) for p in prompts):
+        width = _text_width(args, options)
+        for prompt in prompts:
+            library.check_prompt(prompt, width)
+    return library
+
+
+def _shots(args) -> list:
+    from .compose import parse_shots
+
+    return parse_shots(args) if (args.shot or args.shots) else []
+
+
+def _text_width(args, options) -> int | None:
+    """The text encoder's hidden size from its config and headers (no weight read); None for the demo's models,
+    checked when the prompt is encoded."""
+    from ..h3_model.engine.options import component_paths
+    from ..h3_model.text.encoder import check_text_encoder
+
+    paths = component_paths(args)
+    path = paths.resolve("text_encoder")
+    if path is None:
+        return None
+    return check_text_encoder(path, tokenizer=paths.resolve("tokenizer"), layer=options.text_layer,
+                              vision=options.text_vision)
 
 
 def _step_cache(args):
