@@ -248,8 +248,25 @@ def _canvas(width: int, height: int, length: int, mode: str = "t2va") -> int:
 
 def _text(te: TextEncoderHandle, mode: str, prompt: str, keyframes=(),
           references=()) -> tuple[torch.Tensor, torch.Tensor]:
+    _use_embeddings(te, prompt)
     encoded = Engine.of(text_encoder=te.ready()).encode_text(mode, prompt, keyframes, references)
     return encoded.embeds.cpu(), encoded.tags.cpu()
+
+
+def _use_embeddings(te: TextEncoderHandle, prompt: str) -> None:
+    """`embedding:NAME` in the prompt: read from ComfyUI's embeddings folders, each one the prompt names found and
+    checked from its header before the text encoder is placed (its width once it encodes)."""
+    from ..h3_model.text.embeddings import EmbeddingLibrary, names_in, no_library_message
+
+    builder = te.encoder.prompts
+    if not names_in(prompt):
+        return
+    folders = host.embedding_folders()
+    if not folders:
+        raise InputError(no_library_message(prompt))
+    library = EmbeddingLibrary(folders)
+    library.check_prompt(prompt, getattr(builder, "text_width", None))
+    builder.embeddings = library
 
 
 def _empty(vae: VAEHandle | None, width: int, height: int, frames: int) -> dict:
