@@ -227,3 +227,15 @@ def test_the_node_reads_comfyuis_embeddings_folder(monkeypatch, tmp_path, encode
     monkeypatch.setattr(host, "embedding_folders", lambda: [])
     with pytest.raises(InputError, match="no embeddings folder is given"):
         node_engine._text(handle, "t2va", "a kite embedding:minimaxh3_style")
+
+
+@pytest.mark.parametrize("extra", [{}, {"shots": [{"seconds": 6, "prompt": "then embedding:style rain"}]}])
+def test_the_service_refuses_a_prompt_naming_an_embedding_at_submission(extra):
+    from h3_spark.serve.validation import Limits, RequestError, parse_request
+
+    body = {"prompt": "a kite", "output": "a.mp4", **extra} if extra else {"prompt": "a embedding:style kite",
+                                                                            "output": "a.mp4"}
+    with pytest.raises(RequestError) as err:
+        parse_request(body, Limits())
+    assert err.value.status == 400 and "no embeddings folder is given" in str(err.value) \
+        and "the service takes no embeddings folder" in str(err.value)

@@ -223,3 +223,19 @@ def test_the_service_refuses_a_still_and_says_why(extra):
         parse_request({"prompt": "a cat", "output": "a.mp4", **extra}, Limits())
     assert err.value.status == 400 and "frames 1 is a still image, which the service does not make: its outputs " \
         "are mp4 clips" in str(err.value) and "h3-spark generate --image" in str(err.value)
+
+
+def test_a_stills_saved_latents_decode_to_the_same_png(demo_models, tmp_path, capsys):
+    from PIL import Image
+    import numpy as np
+
+    out, latents = tmp_path / "still.png", tmp_path / "still.safetensors"
+    assert main(["generate", "--demo-dir", str(demo_models), "--image", "--steps", "2", "--width", "64", "--height",
+                 "64", "--prompt", "a kite", "--out", str(out), "--save-latents", str(latents)]) == 0
+    again = tmp_path / "again.png"
+    argv = ["decode", str(latents), "--vae", str(demo_models / "vae"), "--device", "cpu", "--vae-dtype", "float32"]
+    assert main([*argv, "--out", str(tmp_path / "again.mp4")]) == 2
+    assert "holds one latent frame (a still); the output must be a .png file" in capsys.readouterr().err
+    assert main([*argv, "--out", str(again)]) == 0  # no --audio-vae: a still's audio latents are not decoded
+    with Image.open(out) as a, Image.open(again) as b:
+        assert np.array_equal(np.asarray(a), np.asarray(b))

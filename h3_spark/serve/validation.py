@@ -246,6 +246,7 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         _check_mentions_at_submit(mode, prompt, references, first, last)
     except H3Error as exc:
         raise _bad(str(exc)) from None
+    _no_embeddings(prompt)
 
     overwrite = body.get("overwrite", False)
     if not isinstance(overwrite, bool):
@@ -319,6 +320,15 @@ def _level(body: dict, name: str, released: str) -> float | None:
     if level is not None and (isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level <= 1):
         raise _bad(f"{name} is the level conditions are held at, in (0, 1] ({released} as released), got {level!r}")
     return level
+
+
+def _no_embeddings(prompt: str) -> None:
+    """`embedding:NAME` needs an embeddings folder, which the service does not take: refused now, not in the job."""
+    from ..h3_model.text.embeddings import no_library_message
+
+    refused = no_library_message(prompt)
+    if refused is not None:
+        raise _bad(f"{refused}; the service takes no embeddings folder")
 
 
 def _check_mentions_at_submit(mode: str, prompt: str, references: list[tuple[str, str]], first, last) -> None:
@@ -407,6 +417,7 @@ def _shots(body: dict, prompt: str, limits: Limits) -> list[tuple[int, str]]:
         if not isinstance(item, dict) or set(item) != {"seconds", "prompt"}:
             raise _bad(f"shots[{i}] must be an object with exactly 'seconds' and 'prompt', got {item!r:.200}")
         text = _string(item, "prompt", limits.max_prompt_chars, required=True)
+        _no_embeddings(text)
         shots.append((_seconds(item["seconds"], f"shots[{i}].seconds", limits), text))
     total = sum(f for f, _ in shots)
     if total > round(limits.max_film_seconds * geometry.FPS):
