@@ -19,8 +19,9 @@ DEMO_STEPS = 9  # the demo's output is noise: a few steps check the install as w
 
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help="generate a video with sound (T2VA, FL2VA, Ref2VA)",
-                       description="Generate a video with sound from a prompt, references or keyframes.")
+    p = sub.add_parser(name, help="generate a video with sound (T2VA, FL2VA, Ref2VA), or a still image (--image)",
+                       description="Generate a video with sound from a prompt, references or keyframes, or a still "
+                                   "image from a prompt (--image: one frame, a PNG).")
     p.add_argument("--mode", choices=["t2va", "fl2va", "ref2va"], default=None,
                    help="default: ref2va with --ref, fl2va with keyframes, else t2va")
     p.add_argument("--prompt", help="the prompt (required unless --demo; '' for none with keyframes or references)")
