@@ -621,12 +621,13 @@ def test_canvas_and_length_are_checked_before_the_queue(name):
     assert cls.VALIDATE_INPUTS(width=8192, height=700) == ("width 8192 is outside 32..4096; height 700 is not a "
                                                            "multiple of 32 (672 or 704 is)")
     assert "outside 1:4 .. 4:1" in cls.VALIDATE_INPUTS(width=2048, height=256)
-    # The length is ComfyUI's own range check (its min and max), every length inside it snaps to one H3 makes.
+    # The length is ComfyUI's own range check (its min and max), every length inside it from 124 snaps to one H3
+    # makes; H3 Text to Video also takes 1, a still (lengths between are refused when the node runs).
     length = cls.INPUT_TYPES()["required"]["length"][1]
     from h3_spark.h3_model import geometry
 
-    assert (length["min"], length["max"]) == (124, 345)
-    assert all(geometry.snap_frames(n) for n in range(124, 346))
+    assert (length["min"], length["max"]) == (1 if name == "H3SparkTextToVideo" else 124, 345)
+    assert all(geometry.snap_frames(n) for n in [1, *range(124, 346)])
 
 
 def test_a_snapped_length_is_reported(models, monkeypatch, caplog):
@@ -1092,7 +1093,8 @@ def test_a_bad_canvas_or_length_is_said_on_its_own_input(name):
     cls = type(node(name))
     good = {"width": 1344, "height": 768, "length": 124}
     assert comfyui_custom_validation(cls, good) == {}
-    assert comfyui_custom_validation(cls, {**good, "length": 3}) == {"length": "Value 3 out of 124..345"}
+    low = 1 if name == "H3SparkTextToVideo" else 124  # 1: a still
+    assert comfyui_custom_validation(cls, {**good, "length": low - 1}) == {"length": f"Value {low - 1} out of {low}..345"}
     errors = comfyui_custom_validation(cls, {**good, "width": 1000})
     assert set(errors) <= {"width", "height"} and errors["width"] == "width 1000 is not a multiple of 32 (992 or 1024 is)"
     assert "height" not in errors["width"] and "length" not in errors["width"]

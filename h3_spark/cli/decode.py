@@ -1,4 +1,4 @@
-"""`h3-spark decode`: saved latents -> mp4 (H.264 24 fps + AAC stereo).
+"""`h3-spark decode`: saved latents -> mp4 (H.264 24 fps + AAC stereo); one latent frame (a still) -> PNG.
 
 The latents file is safetensors with
   video_latents  (1, C, T, h, w)  float, required
@@ -115,10 +115,13 @@ def run(args: argparse.Namespace) -> int:
     settings = resolve_settings(args)
     tile_batch = vae_tile_batch()
     latents = read_latents(args.latents)
-    if latents["audio"] is not None and not args.audio_vae:
+    still = latents["video"].shape[2] == 1  # one latent frame: a picture (its audio latents are not decoded)
+    if latents["audio"] is not None and not args.audio_vae and not still:
         raise InputError(f"{args.latents} has audio_latents; pass --audio-vae to decode them")
     out = Path(args.out)
-    if out.suffix.lower() != ".mp4":
+    if still and out.suffix.lower() != ".png":
+        raise InputError(f"{out}: {args.latents} holds one latent frame (a still); the output must be a .png file")
+    if not still and out.suffix.lower() != ".mp4":
         raise InputError(f"{out}: the output must be an .mp4 file")
     seconds: dict[str, float] = {}
 
@@ -140,6 +143,15 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
 
     wav, sample_rate = None, media.SAMPLE_RATE
+    if still:
+        clock = time.perf_counter()
+        media.write_png(out, frames[0])
+        seconds["write"] = time.perf_counter() - clock
+        print(json.dumps({"command": "decode", "out": str(out), "frames": 1, "height": int(frames.shape[1]),
+                          "width": int(frames.shape[2]), "vae_dtype": settings.vae_dtype,
+                          "vae_tile_size": settings.tile_size, "device": settings.device, "vae_kernels": kernels,
+                          "seconds": {k: round(v, 3) for k, v in seconds.items()}}))
+        return 0
     if latents["audio"] is not None:
         clock = time.perf_counter()
         audio_vae = vae_loading.load_audio_vae(args.audio_vae, device=settings.device)

@@ -1,4 +1,4 @@
-"""`h3-spark generate`: prompt (+ references or keyframes) -> mp4 with sound."""
+"""`h3-spark generate`: prompt (+ references or keyframes) -> mp4 with sound, or a still (one frame) -> PNG."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ DEMO_STEPS = 9  # the demo's output is noise: a few steps check the install as w
 
 
 def add_parser(sub, name: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help="generate a video with sound (T2VA, FL2VA, Ref2VA)",
-                       description="Generate a video with sound from a prompt, references or keyframes.")
+    p = sub.add_parser(name, help="generate a video with sound (T2VA, FL2VA, Ref2VA), or a still image (--image)",
+                       description="Generate a video with sound from a prompt, references or keyframes, or a still "
+                                   "image from a prompt (--image: one frame, a PNG).")
     p.add_argument("--mode", choices=["t2va", "fl2va", "ref2va"], default=None,
                    help="default: ref2va with --ref, fl2va with keyframes, else t2va")
     p.add_argument("--prompt", help="the prompt (required unless --demo; '' for none with keyframes or references)")
@@ -31,7 +32,12 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--last-frame", type=Path, help="FL2VA last keyframe image")
     p.add_argument("--width", type=int)
     p.add_argument("--height", type=int)
-    p.add_argument("--frames", type=int, default=124, help="snapped up to 17n+5, 124..345 (5-15 s at 24 fps)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="snapped up to 17n+5, 124..345 (5-15 s at 24 fps; default 124), or 1: a still image (text "
+                        "to image, written as a PNG)")
+    p.add_argument("--image", action="store_true",
+                   help="a still image: --frames 1 (t2va; one latent frame, decoded by the video VAE alone; the audio "
+                        "VAE is not loaded); --out names a .png")
     p.add_argument("--steps", type=int, default=None,
                    help=f"sigma grid points incl. the final 0 (steps-1 DiT forwards; default {DEFAULT_STEPS}, "
                         f"{DEMO_STEPS} with --demo)")
@@ -49,6 +55,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                    help="image references: scaled down to the canvas area (match, ComfyUI's default), to a 2048 px "
                         "short edge (max), or resized to 2048 px like diffusers")
     add_model_flags(p)
+    p.add_argument("--embeddings", type=Path, default=None, metavar="DIR",
+                   help="the folder `embedding:NAME` in the prompt is found in (NAME or NAME.safetensors; "
+                        "safetensors only): its vectors go into the text encoder's input at that place")
     p.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]", help="merged at load; repeatable")
     add_precision_flags(p)
     add_budget_flags(p)
@@ -86,7 +95,8 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--save-latents", type=Path, help="also save the final latents (for `h3-spark decode`)")
     p.add_argument("--ffmpeg-loglevel", default=None)
     p.add_argument("--out", "--output", dest="out", type=Path, default=None,
-                   help="mp4 to write (required with real models; the demo defaults to h3-spark-demo.mp4)")
+                   help="mp4 to write, or the .png of a still (required with real models; the demo defaults to "
+                        "h3-spark-demo.mp4 / .png)")
     p.add_argument("--progress", action="store_true", help="print stages and per-step sampler timing on stderr")
     p.add_argument("--profile-memory", action="store_true", help="print memory checkpoints per stage on stderr")
     p.add_argument("--quiet", action="store_true", help="print nothing, not even the JSON summary")
@@ -115,15 +125,19 @@ def run(args) -> int:
         return relaunch_with_torchrun(args.gpus, command_argv(args), args.nnodes, args.node_rank, args.rdzv_endpoint)
     rank, world, device = join_ranks(args, world_size)
     log = stderr_log(args, rank)
+    still = resolve_frames(args)
     use_demo_models(args, log)
     film = is_film(args)  # before the request: a length within one generation becomes --frames
     check_output_flags(args)
     options, settings = engine_options(args, device, world_size)
     recipes = recipe_flags(args, options)
     req = build_request(args, settings)
+    embeddings = prompt_embeddings(args, options)  # found and checked before any weight loads
     film_plan = plan_film_flags(args, req) if film else None  # its windows, before any weight loads
     check_flags(args, req, film_plan, rank)  # every refusal the flags allow, before any weight is read
-    engine = load_engine(args, options, req.mode, log)
+    engine = load_engine(args, options, req.mode, log, audio=not still)
+    if embeddings is not None:
+        engine.components.text_encoder.prompts.embeddings = embeddings
     req = prepare_for(engine, req, recipes, options, world, log)
     if film_plan is not None:
         return run_film(args, engine, req, film_plan, progress_hook(args, device, log), rank, options)
@@ -169,6 +183,25 @@ def stderr_log(args, rank: int):
     return lambda message: print(f"h3-spark: {message}", file=sys.stderr, flush=True)
 
 
+def resolve_frames(args) -> bool:
+    """--frames and --image: the frame count (124 unless given), and whether it is a still (one frame, a PNG).
+    A still is one generation: the flags of a film are refused with it."""
+    from ..errors import InputError
+
+    if args.image and args.frames not in (None, 1):
+        raise InputError(f"--image is --frames 1 (a still); --frames {args.frames} makes a clip: drop one of them")
+    args.frames = 1 if args.image else 124 if args.frames is None else args.frames
+    still = args.frames == 1
+    if still:
+        film = [flag for flag, given in (("--seconds", args.seconds is not None), ("--shot", bool(args.shot)),
+                                         ("--shots", bool(args.shots)), ("--continue", bool(args.continue_from)),
+                                         ("--repaint", args.repaint is not None))
+                if given]
+        if film:
+            raise InputError(f"a still (--frames 1 / --image) is one picture; {', '.join(film)} make a clip")
+    return still
+
+
 def use_demo_models(args, log) -> None:
     """No model given (or --demo): the built-in tiny set, with the demo's prompt, canvas and output; then the
     step count's default."""
@@ -185,7 +218,7 @@ def use_demo_models(args, log) -> None:
 
         args.models = build_demo_models(args.demo_dir or default_demo_dir(), log=log)
         args.prompt = DEMO_PROMPT if args.prompt is None else args.prompt
-        args.out = args.out or Path("h3-spark-demo.mp4")
+        args.out = args.out or Path("h3-spark-demo.png" if args.frames == 1 else "h3-spark-demo.mp4")
         if args.width is None and args.repaint is None and args.continue_from is None:  # those keep their clip's
             args.width, args.height = 128, 64
         if args.text_encoder_layer is None:
@@ -203,8 +236,12 @@ def check_output_flags(args) -> None:
         raise InputError("--out is required")
     if args.prompt is None:  # an empty one is judged by the mode (GenerationRequest.validate)
         raise InputError("--prompt is required (--prompt '' gives none, for fl2va and ref2va)")
-    if args.out.suffix.lower() != ".mp4":
-        raise InputError(f"--out must end in .mp4, got {args.out}")
+    still = args.frames == 1
+    if still and args.out.suffix.lower() != ".png":
+        raise InputError(f"--out must end in .png for a still (--frames 1 / --image), got {args.out}")
+    if not still and args.out.suffix.lower() != ".mp4":
+        hint = "; a .png is written for a still (--frames 1 / --image)" if args.out.suffix.lower() == ".png" else ""
+        raise InputError(f"--out must end in .mp4 for a clip, got {args.out}{hint}")
     check_outputs(args.out, args.save_latents)
     check_preview(args.preview, args.preview_every)
     check_decoder(args.decoder, args.taeh3)
@@ -265,6 +302,48 @@ def build_request(args, settings):
     return req
 
 
+def prompt_embeddings(args, options):
+    """--embeddings: the library the prompts' `embedding:NAME` are read from, each one the prompts name found and
+    checked from its header against the text encoder's hidden size (read from its config and headers). A prompt
+    naming one without --embeddings is refused."""
+    from ..errors import InputError
+    from ..h3_model.text.embeddings import EmbeddingLibrary, names_in, no_library_message
+
+    prompts = [args.prompt] + [shot.prompt for shot in _shots(args)]
+    if args.embeddings is None:
+        for prompt in prompts:
+            refused = no_library_message(prompt)
+            if refused is not None:
+                raise InputError(refused)
+        return None
+    library = EmbeddingLibrary([args.embeddings])
+    if any(names_in(p) for p in prompts):
+        width = _text_width(args, options)
+        for prompt in prompts:
+            library.check_prompt(prompt, width)
+    return library
+
+
+def _shots(args) -> list:
+    from .compose import parse_shots
+
+    return parse_shots(args) if (args.shot or args.shots) else []
+
+
+def _text_width(args, options) -> int | None:
+    """The text encoder's hidden size from its config and headers (no weight read); None for the demo's models,
+    checked when the prompt is encoded."""
+    from ..h3_model.engine.options import component_paths
+    from ..h3_model.text.encoder import check_text_encoder
+
+    paths = component_paths(args)
+    path = paths.resolve("text_encoder")
+    if path is None:
+        return None
+    return check_text_encoder(path, tokenizer=paths.resolve("tokenizer"), layer=options.text_layer,
+                              vision=options.text_vision)
+
+
 def _step_cache(args):
     from ..h3_model.pipeline.step_cache import make_step_cache
 
@@ -272,13 +351,15 @@ def _step_cache(args):
                            args.cache_subsample_factor, evaluations=args.steps - 1)
 
 
-def load_engine(args, options, mode: str, log):
+def load_engine(args, options, mode: str, log, audio: bool = True):
+    """The engine with what `mode` needs; `audio` False (a still): without the audio VAE."""
     from ..h3_model.engine.engine import Engine
     from ..h3_model.engine.options import component_paths
 
     engine = Engine(component_paths(args), options, offload_text_encoder=args.offload_text_encoder,
                     release_adaln=not args.keep_adaln)
-    engine.load([mode], on_progress=lambda event: event.state == "loading" and log(f"loading {event.component}"))
+    engine.load([mode], on_progress=lambda event: event.state == "loading" and log(f"loading {event.component}"),
+                audio=audio)
     if args.decoder == "taeh3":
         engine.load_taeh3(args.taeh3)
     if not args.quiet:
@@ -339,17 +420,29 @@ def render(args, engine, req, progress):
 
     from ..h3_model.media import files as media
 
+    if req.still:  # one picture: a PNG, written once it is decoded
+        result = engine.generate(req, on_progress=progress)
+        save_latents(args, req, result)
+        start = time.perf_counter()
+        media.write_png(args.out, result.video[0])
+        result.timings["png"] = time.perf_counter() - start
+        return result
     with media.mp4_writer(args.out, loglevel=args.ffmpeg_loglevel) as stream:
         result = engine.generate(req, on_progress=progress, on_frames=stream.add)
-        if args.save_latents:
-            from safetensors.torch import save_file
-
-            save_file({"video_latents": result.video_latents.contiguous(), "audio_latents": result.audio_latents},
-                      str(args.save_latents), metadata={"latents": "normalized", "mode": req.mode})
+        save_latents(args, req, result)
         start = time.perf_counter()
         stream.finish(result.audio)
         result.timings["mux"] = time.perf_counter() - start
     return result
+
+
+def save_latents(args, req, result) -> None:
+    """--save-latents: the final normalised latents (for `h3-spark decode`)."""
+    if args.save_latents:
+        from safetensors.torch import save_file
+
+        save_file({"video_latents": result.video_latents.contiguous(), "audio_latents": result.audio_latents},
+                  str(args.save_latents), metadata={"latents": "normalized", "mode": req.mode})
 
 
 def summarize(args, engine, req, result, options, world: int) -> dict:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 # Which model a checkpoint is made for.
-COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder", "taeh3", "pdd", "turbo")
+COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder", "taeh3", "pdd", "turbo", "embedding")
 # --format values per component (the VAEs are written as published; the video VAE also as int8_convrot).
 DIT_FORMATS = ("bf16", "fp8_scaled", "nvfp4", "int8_convrot", "int4_convrot", "w4a8", "w4a8_sym", "w4a8_asym")
 # A GGUF DiT: gguf:<GGML type>, the writable types checked by the writer (h3_model/checkpoint/gguf_writer.py).
@@ -404,6 +404,29 @@ def _fasth3(args, config, curve):
                                   quantize_gates=args.quantize_gates)
 
 
+def _run_embedding(args) -> int:
+    """A prompt embedding (`embedding:NAME`, text/embeddings.py): two random vectors as wide as the preset's text
+    encoder (tiny: the demo's, full: Qwen3-VL-32B's 5120), float32 under `emb_params`."""
+    from ..errors import InputError
+    from ..h3_model.dit.config import preset
+    from ..h3_model.engine.demo import DIT_CONFIG
+    from ..h3_model.text.embeddings import write_embedding
+
+    if args.format != "bf16" or args.layout != "comfy" or args.device != "cpu" or args.tokenizer_out is not None \
+            or args.fasth3 or args.mmproj or args.quantize_refiner or args.curve_grid is not None \
+            or args.curve_rank is not None:
+        raise InputError("--component embedding takes only --preset (tiny: the demo text encoder's width, full: "
+                         "5120), --seed and --force (one float32 .safetensors file)")
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise InputError(f"{out} exists; pass --force to replace it")
+    width = DIT_CONFIG.text_dim if args.preset == "tiny" else preset("full").text_dim
+    path = write_embedding(out, width, seed=args.seed)
+    print(json.dumps({"out": str(path), "component": "embedding", "preset": args.preset, "width": width, "rows": 2,
+                      "seed": args.seed, "bytes": path.stat().st_size}))
+    return 0
+
+
 def run(args) -> int:
     from ..errors import InputError
     from ..h3_model.checkpoint.make import CURVE_DEFAULTS, make_dit_checkpoint
@@ -417,6 +440,8 @@ def run(args) -> int:
         return _run_text_encoder(args)
     if args.component == "taeh3":
         return _run_taeh3(args)
+    if args.component == "embedding":
+        return _run_embedding(args)
     if args.component in ("pdd", "turbo"):
         if args.tokenizer_out is not None:
             raise InputError("--tokenizer-out applies to --component text_encoder")

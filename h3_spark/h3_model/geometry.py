@@ -25,6 +25,9 @@ MAX_ASPECT = 4.0
 MIN_SECONDS = 5.0
 MAX_SECONDS = 15.0
 DEFAULT_FRAMES = 124
+# A still (text to image): one pixel frame, one latent frame. The one length off the 17k+5 grid; its audio
+# stream is the minimal one a frame covers (audio_latent_frames(1) == 2 latents), sampled and never decoded.
+STILL_FRAMES = 1
 
 
 def _check_aspect(width: float, height: float) -> float:
@@ -86,7 +89,10 @@ def align_frames(num_frames: int) -> int:
 
 
 def snap_frames(num_frames: int, *, min_seconds: float = MIN_SECONDS, max_seconds: float = MAX_SECONDS) -> int:
-    """Aligned frame count for a generation request, which must last 5-15 s at 24 fps."""
+    """Aligned frame count for a generation request, which must last 5-15 s at 24 fps, or be one frame (a
+    still, STILL_FRAMES)."""
+    if num_frames == STILL_FRAMES:
+        return STILL_FRAMES
     aligned = align_frames(num_frames)
     lo, hi = align_frames(math.ceil(min_seconds * FPS)), int(max_seconds * FPS)
     hi -= (hi - VAE_LATENTS_PER_CHUNK) % VAE_FRAMES_PER_CHUNK
@@ -95,7 +101,7 @@ def snap_frames(num_frames: int, *, min_seconds: float = MIN_SECONDS, max_second
         raise InputError(
             f"{num_frames} frames snaps to {aligned} ({aligned / FPS:.2f} s); "
             f"H3 generates {lo}..{hi} frames ({min_seconds:g}-{max_seconds:g} s at {FPS} fps; nearest valid: "
-            f"{nearest} frames, {nearest / FPS:.2f} s)"
+            f"{nearest} frames, {nearest / FPS:.2f} s), or 1 frame for a still image"
         )
     return aligned
 

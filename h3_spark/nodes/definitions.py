@@ -22,6 +22,11 @@ MAX_SEED = 2 ** 63 - 1  # the engine's generator takes seeds below 2^63
 H3_MODEL = "H3_MODEL"
 LENGTH = ("INT", {"default": geometry.DEFAULT_FRAMES, "min": 124, "max": 345, "step": 17,
                   "tooltip": "Frames at 24 fps, snapped up to 17n+5; H3 generates 5 to 15 seconds (124..345)."})
+# Text to video also makes stills: length 1 is one frame (text to image; H3 Decode gives one IMAGE frame).
+T2VA_LENGTH = ("INT", {"default": geometry.DEFAULT_FRAMES, "min": geometry.STILL_FRAMES, "max": 345, "step": 17,
+                       "tooltip": "Frames at 24 fps, snapped up to 17n+5; H3 generates 5 to 15 seconds (124..345). "
+                                  "1 makes a still image (text to image): one frame, decoded by the video VAE alone "
+                                  "(save it with Save Image)."})
 WIDTH = ("INT", {"default": 1344, "min": 32, "max": 4096, "step": 32,
                  "tooltip": "Canvas width in pixels, a multiple of 32. H3 is released for 1344x768 (16:9)."})
 HEIGHT = ("INT", {"default": 768, "min": 32, "max": 4096, "step": 32,
@@ -220,7 +225,8 @@ def _validate_canvas(cls, width=None, height=None):
     """VALIDATE_INPUTS of the conditioning nodes: ComfyUI refuses a canvas H3 cannot make before the prompt is
     queued (its own checks do not enforce the 32-pixel step). ComfyUI shows the returned message on every input
     this function reads, so it reads only width and height and its message names the one at fault; `length` is
-    left to ComfyUI's own per-input range check (124..345; a length inside it only snaps up, said in the log).
+    left to ComfyUI's own per-input range check (124..345, or 1..345 on H3 Text to Video where 1 is a still; a
+    length inside it snaps up, said in the log, and one between 1 and 124 is refused when the node runs).
     Values wired from other nodes are not known yet and are checked when the node runs."""
     from ..errors import H3Error
 
@@ -245,12 +251,13 @@ def _validate_canvas(cls, width=None, height=None):
 
 
 class H3TextToVideo:
-    """T2VA: prompt -> CONDITIONING + the empty audio-video LATENT of the canvas."""
+    """T2VA: prompt -> CONDITIONING + the empty audio-video LATENT of the canvas; length 1 makes a still image
+    (text to image)."""
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"text_encoder": ("H3_TEXT_ENCODER",), "prompt": T2VA_PROMPT, "width": WIDTH,
-                             "height": HEIGHT, "length": LENGTH}}
+                             "height": HEIGHT, "length": T2VA_LENGTH}}
 
     VALIDATE_INPUTS = classmethod(_validate_canvas)
     RETURN_TYPES = ("CONDITIONING", "LATENT")
@@ -493,7 +500,8 @@ class H3Sampler:
 # ------------------------------------------------------------------------------------------ output
 class H3Decode:
     """LATENT -> IMAGE frames and AUDIO (stereo, 32 kHz), ready for ComfyUI's CreateVideo / SaveVideo or
-    H3 Save Video."""
+    H3 Save Video. A still (length 1) gives one IMAGE frame for Save Image, decoded by the video VAE alone, and
+    one frame's length of silence."""
 
     @classmethod
     def INPUT_TYPES(cls):

@@ -229,9 +229,12 @@ def waveform(audio, what: str) -> tuple[torch.Tensor, int]:
 
 
 # ------------------------------------------------------------------------------------------ conditioning
-def _canvas(width: int, height: int, length: int) -> int:
+def _canvas(width: int, height: int, length: int, mode: str = "t2va") -> int:
     geometry.check_canvas(width, height)
     frames = geometry.snap_frames(length)
+    if frames == geometry.STILL_FRAMES and mode != "t2va":
+        raise InputError(f"length 1 is a still image, made by H3 Text to Video; {mode} makes clips of 124..345 "
+                         "frames")
     if frames != length:
         # Said, not done quietly: the clip comes out longer than asked.
         log.warning("h3-spark: length %d snaps up to %d frames (%.2f s): H3 makes 17n+5 frames", length, frames,
@@ -241,8 +244,25 @@ def _canvas(width: int, height: int, length: int) -> int:
 
 def _text(te: TextEncoderHandle, mode: str, prompt: str, keyframes=(),
           references=()) -> tuple[torch.Tensor, torch.Tensor]:
+    _use_embeddings(te, prompt)
     encoded = Engine.of(text_encoder=te.ready()).encode_text(mode, prompt, keyframes, references)
     return encoded.embeds.cpu(), encoded.tags.cpu()
+
+
+def _use_embeddings(te: TextEncoderHandle, prompt: str) -> None:
+    """`embedding:NAME` in the prompt: read from ComfyUI's embeddings folders, each one the prompt names found and
+    checked from its header before the text encoder is placed (its width once it encodes)."""
+    from ..h3_model.text.embeddings import EmbeddingLibrary, names_in, no_library_message
+
+    builder = te.encoder.prompts
+    if not names_in(prompt):
+        return
+    folders = host.embedding_folders()
+    if not folders:
+        raise InputError(no_library_message(prompt))
+    library = EmbeddingLibrary(folders)
+    library.check_prompt(prompt, getattr(builder, "text_width", None))
+    builder.embeddings = library
 
 
 def _empty(vae: VAEHandle | None, width: int, height: int, frames: int) -> dict:
@@ -266,7 +286,7 @@ def fl2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, height
     from ..h3_model.media.refs import PreparedReference, prepare_keyframes
 
     check_prompt("fl2va", prompt)
-    frames = _canvas(width, height, length)
+    frames = _canvas(width, height, length, "fl2va")
     first = None if first_frame is None else image_u8(first_frame, "first_frame")
     last = None if last_frame is None else image_u8(last_frame, "last_frame")
     keyframes, anchors, width, height = prepare_keyframes(first, last, width, height)
@@ -288,7 +308,7 @@ def ref2va(te: TextEncoderHandle, vae: VAEHandle, prompt: str, width: int, heigh
     from ..h3_model.media.refs import AudioReference, ImageReference, VideoReference, prepare_references
 
     check_prompt("ref2va", prompt)
-    frames = _canvas(width, height, length)
+    frames = _canvas(width, height, length, "ref2va")
     refs = [ImageReference(image_u8(img, f"reference image {i + 1}")) for i, img in enumerate(images)]
     for i, (clip, sound) in enumerate(videos):
         wave, rate = waveform(sound, f"soundtrack of reference video {i + 1}") if sound is not None else (None, 32000)
@@ -621,7 +641,14 @@ def decode(vae: VAEHandle, latent) -> tuple[torch.Tensor, dict]:
     # between the video VAE's load and its decode.
     # uint8 like the pipeline and the CLI, so a saved video holds the same frames whichever front door made it.
     frames = vae.decode_video(video.float())
-    wave = vae.decode_audio(payload.audio_from_comfy(audio.float()))
+    if video.shape[2] == 1:
+        # A still (text to image): one IMAGE frame. Its two audio latents are not decoded (the audio VAE is not
+        # loaded); the AUDIO output is the frame's length of silence, so a wired audio input still gets a sound.
+        from ..h3_model.compose.windows import frame_sample
+
+        wave = torch.zeros(2, frame_sample(1))
+    else:
+        wave = vae.decode_audio(payload.audio_from_comfy(audio.float()))
     return frames.float() / 255.0, {"waveform": wave[None], "sample_rate": geometry.AUDIO_SAMPLE_RATE}
 
 

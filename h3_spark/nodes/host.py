@@ -48,6 +48,19 @@ def folder_paths():
 MODEL_SUFFIXES = (".safetensors", ".gguf")
 
 
+def embedding_folders() -> list[Path]:
+    """ComfyUI's embeddings folders (models/embeddings and any extra_model_paths give) that exist; none outside
+    ComfyUI."""
+    module = optional_module("folder_paths")
+    if module is None:
+        return []
+    try:
+        roots = module.get_folder_paths("embeddings")
+    except KeyError:  # a folder_paths without the embeddings kind
+        return []
+    return [Path(root) for root in roots if Path(root).is_dir()]
+
+
 def model_choices(folder: str, *, folders: bool = False) -> list[str]:
     """Files ComfyUI lists for a model folder key, plus (if asked) sub-folders holding a diffusers component.
 

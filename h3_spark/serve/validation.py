@@ -14,7 +14,8 @@ Fields (defaults in brackets):
   output             "<name>.mp4" inside --output-dir (required; sub-folders must exist)
   overwrite          bool [false]; without it an existing output is a 409
   width, height      ints, multiples of 32, together or not at all [the 16:9 768p canvas]
-  frames             int, 124..345 (5-15 s at 24 fps; snapped up to 17n+5) [124]
+  frames             int, 124..345 (5-15 s at 24 fps; snapped up to 17n+5) [124]; 1 (a still) is refused: the
+                     outputs are mp4 clips
   steps              int, 2..limits.max_steps (sigma grid points: steps - 1 DiT forwards) [50]
   seed               int, 0..2^63-1 [0]
   attention          an H3_ATTENTION backend name, for this job only [the service's]
@@ -244,6 +245,7 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         _check_mentions_at_submit(mode, prompt, references, first, last)
     except H3Error as exc:
         raise _bad(str(exc)) from None
+    _no_embeddings(prompt)
 
     overwrite = body.get("overwrite", False)
     if not isinstance(overwrite, bool):
@@ -280,6 +282,12 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         geometry.snap_frames(frames)
     except H3Error as exc:
         raise RequestError(400, str(exc), param="seconds" if "seconds" in body else "frames") from None
+    if frames == geometry.STILL_FRAMES:
+        # A job's output is an mp4 streamed while it decodes, and what /v1/videos, the thumbnails and the records
+        # serve: a picture has none of those, so stills are the CLI's and the nodes'.
+        raise RequestError(400, "frames 1 is a still image, which the service does not make: its outputs are mp4 "
+                                "clips (124..345 frames); make stills with `h3-spark generate --image` or H3 Text to "
+                                "Video at length 1", param="seconds" if "seconds" in body else "frames")
     if not shots and repaint is None:  # the clip's length is the request's (a film's windows and a repaint
         _check_guide_frames(guides, geometry.snap_frames(frames))  # clip's are known once planned or read)
     attention = _choice(body, "attention", ATTENTION_BACKENDS, None)
@@ -313,6 +321,15 @@ def _level(body: dict, name: str, released: str) -> float | None:
     if level is not None and (isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level <= 1):
         raise _bad(f"{name} is the level conditions are held at, in (0, 1] ({released} as released), got {level!r}")
     return level
+
+
+def _no_embeddings(prompt: str) -> None:
+    """`embedding:NAME` needs an embeddings folder, which the service does not take: refused now, not in the job."""
+    from ..h3_model.text.embeddings import no_library_message
+
+    refused = no_library_message(prompt)
+    if refused is not None:
+        raise _bad(f"{refused}; the service takes no embeddings folder")
 
 
 def _check_mentions_at_submit(mode: str, prompt: str, references: list[tuple[str, str]], first, last) -> None:
@@ -401,6 +418,7 @@ def _shots(body: dict, prompt: str, limits: Limits) -> list[tuple[int, str]]:
         if not isinstance(item, dict) or set(item) != {"seconds", "prompt"}:
             raise _bad(f"shots[{i}] must be an object with exactly 'seconds' and 'prompt', got {item!r:.200}")
         text = _string(item, "prompt", limits.max_prompt_chars, required=True)
+        _no_embeddings(text)
         shots.append((_seconds(item["seconds"], f"shots[{i}].seconds", limits), text))
     total = sum(f for f, _ in shots)
     if total > round(limits.max_film_seconds * geometry.FPS):

@@ -111,12 +111,14 @@ class Engine:
         return [k for k in ("dit", "dit_ref") if getattr(self.components, k) is not None]
 
     # ------------------------------------------------------------------ loading
-    def plan(self, modes: Sequence[str] | None = None, *, dit_only: bool = False) -> dict[str, object]:
+    def plan(self, modes: Sequence[str] | None = None, *, dit_only: bool = False,
+             audio: bool = True) -> dict[str, object]:
         """What `load` will build: component name -> its path (or the override that builds it).
 
         `modes` given: the DiT partitions those modes need, each required. None (the service): every DiT
         partition the paths give, at least one. The text encoder and both VAEs are required unless `dit_only`
-        (the bench's DiT forwards, trace tools): then only the DiTs are planned.
+        (the bench's DiT forwards, trace tools): then only the DiTs are planned. `audio` False (stills: text to
+        image decodes no soundtrack): the audio VAE is neither required nor planned, even where the paths give it.
         """
         self.paths.check_models()
         found = {name: (self.overrides[name] if name in self.overrides else self.paths.resolve(name))
@@ -140,10 +142,12 @@ class Engine:
                 dits.append(key)
         if dit_only:
             return {name: found[name] for name in dits}
-        for name, flag in (("text_encoder", "--text-encoder"), ("vae", "--vae"), ("audio_vae", "--audio-vae")):
+        needed = ("text_encoder", "vae") + (("audio_vae",) if audio else ())
+        for name in needed:
             if found[name] is None:
-                raise InputError(f"the {name.replace('_', ' ')} is needed: pass --models or {flag}")
-        return {name: found[name] for name in LOADED if name in dits or name not in ("dit", "dit_ref")}
+                raise InputError(f"the {name.replace('_', ' ')} is needed: pass --models or "
+                                 f"--{name.replace('_', '-')}")
+        return {name: found[name] for name in LOADED if name in dits or name in needed}
 
     def preflight(self, plan: Mapping[str, object]) -> None:
         """Fail before reading any weights when the device or the asked-for kernels cannot run here, or when a
@@ -181,10 +185,11 @@ class Engine:
         return None if "text_encoder" in self.overrides else self.paths.resolve("tokenizer")
 
     def load(self, modes: Sequence[str] | None = None, on_progress: ProgressFn | None = None, *,
-             dit_only: bool = False) -> "Engine":
-        """Load what `plan(modes, dit_only=...)` names, once, in order, reporting each component to `on_progress`."""
+             dit_only: bool = False, audio: bool = True) -> "Engine":
+        """Load what `plan(modes, dit_only=..., audio=...)` names, once, in order, reporting each component to
+        `on_progress`."""
         report = on_progress or (lambda event: None)
-        plan = self.plan(modes, dit_only=dit_only)
+        plan = self.plan(modes, dit_only=dit_only, audio=audio)
         self.preflight(plan)
         self._resolve_auto_budget(plan)
         tokenizer = self.tokenizer_path()

@@ -288,6 +288,26 @@ def write_mp4(path: str | os.PathLike, frames: torch.Tensor | np.ndarray,
     return Path(path)
 
 
+def write_png(path: str | os.PathLike, frame: torch.Tensor | np.ndarray) -> Path:
+    """One uint8 (H, W, 3) picture -> a PNG at `path`, which appears only when complete."""
+    from PIL import Image
+
+    array = frame.numpy() if isinstance(frame, torch.Tensor) else np.asarray(frame)
+    if array.dtype != np.uint8 or array.ndim != 3 or array.shape[-1] != 3:
+        raise InputError(f"a picture must be uint8 (H, W, 3), got {tuple(array.shape)} {array.dtype}")
+    path = Path(path)
+    if path.parent and not path.parent.is_dir():
+        raise InputError(f"{path.parent}: no such folder for the output")
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        Image.fromarray(np.ascontiguousarray(array)).save(tmp, format="PNG")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
 @contextmanager
 def mp4_writer(path: str | os.PathLike, **options: Any) -> Iterator["Mp4Stream"]:
     """An `Mp4Stream` on a hidden partial file next to `path`, moved into place when the block ends after

@@ -89,6 +89,7 @@ class GenerationRequest:
     audio_guide_strength: float | None = None
     width: int | None = None
     height: int | None = None
+    # 17k+5 (124..345), or 1: a still (text to image: one latent frame, decoded by the video VAE alone).
     frames: int = geometry.DEFAULT_FRAMES
     steps: int = 50  # sigma grid points including the final 0: steps - 1 model evaluations
     seed: int = 0
@@ -108,6 +109,20 @@ class GenerationRequest:
     head_schedule: object | None = None
     recipes: list[dict] = field(default_factory=list)
     decoder: str = "vae"  # one of DECODERS
+
+    @property
+    def still(self) -> bool:
+        """One frame: a picture, not a clip (no soundtrack is decoded)."""
+        return self.frames == geometry.STILL_FRAMES
+
+    def _check_still(self) -> None:
+        """A still is text to image: t2va with none of what places or keeps frames of a clip."""
+        extras = [name for name, given in (("keyframes or references", self.mode != "t2va"),
+                                           ("guides", bool(self.guides)), ("a history", self.history is not None),
+                                           ("a noise mask", self.source is not None),
+                                           ("decoder taeh3", self.decoder == "taeh3")) if given]
+        if extras:
+            raise InputError(f"a still (1 frame) is text to image, t2va only: it takes no {', '.join(extras)}")
 
     def _reference_counts(self) -> tuple[int, int, int]:
         """(images, videos, audio labels) as the presentation will number them (keyframes are pictures)."""
@@ -167,6 +182,8 @@ class GenerationRequest:
         if self.width is not None:
             geometry.check_canvas(self.width, self.height)
         geometry.snap_frames(self.frames)
+        if self.still:
+            self._check_still()
         if self.mlp_chunks < 1:
             raise InputError(f"mlp_chunks must be at least 1, got {self.mlp_chunks}")
         if not 0 <= self.seed < 2 ** 63:
@@ -187,8 +204,8 @@ class Progress:
 
 @dataclass
 class GenerationResult:
-    video: torch.Tensor  # uint8 (F, H, W, 3)
-    audio: torch.Tensor  # float32 (2, samples) at 32 kHz
+    video: torch.Tensor  # uint8 (F, H, W, 3); one frame for a still
+    audio: torch.Tensor  # float32 (2, samples) at 32 kHz; (2, 0) for a still (its audio stream is not decoded)
     video_latents: torch.Tensor  # normalised (1, C, T, h, w)
     audio_latents: torch.Tensor  # normalised (2, C, T_audio)
     timings: dict[str, float]
@@ -357,6 +374,12 @@ class Pipeline:
         report(Progress("video_decode"))
         video = self.decode_video(result.video_latents, req.vae_tile_size, on_frames, decoder=req.decoder)
         timings["video_decode"] = time.perf_counter() - t0
+        if req.still:
+            # The DiT sampled the frame's two audio latents beside it (as ComfyUI's one-frame latent has them);
+            # a picture has no soundtrack, so the audio VAE is neither needed nor run.
+            info["still"] = True
+            return GenerationResult(video, torch.empty(2, 0), result.video_latents, result.audio_latents, timings,
+                                    info)
         t0 = time.perf_counter()
         report(Progress("audio_decode"))
         audio = self.decode_audio(result.audio_latents)

@@ -552,6 +552,7 @@ class TextEncoder:
         self.tokenizer = tokenizer
         self.processor = processor
         self.prompts = PresentationBuilder(tokenizer, processor)
+        self.prompts.text_width = int(model.config.text_config.hidden_size)
         self.layer = layer
         self.dtype = dtype
         self.device = torch.device(device)
@@ -670,6 +671,10 @@ class TextEncoder:
         # The last kept decoder layer's own output is hidden_states[layer]; DeepStack's addition
         # after it (when layer <= the number of DeepStack levels) is not part of that state.
         handle = self.model.language_model.layers[-1].register_forward_hook(keep)
+        # Prompt embeddings replace their placeholders' input embeddings (the ids still place the vision
+        # features and the positions, so nothing else of the forward changes).
+        splice = None if not presentation.spliced else self.model.get_input_embeddings().register_forward_hook(
+            lambda module, args, output: splice_rows(output, presentation.spliced))
         try:
             # no_grad rather than inference_mode: the embeddings leave this class, and inference
             # tensors refuse in-place use outside inference mode.
@@ -679,4 +684,15 @@ class TextEncoder:
                            use_cache=False, **vision)
         finally:
             handle.remove()
+            if splice is not None:
+                splice.remove()
         return captured[-1]
+
+
+def splice_rows(embeds: torch.Tensor, spliced) -> torch.Tensor:
+    """Input embeddings (1, L, width) with each (start, rows) of a presentation's embeddings in place of its
+    placeholders, in the embeddings' dtype."""
+    out = embeds.clone()
+    for start, rows in spliced:
+        out[0, start:start + rows.shape[0]] = rows.to(out.device, out.dtype)
+    return out

@@ -45,6 +45,8 @@ VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
+# The id an embedding row's position holds (its input embedding is replaced): Qwen's end-of-text, ComfyUI's pad.
+PLACEHOLDER = "<|endoftext|>"
 # Argument names of the Qwen3-VL forward that carry vision inputs, in hashing order.
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
@@ -138,16 +140,22 @@ class Presentation:
     tags: torch.Tensor  # (L,) long
     vision: dict[str, torch.Tensor]
     token_hash: str
+    # Prompt embeddings (text/embeddings.py): (first position, float32 rows (n, width)) in order; their positions
+    # hold a placeholder id in `token_ids` and the rows replace those positions' input embeddings.
+    spliced: tuple[tuple[int, torch.Tensor], ...] = ()
 
     def __len__(self) -> int:
         return int(self.token_ids.numel())
 
 
-def presentation_hash(token_ids: torch.Tensor, tags: torch.Tensor, vision: dict[str, torch.Tensor]) -> str:
-    """sha256 over ids, tags and every vision tensor (name, dtype, shape and bytes)."""
+def presentation_hash(token_ids: torch.Tensor, tags: torch.Tensor, vision: dict[str, torch.Tensor],
+                      spliced: tuple[tuple[int, torch.Tensor], ...] = ()) -> str:
+    """sha256 over ids, tags, every vision tensor (name, dtype, shape and bytes) and the spliced embeddings (where,
+    and their rows)."""
     h = hashlib.sha256()
     for name, tensor in (("token_ids", token_ids), ("tags", tags)) + tuple(
-            (k, vision[k]) for k in VISION_KEYS if k in vision):
+            (k, vision[k]) for k in VISION_KEYS if k in vision) + tuple(
+            (f"spliced@{start}", rows) for start, rows in spliced):
         t = tensor.detach().contiguous().cpu()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -157,15 +165,37 @@ def presentation_hash(token_ids: torch.Tensor, tags: torch.Tensor, vision: dict[
 class _Stream:
     """Token ids and tags accumulated segment by segment."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, embeddings=None, width: int | None = None, placeholder: int | None = None):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.tags: list[int] = []
+        self.spliced: list[tuple[int, torch.Tensor]] = []
+        self.embeddings, self.width, self.placeholder = embeddings, width, placeholder
 
     def text(self, value: str) -> None:
         ids = self.tokenizer(value, add_special_tokens=False)["input_ids"]
         self.ids.extend(ids)
         self.tags.extend([TEXT_TAG] * len(ids))
+
+    def prompt(self, value: str) -> None:
+        """The user's prompt: its runs of text, and the rows of each `embedding:NAME` in it (text/embeddings.py)
+        at a placeholder id each, tagged text (as ComfyUI's MiniMax H3 encoder tags them)."""
+        from .embeddings import EmbeddingRef, no_library_message, split_prompt
+
+        if self.embeddings is None:
+            refused = no_library_message(value)
+            if refused is not None:
+                raise InputError(refused)
+            self.text(value)
+            return
+        for part in split_prompt(value):
+            if not isinstance(part, EmbeddingRef):
+                self.text(part)
+                continue
+            rows = self.embeddings.rows(part.name, self.width)
+            self.spliced.append((len(self.ids), rows))
+            self.ids.extend([self.placeholder] * rows.shape[0])
+            self.tags.extend([TEXT_TAG] * rows.shape[0])
 
     def vision(self, start: int, pad: int, end: int, count: int) -> None:
         self.ids.extend([start] + [pad] * count + [end])
@@ -202,12 +232,18 @@ class PresentationBuilder:
         if unknown:
             raise CheckpointError(f"the tokenizer lacks Qwen3-VL's vision tokens {', '.join(unknown)}")
         self.vision_start, self.vision_end, self.image_pad, self.video_pad = ids
+        # Prompt embeddings: the folders `embedding:NAME` is found in (an EmbeddingLibrary, set by the front door)
+        # and the width they must have (the text encoder's hidden size, set by the encoder). None: a prompt naming
+        # an embedding is refused.
+        self.embeddings = None
+        self.text_width: int | None = None
+        self.placeholder = tokenizer.convert_tokens_to_ids(PLACEHOLDER)
 
     # ------------------------------------------------------------------ modes
     def t2va(self, prompt: str) -> Presentation:
         stream = self._stream("t2va", prompt)
         check_mentions("t2va", prompt)
-        stream.text(prompt)
+        stream.prompt(prompt)
         return self._finish("t2va", stream, {})
 
     def fl2va(self, prompt: str, keyframes: Sequence[torch.Tensor]) -> Presentation:
@@ -223,7 +259,7 @@ class PresentationBuilder:
         for i, count in enumerate(counts):
             stream.text(f"<Picture {i + 1}>: ")
             stream.vision(self.vision_start, self.image_pad, self.vision_end, count)
-        stream.text(prompt)
+        stream.prompt(prompt)
         return self._finish("fl2va", stream, vision)
 
     def ref2va(self, prompt: str, references: Sequence[Reference]) -> Presentation:
@@ -258,7 +294,7 @@ class PresentationBuilder:
                     # str.format rounds half to even, as the reference labels do ("<0.2 seconds>").
                     stream.text(f"<{t:.1f} seconds>")
                     stream.vision(self.vision_start, self.video_pad, self.vision_end, count)
-        stream.text(prompt)
+        stream.prompt(prompt)
         return self._finish("ref2va", stream, vision)
 
     # ------------------------------------------------------------------ vision inputs
@@ -317,14 +353,15 @@ class PresentationBuilder:
         if typed:
             raise InputError(f"the prompt contains {', '.join(typed)}: vision markers are placed by h3-spark, "
                              "not typed; refer to references as <Picture i>, <Video k>, <Audio j>")
-        return _Stream(self.tokenizer)
+        return _Stream(self.tokenizer, self.embeddings, self.text_width, self.placeholder)
 
     def _finish(self, mode: str, stream: _Stream, vision: dict[str, torch.Tensor]) -> Presentation:
         if not stream.ids:
             raise InputError("the presentation is empty: give a prompt (or a keyframe or reference)")
         ids = torch.tensor(stream.ids, dtype=torch.long)
         tags = torch.tensor(stream.tags, dtype=torch.long)
-        return Presentation(mode, ids, tags, vision, presentation_hash(ids, tags, vision))
+        spliced = tuple(stream.spliced)
+        return Presentation(mode, ids, tags, vision, presentation_hash(ids, tags, vision, spliced), spliced)
 
 
 def _check_reference(ref: object, index: int) -> None:

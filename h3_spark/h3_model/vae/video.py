@@ -10,8 +10,8 @@ Conventions (the released model's, as in diffusers' `AutoencoderKLMiniMaxH3`):
   `denormalize_latents` convert between the two.
 - Time: `clip_length` (17) pixel frames are encoded at a time into 5 latent frames, and
   `token_drop` (3) trailing latent frames are dropped once, so 17n+5 frames give 5n+2 latent
-  frames. A single frame gives one latent frame through the exact 2-D shortcut (see `encode`).
-  Decoding runs 7-latent-frame windows every 5 latent frames, drops 3 leading pixel frames of
+  frames. A single frame gives one latent frame through the exact 2-D shortcut (see `encode`), and
+  one latent frame decodes alone to one picture (a still: `temporal_plan`'s one-frame window). Decoding runs 7-latent-frame windows every 5 latent frames, drops 3 leading pixel frames of
   each window and cross-fades 5 frames between windows, which inverts that geometry.
 - Space: 16x. Tiling is on by default for encode and decode (256 px tiles, overlaps of at least
   64 px widened in 16 px steps round robin, linear blends), because the released frames are the

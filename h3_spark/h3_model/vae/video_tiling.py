@@ -122,6 +122,13 @@ class TemporalPlan:
 
 def temporal_plan(cfg: VideoVAEConfig, num_latent_frames: int) -> TemporalPlan:
     step, drop, rt = cfg.tokens_chunk_size, cfg.token_drop, cfg.temporal_ratio
+    if num_latent_frames == 1:
+        # A still: its one latent frame alone through the decoder, keeping the frame a video's first latent frame
+        # keeps (frame_pre_padding of its temporal_ratio frames: the last, 3 of 4, in the released geometry, as
+        # ComfyUI's single-image decode keeps). Not the first frame of a longer decode: the decoder attends across
+        # a window's latent frames, so that frame also depends on the frames after it.
+        pre = cfg.frame_pre_padding
+        return TemporalPlan(0, 1, 1, slice(pre, pre + 1), None, 1)
     pad = (-(num_latent_frames + drop)) % step
     chunks = (num_latent_frames + drop + pad) // step - int(drop > 0)
     if chunks < 1:
