@@ -123,8 +123,8 @@ def build_generation(message: dict) -> GenerationRequest:
         width=req.width, height=req.height, frames=req.frames, steps=req.steps, seed=req.seed,
         mlp_chunks=message["mlp_chunks"], vae_tile_size=message["vae_tile_size"],
         guides=_read_guides(message, geometry.snap_frames(req.frames)), guide_strength=req.guide_strength,
-        audio_guide_strength=req.audio_guide_strength, decoder=req.decoder,
-        **dict(zip(("source", "mask"), _read_repaint(message))))
+        audio_guide_strength=req.audio_guide_strength, decoder=req.decoder, sampler=req.sampler,
+        scheduler=req.scheduler, **dict(zip(("source", "mask"), _read_repaint(message))))
     if req.cache.mode != "off":
         c = req.cache
         generation.step_cache = make_step_cache(c.mode, c.threshold, c.start_percent, c.end_percent,
