@@ -301,3 +301,42 @@ def test_trajectories_match_comfyui(oracle, sampler, name, shifts, evaluations):
     theirs = _comfy_run(oracle, sampler, comfy_sigmas, *shifts)
     ours = run_ours(sampler, JointSchedule.from_scheduler(name, evaluations + 1, *shifts))
     assert _rel(ours[0], theirs[0]) < 5e-6 and _rel(ours[1], theirs[1]) < 5e-6
+
+
+# ------------------------------------------------------------------------------------------ with the engine
+def test_res_multistep_runs_with_a_step_cache(tiny_t2va_engine):
+    """A step cache hands the sampler velocities, computed or reused; res_multistep steps either: cache off is the
+    plain run bit for bit, and a cache that reuses every step after the first still lands on finite latents that
+    say which steps were reused."""
+    import dataclasses
+
+    from h3_spark.h3_model.pipeline.step_cache import make_step_cache
+
+    req = GenerationRequest(mode="t2va", prompt="a fox", width=64, height=64, steps=5, seed=3,
+                            sampler="res_multistep", scheduler="simple")
+    plain = tiny_t2va_engine.generate(req)
+    assert (plain.info["sampler"], plain.info["scheduler"], plain.info["evaluations"]) == ("res_multistep", "simple", 4)
+    off = tiny_t2va_engine.generate(dataclasses.replace(req, step_cache=make_step_cache("off", evaluations=4)))
+    assert torch.equal(off.video_latents, plain.video_latents) and torch.equal(off.audio_latents, plain.audio_latents)
+    cache = make_step_cache("h3_cache", 10.0, 0.0, 1.0, evaluations=4)
+    cached = tiny_t2va_engine.generate(dataclasses.replace(req, step_cache=cache))
+    assert cached.info["step_cache"]["reused"] == [1, 2, 3]
+    assert torch.isfinite(cached.video_latents).all() and not torch.equal(cached.video_latents, plain.video_latents)
+
+
+def test_a_films_windows_sample_with_the_requests_sampler(tiny_t2va_engine, monkeypatch):
+    """Every window of a film is the request again (compose/film.py replaces its canvas, prompt and history): each
+    samples with its sampler on its scheduler."""
+    from h3_spark.h3_model.compose.film import Film, Shot, render_film
+    from h3_spark.h3_model.compose.windows import plan_film
+    from h3_spark.h3_model.pipeline.generation import Pipeline
+
+    seen = []
+    original = Pipeline.sample
+    monkeypatch.setattr(Pipeline, "sample", lambda self, *a, **k: seen.append((len(a[2]), k["sampler"])) or
+                        original(self, *a, **k))
+    base = GenerationRequest(mode="t2va", prompt="a fox", width=64, height=64, steps=3, seed=1,
+                             sampler="res_multistep", scheduler="normal")
+    result = render_film(tiny_t2va_engine.generate, base, Film(plan_film([400]), [Shot("a fox", 400)], {}, None,
+                                                                64, 64), on_frames=lambda frames: None)
+    assert len(result.info["windows"]) == 2 and seen == [(2, "res_multistep")] * 2
