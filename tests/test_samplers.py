@@ -304,6 +304,7 @@ def test_trajectories_match_comfyui(oracle, sampler, name, shifts, evaluations):
 
 
 # ------------------------------------------------------------------------------------------ with the engine
+@pytest.mark.slow
 def test_res_multistep_runs_with_a_step_cache(tiny_t2va_engine):
     """A step cache hands the sampler velocities, computed or reused; res_multistep steps either: cache off is the
     plain run bit for bit, and a cache that reuses every step after the first still lands on finite latents that
@@ -324,6 +325,7 @@ def test_res_multistep_runs_with_a_step_cache(tiny_t2va_engine):
     assert torch.isfinite(cached.video_latents).all() and not torch.equal(cached.video_latents, plain.video_latents)
 
 
+@pytest.mark.slow
 def test_a_films_windows_sample_with_the_requests_sampler(tiny_t2va_engine, monkeypatch):
     """Every window of a film is the request again (compose/film.py replaces its canvas, prompt and history): each
     samples with its sampler on its scheduler."""
