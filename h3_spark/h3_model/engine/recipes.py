@@ -523,10 +523,9 @@ def apply_recipes(recipes: list[Recipe], req, dit, device, settings):
                      "attention_schedule": sparse_schedule(recipes, dit, device, settings),
                      "head_schedule": pdd_heads(recipes, dit)}
     if run.evaluations is not None:
+        # The recipe's grid is all of it: its scheduler (None: our h3 grid, or its rungs as explicit sigmas).
         changes.update(steps=run.evaluations + 1, video_shift=run.video_shift, audio_shift=run.audio_shift,
-                       sigmas=run.sigmas, audio_sigmas=run.audio_sigmas)
-    if run.scheduler is not None:
-        changes["scheduler"] = run.scheduler
+                       sigmas=run.sigmas, audio_sigmas=run.audio_sigmas, scheduler=run.scheduler)
     if run.sampler is not None:
         changes["sampler"] = run.sampler
     if run.step_cache is not None:
