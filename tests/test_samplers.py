@@ -342,3 +342,14 @@ def test_a_films_windows_sample_with_the_requests_sampler(tiny_t2va_engine, monk
     result = render_film(tiny_t2va_engine.generate, base, Film(plan_film([400]), [Shot("a fox", 400)], {}, None,
                                                                 64, 64), on_frames=lambda frames: None)
     assert len(result.info["windows"]) == 2 and seen == [(2, "res_multistep")] * 2
+
+
+def test_res_multistep_takes_fasth3_8steps_rungs():
+    """The rungs recipe gives explicit video and audio sigmas, one base at two shifts: res_multistep finds their
+    audio scale (10 / 3) in them."""
+    from h3_spark.h3_model.engine.recipes import FASTH3_GRIDS
+
+    grid = FASTH3_GRIDS["fasth3-8step"]
+    schedule = JointSchedule.explicit(grid.sigmas(10.0), grid.sigmas(3.0))
+    assert schedule.audio_scale == pytest.approx(10 / 3, rel=1e-5)
+    assert isinstance(make_solver("res_multistep", schedule), ResMultistep)

@@ -215,8 +215,7 @@ class JointSchedule:
             return cls.create(steps, video_shift, audio_shift)
         _check_shift(audio_shift)
         video = scheduler_sigmas(name, int(steps) - 1, video_shift)
-        audio = reshift(video.double(), video_shift, audio_shift).float()
-        audio[-1] = 0.0  # reshift(0) is 0; said outright so the last point is exactly the terminal one
+        audio = reshift(video.double(), video_shift, audio_shift).float()  # reshift(0) is exactly 0
         return cls(Schedule(video), Schedule(audio), video_shift / audio_shift)
 
     @classmethod
