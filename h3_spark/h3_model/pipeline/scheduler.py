@@ -234,19 +234,24 @@ class JointSchedule:
         return float(self.video.timesteps[index]), float(self.audio.timesteps[index])
 
 
-# The largest spread of rho(video) / rho(audio) over an explicit pair's points still taken for one change of shift
-# (fp32 sigmas: the ratio of two fp32 round trips wanders by ~1e-6 near sigma 1).
-SCALE_TOLERANCE = 1e-4
+# How far (absolute, in sigma) an explicit pair's audio sigma may lie from the one its video sigma gives under the
+# pair's scale and still be taken for one change of shift: a few fp32 roundings of a sigma.
+SCALE_TOLERANCE = 1e-6
 
 
 def _scale_of(video: torch.Tensor, audio: torch.Tensor) -> float | None:
-    """rho(video) / rho(audio) where it is one number over every point strictly inside (0, 1), else None."""
+    """rho(video) / rho(audio), rho(s) = s / (1 - s), when one number maps every video sigma onto its audio sigma
+    (audio = rho_v / (scale + rho_v)) within SCALE_TOLERANCE, else None. The scale is read at the point furthest
+    from both ends (the ratio of fp32 sigmas near 1 or 0 is the least certain)."""
     v, a = video.double(), audio.double()
-    inside = (v > 0) & (v < 1) & (a > 0) & (a < 1)
     if bool(((v <= 0) != (a <= 0)).any()) or bool(((v >= 1) != (a >= 1)).any()):
         return None  # one stream clean or pure noise where the other is not: no change of shift does that
+    inside = (v > 0) & (v < 1)
     if not bool(inside.any()):
         return 1.0  # only the ends: any scale steps the same
-    ratios = (v[inside] / (1 - v[inside])) / (a[inside] / (1 - a[inside]))
-    scale = float(ratios.mean())
-    return scale if float((ratios - scale).abs().max()) <= SCALE_TOLERANCE * scale else None
+    rho_v, rho_a = v[inside] / (1 - v[inside]), a[inside] / (1 - a[inside])
+    margin = torch.minimum(v[inside] * (1 - v[inside]), a[inside] * (1 - a[inside]))
+    k = int(margin.argmax())
+    scale = float(rho_v[k] / rho_a[k])
+    predicted = rho_v / (scale + rho_v)
+    return scale if float((predicted - a[inside]).abs().max()) <= SCALE_TOLERANCE else None
