@@ -582,10 +582,11 @@ def _recipe_choice(run, sampler: str, scheduler: str, default_sampler: str, defa
 
     if run.evaluations is not None:
         grid = run.scheduler or DEFAULT_SCHEDULER
-        if scheduler not in (default_scheduler, grid):
-            allowed = " or ".join(dict.fromkeys((default_scheduler, grid)))
-            raise InputError(f"recipe {run.grid_from} samples its own grid ({grid}), not scheduler {scheduler}: set "
-                             f"the sampler node's scheduler to {allowed}")
+        allowed = (default_scheduler,) if run.sigmas is not None else tuple(dict.fromkeys((default_scheduler, grid)))
+        if scheduler not in allowed:
+            what = "its trained rungs" if run.sigmas is not None else grid
+            raise InputError(f"recipe {run.grid_from} samples its own grid ({what}), not scheduler {scheduler}: set "
+                             f"the sampler node's scheduler to {' or '.join(allowed)}")
         scheduler = grid
     if run.sampler is not None:
         if sampler not in (default_sampler, run.sampler):
