@@ -4,7 +4,7 @@ t = 1 - sigma and t = 1 is clean. The DiT predicts a data-ward velocity v, so x0
 and an Euler step is x_next = r * x_t + (1 - r) * x0 with r = sigma_next / sigma. Video and audio
 share the grid size but use different shifts (12 and 3), so audio is always less noisy.
 
-Schedulers (`SCHEDULERS`; `joint_schedule` builds any of them), each giving the video sigmas for
+Schedulers (`SCHEDULERS`; `JointSchedule.from_scheduler` builds any of them), each giving the video sigmas for
 `points` grid points (points - 1 evaluations, the final 0 included):
 - h3: our own grid, the released pipeline's: linspace(1, 0, points) shifted (`sigmas`); the audio grid is the
   same linspace at the audio shift. The default; its results are unchanged by the other schedulers' arrival.
@@ -107,7 +107,7 @@ def sigma_table(shift: float) -> torch.Tensor:
 
 def scheduler_sigmas(name: str, evaluations: int, shift: float) -> torch.Tensor:
     """The video sigmas of scheduler `name` (simple, beta or normal) for `evaluations` steps at `shift`, fp32,
-    ending at 0."""
+    ending at 0 (but for normal at a shift so small that its last sigma is within 1e-5 of 0, as in ComfyUI)."""
     check_scheduler(name)
     if name == "h3":
         raise InputError("scheduler h3 is our own grid (sigmas(points, shift)), not one of the table's")
