@@ -336,3 +336,106 @@ def test_the_gate_reads_an_fp8_quantized_attention_input():
     want = attn.to_gate_compress(rows.dequantize(torch.float32)).view(1, 5, 2, 16)
     assert got is not None and torch.equal(got, want)
     assert rel_l2(got, attn.compress_gate(x)) < 0.05  # the e4m3 rounding of the input, no more
+
+
+# ------------------------------------------------------------------------------------------ the templates' recipes
+def test_fasth3_v2_samples_res_multistep_on_simple_with_dense_attention_first(fast):
+    """Comfy-Org's FastH3 V2 template: 8 steps of res_multistep on simple at 10/3, VSA keeping 10 % from 20 % of
+    the schedule on: the simple grid's sigmas 1 and shift(0.875) = 0.986 lie above shift(0.8) = 0.976, so the
+    first 2 evaluations keep the model's own attention."""
+    from h3_spark.h3_model.pipeline.scheduler import scheduler_sigmas
+
+    req = apply_recipes(parse_recipes(["fasth3-v2"]), _req(), fast, "cpu", KernelSettings())
+    assert (req.sampler, req.scheduler, req.steps, req.video_shift, req.audio_shift) == (
+        "res_multistep", "simple", 9, 10.0, 3.0)
+    assert torch.equal(schedule_of(req).video.sigmas, scheduler_sigmas("simple", 8, 10.0))
+    vsa = req.attention_schedule
+    assert vsa.sparsity == 0.9 and vsa.tile == 64 and vsa.dense_steps == 2
+    assert vsa.at(0, 0) is fast.attention and vsa.at(1, 5) is fast.attention
+    with pytest.raises(H3Error, match="binds it to the request"):
+        vsa.at(2, 0)  # VSA from the third evaluation on, once bound to a request
+    assert req.recipes == [{"name": "fasth3-v2", "sparsity": 0.9, "start": 0.2, "tile": 64, "evaluations": 8,
+                            "video_shift": 10.0, "audio_shift": 3.0, "sampler": "res_multistep",
+                            "scheduler": "simple"}]
+
+
+def test_omniref_samples_euler_on_simple_with_vsa_from_the_start(fast):
+    req = apply_recipes(parse_recipes(["omniref"]), dataclasses.replace(_req(), mode="ref2va"), fast, "cpu",
+                        KernelSettings())
+    assert (req.sampler, req.scheduler, req.steps, req.video_shift, req.audio_shift) == (
+        "euler", "simple", 9, 12.0, 3.0)
+    assert req.attention_schedule.dense_steps == 0 and req.attention_schedule.sparsity == 0.9
+    with pytest.raises(InputError, match=r"^recipe omniref runs a checkpoint distilled for ref2va, not t2va$"):
+        apply_recipes(parse_recipes(["omniref"]), _req(), fast, "cpu", KernelSettings())
+    with pytest.raises(InputError, match=r"^recipe fasth3-v2 runs a checkpoint distilled for t2va and fl2va, not "
+                                         r"ref2va; FastH3 OmniRef is recipe omniref$"):
+        apply_recipes(parse_recipes(["fasth3-v2"]), dataclasses.replace(_req(), mode="ref2va"), fast, "cpu",
+                      KernelSettings())
+
+
+@pytest.mark.parametrize("text, dense", [("fasth3-v2", 2), ("fasth3-v2:start=0", 0), ("fasth3-v2:start=1", 8),
+                                         ("omniref", 0), ("omniref:start=0.4", 4), ("fasth3", 0)])
+def test_the_vsa_start_counts_the_evaluations_above_its_sigma(text, dense):
+    from h3_spark.h3_model.engine.recipes import vsa_dense_steps
+
+    assert vsa_dense_steps(parse_recipes([text])[0]) == dense
+
+
+def test_the_references_are_sink_tiles():
+    """An OmniRef request's reference rows (an image and a sound before the target) are prefix tiles of their own:
+    every query tile keeps them at any sparsity, and they keep every key tile."""
+    from h3_spark.h3_model.dit.layout import AudioBlock, ImageBlock, build_ref2va, segments_before_video
+    from h3_spark.kernels.vsa_reference import select_tiles, tile_map
+
+    layout = build_ref2va(text_tags(20), [ImageBlock(8, 8), AudioBlock(6)], 9, 16, 16, 9)
+    tiles = tile_map(segments_before_video(layout), (9, 8, 8), 64)
+    refs = layout.video_indices[:layout.num_condition_video_rows]
+    ref_audio = layout.audio_indices[:layout.num_condition_audio_rows]
+    assert bool((tiles.row_tile[torch.cat([refs, ref_audio])] < tiles.num_prefix_tiles).all())
+    # Text (20 rows), the image (16) and one audio run (the sound's 12 rows, then the target audio's 18): a tile each.
+    assert tiles.sizes[:tiles.num_prefix_tiles].tolist() == [20, 16, 30]
+    scores = torch.randn(1, 2, tiles.num_tiles, tiles.num_tiles)
+    mask = select_tiles(scores, tiles.num_prefix_tiles, 0.9)
+    assert bool(mask[..., :tiles.num_prefix_tiles].all()) and bool(mask[:, :, :tiles.num_prefix_tiles].all())
+    assert not bool(mask[:, :, tiles.num_prefix_tiles:, tiles.num_prefix_tiles:].all())
+
+
+@pytest.mark.parametrize("texts, message", [
+    (["fasth3-v2", "fasth3"], r"^recipes fasth3-v2 and fasth3 both set the sampling grid and the attention"),
+    (["omniref", "fasth3-v2"], r"^recipes omniref and fasth3-v2 both set the sampling grid and the attention"),
+    (["pdd", "omniref"], r"^recipes pdd and omniref both set the sampling grid: choose one$"),
+    (["fasth3-v2:start=1.5"], r"^recipe fasth3-v2: start must be 0.0..1.0, got 1.5$"),
+    (["omniref:steps=4"], r"^recipe omniref takes sparsity, start, tile \(as key=value\), got 'steps=4'$"),
+])
+def test_bad_template_recipes_are_refused_in_one_line(texts, message):
+    with pytest.raises(InputError, match=message):
+        parse_recipes(texts)
+
+
+def test_the_template_recipes_refuse_a_sampler_or_scheduler_given_by_hand():
+    from h3_spark.h3_model.engine.recipes import check_conflicts
+
+    common = {"step_cache": False, "explicit_steps": False, "cache_fix": "", "steps_fix": ""}
+    with pytest.raises(InputError, match=r"^recipe fasth3-v2 samples with res_multistep on simple, as its checkpoint "
+                                         r"was made to: drop --sampler$"):
+        check_conflicts(parse_recipes(["fasth3-v2"]), explicit_sampler=True, **common)
+    with pytest.raises(InputError, match=r"^recipe omniref sets the sampling grid, the scheduler's: drop --scheduler$"):
+        check_conflicts(parse_recipes(["omniref"]), explicit_scheduler=True, **common)
+    with pytest.raises(InputError, match=r"^recipe turbo sets the sampling grid, the scheduler's"):
+        check_conflicts(parse_recipes(["turbo"]), explicit_scheduler=True, **common)
+    # A recipe without a sampler of its own samples with the one asked for.
+    check_conflicts(parse_recipes(["fasth3", "first-block-cache"]), explicit_sampler=True, **common)
+
+
+def test_fasth3_v2_runs_a_generation_dense_then_vsa(engine, monkeypatch):
+    bound = []
+    for_layout = VsaSchedule.for_layout
+    monkeypatch.setattr(VsaSchedule, "for_layout", lambda self, *a: bound.append(for_layout(self, *a)) or bound[-1])
+    dit = engine.components.dit
+    req = _req(width=64, height=64, frames=124, seed=1)
+    result = engine.generate(apply_recipes(parse_recipes(["fasth3-v2"]), req, dit, "cpu", KernelSettings()))
+    assert result.info["evaluations"] == 8 and (result.info["sampler"], result.info["scheduler"]) == (
+        "res_multistep", "simple")
+    vsa = bound[0].attention
+    assert vsa.calls == vsa.gated_calls == 6 * dit.config.num_layers  # evaluations 3..8
+    assert torch.isfinite(result.video_latents).all() and torch.isfinite(result.audio_latents).all()

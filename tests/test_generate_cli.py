@@ -208,6 +208,15 @@ def test_recipes_are_applied_and_stamped_in_the_summary(demo_models, tmp_path, c
     (["--recipe", "turbo", "--steps", "12"], "recipe turbo sets the steps and the video shift: drop --steps"),
     (["--recipe", "first-block-cache", "--cache-mode", "h3_cache"], "drop --cache-mode"),
     (["--recipe", "nitro"], "unknown recipe 'nitro'"),
+    (["--sampler", "dpmpp_2m"], "unknown sampler 'dpmpp_2m'; the samplers are euler, res_multistep"),
+    (["--scheduler", "karras"], "unknown scheduler 'karras'; the schedulers are h3, simple, beta, normal"),
+    (["--scheduler", "simple", "--sigmas", "1,0.5,0"],
+     "scheduler simple makes a grid, and explicit sigmas are the grid: give one of the two"),
+    (["--recipe", "fasth3-v2", "--sampler", "euler"],
+     "recipe fasth3-v2 samples with res_multistep on simple, as its checkpoint was made to: drop --sampler"),
+    (["--recipe", "omniref", "--scheduler", "beta"],
+     "recipe omniref sets the sampling grid, the scheduler's: drop --scheduler"),
+    (["--recipe", "omniref"], "recipe omniref runs a checkpoint distilled for ref2va, not t2va"),
 ])
 def test_recipe_errors_come_before_loading(demo_models, tmp_path, capsys, monkeypatch, argv, message):
     from h3_spark.h3_model.engine.engine import Engine
@@ -216,6 +225,36 @@ def test_recipe_errors_come_before_loading(demo_models, tmp_path, capsys, monkey
     code, cap = _run(capsys, "--demo-dir", str(demo_models), "--width", "64", "--height", "64",
                      "--out", str(tmp_path / "o.mp4"), "--device", "cpu", *argv)
     assert code == 2 and message in cap.err and "Traceback" not in cap.err
+
+
+def test_the_sampler_and_scheduler_flags_run_and_are_stamped(demo_models, tmp_path, capsys):
+    """res_multistep on beta through the whole CLI: said in the summary; its first step is Euler's, its later ones
+    are not, so the latents differ from euler's on the same grid."""
+    from safetensors.torch import load_file
+
+    latents = {}
+    for sampler in ("euler", "res_multistep"):
+        code, cap = _run(capsys, "--demo-dir", str(demo_models), "--width", "64", "--height", "64", "--steps", "4",
+                         "--sampler", sampler, "--scheduler", "beta", "--out", str(tmp_path / f"{sampler}.mp4"),
+                         "--save-latents", str(tmp_path / f"{sampler}.safetensors"))
+        assert code == 0, cap.err
+        summary = json.loads(cap.out.strip().splitlines()[-1])
+        assert (summary["sampler"], summary["scheduler"], summary["evaluations"]) == (sampler, "beta", 3)
+        latents[sampler] = load_file(str(tmp_path / f"{sampler}.safetensors"))
+    assert not torch.equal(latents["euler"]["video_latents"], latents["res_multistep"]["video_latents"])
+    assert not torch.equal(latents["euler"]["audio_latents"], latents["res_multistep"]["audio_latents"])
+
+
+def test_generate_help_lists_the_samplers_and_schedulers(capsys, monkeypatch):
+    from h3_spark.h3_model.pipeline.scheduler import SCHEDULER_HELP
+    from h3_spark.h3_model.pipeline.solvers import SAMPLER_HELP
+
+    monkeypatch.setenv("COLUMNS", "4000")
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name, line in {**SAMPLER_HELP, **SCHEDULER_HELP}.items():
+        assert f"{name}: {line}" in text, name
 
 
 def test_preview_writes_a_strip_every_n_steps(demo_models, tmp_path, capsys):

@@ -612,6 +612,43 @@ def test_sampler_recipes(models, monkeypatch, caplog):
         sampler.sample(model, cond, latent, 5, 3, 12.0, 3.0, cache="h3_cache", recipe="first-block-cache")
 
 
+def test_sampler_name_and_scheduler_inputs(models, monkeypatch):
+    """The H3 Sampler's optional sampler_name (euler, res_multistep) and scheduler (h3, simple, beta, normal): the
+    defaults are today's run bit for bit; the others sample as the pipeline does; a bad value or one a recipe
+    overrides is refused in one line."""
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest, Pipeline, schedule_of
+
+    fake_comfy(monkeypatch, models)
+    optional = NODE_CLASS_MAPPINGS["H3SparkSampler"].INPUT_TYPES()["optional"]
+    assert optional["sampler_name"][0] == ["euler", "res_multistep"] and optional["sampler_name"][1]["default"] == "euler"
+    assert optional["scheduler"][0] == ["h3", "simple", "beta", "normal"] and optional["scheduler"][1]["default"] == "h3"
+    assert "res_multistep: ComfyUI's second-order" in optional["sampler_name"][1]["tooltip"]
+    assert "beta: ComfyUI's beta" in optional["scheduler"][1]["tooltip"]
+    model, te, _ = load_all(models)
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+    sampler = node("H3SparkSampler")
+    plain = sampler.sample(model, cond, latent, 5, 3, 12.0, 3.0)[0]["samples"]
+    named = sampler.sample(model, cond, latent, 5, 3, 12.0, 3.0, sampler_name="euler", scheduler="h3")[0]["samples"]
+    assert torch.equal(plain[0], named[0]) and torch.equal(plain[1], named[1])
+    seen = []
+    original = Pipeline.sample
+    monkeypatch.setattr(Pipeline, "sample", lambda self, *a, **k: seen.append((a[2], k["sampler"])) or
+                        original(self, *a, **k))
+    res = sampler.sample(model, cond, latent, 5, 3, 12.0, 3.0, sampler_name="res_multistep",
+                         scheduler="simple")[0]["samples"]
+    schedule, used = seen[-1]
+    want = schedule_of(GenerationRequest(mode="t2va", prompt="a", steps=4, scheduler="simple"))
+    assert used == "res_multistep" and torch.equal(schedule.video.sigmas, want.video.sigmas)
+    assert torch.equal(schedule.audio.sigmas, want.audio.sigmas) and not torch.equal(res[0], plain[0])
+    with pytest.raises(InputError, match=r"^unknown sampler 'heun'; the samplers are euler, res_multistep$"):
+        sampler.sample(model, cond, latent, 5, 3, 12.0, 3.0, sampler_name="heun")
+    with pytest.raises(InputError, match=r"^unknown scheduler 'karras'"):
+        sampler.sample(model, cond, latent, 5, 3, 12.0, 3.0, scheduler="karras")
+    with pytest.raises(InputError, match=r"^recipe turbo samples its own grid \(h3\), not scheduler beta: set the "
+                                         r"sampler node's scheduler to h3$"):
+        sampler.sample(model, cond, latent, 5, 3, 12.0, 3.0, recipe="turbo", scheduler="beta")
+
+
 @pytest.mark.parametrize("name", ["H3SparkTextToVideo", "H3SparkFirstLastFrameToVideo", "H3SparkReferenceToVideo"])
 def test_canvas_and_length_are_checked_before_the_queue(name):
     cls = type(node(name))

@@ -31,6 +31,15 @@ def test_openai_and_peer_fields_become_a_request_the_validator_takes():
                       "guides": [{"kind": "image", "path": "a.png", "frame": 0}], "video": {"id": "video_1"}}
 
 
+def test_a_create_passes_the_sampler_and_scheduler_on():
+    body = create(prompt="a cat", sampler="res_multistep", extra_params={"scheduler": "beta"})
+    assert body["sampler"] == "res_multistep" and body["scheduler"] == "beta"
+    req = parse_request(body, Limits())
+    assert (req.sampler, req.scheduler) == ("res_multistep", "beta")
+    with pytest.raises(RequestError, match="^sampler must be one of euler, res_multistep, got 'lms'$"):
+        parse_request(create(prompt="a cat", sampler="lms"), Limits())
+
+
 def test_seconds_gives_one_generations_length_in_any_mode():
     req = parse_request({"prompt": "", "last_frame": "k.png", "seconds": 6, "output": "a.mp4"}, Limits())
     assert req.mode == "fl2va" and req.frames == 144 and not req.is_film

@@ -5,7 +5,8 @@ order inside a head; the projections over fewer rows may round differently in th
 block loop's hooks run as in one process: the first-block cache (its change measured over the whole sequence, the
 same number on every rank, so the ranks reuse the same steps), an attention schedule that alternates two exact
 backends per block, FastH3's VSA schedule (per head, over all rows: each rank's slice of heads), released AdaLN
-weights and recipe pdd's per-step head mix (the heads run after the gather, on every rank alike).
+weights, recipe pdd's per-step head mix (the heads run after the gather, on every rank alike) and the sampler
+res_multistep (its history, the previous step's estimates, the same on every rank).
 """
 
 import dataclasses
@@ -110,6 +111,7 @@ def _runs(split=lambda model: model):
     model = split(_model())
     model.head_bank = _head_bank()
     out["pdd_heads"] = _sample(model, head_schedule=PddHeads(8)), None
+    out["res_multistep"] = _sample(split(_model()), sampler="res_multistep"), None
     return out
 
 
@@ -207,6 +209,9 @@ def _check_runs(got):
     # The bank's heads, not the DiT's own, made the pdd run.
     plain = _sample(_model())
     (video, audio), _ = expected["pdd_heads"]
+    assert _rel_l2(video, plain[0]) > 1e-3 and _rel_l2(audio, plain[1]) > 1e-3
+    # res_multistep keeps its history on every rank alike: the split run equals one process's, not Euler's.
+    (video, audio), _ = expected["res_multistep"]
     assert _rel_l2(video, plain[0]) > 1e-3 and _rel_l2(audio, plain[1]) > 1e-3
 
 

@@ -65,7 +65,7 @@ def test_names_defaults_values_and_bundles():
 
 @pytest.mark.parametrize("texts, message", [
     (["warp-speed"], r"unknown recipe 'warp-speed'; the recipes are sparse, first-block-cache, turbo, fasth3, "
-                     r"fasth3-8step, pdd, sol-engine"),
+                     r"fasth3-8step, fasth3-v2, omniref, pdd, sol-engine"),
     (["sparse:taux=1"], r"recipe sparse takes dense_blocks, dense_steps, tau \(as key=value\), got 'taux=1'"),
     (["sparse:tau"], r"recipe sparse takes .* got 'tau'"),
     (["sparse:tau=fast"], r"recipe sparse: tau must be a number, got 'fast'"),
@@ -200,11 +200,13 @@ def test_every_registered_recipe_is_in_generate_help_with_its_defaults(capsys, m
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert set(recipes.NAMES) == {"sparse", "first-block-cache", "turbo", "fasth3", "fasth3-8step", "pdd",
-                                  "sol-engine"}
+    assert set(recipes.NAMES) == {"sparse", "first-block-cache", "turbo", "fasth3", "fasth3-8step", "fasth3-v2",
+                                  "omniref", "pdd", "sol-engine"}
     for name, spec in recipes.REGISTRY.items():
         assert f"{name}{'[:' if spec.parameters else ':'}" in text and spec.help in text, name
     assert "fasth3[:sparsity=0.9,tile=64]: FastH3 Preview's" in text
+    assert "fasth3-v2[:sparsity=0.9,start=0.2,tile=64]: FastH3 V2" in text
+    assert "omniref[:sparsity=0.9,start=0,tile=64]: FastH3 OmniRef" in text
     assert "sol-engine: sparse and first-block-cache" in text
     assert "pdd[:evaluations=8]: a PDD acceleration LoRA's trained grid" in text
 

@@ -513,6 +513,31 @@ def test_jobs_decode_inputs_within_the_pixel_limits(tmp_path):
         _read_inputs({**message(image=2399), "first_frame": None, "references": req.references})
 
 
+def test_sampler_and_scheduler_are_checked_and_shown_in_the_record():
+    req = parse_request({"prompt": "p", "output": "a.mp4", "sampler": "res_multistep", "scheduler": "simple",
+                         "steps": 9}, LIMITS)
+    assert (req.sampler, req.scheduler, req.steps) == ("res_multistep", "simple", 9)
+    assert req.public()["sampler"] == "res_multistep" and req.public()["scheduler"] == "simple"
+    plain = parse_request({"prompt": "p", "output": "a.mp4"}, LIMITS)
+    assert plain.sampler is None and plain.scheduler is None
+    for field, value, names in (("sampler", "dpmpp", "euler, res_multistep"),
+                                ("scheduler", "karras", "h3, simple, beta, normal")):
+        with pytest.raises(RequestError, match=f"^{field} must be one of {names}, got '{value}'$") as err:
+            parse_request({"prompt": "p", "output": "a.mp4", field: value}, LIMITS)
+        assert err.value.status == 400
+
+
+def test_sampler_and_scheduler_reach_the_generation():
+    from h3_spark.serve.execute import build_generation
+
+    req = parse_request({"prompt": "p", "output": "a.mp4", "sampler": "res_multistep", "scheduler": "beta",
+                         "steps": 9}, LIMITS)
+    generation = build_generation({"request": req, "references": [], "first_frame": None, "last_frame": None,
+                                   "guides": [], "repaint": None, "mask": None, "mlp_chunks": 1,
+                                   "vae_tile_size": 256, "max_image_pixels": 1, "max_video_frame_pixels": 1})
+    assert (generation.sampler, generation.scheduler, generation.steps) == ("res_multistep", "beta", 9)
+
+
 def test_recipes_are_parsed_and_shown_in_the_record():
     req = parse_request({"prompt": "p", "output": "a.mp4", "recipes": ["turbo:evaluations=4", "first-block-cache"]},
                         LIMITS)
@@ -530,6 +555,10 @@ def test_recipes_are_parsed_and_shown_in_the_record():
     ({"recipes": ["turbo"], "steps": 20}, "recipe turbo sets the steps and the video shift: drop steps"),
     ({"recipes": ["first-block-cache"], "cache_mode": "easycache"}, "drop cache_mode"),
     ({"recipes": ["turbo:evaluations=60"]}, "recipe turbo: 60 evaluations exceed this service's"),
+    ({"recipes": ["fasth3-v2"], "sampler": "euler"},
+     "recipe fasth3-v2 samples with res_multistep on simple, as its checkpoint was made to: drop sampler"),
+    ({"recipes": ["pdd"], "scheduler": "simple"}, "recipe pdd sets the sampling grid, the scheduler's: drop scheduler"),
+    ({"recipes": ["omniref"]}, "recipe omniref runs a checkpoint distilled for ref2va, not t2va"),
 ])
 def test_recipe_refusals(body, fragment):
     with pytest.raises(RequestError, match=fragment) as err:

@@ -51,6 +51,13 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--sigmas", default=None,
                    help="explicit sigma schedule for video and audio, comma-separated, strictly decreasing to 0 "
                         "(e.g. 4-step Turbo LoRAs: 1,0.75,0.5,0.25,0); overrides --steps and the shifts")
+    from ..h3_model.pipeline.scheduler import schedulers_help
+    from ..h3_model.pipeline.solvers import samplers_help
+
+    p.add_argument("--sampler", default=None, metavar="NAME",
+                   help="the step rule (default euler): " + samplers_help())
+    p.add_argument("--scheduler", default=None, metavar="NAME",
+                   help="the sigma grid over --steps points (default h3; not with --sigmas): " + schedulers_help())
     p.add_argument("--image-ref-size", choices=["match", "max", "diffusers"], default="match",
                    help="image references: scaled down to the canvas area (match, ComfyUI's default), to a 2048 px "
                         "short edge (max), or resized to 2048 px like diffusers")
@@ -132,6 +139,9 @@ def run(args) -> int:
     options, settings = engine_options(args, device, world_size)
     recipes = recipe_flags(args, options)
     req = build_request(args, settings)
+    from ..h3_model.engine.recipes import check_recipe_mode
+
+    check_recipe_mode(recipes, req.mode)  # a FastH3 checkpoint distilled for other modes, before any weight loads
     embeddings = prompt_embeddings(args, options)  # found and checked before any weight loads
     film_plan = plan_film_flags(args, req) if film else None  # its windows, before any weight loads
     check_flags(args, req, film_plan, rank)  # every refusal the flags allow, before any weight is read
@@ -272,7 +282,8 @@ def recipe_flags(args, options) -> list:
 
     recipes = parse_recipes(args.recipe)
     check_recipes(recipes, options.device, options.kernels, step_cache=args.cache_mode != "off",
-                  explicit_steps=args.sigmas is not None or args.steps_given, loras=options.loras)
+                  explicit_steps=args.sigmas is not None or args.steps_given, loras=options.loras,
+                  explicit_sampler=args.sampler is not None, explicit_scheduler=args.scheduler is not None)
     return recipes
 
 
@@ -293,10 +304,14 @@ def build_request(args, settings):
                             seed=args.seed, video_shift=args.video_shift, audio_shift=args.audio_shift,
                             reference_policy=args.image_ref_size, mlp_chunks=settings.mlp_chunks,
                             vae_tile_size=settings.vae_tile_size, sigmas=_parse_sigmas(args.sigmas),
-                            decoder=args.decoder)
+                            sampler=args.sampler, scheduler=args.scheduler, decoder=args.decoder)
     req.validate()
     if req.sigmas is not None:
         args.steps = len(req.sigmas)  # grid points: the step cache counts len - 1 evaluations
+    elif req.scheduler not in (None, "h3"):
+        from ..h3_model.pipeline.generation import schedule_of
+
+        args.steps = len(schedule_of(req)) + 1  # beta drops repeated table entries: fewer evaluations
     if args.cache_mode != "off":
         req.step_cache = _step_cache(args)
     return req
@@ -458,6 +473,7 @@ def summarize(args, engine, req, result, options, world: int) -> dict:
                "width": result.info["width"], "height": result.info["height"], "frames": int(result.video.shape[0]),
                "audio_samples": int(result.audio.shape[1]), "sequence_length": result.info["sequence_length"],
                "evaluations": result.info["evaluations"],
+               **{k: result.info[k] for k in ("sampler", "scheduler") if result.info.get(k) is not None},
                **{k: result.info[k] for k in ("video_shift", "audio_shift") if k in result.info},
                "timings_s": {k: round(v, 4) for k, v in result.timings.items()},
                "load_s": {k: round(v, 3) for k, v in engine.load_seconds.items()},

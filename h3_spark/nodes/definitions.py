@@ -457,6 +457,8 @@ class H3Sampler:
 
     @classmethod
     def INPUT_TYPES(cls):
+        from ..h3_model.pipeline import scheduler, solvers
+
         types = {"required": {
             "model": (H3_MODEL,),
             "positive": ("CONDITIONING",),
@@ -480,6 +482,12 @@ class H3Sampler:
             "recipe": ("STRING", {"default": "", "tooltip": (
                 "Opt-in speed recipes (approximate), separated by ';' (a Turbo LoRA with H3 LoRA Loader): "
                 + _recipes().recipes_help() + ". Empty: none.")}),
+            "sampler_name": (list(solvers.SAMPLERS), {"default": solvers.DEFAULT_SAMPLER, "tooltip": (
+                "The step rule: " + solvers.samplers_help() + ". A recipe that sets one (fasth3-v2, omniref) takes "
+                "this default's place.")}),
+            "scheduler": (list(scheduler.SCHEDULERS), {"default": scheduler.DEFAULT_SCHEDULER, "tooltip": (
+                "The sigma grid over steps + 1 points: " + scheduler.schedulers_help() + ". A recipe with a grid "
+                "takes this default's place.")}),
         }
         return types
 
@@ -489,12 +497,14 @@ class H3Sampler:
     TITLE = "H3 Sampler"
 
     def sample(self, model, positive, latent_image, seed, steps, shift_video, shift_audio, cache="off",
-               cache_threshold=0.0, cache_start=0.2, cache_end=0.9, cache_subsample=1, recipe=""):
+               cache_threshold=0.0, cache_start=0.2, cache_end=0.9, cache_subsample=1, recipe="",
+               sampler_name="euler", scheduler="h3"):
         step_cache = None
         if cache != "off":
             step_cache = (cache, cache_threshold or None, cache_start, cache_end, cache_subsample)
         return (_engine().sample(model, positive, latent_image, seed, steps, shift_video, shift_audio,
-                                 step_cache=step_cache, recipes=recipe),)
+                                 step_cache=step_cache, recipes=recipe, sampler=sampler_name,
+                                 scheduler=scheduler),)
 
 
 # ------------------------------------------------------------------------------------------ output

@@ -506,18 +506,23 @@ def add_lora(model, path: Path, strength: float):
 
 # ------------------------------------------------------------------------------------------ sampling
 def sample(model, conditioning, latent, seed: int, steps: int, shift_video: float, shift_audio: float,
-           step_cache=None, recipes: str = "") -> dict:
+           step_cache=None, recipes: str = "", sampler: str = "euler", scheduler: str = "h3") -> dict:
     """LATENT (video + audio) from a MODEL, one CONDITIONING and an H3 LATENT; `steps` model evaluations.
 
     The input latent gives the canvas and the length only (its shape); generation always starts from the
     seed's noise, as the released pipeline does, so an empty latent of any channel width will do.
     `step_cache` is None or (mode, threshold or None, start, end, subsample) for h3_model.step_cache.
     `recipes`: engine.recipes names separated by ';' (empty: none); turbo replaces `steps` and the shifts.
+    `sampler` / `scheduler`: the step rule and the grid (pipeline/solvers.py, scheduler.py); a recipe that sets
+    them takes the defaults' place, and refuses other values.
     """
     from ..h3_model.pipeline.generation import build_layout
     from ..h3_model.pipeline.sampler import Cancelled, SamplingRequest
-    from ..h3_model.pipeline.scheduler import JointSchedule
+    from ..h3_model.pipeline.scheduler import DEFAULT_SCHEDULER, JointSchedule, check_scheduler
+    from ..h3_model.pipeline.solvers import DEFAULT_SAMPLER, check_sampler, make_solver
 
+    check_sampler(sampler)
+    check_scheduler(scheduler)
     dit = dit_of(model)
     opts = options(model)
     cond = payload.read_conditions(conditioning, latent)
@@ -532,10 +537,12 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
                          "text encoder and model do not belong together")
     if not 1 <= steps <= 1000 or not 0 <= seed < 2 ** 63:
         raise InputError(f"steps must be 1..1000 and seed 0..2^63-1, got {steps} and {seed}")
-    from ..h3_model.engine.recipes import pdd_heads, recipe_sampling, sparse_schedule
+    from ..h3_model.engine.recipes import check_recipe_mode, pdd_heads, recipe_sampling, sparse_schedule
 
     chosen = _recipes(recipes, step_cache is not None, opts)
+    check_recipe_mode(chosen, cond.mode)
     run = recipe_sampling(chosen, steps)
+    sampler, scheduler = _recipe_choice(run, sampler, scheduler, DEFAULT_SAMPLER, DEFAULT_SCHEDULER)
     if run.evaluations is not None:
         log.info("h3-spark recipe %s replaces steps %d and shifts %g/%g with %d and %g/%g", run.grid_from, steps,
                  shift_video, shift_audio, run.evaluations, run.video_shift, run.audio_shift)
@@ -543,11 +550,10 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
     dims = (cond.latent_frames, cond.latent_height, cond.latent_width, cond.audio_latents)
     lay = build_layout(cond.mode, cond.tags, cond.blocks, cond.anchors, dims, c.patch_size)
     # `steps` counts model evaluations, as ComfyUI's samplers do; the grid has one more point (the final 0).
-    schedule = JointSchedule.create(steps + 1, shift_video, shift_audio)
+    schedule = JointSchedule.from_scheduler(scheduler, steps + 1, shift_video, shift_audio)
     if run.sigmas is not None:  # a recipe's trained rungs (fasth3-8step), not a uniform grid
-        from ..h3_model.pipeline.scheduler import Schedule, custom_sigmas
-
-        schedule = JointSchedule(Schedule(custom_sigmas(run.sigmas)), Schedule(custom_sigmas(run.audio_sigmas)))
+        schedule = JointSchedule.explicit(run.sigmas, run.audio_sigmas)
+    make_solver(sampler, schedule)  # refused here, before the DiT is placed
 
     cache = run.step_cache
     if step_cache is not None:
@@ -581,13 +587,36 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
             result = Engine.of(device=device).sample(dit, request, schedule, int(seed), device=device,
                                                      on_step=on_step, cancel=interrupt,
                                                      step_cache=cache, attention_schedule=attention_schedule,
-                                                     head_schedule=head_schedule)
+                                                     head_schedule=head_schedule, sampler=sampler)
         except Cancelled as exc:
             interrupt.raise_interrupted(exc)
     if cache is not None:
         # An approximate run says so: which steps were computed and which reused.
         log.info("h3-spark step cache: %s", cache.report())
     return payload.pack_latent(result.video_latents, payload.audio_to_comfy(result.audio_latents))
+
+
+def _recipe_choice(run, sampler: str, scheduler: str, default_sampler: str, default_scheduler: str):
+    """The sampler and scheduler a run uses: a recipe's where it sets them (in place of the node's defaults; another
+    value is refused, as the CLI refuses --sampler / --scheduler with such a recipe), else the node's."""
+    from ..h3_model.pipeline.scheduler import DEFAULT_SCHEDULER
+
+    if run.evaluations is not None:
+        grid = run.scheduler or DEFAULT_SCHEDULER
+        allowed = (default_scheduler,) if run.sigmas is not None else tuple(dict.fromkeys((default_scheduler, grid)))
+        if scheduler not in allowed:
+            what = "its trained rungs" if run.sigmas is not None else grid
+            raise InputError(f"recipe {run.grid_from} samples its own grid ({what}), not scheduler {scheduler}: set "
+                             f"the sampler node's scheduler to {' or '.join(allowed)}")
+        scheduler = grid
+    if run.sampler is not None:
+        if sampler not in (default_sampler, run.sampler):
+            raise InputError(f"recipe {run.grid_from} samples with {run.sampler}, not {sampler}: set the sampler "
+                             f"node's sampler_name to {default_sampler} or {run.sampler}")
+        if sampler != run.sampler:
+            log.info("h3-spark recipe %s samples with %s on %s", run.grid_from, run.sampler, scheduler)
+        sampler = run.sampler
+    return sampler, scheduler
 
 
 def _step_reporter(progress, config, cond):

@@ -124,8 +124,8 @@ def build_generation(message: dict) -> GenerationRequest:
         width=req.width, height=req.height, frames=req.frames, steps=req.steps, seed=req.seed,
         mlp_chunks=message["mlp_chunks"], vae_tile_size=message["vae_tile_size"],
         guides=_read_guides(message, geometry.snap_frames(req.frames)), guide_strength=req.guide_strength,
-        audio_guide_strength=req.audio_guide_strength, decoder=req.decoder,
-        **dict(zip(("source", "mask"), _read_repaint(message))))
+        audio_guide_strength=req.audio_guide_strength, decoder=req.decoder, sampler=req.sampler,
+        scheduler=req.scheduler, **dict(zip(("source", "mask"), _read_repaint(message))))
     if not req.is_film:  # a film's guides are checked by window, once it is planned (generate_job)
         check_request(generation)
     if req.cache.mode != "off":

@@ -18,6 +18,9 @@ Fields (defaults in brackets):
                      outputs are mp4 clips
   steps              int, 2..limits.max_steps (sigma grid points: steps - 1 DiT forwards) [50]
   seed               int, 0..2^63-1 [0]
+  sampler            euler | res_multistep: the step rule (pipeline/solvers.py) [euler]
+  scheduler          h3 | simple | beta | normal: the sigma grid over `steps` points (pipeline/scheduler.py); beta may
+                     give fewer evaluations (repeated table entries dropped: the record shows the steps it runs) [h3]
   attention          an H3_ATTENTION backend name, for this job only [the service's]
   cache_mode         off | easycache | h3_cache | first_block [off]
   cache_threshold, cache_start_percent, cache_end_percent, cache_subsample_factor  (see h3_model.step_cache)
@@ -52,6 +55,8 @@ from ..h3_model import geometry
 from ..h3_model.compose.guides import GUIDE_KINDS, MAX_GUIDES, resolve_frame
 from ..h3_model.dit.layout import check_references
 from ..h3_model.pipeline.generation import DECODERS, MAX_STEPS, MODES
+from ..h3_model.pipeline.scheduler import SCHEDULERS, JointSchedule
+from ..h3_model.pipeline.solvers import SAMPLERS
 from ..h3_model.pipeline.step_cache import (DEFAULT_END_PERCENT, DEFAULT_START_PERCENT, DEFAULT_SUBSAMPLE,
                                             DEFAULT_THRESHOLD)
 from ..h3_model.pipeline.step_cache import MODES as CACHE_MODES
@@ -63,7 +68,8 @@ REFERENCE_KINDS = ("image", "video", "audio")
 FIELDS = ("mode", "prompt", "references", "first_frame", "last_frame", "output", "overwrite", "width", "height",
           "frames", "steps", "seed", "attention", "cache_mode", "cache_threshold", "cache_start_percent",
           "cache_end_percent", "cache_subsample_factor", "recipes", "guides", "guide_strength", "audio_guide_strength",
-          "seconds", "shots", "continue", "repaint", "mask", "regenerate_seconds", "decoder")
+          "seconds", "shots", "continue", "repaint", "mask", "regenerate_seconds", "decoder", "sampler",
+          "scheduler")
 MAX_SHOTS = 32
 MAX_RECIPES = 4
 
@@ -136,6 +142,10 @@ class JobRequest:
     regenerate_seconds: tuple[float, float] | None = None
     audio_guide_strength: float | None = None
     decoder: str = "vae"  # the video decoder (pipeline.generation.DECODERS)
+    # The step rule and the sigma grid (pipeline/solvers.py, scheduler.py); None: euler on the h3 grid, or a
+    # recipe's.
+    sampler: str | None = None
+    scheduler: str | None = None
 
     @property
     def is_film(self) -> bool:
@@ -149,7 +159,7 @@ class JobRequest:
         """What the job record shows of its request."""
         out = {k: getattr(self, k) for k in ("mode", "prompt", "output", "overwrite", "width", "height", "frames",
                                              "steps", "seed", "attention", "first_frame", "last_frame",
-                                             "decoder")}
+                                             "decoder", "sampler", "scheduler")}
         out["references"] = [{"kind": k, "path": p} for k, p in self.references]
         c = self.cache
         out["cache"] = {"mode": c.mode, "threshold": c.threshold, "start_percent": c.start_percent,
@@ -303,16 +313,20 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
             _int(body, "cache_subsample_factor", DEFAULT_SUBSAMPLE, 1, 1 << 30))
     except H3Error as exc:
         raise _bad(str(exc)) from None
-    recipes = _recipes(body, cache_mode, "steps" in body)
+    sampler = _choice(body, "sampler", SAMPLERS, None)
+    scheduler = _choice(body, "scheduler", SCHEDULERS, None)
+    recipes = _recipes(body, cache_mode, "steps" in body, sampler is not None, scheduler is not None, mode)
     grid = _recipe_grid(recipes)
     if grid is not None:  # the record shows the steps the job runs
         name, evaluations = grid
         steps = evaluations + 1
         if steps > limits.max_steps:
             raise _bad(f"recipe {name}: {evaluations} evaluations exceed this service's {limits.max_steps - 1}")
+    elif scheduler not in (None, "h3"):  # beta drops repeated table entries: the record shows the steps it runs
+        steps = len(JointSchedule.from_scheduler(scheduler, steps)) + 1
     return JobRequest(mode, prompt, output, references, first, last, overwrite, width, height, frames, steps, seed,
                       attention, cache, recipes, guides, guide_strength, shots, continue_from, repaint, mask, span,
-                      audio_guide_strength, decoder)
+                      audio_guide_strength, decoder, sampler, scheduler)
 
 
 def _level(body: dict, name: str, released: str) -> float | None:
@@ -352,9 +366,10 @@ def _recipe_grid(recipes: list) -> tuple[str, int] | None:
     return None if run.evaluations is None else (run.grid_from, run.evaluations)
 
 
-def _recipes(body: dict, cache_mode: str, steps_given: bool) -> list:
+def _recipes(body: dict, cache_mode: str, steps_given: bool, sampler_given: bool = False,
+             scheduler_given: bool = False, mode: str | None = None) -> list:
     """The request's recipes, parsed; their kernels are checked by the service (it knows the device)."""
-    from ..h3_model.engine.recipes import check_conflicts, parse_recipes
+    from ..h3_model.engine.recipes import check_conflicts, check_recipe_mode, parse_recipes
 
     value = body.get("recipes", [])
     if not isinstance(value, list) or len(value) > MAX_RECIPES or not all(
@@ -367,7 +382,10 @@ def _recipes(body: dict, cache_mode: str, steps_given: bool) -> list:
         raise _bad(str(exc)) from None
     try:  # the kernels are checked by the service, which knows the device (device None: no kernel check)
         check_conflicts(recipes, step_cache=cache_mode != "off", explicit_steps=steps_given,
-                        cache_fix="drop cache_mode", steps_fix="drop steps")
+                        cache_fix="drop cache_mode", steps_fix="drop steps", explicit_sampler=sampler_given,
+                        explicit_scheduler=scheduler_given, sampler_fix="drop sampler", scheduler_fix="drop scheduler")
+        if mode is not None:
+            check_recipe_mode(recipes, mode)
     except H3Error as exc:
         raise _bad(str(exc)) from None
     return recipes

@@ -19,6 +19,14 @@
 - fasth3-8step: FastH3-8-Step-V2's: its 8 trained rungs 999, 874, ..., 125 (of 1000) shifted by video 10,
   audio 3, and VSA at `sparsity` 0.8. FastVideo publishes it as another checkpoint with its own sampling
   contract, hence its own recipe rather than a step count of fasth3.
+- fasth3-v2: FastH3 V2 as ComfyUI's FastH3 templates run it: 8 evaluations of sampler res_multistep on scheduler
+  simple at shifts video 10, audio 3, and VSA keeping 10 % of the video tiles (`sparsity` 0.9, `tile` 64) from
+  20 % of the schedule on (`start` 0.2: an evaluation is dense while its video sigma is above shift(1 - start),
+  ComfyUI's percent_to_sigma; the model's own attention before). t2va and fl2va (V2 was not distilled on ref2va).
+- omniref: FastH3 OmniRef (ref2va) as its template runs it: 8 evaluations of sampler euler on scheduler simple at
+  shifts 12 / 3, VSA `sparsity` 0.9 from the start (`start` 0.0). The reference rows are sink tiles: like every
+  row before the target video they are tiled on their own (each single-modality run in its own tiles), every
+  query attends them whatever the selection, and they attend every key (kernels/vsa_reference.py). ref2va only.
 - pdd: what Alibaba PAI's PDD acceleration LoRAs are trained for: `evaluations` (8, or 4) on the plain grid at
   video shift 12, audio 3 (it lands on the bank's interval boundaries), each evaluation through the mean of the
   head-bank heads its step spans, weighted by their overlap (pipeline/pdd.py). The file is a LoRA (`--lora`,
@@ -52,6 +60,8 @@ class RecipeSpec:
 
 
 _FASTH3_EXCLUDES = {"turbo": "the sampling grid", "sparse": "the attention"}
+_VSA_START = {"sparsity": (0.9, None, None), "start": (0.2, 0.0, 1.0), "tile": (64, None, None)}
+_FASTH3_FAMILY = "the sampling grid and the attention"
 REGISTRY: dict[str, RecipeSpec] = {spec.name: spec for spec in (
     RecipeSpec("sparse", "Sol-Attn sparse attention after the first dense steps and blocks (needs comfy-kitchen)",
                {"tau": (1.0, 0.0, None), "dense_steps": (10, 0, 1000), "dense_blocks": (2, 0, 1000)}),
@@ -64,10 +74,19 @@ REGISTRY: dict[str, RecipeSpec] = {spec.name: spec for spec in (
                excludes={"fasth3-8step": "the sampling grid and the attention", **_FASTH3_EXCLUDES}),
     RecipeSpec("fasth3-8step", "FastH3-8-Step-V2's 8 trained rungs and Video Sparse Attention (its checkpoint)",
                {"sparsity": (0.8, None, None), "tile": (64, None, None)}, excludes=_FASTH3_EXCLUDES),
+    RecipeSpec("fasth3-v2", "FastH3 V2 as the ComfyUI templates run it: 8 steps of res_multistep on simple (shifts "
+                            "10/3), VSA from the start fraction of the schedule on (a FastH3 checkpoint; t2va, fl2va)",
+               _VSA_START, excludes={"fasth3": _FASTH3_FAMILY, "fasth3-8step": _FASTH3_FAMILY, **_FASTH3_EXCLUDES}),
+    RecipeSpec("omniref", "FastH3 OmniRef (ref2va): 8 steps of euler on simple (shifts 12/3), VSA from the start "
+                          "fraction on, the references as sink tiles (its checkpoint)",
+               {**_VSA_START, "start": (0.0, 0.0, 1.0)},
+               excludes={"fasth3": _FASTH3_FAMILY, "fasth3-8step": _FASTH3_FAMILY, "fasth3-v2": _FASTH3_FAMILY,
+                         **_FASTH3_EXCLUDES}),
     RecipeSpec("pdd", "a PDD acceleration LoRA's trained grid (shifts 12/3) through its head bank (load the file "
                       "as a LoRA)", {"evaluations": (8, 4, 8)},
                excludes={"turbo": "the sampling grid", "fasth3": "the sampling grid",
-                         "fasth3-8step": "the sampling grid"}),
+                         "fasth3-8step": "the sampling grid", "fasth3-v2": "the sampling grid",
+                         "omniref": "the sampling grid"}),
     RecipeSpec("sol-engine", "sparse and first-block-cache, as Sol-Engine publishes them",
                bundle=("sparse", "first-block-cache")),
 )}
@@ -90,18 +109,33 @@ def recipes_help() -> str:
 @dataclass(frozen=True)
 class FastH3Grid:
     """A FastH3 checkpoint's sampling contract. `rungs`: the trained noise levels on the 1000-step clock, before
-    the shifts; None: the release's uniform grid of `evaluations` + 1 points (the 4-step Preview's)."""
+    the shifts; None: `scheduler`'s grid of `evaluations` + 1 points (None: our h3 grid, the 4-step Preview's).
+    `sampler`: the step rule (None: euler)."""
 
     evaluations: int
     video_shift: float
     audio_shift: float
     rungs: tuple[int, ...] | None = None
+    scheduler: str | None = None
+    sampler: str | None = None
+    modes: tuple[str, ...] | None = None  # the modes the checkpoint was distilled for (None: any)
 
     def describe(self) -> dict:
         out = {"evaluations": self.evaluations, "video_shift": self.video_shift, "audio_shift": self.audio_shift}
         if self.rungs is not None:
             out["rungs"] = list(self.rungs)
+        if self.sampler is not None:
+            out["sampler"], out["scheduler"] = self.sampler, self.scheduler
         return out
+
+    def video_sigmas(self) -> list[float]:
+        """The video sigmas this contract samples."""
+        from ..pipeline.scheduler import JointSchedule
+
+        if self.rungs is not None:
+            return self.sigmas(self.video_shift)
+        return JointSchedule.from_scheduler(self.scheduler or "h3", self.evaluations + 1, self.video_shift,
+                                            self.audio_shift).video.sigmas.tolist()
 
     def sigmas(self, shift: float) -> list[float]:
         """The rungs as sigmas: rung / 1000 shifted as the scheduler shifts its grid, then the final 0."""
@@ -113,8 +147,13 @@ class FastH3Grid:
 
 # FastVideo's FastH3 Preview v0.2 (basic_fasth3.py: 5 sigma points = 4 forwards on the release's shifts) and
 # FastH3-8-Step-V2 (docs/inference/fasth3-distilled.md: rungs, shifts 10 / 3).
+# fasth3-v2 and omniref: Comfy-Org's FastH3 templates (V2: res_multistep on simple, 8 steps, shifts 10/3;
+# OmniRef: euler on simple, 8 steps, shifts 12/3).
 FASTH3_GRIDS = {"fasth3": FastH3Grid(4, 12.0, 3.0),
-                "fasth3-8step": FastH3Grid(8, 10.0, 3.0, (999, 874, 749, 624, 500, 375, 250, 125))}
+                "fasth3-8step": FastH3Grid(8, 10.0, 3.0, (999, 874, 749, 624, 500, 375, 250, 125)),
+                "fasth3-v2": FastH3Grid(8, 10.0, 3.0, scheduler="simple", sampler="res_multistep",
+                                        modes=("t2va", "fl2va")),
+                "omniref": FastH3Grid(8, 12.0, 3.0, scheduler="simple", sampler="euler", modes=("ref2va",))}
 
 
 @dataclass(frozen=True)
@@ -204,14 +243,17 @@ def _checked(name: str, given: dict) -> dict:
 # ------------------------------------------------------------------------------------------ set-up checks
 def check_recipes(recipes: list[Recipe], device, settings, *, step_cache: bool = False,
                   explicit_steps: bool = False, cache_fix: str = "drop --cache-mode",
-                  steps_fix: str = "drop --steps / --sigmas", loras: list | None = None) -> None:
+                  steps_fix: str = "drop --steps / --sigmas", loras: list | None = None,
+                  explicit_sampler: bool = False, explicit_scheduler: bool = False,
+                  sampler_fix: str = "drop --sampler", scheduler_fix: str = "drop --scheduler") -> None:
     """Before loading: every kernel a recipe needs can run here, and nothing it sets is also set by hand.
     `cache_fix` / `steps_fix` say, in the front door's own words, how to undo the conflicting setting. Every
     recipe runs under sequence parallelism as on one GPU (the DiT has one forward; `tests/test_parallel.py`).
     `loras` (the run's LoRA paths, when the door knows them): recipe pdd and a LoRA with a head bank come
     together, read from the files' headers."""
     check_conflicts(recipes, step_cache=step_cache, explicit_steps=explicit_steps, cache_fix=cache_fix,
-                    steps_fix=steps_fix)
+                    steps_fix=steps_fix, explicit_sampler=explicit_sampler, explicit_scheduler=explicit_scheduler,
+                    sampler_fix=sampler_fix, scheduler_fix=scheduler_fix)
     if loras is not None:
         check_pdd_loras(recipes, loras)
     for recipe in recipes:
@@ -222,9 +264,18 @@ def check_recipes(recipes: list[Recipe], device, settings, *, step_cache: bool =
 
 
 def check_conflicts(recipes: list[Recipe], *, step_cache: bool, explicit_steps: bool, cache_fix: str,
-                    steps_fix: str) -> None:
-    """Nothing a recipe sets may also be set by hand (one of the two would be ignored)."""
+                    steps_fix: str, explicit_sampler: bool = False, explicit_scheduler: bool = False,
+                    sampler_fix: str = "drop --sampler", scheduler_fix: str = "drop --scheduler") -> None:
+    """Nothing a recipe sets may also be set by hand (one of the two would be ignored): a recipe with a grid (turbo,
+    pdd, the FastH3 ones) sets the scheduler too; fasth3-v2 and omniref set the sampler."""
     names = [r.name for r in recipes]
+    grid = next((n for n in names if n in ("turbo", "pdd") or n in FASTH3_GRIDS), None)
+    if explicit_scheduler and grid is not None:
+        raise InputError(f"recipe {grid} sets the sampling grid, the scheduler's: {scheduler_fix}")
+    sampler = next((n for n in names if n in FASTH3_GRIDS and FASTH3_GRIDS[n].sampler is not None), None)
+    if explicit_sampler and sampler is not None:
+        raise InputError(f"recipe {sampler} samples with {FASTH3_GRIDS[sampler].sampler} on "
+                         f"{FASTH3_GRIDS[sampler].scheduler}, as its checkpoint was made to: {sampler_fix}")
     if step_cache and "first-block-cache" in names:
         raise InputError(f"recipe first-block-cache is a step cache: {cache_fix} (one step cache per run)")
     if explicit_steps and "turbo" in names:
@@ -260,6 +311,15 @@ def check_pdd_loras(recipes: list[Recipe], loras: list) -> None:
                          f"its audio twin), and no LoRA carries one (LoRAs: {named}): load the PDD file as a LoRA")
     if banked and not asked:
         raise InputError(f"{banked[0]} is a PDD LoRA (it carries a head bank): sample it with recipe pdd")
+
+
+def check_recipe_mode(recipes: list[Recipe], mode: str) -> None:
+    """A FastH3 recipe whose checkpoint was distilled for some modes only refuses the others."""
+    for recipe in recipes:
+        modes = FASTH3_GRIDS[recipe.name].modes if recipe.name in FASTH3_GRIDS else None
+        if modes is not None and mode not in modes:
+            raise InputError(f"recipe {recipe.name} runs a checkpoint distilled for {' and '.join(modes)}, not "
+                             f"{mode}" + ("; FastH3 OmniRef is recipe omniref" if mode == "ref2va" else ""))
 
 
 def pdd_heads(recipes: list[Recipe], dit):
@@ -320,11 +380,14 @@ def vsa_fine(recipe: Recipe, device, settings) -> str:
 # ------------------------------------------------------------------------------------------ applying
 class VsaSchedule:
     """`at(step, block)`: FastH3's VSA (kernels/vsa.py) in every DiT block, over the tiles of one request's packed
-    sequence. The sampler hands it the request (`for_layout`); the text refiner keeps the model's attention."""
+    sequence; the first `dense_steps` evaluations keep `dense` (the model's own attention: recipe fasth3-v2's
+    start). The sampler hands it the request (`for_layout`); the text refiner keeps the model's attention."""
 
-    def __init__(self, sparsity: float, tile: int, fine: str, patch: tuple[int, int, int], attention=None):
+    def __init__(self, sparsity: float, tile: int, fine: str, patch: tuple[int, int, int], attention=None,
+                 dense_steps: int = 0, dense=None):
         self.sparsity, self.tile, self.fine, self.patch = sparsity, tile, fine, tuple(patch)
         self.attention = attention
+        self.dense_steps, self.dense = dense_steps, dense
 
     def for_layout(self, layout, video_latents: tuple[int, int, int]) -> "VsaSchedule":
         """This schedule bound to a request: `layout` and its target video's (frames, height, width) latents."""
@@ -334,9 +397,11 @@ class VsaSchedule:
         patches = tuple(n // p for n, p in zip(video_latents, self.patch))
         tiles = tile_map(segments_before_video(layout), patches, self.tile)
         return VsaSchedule(self.sparsity, self.tile, self.fine, self.patch,
-                           VsaAttention(tiles, self.sparsity, self.fine))
+                           VsaAttention(tiles, self.sparsity, self.fine), self.dense_steps, self.dense)
 
     def at(self, step: int | None, block: int):
+        if step is not None and step < self.dense_steps:
+            return self.dense
         if self.attention is None:
             raise H3Error("the fasth3 attention tiles one request's packed sequence: it runs through the sampler, "
                           "which binds it to the request (VsaSchedule.for_layout)")
@@ -354,7 +419,22 @@ def fasth3_schedule(recipe: Recipe, dit, device, settings) -> VsaSchedule | None
         raise InputError(f"recipe {name}: {origin or 'the loaded DiT'} is not a FastH3 model: no "
                          f"attn.to_gate_compress weights (the VSA gates FastH3 is distilled with); load a FastH3 "
                          f"checkpoint, or ask for {name}:sparsity=0 to sample its grid with dense attention")
-    return VsaSchedule(sparsity, recipe.params["tile"], vsa_fine(recipe, device, settings), dit.config.patch_size)
+    dense_steps = vsa_dense_steps(recipe)
+    return VsaSchedule(sparsity, recipe.params["tile"], vsa_fine(recipe, device, settings), dit.config.patch_size,
+                       dense_steps=dense_steps, dense=dit.attention if dense_steps else None)
+
+
+def vsa_dense_steps(recipe: Recipe) -> int:
+    """How many leading evaluations of a FastH3 recipe keep dense attention: those whose video sigma lies above
+    shift(1 - start) (ComfyUI's percent_to_sigma: start 0 never, start 1 every one); 0 without a `start`."""
+    start = recipe.params.get("start")
+    if not start:
+        return 0
+    from ..pipeline.scheduler import shift_sigma
+
+    grid = FASTH3_GRIDS[recipe.name]
+    threshold = 0.0 if start >= 1.0 else shift_sigma(1.0 - start, grid.video_shift)
+    return sum(1 for sigma in grid.video_sigmas()[:-1] if sigma > threshold)
 
 
 class SparseSchedule:
@@ -383,6 +463,9 @@ class RecipeSampling:
     sigmas: list[float] | None = None
     audio_sigmas: list[float] | None = None
     grid_from: str | None = None  # the recipe that set the evaluations and shifts
+    # The scheduler and the sampler a recipe samples with (fasth3-v2, omniref); None: the run's own.
+    scheduler: str | None = None
+    sampler: str | None = None
 
 
 def recipe_sampling(recipes: list[Recipe], evaluations: int) -> RecipeSampling:
@@ -410,6 +493,7 @@ def recipe_sampling(recipes: list[Recipe], evaluations: int) -> RecipeSampling:
         out.video_shift, out.audio_shift = grid.video_shift, grid.audio_shift
         if grid.rungs is not None:
             out.sigmas, out.audio_sigmas = grid.sigmas(grid.video_shift), grid.sigmas(grid.audio_shift)
+        out.scheduler, out.sampler = grid.scheduler, grid.sampler
     cache = by_name.get("first-block-cache")
     if cache is not None:
         out.step_cache = make_step_cache("first_block", cache.params["threshold"], cache.params["start"],
@@ -433,13 +517,17 @@ def sparse_schedule(recipes: list[Recipe], dit, device, settings) -> "SparseSche
 def apply_recipes(recipes: list[Recipe], req, dit, device, settings):
     """`req` (a GenerationRequest) with the recipes' settings: steps and shifts, the step cache, the attention
     schedule for `dit`; and their description for the outputs."""
+    check_recipe_mode(recipes, req.mode)
     run = recipe_sampling(recipes, len(req.sigmas) - 1 if req.sigmas is not None else req.steps - 1)
     changes: dict = {"recipes": [r.describe() for r in recipes],
                      "attention_schedule": sparse_schedule(recipes, dit, device, settings),
                      "head_schedule": pdd_heads(recipes, dit)}
     if run.evaluations is not None:
+        # The recipe's grid is all of it: its scheduler (None: our h3 grid, or its rungs as explicit sigmas).
         changes.update(steps=run.evaluations + 1, video_shift=run.video_shift, audio_shift=run.audio_shift,
-                       sigmas=run.sigmas, audio_sigmas=run.audio_sigmas)
+                       sigmas=run.sigmas, audio_sigmas=run.audio_sigmas, scheduler=run.scheduler)
+    if run.sampler is not None:
+        changes["sampler"] = run.sampler
     if run.step_cache is not None:
         changes["step_cache"] = run.step_cache
     return dataclasses.replace(req, **changes)

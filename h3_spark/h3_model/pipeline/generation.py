@@ -32,7 +32,8 @@ from ..media.refs import PreparedReference, Reference, prepare_keyframes, prepar
 from ..text.prompt import check_mentions, check_prompt
 from .checks import request_canvas
 from .sampler import SamplingRequest, StepInfo, sample
-from .scheduler import AUDIO_SHIFT, VIDEO_SHIFT, JointSchedule, Schedule, custom_sigmas
+from .scheduler import AUDIO_SHIFT, DEFAULT_SCHEDULER, VIDEO_SHIFT, JointSchedule, check_scheduler
+from .solvers import DEFAULT_SAMPLER, check_sampler
 
 MODES = ("t2va", "fl2va", "ref2va")
 # The video decoders a request may choose: the full video VAE, or TAEH3 (vae/tiny_decoder.py), a draft of the same
@@ -98,6 +99,10 @@ class GenerationRequest:
     audio_shift: float | None = None
     sigmas: list[float] | None = None
     audio_sigmas: list[float] | None = None
+    # The step rule (solvers.SAMPLERS) and the sigma grid (scheduler.SCHEDULERS); None: euler on our h3 grid, the
+    # released pipeline's. A recipe may set them (engine/recipes.py); explicit sigmas take no scheduler.
+    sampler: str | None = None
+    scheduler: str | None = None
     reference_policy: str = "match"
     mlp_chunks: int = 1
     vae_tile_size: int | None = 256
@@ -151,6 +156,10 @@ class GenerationRequest:
             raise InputError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.decoder not in DECODERS:
             raise InputError(f"decoder must be one of {', '.join(DECODERS)}, got {self.decoder!r}")
+        if self.sampler is not None:
+            check_sampler(self.sampler)
+        if self.scheduler is not None:
+            check_scheduler(self.scheduler)
         check_prompt(self.mode, self.prompt)
         if self.sigmas is None and not 2 <= self.steps <= MAX_STEPS:
             raise InputError(f"steps must be between 2 and {MAX_STEPS}, got {self.steps}")
@@ -319,6 +328,7 @@ class Pipeline:
         shifts = self.c.shifts_for(req.mode)
         schedule = schedule_of(req, shifts)
         info["evaluations"] = len(schedule)
+        info["sampler"], info["scheduler"] = sampler_of(req), scheduler_of(req)
         if req.sigmas is None:
             info["video_shift"], info["audio_shift"] = _given(req.video_shift, shifts[0]), _given(req.audio_shift,
                                                                                                    shifts[1])
@@ -354,7 +364,7 @@ class Pipeline:
                 result = self.sample(dit, sampling, schedule,
                                      req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,
                                      step_cache=req.step_cache, attention_schedule=req.attention_schedule,
-                                     head_schedule=req.head_schedule)
+                                     head_schedule=req.head_schedule, sampler=sampler_of(req))
         finally:  # read (and reset) even when cancelled, so the next request counts only its own
             saturation = static.saturation() if static is not None else None
         if static is not None:
@@ -533,12 +543,12 @@ class Pipeline:
 
     def sample(self, dit, request: SamplingRequest, schedule: JointSchedule, seed: int, *, on_step=None,
                cancel=None, mlp_chunks: int = 1, step_cache=None, device=None, attention_schedule=None,
-               head_schedule=None):
+               head_schedule=None, sampler: str = DEFAULT_SAMPLER):
         """The seeded flow-matching loop (sampler.py): final normalised video and audio latents."""
         return sample(dit, request, schedule, torch.Generator().manual_seed(int(seed)),
                       device=self.c.device if device is None else device, on_step=on_step, cancel=cancel,
                       mlp_chunks=mlp_chunks, step_cache=step_cache, release_adaln=self.release_adaln,
-                      attention_schedule=attention_schedule, head_schedule=head_schedule)
+                      attention_schedule=attention_schedule, head_schedule=head_schedule, sampler=sampler)
 
     def decode_video(self, latents: torch.Tensor, tile_size: int | None = 256,
                      on_frames: Callable[[torch.Tensor], None] | None = None, decoder: str = "vae") -> torch.Tensor:
@@ -630,18 +640,35 @@ def _given(value: float | None, default: float) -> float:
     return default if value is None else value
 
 
+def sampler_of(req: GenerationRequest) -> str:
+    return DEFAULT_SAMPLER if req.sampler is None else req.sampler
+
+
+def scheduler_of(req: GenerationRequest) -> str | None:
+    """The request's scheduler; None for explicit sigmas (they are the grid)."""
+    if req.sigmas is not None:
+        return None
+    return DEFAULT_SCHEDULER if req.scheduler is None else req.scheduler
+
+
 def schedule_of(req: GenerationRequest, shifts: tuple[float, float] = (VIDEO_SHIFT, AUDIO_SHIFT)) -> JointSchedule:
-    """The request's joint sigma schedule: shifted grids (the request's shifts, else the model's `shifts`), or its
-    explicit sigmas."""
+    """The request's joint sigma schedule: its scheduler's grids (the request's shifts, else the model's `shifts`),
+    or its explicit sigmas. A sampler that cannot step it (res_multistep on explicit sigmas whose audio does not
+    follow the video by one change of shift) is refused here, before anything loads."""
     if req.sigmas is None:
         if req.audio_sigmas is not None:
             raise InputError("audio_sigmas needs sigmas too")
-        return JointSchedule.create(req.steps, _given(req.video_shift, shifts[0]), _given(req.audio_shift, shifts[1]))
-    video = Schedule(custom_sigmas(req.sigmas))
-    audio = Schedule(custom_sigmas(req.audio_sigmas if req.audio_sigmas is not None else req.sigmas))
-    if len(video) != len(audio):
-        raise InputError(f"sigmas give {len(video)} video and {len(audio)} audio evaluations; they must match")
-    return JointSchedule(video, audio)
+        schedule = JointSchedule.from_scheduler(scheduler_of(req), req.steps, _given(req.video_shift, shifts[0]),
+                                                _given(req.audio_shift, shifts[1]))
+    else:
+        if req.scheduler is not None:
+            raise InputError(f"scheduler {req.scheduler} makes a grid, and explicit sigmas are the grid: give one "
+                             "of the two")
+        schedule = JointSchedule.explicit(req.sigmas, req.audio_sigmas)
+    from .solvers import make_solver
+
+    make_solver(sampler_of(req), schedule)
+    return schedule
 
 
 def audio_rows_of(latents: torch.Tensor) -> torch.Tensor:

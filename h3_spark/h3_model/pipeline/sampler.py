@@ -1,4 +1,5 @@
-"""The denoising loop: one DiT forward per step over the packed sequence, Euler on the target rows.
+"""The denoising loop: one DiT forward per step over the packed sequence, the sampler's step (solvers.py: euler,
+the default, or res_multistep) on the target rows.
 
 Noise is drawn from the request's generator in a fixed, documented order, so a seed reproduces
 a generation exactly:
@@ -23,6 +24,7 @@ import torch
 from ...errors import H3Error, InputError
 from ..dit.layout import Layout, patchify, unpatchify
 from .scheduler import CONDITION_AUDIO_T, CONDITION_VIDEO_T, JointSchedule
+from .solvers import DEFAULT_SAMPLER, make_solver
 
 
 class Cancelled(H3Error):
@@ -116,13 +118,16 @@ def schedule_timestep_values(layout: Layout, schedule: JointSchedule, condition_
 def sample(dit, req: SamplingRequest, schedule: JointSchedule, generator: torch.Generator, *,
            device: str | torch.device = "cpu", on_step: Callable[[StepInfo], None] | None = None,
            cancel: threading.Event | None = None, mlp_chunks: int = 1, step_cache=None,
-           release_adaln: bool = False, attention_schedule=None, head_schedule=None) -> SamplingResult:
-    """Run the loop; `generator` must be a CPU generator (noise is drawn on the CPU, then moved).
+           release_adaln: bool = False, attention_schedule=None, head_schedule=None,
+           sampler: str = DEFAULT_SAMPLER) -> SamplingResult:
+    """Run the loop; `generator` must be a CPU generator (noise is drawn on the CPU, then moved). `sampler`: the
+    step rule (solvers.SAMPLERS).
 
     `attention_schedule` (`at(step, block) -> attention`) chooses the attention per evaluation and block for
     this run only (a recipe's sparse attention). `head_schedule` (`mixes(schedule) -> [HeadMix]`, recipe pdd's
     pdd.PddHeads) gives each evaluation its mix of the DiT's head bank; a DiT with a bank samples only with one."""
     head_mixes = _head_mixes(dit, head_schedule, schedule)
+    solver = make_solver(sampler, schedule)  # refused before any noise is drawn
     if hasattr(attention_schedule, "for_layout"):
         # An attention that tiles the packed sequence (recipe fasth3's VSA) is made for this request's layout.
         attention_schedule = attention_schedule.for_layout(req.layout, (req.latent_frames, req.latent_height,
@@ -132,7 +137,7 @@ def sample(dit, req: SamplingRequest, schedule: JointSchedule, generator: torch.
         dit.attention_schedule = attention_schedule  # set on the model itself: the forward reads it there
     try:
         return _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, step_cache, release_adaln,
-                       head_mixes)
+                       head_mixes, solver)
     finally:
         if attention_schedule is not None:
             dit.attention_schedule, dit.sampling_step = previous, None
@@ -156,7 +161,8 @@ def _head_mixes(dit, head_schedule, schedule: JointSchedule) -> list | None:
 
 
 def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, step_cache,
-            release_adaln, head_mixes=None) -> SamplingResult:
+            release_adaln, head_mixes=None, solver=None) -> SamplingResult:
+    solver = solver if solver is not None else make_solver(DEFAULT_SAMPLER, schedule)
     c = dit.config
     lay = req.layout
     cond = condition_rows(req.condition_latents, generator, c.patch_size, req.condition_video_t)
@@ -211,8 +217,7 @@ def _sample(dit, req, schedule, generator, device, on_step, cancel, mlp_chunks, 
             v_vel, a_vel = step_cache.velocities(i, video[n_cv:], audio[n_ca:], forward)
         else:
             v_vel, a_vel = forward()
-        stepped_v = schedule.video.step(i, v_vel[0].float(), video[n_cv:])
-        stepped_a = schedule.audio.step(i, a_vel[0].float(), audio[n_ca:])
+        stepped_v, stepped_a = solver.step(i, v_vel[0].float(), video[n_cv:], a_vel[0].float(), audio[n_ca:])
         if held_v is not None:
             stepped_v[held_v] = video[n_cv:][held_v]
         if held_a is not None:
