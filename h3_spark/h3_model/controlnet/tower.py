@@ -38,7 +38,6 @@ from ..dit.model import Block, _assign_parameter, compute_dtype
 HINT_CHANNELS = 49
 LATENT_CHANNELS = 24
 BASE_LAYERS = 50
-VERSIONS = {5: "v1", 10: "union2"}
 
 
 @dataclass(frozen=True)
@@ -74,8 +73,9 @@ class ControlConfig:
 
     @property
     def version(self) -> str:
-        """v1 (5 blocks), union2 (10 blocks), or custom."""
-        return VERSIONS.get(self.blocks, "custom")
+        """v1 or union2: Union 2.0 is the one that fills the inpaint holes mid-gray (its files say so, or have its
+        10 blocks)."""
+        return "union2" if self.post_norm_fill else "v1"
 
     @property
     def hint_dim(self) -> int:
