@@ -22,8 +22,9 @@ all the skips.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -319,3 +320,16 @@ class ControlRun:
         if k == len(self.at) - 1:
             self.stream = None  # the last block: nothing reads the stream again
         return x.add(skip * self.keep, alpha=self.injection.strength)
+
+
+@contextlib.contextmanager
+def attached(dit, injection: "ControlInjection | None") -> Iterator[None]:
+    """`dit.control` set to this request's injection while it samples, then put back (None: nothing changes)."""
+    if injection is None:
+        yield
+        return
+    previous, dit.control = dit.control, injection
+    try:
+        yield
+    finally:
+        dit.control = previous

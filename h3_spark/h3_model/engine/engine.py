@@ -405,6 +405,42 @@ class Engine:
 
         self.pipeline.taeh3 = load_tiny_decoder(path, device=self.options.device, dtype=self.options.vae_dtype)
 
+    def check_controlnet(self, path, modes: Sequence[str] | None = None) -> None:
+        """An H3 Fun ControlNet file against the DiTs `load(modes)` would build, from the headers alone: one line
+        when it is no ControlNet or is for another width, AdaLN form or depth."""
+        from ..checkpoint import open_dit
+        from ..checkpoint.controlnet import ControlNetFile
+
+        with ControlNetFile(path) as f:
+            f.check()
+            for key, source in self.plan(modes, dit_only=True).items():
+                if key in self.overrides:
+                    continue  # built in memory: checked when the tower loads
+                reader = open_dit(source)
+                try:
+                    f.config.check_fits(reader.config, str(f.path))
+                finally:
+                    reader.source.close()
+
+    def load_controlnet(self, path) -> None:
+        """Load an H3 Fun ControlNet's tower for the requests that bring a control (checked against every loaded DiT
+        first): on the DiT's device in its dtype, a quantized file's layers kept as stored and dequantized at use.
+        It stays resident under a VRAM budget (its 5 or 10 blocks do not stream). None drops it."""
+        if path is None:
+            self.components.controlnet = None
+            return
+        from ..checkpoint.controlnet import ControlNetFile, load_tower
+
+        dits = [getattr(self.components, k) for k in self.dit_keys()]
+        if not dits:
+            raise H3Error("a ControlNet runs beside a DiT: load the DiT first")
+        with ControlNetFile(path) as f:
+            for dit in dits:
+                f.check(dit.config)
+        start = time.perf_counter()
+        self.components.controlnet = load_tower(path, dits[0].config, dtype=self.options.dtype, device=self.device)
+        self.load_seconds["controlnet"] = round(time.perf_counter() - start, 3)
+
     @property
     def taeh3(self):
         """The loaded TAEH3 decoder (its file in `.source`), or None."""
