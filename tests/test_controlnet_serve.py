@@ -63,3 +63,15 @@ def test_control_needs_a_service_with_a_controlnet(serve, tmp_path):  # noqa: F8
     client = serve(input_dir=_inputs(tmp_path))
     r = client.post("/generate", json=request("x.mp4", control={"video": "pose.mp4"}))
     assert r.status_code == 400 and "started without --controlnet FILE" in r.text, r.text
+
+
+def test_v1_videos_pass_control_on_as_json_or_form_text():
+    from h3_spark.serve import openai_videos as ov
+    from h3_spark.serve.validation import Limits, parse_request
+
+    control = {"video": "pose.mp4", "strength": 0.5, "range": [0, 0.5]}
+    body = ov.creation({"prompt": "a dancer", "model": "h3-t2va", "control": control}, {}, "v/x.mp4").body
+    assert body["control"] == control
+    assert parse_request(body, Limits()).control == {"video": "pose.mp4", "inpaint_mask": None,
+                                                     "inpaint_source": None, "strength": 0.5, "range": [0.0, 0.5]}
+    assert ov.form_values({"control": '{"video": "pose.mp4"}'}) == {"control": {"video": "pose.mp4"}}
