@@ -259,3 +259,17 @@ def test_released_places():
     assert spread(5) == (0, 10, 20, 30, 40)
     assert spread(10) == tuple(range(0, 50, 5))
     assert spread(2, 4) == (0, 2)
+
+
+def test_the_window_reads_the_free_target_rows_not_the_held_ones(case):
+    lay, data, hint = case
+    n = lay.video_indices.numel() - lay.num_condition_video_rows
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[:3] = True  # a noise mask holds the first target rows at the condition level (t = 0.999)
+    held = lay.holding(keep, None)
+    dit, tower = _dit(DIT), _tower(DIT)
+    injection = ControlInjection(tower, hint, window=(0.0, 0.5), shift=3.0)  # active while sigma >= 0.75
+    dit.control = injection
+    with torch.no_grad():
+        dit(**_args(held, data, 0.2))  # sigma 0.8 on the free rows: inside, though the held rows say 0.001
+    assert injection.evaluations == 1

@@ -283,8 +283,9 @@ class ControlInjection:
                   else output_video_rows)
         if target.numel() == 0:
             return None
-        # The target's timestep (t = 1 - sigma; condition rows sit near t = 1 and are not what the window means).
-        t_target = float(timestep[timestep_indices[video_indices[target[0]]]])
+        # The step's sigma is the target's (t = 1 - sigma): the least t over the target rows, since condition rows
+        # and the rows a noise mask holds sit near t = 1 and are not what the window means.
+        t_target = float(timestep[timestep_indices[video_indices[target]]].min())
         if not self.active(1.0 - t_target):
             return None
         if target.numel() != self.hint_rows.shape[0]:
