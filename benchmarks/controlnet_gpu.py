@@ -10,7 +10,8 @@ The DiT: synthetic full-size random weights built on the device (measure/synthet
 and placement); the ControlNet: a synthetic file written by our make-checkpoint writer in Alibaba PAI's layout
 (v1: 5 blocks after layers 0, 10, 20, 30, 40; --union2: 10 blocks every 5 layers; bf16) and loaded through
 `Engine.load_controlnet` like `generate --controlnet` does. Per budget (resident, or a VRAM budget in GB under
-which the DiT's blocks stream; the tower stays resident, its bytes on top of the plan), at one sampled evaluation
+which the DiT's blocks stream; the tower stays resident and the DiT is planned for the budget less its bytes, so
+the plain forward there streams as the controlled one does), at one sampled evaluation
 of the 1344x768x124 contract (the tower active, strength 1):
 - plain: the DiT forward with no control;
 - controlled: the same forward with the control tower injecting after its layers.
@@ -98,7 +99,9 @@ def main(argv=None) -> int:
         builders = synthetic.component_builders(args.preset, ["t2va"], device, dtype)
         options = LoadOptions(device=device, dtype=dtype, kernels=settings, vram_budget=budget,
                               plan_rows=lay.sequence_length)
-        engine = Engine(options=options, overrides={"dit": builders["dit"]}).load(["t2va"], dit_only=True)
+        engine = Engine(options=options, overrides={"dit": builders["dit"]})
+        engine.check_controlnet(path, ["t2va"])  # under a budget the DiT's plan leaves the tower its bytes
+        engine.load(["t2va"], dit_only=True)
         engine.load_controlnet(path)
         dit, tower = engine.components.dit, engine.components.controlnet
         injection = ControlInjection(tower, hint, strength=1.0, window=(0.0, 1.0))

@@ -136,3 +136,48 @@ def test_a_missing_tensor_is_named(tmp_path):
     with pytest.raises(CheckpointError, match="1 tensors of the control tower missing, e.g. "
                                               "control_blocks.1.attn.norm_k.weight"):
         ControlNetFile(path).check()
+
+
+@pytest.mark.parametrize("layout", ["comfy", "released"])
+def test_device_bytes_from_the_header_are_what_the_loaded_tower_holds(tmp_path, capsys, layout):
+    from h3_spark.kernels.stored_linear import scratch_bytes
+
+    out, _ = _make(tmp_path, capsys, "cn.safetensors", "--layout", layout)
+    tower = load_tower(out, CURVE_TINY if layout == "comfy" else TINY, dtype=torch.bfloat16)
+    held = sum(t.numel() * t.element_size() for t in [*tower.parameters(), *tower.buffers()])
+    with ControlNetFile(out) as f:
+        assert f.device_bytes(torch.bfloat16) >= held
+        assert f.device_bytes(torch.bfloat16) <= held + max(scratch_bytes(tower), 2 * 128 * 24 * 2)
+
+
+def test_a_budget_leaves_the_tower_its_bytes(tmp_path):
+    """Under a VRAM budget (emulated on the CPU) the DiT's plan takes the ControlNet's resident bytes out of its
+    share: beside a one-block tower the 8-block DiT is planned for the budget less the tower, and holds less."""
+    from h3_spark.h3_model.engine import memory
+    from h3_spark.h3_model.engine.engine import Engine
+    from h3_spark.h3_model.engine.loading import LoadOptions
+    from h3_spark.kernels.settings import KernelSettings
+    from h3_spark.measure import synthetic
+
+    deep = dataclasses.replace(TINY, num_layers=8)  # enough blocks that streaming some of them saves memory
+    dit = {"dit": lambda: synthetic.synthetic_dit(deep, torch.float32, "cpu")}
+
+    def engine(budget):
+        options = LoadOptions(device="cpu", dtype=torch.float32, kernels=KernelSettings(
+            modulation_fusion="off", q_rms_rope_int8_fusion="off"), vram_budget=budget, plan_rows=64)
+        return Engine(options=options, overrides=dit)
+
+    probe = engine(100 * memory.GB).load(["t2va"], dit_only=True).memory_plans["dit"]
+    config = dataclasses.replace(synthetic_config(deep, union2=False, comfy=False), places=(0,))
+    path = tmp_path / "cn.safetensors"
+    write_controlnet(path, config, random_getter(config, 0), "released")
+    budget = memory.budget_for(probe.device_bytes)
+    plain = engine(budget).load(["t2va"], dit_only=True).memory_plans["dit"]
+    controlled = engine(budget)
+    controlled.check_controlnet(path, ["t2va"])
+    with ControlNetFile(path) as f:
+        assert controlled.controlnet_reserve == f.device_bytes(torch.float32) > 0
+    controlled.load(["t2va"], dit_only=True)
+    plan = controlled.memory_plans["dit"]
+    assert plain.budget - plan.budget == controlled.controlnet_reserve
+    assert plan.device_bytes < plain.device_bytes  # the DiT keeps less on the device (here: its AdaLN on the host)

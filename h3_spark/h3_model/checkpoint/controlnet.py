@@ -260,6 +260,26 @@ class ControlNetFile:
         yield outs[0][0], StoredForm(spec.format, (rows, cols), tensors, group, swap_halves=swap,
                                      group_size=spec.group_size)
 
+    def device_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        """What the tower holds on its device when loaded in `dtype` (quantized layers as stored, plus the scratch
+        their dequantization shares: the largest such weight in `dtype`), from the header alone."""
+        total = scratch = 0
+        item = torch.empty(0, dtype=dtype).element_size()
+        for layer, keys in self.layers.items():
+            spec = self.specs.get(layer)
+            for suffix, key in keys.items():
+                entry = self.source.entry(key) if suffix != "_legacy" else None
+                if entry is None or suffix == "comfy_quant":
+                    continue
+                if spec is not None and suffix != "bias":
+                    total += entry.nbytes
+                    continue
+                fp32 = layer == "control_proj_in" or (self.config.curve_form and layer.endswith("adaln_proj.linear"))
+                total += entry.numel * (4 if fp32 else item)
+            if spec is not None:
+                scratch = max(scratch, math.prod(self._shape(layer)) * item)
+        return total + scratch
+
     def facts(self) -> dict:
         """What `inspect` says of the file: version, blocks, places, AdaLN form, formats."""
         c = self.config
