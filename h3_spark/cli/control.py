@@ -62,8 +62,10 @@ def _mask(path: Path):
     from ..h3_model import geometry
     from ..h3_model.media import files as media
 
+    from ..h3_model.compose.windows import MAX_WINDOW_FRAMES
+
     if path.suffix.lower() in media.VIDEO_SUFFIXES:
-        pixels = media.read_video(path, fps=geometry.FPS, with_audio=False).frames
+        pixels = media.read_video(path, fps=geometry.FPS, max_frames=MAX_WINDOW_FRAMES, with_audio=False).frames
     else:
         pixels = media.read_image(path)
     return pixels.float().mean(-1) / 255.0
@@ -77,13 +79,16 @@ def parse_control(args):
     from ..h3_model.controlnet.hint import ControlRequest
     from ..h3_model.media import files as media
 
-    def video(path: Path | None):
+    from ..h3_model.compose.windows import MAX_WINDOW_FRAMES
+
+    def video(path: Path | None):  # no further than one generation's longest clip: the rest is never used
         if path is None:
             return None
-        return media.read_video(path, fps=geometry.FPS, with_audio=False).frames
+        return media.read_video(path, fps=geometry.FPS, max_frames=MAX_WINDOW_FRAMES, with_audio=False).frames
 
     start, end = parse_range(args.control_range)
-    control = ControlRequest(video=video(args.control), mask=None if args.inpaint_mask is None else _mask(args.inpaint_mask),
-                             source=video(args.inpaint_source), strength=args.control_strength, start=start, end=end)
+    mask = None if args.inpaint_mask is None else _mask(args.inpaint_mask)
+    control = ControlRequest(video=video(args.control), mask=mask, source=video(args.inpaint_source),
+                             strength=args.control_strength, start=start, end=end)
     control.validate()
     return control

@@ -258,14 +258,15 @@ def apply_controlnet(conditioning, controlnet, vae: VAEHandle, latent, strength:
     control.check_canvas(width, height)
 
     def encode(pixels):
-        latent, = vae.encode_video([PreparedReference("video", pixels=pixels)], lambda engine, r: engine.encode_reference(
-            r, tile_size=vae.tile_size).latent)
+        latent, = vae.encode_video([PreparedReference("video", pixels=pixels)],
+                                   lambda engine, r: engine.encode_reference(r, tile_size=vae.tile_size).latent)
         return latent
 
     hint = hint_latents(control, encode, frames, width, height, shape, post_norm_fill=controlnet.config.post_norm_fill,
                         latent_channels=vae.video.config.latent_channels, hint_channels=controlnet.config.hint_channels)
     (embeds, extras), = conditioning
-    block = {"controlnet": controlnet, "hint": hint, "strength": control.strength, "window": (control.start, control.end)}
+    block = {"controlnet": controlnet, "hint": hint, "strength": control.strength,
+             "window": (control.start, control.end)}
     return [[embeds, {**extras, payload.CONTROL: block}]]
 
 

@@ -49,14 +49,15 @@ class ControlRequest:
         for name, frames in (("control video", self.video), ("inpaint source", self.source)):
             if frames is not None and (not isinstance(frames, torch.Tensor) or frames.dtype != torch.uint8
                                        or frames.ndim != 4 or frames.shape[-1] != 3 or min(frames.shape[:3]) < 1):
-                raise InputError(f"the {name} must be uint8 (F, H, W, 3) frames, got "
-                                 f"{getattr(frames, 'dtype', type(frames).__name__)} {list(getattr(frames, 'shape', []))}")
+                got = f"{getattr(frames, 'dtype', type(frames).__name__)} {list(getattr(frames, 'shape', []))}"
+                raise InputError(f"the {name} must be uint8 (F, H, W, 3) frames, got {got}")
         if self.source is not None and self.mask is None:
             raise InputError("an inpaint source goes with an inpaint mask (--inpaint-mask)")
         if self.mask is not None:
             mask = self.mask
             if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 3) or min(mask.shape) < 1:
-                raise InputError(f"the inpaint mask must be (H, W) or (F, H, W), got {list(getattr(mask, 'shape', []))}")
+                raise InputError(f"the inpaint mask must be (H, W) or (F, H, W), got "
+                                 f"{list(getattr(mask, 'shape', []))}")
             if self.source is not None and tuple(mask.shape[-2:]) != tuple(self.source.shape[1:3]):
                 raise InputError(f"the inpaint mask is {mask.shape[-1]}x{mask.shape[-2]} but its source video is "
                                  f"{self.source.shape[2]}x{self.source.shape[1]}: they must be the same size")
@@ -112,7 +113,8 @@ def hint_latents(control: ControlRequest, encode: Callable[[torch.Tensor], torch
     (1, 24, T, h, w) on the latent grid `latent_shape` (T, h, w). A VAE of fewer channels (the tiny demo's) gives
     [control | visibility | masked source] zero-padded to the 49 channels, as a control-only hint is."""
     if 2 * latent_channels + 1 > hint_channels:
-        raise InputError(f"a {latent_channels}-channel VAE's hint does not fit the ControlNet's {hint_channels} channels")
+        raise InputError(f"a {latent_channels}-channel VAE's hint does not fit the ControlNet's {hint_channels} "
+                         "channels")
     parts = []
     expect = (1, latent_channels, *latent_shape)
 

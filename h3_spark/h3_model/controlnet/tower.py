@@ -256,6 +256,7 @@ class ControlInjection:
         self.window = (float(window[0]), float(window[1]))
         self.sigma_start, self.sigma_end = percent_to_sigma(window[0], shift), percent_to_sigma(window[1], shift)
         self._tables: dict[float, list[torch.Tensor]] = {}
+        self._hint_on: dict[str, torch.Tensor] = {}  # the hint rows moved to a device once, not every forward
         self.evaluations = 0  # forwards the tower ran in (reports)
 
     def active(self, sigma: float) -> bool:
@@ -293,7 +294,10 @@ class ControlInjection:
                              f"{target.numel()}: the hint was made for another canvas or length")
         tower = self.tower
         rows = torch.zeros(video_indices.numel(), tower.config.hint_dim, dtype=torch.float32, device=x.device)
-        rows[target] = self.hint_rows.to(x.device)
+        hint = self._hint_on.get(str(x.device))
+        if hint is None:
+            hint = self._hint_on[str(x.device)] = self.hint_rows.to(x.device)
+        rows[target] = hint
         c = part.local(tower.embed_hint(x, rows[None], video_indices), 1)
         c = tower.rebase(c, part.local(x, 1))
         keep = torch.ones(x.shape[1], 1, dtype=x.dtype, device=x.device)
