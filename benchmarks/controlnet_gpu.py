@@ -1,6 +1,6 @@
 """The H3 Fun ControlNet's cost per evaluation against the plain DiT, side by side in one process; JSON to --out.
 
-Usage (repository root on the GPU machine; fa3-fwd for H3_ATTENTION=fa3):
+Usage (repository root on the GPU machine; fa3-fwd for H3_ATTENTION=fa3; resident needs an H200's memory):
     python3 benchmarks/controlnet_gpu.py --out $OUT/controlnet.json [--budgets resident,24] [--union2]
 CPU check of the script (tiny models, a small canvas):
     python3 benchmarks/controlnet_gpu.py --out /tmp/cn.json --preset tiny --device cpu --width 128 --height 64 \
@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workdir", default=None, help="where the ControlNet file is written (default: a temp folder)")
+    p.add_argument("--keep-adaln", action="store_true",
+                   help="keep the DiT's AdaLN weights after the tables are precomputed (generate drops them by default)")
     args = p.parse_args(argv)
     import_package()
     import os
@@ -110,6 +112,8 @@ def main(argv=None) -> int:
             dit.control = injection  # the tower's AdaLN tables are precomputed with the DiT's
             dit.clear_modulation_cache()
             dit.precompute_modulation(schedule_timestep_values(lay, schedule))
+            if not args.keep_adaln:  # as `generate` samples: the tables (the tower's too) are all that is needed
+                dit.release_adaln()
             text = dit.encode_text(inputs["encoder_hidden_states"])
             kwargs = {**inputs, "encoder_hidden_states": None, "text_embeds": text,
                       "output_video_rows": torch.arange(lay.num_condition_video_rows, lay.video_indices.numel(),
