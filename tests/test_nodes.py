@@ -176,7 +176,7 @@ def sound(seconds, rate=32000, channels=2, seed=0):
 
 # ------------------------------------------------------------------------------------------ tests
 def test_every_node_describes_itself():
-    assert len(NODE_CLASS_MAPPINGS) == 15
+    assert len(NODE_CLASS_MAPPINGS) == 17
     for key, cls in NODE_CLASS_MAPPINGS.items():
         spec = cls.INPUT_TYPES()
         assert set(spec) <= {"required", "optional", "hidden"}, key

@@ -5,8 +5,9 @@ order inside a head; the projections over fewer rows may round differently in th
 block loop's hooks run as in one process: the first-block cache (its change measured over the whole sequence, the
 same number on every rank, so the ranks reuse the same steps), an attention schedule that alternates two exact
 backends per block, FastH3's VSA schedule (per head, over all rows: each rank's slice of heads), released AdaLN
-weights, recipe pdd's per-step head mix (the heads run after the gather, on every rank alike) and the sampler
-res_multistep (its history, the previous step's estimates, the same on every rank).
+weights, recipe pdd's per-step head mix (the heads run after the gather, on every rank alike), the sampler
+res_multistep (its history, the previous step's estimates, the same on every rank) and the ControlNet's
+tower (its stream split like the DiT's, its skips added to each rank's rows).
 """
 
 import dataclasses
@@ -112,7 +113,24 @@ def _runs(split=lambda model: model):
     model.head_bank = _head_bank()
     out["pdd_heads"] = _sample(model, head_schedule=PddHeads(8)), None
     out["res_multistep"] = _sample(split(_model()), sampler="res_multistep"), None
+    model = split(_model())
+    model.control = _control()
+    out["controlnet"] = _sample(model), model.control.evaluations
     return out
+
+
+def _control():
+    """A ControlNet tower after both layers, random, with a random hint for the sampled canvas."""
+    from h3_spark.h3_model.controlnet.tower import ControlInjection, ControlTower, config_for
+
+    torch.manual_seed(5)
+    tower = ControlTower(config_for(CONFIG, 2), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.normal_(0, 0.3)
+    frames, height, width, _ = CANVAS
+    hint = torch.randn(frames * height * width // 4, 196, generator=torch.Generator().manual_seed(6))
+    return ControlInjection(tower, hint, strength=0.8)
 
 
 def _head_bank(count=8):
@@ -213,6 +231,9 @@ def _check_runs(got):
     # res_multistep keeps its history on every rank alike: the split run equals one process's, not Euler's.
     (video, audio), _ = expected["res_multistep"]
     assert _rel_l2(video, plain[0]) > 1e-3 and _rel_l2(audio, plain[1]) > 1e-3
+    # The ControlNet's tower ran in every evaluation, on each rank's rows, and steered the run.
+    assert expected["controlnet"][1] == got[0]["runs"]["controlnet"][1] == STEPS - 1
+    assert _rel_l2(expected["controlnet"][0][0], plain[0]) > 1e-3
 
 
 def test_shards_cover_the_sequence_unevenly():

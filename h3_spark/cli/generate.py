@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..h3_model.engine.options import (add_budget_flags, add_kernel_flags, add_model_flags, add_parallel_flags,
                                        add_precision_flags)
+from .control import add_control_flags, check_control_flags, parse_control
 from .compose import (add_compose_flags, check_flags, film_summary, is_film, parse_guides, parse_repaint,
                       plan_film_flags, render_film_out)
 
@@ -91,6 +92,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         + recipes_help())
     add_parallel_flags(p)
     add_compose_flags(p)
+    add_control_flags(p)
     p.add_argument("--demo", action="store_true",
                    help="tiny synthetic models made on the spot (the output is noise): checks an install end to end "
                         "on any machine; the default when no model is given, refused together with model paths")
@@ -255,6 +257,7 @@ def check_output_flags(args) -> None:
     check_outputs(args.out, args.save_latents)
     check_preview(args.preview, args.preview_every)
     check_decoder(args.decoder, args.taeh3)
+    check_control_flags(args)
 
 
 def check_decoder(decoder: str, taeh3: Path | None) -> None:
@@ -304,7 +307,8 @@ def build_request(args, settings):
                             seed=args.seed, video_shift=args.video_shift, audio_shift=args.audio_shift,
                             reference_policy=args.image_ref_size, mlp_chunks=settings.mlp_chunks,
                             vae_tile_size=settings.vae_tile_size, sigmas=_parse_sigmas(args.sigmas),
-                            sampler=args.sampler, scheduler=args.scheduler, decoder=args.decoder)
+                            sampler=args.sampler, scheduler=args.scheduler, decoder=args.decoder,
+                            control=parse_control(args))
     req.validate()
     if req.sigmas is not None:
         args.steps = len(req.sigmas)  # grid points: the step cache counts len - 1 evaluations
@@ -373,8 +377,13 @@ def load_engine(args, options, mode: str, log, audio: bool = True):
 
     engine = Engine(component_paths(args), options, offload_text_encoder=args.offload_text_encoder,
                     release_adaln=not args.keep_adaln)
+    if args.controlnet is not None:  # the ControlNet against the DiT's header, before any weight loads
+        engine.check_controlnet(args.controlnet, [mode])
     engine.load([mode], on_progress=lambda event: event.state == "loading" and log(f"loading {event.component}"),
                 audio=audio)
+    if args.controlnet is not None:
+        log("loading controlnet")
+        engine.load_controlnet(args.controlnet)
     if args.decoder == "taeh3":
         engine.load_taeh3(args.taeh3)
     if not args.quiet:
@@ -486,6 +495,8 @@ def summarize(args, engine, req, result, options, world: int) -> dict:
         summary["step_cache"] = result.info["step_cache"]
     if "notes" in result.info:  # what was taken with a change (a sound guide cropped to the clip)
         summary["notes"] = result.info["notes"]
+    if "control" in result.info:  # --controlnet: the version, blocks, window and the evaluations it ran in
+        summary["control"] = result.info["control"]
     if "kept_rows" in result.info:  # --repaint: the DiT rows held at the clip's latents
         summary["kept_rows"] = result.info["kept_rows"]
     if "nvfp4_static_scales" in result.info:  # static or, outside the calibrated shapes, dynamic (and why)

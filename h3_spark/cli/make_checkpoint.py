@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 # Which model a checkpoint is made for.
-COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder", "taeh3", "pdd", "turbo", "embedding")
+COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder", "taeh3", "pdd", "turbo", "embedding", "controlnet")
 # --format values per component (the VAEs are written as published; the video VAE also as int8_convrot).
 DIT_FORMATS = ("bf16", "fp8_scaled", "nvfp4", "int8_convrot", "int4_convrot", "w4a8", "w4a8_sym", "w4a8_asym")
 # A GGUF DiT: gguf:<GGML type>, the writable types checked by the writer (h3_model/checkpoint/gguf_writer.py).
@@ -61,7 +61,7 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p.add_argument("--component", choices=COMPONENTS, default="dit", help="which model to write")
     p.add_argument("--preset", choices=["tiny", "full"], default="tiny")
     p.add_argument("--format", choices=_FormatChoices(sorted(set(DIT_FORMATS) | set(TEXT_ENCODER_FORMATS))
-                                                     + [GGUF_FORMAT + "<TYPE>"]), default="bf16",
+                                                     + [GGUF_FORMAT + "<TYPE>"]), default=None,
                    help="DiT (bf16|fp8_scaled|nvfp4|int8_convrot|int4_convrot|w4a8|w4a8_sym|w4a8_asym): storage "
                         "of the 4 linears of every block; everything else stays bf16/fp32. int4_convrot is ComfyUI's "
                         "convrot_w4a4; w4a8 is asym_w4a8_int8 in its codebook variant (as published), w4a8_sym and "
@@ -117,6 +117,12 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                    help="comfy-pruned: rows of adaln_t_table (default 1025 full, 33 tiny)")
     p.add_argument("--curve-rank", type=int, default=None,
                    help="comfy-pruned: width k of adaln_t_table (default 8 full, 4 tiny)")
+    p.add_argument("--union2", action="store_true",
+                   help="controlnet: the Fun ControlNet Union 2.0 (10 blocks every 5 layers, mid-gray inpaint fill) "
+                        "instead of v1 (5 blocks every 10 layers); the tiny DiT's 2 layers take 2 blocks either way. "
+                        "--component controlnet writes one .safetensors file: --layout comfy (default) as ComfyUI's "
+                        "converted file (pruned AdaLN reading --curve-rank basis values, the block linears int8_convrot, "
+                        "or --format bf16), --layout released as Alibaba PAI's (bf16, full AdaLN)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing output: the file, or a folder's old checkpoint files (config.json, "
                         "*.safetensors, *.safetensors.index.json; a folder holding anything else is still "
@@ -388,6 +394,40 @@ def _run_turbo(args) -> int:
     return 0
 
 
+def _run_controlnet(args) -> int:
+    """An H3 Fun ControlNet Union file for the preset's DiT (tiny: the demo's), ComfyUI's or Alibaba PAI's layout."""
+    from ..errors import InputError
+    from ..h3_model.checkpoint.controlnet import random_getter, synthetic_config, write_controlnet
+    from ..h3_model.checkpoint.make import CURVE_DEFAULTS
+    from ..h3_model.dit.config import preset
+
+    if args.layout not in ("comfy", "released") or args.quantize_refiner or args.fasth3 \
+            or args.curve_grid is not None or args.format not in (None, "bf16", "int8_convrot") \
+            or (args.layout == "released" and (args.curve_rank is not None or args.format not in (None, "bf16"))):
+        raise InputError("--component controlnet takes only --preset, --layout comfy|released, --union2, --seed, "
+                         "--device, --force, and for comfy --curve-rank and --format int8_convrot (default, as published) "
+                         "or bf16")
+    check_device(args.device)
+    check_curve(None, args.curve_rank)
+    comfy = args.layout == "comfy"
+    rank = args.curve_rank if args.curve_rank is not None else CURVE_DEFAULTS[args.preset][1]
+    config = synthetic_config(preset(args.preset), union2=args.union2, comfy=comfy, curve_rank=rank)
+    out = Path(args.out)
+    stale = check_output(out, "comfy", args.force)
+    fmt = "bf16" if comfy and args.format == "bf16" else "int8_convrot"
+    start = time.perf_counter()
+    with replacing(stale):
+        size = write_controlnet(out, config, random_getter(config, args.seed, args.device), args.layout, fmt=fmt,
+                                progress=_progress_printer())
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(json.dumps({"out": str(out), "component": args.component, "preset": args.preset, "layout": args.layout,
+                      "version": config.version, "blocks": config.blocks, "places": list(config.places),
+                      "format": fmt if comfy else "bf16", "seed": args.seed, "bytes": size,
+                      "seconds": round(time.perf_counter() - start, 3)}))
+    return 0
+
+
 def _fasth3(args, config, curve):
     """A FastH3 checkpoint: the layouts and formats FastVideo's students are published in."""
     from ..errors import InputError
@@ -436,6 +476,14 @@ def run(args) -> int:
         args.layout = "released" if args.component == "pdd" else "comfy"
     if args.quantize_gates and not args.fasth3:
         raise InputError("--quantize-gates applies to --fasth3 (the VSA gates are a FastH3 model's)")
+    if args.union2 and args.component != "controlnet":
+        raise InputError("--union2 applies to --component controlnet")
+    if args.component == "controlnet":  # its own default format (ComfyUI's file is int8_convrot)
+        if args.tokenizer_out is not None or args.mmproj:
+            raise InputError("--tokenizer-out and --mmproj apply to --component text_encoder")
+        return _run_controlnet(args)
+    if args.format is None:
+        args.format = "bf16"
     if args.component == "text_encoder":
         return _run_text_encoder(args)
     if args.component == "taeh3":

@@ -40,8 +40,9 @@ def run(args) -> int:
             # The same checks as rank 0 (a bad flag stops every rank before any loading).
             paths, options, config = service_settings(args, lockstep.device)
             overrides = synthetic_overrides(args, options)
-            # TAEH3 too: every rank runs the job's decode, a taeh3 job's through it.
-            return follow(lockstep, lambda: load_models(paths, options, LoadTracker(), overrides, config.taeh3),
+            # TAEH3 and the ControlNet too: every rank runs the job's decode and its share of the control tower.
+            return follow(lockstep, lambda: load_models(paths, options, LoadTracker(), overrides, config.taeh3,
+                                                        config.controlnet),
                           rank_log(lockstep.rank))
     service = build_service(args, lockstep)
     if args.auth_line:

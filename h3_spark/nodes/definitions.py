@@ -220,6 +220,25 @@ class H3VAELoader:
                                     decode_dtype, tile_size),)
 
 
+class H3ControlNetLoader:
+    """An H3 Fun ControlNet Union from models/model_patches (ComfyUI's converted file for the pruned DiT, or Alibaba
+    PAI's v1 / Union 2.0 for the released one), checked from its header; H3 ControlNet Apply uses it."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"controlnet_name": (_host().model_choices("model_patches"), {
+            "tooltip": "An H3 Fun ControlNet Union file under models/model_patches (its version and blocks are read "
+                       "from the header)."})}}
+
+    RETURN_TYPES = ("H3_CONTROLNET",)
+    FUNCTION = "load"
+    CATEGORY = f"{CATEGORY}/loaders"
+    TITLE = "H3 ControlNet Loader"
+
+    def load(self, controlnet_name):
+        return (_engine().load_controlnet(_host().resolve_model("model_patches", controlnet_name)),)
+
+
 # ------------------------------------------------------------------------------------------ conditioning
 def _validate_canvas(cls, width=None, height=None):
     """VALIDATE_INPUTS of the conditioning nodes: ComfyUI refuses a canvas H3 cannot make before the prompt is
@@ -448,6 +467,45 @@ class H3ReferenceToVideo:
                                 audios, video_fps)
 
 
+class H3ControlNetApply:
+    """Steers an H3 conditioning with the H3 Fun ControlNet Union: a control video (pose, depth, edges... made by
+    your own preprocessor nodes) and / or an inpaint mask (1 = make anew) with its source video, fitted to the
+    LATENT's canvas and length and VAE-encoded here. The H3 Sampler runs the control tower inside the DiT within
+    the start..end part of the schedule; strength 0 is the plain generation."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "positive": ("CONDITIONING",),
+            "controlnet": ("H3_CONTROLNET", {"tooltip": "The ControlNet from H3 ControlNet Loader."}),
+            "vae": ("H3_VAE",),
+            "latent": ("LATENT", {"tooltip": "The LATENT you will sample: it gives the canvas and the length."}),
+            "strength": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 10.0, "step": 0.01,
+                                   "tooltip": "How strongly the control steers: 0 is the plain generation."}),
+            "start_percent": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.001,
+                                        "tooltip": "Where in the schedule the control starts (noise levels, as "
+                                                   "ComfyUI counts them with the video shift)."}),
+            "end_percent": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.001,
+                                      "tooltip": "Where in the schedule the control ends."}),
+        }, "optional": {
+            "control_video": ("IMAGE", {"tooltip": "The control frames; a longer video is cut, a shorter one holds "
+                                                   "its last frame; cover-cropped to the canvas."}),
+            "mask": ("MASK", {"tooltip": "1 marks the regions to make anew (inpainting)."}),
+            "source_video": ("IMAGE", {"tooltip": "The video behind the mask; read only with a mask."}),
+        }}
+
+    RETURN_TYPES = ("CONDITIONING",)
+    RETURN_NAMES = ("positive",)
+    FUNCTION = "apply"
+    CATEGORY = f"{CATEGORY}/conditioning"
+    TITLE = "H3 ControlNet Apply"
+
+    def apply(self, positive, controlnet, vae, latent, strength, start_percent, end_percent, control_video=None,
+              mask=None, source_video=None):
+        return (_engine().apply_controlnet(positive, controlnet, vae, latent, strength, start_percent, end_percent,
+                                           control_video, mask, source_video),)
+
+
 # ------------------------------------------------------------------------------------------ sampling
 class H3Sampler:
     """Denoises an H3 LATENT under one CONDITIONING (from h3-spark or ComfyUI's native MiniMax H3 nodes).
@@ -619,8 +677,9 @@ def _described(node_class):
     return node_class
 
 
-NODES = (H3ModelLoader, H3LoraLoader, H3TextEncoderLoader, H3VAELoader, H3TextToVideo, H3FirstLastFrameToVideo,
-         H3ReferenceToVideo, H3AddGuide, H3ExtendVideo, H3JoinVideo, H3Sampler, H3Decode, H3SaveVideo, H3AttentionPatch, H3NativeAttentionPatch)
+NODES = (H3ModelLoader, H3LoraLoader, H3TextEncoderLoader, H3VAELoader, H3ControlNetLoader, H3TextToVideo,
+         H3FirstLastFrameToVideo, H3ReferenceToVideo, H3AddGuide, H3ExtendVideo, H3JoinVideo, H3ControlNetApply,
+         H3Sampler, H3Decode, H3SaveVideo, H3AttentionPatch, H3NativeAttentionPatch)
 NODES = tuple(_described(cls) for cls in NODES)
 NODE_CLASS_MAPPINGS = {f"H3Spark{cls.__name__[2:]}": cls for cls in NODES}
 NODE_DISPLAY_NAME_MAPPINGS = {key: cls.TITLE for key, cls in NODE_CLASS_MAPPINGS.items()}

@@ -19,6 +19,7 @@ from ..errors import H3Error, InputError
 from ..h3_model import geometry
 from ..h3_model.engine.engine import Engine
 from ..h3_model.engine.job_attention import running
+from ..h3_model.controlnet.tower import attached
 from ..h3_model.engine.shared_dit import kernels_line, use_kernels, use_loras
 from ..h3_model.pipeline.scheduler import CONDITION_AUDIO_T, CONDITION_VIDEO_T
 from ..h3_model.text.prompt import check_prompt
@@ -203,6 +204,88 @@ def check_vae_slots(video_path: Path, audio_path: Path) -> None:
     if vae_kind(audio_path) == VIDEO:
         raise InputError(f"{audio_path.name}: this is the video VAE, in the audio slot (audio_vae_name); pick it as "
                          "vae_name and the audio VAE as audio_vae_name")
+
+
+# ------------------------------------------------------------------------------------------ the ControlNet
+@dataclass
+class ControlNetHandle:
+    """H3_CONTROLNET: an H3 Fun ControlNet Union file, checked from its header; its tower is read in the DiT's dtype
+    the first time a run needs it (a quantized file's layers kept as stored) and waits on the CPU between runs."""
+
+    path: Path
+    config: object
+    towers: dict
+
+    def tower(self, dit):
+        from ..h3_model.checkpoint.controlnet import load_tower
+
+        self.config.check_fits(dit.config, "the H3 ControlNet")
+        if dit.dtype_ not in self.towers:
+            self.towers[dit.dtype_] = load_tower(self.path, dit.config, dtype=dit.dtype_, device="cpu")
+        return self.towers[dit.dtype_]
+
+
+def load_controlnet(path: Path) -> ControlNetHandle:
+    from ..h3_model.checkpoint.controlnet import ControlNetFile
+
+    with ControlNetFile(path) as f:
+        f.check()
+        config = f.config
+    log.info("h3-spark controlnet: %s, %d blocks after layers %s", config.version, config.blocks, list(config.places))
+    return ControlNetHandle(Path(path), config, {})
+
+
+def apply_controlnet(conditioning, controlnet, vae: VAEHandle, latent, strength: float, start: float, end: float,
+                     control_video=None, mask=None, source_video=None) -> list:
+    """The conditioning with a control for the H3 Sampler: the control video (IMAGE) and / or an inpaint MASK (1 =
+    make anew) with its source video, fitted to the LATENT's canvas and length and VAE-encoded now. Strength 0, or
+    neither a control video nor a mask, leaves the conditioning as it is (as ComfyUI's own apply node does)."""
+    from ..h3_model.controlnet.hint import ControlRequest, hint_latents
+    from ..h3_model.media.refs import PreparedReference
+
+    if strength == 0 or (control_video is None and mask is None):
+        return conditioning
+    control = ControlRequest(video=None if control_video is None else frames_u8(control_video, "the control video"),
+                             mask=None if mask is None else torch.as_tensor(mask).float().cpu(),
+                             source=None if source_video is None or mask is None
+                             else frames_u8(source_video, "the inpaint source video"),
+                             strength=float(strength), start=float(start), end=float(end))
+    control.validate()
+    video, _ = payload.unpack_latent(latent)
+    shape = (int(video.shape[2]), int(video.shape[3]), int(video.shape[4]))
+    frames = payload.frames_of(shape[0])
+    height, width = shape[1] * geometry.VAE_SPATIAL, shape[2] * geometry.VAE_SPATIAL
+    control.check_canvas(width, height)
+
+    def encode(pixels):
+        latent, = vae.encode_video([PreparedReference("video", pixels=pixels)],
+                                   lambda engine, r: engine.encode_reference(r, tile_size=vae.tile_size).latent)
+        return latent
+
+    hint = hint_latents(control, encode, frames, width, height, shape, post_norm_fill=controlnet.config.post_norm_fill,
+                        latent_channels=vae.video.config.latent_channels, hint_channels=controlnet.config.hint_channels)
+    (embeds, extras), = conditioning
+    block = {"controlnet": controlnet, "hint": hint, "strength": control.strength,
+             "window": (control.start, control.end)}
+    return [[embeds, {**extras, payload.CONTROL: block}]]
+
+
+def _control_injection(conditioning, dit, cond, shift_video: float, device):
+    """The conditioning's control as the DiT's hook for this run (the tower moved to `device`), or None."""
+    from ..h3_model.controlnet.hint import hint_rows
+    from ..h3_model.controlnet.tower import ControlInjection
+
+    block = conditioning[0][1].get(payload.CONTROL)
+    if block is None:
+        return None
+    tower = block["controlnet"].tower(dit)
+    want = (cond.latent_frames, cond.latent_height, cond.latent_width)
+    if tuple(block["hint"].shape[2:]) != want:
+        raise InputError(f"the control was made for latents {list(block['hint'].shape[2:])}, this LATENT is "
+                         f"{list(want)}: apply the ControlNet with the LATENT you sample")
+    tower.to(device)
+    return ControlInjection(tower, hint_rows(block["hint"], dit.config.patch_size), block["strength"],
+                            block["window"], shift_video)
 
 
 # ------------------------------------------------------------------------------------------ ComfyUI media
@@ -580,7 +663,8 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
         request.condition_video_t = cond.visual_level
     if cond.audio_level is not None:
         request.condition_audio_t = cond.audio_level
-    with running(dit, attention):
+    control = _control_injection(conditioning, dit, cond, shift_video, device)
+    with running(dit, attention), attached(dit, control):
         # Inside the switch: the schedule stays dense with the attention this run resolved.
         attention_schedule = sparse_schedule(chosen, dit, device, _settings(opts))
         try:
@@ -590,6 +674,11 @@ def sample(model, conditioning, latent, seed: int, steps: int, shift_video: floa
                                                      head_schedule=head_schedule, sampler=sampler)
         except Cancelled as exc:
             interrupt.raise_interrupted(exc)
+        finally:
+            if control is not None:  # the tower waits on the CPU between runs
+                control.tower.to("cpu")
+    if control is not None:
+        log.info("h3-spark controlnet: ran in %d of %d evaluations", control.evaluations, len(schedule))
     if cache is not None:
         # An approximate run says so: which steps were computed and which reused.
         log.info("h3-spark step cache: %s", cache.report())

@@ -31,6 +31,8 @@ TAGS = "minimax_token_tags"
 REFS = "minimax_refs"
 KEYFRAMES = "minimax_keyframes"
 HISTORY = "h3_spark_history"
+# H3 ControlNet Apply's control for the H3 Sampler: the tower, its hint latents (1, 49, T, h, w), strength and window.
+CONTROL = "h3_spark_control"
 # The levels a conditioning's visual and audio conditions are held at (ComfyUI's names; packs set them as an
 # "anchor strength"): 0.999 and 1.0 as released.
 VISUAL_LEVEL = "minimax_visual_cond_noise_aug"

@@ -28,6 +28,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         help="TAEH3, the tiny temporal decoder (madebyollin/taehv's taeh3.safetensors), checked and "
                              "loaded at start: requests may then ask for decoder taeh3 (drafts), and /jobs/{id}/preview "
                              "shows decoded frames instead of the false-colour latent view")
+    models.add_argument("--controlnet", type=Path, default=None, metavar="FILE",
+                        help="an H3 Fun ControlNet Union file, checked against the DiT and loaded at start: requests "
+                             "may then carry `control` (a control video and / or an inpaint mask; docs/controlnet.md)")
     p.add_argument("--output-dir", type=Path, required=True, help="every output is written inside this folder")
     p.add_argument("--input-dir", type=Path, help="references and keyframes are read from inside this folder "
                                                   "(without it, only t2va requests are accepted)")
@@ -123,7 +126,20 @@ def service_settings(args, device: str | None = None):
     args.auth_line = check_binding(args.host, config.api_key)
     config.allowed_hosts = allowed_hosts(args.host, args.allowed_host)
     config.taeh3 = check_taeh3(args.taeh3)
+    config.controlnet = check_controlnet(args.controlnet)
     return component_paths(args), options, config
+
+
+def check_controlnet(path: Path | None) -> Path | None:
+    """--controlnet's file, its header checked to be an H3 Fun ControlNet before any model loads (the DiT's width is
+    checked against it when it loads)."""
+    if path is None:
+        return None
+    from ..h3_model.checkpoint.controlnet import ControlNetFile
+
+    with ControlNetFile(path) as f:
+        f.check()
+    return path
 
 
 def check_taeh3(path: Path | None) -> Path | None:
@@ -178,12 +194,13 @@ def build_service(args, lockstep=None, state_name: str | None = None):
     overrides = synthetic_overrides(args, options)
     log = make_log(args.log_format)
     if lockstep is None:
-        return Service(config, lambda tracker: load_models(paths, options, tracker, overrides, config.taeh3), log=log)
+        return Service(config, lambda tracker: load_models(paths, options, tracker, overrides, config.taeh3,
+                                                           config.controlnet), log=log)
     leader = Leader(lockstep, log)
 
     def load(tracker):
-        return load_in_lockstep(lambda: load_models(paths, options, tracker, overrides, config.taeh3), lockstep,
-                                leader)
+        return load_in_lockstep(lambda: load_models(paths, options, tracker, overrides, config.taeh3,
+                                                    config.controlnet), lockstep, leader)
 
     return Service(config, load, leader=leader, log=log)
 

@@ -49,7 +49,8 @@ def job_message(job: Job, *, mlp_chunks: int, vae_tile_size: int | None, limits:
     return {"id": job.id, "request": job.request, "references": list(p.get("references", [])),
             "first_frame": p.get("first_frame"), "last_frame": p.get("last_frame"),
             "guides": list(p.get("guides", [])), "continue": p.get("continue"), "repaint": p.get("repaint"),
-            "mask": p.get("mask"), "max_film_frames": round(limits.max_film_seconds * geometry.FPS),
+            "mask": p.get("mask"), "control": dict(p.get("control") or {}),
+            "max_film_frames": round(limits.max_film_seconds * geometry.FPS),
             "mlp_chunks": mlp_chunks,
             "vae_tile_size": vae_tile_size, "max_image_pixels": limits.max_image_pixels,
             "max_video_frame_pixels": limits.max_video_frame_pixels}
@@ -104,6 +105,32 @@ def _read_repaint(message: dict):
                                                          f"the mask {req.mask!r}")
 
 
+def _read_control(message: dict):
+    """The job's ControlRequest (its videos decoded no further than the clip), or None."""
+    req = message["request"]
+    if req.control is None:
+        return None
+    from ..h3_model.controlnet.hint import ControlRequest
+
+    files, frames = message.get("control") or {}, geometry.snap_frames(req.frames)
+
+    def video(key):
+        if key not in files:
+            return None
+        return media.read_video(files[key], fps=geometry.FPS, max_frames=frames, with_audio=False,
+                                max_pixels=message["max_video_frame_pixels"]).frames
+
+    mask = None
+    if "inpaint_mask" in files:
+        path = files["inpaint_mask"]
+        pixels = (media.read_image(path, max_pixels=message["max_image_pixels"])
+                  if path.suffix.lower() in media.IMAGE_SUFFIXES else video("inpaint_mask"))
+        mask = pixels.float().mean(-1) / 255.0
+    c = req.control
+    return ControlRequest(video=video("video"), mask=mask, source=video("inpaint_source"), strength=c["strength"],
+                          start=c["range"][0], end=c["range"][1])
+
+
 def read_continued(message: dict):
     """The clip a film job goes on from (at most the service's longest film), or None."""
     from ..h3_model.compose.film import ContinuedClip
@@ -125,7 +152,7 @@ def build_generation(message: dict) -> GenerationRequest:
         mlp_chunks=message["mlp_chunks"], vae_tile_size=message["vae_tile_size"],
         guides=_read_guides(message, geometry.snap_frames(req.frames)), guide_strength=req.guide_strength,
         audio_guide_strength=req.audio_guide_strength, decoder=req.decoder, sampler=req.sampler,
-        scheduler=req.scheduler, **dict(zip(("source", "mask"), _read_repaint(message))))
+        scheduler=req.scheduler, control=_read_control(message), **dict(zip(("source", "mask"), _read_repaint(message))))
     if not req.is_film:  # a film's guides are checked by window, once it is planned (generate_job)
         check_request(generation)
     if req.cache.mode != "off":

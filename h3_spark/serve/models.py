@@ -60,7 +60,8 @@ class LoadTracker:
 
 
 def load_models(paths: ComponentPaths, options: LoadOptions, tracker: LoadTracker,
-                overrides: Mapping[str, Callable[[], object]] | None = None, taeh3: Path | None = None) -> Engine:
+                overrides: Mapping[str, Callable[[], object]] | None = None, taeh3: Path | None = None,
+                controlnet: Path | None = None) -> Engine:
     """The engine with the text encoder, the DiT partition(s) found, the video VAE and the audio VAE loaded, and
     TAEH3 from `taeh3` (serve --taeh3) when given.
 
@@ -69,8 +70,20 @@ def load_models(paths: ComponentPaths, options: LoadOptions, tracker: LoadTracke
     Raises H3Error naming what is missing or cannot run; the tracker records it too.
     """
     engine = Engine(paths, options, overrides=overrides)
-    tracker.plan(list(engine.plan()) + (["taeh3"] if taeh3 is not None else []))
+    tracker.plan(list(engine.plan()) + (["taeh3"] if taeh3 is not None else [])
+                 + (["controlnet"] if controlnet is not None else []))
+    if controlnet is not None:  # against the DiTs' headers, before any weight loads
+        engine.check_controlnet(controlnet)
     engine.load(on_progress=tracker.record)
+    if controlnet is not None:
+        tracker.record(LoadEvent("controlnet", "loading"))
+        started = time.perf_counter()
+        try:
+            engine.load_controlnet(controlnet)
+        except Exception as exc:
+            tracker.record(LoadEvent("controlnet", "failed", error=str(exc)))
+            raise
+        tracker.record(LoadEvent("controlnet", "resident", seconds=time.perf_counter() - started))
     if taeh3 is not None:
         tracker.record(LoadEvent("taeh3", "loading"))
         started = time.perf_counter()

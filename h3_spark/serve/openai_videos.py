@@ -47,7 +47,7 @@ _INTS = ("steps", "seed", "frames", "width", "height", "n", "cache_subsample_fac
          "num_frames")
 _NUMBERS = ("seconds", "guide_strength", "audio_guide_strength", "cache_threshold", "cache_start_percent", "cache_end_percent", "fps",
             "duration")
-_JSON = ("references", "guides", "shots", "recipes", "regenerate_seconds", "extra_params", "video")
+_JSON = ("references", "guides", "shots", "recipes", "regenerate_seconds", "extra_params", "video", "control")
 
 
 @dataclass

@@ -53,6 +53,7 @@ class ServiceConfig:
     keep_days: float = 7.0  # ended records older than this are dropped from the file
     http: HttpLimits = field(default_factory=HttpLimits)
     taeh3: Path | None = None  # serve --taeh3: the file the loader reads TAEH3 from (checked by command.py)
+    controlnet: Path | None = None  # serve --controlnet: the H3 Fun ControlNet file (header checked by command.py)
 
     def __post_init__(self) -> None:
         if not 1 <= self.queue_size <= 10_000:
@@ -221,6 +222,9 @@ class Service:
         if req.decoder == "taeh3" and self.models.taeh3 is None:
             raise RequestError(400, "decoder taeh3 needs the TAEH3 file, and this service was started without "
                                     "--taeh3 PATH; use decoder vae", param="decoder")
+        if req.control is not None and self.models.components.controlnet is None:
+            raise RequestError(400, "control needs the ControlNet, and this service was started without "
+                                    "--controlnet FILE", param="control")
         attention = self._choose_attention(req)
         if req.recipes:
             self._check_recipes(req.recipes)
@@ -299,7 +303,8 @@ class Service:
                  + (["references"] if any(p not in files for _, p in req.references) else [])
                  + (["guides"] if any(p not in files for _, p, _ in req.guides) else [])
                  + [k for k, v in (("continue", req.continue_from), ("repaint", req.repaint), ("mask", req.mask))
-                    if v and v not in files])
+                    if v and v not in files]
+                 + (["control"] if any(v not in files for v in _control_files(req).values()) else []))
         if named and self.inputs is None:
             raise RequestError(400, f"{', '.join(named)} name input files, but this service was started without "
                                     f"--input-dir")
@@ -317,6 +322,7 @@ class Service:
                                 ("mask", req.mask, "image")):
             if name:
                 payload[key] = media(name, kind)
+        payload["control"] = {key: media(name, _control_kind(key, name)) for key, name in _control_files(req).items()}
         return payload
 
     def _run_job(self, job: Job) -> tuple[str, str | None]:
@@ -331,3 +337,15 @@ class Service:
         if self.metrics is not None:
             self.metrics.job_finished(job)
 
+
+def _control_files(req: JobRequest) -> dict:
+    """The control's files by field (video, inpaint_mask, inpaint_source), those given."""
+    c = req.control or {}
+    return {k: c[k] for k in ("video", "inpaint_mask", "inpaint_source") if c.get(k)}
+
+
+def _control_kind(key: str, name: str) -> str:
+    """An inpaint mask may be an image (every frame) or a video; the others are videos."""
+    from ..h3_model.media.files import IMAGE_SUFFIXES
+
+    return "image" if key == "inpaint_mask" and Path(name).suffix.lower() in IMAGE_SUFFIXES else "video"

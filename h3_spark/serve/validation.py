@@ -44,6 +44,11 @@ Fields (defaults in brackets):
   regenerate_seconds [start, end]: the span of time to make anew (picture and sound)
   decoder            vae | taeh3 [vae]: taeh3 decodes the clip (each window of a film) with the tiny temporal
                      decoder, a draft; only on a service started with --taeh3 PATH
+  control            {"video": "<video in --input-dir>", "strength": 0..10 [1], "range": [start, end] [0, 1],
+                     "inpaint_mask": "<image or video in --input-dir>", "inpaint_source": "<video in --input-dir>"}:
+                     the H3 Fun ControlNet Union steers one generation (a video, a mask or both; the pose / depth /
+                     edge video is the client's own); only on a service started with --controlnet FILE
+                     (docs/controlnet.md)
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ FIELDS = ("mode", "prompt", "references", "first_frame", "last_frame", "output",
           "frames", "steps", "seed", "attention", "cache_mode", "cache_threshold", "cache_start_percent",
           "cache_end_percent", "cache_subsample_factor", "recipes", "guides", "guide_strength", "audio_guide_strength",
           "seconds", "shots", "continue", "repaint", "mask", "regenerate_seconds", "decoder", "sampler",
-          "scheduler")
+          "scheduler", "control")
+CONTROL_FIELDS = ("video", "strength", "range", "inpaint_mask", "inpaint_source")
 MAX_SHOTS = 32
 MAX_RECIPES = 4
 
@@ -146,6 +152,8 @@ class JobRequest:
     # recipe's.
     sampler: str | None = None
     scheduler: str | None = None
+    # The ControlNet's inputs (paths in --input-dir, strength, range), checked; None: no control.
+    control: dict | None = None
 
     @property
     def is_film(self) -> bool:
@@ -170,6 +178,7 @@ class JobRequest:
         out["shots"] = [{"frames": f, "prompt": p} for f, p in self.shots]
         out.update({"continue": self.continue_from, "repaint": self.repaint, "mask": self.mask,
                     "regenerate_seconds": None if self.regenerate_seconds is None else list(self.regenerate_seconds)})
+        out["control"] = self.control
         return out
 
 
@@ -324,9 +333,40 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
             raise _bad(f"recipe {name}: {evaluations} evaluations exceed this service's {limits.max_steps - 1}")
     elif scheduler not in (None, "h3"):  # beta drops repeated table entries: the record shows the steps it runs
         steps = len(JointSchedule.from_scheduler(scheduler, steps)) + 1
+    control = _control(body, limits)
+    if control is not None and (shots or continue_from is not None):
+        raise _bad("control steers one generation: drop seconds past one generation, shots and continue")
     return JobRequest(mode, prompt, output, references, first, last, overwrite, width, height, frames, steps, seed,
                       attention, cache, recipes, guides, guide_strength, shots, continue_from, repaint, mask, span,
-                      audio_guide_strength, decoder, sampler, scheduler)
+                      audio_guide_strength, decoder, sampler, scheduler, control)
+
+
+def _control(body: dict, limits: Limits) -> dict | None:
+    """The `control` object: its files, strength and range, checked (the files themselves at submit)."""
+    from ..h3_model.controlnet.tower import check_window
+
+    given = body.get("control")
+    if given is None:
+        return None
+    if not isinstance(given, dict) or set(given) - set(CONTROL_FIELDS):
+        raise RequestError(400, f"control must be an object with {', '.join(CONTROL_FIELDS)}, got {given!r:.100}",
+                           param="control")
+    out = {name: _string(given, name, limits.max_path_chars) for name in ("video", "inpaint_mask", "inpaint_source")}
+    if out["video"] is None and out["inpaint_mask"] is None:
+        raise _bad("control needs a video, an inpaint_mask, or both")
+    if out["inpaint_source"] is not None and out["inpaint_mask"] is None:
+        raise _bad("control's inpaint_source goes with its inpaint_mask")
+    out["strength"] = _number(given, "strength", 1.0)
+    window = given.get("range", [0.0, 1.0])
+    if not isinstance(window, list) or len(window) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                                                             for v in window):
+        raise _bad(f"control's range must be [start, end], fractions of the schedule, got {window!r:.100}")
+    out["range"] = [float(v) for v in window]
+    try:
+        check_window(*out["range"], out["strength"])
+    except H3Error as exc:
+        raise _bad(str(exc)) from None
+    return out
 
 
 def _level(body: dict, name: str, released: str) -> float | None:

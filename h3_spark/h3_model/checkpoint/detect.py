@@ -1,7 +1,7 @@
 """What a checkpoint is, from its tensor names alone (no tensor data is read).
 
 Models: the DiT (diffusers or original/ComfyUI names, full or pruned "curve" AdaLN), the video
-VAE, the audio VAE and the Qwen3-VL text encoder. The rules are the ones ComfyUI uses,
+VAE, the audio VAE, the Qwen3-VL text encoder and the H3 Fun ControlNet Union (ComfyUI's or Alibaba PAI's names). The rules are the ones ComfyUI uses,
 so a file is recognised here exactly when ComfyUI would recognise it.
 """
 
@@ -18,8 +18,8 @@ _TE_LAYER = re.compile(r"^(.*?)layers\.\d+\.self_attn\.q_norm\.weight$")
 
 @dataclass(frozen=True)
 class Detected:
-    model: str  # dit | video_vae | audio_vae | text_encoder
-    layout: str  # for the DiT: one of DIT_LAYOUTS; for the others: diffusers | comfy | original
+    model: str  # dit | video_vae | audio_vae | text_encoder | controlnet
+    layout: str  # for the DiT: one of DIT_LAYOUTS; for the others: diffusers | comfy | original | released
     prefix: str  # stripped from every key of this model ("" or e.g. "model.diffusion_model.")
 
     @property
@@ -38,8 +38,16 @@ def _prefix_of(keys: list[str], suffix: str) -> str | None:
     return min(found, key=len) if found else None
 
 
+# The H3 Fun ControlNet Union: its hint projection and its first block's two skip projections, in every layout.
+CONTROLNET_KEYS = ("control_proj_in.weight", "control_blocks.0.before_proj.weight", "control_blocks.0.after_proj.weight")
+
+
 def detect(keys: list[str], where: str = "checkpoint") -> Detected:
     keyset = set(keys)
+    if all(k in keyset for k in CONTROLNET_KEYS):
+        # ComfyUI's converted file fuses the QKV (`attn.qkv_proj`); Alibaba PAI's keeps diffusers' names.
+        comfy = "control_blocks.0.attn.qkv_proj.weight" in keyset
+        return Detected("controlnet", "comfy" if comfy else "released", "")
     p = _prefix_of(keys, "video_patch_proj.weight")
     if p is not None and p + "audio_patch_proj.weight" in keyset:
         pruned = p + "adaln_t_table" in keyset

@@ -98,7 +98,8 @@ class DitReader:
     def _open(self, source, config: DiTConfig | None) -> None:
         self.detected: Detected = detect(source.keys, str(source.path))
         if self.detected.model != "dit":
-            what = {"video_vae": "video VAE", "audio_vae": "audio VAE", "text_encoder": "text encoder"}[self.detected.model]
+            what = {"video_vae": "video VAE", "audio_vae": "audio VAE", "text_encoder": "text encoder",
+                    "controlnet": "H3 Fun ControlNet (give it with --controlnet)"}[self.detected.model]
             raise CheckpointError(f"{source.path}: holds the {what}, not the DiT")
         p = self.detected.prefix
         self.stored = {k[len(p):]: k for k in source.keys if k.startswith(p)}

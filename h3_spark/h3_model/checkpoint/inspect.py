@@ -47,6 +47,8 @@ def inspect_checkpoint(path: str | Path, *, partition: str | None = None, qkv_la
         if detected.model == "dit":
             report.update(_dit(source, detected, qkv_layout))
             report.update(_name_report(source.path, "dit", report["fasth3"]))
+        elif detected.model == "controlnet":
+            report.update(_controlnet(source.path))
         elif gguf:
             report.update(_gguf_text_encoder(source, detected, names))
         else:
@@ -138,6 +140,23 @@ def _quant_layer(source: CheckpointSource, name: str, keys: dict[str, str], spec
         scales.append(entry)
     info["scales"] = scales
     return info
+
+
+def _controlnet(path: Path) -> dict:
+    """An H3 Fun ControlNet: its version, blocks and the DiT layers they follow, AdaLN form and formats; a file that
+    fails its header check says why instead of `complete`."""
+    from .controlnet import ControlNetFile
+
+    with ControlNetFile(path) as f:
+        facts = f.facts()
+        try:
+            f.check()
+            problem = None
+        except CheckpointError as exc:
+            problem = str(exc)
+        return {"controlnet": facts, "logical_parameters": facts["parameters"],
+                "quantization": _quant_summary(f.specs, len(f.layers)), "complete": problem is None,
+                **({"problem": problem} if problem else {})}
 
 
 def _quant_summary(specs: dict[str, QuantSpec], total_layers: int) -> dict:
@@ -465,6 +484,11 @@ def summary_lines(report: dict) -> list[str]:
         if report["curve_form"]:
             shape += f", curve AdaLN table {report['curve_table']['shape']}"
         lines.append(shape)
+    if report["model"] == "controlnet":
+        c = report["controlnet"]
+        lines.append(f"  Fun ControlNet Union {c['version']}: {c['blocks']} blocks after DiT layers "
+                     f"{', '.join(map(str, c['places']))}; hidden {c['hidden_size']}, {c['heads']}x{c['head_dim']} heads, "
+                     f"{c['adaln']} AdaLN ({c['adaln_input']} inputs), inpaint fill {c['inpaint_fill']}")
     if report["model"] == "dit" and report.get("fasth3"):
         lines.append("  FastH3 (distilled, VSA gates in every block): run it with --recipe fasth3")
     if report["model"] == "lora":
@@ -506,6 +530,8 @@ def summary_lines(report: dict) -> list[str]:
     if mismatched:
         name, why = next(iter(mismatched.items()))
         problems.append(f"{len(mismatched)} NVFP4 layers with wrong packed sizes (e.g. {name}: {why})")
+    if report.get("problem"):
+        problems.append(report["problem"])
     lines.append("  complete" if report["complete"] else "  INCOMPLETE: " + "; ".join(problems))
     return lines + _name_lines(report)
 

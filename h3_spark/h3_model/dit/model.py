@@ -281,6 +281,9 @@ class H3DiT(nn.Module):
         # Per-interval output heads a PDD LoRA brings (head_bank.py); a forward given a `head_mix` uses them in
         # place of proj_out / audio_proj_out.
         self.head_bank: HeadBank | None = None
+        # A request's ControlNet (controlnet/tower.ControlInjection): asked once per forward after the embedding,
+        # its run adds the control tower's skips after the layers it names. None: no control.
+        self.control = None
 
     # ----------------------------------------------------------------- settings
     def set_attention(self, fn: AttentionFn) -> None:
@@ -375,6 +378,8 @@ class H3DiT(nn.Module):
         for i, v in enumerate(todo):
             rows = slice(i * NUM_MODALITIES, (i + 1) * NUM_MODALITIES)
             self._modulation_cache[v] = ([t[rows].clone() for t in tables.blocks], tables.final[i:i + 1].clone())
+        if self.control is not None:  # the tower's own tables, while the AdaLN input can still be computed
+            self.control.precompute(todo, self.adaln_input(torch.tensor(todo, dtype=torch.float32, device=device)))
 
     def clear_modulation_cache(self) -> None:
         if self.adaln_released:
@@ -474,6 +479,10 @@ class H3DiT(nn.Module):
                             text_indices, position_ids.shape[0])
         # From here to the heads each rank holds its own rows (one process: all of them).
         part = self.sequence_parallel.split(position_ids.shape[0])
+        control = None if self.control is None else self.control.begin(
+            x, timestep=timestep, timestep_indices=timestep_indices, video_indices=video_indices,
+            audio_indices=audio_indices, output_video_rows=output_video_rows, part=part,
+            adaln_input=self.adaln_input, attention=part.attention(self.attention))
         x, rope = part.local(x, 1), (part.local(cos, 0), part.local(sin, 0))
         mod = self.modulation_cls(part.local(adaln_rows(timestep_indices, token_tags), 0), self.use_segments)
         schedule, step = self.attention_schedule, self.sampling_step
@@ -483,6 +492,8 @@ class H3DiT(nn.Module):
                 x_in = x
             attention = part.attention(self.attention if schedule is None else schedule.at(step, i))
             x = blk(x, tables.blocks[i], mod, rope, attention, mlp_chunks, self.qk_prep)
+            if control is not None:
+                x = control.after_block(i, x, mod, rope, mlp_chunks, self.qk_prep)
             if step_callback is not None:
                 step_callback(i)
             if block_cache is not None and i == 0:

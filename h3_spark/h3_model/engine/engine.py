@@ -67,6 +67,8 @@ class Engine:
         # DiT key -> artifact. model_ids: what names a DiT built in memory (a synthetic recipe), for its hash.
         self.static_artifacts: dict[str, object] = {}
         self.model_ids: dict[str, str] = {}
+        # Device bytes a ControlNet checked before the load will hold (check_controlnet); the DiT's plan leaves them.
+        self.controlnet_reserve = 0
         # Sequence parallel (--gpus N): every rank's device, rank 0 first, and the group the video decode is
         # shared over. One process: [device] and None.
         self.devices: list[str] = [self.options.device]
@@ -323,7 +325,7 @@ class Engine:
         DiT's activations (memory.dit_budget)."""
         from .memory import activation_bytes, default_rows, dit_budget, plan_dit
 
-        taken = sum(p.device_bytes - p.activations for p in taken_by)
+        taken = sum(p.device_bytes - p.activations for p in taken_by) + self.controlnet_reserve
         rows = self.options.plan_rows or default_rows(model.config)
         room = dit_budget(budget - taken, kept, activation_bytes(model.config, rows, model.dtype_))
         return plan_dit(model, room, rows, depth=self.options.prefetch_depth, share=share)
@@ -409,6 +411,45 @@ class Engine:
         from ..vae.tiny_decoder import load_tiny_decoder
 
         self.pipeline.taeh3 = load_tiny_decoder(path, device=self.options.device, dtype=self.options.vae_dtype)
+
+    def check_controlnet(self, path, modes: Sequence[str] | None = None) -> None:
+        """An H3 Fun ControlNet file against the DiTs `load(modes)` would build, from the headers alone: one line
+        when it is no ControlNet or is for another width, AdaLN form or depth."""
+        from ..checkpoint import open_dit
+        from ..checkpoint.controlnet import ControlNetFile
+
+        with ControlNetFile(path) as f:
+            f.check()
+            # Under a VRAM budget the tower stays resident: the DiT's plan leaves it its bytes.
+            self.controlnet_reserve = f.device_bytes(self.options.dtype)
+            for key, source in self.plan(modes, dit_only=True).items():
+                if key in self.overrides:
+                    continue  # built in memory: checked when the tower loads
+                reader = open_dit(source)
+                try:
+                    f.config.check_fits(reader.config, str(f.path))
+                finally:
+                    reader.source.close()
+
+    def load_controlnet(self, path) -> None:
+        """Load an H3 Fun ControlNet's tower for the requests that bring a control (checked against every loaded DiT
+        first): on the DiT's device in its dtype, a quantized file's layers kept as stored and dequantized at use.
+        It stays resident under a VRAM budget (its 5 or 10 blocks do not stream): `check_controlnet` before `load`
+        makes the DiT's plan leave it its bytes. None drops it."""
+        if path is None:
+            self.components.controlnet = None
+            return
+        from ..checkpoint.controlnet import ControlNetFile, load_tower
+
+        dits = [getattr(self.components, k) for k in self.dit_keys()]
+        if not dits:
+            raise H3Error("a ControlNet runs beside a DiT: load the DiT first")
+        with ControlNetFile(path) as f:
+            for dit in dits:
+                f.check(dit.config)
+        start = time.perf_counter()
+        self.components.controlnet = load_tower(path, dits[0].config, dtype=self.options.dtype, device=self.device)
+        self.load_seconds["controlnet"] = round(time.perf_counter() - start, 3)
 
     @property
     def taeh3(self):

@@ -26,6 +26,7 @@ from ...errors import H3Error, InputError
 from .. import geometry
 from ..compose.guides import Guide, History, PreparedGuide, prepare_guides, prepare_history
 from ..compose.masks import NoiseMask, Source
+from ..controlnet.tower import attached
 from ..dit.layout import (AudioBlock, GuideBlock, HistoryBlock, ImageBlock, Layout, VideoBlock, build_ref2va,
                           build_t2va)
 from ..media.refs import PreparedReference, Reference, prepare_keyframes, prepare_references, prompt_references
@@ -56,6 +57,9 @@ class Components:
     # (video, audio) flow shifts by DiT ("dit", "dit_ref"), as the model folder gives them (model_index.json's
     # sigma_shift_scales); a DiT without an entry samples with the released 12 and 3.
     shifts: dict = field(default_factory=dict)
+    # The H3 Fun ControlNet's tower (controlnet/tower.py), loaded by Engine.load_controlnet; requests with a
+    # `control` need it.
+    controlnet: object | None = None
 
     def shifts_for(self, mode: str) -> tuple[float, float]:
         return self.shifts.get("dit_ref" if mode == "ref2va" else "dit", (VIDEO_SHIFT, AUDIO_SHIFT))
@@ -114,6 +118,8 @@ class GenerationRequest:
     head_schedule: object | None = None
     recipes: list[dict] = field(default_factory=list)
     decoder: str = "vae"  # one of DECODERS
+    # A control video and / or inpaint mask for the ControlNet (controlnet/hint.ControlRequest).
+    control: object | None = None
 
     @property
     def still(self) -> bool:
@@ -198,6 +204,8 @@ class GenerationRequest:
         if not 0 <= self.seed < 2 ** 63:
             raise InputError(f"seed must be in [0, 2^63), got {self.seed}")
         schedule_of(self)  # now, not after the text encode that comes before its first use
+        if self.control is not None:
+            self.control.validate()
 
 
 @dataclass
@@ -333,6 +341,18 @@ class Pipeline:
             info["video_shift"], info["audio_shift"] = _given(req.video_shift, shifts[0]), _given(req.audio_shift,
                                                                                                    shifts[1])
 
+        control = None
+        if req.control is not None:
+            t0 = time.perf_counter()
+            report(Progress("control_encode"))
+            video_shift = shifts[0] if req.video_shift is None else req.video_shift
+            control = self.control_injection(req.control, canvas, dims, dit, video_shift)
+            timings["control_encode"] = time.perf_counter() - t0
+            c = self.c.controlnet.config
+            info["control"] = {"version": c.version, "blocks": c.blocks, "places": list(c.places),
+                               "strength": control.strength, "window": list(control.window),
+                               "video": req.control.video is not None, "inpaint": req.control.mask is not None}
+
         t0 = time.perf_counter()
         report(Progress("sampling", 0, len(schedule)))
 
@@ -361,14 +381,17 @@ class Pipeline:
                 if req.audio_guide_strength is not None:
                     sampling.condition_audio_t = float(req.audio_guide_strength)
                     info["audio_guide_strength"] = float(req.audio_guide_strength)
-                result = self.sample(dit, sampling, schedule,
-                                     req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,
-                                     step_cache=req.step_cache, attention_schedule=req.attention_schedule,
-                                     head_schedule=req.head_schedule, sampler=sampler_of(req))
+                with attached(dit, control):
+                    result = self.sample(dit, sampling, schedule,
+                                         req.seed, on_step=on_step, cancel=cancel, mlp_chunks=req.mlp_chunks,
+                                         step_cache=req.step_cache, attention_schedule=req.attention_schedule,
+                                         head_schedule=req.head_schedule, sampler=sampler_of(req))
         finally:  # read (and reset) even when cancelled, so the next request counts only its own
             saturation = static.saturation() if static is not None else None
         if static is not None:
             info["nvfp4_static_scales"].update(saturation)
+        if control is not None:
+            info["control"]["evaluations"] = control.evaluations
         timings["sampling"] = time.perf_counter() - t0
         info["step_seconds"] = result.step_seconds
         if req.recipes:
@@ -534,6 +557,30 @@ class Pipeline:
         keep_a = torch.ones(audio_rows.shape[0], dtype=torch.bool) if mask.audio is None else ~masks.audio_rows(
             mask.audio, dims[3])
         return lay.holding(keep_v, keep_a), (video_rows, audio_rows)
+
+    def control_injection(self, control, canvas, dims, dit, video_shift: float):
+        """The request's control for the ControlNet: its hint encoded on the target's latent grid (VAE), strength and
+        window (as sigmas of this video shift)."""
+        from ..controlnet.hint import hint_latents, hint_rows
+        from ..controlnet.tower import ControlInjection
+        from ..vae.video import encode_condition
+
+        tower = self.c.controlnet
+        if tower is None:
+            raise InputError("a control video or inpaint mask needs a ControlNet: load one (--controlnet)")
+        tower.config.check_fits(dit.config)
+        control.check_canvas(canvas.width, canvas.height)
+        vae = self._need(self.c.vae, "the video VAE")
+
+        def encode(frames: torch.Tensor) -> torch.Tensor:
+            with self.visit(vae):
+                return encode_condition(vae, frames, tile_size=DEFAULT_ENCODE_TILE)
+
+        latents = hint_latents(control, encode, canvas.frames, canvas.width, canvas.height, dims[:3],
+                               post_norm_fill=tower.config.post_norm_fill, latent_channels=dit.config.in_channels,
+                               hint_channels=tower.config.hint_channels)
+        return ControlInjection(tower, hint_rows(latents, dit.config.patch_size), control.strength,
+                                (control.start, control.end), video_shift)
 
     def latent_dims(self, frames: int, width: int, height: int) -> tuple[int, int, int, int]:
         """(video latent frames, latent height, latent width, audio latent frames) of a canvas."""
