@@ -244,8 +244,13 @@ def video_routes(backend: VideoBackend) -> list[Route]:
         except BaseException:
             form.discard()
             raise
-        record = await _submit(backend, lambda: ov.extension(fields, form.files, source, _output_name()), form,
-                               client)
+        try:
+            record = await _submit(backend, lambda: ov.extension(fields, form.files, source, _output_name()), form,
+                                   client)
+        except RequestError as exc:
+            if exc.param == "continue":  # the clip an extension continues is its `video`
+                exc.param = "video"
+            raise
         return JSONResponse(ov.video_object(record, backend.keep_days))
 
     async def remix(request: Request) -> JSONResponse:

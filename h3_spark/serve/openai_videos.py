@@ -317,6 +317,15 @@ def progress(record: dict) -> int:
     return min(99, int(100 * p["step"] / p["total"]))
 
 
+def _requested_frames(request: dict) -> int:
+    """The output's length before the job has made it: a film's shots after the clip it continues (the service
+    read that clip's length when it accepted the job), else the one generation's frames."""
+    shots = request.get("shots") or []
+    if shots:
+        return (request.get("continued_frames") or 0) + sum(shot["frames"] for shot in shots)
+    return request.get("frames") or geometry.DEFAULT_FRAMES
+
+
 def video_object(record: dict, keep_days: float) -> dict:
     labels = record.get("labels") or {}
     request = record.get("request") or {}
@@ -324,7 +333,7 @@ def video_object(record: dict, keep_days: float) -> dict:
     width, height = info.get("width") or request.get("width"), info.get("height") or request.get("height")
     if width is None:
         height, width = geometry.resolve_canvas()
-    frames = info.get("frames") or request.get("frames") or geometry.DEFAULT_FRAMES
+    frames = info.get("frames") or _requested_frames(request)
     ended = record.get("finished") if record["state"] in ("done", "failed", "cancelled") else None
     out = {"id": PREFIX + record["id"], "object": "video", "model": labels.get("model", MODEL),
            "status": STATUS[record["state"]], "progress": progress(record), "created_at": int(record["created"]),

@@ -134,6 +134,9 @@ class JobRequest:
     regenerate_seconds: tuple[float, float] | None = None
     audio_guide_strength: float | None = None
     decoder: str = "vae"  # the video decoder (pipeline.generation.DECODERS)
+    # The frames of the `continue` clip the output starts with (the service reads them from its file when it
+    # accepts the job, with its canvas into width and height).
+    continued_frames: int = 0
 
     @property
     def is_film(self) -> bool:
@@ -156,7 +159,8 @@ class JobRequest:
         out["guides"] = [{"kind": k, "path": p, "frame": f} for k, p, f in self.guides]
         out["guide_strength"], out["audio_guide_strength"] = self.guide_strength, self.audio_guide_strength
         out["shots"] = [{"frames": f, "prompt": p} for f, p in self.shots]
-        out.update({"continue": self.continue_from, "repaint": self.repaint, "mask": self.mask,
+        out.update({"continue": self.continue_from, "continued_frames": self.continued_frames,
+                    "repaint": self.repaint, "mask": self.mask,
                     "regenerate_seconds": None if self.regenerate_seconds is None else list(self.regenerate_seconds)})
         return out
 

@@ -292,7 +292,7 @@ def read_video_tail(path: str | os.PathLike, tail_frames: int, *, fps: float = F
 
 
 def video_geometry(path: str | os.PathLike, *, fps: float = FPS, max_frames: int | None = None) -> tuple[int, int, int]:
-    """(frames at `fps`, width, height) of a video from its container's index, nothing decoded: what `read_video`
+    """(frames at `fps`, width, height) of a video from its container's index and its first frame: what `read_video`
     would give, for an answer that must come before the job reads it. A container that does not count its frames
     is counted by its packets."""
     path = _check_input(path, VIDEO_SUFFIXES, "video")
@@ -304,7 +304,12 @@ def video_geometry(path: str | os.PathLike, *, fps: float = FPS, max_frames: int
         if source_fps <= 0:
             raise InputError(f"{path}: the video stream has no frame rate")
         count = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
-        width, height = stream.codec_context.width, stream.codec_context.height
+        container.seek(0)
+        # One frame decoded: the size players show (a rotated phone video's width and height swap).
+        first = next(iter(container.decode(stream)), None)
+        if first is None:
+            raise InputError(f"{path}: the video stream has no frames")
+        height, width = _upright(first).shape[:2]
     frames = resample_frame_indices(count, source_fps, fps).numel() if count else 0
     return (frames if max_frames is None else min(frames, max_frames)), width, height
 
