@@ -65,7 +65,7 @@ def job_id(video_id: str) -> str:
     """The job behind a video id; 404 for anything that is not one (so a malformed id reads as unknown)."""
     match = ID.fullmatch(video_id)
     if match is None:
-        raise bad(f"no video {video_id}", code="not_found", status=404)
+        raise bad(f"no video {video_id}", param="video_id", code="not_found", status=404)
     return match.group(1)
 
 
