@@ -138,11 +138,16 @@ async def _read_request(request: Request, backend: VideoBackend, file_fields: tu
     return body, Form()
 
 
-async def _submit(backend: VideoBackend, make, form: Form, client) -> dict:
-    """Translate (`make()` -> Submission) and queue; the uploads are removed if that fails."""
+async def _submit(backend: VideoBackend, make, form: Form, client, fields: dict) -> dict:
+    """Translate (`make()` -> Submission) and queue; the uploads are removed if that fails, and a refusal names
+    the field as the client sent it (`fields`)."""
     try:
         submission = make()
         return await backend.submit(submission, client)
+    except RequestError as exc:
+        form.discard()
+        exc.param = ov.client_param(exc.param, fields)
+        raise
     except BaseException:
         form.discard()
         raise
@@ -175,13 +180,14 @@ def video_routes(backend: VideoBackend) -> list[Route]:
     async def create(request: Request) -> JSONResponse:
         fields, form = await _read_request(request, backend, ov.UPLOAD_FIELDS)
         record = await _submit(backend, lambda: ov.creation(fields, form.files, _output_name()), form,
-                               client_of(request))
+                               client_of(request), fields)
         return JSONResponse(ov.video_object(record, backend.keep_days))
 
     async def sync(request: Request) -> Response:
         fields, form = await _read_request(request, backend, ov.UPLOAD_FIELDS)
         client = client_of(request)
-        record = await _submit(backend, lambda: ov.creation(fields, form.files, _output_name()), form, client)
+        record = await _submit(backend, lambda: ov.creation(fields, form.files, _output_name()), form, client,
+                               fields)
         video_id = ov.PREFIX + record["id"]
         wait_s = backend.http.sync_timeout_s
         deadline = time.monotonic() + wait_s
@@ -249,7 +255,7 @@ def video_routes(backend: VideoBackend) -> list[Route]:
             raise
         try:
             record = await _submit(backend, lambda: ov.extension(fields, form.files, source, _output_name()), form,
-                                   client)
+                                   client, fields)
         except RequestError as exc:
             if exc.param == "continue":  # the clip an extension continues is its `video`
                 exc.param = "video"
@@ -265,7 +271,8 @@ def video_routes(backend: VideoBackend) -> list[Route]:
             raise RequestError(400, f"unknown field(s) {', '.join(map(repr, unknown))}; a remix takes prompt",
                                param=unknown[0], code="unknown_parameter")
         source = await _visible(backend, video_id, client)
-        record = await _submit(backend, lambda: ov.remix(source, fields.get("prompt"), _output_name()), form, client)
+        record = await _submit(backend, lambda: ov.remix(source, fields.get("prompt"), _output_name()), form, client,
+                               fields)
         return JSONResponse(ov.video_object(record, backend.keep_days))
 
     async def models(request: Request) -> JSONResponse:

@@ -150,6 +150,15 @@ def _canonical(fields: dict, accepted: tuple[str, ...]) -> dict:
     return out
 
 
+def client_param(param: str | None, fields: dict) -> str | None:
+    """A refused field under the name the client sent it by: `size` or `aspect_ratio` for the canvas's width and
+    height, a peer's alias (num_inference_steps, task, ...) for ours; `param` itself otherwise."""
+    sent = {**fields, **(fields.get("extra_params") if isinstance(fields.get("extra_params"), dict) else {})}
+    if param in ("width", "height"):
+        return next((name for name in ("size", "aspect_ratio") if name in sent), param)
+    return next((alias for alias, ours in _ALIASES.items() if ours == param and alias in sent), param)
+
+
 def mode_of_model(model: object, mode: object) -> str | None:
     """The mode a model name fixes (None: inferred from the inputs, or `task`); 400 for a name not served."""
     if model is None or model == MODEL:
