@@ -23,7 +23,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help="run N hot services on Ray Serve behind one router",
                        description="Deploy N replicas of the hot service on Ray Serve (one GPU each, or CPU), "
                                    "with a router that places each job and sends every call about it to its "
-                                   "replica. Flags override the --config file's settings.")
+                                   "replica, behind a front that holds h3-spark serve's HTTP limits (head and "
+                                   "body deadlines, socket and request caps; the config's `http`). Flags override "
+                                   "the --config file's settings.")
     p.add_argument("--config", type=Path, help="a YAML or JSON fleet config (serve/README.md, 'A fleet')")
     p.add_argument("--replicas", type=int, help="number of replicas (default 1)")
     p.add_argument("--gpus-per-replica", type=float,
