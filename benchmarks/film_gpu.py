@@ -31,7 +31,9 @@ def main(argv=None) -> int:
     p.add_argument("--recipe", action="append", default=[], metavar="NAME[:key=value,...]")
     p.add_argument("--width", type=int, default=1344)
     p.add_argument("--height", type=int, default=768)
-    p.add_argument("--vram-budget", type=float, default=None, help="GB the models may hold (streams the rest)")
+    p.add_argument("--vram-budget", default="auto",
+                   help="GB the models may hold (streams the rest); auto (the default, as generate): resident when "
+                        "everything fits the free GPU memory, else planned for it")
     p.add_argument("--preset", default="full", help="full (the receipts) or tiny (a CPU check of the script)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--mp4-dir", default="/tmp/films", help="where the films are written (not returned)")
@@ -53,7 +55,9 @@ def main(argv=None) -> int:
     recipes = parse_recipes(args.recipe)
     fasth3 = any(r.name.startswith("fasth3") for r in recipes)
     check_recipes(recipes, device, settings)  # a recipe that sets the steps (turbo, fasth3) overrides --steps
-    budget = None if args.vram_budget is None else int(args.vram_budget * 1e9)
+    from h3_spark.h3_model.engine.memory import parse_budget
+
+    budget = parse_budget(args.vram_budget)
     engine, load_s = synthetic.synthetic_components(args.preset, ["t2va"], device, torch.bfloat16 if device == "cuda" else torch.float32, kernels=settings,
                                                     vram_budget=budget, fasth3=fasth3)
     out_dir = Path(args.mp4_dir)
@@ -92,7 +96,8 @@ def main(argv=None) -> int:
         print(json.dumps({"seconds": seconds, "total_s": round(total, 3), "windows": len(plan.windows),
                           "peaks_gb": peaks}), flush=True)
     result = {"canvas": f"{args.width}x{args.height}", "steps": args.steps,
-              "recipes": [r.describe() for r in recipes], "vram_budget_gb": args.vram_budget,
+              "recipes": [r.describe() for r in recipes], "vram_budget": args.vram_budget,
+              "auto_budget": engine.auto_budget,
               "attention": settings.attention, "linear": settings.linear,
               "weights": synthetic.describe(args.preset, fasth3=fasth3), "load_s": load_s, "films": results,
               "stamp": stamp.stamp_after(record)}

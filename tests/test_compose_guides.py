@@ -1,6 +1,7 @@
 """Guides at any frame: the request's checks (one line each), the rows they add to the packed sequence (against
 the formulas worked by hand), FL2VA's keyframes as guides, and a generation that carries them to the DiT."""
 
+import math
 import re
 
 import numpy as np
@@ -62,9 +63,6 @@ def test_sound_is_made_stereo_at_32_khz():
     (Guide("clip", 110, clip=_pixels(22, 8, 8, 3)),
      "guide 1 (clip): its 22 frames from frame 110 run past the clip's end (124 frames); anchor it at 102 or earlier"),
     (Guide("clip", 0, clip=_pixels(22, 8, 8)), "guide 1 (clip) must be uint8 (F, H, W, 3) frames"),
-    # 207 audio latents for 124 frames; from frame 110 (latent 183) 24 remain: 0.6 s.
-    (Guide("audio", 110, audio=_tone(1.0)),
-     "guide 1 (audio): 1.000 s of sound from frame 110 runs past the clip's end (0.600 s remain)"),
     (Guide("audio", 0), "guide 1 (audio) needs a (channels, samples) waveform"),
     # The canvas is 64x32 (2:1): a 1:2 still would keep a quarter of its height, a 1:3 one a sixth.
     (Guide("image", 0, image=_pixels(300, 100, 3)),
@@ -189,16 +187,6 @@ def test_guides_reach_the_dit_as_encoded_condition_rows(engine, monkeypatch):
     assert result.video.shape == (124, 64, 64, 3)  # the target is unchanged in size: guides only condition it
 
 
-def test_ref2va_takes_no_guides():
-    from h3_spark.h3_model.media.refs import ImageReference
-    from h3_spark.h3_model.pipeline.generation import GenerationRequest
-
-    req = GenerationRequest("ref2va", "", references=[ImageReference(_pixels(8, 8, 3))],
-                            guides=[Guide("image", 0, image=_pixels(8, 8, 3))])
-    with pytest.raises(InputError, match="ref2va takes no guides; guides go with t2va or fl2va"):
-        req.validate()
-
-
 def test_a_history_comes_before_the_target_which_goes_on_where_it_ends():
     from h3_spark.h3_model.dit.layout import HistoryBlock
 
@@ -299,3 +287,163 @@ def test_bad_guide_strengths(field, name, strength):
 
     with pytest.raises(InputError, match="^" + re.escape(f"{name} is the level conditions are held at, in (0, 1]")):
         GenerationRequest("t2va", "p", **{field: strength}).validate()
+
+
+# ------------------------------------------------------------------ a sound's count: ComfyUI's
+def _comfy_kept(frames, frame):
+    """ComfyUI's MiniMaxH3AddGuide: the audio latents a sound at `frame` keeps, floor(T - 5/3 x frame) with T the
+    latent's audio length round(frames / 24 x 40), in its float arithmetic."""
+    return math.floor(round(frames / 24 * 40) - (5.0 / 3.0) * frame)
+
+
+@pytest.mark.parametrize("frames", [124, 345])
+def test_a_sound_keeps_comfyuis_count_at_every_frame(frames):
+    from h3_spark.h3_model.compose.guides import remaining_audio_latents
+
+    audio = audio_latent_frames(frames)
+    latent_frames = video_latent_frames(frames)
+    long_sound = _tone(frames / 24 + 0.5)
+    kept = []
+    for frame in range(frames):
+        expected = _comfy_kept(frames, frame)
+        assert remaining_audio_latents(frame, frames) == expected, frame
+        # The guide as prepared keeps that many once encoded; the layout takes that many and refuses one more.
+        prepared, = prepare_guides([Guide("audio", frame, audio=long_sound)], frames=frames, width=64, height=32)
+        assert prepared.max_audio_latents == expected, frame
+        assert prepared.keep(torch.zeros(2, 4, audio + 1)).shape[-1] == expected
+        layout.check_guides([GuideBlock(frame, 0, expected)], latent_frames, audio)
+        with pytest.raises(InputError, match=re.escape(f"{expected + 1} audio latents from frame {frame} run past")):
+            layout.check_guides([GuideBlock(frame, 0, expected + 1)], latent_frames, audio)
+        kept.append(expected)
+    # Where 5/3 x frame is not whole the count rounds it up: at frame 29 of 124, 207 - 48.33 -> 158, not 159.
+    if frames == 124:
+        assert kept[29] == 158 and kept[30] == 157 and kept[0] == 207
+    # Every last row stays before the target's end: frame x 5/3 + kept <= T.
+    assert all(f * 5 / 3 + k <= audio for f, k in enumerate(kept))
+
+
+def test_a_sound_past_the_end_is_cropped_with_a_note():
+    from h3_spark.h3_model.compose.guides import check_guides
+
+    guide = Guide("audio", 110, audio=_tone(1.0))
+    # 207 audio latents for 124 frames; from frame 110 (5/3 x 110 = 183.33) 23 remain: 0.575 s.
+    note = ("guide 1 (audio): 1.000 s of sound from frame 110 runs past the clip's end; cropped to the 23 audio "
+            "latents (0.575 s) that remain")
+    assert check_guides([guide], frames=124, width=64, height=32) == [note]
+    prepared, = prepare_guides([guide], frames=124, width=64, height=32)
+    assert prepared.note == note and prepared.max_audio_latents == 23
+    assert prepared.audio.shape == (2, 32000)  # the whole sound is encoded; its latents are cut (as ComfyUI does)
+    # One that fits is kept whole, without a note.
+    short, = prepare_guides([Guide("audio", 110, audio=_tone(0.5))], frames=124, width=64, height=32)
+    assert short.note is None and short.max_audio_latents == 23
+    assert check_guides([Guide("audio", 110, audio=_tone(0.5))], frames=124, width=64, height=32) == []
+
+
+@pytest.mark.slow
+def test_a_cropped_sound_reaches_the_dit_at_comfyuis_count(engine, monkeypatch):
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest, Pipeline
+
+    seen = {}
+    real = Pipeline.sample
+    monkeypatch.setattr(Pipeline, "sample", lambda self, dit, request, *a, **k: seen.setdefault("request", request)
+                        and real(self, dit, request, *a, **k))
+    sound = _tone(6.0) * torch.linspace(0.2, 1.0, 6 * 32000)
+    result = engine.generate(GenerationRequest("t2va", "a boat", width=64, height=64, frames=124, steps=2,
+                                               guides=[Guide("audio", 29, audio=sound)]))
+    full = engine.components.audio_vae.encode_stereo(sound).float()
+    assert full.shape[-1] == 240
+    kept = full[..., :158]  # ComfyUI crops the encoded latents at floor(207 - 5/3 x 29) = 158
+    rows, = seen["request"].audio_condition_rows
+    assert torch.equal(rows, kept.transpose(1, 2).reshape(-1, kept.shape[1]))
+    assert seen["request"].layout.num_condition_audio_rows == 2 * 158
+    assert result.info["notes"] == ["guide 1 (audio): 6.000 s of sound from frame 29 runs past the clip's end; "
+                                    "cropped to the 158 audio latents (3.950 s) that remain"]
+
+
+# ------------------------------------------------------------------ guides in Ref2VA
+def test_ref2va_guides_follow_the_text_and_start_where_the_references_end():
+    """ComfyUI's PackedLayout with keyframes and refs, worked by hand: guide rows right after the text, then the
+    reference blocks; the references' clock starts at the text's end, the guides' time (and the target's) where
+    the references' spans end, 5/3 per pixel frame on, on the target's grid."""
+    from h3_spark.h3_model.dit.layout import AudioBlock, ImageBlock, VideoBlock, build_ref2va
+
+    refs = [ImageBlock(6, 4), AudioBlock(10), VideoBlock(7, 4, 6, 36)]
+    guides = (GuideBlock(36, 1), GuideBlock(72, 1), GuideBlock(120, 1), GuideBlock(5, 7, 20))
+    lay = build_ref2va(torch.ones(TEXT, dtype=torch.long), refs, LATENT_FRAMES, LH, LW, AUDIO, guides=guides)
+    pos, grid = lay.position_ids, 6  # the target's 4x6 latent: 2x3 patches
+    # ComfyUI's cursor: the text, then each reference's span (image 1, sound its latents, video the longer of its
+    # sound and its frames' spans), summed in that order in floats.
+    video_span = sum(5.0 / 3.0 * n for n in (1, 4, 4, 4, 4, 1, 4))  # 22 frames: 36.67 > its 36 sound latents
+    origin = float(TEXT) + 1.0 + 10.0 + video_span
+    # The three stills (the multiframe template's 1.5 s, 3 s and 5 s), one latent frame each, in order.
+    for i, frame in enumerate((36, 72, 120)):
+        rows = slice(TEXT + i * grid, TEXT + (i + 1) * grid)
+        assert torch.all(pos[rows, 0] == origin + 5.0 / 3.0 * frame), frame
+    target = lay.target_video_indices
+    target_grid = pos[target[:grid], 1:]
+    assert torch.equal(pos[TEXT:TEXT + 3 * grid, 1:], target_grid.repeat(3, 1))
+    # The clip from frame 5: 7 latent frames at (1, 4, 4, 4, 4, 1) x 5/3 after it; then its sound from frame 5, one
+    # unit a latent, left channel at the target's lowest width, right at its highest.
+    clip = slice(TEXT + 3 * grid, TEXT + 10 * grid)
+    t5 = origin + 5.0 / 3.0 * 5
+    starts = t5 + np.cumsum([0, 1, 4, 4, 4, 4, 1]) * 5 / 3
+    assert torch.allclose(pos[clip, 0].reshape(7, grid)[:, 0], torch.tensor(starts), rtol=0, atol=1e-12)
+    sound = slice(TEXT + 10 * grid, TEXT + 10 * grid + 40)
+    assert torch.all(pos[sound, 0] == (t5 + torch.arange(20.0, dtype=torch.float64)).repeat(2))
+    assert torch.all(pos[sound][:20, 2] == target_grid[:, 1].min()) and torch.all(pos[sound][20:, 2] == target_grid[:, 1].max())
+    # The references after them, on their own clock from the text's end: the 6x4 image (3x2 patches, its own grid)
+    # at the text's end, the sound from one slot later, the video's sound and frames from 11 slots later.
+    start = TEXT + 10 * grid + 40
+    image = slice(start, start + 6)
+    assert torch.all(pos[image, 0] == float(TEXT))
+    assert not torch.equal(pos[image, 1:], target_grid)  # 3x2 patches of its own, not the target's 2x3
+    ref_sound = slice(start + 6, start + 26)
+    assert torch.all(pos[ref_sound, 0] == (TEXT + 1.0 + torch.arange(10.0, dtype=torch.float64)).repeat(2))
+    video_sound = slice(start + 26, start + 98)
+    assert torch.all(pos[video_sound, 0] == (TEXT + 11.0 + torch.arange(36.0, dtype=torch.float64)).repeat(2))
+    video = slice(start + 98, start + 98 + 7 * grid)
+    assert torch.allclose(pos[video, 0].reshape(7, grid)[:, 0],
+                          torch.tensor(TEXT + 11.0 + np.cumsum([0, 1, 4, 4, 4, 4, 1]) * 5 / 3), rtol=0, atol=1e-12)
+    # The target after them all, at the same origin as the guides.
+    assert target[0] == start + 98 + 7 * grid + 2 * AUDIO
+    assert pos[target[0], 0] == origin and pos[lay.target_audio_indices[0], 0] == origin
+    # Condition rows in packed order (the order of their latents and noise draws): the guides', then the references'.
+    assert torch.equal(lay.video_indices[:lay.num_condition_video_rows],
+                       torch.cat([torch.arange(TEXT, TEXT + 10 * grid), torch.arange(start, start + 6),
+                                  torch.arange(start + 98, start + 98 + 7 * grid)]))
+    assert torch.equal(lay.audio_indices[:lay.num_condition_audio_rows],
+                       torch.cat([torch.arange(sound.start, sound.stop), torch.arange(start + 6, start + 98)]))
+    levels, index = lay.row_timesteps(0.3, 0.6, CONDITION_VIDEO_T, CONDITION_AUDIO_T)
+    rows = levels[index]
+    assert torch.all(rows[TEXT:TEXT + 10 * grid] == CONDITION_VIDEO_T) and torch.all(rows[sound] == CONDITION_AUDIO_T)
+    assert torch.all(lay.token_tags[TEXT:TEXT + 10 * grid] == layout.VIDEO_TAG)
+    assert torch.all(lay.token_tags[sound] == layout.AUDIO_TAG)
+
+
+def test_ref2va_without_guides_is_unchanged_and_a_last_frame_guide_takes_comfyuis_time():
+    from h3_spark.h3_model.dit.layout import ImageBlock, VideoBlock, build_ref2va
+
+    tags = torch.ones(TEXT, dtype=torch.long)
+    refs = [ImageBlock(4, 6), VideoBlock(37, 4, 6, 200)]
+    plain = build_ref2va(tags, refs, LATENT_FRAMES, LH, LW, AUDIO)
+    guided = build_ref2va(tags, refs, LATENT_FRAMES, LH, LW, AUDIO, guides=(GuideBlock(FRAMES - 1, 1),))
+    # The guide adds one frame of rows after the text; everything else moves down by them, at the same times.
+    grid = 6
+    assert torch.equal(guided.position_ids[:TEXT], plain.position_ids[:TEXT])
+    assert torch.equal(guided.position_ids[TEXT + grid:], plain.position_ids[TEXT:])
+    origin = plain.position_ids[plain.target_video_indices[0], 0].item()
+    # Ref2VA's last frame: origin + 5/3 x 123, as ComfyUI computes it (no released pipeline's pairwise sum).
+    assert guided.position_ids[TEXT, 0].item() == origin + 5.0 / 3.0 * (FRAMES - 1)
+
+
+@pytest.mark.parametrize("guide, message", [
+    (GuideBlock(124, 1), "guide 1: frame 124 is outside the 124-frame target"),
+    (GuideBlock(110, 7), "guide 1: its 22 frames from frame 110 run past the 124-frame target"),
+    (GuideBlock(120, 0, 8), "guide 1: 8 audio latents from frame 120 run past the target's 207 (7 remain)"),
+])
+def test_bad_ref2va_guide_blocks(guide, message):
+    from h3_spark.h3_model.dit.layout import ImageBlock, build_ref2va
+
+    with pytest.raises(InputError, match=re.escape(message)):
+        build_ref2va(torch.ones(TEXT, dtype=torch.long), [ImageBlock(4, 6)], LATENT_FRAMES, LH, LW, AUDIO,
+                     guides=(guide,))

@@ -298,7 +298,8 @@ def test_the_vsa_schedule_needs_the_request():
 
 def test_make_checkpoint_and_inspect_know_fasth3(tmp_path, capsys):
     """make-checkpoint --fasth3 writes the gates (diffusers and comfy, any block format, the gates bf16);
-    inspect says a FastH3 model is one, and a base model is not; a pruned FastH3 is refused."""
+    inspect says a FastH3 model is one, and a base model is not; the released layout is refused (the pruned one,
+    the templates' FastH3 files, is tests/test_template_files.py's)."""
     from h3_spark.cli import main
 
     for out, extra in ((tmp_path / "fast", ["--layout", "diffusers"]),
@@ -313,9 +314,8 @@ def test_make_checkpoint_and_inspect_know_fasth3(tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", str(base)]) == 0
     assert "FastH3" not in capsys.readouterr().out
-    assert main(["make-checkpoint", str(tmp_path / "p.safetensors"), "--fasth3", "--layout", "comfy-pruned"]) == 2
-    assert ("--fasth3 writes the diffusers or comfy layout (FastH3 has no pruned form), not comfy-pruned"
-            in capsys.readouterr().err)
+    assert main(["make-checkpoint", str(tmp_path / "p"), "--fasth3", "--layout", "released"]) == 2
+    assert "--fasth3 writes the diffusers, comfy, comfy-pruned layout, not released" in capsys.readouterr().err
     assert main(["make-checkpoint", str(tmp_path / "v.safetensors"), "--fasth3", "--component", "vae"]) == 2
     assert "--fasth3 applies to --component dit" in capsys.readouterr().err
 

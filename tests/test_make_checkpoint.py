@@ -187,7 +187,8 @@ def test_make_vae_refuses_dit_options(tmp_path, capsys):
     from h3_spark.cli import main as cli_main
 
     assert cli_main(["make-checkpoint", "--component", "vae", "--format", "nvfp4", str(tmp_path / "v.safetensors")]) == 2
-    assert "published VAE files are not quantized" in capsys.readouterr().err
+    assert "--component vae is written as published (leave --format out) or as int8_convrot (ComfyUI's quantized " \
+        "video VAE), not --format nvfp4" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fmt", ["fp8_scaled", "nvfp4", "int8_convrot", "int4_convrot", "w4a8", "w4a8_sym",

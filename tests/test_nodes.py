@@ -427,6 +427,32 @@ def test_vae_loader_refuses_a_tile_size_the_decoder_cannot_use(models, monkeypat
     assert loader.load("tiny-video-vae.safetensors", "tiny-audio-vae.safetensors", "float32", 0)[0].tile_size is None
 
 
+def test_vae_loader_reads_comfyuis_int8_convrot_video_vae(models, tmp_path, monkeypatch):
+    """ComfyUI's minimax_h3_video_vae_int8_convrot through H3 VAE Loader and its video decode: the decoder linears
+    held as stored, the frames those of the same file dequantized at load and decoded by the engine, bit for bit."""
+    from h3_spark.h3_model.engine.engine import Engine
+    from h3_spark.h3_model.vae import synthetic as vae_synthetic
+    from h3_spark.h3_model.vae import video_config
+    from h3_spark.h3_model.vae.loading import load_video_vae
+    from h3_spark.kernels.stored_linear import StoredLinear
+
+    folder = tmp_path / "models" / "vae"
+    folder.mkdir(parents=True)
+    vae16 = dataclasses.replace(video_config.TINY, block_out_channels=(8, 8, 16, 16), spatial_downsample_factors=(2,) * 4,
+                                temporal_downsample_factors=(2, 2, 1, 1))
+    path = vae_synthetic.write_vae_checkpoint(folder / "video-int8.safetensors", vae16, "comfy", 1, fmt="int8_convrot")
+    (folder / "audio.safetensors").symlink_to(models / "models" / "vae" / "tiny-audio-vae.safetensors")
+    fake_comfy(monkeypatch, tmp_path)
+    vae = node("H3SparkVAELoader").load("video-int8.safetensors", "audio.safetensors", "float32", 0)[0]
+    assert isinstance(vae.video.decoder.transformer_blocks[0].attn.to_q, StoredLinear)
+    latents = torch.randn(1, vae16.latent_channels, 3, 2, 2, generator=torch.Generator().manual_seed(7))
+    frames = vae.decode_video(latents)  # what H3 Decode runs for the video
+    reference = Engine.of(vae=load_video_vae(path, decode_dtype=torch.float32, stored=False)).decode_video(latents,
+                                                                                                            None)
+    assert frames.dtype == torch.uint8 and frames.float().std() > 5
+    assert torch.equal(frames, reference)
+
+
 def test_lora_change_on_converted_linears_is_refused(models, monkeypatch):
     """fp8/nvfp4 linears are converted in place at the first run: a later LoRA set cannot be merged, so it is
     refused with what to do instead of failing inside the merge."""
@@ -1207,3 +1233,56 @@ def test_extend_and_join_make_a_longer_clip_whose_window_goes_on_from_the_first(
         node("H3SparkExtendVideo").extend(cond, latent, vae, first_images[:20], 22)
     with pytest.raises(InputError, match="overlap must be 0..123"):
         node("H3SparkJoinVideo").join(first_images, images_b, 124)
+
+
+def test_add_guide_on_a_reference_conditioning_places_guides_before_the_references(models, monkeypatch):
+    """The multiframe reference template: an H3 Reference to Video conditioning with three chained guides at 1.5,
+    3 and 5 s (frames 36, 72, 120 of 124); the sampler packs them after the text, before the reference."""
+    from h3_spark.h3_model.dit.layout import GuideBlock, ImageBlock
+    from h3_spark.h3_model.pipeline.generation import Pipeline
+    from h3_spark.nodes.payload import read_conditions
+
+    fake_comfy(monkeypatch, models)
+    model, te, vae = load_all(models, dit="tiny-ref2va.safetensors")
+    cond, latent = node("H3SparkReferenceToVideo").encode(te, vae, "<Picture 1> walks", W, H, FRAMES, "match", 24.0,
+                                                          image_1=image(1))
+    plain = cond
+    add = node("H3SparkAddGuide").add
+    for seed, frame in ((2, 36), (3, 72), (4, 120)):
+        cond, latent = add(cond, latent, vae, frame, image=image(seed))
+    read = read_conditions(cond, latent)
+    assert read.mode == "ref2va"
+    assert read.blocks[:3] == [GuideBlock(36, 1, 0), GuideBlock(72, 1, 0), GuideBlock(120, 1, 0)]
+    assert isinstance(read.blocks[3], ImageBlock) and len(read.blocks) == 4
+    guides = cond[0][1]["minimax_keyframes"]
+    refs = cond[0][1]["minimax_refs"]
+    # Condition latents in packed order: the three guides, then the reference.
+    assert all(torch.equal(a, b["latent"].float()) for a, b in zip(read.condition_latents, guides + refs))
+    seen = {}
+    real = Pipeline.sample
+    monkeypatch.setattr(Pipeline, "sample", lambda self, dit, request, *a, **k: seen.setdefault("r", request)
+                        and real(self, dit, request, *a, **k))
+    out = node("H3SparkSampler").sample(model, cond, latent, 3, STEPS, 12.0, 3.0)[0]
+    lay = seen["r"].layout
+    text, grid = read.tags.numel(), 4  # a 4x4 latent: 2x2 patches
+    origin = lay.position_ids[lay.target_video_indices[0], 0].item()
+    assert origin == text + 1.0  # the text, then the image reference's one slot
+    for i, frame in enumerate((36, 72, 120)):
+        assert torch.all(lay.position_ids[text + i * grid:text + (i + 1) * grid, 0] == origin + 5.0 / 3.0 * frame)
+    assert torch.all(lay.position_ids[text + 3 * grid:text + 4 * grid, 0] == float(text))  # the reference
+    seen.clear()
+    bare = node("H3SparkSampler").sample(model, plain, latent, 3, STEPS, 12.0, 3.0)[0]
+    assert seen["r"].layout.sequence_length == lay.sequence_length - 3 * grid
+    assert not torch.equal(out["samples"][0], bare["samples"][0])  # the guides condition the clip
+
+
+def test_add_guide_crops_a_long_sound_at_comfyuis_count(models, monkeypatch, caplog):
+    fake_comfy(monkeypatch, models)
+    _, te, vae = load_all(models)
+    cond, latent = node("H3SparkTextToVideo").encode(te, "a cat", W, H, FRAMES)
+    with caplog.at_level("WARNING", logger="h3_spark"):
+        cond, _ = node("H3SparkAddGuide").add(cond, latent, vae, 29, audio=sound(6.0))
+    # floor(207 - 5/3 x 29) = 158 of the 240 latents of 6 s, the rest cut as ComfyUI's AddGuide cuts them.
+    assert cond[0][1]["minimax_keyframes"][0]["audio_latent"].shape[-1] == 158
+    assert ("guide 1 (audio): 6.000 s of sound from frame 29 runs past the clip's end; cropped to the 158 audio "
+            "latents (3.950 s) that remain") in caplog.text

@@ -499,8 +499,13 @@ def test_a_job_with_guides_reads_them_from_the_input_folder(serve, tmp_path):
     r = client.post("/generate", json=request("x.mp4", guides=[{"kind": "clip", "path": "none.mp4", "frame": 0}]))
     assert r.status_code == 400 and "'none.mp4': no such file in the input folder" in r.json()["error"]
     r = client.post("/generate", json=request("y.mp4", guides=[{"kind": "image", "path": "still.png", "frame": 200}]))
+    assert r.status_code == 400 and "guides[0] (image): frame 200 is outside the 124-frame clip" in r.json()["error"]
+    # What only the file tells (a still 4x off the canvas) fails the job before its generation starts.
+    Image.fromarray(torch.randint(0, 256, (10, 72, 3), dtype=torch.uint8).numpy()).save(inputs / "strip.png")
+    r = client.post("/generate", json=request("z.mp4", guides=[{"kind": "image", "path": "strip.png", "frame": 0}]))
     job = wait_job(client, r.json()["id"])
-    assert job["state"] == "failed" and "frame 200 is outside the 124-frame clip" in job["error"]
+    assert job["state"] == "failed" and "guide 1 (image) is 72x10: cover-cropped to the" in job["error"]
+    assert job["progress"]["stage"] == "read_inputs"  # refused before the text encoder ran
 
 
 def test_a_film_job_runs_its_windows_and_a_shot_list(serve):

@@ -46,14 +46,24 @@ def test_guides_are_parsed_and_shown():
     assert req.audio_guide_strength == 0.8 and public["audio_guide_strength"] == 0.8
 
 
+def test_guides_go_with_references_too():
+    req = parse_request({"prompt": "<Picture 1> walks", "output": "a.mp4", "references": [
+        {"kind": "image", "path": "ref.png"}], "guides": [{"kind": "image", "path": f"g{i}.png", "frame": f}
+                                                           for i, f in enumerate((36, 72, 120))]}, LIMITS)
+    assert req.mode == "ref2va" and [g[2] for g in req.guides] == [36, 72, 120]
+
+
 @pytest.mark.parametrize("extra, fragment", [
     ({"guides": [{"kind": "photo", "path": "a.png", "frame": 0}]}, "guides[0].kind must be one of image, clip, audio"),
     ({"guides": [{"kind": "image", "path": "a.png"}]}, "guides[0] must be an object with exactly 'kind', 'path' and 'frame'"),
     ({"guides": [{"kind": "image", "path": "a.png", "frame": 400}]}, "frame must be in -345..344, got 400"),
     ({"guides": [{"kind": "image", "path": "a.png", "frame": 1.5}]}, "frame must be an integer, got 1.5"),
     ({"guides": [{"kind": "image", "path": "a.png", "frame": 0}] * 17}, "guides must be a list of at most 16"),
-    ({"guides": [{"kind": "image", "path": "a.png", "frame": 0}], "references": [{"kind": "image", "path": "b.png"}]},
-     "ref2va takes no guides; guides go with t2va or fl2va"),
+    # The clip's length is known from the request: a frame past it is refused at once, not when the job runs.
+    ({"guides": [{"kind": "image", "path": "a.png", "frame": 124}]},
+     "guides[0] (image): frame 124 is outside the 124-frame clip (use 0..123, or -1..-124 from the end)"),
+    ({"guides": [{"kind": "audio", "path": "a.wav", "frame": -142}], "frames": 141},
+     "guides[0] (audio): frame -142 is outside the 141-frame clip"),
     ({"guide_strength": 0}, "guide_strength is the level conditions are held at, in (0, 1]"),
     ({"guide_strength": True}, "guide_strength is the level conditions are held at, in (0, 1]"),
     ({"audio_guide_strength": 1.5}, "audio_guide_strength is the level conditions are held at, in (0, 1] (1.0 as "

@@ -24,6 +24,7 @@ COMMANDS = {
     "serve": "serve",
     "fleet": "fleet",
     "comfyui-demo": "comfyui_demo",
+    "convert-workflow": "convert_workflow",
 }
 
 

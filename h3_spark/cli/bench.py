@@ -221,9 +221,16 @@ def check_budget_flags(args) -> None:
     from ..errors import InputError
     from ..h3_model.engine.flags import check_depth, vram_budget
 
-    args.budget = vram_budget(args.vram_budget, default=None)
-    if args.budget == "auto":
-        raise InputError("bench measures a given --vram-budget (a size such as 24GB), not auto")
+    # A whole render (--generation) is placed as generate places it: auto by default, so a card too small to hold
+    # every model resident (an 80 GB H100) plans its own streaming; the DiT forwards alone measure a given budget.
+    args.budget = vram_budget(args.vram_budget, default="auto" if args.generation and not args.vs else None)
+    if args.budget == "auto" and not args.generation:
+        raise InputError("bench measures a given --vram-budget (a size such as 24GB) for DiT forwards; auto "
+                         "(generate's placement) only with --generation")
+    if args.budget == "auto" and args.vs:
+        raise InputError("--vram-budget auto does not combine with --vs: the reference would sit beside the model")
+    # Under any budget (auto too) the engine applies the kernels and places the models it loads.
+    args.engine_places = args.budget is not None
     check_depth(args.prefetch_depth)
     args.plan_rows = None
     if args.budget is not None and args.vs:
@@ -391,6 +398,9 @@ def run(args) -> int:
     if args.budget is not None:
         args.plan_rows = _contract_rows(args, contract)  # the budget plans for this contract's length
     model, engine, weights = load_model(args, contract, device, dtype)
+    auto = engine.auto_budget if args.budget == "auto" else None
+    if auto is not None or args.budget == "auto":  # what auto chose: a budget in bytes, or None (resident)
+        args.budget = engine.options.vram_budget
     loaded = runner.loaded_facts(engine.load_seconds)
     from ..h3_model.engine.kernel_plan import apply_kernels
 
@@ -402,9 +412,11 @@ def run(args) -> int:
         twin = diffusers_twin(model)
     if args.vs == "exact":
         return _run_vs_exact(args, contract, model, settings, device, weights, record, out, loaded)
-    if args.budget is not None:  # the engine applied the kernels and placed everything it loaded
+    emulation = None
+    if args.engine_places:  # the engine applied the kernels and placed everything it loaded
         backends = engine.kernel_reports[dit_key(contract)]
-        emulation = emulate_card(args.budget, device)
+        if args.budget is not None and auto is None:  # a given budget stands for a smaller card; auto is this one
+            emulation = emulate_card(args.budget, device)
     else:
         backends = apply_kernels(model, settings)
     renders = engine.components.vae is not None  # --models and --synthetic --generation: a whole render
@@ -419,7 +431,7 @@ def run(args) -> int:
         from ..kernels.settings import vae_tile_batch
         from ..h3_model.engine.kernel_plan import apply_vae_kernels
 
-        if args.budget is not None:  # configured on the device at load; now it waits in host memory
+        if args.engine_places:  # configured at load (under a budget it now waits in host memory)
             result["vae_kernels"] = engine.kernel_reports.get("vae")
         else:
             engine.components.vae.tile_batch = vae_tile_batch()
@@ -432,6 +444,8 @@ def run(args) -> int:
     result["backends"]["attention"].update(attention_counts(model))  # the fallbacks, counted after the runs
     if args.budget is not None:
         result["vram_budget"] = budget_report(engine, dit_key(contract), model, emulation)
+    if auto is not None:
+        result["auto_budget"] = auto  # what --vram-budget auto saw and chose (resident or streaming)
     result["dtype"] = args.dtype
     runner.add_host_memory(result, loaded)
     result["stamp"] = stamp.stamp_after(record)

@@ -19,7 +19,8 @@ def add_compose_flags(parser) -> None:
     group.add_argument("--guide", action="append", default=[], metavar=GUIDE_FORMAT,
                        help="pin a still (image:a.png@48), a clip of 17k+5 frames (clip:b.mp4@0) or a sound "
                             "(audio:c.wav@-96) at a frame of the clip; a negative frame counts from the end (-1 is "
-                            "the last); repeatable, t2va and fl2va")
+                            "the last); a sound past the clip's end is cropped (noted); repeatable, any mode "
+                            "(with --ref too)")
     group.add_argument("--guide-strength", type=float, default=None, metavar="LEVEL",
                        help="the level the visual conditions (keyframes, guides, references) are held at, in (0, 1]: "
                             "0.999 as released; lower holds them more loosely")
@@ -175,6 +176,21 @@ def plan_film_flags(args, req):
     return film
 
 
+def check_flags(args, req, film=None, rank: int = 0) -> list[str]:
+    """Every refusal the flags allow, made before any weight is read (pipeline/checks.check_request: the guides
+    against the clip or each window, the request's own checks); what is taken with a change is printed (rank 0)
+    as a note and kept for the summary."""
+    import sys
+
+    from ..h3_model.pipeline.checks import check_request
+
+    args.compose_notes = check_request(req, film)
+    if not args.quiet and not rank:
+        for note in args.compose_notes:
+            print(f"h3-spark: note: {note}", file=sys.stderr, flush=True)
+    return args.compose_notes
+
+
 def render_film_out(args, engine, req, film, progress, rank: int, fresh_step_cache=None):
     """The film into --out (rank 0), its windows run in lockstep on every rank under --gpus."""
     import time
@@ -223,7 +239,8 @@ def film_summary(args, engine, result, kernels: dict, exactness: dict, options) 
             "windows": result.info["windows"], "total_s": result.info["total_s"], "mux_s": result.info["mux_s"],
             "load_s": {k: round(v, 3) for k, v in engine.load_seconds.items()},
             "attention": kernels.get("attention", {}).get("chosen"),
-            "linear": kernels.get("linear", {}).get("format"), "decoder": args.decoder, **exactness}
+            "linear": kernels.get("linear", {}).get("format"), "decoder": args.decoder, **exactness,
+            **({"notes": args.compose_notes} if getattr(args, "compose_notes", None) else {})}
 
 
 def parse_repaint(args):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..h3_model.engine.options import (add_budget_flags, add_kernel_flags, add_model_flags, add_parallel_flags,
                                        add_precision_flags)
-from .compose import (add_compose_flags, film_summary, is_film, parse_guides, parse_repaint,
+from .compose import (add_compose_flags, check_flags, film_summary, is_film, parse_guides, parse_repaint,
                       plan_film_flags, render_film_out)
 
 REF_KINDS = ("image", "video", "audio")
@@ -122,6 +122,7 @@ def run(args) -> int:
     recipes = recipe_flags(args, options)
     req = build_request(args, settings)
     film_plan = plan_film_flags(args, req) if film else None  # its windows, before any weight loads
+    check_flags(args, req, film_plan, rank)  # every refusal the flags allow, before any weight is read
     engine = load_engine(args, options, req.mode, log)
     req = prepare_for(engine, req, recipes, options, world, log)
     if film_plan is not None:
@@ -374,6 +375,8 @@ def summarize(args, engine, req, result, options, world: int) -> dict:
                "vae_attention": (vae_kernels or {}).get("attention", {}).get("chosen")}
     if "step_cache" in result.info:
         summary["step_cache"] = result.info["step_cache"]
+    if "notes" in result.info:  # what was taken with a change (a sound guide cropped to the clip)
+        summary["notes"] = result.info["notes"]
     if "kept_rows" in result.info:  # --repaint: the DiT rows held at the clip's latents
         summary["kept_rows"] = result.info["kept_rows"]
     if "nvfp4_static_scales" in result.info:  # static or, outside the calibrated shapes, dynamic (and why)

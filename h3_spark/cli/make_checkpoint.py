@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 # Which model a checkpoint is made for.
-COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder", "taeh3", "pdd")
-# --format values per component (the VAEs are written as published, unquantized).
+COMPONENTS = ("dit", "vae", "audio_vae", "text_encoder", "taeh3", "pdd", "turbo")
+# --format values per component (the VAEs are written as published; the video VAE also as int8_convrot).
 DIT_FORMATS = ("bf16", "fp8_scaled", "nvfp4", "int8_convrot", "int4_convrot", "w4a8", "w4a8_sym", "w4a8_asym")
 # A GGUF DiT: gguf:<GGML type>, the writable types checked by the writer (h3_model/checkpoint/gguf_writer.py).
 GGUF_FORMAT = "gguf:"
@@ -26,6 +26,9 @@ TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "vo
                    "preprocessor_config.json", "video_preprocessor_config.json")
 # What a checkpoint folder holds; --force removes only these from an existing folder.
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "config.yaml", "metadata.json")
+# --format per VAE: "float" is as published (the default, --format bf16 on the command line); the video VAE also as
+# ComfyUI's minimax_h3_video_vae_int8_convrot (its decoder blocks' linears int8 + ConvRot).
+VAE_FORMATS = {"vae": ("float", "int8_convrot"), "audio_vae": ("float",)}
 # MiniMaxAI's video_vae/ keeps its weights in this subfolder.
 SOURCE_FOLDER = "source"
 
@@ -48,7 +51,11 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                                    "--component pdd writes a PDD acceleration LoRA for the preset's DiT: the trunk "
                                    "LoRA pairs and the 32-head bank per modality under the published names (rank 64 "
                                    "full, 4 tiny; bf16), or with --layout comfy the same values as ComfyUI's converted "
-                                   "file holds them, for --lora with --recipe pdd.")
+                                   "file holds them, for --lora with --recipe pdd. --component turbo writes a Turbo "
+                                   "LoRA (the few-step LoRAs of ComfyUI's H3 templates: attention and feed-forward "
+                                   "pairs of every DiT and refiner block, rank 128 full, 4 tiny, no AdaLN adapter, so "
+                                   "it fits the pruned DiT too): --layout comfy (default) as the templates download "
+                                   "it, released as LightX2V publishes it.")
     p.add_argument("out", help="output: a .safetensors file (comfy layouts), a .gguf file (gguf:<TYPE> formats) or "
                                "a folder (diffusers, released)")
     p.add_argument("--component", choices=COMPONENTS, default="dit", help="which model to write")
@@ -71,9 +78,13 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "norms, int8 embedding); text_encoder gguf:<TYPE> (the DiT's GGUF types) or the llama.cpp "
                         "mixes gguf:Q4_K_M / gguf:Q2_K_M: a .gguf file as llama.cpp converts Qwen3-VL's text model "
                         "(llama.cpp's names, no vision tower: text prompts only). VAEs are written as published "
-                        "(video fp16 comfy / fp32 diffusers, audio fp32)")
+                        "(video fp16 comfy / fp32 diffusers, audio fp32); vae int8_convrot: ComfyUI's "
+                        "minimax_h3_video_vae_int8_convrot single file (the decoder blocks' 4 linears int8 + ConvRot "
+                        "256, 144 at full size, each with its .comfy_quant; the rest fp16 as the fp16 file of the "
+                        "same seed)")
     p.add_argument("--layout", choices=["comfy", "comfy-pruned", "diffusers", "released"], default=None,
-                   help="default comfy (pdd: released). released: the folder MiniMaxAI's per-mode download holds "
+                   help="default comfy (pdd: released; turbo: comfy, or released for LightX2V's PEFT file). "
+                        "released: the folder MiniMaxAI's per-mode download holds "
                         "(transformer/, video_vae/ or audio_vae/ of FL2VA/ and Ref2VA/); for --component pdd the "
                         "file Alibaba PAI published, and comfy ComfyUI's converted file (trunk on ComfyUI's names, "
                         "the head bank as flattened set_weight / set_bias, later heads as offsets from head 0)")
@@ -94,7 +105,12 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                         "finds there (or takes with --text-encoder-vision) for FL2VA keyframes and Ref2VA images")
     p.add_argument("--fasth3", action="store_true",
                    help="DiT: a FastH3 model (FastVideo's distilled student): the base DiT plus one random, non-zero "
-                        "VSA gate per block (attn.to_gate_compress, bf16), in the diffusers or comfy layout")
+                        "VSA gate per block (attn.to_gate_compress, bf16), in the diffusers, comfy or comfy-pruned "
+                        "layout (the templates' FastH3 V2 and OmniRef files: --layout comfy-pruned --format "
+                        "int8_convrot --quantize-gates)")
+    p.add_argument("--quantize-gates", action="store_true",
+                   help="--fasth3 in a comfy layout: store the VSA gates in --format too, as the published FastH3 "
+                        "ComfyUI files do (else bf16)")
     p.add_argument("--quantize-refiner", action="store_true",
                    help="also quantize the token refiner's linears (ComfyUI files keep them bf16)")
     p.add_argument("--curve-grid", type=int, default=None,
@@ -178,18 +194,29 @@ def _run_vae(args) -> int:
     from ..errors import InputError
     from ..h3_model.vae.synthetic import write_audio_vae_checkpoint, write_vae_checkpoint
 
-    if args.format != "bf16" or args.layout == "comfy-pruned" or args.quantize_refiner or args.curve_grid is not None \
+    if args.layout == "comfy-pruned" or args.quantize_refiner or args.curve_grid is not None \
             or args.curve_rank is not None:
         raise InputError(f"--component {args.component} takes only --preset, --layout comfy|diffusers|released, "
-                         "--seed and --force (the published VAE files are not quantized)")
+                         "--format (vae: int8_convrot), --seed and --force")
+    fmt = "float" if args.format == "bf16" else args.format
+    if fmt not in VAE_FORMATS.get(args.component, ()):
+        raise InputError(f"--component {args.component} is written as published (leave --format out)"
+                         + (f" or as {', '.join(VAE_FORMATS['vae'][1:])} (ComfyUI's quantized video VAE)"
+                            if args.component == "vae" else "") + f", not --format {args.format}")
+    if fmt != "float" and args.layout != "comfy":
+        raise InputError(f"--format {args.format} writes ComfyUI's single-file video VAE (--layout comfy), not the "
+                         f"{args.layout} layout")
     stale = check_output(Path(args.out), args.layout, args.force)
     start = time.perf_counter()
-    writer = write_vae_checkpoint if args.component == "vae" else write_audio_vae_checkpoint
     with replacing(stale):
-        path = writer(args.out, args.preset, args.layout, args.seed)
+        if args.component == "vae":
+            path = write_vae_checkpoint(args.out, args.preset, args.layout, args.seed, fmt=fmt)
+        else:
+            path = write_audio_vae_checkpoint(args.out, args.preset, args.layout, args.seed)
     size = sum(f.stat().st_size for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())
     print(json.dumps({"out": str(path), "component": args.component, "preset": args.preset, "layout": args.layout,
-                      "seed": args.seed, "bytes": size, "seconds": round(time.perf_counter() - start, 3)}))
+                      "format": args.format if fmt != "float" else "as published", "seed": args.seed,
+                      "bytes": size, "seconds": round(time.perf_counter() - start, 3)}))
     return 0
 
 
@@ -336,16 +363,45 @@ def _run_pdd(args) -> int:
     return 0
 
 
-def _fasth3(args, config):
+def _run_turbo(args) -> int:
+    """A Turbo LoRA: one .safetensors file, ComfyUI's converted names or LightX2V's, for the preset's DiT."""
+    from ..errors import InputError
+    from ..h3_model.checkpoint.turbo import LAYOUTS, TURBO_RANK, make_turbo_lora
+    from ..h3_model.dit.config import preset
+
+    if args.format != "bf16" or args.layout not in LAYOUTS or args.quantize_refiner or args.fasth3 \
+            or args.curve_grid is not None or args.curve_rank is not None or args.device != "cpu":
+        raise InputError("--component turbo takes only --preset, --layout comfy|released, --seed and --force (the "
+                         "published Turbo LoRAs are one bf16 .safetensors file)")
+    out = Path(args.out)
+    stale = check_output(out, "comfy", args.force)
+    start = time.perf_counter()
+    rank = TURBO_RANK[args.preset]
+    with replacing(stale):
+        size = make_turbo_lora(out, preset(args.preset), rank=rank, seed=args.seed, layout=args.layout,
+                               progress=_progress_printer())
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(json.dumps({"out": str(out), "component": args.component, "preset": args.preset, "layout": args.layout,
+                      "rank": rank, "seed": args.seed, "bytes": size,
+                      "seconds": round(time.perf_counter() - start, 3)}))
+    return 0
+
+
+def _fasth3(args, config, curve):
     """A FastH3 checkpoint: the layouts and formats FastVideo's students are published in."""
     from ..errors import InputError
     from ..h3_model.checkpoint.fasth3 import LAYOUTS, make_fasth3_checkpoint
 
     if args.layout not in LAYOUTS:
-        raise InputError(f"--fasth3 writes the {' or '.join(LAYOUTS)} layout (FastH3 has no pruned form), "
-                         f"not {args.layout}")
+        raise InputError(f"--fasth3 writes the {', '.join(LAYOUTS)} layout, not {args.layout}")
+    if args.quantize_gates and (args.layout == "diffusers" or args.format == "bf16"):
+        raise InputError("--quantize-gates stores the gates in --format: it takes a comfy layout and a quantized "
+                         "--format (int8_convrot for the published files)")
     return make_fasth3_checkpoint(args.out, config, layout=args.layout, fmt=args.format, seed=args.seed,
-                                  progress=_progress_printer(), device=args.device)
+                                  progress=_progress_printer(), device=args.device,
+                                  curve=curve if args.layout == "comfy-pruned" else None,
+                                  quantize_gates=args.quantize_gates)
 
 
 def run(args) -> int:
@@ -355,14 +411,16 @@ def run(args) -> int:
 
     if args.layout is None:  # a PDD file's published form is Alibaba PAI's, every other component's ComfyUI's
         args.layout = "released" if args.component == "pdd" else "comfy"
+    if args.quantize_gates and not args.fasth3:
+        raise InputError("--quantize-gates applies to --fasth3 (the VSA gates are a FastH3 model's)")
     if args.component == "text_encoder":
         return _run_text_encoder(args)
     if args.component == "taeh3":
         return _run_taeh3(args)
-    if args.component == "pdd":
+    if args.component in ("pdd", "turbo"):
         if args.tokenizer_out is not None:
             raise InputError("--tokenizer-out applies to --component text_encoder")
-        return _run_pdd(args)
+        return _run_pdd(args) if args.component == "pdd" else _run_turbo(args)
     if args.tokenizer_out is not None:
         raise InputError("--tokenizer-out applies to --component text_encoder")
     if args.mmproj:
@@ -387,7 +445,7 @@ def run(args) -> int:
     start = time.perf_counter()
     with replacing(stale):
         if args.fasth3:
-            made = _fasth3(args, preset(args.preset))
+            made = _fasth3(args, preset(args.preset), curve)
         else:
             made = make_dit_checkpoint(args.out, preset(args.preset), args.format, args.layout, seed=args.seed,
                                        quantize_refiner=args.quantize_refiner, curve=curve,

@@ -1,4 +1,5 @@
-"""`W4A8Linear`: an asym_w4a8_int8 layer run as an integer GEMM, int8 weights x int8 activations (opt-in).
+"""`W4A8Linear`: an asym_w4a8_int8 layer run as an integer GEMM, int8 weights x int8 activations (opt-in); also an
+int8_convrot layer (`from_int8_convrot`: its codes are such a grid already; the video VAE benchmark's opt-in column).
 
 The layer's codes decode once to their int8 grid G [N, K] (`formats.asym_w4a8_int8.grid_rows`), the values the
 file's weight is W = rotate(G x s_channel) of, per ConvRot group. Since the rotation is orthogonal and symmetric,
@@ -68,6 +69,20 @@ class W4A8Linear(nn.Module):
         grid = swapped(grid_rows(held, 0, layer.out_features, layer.group_size), layer.swap_halves)
         channel = swapped(held["weight_s_channel"].reshape(-1), layer.swap_halves)
         return cls(grid, channel, layer.convrot_group, layer.bias, layer.out_dtype)
+
+    @classmethod
+    def from_int8_convrot(cls, layer: StoredLinear) -> "W4A8Linear":
+        """From a StoredLinear holding an int8_convrot layer: its codes are the int8 grid already and its row scale
+        the channel scale (W = rotate(codes x scale), the same algebra), so the same integer GEMM runs it (what
+        ComfyUI's own int8 linears do). Plain int8 (no rotation) is refused: its codes are not rotated."""
+        if layer.format != "int8_tensorwise" or not layer.convrot_group:
+            raise KernelUnavailable(f"W4A8Linear.from_int8_convrot runs int8_convrot layers, not {layer.label} ones")
+        held = layer._held()
+        scale = held["weight_scale"].float().reshape(-1).expand(layer.out_features)
+        grid = swapped(held["weight"], layer.swap_halves)
+        layer_out = cls(grid, swapped(scale, layer.swap_halves), layer.convrot_group, layer.bias, layer.out_dtype)
+        layer_out.source = "int8_convrot codes x per-token int8 activations"
+        return layer_out
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, int8 grid x int8 activations, out {self.out_dtype}"

@@ -132,6 +132,17 @@ def synthetic_audio_vae(config, device: str, seed: int = 0):
                         fill_missing=_audio_buffer)
 
 
+def _text_config(preset: str, tok, layer: int):
+    """(the layer read, the Qwen3-VL config) of a synthetic text encoder: the 32B geometry cut at `layer` for
+    `full`, the demo's for `tiny`."""
+    from ..h3_model.engine import demo
+
+    if preset == "full":
+        return layer, demo.text_config(tok, layers=layer, text=QWEN3VL_32B_TEXT, vision=QWEN3VL_32B_VISION,
+                                       vocab_size=QWEN3VL_VOCAB)
+    return demo.TEXT_READ_LAYER, demo.text_config(tok, layers=demo.TEXT_READ_LAYER)
+
+
 @torch.no_grad()
 def synthetic_text_encoder(preset: str, device: str, dtype: torch.dtype, seed: int = 0, layer: int = 50):
     """Qwen3-VL cut after `layer` (the released 32B geometry for `full`), random weights, as a TextEncoder."""
@@ -144,13 +155,10 @@ def synthetic_text_encoder(preset: str, device: str, dtype: torch.dtype, seed: i
     from transformers import Qwen3VLModel
 
     tok = demo.make_tokenizer()
+    layer, config = _text_config(preset, tok, layer)
     if preset == "full":
-        config = demo.text_config(tok, layers=layer, text=QWEN3VL_32B_TEXT, vision=QWEN3VL_32B_VISION,
-                                  vocab_size=QWEN3VL_VOCAB)
         processor = demo.make_processor(tok, patch_size=16, image_pixels=QWEN3VL_PIXELS, video_pixels=QWEN3VL_PIXELS)
     else:
-        layer = demo.TEXT_READ_LAYER
-        config = demo.text_config(tok, layers=layer)
         processor = demo.make_processor(tok)
     _check_token_ids(config, tok, "synthetic text encoder")
     with torch.device("meta"):
@@ -190,29 +198,92 @@ def component_builders(preset: str, modes: list[str], device: str, dtype: torch.
         dit_config = fasth3_config(dit_config)
     builders: dict[str, Callable[[], object]] = {}
     for key in sorted({MODE_KEYS[m] for m in modes}):
-        builders[key] = lambda key=key: synthetic_dit(dit_config, dtype, device, seed=seed + (key == "dit_ref"),
-                                                      init=dit_init)
-    builders["text_encoder"] = lambda: synthetic_text_encoder(preset, device, dtype, seed, text_layer)
+        builders[key] = SizedBuilder(
+            lambda key=key: synthetic_dit(dit_config, dtype, device, seed=seed + (key == "dit_ref"), init=dit_init),
+            lambda: _dit_bytes(dit_config, dtype), dit_config)
+    builders["text_encoder"] = SizedBuilder(lambda: synthetic_text_encoder(preset, device, dtype, seed, text_layer),
+                                            lambda: _text_encoder_bytes(preset, dtype, text_layer))
     vae_config = video_config.FULL if preset == "full" else demo.DEMO_VAE
-    builders["vae"] = lambda: synthetic_video_vae(vae_config, device, vae_dtype, seed)
-    builders["audio_vae"] = lambda: synthetic_audio_vae(audio_vae.preset(preset), device, seed)
+    builders["vae"] = SizedBuilder(lambda: synthetic_video_vae(vae_config, device, vae_dtype, seed),
+                                   lambda: _video_vae_bytes(vae_config, vae_dtype))
+    audio_config = audio_vae.preset(preset)
+    builders["audio_vae"] = SizedBuilder(lambda: synthetic_audio_vae(audio_config, device, seed),
+                                         lambda: _audio_vae_bytes(audio_config))
     return builders
+
+
+@dataclasses.dataclass(frozen=True)
+class SizedBuilder:
+    """A component builder that also says how many device bytes its model holds, read from the config on the meta
+    device: what lets `--vram-budget auto` plan synthetic models as it plans files from their headers (without it
+    a full-size set built on an 80 GB card ran out of memory while being placed)."""
+
+    build: Callable[[], object]
+    size: Callable[[], int]
+    dit_config: DiTConfig | None = None  # a DiT's config, for the activations the plan adds
+
+    def __call__(self):
+        return self.build()
+
+    def planned_bytes(self) -> int:
+        return int(self.size())
+
+
+def _module_bytes(model: torch.nn.Module, dtype_of: Callable[[str, torch.Tensor], torch.dtype]) -> int:
+    return sum(p.numel() * torch.empty(0, dtype=dtype_of(n, p)).element_size() for n, p in model.named_parameters())
+
+
+def _dit_bytes(config: DiTConfig, dtype: torch.dtype) -> int:
+    model = H3DiT(config, dtype=dtype, device="meta")
+    return _module_bytes(model, lambda n, p: torch.float32 if keeps_fp32(n, config) else dtype)
+
+
+def _text_encoder_bytes(preset: str, dtype: torch.dtype, layer: int) -> int:
+    from ..h3_model.engine import demo
+    from ..h3_model.text.torchvision_compat import ensure_importable
+
+    ensure_importable()
+    from transformers import Qwen3VLModel
+
+    from ..h3_model.text.encoder import _drop_final_norm
+
+    _, config = _text_config(preset, demo.make_tokenizer(), layer)
+    with torch.device("meta"):
+        model = Qwen3VLModel(config)
+    _drop_final_norm(model)  # as the built encoder: its hidden states are read before the final norm
+    return _module_bytes(model, lambda n, p: dtype)
+
+
+def _video_vae_bytes(config, decode_dtype: torch.dtype) -> int:
+    from ..h3_model.vae.video import parameter_bytes
+
+    return parameter_bytes(config, decode_dtype)
+
+
+def _audio_vae_bytes(config) -> int:
+    from ..h3_model.vae import audio as A
+
+    with torch.device("meta"):
+        model = A.AudioVAE(config)
+    return _module_bytes(model, lambda n, p: torch.float32)
 
 
 def synthetic_components(preset: str, modes: list[str], device: str, dtype: torch.dtype,
                          vae_dtype: torch.dtype = torch.float16, seed: int = 0, text_layer: int = 50,
                          log: Callable[[str], None] = lambda message: None, dit_init: str = "fan_in",
                          kernels=None, vram_budget: int | None = None, prefetch_depth: int = 2,
-                         plan_rows: int | None = None, fasth3: bool = False):
+                         plan_rows: int | None = None, fasth3: bool = False, host_budget: int | None = None):
     """(the engine over these components, seconds per component), built on `device`. Without `kernels` the
     engine's kernels are left as built (the bench applies its own after any diffusers twin); a `vram_budget`
-    places them as the engine does for a smaller card."""
+    (bytes, or "auto": the engine sizes the components from their configs and chooses) places them as the
+    engine does for a smaller card, checked against `host_budget` as the front doors check it."""
     from ..h3_model.engine.engine import Engine
     from ..h3_model.engine.loading import LoadOptions
 
     builders = component_builders(preset, modes, device, dtype, vae_dtype, seed, text_layer, dit_init, fasth3)
     options = LoadOptions(device=device, dtype=dtype, vae_dtype=vae_dtype, text_layer=text_layer, kernels=kernels,
-                          vram_budget=vram_budget, prefetch_depth=prefetch_depth, plan_rows=plan_rows)
+                          vram_budget=vram_budget, prefetch_depth=prefetch_depth, plan_rows=plan_rows,
+                          host_budget=host_budget)
     engine = Engine(options=options, overrides=builders)
 
     def progress(event) -> None:

@@ -286,12 +286,14 @@ class H3FirstLastFrameToVideo:
 
 class H3AddGuide:
     """Pin a still, a clip or a sound at any frame of the clip: appended to the conditioning's guides, which the
-    H3 sampler (and ComfyUI's own MiniMax H3 sampling) reads. Chain several for several guides."""
+    H3 sampler (and ComfyUI's own MiniMax H3 sampling) reads. Chain several for several guides; on an H3 Reference
+    to Video conditioning too."""
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"positive": ("CONDITIONING", {"tooltip": "An H3 conditioning (ours or ComfyUI's "
-                                                                       "native); the guide is appended to it."}),
+                                                                       "native; text, keyframes or references); the "
+                                                                       "guide is appended to it."}),
                              "latent": ("LATENT", {"tooltip": "The clip's H3 audio-video latent: its length and "
                                                               "canvas place and size the guide."}),
                              "vae": ("H3_VAE", {"tooltip": "Encodes the guide's pictures and sound."}),
@@ -301,8 +303,8 @@ class H3AddGuide:
                 "optional": {"image": ("IMAGE", {"tooltip": "One frame: a still. 5 or more: a clip, cut to the "
                                                             "longest 17k+5 (5, 22, 39, ...); it must end in the "
                                                             "clip."}),
-                             "audio": ("AUDIO", {"tooltip": "A sound from the guide's frame on; it must fit in "
-                                                            "what remains of the clip."}),
+                             "audio": ("AUDIO", {"tooltip": "A sound from the guide's frame on, cropped to what "
+                                                            "remains of the clip (as ComfyUI's AddGuide)."}),
                              "guide_strength": ("FLOAT", {
                                  "default": 0.999, "min": 0.001, "max": 1.0, "step": 0.001,
                                  "tooltip": "The level this conditioning's pictures (every guide and keyframe at "

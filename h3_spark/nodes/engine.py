@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,17 +111,14 @@ def detect_partition(path: Path, choice: str) -> str:
             return "ref2va"
         if has_t2va or path.name == "transformer":
             return "t2va"
-    # Whole tokens of the file name ("h3_t2va_refined" is not a ref2va file); both kinds of token, or
-    # neither, is a question for the user: the partitions share one architecture, so a wrong guess would
-    # run the wrong weights silently.
-    tokens = set(re.split(r"[^a-z0-9]+", path.name.lower().removesuffix(".safetensors")))
-    kinds = {kind for kind, words in PARTITION_TOKENS.items() if tokens & words}
-    if len(kinds) == 1:
-        return kinds.pop()
+    # The name's whole tokens (checkpoint/published.py); both partitions' words, or neither, is a question for
+    # the user: the partitions share one architecture, so a wrong guess would run the wrong weights silently.
+    from ..h3_model.checkpoint.published import partition_from_name
+
+    named = partition_from_name(path.name)
+    if named is not None:
+        return named
     raise InputError(f"cannot tell whether {path.name} is the ref2va or the t2va/fl2va partition; choose it")
-
-
-PARTITION_TOKENS = {"ref2va": {"ref2va", "r2v", "ref"}, "t2va": {"t2va", "fl2va", "i2v", "t2v"}}
 
 
 def load_model(path: Path, partition: str, weight_dtype: str, linear: str, attention: str):
@@ -324,10 +320,13 @@ def add_guide(conditioning, latent, vae: VAEHandle, frame_idx: int, image=None, 
               guide_strength: float = CONDITION_VIDEO_T, audio_guide_strength: float = CONDITION_AUDIO_T):
     """A still (one IMAGE frame), a clip (5 or more frames, cut to the longest 17k+5 as ComfyUI's AddGuide cuts
     them) and/or a sound pinned at `frame_idx` (negative: from the end) of the LATENT's clip, appended to the
-    conditioning's guides (`minimax_keyframes`, which the H3 sampler and ComfyUI's own read alike). A strength
+    conditioning's guides (`minimax_keyframes`, which the H3 sampler and ComfyUI's own read alike), on any H3
+    conditioning (text, keyframes or references). A sound longer than what remains of the clip after the frame
+    is cropped there, as ComfyUI's AddGuide crops it (a logged note). Every check is made before anything is
+    encoded (compose/guides.check_guides, the one pass the CLI and the service make too). A strength
     other than the released level sets the conditioning's (ComfyUI's names, one value for all its conditions); at
     the released level the conditioning keeps what it says."""
-    from ..h3_model.compose.guides import Guide, prepare_guides
+    from ..h3_model.compose.guides import Guide, check_guides, prepare_guides
     from ..h3_model.media.refs import PreparedReference
 
     if image is None and audio is None:
@@ -345,6 +344,8 @@ def add_guide(conditioning, latent, vae: VAEHandle, frame_idx: int, image=None, 
     if audio is not None:
         wave, rate = waveform(audio, "the guide audio")
         guides.append(Guide("audio", frame_idx, audio=wave, sample_rate=rate))
+    for note in check_guides(guides, frames=frames, width=width, height=height):
+        log.warning("H3 Add Guide: %s", note)
     prepared = prepare_guides(guides, frames=frames, width=width, height=height)
     block: dict = {"resolved_frame_index": prepared[0].frame}
     for p in prepared:
@@ -354,7 +355,7 @@ def add_guide(conditioning, latent, vae: VAEHandle, frame_idx: int, image=None, 
         else:
             sound, = vae.encode_audio([p], lambda engine, g: engine.encode_reference(
                 PreparedReference("audio", audio=g.audio)).audio)
-            block["audio_latent"] = payload.audio_to_comfy(sound)
+            block["audio_latent"] = payload.audio_to_comfy(p.keep(sound))
     (embeds, extras), = conditioning
     extras = {**extras, payload.KEYFRAMES: [*(extras.get(payload.KEYFRAMES) or []), block]}
     for key, level, released in ((payload.VISUAL_LEVEL, guide_strength, CONDITION_VIDEO_T),

@@ -2,10 +2,11 @@
 
 One format for both node sets, so native and h3-spark nodes mix (docs/comfyui.md, "Wires"):
 - CONDITIONING: `[[embeds, extras]]`, embeds = Qwen3-VL hidden state (1, L, D); extras holds
-  `minimax_token_tags` (L,) (0 = vision, 1 = text) and either `minimax_refs` (blocks of kind image /
-  video / video_audio / audio with `latent` (1, C, T, h, w), `audio_latent` (1, C_a, 2, T_a) and their
-  sizes) or `minimax_keyframes` (`resolved_frame_index`, and `latent` (a still or a 5k+2-frame clip) and/or
-  `audio_latent`: FL2VA's first/last frames and AddGuide's guides at any frame), and ours alone
+  `minimax_token_tags` (L,) (0 = vision, 1 = text) and `minimax_refs` (blocks of kind image / video /
+  video_audio / audio with `latent` (1, C, T, h, w), `audio_latent` (1, C_a, 2, T_a) and their sizes) and / or
+  `minimax_keyframes` (`resolved_frame_index`, and `latent` (a still or a 5k+2-frame clip) and/or
+  `audio_latent`: FL2VA's first/last frames and AddGuide's guides at any frame, on a Ref2VA conditioning too),
+  and ours alone
   `h3_spark_history` (`latent` (1, C, 5k+2, h, w), `audio_latent` or None: the clip a window goes on from,
   placed before the target on the time axis; H3 Extend Video makes it). Latents are normalised.
 - LATENT: `{"samples": video+audio}`; inside ComfyUI a `comfy.nested_tensor.NestedTensor((video, audio))`
@@ -116,7 +117,7 @@ class Conditions:
     latent_height: int
     latent_width: int
     audio_latents: int
-    blocks: list = field(default_factory=list)  # ref2va layout blocks, or guide blocks, request order
+    blocks: list = field(default_factory=list)  # guide blocks, then ref2va's reference blocks, packed order
     anchors: tuple[str, ...] = ()  # fl2va keyframe anchors, packed order
     condition_latents: list[torch.Tensor] = field(default_factory=list)
     audio_condition_rows: list[torch.Tensor] = field(default_factory=list)
@@ -141,8 +142,6 @@ def read_conditions(conditioning, latent) -> Conditions:
         raise InputError(f"conditioning has {embeds.shape[1]} embeddings but {tags.numel()} token tags")
     video, audio = unpack_latent(latent)
     refs, keyframes = extras.get(REFS) or [], extras.get(KEYFRAMES) or []
-    if refs and keyframes:
-        raise InputError("references (Ref2VA) and keyframes (FL2VA) cannot be combined in one H3 generation")
     history = extras.get(HISTORY)
     if history is not None and refs:
         raise InputError("a history (H3 Extend Video) goes with text-to-video conditioning, not with references")
@@ -152,6 +151,10 @@ def read_conditions(conditioning, latent) -> Conditions:
     if history is not None:  # first in packed order: right after the text
         _read_history(history, out, video.shape)
     if refs:
+        # AddGuide on a Ref2VA conditioning: its guides (never FL2VA's anchors) come first in packed order, right
+        # after the text, then the references (dit/layout.build_ref2va).
+        if keyframes:
+            _read_guides(keyframes, out, video.shape, frames_of(int(video.shape[2])) - 1)
         _read_refs(refs, out)
     elif keyframes:
         _read_keyframes(keyframes, out, video.shape)

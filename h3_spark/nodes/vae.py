@@ -66,7 +66,10 @@ def decode_work(video, latent_shape, tile_size: int | None, tile_batch: int) -> 
 
 
 def decode_bytes(video, latent_size: tuple[int, int, int], tile_size: int | None, tile_batch: int) -> int:
-    return _decode_bytes(video.config, *latent_size, video.decode_dtype, tile_size, tile_batch)
+    from ..kernels.stored_linear import scratch_bytes
+
+    # A quantized decoder (ComfyUI's int8_convrot file) dequantizes each linear at use into a shared scratch.
+    return _decode_bytes(video.config, *latent_size, video.decode_dtype, tile_size, tile_batch) + scratch_bytes(video)
 
 
 @functools.lru_cache(maxsize=256)

@@ -25,6 +25,7 @@ from ..h3_model.engine.engine import Engine
 from ..h3_model.engine.job_attention import AttentionChoice
 from ..h3_model.media import files as media
 from ..h3_model.media.refs import load_reference
+from ..h3_model.pipeline.checks import check_request
 from ..h3_model.pipeline.generation import GenerationRequest, Progress
 from ..h3_model.pipeline.sampler import Cancelled
 from ..h3_model.pipeline.step_cache import make_step_cache
@@ -66,8 +67,8 @@ def _read_inputs(message: dict) -> tuple[list, torch.Tensor | None, torch.Tensor
 
 
 def _read_guides(message: dict, frames: int) -> list:
-    """The job's guides read from their files, decoded no further than the clip (a sound a little further, so that
-    one too long for its frame is refused as such, not silently cut)."""
+    """The job's guides read from their files, decoded no further than the clip (a sound a second further: what
+    runs past the clip's end is cropped once encoded, as ComfyUI crops it, and noted)."""
     from ..h3_model.compose.guides import Guide
 
     guides = []
@@ -128,6 +129,8 @@ def build_generation(message: dict) -> GenerationRequest:
         guides=_read_guides(message, geometry.snap_frames(req.frames)), guide_strength=req.guide_strength,
         audio_guide_strength=req.audio_guide_strength, decoder=req.decoder,
         **dict(zip(("source", "mask"), _read_repaint(message))))
+    if not req.is_film:  # a film's guides are checked by window, once it is planned (generate_job)
+        check_request(generation)
     if req.cache.mode != "off":
         c = req.cache
         generation.step_cache = make_step_cache(c.mode, c.threshold, c.start_percent, c.end_percent,
@@ -147,11 +150,15 @@ def generate_job(models: Engine, generation: GenerationRequest, req, *, progress
     film = plan_request([Shot(prompt, frames) for frames, prompt in req.shots], generation.guides,
                         width=generation.width, height=generation.height, continued=continued)
     base = dataclasses.replace(generation, width=film.width, height=film.height, guides=[], step_cache=None)
+    notes = check_request(base, film)  # before the first window, not at the window that holds a bad guide
     c = req.cache
     fresh = None if c.mode == "off" else (lambda: make_step_cache(c.mode, c.threshold, c.start_percent, c.end_percent,
                                                                   c.subsample_factor, evaluations=req.evaluations))
-    return render_film(lambda r: models.generate(r, on_progress=progress, cancel=cancel), base, film,
-                       on_frames=on_frames or (lambda frames: None), fresh_step_cache=fresh, on_window=on_window)
+    result = render_film(lambda r: models.generate(r, on_progress=progress, cancel=cancel), base, film,
+                         on_frames=on_frames or (lambda frames: None), fresh_step_cache=fresh, on_window=on_window)
+    if notes:
+        result.info["notes"] = notes
+    return result
 
 
 def dit_key(mode: str) -> str:
@@ -269,8 +276,8 @@ class JobRunner:
         if req.is_film:  # its windows' own timings are in info["windows"]
             timings = {"read_inputs": read_inputs, "film": time.perf_counter() - t0 - read_inputs - mux, "mux": mux}
             info = {"width": result.info["width"], "height": result.info["height"], "frames": result.frames,
-                    "audio_samples": int(result.audio.shape[1]),
-                    "windows": result.info["windows"], "decoder": req.decoder}
+                    "audio_samples": int(result.audio.shape[1]), "windows": result.info["windows"],
+                    "decoder": req.decoder, **({"notes": result.info["notes"]} if "notes" in result.info else {})}
         else:
             timings = {"read_inputs": read_inputs, **result.timings, "mux": mux}
             info = {k: v for k, v in result.info.items() if k not in ("step_cache", "step_seconds")}

@@ -22,8 +22,9 @@ Fields (defaults in brackets):
   cache_threshold, cache_start_percent, cache_end_percent, cache_subsample_factor  (see h3_model.step_cache)
   recipes            list of NAME or NAME:key=value,... (h3_model/engine/recipes.py), at most 4 [none]
   guides             [{"kind": "image" | "clip" | "audio", "path": "<file in --input-dir>", "frame": int}]: a still,
-                     a 17k+5-frame clip or a sound pinned at a frame (negative counts from the end), at most 16
-                     (t2va, fl2va; docs/compose.md)
+                     a 17k+5-frame clip or a sound pinned at a frame (negative counts from the end), at most 16,
+                     any mode (a sound past the clip's end is cropped, with a note in the job's info;
+                     docs/compose.md)
   guide_strength     number in (0, 1]: the level visual conditions are held at [0.999, as released]
   audio_guide_strength  number in (0, 1]: the level audio conditions are held at [1.0 (clean), as released]
   seconds            number, 0 < s <= limits.max_film_seconds: the clip's length instead of `frames` (any mode);
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 
 from ..errors import H3Error
 from ..h3_model import geometry
-from ..h3_model.compose.guides import GUIDE_KINDS, MAX_GUIDES
+from ..h3_model.compose.guides import GUIDE_KINDS, MAX_GUIDES, resolve_frame
 from ..h3_model.dit.layout import check_references
 from ..h3_model.pipeline.generation import DECODERS, MAX_STEPS, MODES
 from ..h3_model.pipeline.step_cache import (DEFAULT_END_PERCENT, DEFAULT_START_PERCENT, DEFAULT_SUBSAMPLE,
@@ -241,8 +242,6 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
     if mode != "fl2va" and (first or last):
         raise _bad(f"{mode} takes no keyframes; use fl2va", "first_frame" if first else "last_frame")
     guides = _guides(body.get("guides"), limits)
-    if mode == "ref2va" and guides:
-        raise _bad("ref2va takes no guides; guides go with t2va or fl2va", "guides")
     guide_strength = _level(body, "guide_strength", "0.999")
     audio_guide_strength = _level(body, "audio_guide_strength", "1.0")
     try:
@@ -286,6 +285,8 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         geometry.snap_frames(frames)
     except H3Error as exc:
         raise RequestError(400, str(exc), param="seconds" if "seconds" in body else "frames") from None
+    if not shots and repaint is None:  # the clip's length is the request's (a film's windows and a repaint
+        _check_guide_frames(guides, geometry.snap_frames(frames))  # clip's are known once planned or read)
     attention = _choice(body, "attention", ATTENTION_BACKENDS, None)
     decoder = _choice(body, "decoder", DECODERS, "vae")
 
@@ -447,6 +448,16 @@ def _guides(value: object, limits: Limits) -> list[tuple[str, str, int]]:
             raise _bad(f"guides[{i}].frame must be an integer", "guides")
         out.append((item["kind"], _string(item, "path", limits.max_path_chars, required=True), frame))
     return out
+
+
+def _check_guide_frames(guides: list[tuple[str, str, int]], frames: int) -> None:
+    """Each guide's frame against a clip of `frames` frames, known from the request; what its file holds is
+    checked with the job, before its generation (pipeline/checks.py)."""
+    for i, (kind, _, frame) in enumerate(guides):
+        try:
+            resolve_frame(frame, frames, f"guides[{i}] ({kind})")
+        except H3Error as exc:
+            raise _bad(str(exc), "guides") from None
 
 
 def _references(value: object, limits: Limits) -> list[tuple[str, str]]:

@@ -7,7 +7,9 @@ Entry points:
 - `open_dit(path)`: the `DitReader` behind both, for tools that want the plan or the stream;
 - `StoredLinears`: a loaded model's FP8/NVFP4 codes as stored, for the low-bit linears.
 LoRA files are read and merged into a loaded DiT by `lora.py`; `make.py`, `released.py` and `synthetic.py`
-write random-weight checkpoints under the real names for tests, demos and benchmarks.
+write random-weight checkpoints under the real names for tests, demos and benchmarks (`fasth3.py`, `pdd.py` and
+`turbo.py` the FastH3 DiTs, PDD and Turbo LoRAs); `published.py` reads what a published file's name says that its
+tensors cannot (partition, FastH3 V2 or OmniRef, a Turbo LoRA's steps).
 safetensors and GGUF only (gguf_source.py): pickle files are refused, data is memory-mapped.
 """
 

@@ -55,8 +55,10 @@ def original_layers(config: DiTConfig) -> list[str]:
     return layers
 
 
-def is_quantized_layer(layer: str, quantize_refiner: bool) -> bool:
+def is_quantized_layer(layer: str, quantize_refiner: bool, quantize_gates: bool = False) -> bool:
     if layer.startswith("blocks.") and layer.split(".", 2)[2] in _QUANT_LINEARS:
+        return True
+    if quantize_gates and layer.startswith("blocks.") and layer.endswith(".attn.to_gate_compress"):
         return True
     return quantize_refiner and layer.startswith("token_refiner.blocks.") and layer.split(".", 3)[3] in _QUANT_LINEARS
 
@@ -146,9 +148,11 @@ def layer_shapes(layer: str, config: DiTConfig, shapes: dict[str, tuple[int, ...
 
 
 def comfy_groups(config: DiTConfig, get: GetParam, fmt: str, *, fit: CurveFit | None = None,
-                 quantize_refiner: bool = False, prefix: str = "", qkv_layout: str = "stacked") -> list[Group]:
+                 quantize_refiner: bool = False, quantize_gates: bool = False, prefix: str = "",
+                 qkv_layout: str = "stacked") -> list[Group]:
     """Writer groups for an original-named DiT file. `config` is the stored model's (curve form if `fit`);
-    `qkv_layout` "stacked" is ComfyUI's fused qkv order, "interleaved" MiniMaxAI's own shards'."""
+    `qkv_layout` "stacked" is ComfyUI's fused qkv order, "interleaved" MiniMaxAI's own shards'. `quantize_gates`
+    stores a FastH3 model's VSA gates in `fmt` too (the published FastH3 ComfyUI files do), else bf16."""
     from .dit_reader import expected_shapes
 
     if config.curve_form != (fit is not None):
@@ -164,7 +168,7 @@ def comfy_groups(config: DiTConfig, get: GetParam, fmt: str, *, fit: CurveFit | 
                             lambda table=table: {prefix + "adaln_t_table": table.clone()}))
     for layer in original_layers(config):
         logical = layer_shapes(layer, config, shapes)
-        quantized = fmt != "bf16" and is_quantized_layer(layer, quantize_refiner)
+        quantized = fmt != "bf16" and is_quantized_layer(layer, quantize_refiner, quantize_gates)
         if quantized and fmt in FOUR_BIT_WRITES:
             quantized = four_bit_conf(fmt, logical["weight"][1]) is not None
         store = _storage_dtype(layer, config)

@@ -5,6 +5,9 @@ Reads safetensors headers and metadata only; the only tensor bytes touched are `
 markers, scalar scales and the 16-value RoPE buffer, so it takes a second on a 60 GB file.
 A GGUF file reports the same, plus its version, `general.architecture` and every tensor's GGML type,
 shape and bytes (a layer's format is its weight's type; a llama.cpp text encoder's names are mapped first).
+A LoRA file reports its key style, targets, ranks, AdaLN adapters and alpha (lora.lora_facts). What only the
+file name says (partition, FastH3 V2 or OmniRef, a Turbo LoRA's steps: published.py) is reported apart, as the
+name's, with what the tensors cannot tell.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from ...errors import CheckpointError
 from .detect import Detected, detect
 from .dit_reader import DitReader
 from .gguf_source import GgufSource, GgufSpec, gguf_module, gguf_spec, readable, text_encoder_names
+from .lora import is_lora_file, lora_facts
+from .published import describe, name_facts
 from ...kernels.formats import FORMATS
 from ...kernels.formats import asym_w4a8_int8 as w4a8
 from .quant import LEGACY_MARKER, QUANT_SUFFIXES, QuantSpec, declare_layers, split_param
@@ -33,12 +39,15 @@ def inspect_checkpoint(path: str | Path, *, partition: str | None = None, qkv_la
         gguf = isinstance(source, GgufSource)
         # A llama.cpp text GGUF's `blk.N.*` names, in ComfyUI's naming (the identity for every other file).
         names = text_encoder_names(source.keys) if gguf else {k: k for k in source.keys}
+        if not gguf and is_lora_file(names):
+            return _lora(source)
         detected = detect(list(names), str(source.path))
         report = _common(source, detected)
         if gguf:
             report["gguf"] = _gguf_facts(source)
         if detected.model == "dit":
             report.update(_dit(source, detected, qkv_layout))
+            report.update(_name_report(source.path, "dit", report["fasth3"]))
         elif gguf:
             report.update(_gguf_text_encoder(source, detected, names))
         else:
@@ -87,7 +96,9 @@ def loader_check(path: str | Path, model: str, partition: str | None, qkv_layout
                         "skipped": "a single-file text encoder: the loader's check needs its tokenizer too"}
             from ..text.encoder import check_text_encoder
 
-            check_text_encoder(path)
+            # The layer a prompt is read from is a generation's flag (--text-encoder-layer, checked there against
+            # the file's depth); here the files, configs and tokenizer are, from the first layer on.
+            check_text_encoder(path, layer=1)
     except H3Error as exc:
         return {"check": name, "passed": False, "error": str(exc)}
     return {"check": name, "passed": True}
@@ -277,6 +288,27 @@ def _dit(source: CheckpointSource, detected: Detected, qkv_layout: str) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------- what only the name says
+def _name_report(path: Path, model: str, fasth3: bool = False) -> dict:
+    """The file name's facts (published.py), and what the tensors cannot tell for this kind of file."""
+    untold = {"dit": ["the t2va/fl2va partition from the ref2va one (one architecture)"],
+              "lora": ["what the LoRA was trained for (a Turbo LoRA is an ordinary LoRA of these targets)",
+                       "which partition it was trained on"]}[model]
+    if fasth3:
+        untold.append("FastH3 V2 from FastH3 OmniRef (both FastH3 DiTs of one architecture)")
+    return {"name_says": name_facts(path), "tensors_cannot_tell": untold}
+
+
+def _lora(source: CheckpointSource) -> dict:
+    facts = lora_facts(source.keys, lambda k: source.entry(k).shape, source.metadata)
+    prefixes = [p for p in facts["prefixes"] if p]
+    report = _common(source, Detected("lora", ", ".join(facts["names"]), ", ".join(prefixes)))
+    report.update(facts)
+    report.update(_name_report(source.path, "lora"))
+    report["complete"] = not (facts["half_pairs"] or facts["unread"])
+    return report
+
+
 # ------------------------------------------------------------------------------- other models
 def _group_layers(keys: list[str]) -> tuple[dict[str, dict[str, str]], list[str]]:
     layers: dict[str, dict[str, str]] = {}
@@ -318,6 +350,9 @@ def _other(source: CheckpointSource, detected: Detected) -> dict:
     check = {"video_vae": _video_vae_missing, "audio_vae": _audio_vae_missing,
              "text_encoder": _text_encoder_missing}[detected.model]
     missing, facts = check(set(stripped))
+    refused = None
+    if detected.model == "video_vae" and specs:
+        facts, refused = _video_vae_loadable(source, facts)
     return {
         "logical_parameters": params,
         "quantization": _quant_summary(specs, len(layers)),
@@ -325,8 +360,22 @@ def _other(source: CheckpointSource, detected: Detected) -> dict:
         "missing": missing,
         "structure": facts,
         "other_components": len(source.keys) - len(own),
-        "complete": not missing,
+        "complete": not missing and refused is None,
     }
+
+
+def _video_vae_loadable(source: CheckpointSource, facts: dict) -> tuple[dict, str | None]:
+    """For a video VAE with quantized layers, the loader's own header checks (names, shapes, which layers may be
+    quantized and how): what its weights are, or the one line it refuses the file with."""
+    from ..vae.loading import video_identity
+
+    if facts.get("encoder_tensors", 0) == 0:
+        return facts, None  # already incomplete; the loader would only repeat it
+    try:
+        identity = video_identity(source.path)
+    except CheckpointError as exc:
+        return {**facts, "loader_refuses": str(exc)}, str(exc)
+    return {**facts, "weights": identity.weights}, None
 
 
 def _gguf_text_encoder(source: GgufSource, detected: Detected, names: dict[str, str]) -> dict:
@@ -466,6 +515,8 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(shape)
     if report["model"] == "dit" and report.get("fasth3"):
         lines.append("  FastH3 (distilled, VSA gates in every block): run it with --recipe fasth3")
+    if report["model"] == "lora":
+        return lines + _lora_lines(report)
     lines.append(f"  logical parameters {report['logical_parameters']:,}")
     if "gguf" in report:
         g = report["gguf"]
@@ -477,6 +528,9 @@ def summary_lines(report: dict) -> list[str]:
         if later:
             lines.append(f"  {len(later)} GGML-block layers dequantized at load (not a linear, ComfyUI-GGUF's "
                          f"reshaped rows, or a type the codec does not keep), e.g. {later[0]}")
+    weights = (report.get("structure") or {}).get("weights") if report["model"] == "video_vae" else None
+    if weights:
+        lines.append(f"  video VAE, {weights}")
     hist = ", ".join(f"{k} {v['tensors']}" for k, v in report["dtype_histogram"].items())
     lines.append(f"  dtypes: {hist}")
     q = report["quantization"]
@@ -487,6 +541,9 @@ def summary_lines(report: dict) -> list[str]:
     else:
         lines.append("  no quantized layers")
     problems = []
+    refused = (report.get("structure") or {}).get("loader_refuses")
+    if refused:
+        problems.append(f"the video VAE loader refuses it: {refused}")
     for key in ("missing", "unexpected", "unmapped", "weight_missing", "gguf_unreadable"):
         items = list(report.get(key) or [])  # gguf_unreadable maps names to types
         if items:
@@ -498,9 +555,41 @@ def summary_lines(report: dict) -> list[str]:
         name, why = next(iter(mismatched.items()))
         problems.append(f"{len(mismatched)} NVFP4 layers with wrong packed sizes (e.g. {name}: {why})")
     check = report.get("loader_check") or {}
-    if check.get("passed") is False:
+    if check.get("passed") is False and check["error"] != refused:  # the video VAE's own line says it already
         problems.append(f"the loader refuses it ({check['check']}): {check['error']}")
     elif check.get("skipped"):
         lines.append(f"  loader check not run: {check['skipped']}")
     lines.append("  complete" if report["complete"] else "  INCOMPLETE: " + "; ".join(problems))
+    return lines + _name_lines(report)
+
+
+def _name_lines(report: dict) -> list[str]:
+    said = describe(report.get("name_says") or {})
+    lines = [f"  by its file name: {said}"] if said else []
+    if report.get("tensors_cannot_tell"):
+        lines.append("  the tensors cannot tell " + "; nor ".join(report["tensors_cannot_tell"]))
     return lines
+
+
+def _lora_lines(report: dict) -> list[str]:
+    kinds = ", ".join(f"{kind} x{t['layers']} (rank {'/'.join(map(str, t['ranks']))})"
+                      for kind, t in report["targets"].items())
+    lines = [f"  {', '.join(report['pair_names']) or 'no'} pairs: {kinds or 'none'}; "
+             f"{report['dit_blocks']} DiT blocks, {report['refiner_blocks']} refiner blocks"]
+    widths = report["adaln_input_widths"]
+    lines.append("  no AdaLN adapter: merges onto a full or a pruned DiT alike" if not widths else
+                 f"  AdaLN adapters read a {'/'.join(map(str, widths))}-wide input: they fit a DiT whose AdaLN "
+                 "input is that wide (a pruned DiT's curve table width, or the full model's time_embed_dim)")
+    for key in ("full deltas (.diff / .diff_b)", "replacements (set / adaln_t_table)"):
+        if report.get(key):
+            lines.append(f"  {report[key]} {key}")
+    if report["head_bank_tensors"]:
+        lines.append(f"  PDD head bank ({report['head_bank_tensors']} tensors): run it with --recipe pdd")
+    lines.append(f"  alpha: {report['alpha']}")
+    problems = []
+    if report["half_pairs"]:
+        problems.append(f"{len(report['half_pairs'])} pairs with one half (e.g. {report['half_pairs'][0]})")
+    if report["unread"]:
+        problems.append(f"{len(report['unread'])} tensors no LoRA style reads (e.g. {', '.join(report['unread'][:3])})")
+    lines.append("  complete" if report["complete"] else "  INCOMPLETE: " + "; ".join(problems))
+    return lines + _name_lines(report)

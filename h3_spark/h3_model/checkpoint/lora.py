@@ -301,3 +301,95 @@ def _check_bank_spec(spec: LoraSpec, earlier: LoraSpec | None) -> None:
     if earlier is not None:
         raise CheckpointError(f"{earlier.path} and {spec.path} both carry a PDD head bank: load one PDD LoRA")
     check_bank_strength(spec.path, spec.strength)
+
+
+# ------------------------------------------------------------------------------------------ headers only
+# What a LoRA layer changes, told by its name in any accepted style (dots or musubi's underscores), in order.
+_LAYER_KINDS = (("VSA gate", re.compile(r"to_gate_compress")),
+                ("final AdaLN", re.compile(r"final_layer[._]adaln_proj|norm_out[._]linear")),
+                ("AdaLN", re.compile(r"adaln_proj")),
+                ("attention q/k/v", re.compile(r"qkv_proj|to_q(?:kv)?$|to_[kv]$|to_q(?:kv)?[._]|to_[kv][._]")),
+                ("attention out", re.compile(r"out_proj|to_out")),
+                ("feed-forward", re.compile(r"mlp[._]fc[12]|ff[._]net")),
+                ("output heads", re.compile(r"video_out|audio_out|proj_out")))
+_BLOCK_INDEX = re.compile(r"(?:^|[._])(?:transformer_blocks|blocks)[._](\d+)[._]")
+
+
+def _layer_kind(layer: str) -> str:
+    return next((kind for kind, rx in _LAYER_KINDS if rx.search(layer)), "other")
+
+
+def is_lora_file(keys) -> bool:
+    """Whether tensor names are a LoRA's: low-rank pairs, full deltas or replacement tensors, no model weights."""
+    return any(_PAIR.match(k) or k.endswith((".diff", ".diff_b", ".set_weight", ".set_bias")) for k in keys)
+
+
+def lora_facts(keys: list[str], shape, metadata: dict[str, str]) -> dict:
+    """What a LoRA file holds, from its names and shapes (`shape(key)`) alone: naming style, pair naming, targets
+    by kind with their ranks, the DiT and refiner blocks it reaches, its AdaLN adapters' input width (none, the
+    full model's time_embed_dim, or a pruned DiT's curve width), replacements, head bank, alpha, and the keys no
+    accepted style reads. Which model it fits and what it was trained for the names cannot tell."""
+    pairs: dict[str, dict[str, str]] = {}
+    extra = {"full deltas (.diff / .diff_b)": 0, "replacements (set / adaln_t_table)": 0}
+    bank, alphas, unread = 0, 0, []
+    for key in keys:
+        if key.endswith(".alpha"):
+            alphas += 1
+        elif bank_part(key, len(shape(key))) is not None:
+            bank += 1
+        elif (m := _PAIR.match(key)):
+            part = "down" if (m["peft"] or m["kohya"]) in ("lora_A", "lora_down") else "up"
+            pairs.setdefault(m["layer"], {})[part] = key
+        elif key.endswith((".diff", ".diff_b")):
+            extra["full deltas (.diff / .diff_b)"] += 1
+        elif _strip(key) == "adaln_t_table" or key.endswith((".set_weight", ".set_bias")) or \
+                (_REPLACEMENT.match(key) and "adaln_proj" in key):
+            extra["replacements (set / adaln_t_table)"] += 1
+        else:
+            unread.append(key)
+    targets: dict[str, dict] = {}
+    adaln_widths, dit_blocks, refiner_blocks, half = set(), set(), set(), []
+    for layer, parts in sorted(pairs.items()):
+        if set(parts) != {"down", "up"}:
+            half.append(layer)
+            continue
+        kind = _layer_kind(_strip(layer))
+        rank = shape(parts["down"])[0]
+        slot = targets.setdefault(kind, {"layers": 0, "ranks": set()})
+        slot["layers"] += 1
+        slot["ranks"].add(rank)
+        if kind in ("AdaLN", "final AdaLN"):
+            adaln_widths.add(shape(parts["down"])[1])
+        block = _BLOCK_INDEX.search(_strip(layer))
+        if block:
+            (refiner_blocks if "refiner" in layer else dit_blocks).add(int(block.group(1)))
+    styles = sorted({_style(v.get("down") or v["up"]) for v in pairs.values()})
+    prefixes = sorted({k[: len(k) - len(_strip(k))] for k in pairs})
+    naming = sorted({"lora_A / lora_B" if ".lora_A" in v["down"] else "lora_down / lora_up"
+                     for v in pairs.values() if "down" in v})
+    return {
+        "names": styles,
+        "prefixes": prefixes,
+        "pair_names": naming,
+        "targets": {k: {"layers": v["layers"], "ranks": sorted(v["ranks"])} for k, v in targets.items()},
+        "dit_blocks": len(dit_blocks),
+        "refiner_blocks": len(refiner_blocks),
+        "adaln_input_widths": sorted(adaln_widths),
+        **{k: v for k, v in extra.items() if v},
+        "head_bank_tensors": bank,
+        "alpha": (f"{alphas} per-layer .alpha tensors" if alphas else
+                  f"header {next(k for k in ('alpha', 'ss_network_alpha', 'lora_alpha') if k in metadata)}"
+                  if _network_alpha(metadata) is not None else "none (alpha = rank: scale 1)"),
+        "half_pairs": half,
+        "unread": sorted(unread),
+    }
+
+
+def _style(key: str) -> str:
+    stripped = _strip(key)
+    if stripped.startswith("lora_unet_"):
+        return "musubi (lora_unet_ flattened)"
+    diffusers = stripped.startswith(("transformer_blocks.", "token_refiner.refiner_blocks.", "proj_out", "norm_out",
+                                     "audio_proj_out", "proj_in", "audio_proj_in", "context_embedder"))
+    names = "diffusers names" if diffusers else "original / ComfyUI names"
+    return f"peft (.default.) on {names}" if ".default." in key else names

@@ -51,15 +51,21 @@ def pruned_config(config: DiTConfig, grid: int, rank: int) -> DiTConfig:
 def make_dit_checkpoint(out: str | Path, config: DiTConfig, fmt: str, layout: str, *, seed: int = 0,
                         quantize_refiner: bool = False, curve: tuple[int, int] | None = None,
                         progress: Callable[[int, int], None] | None = None,
-                        device: str = "cpu") -> MadeCheckpoint:
-    """Write the checkpoint. `config` is the full-AdaLN model; `curve` = (grid, rank) for comfy-pruned.
+                        device: str = "cpu", quantize_gates: bool = False) -> MadeCheckpoint:
+    """Write the checkpoint. `config` is the full-AdaLN model; `curve` = (grid, rank) for comfy-pruned;
+    `quantize_gates`: a FastH3 model's VSA gates stored in `fmt` as well (comfy layouts).
 
     `device` draws and quantizes each tensor there (a GPU makes a full-size file in minutes rather than an
     hour); only the finished tensor goes to the host, one at a time. The random stream is the device's."""
     if fmt.startswith(GGUF_PREFIX):
+        if quantize_gates:
+            raise InputError("--quantize-gates is for the comfy_quant formats; a GGUF stores every 2-D weight whose "
+                             "rows its blocks fit, the VSA gates included")
         return _make_gguf(Path(out), config, fmt, layout, seed, quantize_refiner, curve, progress, device)
     if fmt not in FORMATS:
         raise InputError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if quantize_gates and (not config.gate_compress or not layout.startswith("comfy")):
+        raise InputError("quantized VSA gates are a FastH3 model's, in a comfy layout")
     if layout not in LAYOUTS:
         raise InputError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if config.curve_form:
@@ -103,7 +109,7 @@ def make_dit_checkpoint(out: str | Path, config: DiTConfig, fmt: str, layout: st
         fit = curve_fit_for(config, seed, grid, rank, device)
         stored = pruned_config(config, grid, rank)
         info["curve_residual"] = f"{fit.residual:.3e}"
-    groups = comfy_groups(stored, get, fmt, fit=fit, quantize_refiner=quantize_refiner)
+    groups = comfy_groups(stored, get, fmt, fit=fit, quantize_refiner=quantize_refiner, quantize_gates=quantize_gates)
     size = write_groups(out, groups, comfy_metadata(stored, {"h3_spark": json.dumps(info)}), progress)
     return MadeCheckpoint(out, stored, size, None if fit is None else fit.residual)
 

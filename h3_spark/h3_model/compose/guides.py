@@ -7,8 +7,12 @@ target's. So a guide must be at the target's canvas: stills and clips are cover-
 and last keyframes are the same mechanism at frames 0 and -1 (`dit/layout.py`).
 
 Frame indices count from 0; a negative one counts from the end (-1 is the last frame). A clip is 17k+5 frames
-(5, 22, 39, ...: what the video VAE encodes without padding) and must fit before the end; a sound must fit in
-what remains of the clip after its frame.
+(5, 22, 39, ...: what the video VAE encodes without padding) and must fit before the end. A sound keeps at most
+the audio latents that remain of the clip after its frame (the target's less 5/3 a frame, rounded up: ComfyUI's
+count); a longer one is cropped there, with a note, as ComfyUI's AddGuide crops it.
+
+Guides go with every mode. In Ref2VA their rows follow the text, before the references, and their time starts
+where the references' spans end (the target's own origin; `dit/layout.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from ...errors import InputError
 from .. import geometry
+from ..dit.layout import guide_audio_room
 from ..media.refs import check_image, cover_crop, resample_fps, stereo
 
 AUDIO_SAMPLES_PER_LATENT = geometry.AUDIO_SAMPLE_RATE // geometry.AUDIO_LATENTS_PER_SECOND
@@ -52,6 +57,15 @@ class PreparedGuide:
     frame: int
     pixels: torch.Tensor | None = None
     audio: torch.Tensor | None = None
+    # A sound: the most audio latents it keeps once encoded (what remains of the clip after its frame); the note
+    # that says it was cropped to them, or None.
+    max_audio_latents: int | None = None
+    note: str | None = None
+
+    def keep(self, latents: torch.Tensor) -> torch.Tensor:
+        """A sound's encoded latents (..., T) cut to the count it keeps (ComfyUI crops the encoded latents, not
+        the waveform)."""
+        return latents if self.max_audio_latents is None else latents[..., :self.max_audio_latents]
 
     @property
     def frames(self) -> int:
@@ -80,8 +94,8 @@ def check_clip_length(count: int, what: str) -> None:
 
 
 def remaining_audio_latents(frame: int, frames: int) -> int:
-    """Audio latents of the clip after `frame` (the guide's sound starts at 5/3 latents a frame, rounded down)."""
-    return geometry.audio_latent_frames(frames) - (frame * geometry.AUDIO_LATENTS_PER_SECOND) // geometry.FPS
+    """Audio latents of the clip from `frame` on: what a sound guide there keeps at most (dit/layout.py)."""
+    return guide_audio_room(frame, geometry.audio_latent_frames(frames))
 
 
 # How far a guide's aspect may stray from the canvas's: cover-cropping keeps at least this share of each side.
@@ -99,14 +113,16 @@ def check_fits(src_height: int, src_width: int, height: int, width: int, what: s
                          f"{MAX_CROP_RATIO:g}x of the canvas's")
 
 
-def _prepare_one(guide: Guide, frames: int, width: int, height: int, what: str) -> PreparedGuide:
+def _checked(guide: Guide, frames: int, width: int, height: int, what: str) -> PreparedGuide:
+    """A guide checked against a (width x height, frames) clip, its frame resolved, its clip at 24 fps and its
+    sound stereo at 32 kHz with the latents it keeps; its pictures not yet cropped to the canvas."""
     if guide.kind not in GUIDE_KINDS:
         raise InputError(f"{what}: a guide is one of {', '.join(GUIDE_KINDS)}, got {guide.kind!r}")
     frame = resolve_frame(guide.frame, frames, what)
     if guide.kind == "image":
         image = check_image(guide.image, what)
         check_fits(int(image.shape[0]), int(image.shape[1]), height, width, what)
-        return PreparedGuide("image", frame, pixels=cover_crop(image, height, width))
+        return PreparedGuide("image", frame, pixels=image)
     if guide.kind == "clip":
         clip = guide.clip
         if not isinstance(clip, torch.Tensor) or clip.dtype != torch.uint8 or clip.ndim != 4 or clip.shape[-1] != 3:
@@ -117,26 +133,46 @@ def _prepare_one(guide: Guide, frames: int, width: int, height: int, what: str) 
         if frame + clip.shape[0] > frames:
             raise InputError(f"{what}: its {clip.shape[0]} frames from frame {frame} run past the clip's end "
                              f"({frames} frames); anchor it at {frames - clip.shape[0]} or earlier")
-        return PreparedGuide("clip", frame, pixels=torch.stack([cover_crop(f, height, width) for f in clip]))
+        return PreparedGuide("clip", frame, pixels=clip)
     if guide.audio is None:
         raise InputError(f"{what} needs a (channels, samples) waveform")
     raw = torch.as_tensor(guide.audio)
     audio = stereo(raw, guide.sample_rate, raw.shape[-1] / guide.sample_rate if raw.ndim == 2 else 0, what)
-    # The audio VAE makes one latent per 800 samples (the last one zero-padded); they must fit after the frame.
+    # The audio VAE makes one latent per 800 samples (the last one zero-padded); those past the clip's end go.
     latents = -(-audio.shape[1] // AUDIO_SAMPLES_PER_LATENT)
-    room = remaining_audio_latents(frame, frames)
+    room = remaining_audio_latents(frame, frames)  # at least 1 at every frame of the clip
+    note = None
     if latents > room:
-        raise InputError(f"{what}: {audio.shape[1] / geometry.AUDIO_SAMPLE_RATE:.3f} s of sound from frame {frame} "
-                         f"runs past the clip's end ({max(room, 0) / geometry.AUDIO_LATENTS_PER_SECOND:.3f} s remain)")
-    return PreparedGuide("audio", frame, audio=audio)
+        note = (f"{what}: {audio.shape[1] / geometry.AUDIO_SAMPLE_RATE:.3f} s of sound from frame {frame} runs past "
+                f"the clip's end; cropped to the {room} audio latents ({room / geometry.AUDIO_LATENTS_PER_SECOND:.3f}"
+                f" s) that remain")
+    return PreparedGuide("audio", frame, audio=audio, max_audio_latents=room, note=note)
+
+
+def _whats(guides: list[Guide]) -> list[str]:
+    if len(guides) > MAX_GUIDES:
+        raise InputError(f"at most {MAX_GUIDES} guides, got {len(guides)}")
+    return [f"guide {i + 1} ({getattr(g, 'kind', '?')})" for i, g in enumerate(guides)]
+
+
+def check_guides(guides: list[Guide], *, frames: int, width: int, height: int) -> list[str]:
+    """Every refusal guides allow against a (width x height, frames) clip, made without encoding or cropping
+    them (the pre-flight checks call this before any weight is read); the notes of what they keep changed."""
+    notes = [_checked(g, frames, width, height, what).note for g, what in zip(guides, _whats(guides))]
+    return [n for n in notes if n]
 
 
 def prepare_guides(guides: list[Guide], *, frames: int, width: int, height: int) -> list[PreparedGuide]:
     """Guides at the canvas of a (width x height, frames) generation, in request order."""
-    if len(guides) > MAX_GUIDES:
-        raise InputError(f"at most {MAX_GUIDES} guides, got {len(guides)}")
-    return [_prepare_one(g, frames, width, height, f"guide {i + 1} ({getattr(g, 'kind', '?')})")
-            for i, g in enumerate(guides)]
+    out = []
+    for g, what in zip(guides, _whats(guides)):
+        p = _checked(g, frames, width, height, what)
+        if p.kind == "image":
+            p.pixels = cover_crop(p.pixels, height, width)
+        elif p.kind == "clip":
+            p.pixels = torch.stack([cover_crop(f, height, width) for f in p.pixels])
+        out.append(p)
+    return out
 
 
 @dataclass

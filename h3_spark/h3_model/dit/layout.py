@@ -1,6 +1,8 @@
 """The packed token sequence of one H3 request.
 
-Row order: `[text | guides (FL2VA's keyframes are guides) or reference blocks | target audio | target video]`.
+Row order: `[text | a history | guides (FL2VA's keyframes are guides) | reference blocks | target audio | target
+video]`. Reference blocks (Ref2VA) sit on one rotary clock from the text's end; the target, and every guide
+(placed on the target's frames), starts where their spans end.
 Audio is two channels, channel-major (left t0..tN, then right t0..tN); video rows are 1x2x2
 patches, frame-major then row-major. Every row carries a (t, h, w) RoPE coordinate, a modality
 tag and, per step, a timestep; rows with equal (timestep, tag) form a few contiguous segments.
@@ -269,14 +271,22 @@ def pixel_frames(latent_frames: int) -> int:
     return (latent_frames - 2) // VAE_LATENTS_PER_CHUNK * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
 
 
-def guide_time(origin: float, frame: int, target_latent_frames: int) -> float:
+def guide_time(origin: float, frame: int, target_latent_frames: int, released_last: bool = True) -> float:
     """Rotary time of a guide at pixel frame `frame`: the target's time there, origin + 5/3 x frame on the
-    continuous axis. A still at the last frame takes FL2VA's coordinate for its last keyframe (the pairwise sum
-    of the target's latent spans, less one frame): equal in exact arithmetic, it can differ in the last ulp,
-    and the released FL2VA pipeline computes it so."""
-    if frame == pixel_frames(target_latent_frames) - 1:
+    continuous axis. With `released_last`, a still at the last frame takes FL2VA's coordinate for its last
+    keyframe (the pairwise sum of the target's latent spans, less one frame): equal in exact arithmetic, it can
+    differ in the last ulp, and the released FL2VA pipeline computes it so. Ref2VA has no released pipeline with
+    guides: there every frame takes origin + 5/3 x frame, as ComfyUI's layout does."""
+    if released_last and frame == pixel_frames(target_latent_frames) - 1:
         return origin + _rope_span_pairwise(target_latent_frames) - ROPE_FRAME_UNIT
     return origin + ROPE_FRAME_UNIT * frame
+
+
+def guide_audio_room(frame: int, audio_latents: int) -> int:
+    """Audio latents a sound guide at pixel frame `frame` keeps at most: the target's `audio_latents` less
+    5/3 per frame before it, rounded up (ComfyUI's AddGuide keeps floor(T - 5/3 x frame), the same count), so
+    that its last row's time stays before the target's end."""
+    return audio_latents - (frame * 5 + 2) // 3
 
 
 def keyframe_guides(keyframes: tuple[str, ...], latent_frames: int) -> tuple[GuideBlock, ...]:
@@ -306,7 +316,7 @@ def check_guides(guides, latent_frames: int, audio_latents: int) -> None:
         if g.frame + (pixel_frames(g.latent_frames) if g.latent_frames else 0) > frames:
             raise InputError(f"{what}: its {pixel_frames(g.latent_frames)} frames from frame {g.frame} run past the "
                              f"{frames}-frame target")
-        room = audio_latents - (g.frame * 5) // 3
+        room = guide_audio_room(g.frame, audio_latents)
         if g.audio_latents and g.audio_latents > room:
             raise InputError(f"{what}: {g.audio_latents} audio latents from frame {g.frame} run past the target's "
                              f"{audio_latents} ({max(room, 0)} remain)")
@@ -356,8 +366,17 @@ def build_t2va(text_tags: torch.Tensor, latent_frames: int, latent_height: int, 
             end = _fill_audio(pos, cursor, history.audio_latents, origin - history.audio_latents, w_axis)
             audio_parts.append(torch.arange(cursor, end))
             cursor = end
+    cursor = _fill_guides(pos, cursor, guides, origin, latent_frames, grid, w_axis, video_parts, audio_parts)
+    return _with_target(pos, text_tags, video_parts, audio_parts, cursor, origin, audio_latents, latent_frames, grid,
+                        w_axis)
+
+
+def _fill_guides(pos, cursor: int, guides, origin: float, latent_frames: int, grid, w_axis, video_parts: list,
+                 audio_parts: list, released_last: bool = True) -> int:
+    """Each guide's video rows, then its audio rows, from `cursor` on, on the target's grid at its frame's time
+    (`guide_time` from the target's `origin`); their indices appended to the parts. Returns the next row."""
     for g in guides:
-        t = guide_time(origin, g.frame, latent_frames)
+        t = guide_time(origin, g.frame, latent_frames, released_last)
         if g.latent_frames:
             end = _fill_video(pos, cursor, g.latent_frames, grid, t)
             video_parts.append(torch.arange(cursor, end))
@@ -366,8 +385,7 @@ def build_t2va(text_tags: torch.Tensor, latent_frames: int, latent_height: int, 
             end = _fill_audio(pos, cursor, g.audio_latents, t, w_axis)
             audio_parts.append(torch.arange(cursor, end))
             cursor = end
-    return _with_target(pos, text_tags, video_parts, audio_parts, cursor, origin, audio_latents, latent_frames, grid,
-                        w_axis)
+    return cursor
 
 
 def check_references(blocks: list) -> None:
@@ -388,11 +406,27 @@ def check_references(blocks: list) -> None:
         raise InputError("Ref2VA needs an image or video reference; audio-only references are not supported")
 
 
+def _reference_span(ref) -> float:
+    """Rotary time a reference block takes on the clock before the target: an image one integer slot (not a
+    latent frame's span), a sound one unit per latent, a video its frames' spans or its sound's, the longer."""
+    if ref.kind == "image":
+        return 1.0
+    if ref.kind == "audio":
+        return float(ref.audio_latents)
+    return max(float(ref.audio_latents), _rope_span_sequential(ref.latent_frames))
+
+
 def build_ref2va(text_tags: torch.Tensor, references: list, latent_frames: int, latent_height: int,
-                 latent_width: int, audio_latents: int, patch: tuple[int, int, int] = (1, 2, 2)) -> Layout:
-    """Ref2VA layout: reference blocks in request order on one rotary clock that starts after the text."""
+                 latent_width: int, audio_latents: int, patch: tuple[int, int, int] = (1, 2, 2),
+                 guides: tuple[GuideBlock, ...] = ()) -> Layout:
+    """Ref2VA layout: reference blocks in request order on one rotary clock that starts after the text; the
+    target starts where their spans end. `guides` (ComfyUI's AddGuide on a Ref2VA conditioning) are packed
+    right after the text, before the references, each at the target's time for its frame (the text, the
+    references' spans, then 5/3 x frame) on the target's grid."""
     check_references(references)
     rows_per_frame = _check_target(latent_frames, latent_height, latent_width, audio_latents, patch)
+    guides = tuple(guides)
+    check_guides(guides, latent_frames, audio_latents)
     num_text = torch.as_tensor(text_tags).numel()
     ref_rows = 0
     for ref in references:
@@ -404,12 +438,18 @@ def build_ref2va(text_tags: torch.Tensor, references: list, latent_frames: int, 
         if audio < 0 or (ref.kind == "audio" and audio < 1):
             raise InputError(f"an audio reference needs at least one latent, got {audio}")
         ref_rows += audio * AUDIO_CHANNELS
-    total = num_text + ref_rows + audio_latents * AUDIO_CHANNELS + latent_frames * rows_per_frame
+    guide_rows = sum(g.latent_frames * rows_per_frame + g.audio_latents * AUDIO_CHANNELS for g in guides)
+    total = num_text + guide_rows + ref_rows + audio_latents * AUDIO_CHANNELS + latent_frames * rows_per_frame
     pos, text_tags = _text_positions(text_tags, total)
     target_grid, target_w = frame_grid(latent_height, latent_width, patch)
 
+    origin = float(num_text)
+    for ref in references:
+        origin += _reference_span(ref)
     video_parts, audio_parts = [], []
-    cursor, clock = num_text, float(num_text)
+    cursor = _fill_guides(pos, num_text, guides, origin, latent_frames, target_grid, target_w, video_parts,
+                          audio_parts, released_last=False)
+    clock = float(num_text)
     for ref in references:
         if ref.kind == "image":
             grid, _ = frame_grid(ref.latent_height, ref.latent_width, patch)
@@ -417,11 +457,10 @@ def build_ref2va(text_tags: torch.Tensor, references: list, latent_frames: int, 
             pos[cursor:cursor + grid.shape[0], 1:] = grid
             video_parts.append(torch.arange(cursor, cursor + grid.shape[0]))
             cursor += grid.shape[0]
-            clock += 1.0  # an image takes one integer rotary slot, not a latent frame's span
         elif ref.kind == "audio":
             end = _fill_audio(pos, cursor, ref.audio_latents, clock, target_w)
             audio_parts.append(torch.arange(cursor, end))
-            cursor, clock = end, clock + float(ref.audio_latents)
+            cursor = end
         else:
             grid, w_axis = frame_grid(ref.latent_height, ref.latent_width, patch)
             end = _fill_audio(pos, cursor, ref.audio_latents, clock, w_axis)
@@ -429,7 +468,7 @@ def build_ref2va(text_tags: torch.Tensor, references: list, latent_frames: int, 
             video_end = _fill_video(pos, end, ref.latent_frames, grid, clock)
             video_parts.append(torch.arange(end, video_end))
             cursor = video_end
-            clock += max(float(ref.audio_latents), _rope_span_sequential(ref.latent_frames))
+        clock += _reference_span(ref)
 
     return _with_target(pos, text_tags, video_parts, audio_parts, cursor, clock, audio_latents, latent_frames,
                         target_grid, target_w)

@@ -76,7 +76,8 @@ def component_loader(name: str, path: Path, opts: LoadOptions, tokenizer: Path |
                                                             device=te_device, tokenizer=tokenizer,
                                                             layer=opts.text_layer, stored=opts.stored_weights,
                                                             vision=opts.text_vision),
-        "vae": lambda: load_video_vae(path, device=opts.device, decode_dtype=opts.vae_dtype),
+        "vae": lambda: load_video_vae(path, device=opts.device, decode_dtype=opts.vae_dtype,
+                                      stored=opts.stored_weights),
         "audio_vae": lambda: load_audio_vae(path, device=opts.device),
     }
     if name not in loaders:

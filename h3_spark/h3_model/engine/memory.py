@@ -11,6 +11,7 @@ request is checked against what its own length needs before it samples.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -328,7 +329,8 @@ def vae_stage_bytes(vae, audio_vae) -> int:
         lh, lw = latent_size(height, width)
         estimate = decode_memory_estimate(vae.config, video_latent_frames(DEFAULT_FRAMES), lh, lw,
                                           tile_batch=getattr(vae, "tile_batch", 1))
-        need = tensor_bytes(vae) + estimate["transient"] + estimate["window"]
+        # A quantized decoder's linears are dequantized at use into a scratch the size of the largest one.
+        need = tensor_bytes(vae) + scratch_bytes(vae) + estimate["transient"] + estimate["window"]
     if audio_vae is not None:
         # Its weights and as much again for its activations: 0.6 GB at the released size, far below the video
         # decode, so the guess never decides the reserve there.
@@ -381,7 +383,13 @@ def planned_bytes(plan: dict, options) -> int | None:
     total, config = 0, None
     for name, source in plan.items():
         if callable(source):
-            return None  # built in memory (synthetic, a host's own): nothing to read the size from
+            # Built in memory: a synthetic builder sizes itself from its config; a host's own cannot be sized.
+            size = getattr(source, "planned_bytes", None)
+            if size is None:
+                return None
+            total += size()
+            config = getattr(source, "dit_config", None) or config
+            continue
         if name in ("dit", "dit_ref"):
             reader = open_dit(source, partition="t2va" if name == "dit" else "ref2va")
             try:
@@ -391,7 +399,7 @@ def planned_bytes(plan: dict, options) -> int | None:
             finally:
                 reader.source.close()
         elif name == "vae":
-            total += _video_vae_bytes(source, options.vae_dtype)
+            total += _video_vae_bytes(source, options.vae_dtype, getattr(options, "stored_weights", True))
         elif name == "text_encoder":
             total += _text_encoder_bytes(source, options.text_layer)
         else:
@@ -399,15 +407,30 @@ def planned_bytes(plan: dict, options) -> int | None:
     return total + (activation_bytes(config, default_rows(config), options.dtype) if config is not None else 0)
 
 
-def _video_vae_bytes(path, decode_dtype: torch.dtype) -> int:
-    """The video VAE as it loads: fp32 encoder, `decode_dtype` decoder (its file is fp16 or fp32 throughout)."""
-    from ..vae.loading import TensorFiles, _is_comfy_video, _video_config, locate
+def _video_vae_bytes(path, decode_dtype: torch.dtype, stored: bool = True) -> int:
+    """The video VAE as it loads: fp32 encoder, `decode_dtype` decoder; a quantized decoder linear (ComfyUI's
+    int8_convrot file) as its stored codes and scales when kept stored, plus the scratch it is dequantized into."""
+    from ..checkpoint.quant import STORED_PARTS
+    from ..vae.loading import TensorFiles, _is_comfy_video, _video_config, locate, video_identity
     from ..vae.video import parameter_bytes
 
     source = locate(path, "vae")
     with TensorFiles(source.files) as files:
-        config = _video_config(source, files, _is_comfy_video(files.keys()), None)
-    return parameter_bytes(config, decode_dtype)
+        if not any(k.endswith(".comfy_quant") for k in files.keys()) and "_quantization_metadata" not in files.metadata:
+            return parameter_bytes(_video_config(source, files, _is_comfy_video(files.keys()), None), decode_dtype)
+        identity = video_identity(path)
+        total = parameter_bytes(identity.config, decode_dtype)
+        if not stored:
+            return total
+        size = torch.empty(0, dtype=decode_dtype).element_size()
+        largest = 0
+        for layer in identity.quantized.values():
+            n, k = files.shape(layer.keys["weight"])
+            largest = max(largest, n * k)
+            total -= n * k * size
+            total += sum(math.prod(files.shape(key)) * files.dtype(key).itemsize for part, key in layer.keys.items()
+                         if part in STORED_PARTS)
+    return total + largest * size
 
 
 def _text_encoder_bytes(path, layer: int) -> int:

@@ -30,6 +30,7 @@ from ..dit.layout import (AudioBlock, GuideBlock, HistoryBlock, ImageBlock, Layo
                           build_t2va)
 from ..media.refs import PreparedReference, Reference, prepare_keyframes, prepare_references, prompt_references
 from ..text.prompt import check_mentions, check_prompt
+from .checks import request_canvas
 from .sampler import SamplingRequest, StepInfo, sample
 from .scheduler import AUDIO_SHIFT, VIDEO_SHIFT, JointSchedule, Schedule, custom_sigmas
 
@@ -73,7 +74,7 @@ class GenerationRequest:
     references: list[Reference] = field(default_factory=list)
     first_frame: torch.Tensor | None = None  # uint8 (H, W, 3), FL2VA
     last_frame: torch.Tensor | None = None
-    # Stills, clips and sounds pinned at any frame (t2va and fl2va; compose/guides.py), after the keyframes.
+    # Stills, clips and sounds pinned at any frame (every mode; compose/guides.py), after the keyframes.
     guides: list[Guide] = field(default_factory=list)
     # What came before (a film's previous window, a continued clip; t2va): conditions the target, which goes on
     # where it ends (compose/guides.History).
@@ -146,8 +147,6 @@ class GenerationRequest:
             raise InputError("fl2va needs a first and/or a last keyframe")
         if self.mode != "fl2va" and (self.first_frame is not None or self.last_frame is not None):
             raise InputError(f"{self.mode} takes no keyframes; use fl2va")
-        if self.mode == "ref2va" and self.guides:
-            raise InputError("ref2va takes no guides; guides go with t2va or fl2va")
         if self.mode != "t2va" and self.history is not None:
             raise InputError(f"{self.mode} takes no history; a film's windows and a continued clip are t2va")
         if (self.source is None) != (self.mask is None):
@@ -274,6 +273,9 @@ class Pipeline:
             check_tiling(req.vae_tile_size, DEFAULT_TILE_MIN_OVERLAP, self.c.vae.config.spatial_ratio)
         canvas = self.prepare(req)
         info.update(width=canvas.width, height=canvas.height, frames=canvas.frames)
+        notes = [g.note for g in canvas.guides if g.note]
+        if notes:  # what was taken with a change (a sound guide cropped to the clip)
+            info["notes"] = notes
 
         t0 = time.perf_counter()
         report(Progress("text_encode"))
@@ -364,13 +366,10 @@ class Pipeline:
     # ------------------------------------------------------------------ stages, in the order they run
     def prepare(self, req: GenerationRequest) -> Canvas:
         """The canvas, the keyframes (FL2VA) and the prepared references (Ref2VA) of a request."""
-        frames = geometry.snap_frames(req.frames)
+        width, height, frames = request_canvas(req)
         keyframes, anchors, prepared = [], (), []
-        width, height = req.width, req.height
         if req.mode == "fl2va":
             keyframes, anchors, width, height = prepare_keyframes(req.first_frame, req.last_frame, width, height)
-        elif width is None:
-            height, width = geometry.resolve_canvas(16, 9)
         if req.mode == "ref2va":
             prepared = prepare_references(req.references, width=width, height=height, frames=frames,
                                           policy=req.reference_policy)
@@ -466,8 +465,9 @@ class Pipeline:
                 conditions.append(encoded.latent)
                 latent_frames = int(encoded.latent.shape[2])
             if encoded.audio is not None:
-                audio_rows.append(audio_rows_of(encoded.audio))
-                audio_latents = int(encoded.audio.shape[-1])
+                sound = guide.keep(encoded.audio)
+                audio_rows.append(audio_rows_of(sound))
+                audio_latents = int(sound.shape[-1])
             blocks.append(GuideBlock(guide.frame, latent_frames, audio_latents))
         for p in prepared:
             encoded, hit = self.encode_reference(p)
@@ -561,7 +561,7 @@ class Canvas:
     keyframes: list  # uint8 (H, W, 3) each, FL2VA
     anchors: tuple  # "first" / "last" per keyframe
     references: list  # PreparedReference, Ref2VA
-    guides: list = field(default_factory=list)  # PreparedGuide, t2va / fl2va
+    guides: list = field(default_factory=list)  # PreparedGuide
     history: History | None = None  # at the canvas, t2va
 
 
@@ -590,12 +590,12 @@ class EncodedReference:
 
 def build_layout(mode: str, tags: torch.Tensor, blocks: list, anchors: tuple, dims: tuple[int, int, int, int],
                  patch) -> Layout:
-    """The packed sequence of one generation: text, references (Ref2VA) or keyframe anchors and guides, target
-    audio, target video."""
-    if mode == "ref2va":
-        return build_ref2va(tags, blocks, *dims, patch)
-    history = [b for b in blocks if isinstance(b, HistoryBlock)]
+    """The packed sequence of one generation: text, a history, keyframe anchors and guides, references (Ref2VA),
+    target audio, target video."""
     guides = tuple(b for b in blocks if isinstance(b, GuideBlock))
+    if mode == "ref2va":
+        return build_ref2va(tags, [b for b in blocks if not isinstance(b, GuideBlock)], *dims, patch, guides=guides)
+    history = [b for b in blocks if isinstance(b, HistoryBlock)]
     return build_t2va(tags, *dims, patch, keyframes=anchors, guides=guides, history=history[0] if history else None)
 
 

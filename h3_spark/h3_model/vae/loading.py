@@ -12,6 +12,10 @@ dtype and device before the next is read, so a file never needs twice its size i
   `ff.w1` = [gate; value], `ff.w2`, plus `latents_mean`/`latents_std` tensors and an unused
   `decoder.mask_token`), published in fp16. Audio: diffusers' names with weight norm already
   folded into plain weights, plus `latents_mean`/`latents_std`, fp32.
+  A ComfyUI video VAE may hold its decoder blocks' linears quantized (`.comfy_quant` per layer, int8 /
+  int8_convrot: ComfyUI's `minimax_h3_video_vae_int8_convrot`); those layers are read by the rules every
+  checkpoint reader shares (`checkpoint/layer_reading.py`) and kept as stored (StoredLinear, dequantized at
+  use) or dequantized at load (`stored=False`), to the same bits. Any other quantized layer is refused by name.
 
 A single file carries no config.json: a `config` JSON in its safetensors metadata wins (our
 writer puts one there), otherwise the config is inferred from tensor shapes on top of the
@@ -32,6 +36,11 @@ import torch
 from safetensors import safe_open
 
 from ...errors import CheckpointError, InputError
+from ...kernels.stored_linear import StoredForm, StoredLinear
+from ..checkpoint import layer_reading
+from ..checkpoint.quant import METADATA_KEY, QUANT_SUFFIXES, STORED_PARTS, QuantSpec, check_stored, split_param
+from ..checkpoint.safetensors_header import DTYPES, read_header
+from ..checkpoint.source import CheckpointSource
 from ..json_file import read_json
 from . import audio as A
 from . import released
@@ -150,6 +159,9 @@ class TensorFiles:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._owner[key].get_slice(key).get_shape())
 
+    def dtype(self, key: str) -> torch.dtype:
+        return DTYPES[self._owner[key].get_slice(key).get_dtype()][0]
+
     def get(self, key: str) -> torch.Tensor:
         return self._owner[key].get_tensor(key)
 
@@ -165,9 +177,19 @@ def _metadata_config(files: TensorFiles) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _reject_quantized(keys: Iterable[str], origin: str) -> None:
-    if any(k.endswith((".comfy_quant", ".weight_scale", ".scale_weight")) for k in keys):
-        raise CheckpointError(f"{origin}: a quantized (comfy_quant) VAE; load the fp16 or fp32 file instead")
+def _is_quant_key(key: str) -> bool:
+    """A tensor that belongs to a layer's quantization (its marker, scales), not to the model's parameters."""
+    split = split_param(key)
+    return split is not None and split[1] in QUANT_SUFFIXES
+
+
+def _has_quantization(files: TensorFiles) -> bool:
+    return METADATA_KEY in files.metadata or any(_is_quant_key(k) for k in files.keys())
+
+
+def _reject_quantized(files: TensorFiles, origin: str) -> None:
+    if _has_quantization(files):
+        raise CheckpointError(f"{origin}: a quantized (comfy_quant) audio VAE; load the fp32 file instead")
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,22 +203,43 @@ def _materialize(model: torch.nn.Module, entries: Iterable[tuple[str, torch.Tens
     """Assign each (name, tensor) to a module built on the meta device, checking names and shapes."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
+    stored: dict[str, StoredLinear] = {}
     unexpected = []
     for name, tensor in entries:
         if name not in expected:
             unexpected.append(name)
             continue
-        if tuple(tensor.shape) != expected[name]:
-            raise CheckpointError(f"{origin}: {name} has shape {tuple(tensor.shape)}, the config needs "
-                                  f"{expected[name]}")
+        shape = tuple(tensor.shape)  # a StoredForm's is the logical weight's
+        if shape != expected[name]:
+            raise CheckpointError(f"{origin}: {name} has shape {shape}, the config needs {expected[name]}")
+        if isinstance(tensor, StoredForm):
+            stored[name] = _stored_linear(model, name, tensor, dtype_of(name))
+            state[name] = stored[name].weight
+            continue
         state[name] = tensor.to(device=device, dtype=dtype_of(name))
     for name in expected.keys() - state.keys():
         filled = fill_missing(name, expected[name]) if fill_missing else None
         if filled is not None:
             state[name] = filled.to(device=device, dtype=dtype_of(name))
     _check_names(sorted(expected.keys() - state.keys()), sorted(unexpected), origin)
+    for name, linear in stored.items():
+        # The codes and scales are the StoredLinear's own buffers; the state names them so the strict load below
+        # still checks every other tensor (its bias among them).
+        module = name[: -len(".weight")]
+        state.update({f"{module}.{buffer}": value for buffer, value in linear.named_buffers()})
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
+
+
+def _stored_linear(model: torch.nn.Module, name: str, form: StoredForm, dtype: torch.dtype) -> StoredLinear:
+    """Swap the meta-built linear that owns `name` (its weight) for a StoredLinear holding `form`; its bias comes
+    later, with the other tensors."""
+    module = name[: -len(".weight")]
+    old = model.get_submodule(module)
+    bias = None if old.bias is None else torch.empty(old.bias.shape, device="meta")
+    linear = StoredLinear(form, dtype, bias)
+    model.set_submodule(module, linear)
+    return linear
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,9 +364,12 @@ def diffusers_to_comfy_video(items: Iterable[tuple[str, torch.Tensor]],
 
 
 def _video_shapes(files: TensorFiles, comfy: bool) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes under diffusers names, without reading any data."""
+    """Tensor shapes under diffusers names, without reading any data (a quantized layer's markers and scales are
+    its format's, checked with it; its int8 weight has the logical shape)."""
     shapes = {}
     for key in files.keys():
+        if _is_quant_key(key):
+            continue
         shape = files.shape(key)
         if comfy and ".attn.to_qkv." in key:
             for part in "qkv":
@@ -399,26 +445,157 @@ def _video_config(source: Source, files: TensorFiles, comfy: bool,
 # --------------------------------------------------------------------------------------------
 
 
-def _video_identity(source: Source, files: TensorFiles,
-                    given: VC.VideoVAEConfig | None) -> tuple[bool, VC.VideoVAEConfig]:
-    """(ComfyUI / MiniMaxAI names?, config) of a video VAE's files, after checking that they hold one."""
+@dataclass(frozen=True)
+class Identity:
+    """What a video VAE's files hold, checked from headers: ComfyUI / MiniMaxAI names or diffusers', the config,
+    and the quantized layers by their stored (ComfyUI) name."""
+
+    comfy: bool
+    config: VC.VideoVAEConfig
+    quantized: dict[str, "QuantizedLayer"]
+
+    @property
+    def weights(self) -> str:
+        """What inspect says of the weights: floats as stored, or which decoder linears are quantized, and how."""
+        if not self.quantized:
+            return "floats as stored (no quantized layer)"
+        labels = sorted({layer.spec.label for layer in self.quantized.values()})
+        return f"{' + '.join(labels)} decoder linears ({len(self.quantized)}), the rest floats as stored"
+
+
+def _video_identity(source: Source, files: TensorFiles, given: VC.VideoVAEConfig | None) -> Identity:
+    """A video VAE's names, config and quantized layers, after checking that its files hold one and that every
+    quantized layer is a decoder linear of this config in a format the VAE reads (markers and headers only)."""
     keys = files.keys()
-    _reject_quantized(keys, source.origin)
     if "pre_block.attn.zero_k_bias" in files:
         raise CheckpointError(f"{source.origin}: this is the audio VAE, not the video VAE")
     comfy = _is_comfy_video(keys)
     if not comfy and not any(k.startswith("encoder.down_blocks.") for k in keys):
         raise CheckpointError(f"{source.origin}: not an H3 video VAE (no encoder.down_blocks.* or "
                               f"encoder.down.*.block.* tensors)")
-    return comfy, _video_config(source, files, comfy, given)
+    quantized = _quantized_layers(source, files, comfy)
+    config = _video_config(source, files, comfy, given)
+    _check_quantized(quantized, config, files, source.origin)
+    return Identity(comfy, config, quantized)
+
+
+# --------------------------------------------------------------------------------------------
+# Video VAE: quantized decoder linears (ComfyUI's int8_convrot file)
+# --------------------------------------------------------------------------------------------
+
+# The layers a ComfyUI video VAE may hold quantized, by their names there: the four linears of each decoder
+# transformer block (ComfyUI's int8_convrot file quantizes exactly these, 4 x 36). The causal-CNN encoder,
+# x_embedder, proj_out and the norms stay floats.
+QUANTIZABLE = re.compile(r"^decoder\.transformer_blocks\.\d+\.(attn\.to_qkv|attn\.to_out|ff\.w1|ff\.w2)$")
+# The stored formats such a layer may take (kernels/formats/int8.py: int8, and int8_convrot with ConvRot).
+VIDEO_QUANT_FORMATS = ("int8_tensorwise",)
+
+
+@dataclass(frozen=True)
+class QuantizedLayer:
+    spec: QuantSpec
+    keys: dict[str, str]  # suffix -> stored key
+
+
+def _reader(source: Source) -> CheckpointSource:
+    """The single file as the checkpoint readers open it (layer_reading reads markers and layers through it)."""
+    return CheckpointSource(source.files[0], [read_header(source.files[0])], None)
+
+
+def _quantized_layers(source: Source, files: TensorFiles, comfy: bool) -> dict[str, QuantizedLayer]:
+    """Each quantized layer's declaration (its `.comfy_quant` marker or the header's metadata, by the rule every
+    reader shares), in a format the video VAE reads; a scale without a declaration is refused there."""
+    if not _has_quantization(files):
+        return {}
+    if not comfy or len(source.files) != 1:
+        raise CheckpointError(f"{source.origin}: quantized (comfy_quant) video VAE layers are read from ComfyUI's "
+                              "single file only; load this layout's fp16 or fp32 weights")
+    layers: dict[str, dict[str, str]] = {}
+    for key in files.keys():
+        split = split_param(key)
+        if split is not None:
+            layer_reading.add_key(layers.setdefault(split[0], {}), split[1], key)
+    reader = _reader(source)
+    try:
+        specs = layer_reading.declare(reader, layers, "", None)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{source.origin}: {exc}") from None
+    finally:
+        reader.close()
+    for name, spec in sorted(specs.items()):
+        if spec.format not in VIDEO_QUANT_FORMATS:
+            raise CheckpointError(f"{source.origin}: {name} is stored as {spec.label}; the video VAE reads its "
+                                  "decoder linears as int8 or int8_convrot (int8_tensorwise) only")
+    return {name: QuantizedLayer(spec, layers[name]) for name, spec in specs.items()}
+
+
+def _logical_shape(name: str, expected: dict[str, tuple[int, ...]]) -> tuple[int, int]:
+    """The weight [N, K] a ComfyUI layer stores: its model weights' rows stacked (to_qkv is q, k and v)."""
+    targets = sorted(comfy_video_names_to_diffusers([f"{name}.weight"]))
+    return sum(expected[t][0] for t in targets), expected[targets[0]][1]
+
+
+def _check_quantized(quantized: dict[str, QuantizedLayer], config: VC.VideoVAEConfig, files: TensorFiles,
+                     origin: str) -> None:
+    """Every quantized layer is a layer of this VAE, one of its decoder blocks' linears, and its stored tensors can
+    hold that weight (their dtypes and shapes, from the header)."""
+    if not quantized:
+        return
+    with torch.device("meta"):
+        expected = {n: tuple(t.shape) for n, t in V.VideoVAE(config).state_dict().items()}
+    for name, layer in sorted(quantized.items()):
+        label = layer.spec.label
+        if not comfy_video_names_to_diffusers([f"{name}.weight"]) <= expected.keys():
+            raise CheckpointError(f"{origin}: {name} is declared {label}, but this video VAE has no such layer")
+        if not QUANTIZABLE.match(name):
+            raise CheckpointError(f"{origin}: {name} is declared {label}; a video VAE keeps only its decoder blocks' "
+                                  "linears (attn.to_qkv, attn.to_out, ff.w1, ff.w2) quantized, and the encoder, "
+                                  "x_embedder, proj_out and norms as floats")
+        stored = {s: torch.empty(files.shape(k), dtype=files.dtype(k), device="meta")
+                  for s, k in layer.keys.items() if s in STORED_PARTS}
+        try:
+            check_stored(layer.spec, stored, _logical_shape(name, expected), name)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{origin}: {exc}") from None
+
+
+def _quantized_entries(reader: CheckpointSource, name: str, layer: QuantizedLayer, shape: tuple[int, int],
+                       heads: int, dtype: torch.dtype, device: torch.device,
+                       stored: bool) -> list[tuple[str, "torch.Tensor | StoredForm"]]:
+    """One quantized ComfyUI layer as the model's weights: dequantized at load (then renamed, split and swapped as
+    a float file's), or as StoredForms of its codes (to_qkv's per-head rows gathered into q, k and v; ff.w1's
+    halves swapped as they are dequantized), which a StoredLinear dequantizes at use to the same bits."""
+    if not stored:
+        weight = layer_reading.dequantized(reader, layer.spec, layer.keys, shape, dtype, device, name)
+        return comfy_to_diffusers_video(f"{name}.weight", weight, heads)
+    held = layer_reading.held(reader, layer.spec, layer.keys, shape, device, name)
+    group = layer.spec.params.convrot_group
+    if name.endswith(".attn.to_qkv"):
+        # Rows are [q_h; k_h; v_h] per head; every format here is per row, so a part's rows are its own layer.
+        rows = torch.arange(shape[0], device=device).reshape(heads, 3, -1)
+        out = []
+        for i, part in enumerate("qkv"):
+            index = rows[:, i].reshape(-1)
+            tensors = {s: t.index_select(0, index) if t.numel() > 1 else t for s, t in held.items()}
+            out.append((f"{name[: -len('to_qkv')]}to_{part}.weight",
+                        StoredForm(layer.spec.format, (index.numel(), shape[1]), tensors, group)))
+        return out
+    target = _comfy_video_name(f"{name}.weight".replace(".ff.w1.", ".ff.net.0.proj."))
+    return [(target, StoredForm(layer.spec.format, shape, held, group, swap_halves=name.endswith(".ff.w1")))]
 
 
 def check_video_vae(path: str | os.PathLike) -> VC.VideoVAEConfig:
     """The video VAE's config, with its files and every tensor's name and shape checked against it, from the
     configs and safetensors headers alone (what load_video_vae refuses, refused before any weight is read)."""
+    return video_identity(path).config
+
+
+def video_identity(path: str | os.PathLike) -> Identity:
+    """`check_video_vae`'s checks, and what they found (names, config, quantized layers)."""
     source = locate(path, "vae")
     with TensorFiles(source.files) as files:
-        comfy, cfg = _video_identity(source, files, None)
+        identity = _video_identity(source, files, None)
+        comfy, cfg = identity.comfy, identity.config
         shapes = {n: s for n, s in _video_shapes(files, comfy).items() if not (comfy and n in _COMFY_ONLY)}
     post = shapes.get("post_quant_conv.weight")
     if post is not None and post[0] != cfg.latent_channels:
@@ -428,7 +605,7 @@ def check_video_vae(path: str | os.PathLike) -> VC.VideoVAEConfig:
     with torch.device("meta"):
         model = V.VideoVAE(cfg)
     check_shapes({n: tuple(t.shape) for n, t in model.state_dict().items()}, shapes, source.origin)
-    return cfg
+    return identity
 
 
 def check_shapes(expected: dict[str, tuple[int, ...]], stored: dict[str, tuple[int, ...]], origin: str,
@@ -454,26 +631,40 @@ def _check_names(missing: list[str], unexpected: list[str], origin: str) -> None
 
 
 def load_video_vae(path: str | os.PathLike, *, device: str | torch.device = "cpu",
-                   decode_dtype: torch.dtype = torch.float16, config: VC.VideoVAEConfig | None = None) -> V.VideoVAE:
+                   decode_dtype: torch.dtype = torch.float16, config: VC.VideoVAEConfig | None = None,
+                   stored: bool = True) -> V.VideoVAE:
     """The video VAE from a diffusers folder (or its parent) or a ComfyUI single file.
 
     The encoder and every numerically sensitive tensor are fp32; the decoder's block linears and
     output projection are `decode_dtype` (fp16 default, fp32 for the exact path). `config`
     replaces the file's or folder's config; latents_mean/std tensors in a single file still win.
+    Quantized decoder linears (ComfyUI's int8_convrot file) stay as stored, StoredLinears dequantized at use into
+    `decode_dtype`; `stored=False` dequantizes them at load into plain linears (the same bits).
     """
     if decode_dtype not in VC.DECODE_DTYPES.values():
         raise InputError(f"video VAE decode dtype must be float16 or float32, got {decode_dtype}")
     source = locate(path, "vae")
     device = torch.device(device)
-    with TensorFiles(source.files) as files:
+    with TensorFiles(source.files) as files, ExitStack() as stack:
         keys = files.keys()
-        comfy, cfg = _video_identity(source, files, config)
+        identity = _video_identity(source, files, config)
+        comfy, cfg, quantized = identity.comfy, identity.config, identity.quantized
         with torch.device("meta"):
             model = V.VideoVAE(cfg)
         heads = cfg.decoder_num_attention_heads
+        reader = stack.enter_context(_reader(source)) if quantized else None
+        expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        scales = {k for layer in quantized.values() for s, k in layer.keys.items() if s != "weight" and s != "bias"}
 
-        def entries() -> Iterator[tuple[str, torch.Tensor]]:
+        def entries() -> Iterator[tuple[str, "torch.Tensor | StoredForm"]]:
             for key in keys:
+                if key in scales:
+                    continue
+                layer = key[: -len(".weight")] if key.endswith(".weight") else None
+                if layer in quantized:
+                    yield from _quantized_entries(reader, layer, quantized[layer], _logical_shape(layer, expected),
+                                                  heads, decode_dtype, device, stored)
+                    continue
                 tensor = files.get(key)
                 yield from (comfy_to_diffusers_video(key, tensor, heads) if comfy else [(key, tensor)])
 
@@ -561,7 +752,7 @@ def _audio_buffer(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
 def _audio_identity(source: Source, files: TensorFiles, given: A.AudioVAEConfig | None) -> A.AudioVAEConfig:
     """The config of an audio VAE's files, after checking that they hold one."""
     keys = files.keys()
-    _reject_quantized(keys, source.origin)
+    _reject_quantized(files, source.origin)
     if "pre_block.attn.zero_k_bias" not in files and "pre_block.attn.qkv.weight" not in files:
         video = any(k.startswith("decoder.transformer_blocks.") for k in keys)
         kind = "the video VAE" if video else "not an H3 audio VAE"

@@ -22,9 +22,14 @@ from . import audio as A
 from . import released
 from . import video as V
 from . import video_config as VC
-from .loading import DIFFUSERS_VERSION, LAYOUTS, WEIGHTS_NAME, diffusers_to_comfy_video
+from ..checkpoint.quant import convrot_group_for, encode_marker, quantize_int8_rows
+from .loading import DIFFUSERS_VERSION, LAYOUTS, QUANTIZABLE, WEIGHTS_NAME, diffusers_to_comfy_video
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
+                       torch.uint8: "U8"}
+# The video VAE's stored forms: as published (fp16 ComfyUI file, fp32 folders), or ComfyUI's
+# minimax_h3_video_vae_int8_convrot (the decoder blocks' linears int8 + ConvRot, the rest fp16; comfy layout).
+VIDEO_FORMATS = ("float", "int8_convrot")
 
 
 def write_safetensors_streaming(path: Path, plan: list[tuple[str, tuple[int, ...], torch.dtype]],
@@ -109,8 +114,26 @@ def _meta_shapes(model_cls: type, cfg: Any) -> list[tuple[str, tuple[int, ...]]]
     return [(name, tuple(t.shape)) for name, t in model.state_dict().items()]
 
 
+def _int8_convrot_layer(layer: str, weight: torch.Tensor, meta: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """A decoder linear as ComfyUI's int8_convrot file stores it: int8 codes of the rotated weight, an fp32 scale per
+    row, and its `.comfy_quant` marker. Quantized from the values the fp16 file holds, so both files of one seed
+    are the same model up to the int8 rounding."""
+    n, k = weight.shape
+    group = convrot_group_for(k)
+    if group is None:
+        raise CheckpointError(f"{layer}: {k} input columns admit no power-of-4 ConvRot group")
+    marker = encode_marker({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group})
+    if meta:
+        codes, scale = torch.empty(n, k, dtype=torch.int8, device="meta"), torch.empty(n, 1, device="meta")
+    else:
+        codes, scale = quantize_int8_rows(weight.float(), group)
+    yield f"{layer}.weight", codes
+    yield f"{layer}.weight_scale", scale
+    yield f"{layer}.comfy_quant", marker.to("meta") if meta else marker
+
+
 def _video_items(cfg: VC.VideoVAEConfig, layout: str, seed: int, dtype: torch.dtype,
-                 meta: bool) -> Iterator[tuple[str, torch.Tensor]]:
+                 meta: bool, fmt: str = "float") -> Iterator[tuple[str, torch.Tensor]]:
     def make(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, device="meta") if meta else random_tensor(name, shape, seed)
 
@@ -119,6 +142,10 @@ def _video_items(cfg: VC.VideoVAEConfig, layout: str, seed: int, dtype: torch.dt
     if original_names:
         items = diffusers_to_comfy_video(items, cfg.decoder_num_attention_heads)
     for name, tensor in items:
+        layer = name[: -len(".weight")]
+        if fmt == "int8_convrot" and name.endswith(".weight") and QUANTIZABLE.match(layer):
+            yield from _int8_convrot_layer(layer, tensor.to(dtype), meta)
+            continue
         yield name, tensor.to(dtype)
     if original_names:
         dim = cfg.decoder_dim
@@ -151,13 +178,22 @@ def _audio_items(cfg: A.AudioVAEConfig, layout: str, seed: int, meta: bool) -> I
             yield key, torch.tensor(getattr(cfg, key), device="meta" if meta else "cpu")
 
 
+def _check_video_format(fmt: str, layout: str) -> None:
+    if fmt not in VIDEO_FORMATS:
+        raise CheckpointError(f"unknown video VAE format {fmt!r}; choose one of {', '.join(VIDEO_FORMATS)}")
+    if fmt != "float" and layout != "comfy":
+        raise CheckpointError(f"the {fmt} video VAE is ComfyUI's single file (layout comfy), not the {layout} layout")
+
+
 def plan_vae_checkpoint(preset: str | VC.VideoVAEConfig, layout: str = "diffusers",
-                        dtype: torch.dtype | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+                        dtype: torch.dtype | None = None,
+                        fmt: str = "float") -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of every tensor `write_vae_checkpoint` writes; nothing is allocated."""
     _check_layout(layout)
+    _check_video_format(fmt, layout)
     cfg = _resolve_preset(preset, VC.PRESETS, "video VAE")
     dtype = dtype or (torch.float16 if layout == "comfy" else torch.float32)
-    return [(n, tuple(t.shape), t.dtype) for n, t in _video_items(cfg, layout, 0, dtype, meta=True)]
+    return [(n, tuple(t.shape), t.dtype) for n, t in _video_items(cfg, layout, 0, dtype, meta=True, fmt=fmt)]
 
 
 def plan_audio_vae_checkpoint(preset: str | A.AudioVAEConfig,
@@ -200,23 +236,26 @@ def _write(out: Path, layout: str, config: dict[str, Any], plan: list, items: It
 
 
 def write_vae_checkpoint(out: str | os.PathLike, preset: str | VC.VideoVAEConfig = "tiny", layout: str = "diffusers",
-                         seed: int = 0, *, dtype: torch.dtype | None = None) -> Path:
+                         seed: int = 0, *, dtype: torch.dtype | None = None, fmt: str = "float") -> Path:
     """A synthetic video VAE with deterministic random weights under the real names.
 
     layout "diffusers": `out` is the component folder (config.json + safetensors), fp32.
     layout "comfy": `out` is a .safetensors file with ComfyUI's names, fp16 like the published
     file. layout "released": `out` is MiniMaxAI's video_vae/ folder (config.json, source/config.json,
     source/model.safetensors with the original names), fp32. The same seed gives the same model in every
-    layout. latents_mean/std are random too.
+    layout. latents_mean/std are random too. fmt "int8_convrot" (comfy layout): ComfyUI's
+    minimax_h3_video_vae_int8_convrot, the decoder blocks' linears int8 + ConvRot (quantized from the fp16 file's
+    values of the same seed, each with its `.comfy_quant` marker), everything else as the fp16 file holds it.
     """
     _check_layout(layout)
+    _check_video_format(fmt, layout)
     cfg = _resolve_preset(preset, VC.PRESETS, "video VAE")
     mean, std = synthetic_latent_stats(cfg.latent_channels, seed)
     cfg = replace(cfg, latents_mean=mean, latents_std=std)
     dtype = dtype or (torch.float16 if layout == "comfy" else torch.float32)
-    plan = plan_vae_checkpoint(cfg, layout, dtype)
-    items = _video_items(cfg, layout, seed, dtype, meta=False)
-    description = f"synthetic H3 video VAE, seed {seed}"
+    plan = plan_vae_checkpoint(cfg, layout, dtype, fmt)
+    items = _video_items(cfg, layout, seed, dtype, meta=False, fmt=fmt)
+    description = f"synthetic H3 video VAE, seed {seed}" + (f", {fmt} decoder linears" if fmt != "float" else "")
     if layout == "released":
         wrapper, source = released.video_files(cfg)
         return _write_released(Path(out), {"config.json": wrapper, "source/config.json": source},

@@ -57,6 +57,7 @@ from torch import nn
 from ...errors import InputError
 from ...kernels.attention import sdpa
 from ...kernels.settings import DEFAULT_TILE_BATCH, check_tile_batch
+from ...kernels.stored_linear import StoredLinear
 from .video_blocks import AttentionFn, Decoder, Encoder
 from .video_config import (DECODE_DTYPES, DEFAULT_TILE_MIN_OVERLAP, DEFAULT_TILE_SIZE, FULL, IMAGENET_MEAN,
                            IMAGENET_STD, VideoVAEConfig)
@@ -169,6 +170,10 @@ class VideoVAE(nn.Module):
             raise InputError(f"video VAE decode dtype must be float16 or float32, got {dtype}")
         for name, param in self.named_parameters():
             param.data = param.data.to(param_dtype(name, dtype))
+        # Quantized decoder linears keep their codes; only the dtype they are dequantized into follows.
+        for module in self.decoder.transformer_blocks.modules():
+            if isinstance(module, StoredLinear):
+                module.out_dtype = dtype
         return self
 
     # ---- latent normalisation ------------------------------------------------------------

@@ -222,6 +222,12 @@ class FeedForward(nn.Module):
         return self.net[2](self.net[0](x))
 
 
+def compute_dtype(linear: nn.Module) -> torch.dtype:
+    """The dtype a block linear computes in: its weight's, or a StoredLinear's `out_dtype` (its weight holds the
+    stored codes of a quantized file)."""
+    return getattr(linear, "out_dtype", None) or linear.weight.dtype
+
+
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: VideoVAEConfig) -> None:
         super().__init__()
@@ -236,7 +242,7 @@ class DecoderBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         # h stays fp32; only the normed input to each sub-layer takes the compute dtype.
-        compute = self.attn.to_q.weight.dtype
+        compute = compute_dtype(self.attn.to_q)
         x = F.rms_norm(h, (h.shape[-1],), self.norm1.weight, self.norm1.eps).to(compute)
         h = h + self.attn(x, cos, sin, attention) * self.scale1
         x = F.rms_norm(h, (h.shape[-1],), self.norm2.weight, self.norm2.eps).to(compute)
