@@ -110,3 +110,19 @@ def test_metrics_and_the_preview_png():
         got = client.get("/metrics")
         assert (got.status_code, got.json()) == (
             501, {"error": "/metrics needs prometheus-client: pip install 'h3-spark[serve]'"})
+
+
+def test_the_host_list_takes_ports_ipv6_and_sub_domains():
+    from h3_spark.serve.http_app import host_name
+
+    assert [host_name(h) for h in ("127.0.0.1:8000", "[::1]:8000", "[::1]", "H3.Example", "h3.example:443")] == [
+        "127.0.0.1", "[::1]", "[::1]", "h3.example", "h3.example"]
+    app = _app([], allowed_hosts=("[::1]", "*.h3.example"))
+    with TestClient(app, base_url="http://[::1]:8000") as client:
+        for host, status in (("[::1]:8000", 200), ("api.h3.example", 200), ("a.b.h3.example:8000", 200),
+                             ("h3.example", 400), ("evilh3.example", 400), ("", 400)):
+            got = client.get("/live", headers={"host": host})
+            assert got.status_code == status, host
+            if status == 400:
+                assert got.json() == {"error": f"Host {host!r} is not a name this server answers to "
+                                               f"(--allowed-host)"}
