@@ -1,9 +1,11 @@
-"""Slow clients against a live `h3-spark serve --synthetic tiny` on loopback (CPU): stalled sockets held while
-real clients loop; JSON to --out.
+"""Slow clients against a live `h3-spark serve --synthetic tiny` on loopback (CPU), or with `--fleet N` against
+`h3-spark fleet` of N such replicas (its front, serve/fleet/front.py): stalled sockets held while real clients loop;
+JSON to --out.
 
 Usage (repository root, any machine):
     python benchmarks/slow_clients_cpu.py --out receipts/cpu/slow-clients.json [--stalled 500] [--clients 8]
         [--seconds 30]
+    python benchmarks/slow_clients_cpu.py --fleet 2 --out receipts/cpu/slow-clients-fleet.json
 
 Half of the stalled sockets send part of a request head and stop, half a whole head and 6 bytes of a 100-byte
 body. Each client loops: POST /generate (a tiny job: 202, or 429 with Retry-After once the queue is full) and
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -103,21 +106,30 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--head-timeout-s", type=float, default=10.0)
     p.add_argument("--body-timeout-s", type=float, default=30.0)
+    p.add_argument("--fleet", type=int, default=0, help="measure `h3-spark fleet` of this many replicas instead")
     args = p.parse_args(argv)
     port = _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        service = subprocess.Popen([sys.executable, "-m", "h3_spark.cli", "serve", "--synthetic", "tiny", "--synthetic-modes", "t2va",
-                                    "--output-dir", out_dir, "--port", str(port), "--queue-size", "4",
-                                    "--head-timeout-s", str(args.head_timeout_s), "--body-timeout-s",
-                                    str(args.body_timeout_s), "--log-level", "warning"], env=env,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if args.fleet:
+            config = Path(out_dir) / "fleet.json"
+            config.write_text(json.dumps({"http": {"head_timeout_s": args.head_timeout_s,
+                                                   "body_timeout_s": args.body_timeout_s}}))
+            command = ["fleet", "--config", str(config), "--replicas", str(args.fleet), "--synthetic", "tiny",
+                       "--synthetic-modes", "t2va", "--device", "cpu", "--cpus-per-replica",
+                       str(max(0.25, (os.cpu_count() or 2) / (args.fleet + 1))), "--num-cpus", str(os.cpu_count() or 2)]
+        else:
+            command = ["serve", "--synthetic", "tiny", "--synthetic-modes", "t2va", "--head-timeout-s",
+                       str(args.head_timeout_s), "--body-timeout-s", str(args.body_timeout_s), "--log-level", "warning"]
+        service = subprocess.Popen([sys.executable, "-m", "h3_spark.cli", *command, "--output-dir", out_dir, "--port",
+                                    str(port), "--queue-size", "4"], env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 300
             while True:
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-                        if r.status == 200:
+                        if r.status == 200 and json.loads(r.read()).get("ready_replicas", 1) >= max(args.fleet, 1):
                             break
                 except OSError:
                     pass
@@ -154,8 +166,11 @@ def main(argv=None) -> int:
                 t.join()
             watcher.join()
         finally:
-            service.terminate()
-            service.wait(timeout=60)
+            service.send_signal(signal.SIGINT)  # a fleet stops Serve and Ray on Ctrl-C
+            try:
+                service.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                service.kill()
     heads = [c for i, c in enumerate(closes) if i % 2]
     bodies = [c for i, c in enumerate(closes) if not i % 2]
     generate = [r for r in results if r[0] == "generate"]
@@ -168,9 +183,12 @@ def main(argv=None) -> int:
     result = {
         "what": f"{args.stalled} stalled sockets (half a partial head, half a head and 6 of 100 body bytes) held "
                 f"while {args.clients} clients loop POST /generate + GET /live for {args.seconds:g} s against "
-                "`h3-spark serve --synthetic tiny` on loopback (CPU; tiny synthetic random weights)",
+                + (f"`h3-spark fleet --replicas {args.fleet} --synthetic tiny` (its front before Ray Serve's proxy)"
+                   if args.fleet else "`h3-spark serve --synthetic tiny`")
+                + " on loopback (CPU; tiny synthetic random weights)",
+        "cpus": os.cpu_count(),
         "limits": {"head_timeout_s": args.head_timeout_s, "body_timeout_s": args.body_timeout_s,
-                   "max_connections": 64, "queue_size": 4},
+                   "max_connections": 64, "queue_size": 4 if not args.fleet else f"4 per replica, {args.fleet}"},
         "stalled_opened_in_s": round(opened, 3),
         "answers": by_status,
         "lost": sum(1 for r in results if r[1] is None),

@@ -9,6 +9,7 @@ cluster and run first.
 
 import contextlib
 import io
+import json
 import os
 import random
 import signal
@@ -23,6 +24,7 @@ import pytest
 from h3_spark.errors import H3Error, InputError
 from h3_spark.serve.fleet.config import config_from_mapping, load_config
 from h3_spark.serve.fleet.ledger import Ledger
+from h3_spark.serve.http_limits import HttpLimits
 from ports import free_port
 
 pytest.importorskip("starlette")
@@ -73,6 +75,10 @@ def body(steps=3, **extra) -> dict:
     ({"keys_file": 3}, "fleet config t: keys_file must be a file path, got 3"),
     ({"serve": {"keys_file": "k"}}, "fleet config t: replica replica-1: serve option 'keys_file' is not per replica: "
                                     "the fleet's front checks the keys"),
+    ({"http": {"head_timeout": 3}}, "fleet config t: unknown http setting 'head_timeout' (known: max_header_bytes, "),
+    ({"http": {"body_timeout_s": 0}}, "fleet config t: http: --body-timeout-s must be 1..3600, got 0"),
+    ({"http": {"sync_timeout_s": "long"}}, "fleet config t: http sync_timeout_s must be a number, got 'long'"),
+    ({"http": [1]}, "fleet config t: http must be a mapping, got list"),
 ])
 def test_bad_config_values_are_one_line_errors(tmp_path, mapping, message):
     if "--output-dir" not in message:
@@ -92,6 +98,9 @@ def test_a_config_file_gives_each_replica_its_serve_flags(tmp_path):
                                              "--queue-size", "9")
     assert config.gpus_per_replica == 0 and config.port == 8123 and config.host == "127.0.0.2"
     assert config.env == {"H3_ATTENTION": "sdpa"}
+    assert config.http == HttpLimits()  # the front's HTTP limits: serve's, unless the config's `http` says
+    assert load_config(path, {"http": {"head_timeout_s": 2.5, "sync_timeout_s": 60}}).http == HttpLimits(
+        head_timeout_s=2.5, sync_timeout_s=60)
     # The front checks uploads and steps against the strictest replica's limits (any may take the job).
     strict = config_from_mapping({"replicas": [{"name": "a", "serve": {"max_input_mb": 8, "keep_days": 3}},
                                                {"name": "b", "serve": {"max_steps": 12}}],
@@ -411,6 +420,110 @@ def test_job_state_survives_the_client(fleet):
     with httpx.Client(base_url=fleet["url"], timeout=30) as later:
         record = wait_job(later, job_id)
     assert record["state"] == "done" and record["output"] and record["request"]["prompt"] == sent["prompt"]
+
+
+@contextlib.contextmanager
+def front(fleet, http, **kwargs):
+    """The fleet's own front (serve/fleet/front.py, as `h3-spark fleet` runs it) before the module's fleet."""
+    import threading
+
+    import uvicorn
+
+    from h3_spark.serve.auth import LOOPBACK_HOSTS
+    from h3_spark.serve.fleet.front import front_app
+    from h3_spark.serve.http_limits import uvicorn_settings
+    from h3_spark.serve.validation import Limits
+
+    port = free_port()
+    app = front_app(fleet["url"], http, Limits(), kwargs.get("allowed_hosts", LOOPBACK_HOSTS), kwargs.get("key"),
+                    lambda line: None)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="on",
+                                           **uvicorn_settings(http)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    until(lambda: server.started, 10, "the front started")
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_the_front_holds_serves_deadlines_against_stalled_sockets(fleet):
+    """serve's slow-client test against the 2-replica fleet through its front: 120 stalled sockets (half a partial
+    head, half 6 of 100 body bytes of POST /generate) while four clients loop POST /generate and GET /live: every
+    request answered (none lost), /live 200 throughout, the heads closed silently at 2 s and the bodies answered 408
+    at 3 s. Ray's own proxy keeps a stalled head open past that deadline (why the front is ours)."""
+    import statistics
+    import threading
+
+    from slow_clients import LIVE, closed_within, raw_request, stalled
+    from h3_spark.serve.http_limits import HttpLimits
+
+    direct = stalled(int(fleet["url"].rsplit(":", 1)[1]), "head")
+    http = HttpLimits(max_connections=8, head_timeout_s=2.0, body_timeout_s=3.0)
+    with front(fleet, http) as port:
+        heads = [stalled(port, "head") for _ in range(60)]
+        bodies = [stalled(port, "body", "/generate") for _ in range(60)]
+        results, stop = [], time.monotonic() + 2.0
+
+        def client(k):
+            n = 0
+            while time.monotonic() < stop:
+                job = json.dumps(body(steps=2, output=f"front-{k}-{n}-{uuid.uuid4().hex[:6]}.mp4")).encode()
+                results.append(("generate", *raw_request(port, b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                                               b"Content-Type: application/json\r\nContent-Length: "
+                                                               + str(len(job)).encode() + b"\r\nConnection: close"
+                                                               b"\r\n\r\n" + job)))
+                results.append(("live", *raw_request(port, LIVE)))
+                n += 1
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        codes = {kind: sorted({code for k, code, _, _ in results if k == kind}) for kind in ("generate", "live")}
+        assert len(results) > 20 and set(codes["generate"]) <= {202, 429, 503}, codes
+        assert codes["generate"][0] == 202 and codes["live"] == [200], codes
+        assert all(h.get("retry-after") for k, code, h, _ in results if code in (429, 503))
+        live = sorted(seconds for kind, _, _, seconds in results if kind == "live")
+        assert statistics.median(live) < 0.5, live
+        assert all(closed_within(s, 3.0) == (True, b"") for s in heads)
+        for s in bodies:
+            closed, got = closed_within(s, 3.0)
+            assert closed and got.startswith(b"HTTP/1.1 408"), got[:40]
+    assert closed_within(direct, 1.0)[0] is False  # 3 s and more after it opened, Ray's proxy still holds it
+    direct.close()
+    with httpx.Client(base_url=fleet["url"], timeout=30) as plain:
+        placed = sum(1 for k, code, _, _ in results if k == "generate" and code == 202)
+        jobs = plain.get("/jobs").json()["jobs"]
+        assert placed and len(jobs) >= placed  # the jobs the front let through are the router's
+        for job in jobs:  # the later tests start from idle replicas
+            if job["state"] not in TERMINAL:
+                plain.delete(f"/jobs/{job['id']}")
+        until(lambda: all(j["state"] in TERMINAL for j in plain.get("/jobs").json()["jobs"]), 60, "the jobs ended")
+
+
+def test_the_front_refuses_a_stranger_host_in_each_routes_shape_and_forwards_answers_whole(fleet):
+    from slow_clients import raw_request
+    from h3_spark.serve.http_limits import HttpLimits
+
+    with front(fleet, HttpLimits()) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+        got = c.get("/v1/models", headers={"host": "attacker.example"})
+        assert got.status_code == 400 and got.json() == {"error": {
+            "message": "Host 'attacker.example' is not a name this server answers to (--allowed-host)",
+            "type": "invalid_request_error", "param": None, "code": "invalid_host"}}
+        got = c.get("/jobs", headers={"host": "attacker.example:8000"})
+        assert got.status_code == 400 and got.json() == {
+            "error": "Host 'attacker.example:8000' is not a name this server answers to (--allowed-host)"}
+        ready = c.get("/ready")
+        assert ready.status_code == 200 and ready.json()["ready_replicas"] == 2
+        assert c.get("/v1/models").json()["data"][0]["id"] == "h3"
+        code, _, _ = raw_request(port, b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                       b"application/json\r\nContent-Length: 1099511627776\r\nConnection: close"
+                                       b"\r\n\r\n{}")
+        assert code == 413  # on the declared length, before any of it is read
 
 
 def test_a_killed_replicas_jobs_fail_with_the_reason_and_the_fleet_keeps_serving(fleet):

@@ -110,6 +110,12 @@ def test_videos_spread_over_replicas_and_each_call_reaches_its_owner(fleet):
     assert uploaded.status == "completed" and uploaded.mode == "fl2va", uploaded.error
     assert list((fleet.out / ".h3-spark-uploads").iterdir()) == []
 
+    # An extension through the router: the continued canvas and the stitched length from the create answer on.
+    extended = c.videos.extend(prompt="on", seconds="5.17", video=openai.omit,
+                               extra_body={"video": {"id": made[1].id}, "steps": 2})
+    assert (extended.size, extended.seconds) == ("64x64", "10.33"), extended
+    assert c.videos.poll(extended.id, poll_interval_ms=50).seconds == "10.33"
+
     gone = c.videos.delete(made[0].id)
     assert gone.deleted and made[0].id not in [v.id for v in c.videos.list().data]
     for call in (lambda: c.videos.retrieve(made[0].id), lambda: c.videos.download_content(made[0].id)):

@@ -76,12 +76,14 @@ def test_reports_every_format(files, tmp_path, capsys, lay, fmt):
     assert report["layers"]["video_patch_proj"]["format"] == "fp32"
 
 
-def test_default_output_folder_and_diffusers_folder(files, tmp_path, capsys, monkeypatch):
+def test_without_out_nothing_is_written_and_a_diffusers_folder(files, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, _ = _run(capsys, files[("diffusers", "bf16")])
-    assert code == 0
-    report = json.loads((tmp_path / "artifacts" / "checkpoints" / "transformer.inspect.json").read_text())
+    assert code == 0 and "complete" in out and "report:" not in out
+    assert list(tmp_path.iterdir()) == []  # no report unless --out asks for one
+    report = inspect_checkpoint(files[("diffusers", "bf16")])
     assert report["layout"] == "diffusers" and report["complete"] and report["logical_parameters"] == TINY_PARAMS
+    assert report["loader_check"] == {"check": "DitReader.check", "passed": True}
     assert report["dtype_histogram"]["F32"]["tensors"] == 12  # the fp32 islands
 
 
@@ -131,14 +133,33 @@ def test_other_h3_models(tmp_path, capsys):
     save_file(te, tmp_path / "text_encoder.safetensors")
     del vsd["decoder.transformer_blocks.1.attn.to_k.bias"]
     save_file(vsd, tmp_path / "video_vae_broken.safetensors")
-    expected = {"video_vae": ("video_vae", True), "audio_vae": ("audio_vae", True),
-                "text_encoder": ("text_encoder", True), "video_vae_broken": ("video_vae", False)}
+    video.save_pretrained(tmp_path / "video_folder")
+    audio.save_pretrained(tmp_path / "audio_folder")
+    # The headers of the tiny VAEs' single files hold every tensor, but their strides are not the released ones and
+    # a single file carries no config: the loader refuses them, so they are not complete (they once were, by their
+    # headers alone). Their diffusers folders, configs beside the weights, are.
+    expected = {"video_vae.safetensors": ("video_vae", False), "audio_vae.safetensors": ("audio_vae", False),
+                "video_folder": ("video_vae", True), "audio_folder": ("audio_vae", True),
+                "text_encoder.safetensors": ("text_encoder", True), "video_vae_broken.safetensors": ("video_vae", False)}
     for name, (model, complete) in expected.items():
-        report = inspect_checkpoint(tmp_path / f"{name}.safetensors")
-        assert report["model"] == model and report["complete"] == complete, (name, report["missing"])
+        report = inspect_checkpoint(tmp_path / name)
+        assert report["model"] == model and report["complete"] == complete, (name, report["missing"],
+                                                                           report["loader_check"])
+    single = inspect_checkpoint(tmp_path / "video_vae.safetensors")
+    assert single["missing"] == [] and single["loader_check"] == {
+        "check": "check_video_vae", "passed": False,
+        "error": "cannot infer this video VAE's strides or head width from its tensors; it has no config (pass one, "
+                 "or use a diffusers folder)"}
+    code, out, _ = _run(capsys, tmp_path / "audio_vae.safetensors")
+    assert code == 0 and "INCOMPLETE: the loader refuses it (check_audio_vae): cannot infer this audio VAE's " \
+                         "decoder rates or dilations from its tensors" in out
+    assert inspect_checkpoint(tmp_path / "audio_folder")["loader_check"] == {"check": "check_audio_vae",
+                                                                              "passed": True}
+    assert inspect_checkpoint(tmp_path / "text_encoder.safetensors")["loader_check"]["skipped"] == \
+        "a single-file text encoder: the loader's check needs its tokenizer too"
     assert inspect_checkpoint(tmp_path / "video_vae_broken.safetensors")["missing"] == \
         ["decoder.transformer_blocks.1.attn.to_k.bias"]
-    assert inspect_checkpoint(tmp_path / "audio_vae.safetensors")["logical_parameters"] == \
+    assert inspect_checkpoint(tmp_path / "audio_folder")["logical_parameters"] == \
         sum(p.numel() for p in audio.state_dict().values())
     facts = inspect_checkpoint(tmp_path / "text_encoder.safetensors")["structure"]
     assert facts["language_layers"] == 2 and facts["vision_tensors"] == 1
@@ -256,3 +277,62 @@ def test_wrong_sized_nvfp4_and_weightless_layers_are_incomplete(files, tmp_path,
     assert report["weight_missing"] == ["blocks.1.attn.out_proj"] and report["unmapped"] == []
     assert "1 weight missing (e.g. blocks.1.attn.out_proj)" in out
     assert "1 NVFP4 layers with wrong packed sizes (e.g. blocks.0.mlp.fc2: NVFP4 weight is [32, 24]" in out
+
+
+def _rewritten(source, path, change=None, metadata=None):
+    from safetensors import safe_open
+
+    with safe_open(str(source), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    if change:
+        change(tensors)
+    save_file(tensors, path, metadata={**meta, **(metadata or {})})
+    return path
+
+
+def test_a_file_the_headers_pass_and_the_loader_refuses_is_not_complete(files, tmp_path, capsys):
+    """A layer's scale of the wrong size for its format: every name and weight shape is right (the header report
+    alone said complete), the loader refuses it when it reads the layer; inspect now runs that check and names it,
+    and the engine's pre-load checks (DitReader.check) refuse it before any weight is read."""
+    from h3_spark.errors import CheckpointError
+    from h3_spark.h3_model.checkpoint import open_dit
+
+    def short_scale(tensors):
+        tensors["blocks.0.attn.qkv_proj.weight_scale"] = torch.rand(95, 1) + 0.5
+
+    path = _rewritten(files[("comfy", "int8_convrot")], tmp_path / "scales.safetensors", short_scale)
+    report = inspect_checkpoint(path)
+    assert report["missing"] == [] and report["unmapped"] == [] and not report["complete"]
+    check = report["loader_check"]
+    assert check["check"] == "DitReader.check" and check["passed"] is False
+    assert check["error"].startswith(f"{path}: blocks.0.attn.qkv_proj") and "weight_scale" in check["error"], check
+    code, out, _ = _run(capsys, path)
+    assert code == 0 and f"INCOMPLETE: the loader refuses it (DitReader.check): {check['error']}" in out
+    reader = open_dit(path)
+    with pytest.raises(CheckpointError) as err:
+        reader.check()
+    reader.source.close()
+    assert str(err.value) == check["error"]
+
+
+@pytest.mark.parametrize("what, message", [
+    ("group", "blocks.0.attn.qkv_proj: convrot_groupsize: ConvRot group size must be a power of 4 (4, 16, 64, "
+              "256, ...), got 8"),
+    ("group_text", "blocks.0.attn.qkv_proj: convrot_groupsize must be an integer, got 'four'"),
+    ("metadata", "the safetensors metadata field _quantization_metadata is not JSON (Expecting property name "
+                 "enclosed in double quotes at character 1)"),
+])
+def test_format_errors_name_their_layer_or_field(files, tmp_path, capsys, what, message):
+    def marker(tensors):
+        group = 8 if what == "group" else "four"
+        tensors["blocks.0.attn.qkv_proj.comfy_quant"] = encode_marker(
+            {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group})
+
+    path = tmp_path / f"{what}.safetensors"
+    if what == "metadata":
+        _rewritten(files[("comfy", "int8_convrot")], path, metadata={"_quantization_metadata": "{not json"})
+    else:
+        _rewritten(files[("comfy", "int8_convrot")], path, marker)
+    code, out, err = _run(capsys, path)
+    assert code == 2 and err.strip() == f"h3-spark inspect: error: {message}", err

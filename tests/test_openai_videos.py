@@ -124,3 +124,17 @@ def test_remix_reruns_the_kept_request_and_refuses_what_it_cannot():
         ov.remix(uploaded, "a dog", OUT)
     with pytest.raises(RequestError, match="prompt is required"):
         ov.remix(source, "", OUT)
+
+
+def test_a_refused_field_is_named_as_the_client_sent_it():
+    assert ov.client_param("width", {"size": "10x64"}) == "size"
+    assert ov.client_param("height", {"aspect_ratio": "1:9"}) == "aspect_ratio"
+    assert ov.client_param("width", {"width": 10}) == "width"
+    assert ov.client_param("steps", {"num_inference_steps": 1}) == "num_inference_steps"
+    assert ov.client_param("steps", {"extra_params": {"num_inference_steps": 1}}) == "num_inference_steps"
+    assert ov.client_param("mode", {"task": "x2va"}) == "task"
+    assert ov.client_param("steps", {"steps": 1}) == "steps" and ov.client_param(None, {"size": "1x1"}) is None
+    # End to end through the validator: a canvas too small for its multiple, sent as size.
+    with pytest.raises(RequestError) as err:
+        parse_request(create(prompt="p", size="10x64"), Limits())
+    assert ov.client_param(err.value.param, {"size": "10x64"}) == "size"

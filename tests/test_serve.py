@@ -624,6 +624,35 @@ def test_a_body_that_does_not_say_json_is_refused(serve, content_type):
     assert r.status_code == 202, r.text
 
 
+def test_the_sync_wait_is_a_setting_and_its_end_is_a_504_naming_the_video(serve):
+    """--sync-timeout-s (HttpLimits.sync_timeout_s): past it /v1/videos/sync answers 504 in OpenAI's shape, naming
+    the video to poll; the job goes on and ends as any other."""
+    from h3_spark.errors import InputError
+    from h3_spark.serve.http_limits import HttpLimits
+
+    client = serve(http=HttpLimits(sync_timeout_s=1))
+    release = threading.Event()
+    runner = client.service._runner
+    client.service._runner = lambda job: (release.wait(30), runner(job))[1]  # held until the answer is in
+    started = time.monotonic()
+    r = client.post("/v1/videos/sync", json={"prompt": "a held job", "size": "64x64", "seconds": "5.17",
+                                             "steps": 2})
+    waited = time.monotonic() - started
+    release.set()
+    video_id = r.headers.get("x-video-id", "")
+    assert r.status_code == 504 and 1.0 <= waited < 5.0, (r.text, waited)
+    assert r.json()["error"] == {
+        "message": f"video {video_id} did not finish within 1 s (the sync wait, --sync-timeout-s); it goes on: "
+                   f"GET /v1/videos/{video_id}", "type": "server_error", "param": None, "code": "sync_timeout"}
+    assert video_id.startswith("video_") and r.headers["location"] == f"/v1/videos/{video_id}"
+    deadline = time.monotonic() + 60
+    while client.get(f"/v1/videos/{video_id}").json()["status"] != "completed":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(InputError, match="^--sync-timeout-s must be 1..86400, got 0$"):
+        HttpLimits(sync_timeout_s=0)
+
+
 def test_a_loopback_service_answers_loopback_host_names_only(serve):
     """DNS rebinding: a page whose name resolves to 127.0.0.1 sends Host: its own name, which a loopback service
     refuses (400); its own names pass. The CLI's default allow-list is the loopback names on loopback, any Host
@@ -636,8 +665,14 @@ def test_a_loopback_service_answers_loopback_host_names_only(serve):
         assert client.get("/live", headers={"host": host}).status_code == 200, host
     for host in ("attacker.example:8000", "127.0.0.1.attacker.example"):
         r = client.post("/generate", json=request("x.mp4"), headers={"host": host})
-        assert r.status_code == 400 and r.text == "Invalid host header", host
+        assert r.status_code == 400 and r.json() == {
+            "error": f"Host {host!r} is not a name this server answers to (--allowed-host)"}, host
         assert client.get("/jobs", headers={"host": host}).status_code == 400
+        # On /v1/, OpenAI's error object (its clients read nothing else).
+        r = client.get("/v1/models", headers={"host": host})
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": f"Host {host!r} is not a name this server answers to (--allowed-host)",
+            "type": "invalid_request_error", "param": None, "code": "invalid_host"}
     assert allowed_hosts("127.0.0.1", None) == LOOPBACK_HOSTS and allowed_hosts("0.0.0.0", None) is None
     assert allowed_hosts("127.0.0.1", ["H3.Example", "localhost"]) == ("h3.example", "localhost")
     assert allowed_hosts("127.0.0.1", ["*"]) is None

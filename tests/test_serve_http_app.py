@@ -89,7 +89,9 @@ def test_middleware_counts_headers_first_then_the_host_then_the_token():
         assert got.status_code == 431 and re.fullmatch(r"the request has 1[0-9] headers; the limit is 8",
                                                        got.json()["error"])
         got = client.get("/live", headers={"host": "attacker.example"})
-        assert got.status_code == 400  # Starlette's TrustedHostMiddleware, before the token
+        assert got.status_code == 400 and got.json()["error"].startswith("Host 'attacker.example'")  # before the token
+        assert client.get("/live", headers={"host": "127.0.0.1:8000",
+                                            "Authorization": f"Bearer {TOKEN}"}).status_code == 200
         got = client.get("/live")
         assert (got.status_code, got.json(), got.headers["www-authenticate"]) == (
             401, {"error": "unauthorized"}, "Bearer")
@@ -108,3 +110,19 @@ def test_metrics_and_the_preview_png():
         got = client.get("/metrics")
         assert (got.status_code, got.json()) == (
             501, {"error": "/metrics needs prometheus-client: pip install 'h3-spark[serve]'"})
+
+
+def test_the_host_list_takes_ports_ipv6_and_sub_domains():
+    from h3_spark.serve.http_app import host_name
+
+    assert [host_name(h) for h in ("127.0.0.1:8000", "[::1]:8000", "[::1]", "H3.Example", "h3.example:443")] == [
+        "127.0.0.1", "[::1]", "[::1]", "h3.example", "h3.example"]
+    app = _app([], allowed_hosts=("[::1]", "*.h3.example"))
+    with TestClient(app, base_url="http://[::1]:8000") as client:
+        for host, status in (("[::1]:8000", 200), ("api.h3.example", 200), ("a.b.h3.example:8000", 200),
+                             ("h3.example", 400), ("evilh3.example", 400), ("", 400)):
+            got = client.get("/live", headers={"host": host})
+            assert got.status_code == status, host
+            if status == 400:
+                assert got.json() == {"error": f"Host {host!r} is not a name this server answers to "
+                                               f"(--allowed-host)"}

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from ports import free_port
+from slow_clients import ECHO, LIVE, closed_within, raw_request, stalled
 from h3_spark.serve.http_limits import HttpLimits, read_body, uvicorn_settings
 
 uvicorn = pytest.importorskip("uvicorn")
@@ -58,62 +59,16 @@ def server():
         thread.join(timeout=10)
 
 
-def _stalled(port: int, kind: str) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port))
-    if kind == "head":
-        s.sendall(b"GET /live HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")  # never finished
-    else:
-        s.sendall(b"POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"a\": ")  # 6 of 100 bytes
-    return s
-
-
-def _closed_within(s: socket.socket, seconds: float) -> tuple[bool, bytes]:
-    """Whether the server closed `s` within `seconds`, and what it sent before."""
-    s.settimeout(seconds)
-    got = b""
-    try:
-        while True:
-            chunk = s.recv(4096)
-            if not chunk:
-                return True, got
-            got += chunk
-    except socket.timeout:
-        return False, got
-    except ConnectionResetError:
-        return True, got
-
-
-def _request(port: int, raw: bytes) -> tuple[int, dict, float]:
-    start = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(raw)
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = s.recv(4096)
-            if not chunk:
-                break
-            data += chunk
-    head = data.split(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
-    headers = dict(line.split(": ", 1) for line in head[1:] if ": " in line)
-    return int(head[0].split()[1]), {k.lower(): v for k, v in headers.items()}, time.perf_counter() - start
-
-
-LIVE = b"GET /live HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-ECHO = (b"POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
-        b"Connection: close\r\n\r\n{}")
-
-
 def test_stalled_sockets_leave_real_clients_served_and_close_at_their_deadlines(server):
     http = HttpLimits(max_connections=8, head_timeout_s=2.0, body_timeout_s=3.0)
     port = server(http)
-    heads = [_stalled(port, "head") for _ in range(60)]
-    bodies = [_stalled(port, "body") for _ in range(60)]
+    heads = [stalled(port, "head") for _ in range(60)]
+    bodies = [stalled(port, "body") for _ in range(60)]
     results, stop = [], time.monotonic() + 1.5
 
     def client(raw):
         while time.monotonic() < stop:
-            results.append((raw is LIVE, *_request(port, raw)))
+            results.append((raw is LIVE, *raw_request(port, raw)))
 
     threads = [threading.Thread(target=client, args=(raw,)) for raw in (LIVE, ECHO, LIVE, ECHO)]
     for t in threads:
@@ -128,9 +83,9 @@ def test_stalled_sockets_leave_real_clients_served_and_close_at_their_deadlines(
     live = sorted(seconds for is_live, code, _, seconds in results if is_live and code == 200)
     assert statistics.quantiles(live, n=100)[98] < 0.5  # p99; the measured figure is the receipt's
     # Stalled heads are closed, silently, at 2 s; stalled bodies answered 408 at 3 s and closed.
-    assert all(_closed_within(s, 3.0) == (True, b"") for s in heads)
+    assert all(closed_within(s, 3.0) == (True, b"") for s in heads)
     for s in bodies:
-        closed, got = _closed_within(s, 3.0)
+        closed, got = closed_within(s, 3.0)
         assert closed and got.startswith(b"HTTP/1.1 408"), got[:40]
 
 
@@ -148,7 +103,7 @@ def test_a_head_sent_a_byte_at_a_time_is_closed_at_the_head_deadline(server):
         time.sleep(0.1)  # each byte would restart an idle timer; the head deadline holds
         if time.monotonic() - start > 3:
             break
-    closed = closed or _closed_within(s, 0.5)[0]
+    closed = closed or closed_within(s, 0.5)[0]
     assert closed and time.monotonic() - start < 3.0
 
 
@@ -159,7 +114,7 @@ def test_a_kept_alive_connection_gets_a_new_head_deadline_after_each_response(se
             time.sleep(0.6)
             s.sendall(b"GET /live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert s.recv(4096).startswith(b"HTTP/1.1 200")
-        assert _closed_within(s, 2.0)[0]  # and idle past it: closed
+        assert closed_within(s, 2.0)[0]  # and idle past it: closed
 
 
 def test_sockets_past_the_cap_are_closed_as_they_open(server):
@@ -167,7 +122,7 @@ def test_sockets_past_the_cap_are_closed_as_they_open(server):
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]
     time.sleep(0.2)
     extra = socket.create_connection(("127.0.0.1", port))
-    assert _closed_within(extra, 2.0) == (True, b"")
-    assert not _closed_within(held[0], 0.3)[0]  # the first 16 stay open
+    assert closed_within(extra, 2.0) == (True, b"")
+    assert not closed_within(held[0], 0.3)[0]  # the first 16 stay open
     for s in held:
         s.close()

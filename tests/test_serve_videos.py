@@ -115,10 +115,20 @@ def test_create_poll_and_download_every_variant(server):
     assert picture.shape == (64, 64, 3) and np.abs(picture - frames[0]).mean() < 12
     sheet = c.videos.download_content(video.id, variant="spritesheet")
     assert sheet.response.headers["content-type"] == "image/jpeg"
+    # Each tile 256 px wide whatever the clip (a 64x64 clip's frames scaled up): the first tile is the first frame
+    # scaled to 256 px, the last the last.
     grid = np.asarray(Image.open(io.BytesIO(sheet.read())).convert("RGB"), dtype=np.int16)
-    assert grid.shape == (256, 256, 3)
-    assert np.abs(grid[:64, :64] - frames[0]).mean() < 16 and np.abs(grid[192:, 192:] - frames[-1]).mean() < 16
-    assert np.abs(grid[:64, :64] - frames[-1]).mean() > np.abs(grid[:64, :64] - frames[0]).mean()
+    assert grid.shape == (1024, 1024, 3)
+
+    def tile(i):
+        row, col = divmod(i, 4)
+        return grid[row * 256:(row + 1) * 256, col * 256:(col + 1) * 256]
+
+    def scaled(frame):
+        return np.asarray(Image.fromarray(frame).resize((256, 256), Image.BILINEAR), dtype=np.int16)
+
+    assert np.abs(tile(0) - scaled(frames[0])).mean() < 16 and np.abs(tile(15) - scaled(frames[-1])).mean() < 16
+    assert np.abs(tile(0) - scaled(frames[-1])).mean() > np.abs(tile(0) - scaled(frames[0])).mean()
 
     with pytest.raises(openai.BadRequestError) as err:
         c.videos.download_content(video.id, variant="poster")
@@ -139,6 +149,8 @@ def test_create_poll_and_download_every_variant(server):
     extended = c.videos.extend(prompt="the cat bows", seconds="5.17", video=openai.omit,
                                extra_body={"video": {"id": video.id}})
     assert extended.extended_from_video_id == video.id
+    # Its canvas and stitched length from the moment it is accepted, not the default canvas and the new part's.
+    assert (extended.size, extended.seconds) == ("64x64", "10.33"), extended
     extended = wait(c, extended.id, 120)
     assert extended.status == "completed", extended.error
     longer = frames_of(c.videos.download_content(extended.id).read())
@@ -152,6 +164,42 @@ def test_create_poll_and_download_every_variant(server):
     oracle = frames_of(again.finish().read_bytes())
     kept = np.mean([np.abs(a.astype(np.int16) - b).mean() for a, b in zip(longer[:124], oracle[:124])])
     assert kept < 2, kept
+
+
+def test_every_extension_form_answers_the_continued_canvas_and_the_stitched_length(server):
+    """A 128x64 video extended by id (JSON), by id (form field video[id]) and as an uploaded mp4: each create
+    answer, each retrieve and the list say 128x64 and the stitched total (124 + 124 frames: 10.33 s), and the
+    finished extension holds that many frames."""
+    c = client(server)
+    source = c.videos.create_and_poll(prompt="a wide one", poll_interval_ms=50,
+                                      **{**SMALL, "size": "128x64"})
+    assert source.status == "completed" and source.size == "128x64", source.error
+    mp4 = c.videos.download_content(source.id).read()
+    answers = [post(server, "/v1/videos/extensions",
+                    json={"video": {"id": source.id}, "prompt": "on", "seconds": "5.17", "steps": 2}),
+               post(server, "/v1/videos/extensions",
+                    files={"video[id]": (None, source.id), "prompt": (None, "on"), "seconds": (None, "5.17"),
+                           "steps": (None, "2")}),
+               post(server, "/v1/videos/extensions", files={"video": ("clip.mp4", mp4, "video/mp4")},
+                    data={"prompt": "on", "seconds": "5.17", "steps": "2"})]
+    ids = []
+    for r in answers:
+        assert r.status_code == 200, r.text
+        video = r.json()
+        assert (video["size"], video["seconds"]) == ("128x64", "10.33"), video
+        assert (c.videos.retrieve(video["id"]).size, c.videos.retrieve(video["id"]).seconds) == ("128x64", "10.33")
+        ids.append(video["id"])
+    listed = {v.id: (v.size, v.seconds) for v in c.videos.list(limit=100).data}
+    assert all(listed[i] == ("128x64", "10.33") for i in ids)
+    done = wait(c, ids[2], 180)
+    assert done.status == "completed" and (done.size, done.seconds) == ("128x64", "10.33"), done.error
+    frames = frames_of(c.videos.download_content(done.id).read())
+    assert len(frames) == 248 and frames[0].shape == (64, 128, 3)
+    for video_id in ids[:2]:
+        c.videos.delete(video_id)
+    # The service's own log line names the canvas (it read NonexNone for a film).
+    log = (server["root"] / "serve.log").read_text()
+    assert f"[perf] job {done.job_id} mode=t2va 128x64x248 " in log
 
 
 def test_list_pages_and_delete(server):
@@ -181,6 +229,15 @@ def test_errors_are_the_clients_own_exceptions(server):
     assert err.value.body["code"] == "not_found" and err.value.status_code == 404
     cases = [({"size": "1280x720"}, "size", "got 1280x720 (nearest valid: 1280x704)"),
              ({"seconds": "4"}, "seconds", "nearest valid: 124 frames, 5.17 s"),
+             ({"seconds": "0"}, "seconds", "seconds must be a number of seconds in (0, 60]"),
+             ({"seconds": "100"}, "seconds", "seconds must be a number of seconds in (0, 60]"),
+             ({"extra_body": {"steps": 1}}, "steps", "steps must be in 2..100, got 1"),
+             ({"extra_body": {"cache_mode": "easycache", "cache_threshold": -1}}, "cache_threshold",
+              "cache threshold must be a finite number >= 0"),
+             ({"extra_body": {"guide_strength": 2}}, "guide_strength", "guide_strength is the level conditions"),
+             ({"extra_body": {"first_frame": "nope.png"}}, "first_frame",
+              "first_frame name input files, but this service was started without --input-dir"),
+             ({"extra_body": {"recipes": "no-such-recipe"}}, "recipes", "no-such-recipe"),
              ({"model": "sora-2"}, "model", "model 'sora-2' is not one of h3, h3-t2va, h3-fl2va, h3-ref2va"),
              ({"extra_body": {"n": 2}}, "n", "n must be 1, got 2"),
              ({"extra_body": {"guidance_scale": 5}}, "guidance_scale", "unknown field(s) 'guidance_scale'")]

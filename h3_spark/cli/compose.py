@@ -144,14 +144,16 @@ def is_film(args) -> bool:
     return bool(args.shot or args.shots or args.continue_from)
 
 
-def read_continued(path: Path):
-    """The clip --continue goes on from: its frames at 24 fps and its sound at 32 kHz."""
+def read_continued(path: Path, history_frames: int):
+    """The clip --continue goes on from: the frames the film is conditioned on (its last frame and the history
+    before it) at 24 fps and its sound at 32 kHz; the frames before them are read again as the output is
+    written, so a long clip is never held whole."""
     from ..h3_model import geometry
     from ..h3_model.compose.film import ContinuedClip
     from ..h3_model.media import files as media
 
-    clip = media.read_video(path, fps=geometry.FPS, sample_rate=geometry.AUDIO_SAMPLE_RATE)
-    return ContinuedClip(clip.frames, clip.audio)
+    tail = media.read_video_tail(path, history_frames + 1, fps=geometry.FPS, sample_rate=geometry.AUDIO_SAMPLE_RATE)
+    return ContinuedClip.from_tail(tail)
 
 
 def plan_film_flags(args, req):
@@ -164,7 +166,7 @@ def plan_film_flags(args, req):
                          "generation of at most 345 frames")
     if args.continue_from is not None and args.seconds is None and not (args.shot or args.shots):
         raise InputError("--continue needs the new part's length: --seconds, --shot or --shots")
-    continued = None if args.continue_from is None else read_continued(args.continue_from)
+    continued = None if args.continue_from is None else read_continued(args.continue_from, args.history_frames)
     film = plan_request(parse_shots(args), req.guides, width=req.width, height=req.height, continued=continued,
                         history_frames=args.history_frames, what=f"--continue {args.continue_from}")
     req.width, req.height, req.guides = film.width, film.height, []

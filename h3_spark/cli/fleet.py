@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +23,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help="run N hot services on Ray Serve behind one router",
                        description="Deploy N replicas of the hot service on Ray Serve (one GPU each, or CPU), "
                                    "with a router that places each job and sends every call about it to its "
-                                   "replica. Flags override the --config file's settings.")
+                                   "replica, behind a front that holds h3-spark serve's HTTP limits (head and "
+                                   "body deadlines, socket and request caps; the config's `http`). Flags override "
+                                   "the --config file's settings.")
     p.add_argument("--config", type=Path, help="a YAML or JSON fleet config (serve/README.md, 'A fleet')")
     p.add_argument("--replicas", type=int, help="number of replicas (default 1)")
     p.add_argument("--gpus-per-replica", type=float,
@@ -140,6 +143,32 @@ def watch(serve, app_name: str) -> None:
         time.sleep(WATCH_SECONDS)
 
 
+def _loopback_port() -> int:
+    """A free port on loopback for Ray's proxy (the front's upstream)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def front_server(config, key, upstream: str):
+    """The fleet's front (serve/fleet/front.py) as a uvicorn server on the config's host and port, with serve's HTTP
+    limits (the config's `http`)."""
+    import uvicorn
+
+    from ..serve.command import allowed_hosts
+    from ..serve.fleet.front import front_app
+    from ..serve.http_limits import uvicorn_settings
+
+    limits, _ = config.front_limits()
+    app = front_app(upstream, config.http, limits, allowed_hosts(config.host, None), key,
+                    lambda line: print(f"h3-spark fleet: {line}", file=sys.stderr, flush=True))
+    return uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                         lifespan="on", timeout_graceful_shutdown=30,
+                                         **uvicorn_settings(config.http)))
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -163,18 +192,19 @@ def run(args) -> int:
     # ray.init, which installs its own handler.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        from ..serve.http_limits import HttpLimits
-
-        # Ray's proxy is its own uvicorn: of the front's HTTP limits it takes the keep-alive; the router's app
-        # counts headers and bounds the body read (router.py).
-        serve.start(http_options={"host": config.host, "port": config.port,
-                                  "keep_alive_timeout_s": HttpLimits().keep_alive_s}, proxy_location="HeadOnly")
+        # Ray's proxy listens on a loopback port of its own; the front (serve/fleet/front.py: serve's uvicorn
+        # protocol and middleware, which Ray's proxy cannot take) listens where the config says and forwards to it.
+        upstream = _loopback_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": upstream,
+                                  "keep_alive_timeout_s": config.http.keep_alive_s}, proxy_location="HeadOnly")
         serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
+        server = front_server(config, key, f"http://127.0.0.1:{upstream}")
         print(f"h3-spark fleet: {len(config.replicas)} replica(s) behind http://{config.host}:{config.port} "
               f"(GET /fleet for each one's state; Ctrl-C stops the fleet)", file=sys.stderr, flush=True)
         if auth_line:
             print(f"h3-spark fleet: {auth_line}", file=sys.stderr, flush=True)
-        watch(serve, APP_NAME)
+        threading.Thread(target=watch, args=(serve, APP_NAME), name="h3-fleet-watch", daemon=True).start()
+        server.run()  # until Ctrl-C or SIGTERM (uvicorn's own handlers), then Serve and Ray stop below
     finally:
         try:
             if owns_ray:

@@ -72,6 +72,9 @@ def add_parser(sub, name: str) -> argparse.ArgumentParser:
                            "the previous response (else the socket is closed)")
     http.add_argument("--max-sockets", type=int, default=2048,
                       help="open sockets at once, stalled ones included (one more is closed as it opens)")
+    http.add_argument("--sync-timeout-s", type=float, default=300.0,
+                      help="POST /v1/videos/sync waits this long for its job, then answers 504 naming the video to "
+                           "poll (the job goes on)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="the service's own log lines: text, or one JSON object per line with the job id")
@@ -108,7 +111,7 @@ def service_settings(args, device: str | None = None):
     http = HttpLimits(max_header_bytes=args.max_header_kb << 10, max_headers=args.max_headers,
                       keep_alive_s=args.keep_alive_s, max_connections=args.max_connections,
                       body_timeout_s=args.body_timeout_s, head_timeout_s=args.head_timeout_s,
-                      max_sockets=args.max_sockets)
+                      max_sockets=args.max_sockets, sync_timeout_s=args.sync_timeout_s)
     config = ServiceConfig(output_dir=args.output_dir, input_dir=args.input_dir, queue_size=args.queue_size,
                            limits=Limits(max_steps=args.max_steps, max_input_file_bytes=args.max_input_mb << 20),
                            vae_tile_size=request.vae_tile_size, mlp_chunks=request.mlp_chunks,

@@ -132,14 +132,17 @@ def _read_control(message: dict):
 
 
 def read_continued(message: dict):
-    """The clip a film job goes on from (at most the service's longest film), or None."""
+    """The clip a film job goes on from (at most the service's longest film), or None: the frames the film is
+    conditioned on and its sound; the frames before them are read again as the output is written."""
     from ..h3_model.compose.film import ContinuedClip
+    from ..h3_model.compose.windows import DEFAULT_HISTORY_FRAMES
 
     if not message.get("continue"):
         return None
-    clip = media.read_video(message["continue"], fps=geometry.FPS, max_frames=message["max_film_frames"],
-                            max_pixels=message["max_video_frame_pixels"], sample_rate=geometry.AUDIO_SAMPLE_RATE)
-    return ContinuedClip(clip.frames, clip.audio)
+    tail = media.read_video_tail(message["continue"], DEFAULT_HISTORY_FRAMES + 1, fps=geometry.FPS,
+                                 max_frames=message["max_film_frames"], max_pixels=message["max_video_frame_pixels"],
+                                 sample_rate=geometry.AUDIO_SAMPLE_RATE)
+    return ContinuedClip.from_tail(tail)
 
 
 def build_generation(message: dict) -> GenerationRequest:
@@ -299,9 +302,9 @@ class JobRunner:
         cache = generation.step_cache
         if req.is_film:  # its windows' own timings are in info["windows"]
             timings = {"read_inputs": read_inputs, "film": time.perf_counter() - t0 - read_inputs - mux, "mux": mux}
-            info = {"frames": result.frames, "audio_samples": int(result.audio.shape[1]),
-                    "windows": result.info["windows"], "decoder": req.decoder,
-                    **({"notes": result.info["notes"]} if "notes" in result.info else {})}
+            info = {"width": result.info["width"], "height": result.info["height"], "frames": result.frames,
+                    "audio_samples": int(result.audio.shape[1]), "windows": result.info["windows"],
+                    "decoder": req.decoder, **({"notes": result.info["notes"]} if "notes" in result.info else {})}
         else:
             timings = {"read_inputs": read_inputs, **result.timings, "mux": mux}
             info = {k: v for k, v in result.info.items() if k not in ("step_cache", "step_seconds")}

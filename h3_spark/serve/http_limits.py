@@ -29,13 +29,17 @@ class HttpLimits:
     body_timeout_s: float = 30.0  # a body not fully received this long after the head is refused (408)
     head_timeout_s: float = 10.0  # a head not whole this long after the connection or the last response: closed
     max_sockets: int = 2048  # open sockets at once; one more is closed as it opens
+    # POST /v1/videos/sync holds its answer this long for the job to end, then answers 504 naming the video to poll
+    # (the job goes on). Five minutes: a clip of a few seconds on a GPU ends well within it, and a longer wait
+    # outlasts what HTTP clients and proxies in between commonly keep a silent connection for.
+    sync_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         # Named as serve's flags (its --max-header-kb is checked there, in KiB).
         for name, low, high in (("max_header_bytes", 1024, 1 << 20), ("max_headers", 8, 1000),
                                 ("keep_alive_s", 1, 3600), ("max_connections", 4, 100_000),
                                 ("body_timeout_s", 1, 3600), ("head_timeout_s", 0.1, 3600),
-                                ("max_sockets", 16, 1_000_000)):
+                                ("max_sockets", 16, 1_000_000), ("sync_timeout_s", 1, 86400)):
             value = getattr(self, name)
             if not low <= value <= high:
                 raise InputError(f"--{name.replace('_', '-')} must be {low}..{high}, got {value}")

@@ -3,7 +3,8 @@ itself (`ServiceVideos`) or the fleet's router (fleet/router.py's `FleetVideos`)
 openai_videos.py's, uploads are uploads.py's; every refusal here is OpenAI's error object (api_errors.py).
 
   POST   /v1/videos                       create: JSON or multipart/form-data (input_reference uploaded) -> video
-  POST   /v1/videos/sync                  create and wait: the mp4 itself (x-video-id, x-inference-time-s)
+  POST   /v1/videos/sync                  create and wait (HttpLimits.sync_timeout_s; then 504 naming the video):
+                                          the mp4 itself (x-video-id, x-inference-time-s)
   GET    /v1/videos                       list: after, limit (1..100, 20), order (desc) -> first_id, last_id, has_more
   GET    /v1/videos/{id}                  the video object
   DELETE /v1/videos/{id}                  cancel if it runs, forget it, remove its file -> video.deleted
@@ -34,7 +35,6 @@ from .http_limits import HttpLimits
 from .validation import Limits, RequestError
 
 VIDEO_FOLDER = "videos"  # the outputs of /v1/ jobs, in the output folder
-SYNC_TIMEOUT_S = 600.0  # /v1/videos/sync waits this long, then answers 504 with the video's id to poll
 SYNC_POLL_S = 0.1
 MAX_FORM_FIELDS = 64
 TERMINAL = ("done", "failed", "cancelled")
@@ -138,11 +138,16 @@ async def _read_request(request: Request, backend: VideoBackend, file_fields: tu
     return body, Form()
 
 
-async def _submit(backend: VideoBackend, make, form: Form, client) -> dict:
-    """Translate (`make()` -> Submission) and queue; the uploads are removed if that fails."""
+async def _submit(backend: VideoBackend, make, form: Form, client, fields: dict) -> dict:
+    """Translate (`make()` -> Submission) and queue; the uploads are removed if that fails, and a refusal names
+    the field as the client sent it (`fields`)."""
     try:
         submission = make()
         return await backend.submit(submission, client)
+    except RequestError as exc:
+        form.discard()
+        exc.param = ov.client_param(exc.param, fields)
+        raise
     except BaseException:
         form.discard()
         raise
@@ -175,19 +180,23 @@ def video_routes(backend: VideoBackend) -> list[Route]:
     async def create(request: Request) -> JSONResponse:
         fields, form = await _read_request(request, backend, ov.UPLOAD_FIELDS)
         record = await _submit(backend, lambda: ov.creation(fields, form.files, _output_name()), form,
-                               client_of(request))
+                               client_of(request), fields)
         return JSONResponse(ov.video_object(record, backend.keep_days))
 
     async def sync(request: Request) -> Response:
         fields, form = await _read_request(request, backend, ov.UPLOAD_FIELDS)
         client = client_of(request)
-        record = await _submit(backend, lambda: ov.creation(fields, form.files, _output_name()), form, client)
+        record = await _submit(backend, lambda: ov.creation(fields, form.files, _output_name()), form, client,
+                               fields)
         video_id = ov.PREFIX + record["id"]
-        deadline = time.monotonic() + SYNC_TIMEOUT_S
+        wait_s = backend.http.sync_timeout_s
+        deadline = time.monotonic() + wait_s
         while record["state"] not in TERMINAL:
             if time.monotonic() > deadline:
-                raise RequestError(504, f"video {video_id} did not finish within {SYNC_TIMEOUT_S:g} s; it goes on: "
-                                        f"GET /v1/videos/{video_id}", code="timeout")
+                raise RequestError(504, f"video {video_id} did not finish within {wait_s:g} s (the sync wait, "
+                                        f"--sync-timeout-s); it goes on: GET /v1/videos/{video_id}",
+                                   {"x-video-id": video_id, "Location": f"/v1/videos/{video_id}"},
+                                   code="sync_timeout")
             if await request.is_disconnected():
                 return Response(status_code=499)  # nginx's "client closed": no one reads it; the job goes on
             await asyncio.sleep(SYNC_POLL_S)
@@ -244,8 +253,13 @@ def video_routes(backend: VideoBackend) -> list[Route]:
         except BaseException:
             form.discard()
             raise
-        record = await _submit(backend, lambda: ov.extension(fields, form.files, source, _output_name()), form,
-                               client)
+        try:
+            record = await _submit(backend, lambda: ov.extension(fields, form.files, source, _output_name()), form,
+                                   client, fields)
+        except RequestError as exc:
+            if exc.param == "continue":  # the clip an extension continues is its `video`
+                exc.param = "video"
+            raise
         return JSONResponse(ov.video_object(record, backend.keep_days))
 
     async def remix(request: Request) -> JSONResponse:
@@ -257,7 +271,8 @@ def video_routes(backend: VideoBackend) -> list[Route]:
             raise RequestError(400, f"unknown field(s) {', '.join(map(repr, unknown))}; a remix takes prompt",
                                param=unknown[0], code="unknown_parameter")
         source = await _visible(backend, video_id, client)
-        record = await _submit(backend, lambda: ov.remix(source, fields.get("prompt"), _output_name()), form, client)
+        record = await _submit(backend, lambda: ov.remix(source, fields.get("prompt"), _output_name()), form, client,
+                               fields)
         return JSONResponse(ov.video_object(record, backend.keep_days))
 
     async def models(request: Request) -> JSONResponse:

@@ -65,7 +65,7 @@ def job_id(video_id: str) -> str:
     """The job behind a video id; 404 for anything that is not one (so a malformed id reads as unknown)."""
     match = ID.fullmatch(video_id)
     if match is None:
-        raise bad(f"no video {video_id}", code="not_found", status=404)
+        raise bad(f"no video {video_id}", param="video_id", code="not_found", status=404)
     return match.group(1)
 
 
@@ -148,6 +148,15 @@ def _canonical(fields: dict, accepted: tuple[str, ...]) -> dict:
             raise bad(f"{name} and {ours} give the same thing: use one", param=name)
         out[ours] = value
     return out
+
+
+def client_param(param: str | None, fields: dict) -> str | None:
+    """A refused field under the name the client sent it by: `size` or `aspect_ratio` for the canvas's width and
+    height, a peer's alias (num_inference_steps, task, ...) for ours; `param` itself otherwise."""
+    sent = {**fields, **(fields.get("extra_params") if isinstance(fields.get("extra_params"), dict) else {})}
+    if param in ("width", "height"):
+        return next((name for name in ("size", "aspect_ratio") if name in sent), param)
+    return next((alias for alias, ours in _ALIASES.items() if ours == param and alias in sent), param)
 
 
 def mode_of_model(model: object, mode: object) -> str | None:
@@ -317,6 +326,15 @@ def progress(record: dict) -> int:
     return min(99, int(100 * p["step"] / p["total"]))
 
 
+def _requested_frames(request: dict) -> int:
+    """The output's length before the job has made it: a film's shots after the clip it continues (the service
+    read that clip's length when it accepted the job), else the one generation's frames."""
+    shots = request.get("shots") or []
+    if shots:
+        return (request.get("continued_frames") or 0) + sum(shot["frames"] for shot in shots)
+    return request.get("frames") or geometry.DEFAULT_FRAMES
+
+
 def video_object(record: dict, keep_days: float) -> dict:
     labels = record.get("labels") or {}
     request = record.get("request") or {}
@@ -324,7 +342,7 @@ def video_object(record: dict, keep_days: float) -> dict:
     width, height = info.get("width") or request.get("width"), info.get("height") or request.get("height")
     if width is None:
         height, width = geometry.resolve_canvas()
-    frames = info.get("frames") or request.get("frames") or geometry.DEFAULT_FRAMES
+    frames = info.get("frames") or _requested_frames(request)
     ended = record.get("finished") if record["state"] in ("done", "failed", "cancelled") else None
     out = {"id": PREFIX + record["id"], "object": "video", "model": labels.get("model", MODEL),
            "status": STATUS[record["state"]], "progress": progress(record), "created_at": int(record["created"]),

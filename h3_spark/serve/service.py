@@ -218,7 +218,7 @@ class Service:
         req = parse_request(body, self.limits)
         if req.mode not in self.models.modes:
             raise RequestError(400, f"{req.mode} needs a DiT partition this service did not load; it serves "
-                                    f"{', '.join(self.models.modes)}")
+                                    f"{', '.join(self.models.modes)}", param="mode")
         if req.decoder == "taeh3" and self.models.taeh3 is None:
             raise RequestError(400, "decoder taeh3 needs the TAEH3 file, and this service was started without "
                                     "--taeh3 PATH; use decoder vae", param="decoder")
@@ -232,6 +232,8 @@ class Service:
         if self.queue.stats()["queued"] >= self.queue.capacity:
             raise QueueFull(self.queue.capacity, self.queue.retry_after())
         payload = self._input_paths(req, files or {})
+        if req.continue_from is not None:
+            self._continued_geometry(req, payload["continue"])
         if attention is not None:
             payload["attention"] = attention  # resolved once, here; the worker installs it
         job = Job(req, payload)
@@ -239,7 +241,11 @@ class Service:
         if labels is not None:
             job.labels = labels
             payload["uploads"] = [files[name] for name in labels.get("uploads", [])]
-        job.payload["output_path"] = self.outputs.reserve(req.output, req.overwrite, job.id)
+        try:
+            job.payload["output_path"] = self.outputs.reserve(req.output, req.overwrite, job.id)
+        except RequestError as exc:
+            exc.param = exc.param or "output"
+            raise
         try:
             return self.queue.submit(job)
         except Exception:
@@ -287,7 +293,7 @@ class Service:
         try:
             return self.models.choose_attention(dit_key(req.mode), req.attention)
         except H3Error as exc:
-            raise RequestError(400, f"attention {req.attention!r} cannot run here: {exc}") from None
+            raise RequestError(400, f"attention {req.attention!r} cannot run here: {exc}", param="attention") from None
 
     def _check_recipes(self, recipes) -> None:
         """A recipe whose kernel cannot run here fails the request now, in one line."""
@@ -296,7 +302,7 @@ class Service:
         try:
             check_recipes(recipes, self.models.device, self.models.settings)
         except H3Error as exc:
-            raise RequestError(400, str(exc)) from None
+            raise RequestError(400, str(exc), param="recipes") from None
 
     def _input_paths(self, req: JobRequest, files: dict) -> dict:
         named = ([k for k in ("first_frame", "last_frame") if getattr(req, k) and getattr(req, k) not in files]
@@ -307,23 +313,48 @@ class Service:
                  + (["control"] if any(v not in files for v in _control_files(req).values()) else []))
         if named and self.inputs is None:
             raise RequestError(400, f"{', '.join(named)} name input files, but this service was started without "
-                                    f"--input-dir")
+                                    f"--input-dir", param=named[0])
 
-        def media(name: str, kind: str) -> Path:
-            return files[name] if name in files else self.inputs.media(name, kind)
+        def media(name: str, kind: str, param: str) -> Path:
+            if name in files:
+                return files[name]
+            try:
+                return self.inputs.media(name, kind)
+            except RequestError as exc:
+                exc.param = exc.param or param  # the input folder knows the file, the request its field
+                raise
 
-        payload: dict = {"references": [(kind, media(path, kind)) for kind, path in req.references]}
+        payload: dict = {"references": [(kind, media(path, kind, "references")) for kind, path in req.references]}
         for key in ("first_frame", "last_frame"):
             if getattr(req, key):
-                payload[key] = media(getattr(req, key), "image")
+                payload[key] = media(getattr(req, key), "image", key)
         file_kind = {"image": "image", "clip": "video", "audio": "audio"}
-        payload["guides"] = [(kind, media(path, file_kind[kind]), frame) for kind, path, frame in req.guides]
+        payload["guides"] = [(kind, media(path, file_kind[kind], "guides"), frame) for kind, path, frame in req.guides]
         for key, name, kind in (("continue", req.continue_from, "video"), ("repaint", req.repaint, "video"),
                                 ("mask", req.mask, "image")):
             if name:
-                payload[key] = media(name, kind)
-        payload["control"] = {key: media(name, _control_kind(key, name)) for key, name in _control_files(req).items()}
+                payload[key] = media(name, kind, key)
+        payload["control"] = {key: media(name, _control_kind(key, name), "control")
+                              for key, name in _control_files(req).items()}
         return payload
+
+    def _continued_geometry(self, req: JobRequest, path: Path) -> None:
+        """The canvas and length of the clip a film goes on from, read from its file's index when the job is
+        accepted: the job's record (and a /v1/ video's `size` and `seconds`) shows the output's from the start, and
+        a request for another canvas is refused now."""
+        from ..h3_model import geometry
+        from ..h3_model.media import files as media
+
+        try:
+            frames, width, height = media.video_geometry(
+                path, fps=geometry.FPS, max_frames=round(self.limits.max_film_seconds * geometry.FPS))
+        except H3Error as exc:
+            raise RequestError(400, f"continue {req.continue_from!r}: {str(exc).replace(f'{path}: ', '')}",
+                               param="continue") from None
+        if req.width is not None and (req.width, req.height) != (width, height):
+            raise RequestError(400, f"continue {req.continue_from!r} is {width}x{height}; the request asks for "
+                                    f"{req.width}x{req.height}: a clip is continued at its own size", param="size")
+        req.width, req.height, req.continued_frames = width, height, frames
 
     def _run_job(self, job: Job) -> tuple[str, str | None]:
         return self._runner(job)

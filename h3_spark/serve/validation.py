@@ -154,6 +154,9 @@ class JobRequest:
     scheduler: str | None = None
     # The ControlNet's inputs (paths in --input-dir, strength, range), checked; None: no control.
     control: dict | None = None
+    # The frames of the `continue` clip the output starts with (the service reads them from its file when it
+    # accepts the job, with its canvas into width and height).
+    continued_frames: int = 0
 
     @property
     def is_film(self) -> bool:
@@ -176,14 +179,16 @@ class JobRequest:
         out["guides"] = [{"kind": k, "path": p, "frame": f} for k, p, f in self.guides]
         out["guide_strength"], out["audio_guide_strength"] = self.guide_strength, self.audio_guide_strength
         out["shots"] = [{"frames": f, "prompt": p} for f, p in self.shots]
-        out.update({"continue": self.continue_from, "repaint": self.repaint, "mask": self.mask,
+        out.update({"continue": self.continue_from, "continued_frames": self.continued_frames,
+                    "repaint": self.repaint, "mask": self.mask,
                     "regenerate_seconds": None if self.regenerate_seconds is None else list(self.regenerate_seconds)})
         out["control"] = self.control
         return out
 
 
-def _bad(message: str) -> RequestError:
-    return RequestError(400, message)
+def _bad(message: str, param: str | None = None) -> RequestError:
+    """A 400; `param` names the field it is about (OpenAI's error object carries it on the /v1/ routes)."""
+    return RequestError(400, message, param=param)
 
 
 def _int(body: dict, name: str, default, lo: int, hi: int):
@@ -192,20 +197,20 @@ def _int(body: dict, name: str, default, lo: int, hi: int):
         return None
     # JSON true/false are bools, and Python's bool is an int: refuse them explicitly.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{name} must be an integer, got {value!r}")
+        raise _bad(f"{name} must be an integer, got {value!r}", name)
     if not lo <= value <= hi:
-        raise _bad(f"{name} must be in {lo}..{hi}, got {value}")
+        raise _bad(f"{name} must be in {lo}..{hi}, got {value}", name)
     return value
 
 
 def _number(body: dict, name: str, default: float) -> float:
     value = body.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad(f"{name} must be a number, got {value!r}")
+        raise _bad(f"{name} must be a number, got {value!r}", name)
     try:
         return float(value)
     except OverflowError:
-        raise _bad(f"{name} is out of range") from None
+        raise _bad(f"{name} is out of range", name) from None
 
 
 def _string(body: dict, name: str, max_chars: int, *, required: bool = False,
@@ -213,23 +218,23 @@ def _string(body: dict, name: str, max_chars: int, *, required: bool = False,
     value = body.get(name)
     if value is None:
         if required:
-            raise _bad(f"{name} is required")
+            raise _bad(f"{name} is required", name)
         return None
     if not isinstance(value, str) or not (value or allow_empty):
-        raise _bad(f"{name} must be a {'' if allow_empty else 'non-empty '}string, got {value!r}")
+        raise _bad(f"{name} must be a {'' if allow_empty else 'non-empty '}string, got {value!r}", name)
     if len(value) > max_chars:
-        raise _bad(f"{name} is {len(value)} characters; the limit is {max_chars}")
+        raise _bad(f"{name} is {len(value)} characters; the limit is {max_chars}", name)
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: the job record could never be sent back
-        raise _bad(f"{name} is not valid Unicode (it holds a lone surrogate)") from None
+        raise _bad(f"{name} is not valid Unicode (it holds a lone surrogate)", name) from None
     return value
 
 
 def _choice(body: dict, name: str, choices, default):
     value = body.get(name, default)
     if value is not None and value not in choices:
-        raise _bad(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        raise _bad(f"{name} must be one of {', '.join(choices)}, got {value!r}", name)
     return value
 
 
@@ -238,7 +243,7 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         raise _bad(f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
-        raise _bad(f"unknown field(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(FIELDS)}")
+        raise _bad(f"unknown field(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(FIELDS)}", unknown[0])
 
     # Empty is judged below, by the mode; _string refuses it for every other field.
     prompt = _string(body, "prompt", limits.max_prompt_chars, required=True, allow_empty=True)
@@ -249,13 +254,13 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
     default_mode = "ref2va" if references else "fl2va" if (first or last) else "t2va"
     mode = _choice(body, "mode", MODES, default_mode)
     if mode == "ref2va" and not references:
-        raise _bad("ref2va needs at least one reference")
+        raise _bad("ref2va needs at least one reference", "references")
     if mode != "ref2va" and references:
-        raise _bad(f"{mode} takes no references; use ref2va")
+        raise _bad(f"{mode} takes no references; use ref2va", "references")
     if mode == "fl2va" and not (first or last):
-        raise _bad("fl2va needs first_frame and/or last_frame")
+        raise _bad("fl2va needs first_frame and/or last_frame", "first_frame")
     if mode != "fl2va" and (first or last):
-        raise _bad(f"{mode} takes no keyframes; use fl2va")
+        raise _bad(f"{mode} takes no keyframes; use fl2va", "first_frame" if first else "last_frame")
     guides = _guides(body.get("guides"), limits)
     guide_strength = _level(body, "guide_strength", "0.999")
     audio_guide_strength = _level(body, "audio_guide_strength", "1.0")
@@ -263,32 +268,32 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         check_prompt(mode, prompt)
         _check_mentions_at_submit(mode, prompt, references, first, last)
     except H3Error as exc:
-        raise _bad(str(exc)) from None
+        raise _bad(str(exc), "prompt") from None
     _no_embeddings(prompt)
 
     overwrite = body.get("overwrite", False)
     if not isinstance(overwrite, bool):
-        raise _bad(f"overwrite must be true or false, got {overwrite!r}")
+        raise _bad(f"overwrite must be true or false, got {overwrite!r}", "overwrite")
     width = _int(body, "width", None, geometry.CANVAS_MULTIPLE, 16384)
     height = _int(body, "height", None, geometry.CANVAS_MULTIPLE, 16384)
     if (width is None) != (height is None):
-        raise _bad("width and height go together, or neither")
+        raise _bad("width and height go together, or neither", "height" if height is None else "width")
     frames = _int(body, "frames", geometry.DEFAULT_FRAMES, 1, limits.max_frames)
     shots = _shots(body, prompt, limits)
     if shots and "frames" in body:
-        raise _bad("frames and seconds / shots both give the length: use one")
+        raise _bad("frames and seconds / shots both give the length: use one", "frames")
     continue_from = _string(body, "continue", limits.max_path_chars)
     if continue_from is not None and not shots:
-        raise _bad("continue needs the new part's length: seconds or shots")
+        raise _bad("continue needs the new part's length: seconds or shots", "seconds")
     if len(shots) == 1 and shots[0][0] <= limits.max_frames and "shots" not in body and continue_from is None:
         frames, shots = shots[0][0], []  # one generation (any mode): the usual snapping to 17k+5 applies
     if shots and mode != "t2va":
         raise _bad(f"a film past one generation (seconds, shots) is made of t2va windows; {mode} takes one "
-                   f"generation of at most {limits.max_frames} frames")
+                   f"generation of at most {limits.max_frames} frames", "mode")
     repaint, mask, span = _repaint(body, mode, limits)
     if repaint is not None and (shots or continue_from is not None or "frames" in body or width is not None):
         raise _bad("repaint keeps its clip's length and canvas: drop frames, width/height, seconds, shots and "
-                   "continue")
+                   "continue", "repaint")
     steps = _int(body, "steps", 50, 2, limits.max_steps)
     seed = _int(body, "seed", 0, 0, 2 ** 63 - 1)
     # The field named in an OpenAI-style error (`param`): the /v1/ routes' names for the canvas and the length.
@@ -320,8 +325,10 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
             _number(body, "cache_start_percent", DEFAULT_START_PERCENT),
             _number(body, "cache_end_percent", DEFAULT_END_PERCENT),
             _int(body, "cache_subsample_factor", DEFAULT_SUBSAMPLE, 1, 1 << 30))
+    except RequestError:
+        raise
     except H3Error as exc:
-        raise _bad(str(exc)) from None
+        raise _bad(str(exc), _cache_field(str(exc))) from None
     sampler = _choice(body, "sampler", SAMPLERS, None)
     scheduler = _choice(body, "scheduler", SCHEDULERS, None)
     recipes = _recipes(body, cache_mode, "steps" in body, sampler is not None, scheduler is not None, mode)
@@ -330,12 +337,12 @@ def parse_request(body: object, limits: Limits) -> JobRequest:
         name, evaluations = grid
         steps = evaluations + 1
         if steps > limits.max_steps:
-            raise _bad(f"recipe {name}: {evaluations} evaluations exceed this service's {limits.max_steps - 1}")
+            raise _bad(f"recipe {name}: {evaluations} evaluations exceed this service's {limits.max_steps - 1}", "recipes")
     elif scheduler not in (None, "h3"):  # beta drops repeated table entries: the record shows the steps it runs
         steps = len(JointSchedule.from_scheduler(scheduler, steps)) + 1
     control = _control(body, limits)
     if control is not None and (shots or continue_from is not None):
-        raise _bad("control steers one generation: drop seconds past one generation, shots and continue")
+        raise _bad("control steers one generation: drop seconds past one generation, shots and continue", "control")
     return JobRequest(mode, prompt, output, references, first, last, overwrite, width, height, frames, steps, seed,
                       attention, cache, recipes, guides, guide_strength, shots, continue_from, repaint, mask, span,
                       audio_guide_strength, decoder, sampler, scheduler, control)
@@ -353,27 +360,37 @@ def _control(body: dict, limits: Limits) -> dict | None:
                            param="control")
     out = {name: _string(given, name, limits.max_path_chars) for name in ("video", "inpaint_mask", "inpaint_source")}
     if out["video"] is None and out["inpaint_mask"] is None:
-        raise _bad("control needs a video, an inpaint_mask, or both")
+        raise _bad("control needs a video, an inpaint_mask, or both", "control")
     if out["inpaint_source"] is not None and out["inpaint_mask"] is None:
-        raise _bad("control's inpaint_source goes with its inpaint_mask")
+        raise _bad("control's inpaint_source goes with its inpaint_mask", "control")
     out["strength"] = _number(given, "strength", 1.0)
     window = given.get("range", [0.0, 1.0])
     if not isinstance(window, list) or len(window) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, float))
                                                              for v in window):
-        raise _bad(f"control's range must be [start, end], fractions of the schedule, got {window!r:.100}")
+        raise _bad(f"control's range must be [start, end], fractions of the schedule, got {window!r:.100}", "control")
     out["range"] = [float(v) for v in window]
     try:
         check_window(*out["range"], out["strength"])
     except H3Error as exc:
-        raise _bad(str(exc)) from None
+        raise _bad(str(exc), "control") from None
     return out
+
+
+def _cache_field(message: str) -> str:
+    """The request field a step-cache setting's refusal is about (CacheOptions names it in words: "cache start
+    percent ...")."""
+    for name in ("cache_threshold", "cache_start_percent", "cache_end_percent", "cache_subsample_factor"):
+        if message.startswith(name.replace("_", " ")):
+            return name
+    return "cache_mode"
 
 
 def _level(body: dict, name: str, released: str) -> float | None:
     """A condition level (guide_strength, audio_guide_strength): a number in (0, 1], or None."""
     level = body.get(name)
     if level is not None and (isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level <= 1):
-        raise _bad(f"{name} is the level conditions are held at, in (0, 1] ({released} as released), got {level!r}")
+        raise _bad(f"{name} is the level conditions are held at, in (0, 1] ({released} as released), got {level!r}",
+                   name)
     return level
 
 
@@ -383,7 +400,7 @@ def _no_embeddings(prompt: str) -> None:
 
     refused = no_library_message(prompt)
     if refused is not None:
-        raise _bad(f"{refused}; the service takes no embeddings folder")
+        raise _bad(f"{refused}; the service takes no embeddings folder", "prompt")
 
 
 def _check_mentions_at_submit(mode: str, prompt: str, references: list[tuple[str, str]], first, last) -> None:
@@ -415,11 +432,11 @@ def _recipes(body: dict, cache_mode: str, steps_given: bool, sampler_given: bool
     if not isinstance(value, list) or len(value) > MAX_RECIPES or not all(
             isinstance(v, str) and 0 < len(v) <= 200 for v in value):
         raise _bad(f"recipes must be a list of at most {MAX_RECIPES} recipe names (NAME or NAME:key=value,...), "
-                   f"got {value!r}")
+                   f"got {value!r}", "recipes")
     try:
         recipes = parse_recipes(value)
     except H3Error as exc:
-        raise _bad(str(exc)) from None
+        raise _bad(str(exc), "recipes") from None
     try:  # the kernels are checked by the service, which knows the device (device None: no kernel check)
         check_conflicts(recipes, step_cache=cache_mode != "off", explicit_steps=steps_given,
                         cache_fix="drop cache_mode", steps_fix="drop steps", explicit_sampler=sampler_given,
@@ -427,7 +444,7 @@ def _recipes(body: dict, cache_mode: str, steps_given: bool, sampler_given: bool
         if mode is not None:
             check_recipe_mode(recipes, mode)
     except H3Error as exc:
-        raise _bad(str(exc)) from None
+        raise _bad(str(exc), "recipes") from None
     return recipes
 
 
@@ -437,17 +454,18 @@ def _repaint(body: dict, mode: str, limits: Limits) -> tuple[str | None, str | N
     span = body.get("regenerate_seconds")
     if repaint is None:
         if mask is not None or span is not None:
-            raise _bad("mask and regenerate_seconds go with repaint")
+            raise _bad("mask and regenerate_seconds go with repaint", "mask" if mask is not None else "regenerate_seconds")
         return None, None, None
     if mode != "t2va":
-        raise _bad(f"{mode} takes no repaint; repainting a clip is t2va")
+        raise _bad(f"{mode} takes no repaint; repainting a clip is t2va", "repaint")
     if mask is None and span is None:
-        raise _bad("repaint needs what to make anew: mask, regenerate_seconds or both")
+        raise _bad("repaint needs what to make anew: mask, regenerate_seconds or both", "mask")
     if span is not None:
         if (not isinstance(span, list) or len(span) != 2
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in span)
                 or not 0 <= span[0] < span[1]):
-            raise _bad(f"regenerate_seconds must be [start, end] in seconds, 0 <= start < end, got {span!r:.100}")
+            raise _bad(f"regenerate_seconds must be [start, end] in seconds, 0 <= start < end, got {span!r:.100}",
+                       "regenerate_seconds")
         span = (float(span[0]), float(span[1]))
     return repaint, mask, span
 
@@ -456,32 +474,33 @@ def _seconds(value: object, name: str, limits: Limits) -> int:
     """Frames for a length in seconds, within the service's longest film."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= limits.max_film_seconds:
         raise _bad(f"{name} must be a number of seconds in (0, {limits.max_film_seconds:g}] (this service's longest "
-                   f"film), got {value!r}")
+                   f"film), got {value!r}", name.split("[")[0])
     return round(value * geometry.FPS)
 
 
 def _shots(body: dict, prompt: str, limits: Limits) -> list[tuple[int, str]]:
     """(frames, prompt) of each shot: `shots`, or one shot of `prompt` for `seconds`; [] for neither."""
     if "seconds" in body and "shots" in body:
-        raise _bad("seconds and shots both give the length: use one")
+        raise _bad("seconds and shots both give the length: use one", "shots")
     if "seconds" in body:
         return [(_seconds(body["seconds"], "seconds", limits), prompt)]
     value = body.get("shots")
     if value is None:
         return []
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_SHOTS:
-        raise _bad(f"shots must be a list of 1..{MAX_SHOTS} {{seconds, prompt}} objects, got {value!r:.200}")
+        raise _bad(f"shots must be a list of 1..{MAX_SHOTS} {{seconds, prompt}} objects, got {value!r:.200}", "shots")
     shots = []
     for i, item in enumerate(value):
         if not isinstance(item, dict) or set(item) != {"seconds", "prompt"}:
-            raise _bad(f"shots[{i}] must be an object with exactly 'seconds' and 'prompt', got {item!r:.200}")
+            raise _bad(f"shots[{i}] must be an object with exactly 'seconds' and 'prompt', got {item!r:.200}",
+                       "shots")
         text = _string(item, "prompt", limits.max_prompt_chars, required=True)
         _no_embeddings(text)
         shots.append((_seconds(item["seconds"], f"shots[{i}].seconds", limits), text))
     total = sum(f for f, _ in shots)
     if total > round(limits.max_film_seconds * geometry.FPS):
         raise _bad(f"the shots last {total / geometry.FPS:g} s; this service's longest film is "
-                   f"{limits.max_film_seconds:g} s")
+                   f"{limits.max_film_seconds:g} s", "shots")
     return shots
 
 
@@ -492,16 +511,17 @@ def _guides(value: object, limits: Limits) -> list[tuple[str, str, int]]:
         return []
     if not isinstance(value, list) or len(value) > MAX_GUIDES:
         raise _bad(f"guides must be a list of at most {MAX_GUIDES} {{kind, path, frame}} objects, got "
-                   f"{type(value).__name__ if not isinstance(value, list) else f'{len(value)} of them'}")
+                   f"{type(value).__name__ if not isinstance(value, list) else f'{len(value)} of them'}", "guides")
     out = []
     for i, item in enumerate(value):
         if not isinstance(item, dict) or set(item) != {"kind", "path", "frame"}:
-            raise _bad(f"guides[{i}] must be an object with exactly 'kind', 'path' and 'frame', got {item!r}")
+            raise _bad(f"guides[{i}] must be an object with exactly 'kind', 'path' and 'frame', got {item!r}",
+                       "guides")
         if item["kind"] not in GUIDE_KINDS:
-            raise _bad(f"guides[{i}].kind must be one of {', '.join(GUIDE_KINDS)}, got {item['kind']!r}")
+            raise _bad(f"guides[{i}].kind must be one of {', '.join(GUIDE_KINDS)}, got {item['kind']!r}", "guides")
         frame = _int(item, "frame", None, -limits.max_frames, limits.max_frames - 1)
         if frame is None:
-            raise _bad(f"guides[{i}].frame must be an integer")
+            raise _bad(f"guides[{i}].frame must be an integer", "guides")
         out.append((item["kind"], _string(item, "path", limits.max_path_chars, required=True), frame))
     return out
 
@@ -513,21 +533,23 @@ def _check_guide_frames(guides: list[tuple[str, str, int]], frames: int) -> None
         try:
             resolve_frame(frame, frames, f"guides[{i}] ({kind})")
         except H3Error as exc:
-            raise _bad(str(exc)) from None
+            raise _bad(str(exc), "guides") from None
 
 
 def _references(value: object, limits: Limits) -> list[tuple[str, str]]:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise _bad(f"references must be a list of {{kind, path}} objects, got {type(value).__name__}")
+        raise _bad(f"references must be a list of {{kind, path}} objects, got {type(value).__name__}", "references")
     out = []
     for i, item in enumerate(value):
         if not isinstance(item, dict) or set(item) != {"kind", "path"}:
-            raise _bad(f"references[{i}] must be an object with exactly 'kind' and 'path', got {item!r}")
+            raise _bad(f"references[{i}] must be an object with exactly 'kind' and 'path', got {item!r}",
+                       "references")
         kind = item["kind"]
         if kind not in REFERENCE_KINDS:
-            raise _bad(f"references[{i}].kind must be one of {', '.join(REFERENCE_KINDS)}, got {kind!r}")
+            raise _bad(f"references[{i}].kind must be one of {', '.join(REFERENCE_KINDS)}, got {kind!r}",
+                       "references")
         path = _string(item, "path", limits.max_path_chars, required=True)
         out.append((kind, path))
 
@@ -539,5 +561,5 @@ def _references(value: object, limits: Limits) -> list[tuple[str, str]]:
         # The model's own reference limits (9 images, 3 videos, 3 audio, 12 in all; not audio alone).
         check_references([_Kind(k) for k, _ in out])
     except H3Error as exc:
-        raise _bad(str(exc)) from None
+        raise _bad(str(exc), "references") from None
     return out

@@ -14,7 +14,9 @@ from ..h3_model.media import files as media
 
 SPRITES = 16  # frames in a spritesheet, at most
 SPRITE_COLUMNS = 4
-SPRITE_WIDTH = 256  # each frame scaled to this width
+# Each frame scaled to this width, a smaller clip's frames up too: the grid's geometry is fixed (column i starts
+# at i * 256 px) whatever the clip, so a player can cut tiles without reading the clip's size first.
+SPRITE_WIDTH = 256
 
 
 def _frames(path: Path, count: int) -> list[np.ndarray]:
@@ -52,7 +54,7 @@ def spritesheet(path: Path) -> bytes:
 
     frames = _frames(path, SPRITES)
     height, width = frames[0].shape[:2]
-    tile_w = min(SPRITE_WIDTH, width)
+    tile_w = SPRITE_WIDTH
     tile_h = max(1, round(height * tile_w / width))
     columns = min(SPRITE_COLUMNS, len(frames))
     rows = math.ceil(len(frames) / columns)

@@ -314,6 +314,17 @@ class DitReader:
             key, kind = next(iter(unreadable.items()))
             raise CheckpointError(f"{where}: {len(unreadable)} tensors are stored in GGML types that neither "
                                   f"h3-spark's codec nor the gguf package dequantizes, e.g. {key} ({kind})")
+        self.check_layers()
+
+    def check_layers(self) -> None:
+        """Each quantized layer's stored tensors against its format (dtypes, shapes, scale sizes), as the loader
+        checks them when it reads the layer, here from the header alone (GGUF's blocks are checked by type)."""
+        if self.gguf:
+            return
+        for layer in self.layers.values():
+            if layer.spec is not None and "weight" in layer.keys and layer.target is not None:
+                layer_reading.check_declared(self.source, layer.spec, layer.keys, self.logical_shape(layer, "weight"),
+                                             layer.name)
 
     def gguf_unreadable(self) -> dict[str, str]:
         """GGUF tensor -> its GGML type, for the tensors no dequantizer here reads (none outside GGUF)."""

@@ -1,4 +1,5 @@
-"""What is in a checkpoint, from its headers: layout, formats, shapes, scales, completeness.
+"""What is in a checkpoint, from its headers: layout, formats, shapes, scales, completeness; and whether the loader
+takes it (`loader_check`: the same check the engine runs on the files before reading any weight).
 
 Reads safetensors headers and metadata only; the only tensor bytes touched are `.comfy_quant`
 markers, scalar scales and the 16-value RoPE buffer, so it takes a second on a 60 GB file.
@@ -53,9 +54,56 @@ def inspect_checkpoint(path: str | Path, *, partition: str | None = None, qkv_la
             report.update(_gguf_text_encoder(source, detected, names))
         else:
             report.update(_other(source, detected))
-        return report
     finally:
         source.close()
+    report["loader_check"] = loader_check(path, detected.model, partition, qkv_layout)
+    report["complete"] = report["complete"] and report["loader_check"]["passed"] is not False
+    return report
+
+
+# What the engine runs on each component's files before any weight is read (engine/file_checks.py), by model.
+_LOADER_CHECKS = {"dit": "DitReader.check", "video_vae": "check_video_vae", "audio_vae": "check_audio_vae",
+                  "text_encoder": "check_text_encoder"}
+
+
+def loader_check(path: str | Path, model: str, partition: str | None, qkv_layout: str) -> dict:
+    """The loader's own check of these files (the one `generate` and `serve` run before reading weights, which the
+    weight read repeats): {check, passed, error}. The header report above can pass a file this refuses (a config
+    that contradicts its tensors, a layer's scales of the wrong size for its format); `complete` needs both."""
+    from ...errors import H3Error
+
+    name = _LOADER_CHECKS.get(model)
+    if name is None:
+        return {"check": None, "passed": None, "skipped": f"no loader reads a {model} here"}
+    try:
+        if model == "dit":
+            from . import open_dit
+
+            reader = open_dit(path, partition=partition, qkv_layout=qkv_layout)
+            try:
+                reader.check()
+            finally:
+                reader.source.close()
+        elif model == "video_vae":
+            from ..vae.loading import check_video_vae
+
+            check_video_vae(path)
+        elif model == "audio_vae":
+            from ..vae.loading import check_audio_vae
+
+            check_audio_vae(path)
+        else:
+            if Path(path).is_file():  # its tokenizer comes from elsewhere (--tokenizer), which inspect is not given
+                return {"check": name, "passed": None,
+                        "skipped": "a single-file text encoder: the loader's check needs its tokenizer too"}
+            from ..text.encoder import check_text_encoder
+
+            # The layer a prompt is read from is a generation's flag (--text-encoder-layer, checked there against
+            # the file's depth); here the files, configs and tokenizer are, from the first layer on.
+            check_text_encoder(path, layer=1)
+    except H3Error as exc:
+        return {"check": name, "passed": False, "error": str(exc)}
+    return {"check": name, "passed": True}
 
 
 # ------------------------------------------------------------------------------- shared
@@ -532,6 +580,11 @@ def summary_lines(report: dict) -> list[str]:
         problems.append(f"{len(mismatched)} NVFP4 layers with wrong packed sizes (e.g. {name}: {why})")
     if report.get("problem"):
         problems.append(report["problem"])
+    check = report.get("loader_check") or {}
+    if check.get("passed") is False and check["error"] != refused:  # the video VAE's own line says it already
+        problems.append(f"the loader refuses it ({check['check']}): {check['error']}")
+    elif check.get("skipped"):
+        lines.append(f"  loader check not run: {check['skipped']}")
     lines.append("  complete" if report["complete"] else "  INCOMPLETE: " + "; ".join(problems))
     return lines + _name_lines(report)
 

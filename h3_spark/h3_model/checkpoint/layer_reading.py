@@ -44,6 +44,25 @@ def declare(source, layers: dict[str, dict[str, str]], prefix: str, marker_key: 
     return declare_layers(layers, source.read_small, source.metadata, prefix, marker_key, numel, ignore=ignore)
 
 
+def check_declared(source, spec: QuantSpec, keys: dict[str, str], shape: tuple[int, int], layer: str) -> None:
+    """The loader's per-layer check (`held`, `dequantized`: dtypes, shapes, scale sizes) from the header alone:
+    the stored tensors as meta tensors of their dtype and shape, no byte read; errors name the file."""
+    from .safetensors_header import DTYPES
+
+    stored = {}
+    for suffix in STORED_PARTS:
+        if suffix in keys:
+            entry = source.entry(keys[suffix])
+            dtype = DTYPES.get(entry.dtype, (None, 0))[0]
+            if dtype is None:  # a dtype this torch lacks: the read itself refuses it
+                return
+            stored[suffix] = torch.empty(entry.shape, dtype=dtype, device="meta")
+    try:
+        check_stored(spec, stored, shape, layer)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{source.header_of(keys['weight']).path}: {exc}") from None
+
+
 def marker_key(source, stored: dict[str, str]) -> str | None:
     """The legacy `scaled_fp8` marker's stored key: under the model's prefix, or bare."""
     if LEGACY_MARKER in stored:

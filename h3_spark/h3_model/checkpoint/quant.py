@@ -73,12 +73,17 @@ def parse_layer_conf(conf: object, layer: str, source: str) -> QuantSpec:
         raise CheckpointError(f"{layer}: unknown quantization format {fmt!r} (supported: {', '.join(FORMAT_TENSORS)})")
     params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
     convrot = FORMATS[fmt].always_rotated or bool(conf.get("convrot", params.get("convrot", False)))
-    group = int(conf.get("convrot_groupsize", params.get("convrot_groupsize", 256)))
+    group = conf.get("convrot_groupsize", params.get("convrot_groupsize", 256))
+    if isinstance(group, bool) or not isinstance(group, int):
+        raise CheckpointError(f"{layer}: convrot_groupsize must be an integer, got {group!r}")
     if convrot and FORMATS[fmt].convrot_label is None:
         rotated = ", ".join(n for n, f in FORMATS.items() if f.convrot_label)
         raise CheckpointError(f"{layer}: convrot is only defined for {rotated}, not {fmt}")
     if convrot:
-        hadamard(group)  # validates the size
+        try:
+            hadamard(group)  # validates the size
+        except CheckpointError as exc:
+            raise CheckpointError(f"{layer}: convrot_groupsize: {exc}") from None
     group_size = None
     if FORMATS[fmt].default_group is not None:
         group_size = conf.get("group_size", params.get("group_size", FORMATS[fmt].default_group))
@@ -111,10 +116,11 @@ def metadata_layers(metadata: dict[str, str]) -> dict[str, object] | None:
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise CheckpointError(f"safetensors metadata {METADATA_KEY} is not JSON ({exc.msg})") from None
+        raise CheckpointError(f"the safetensors metadata field {METADATA_KEY} is not JSON ({exc.msg} at "
+                              f"character {exc.pos})") from None
     layers = data.get("layers") if isinstance(data, dict) else None
     if not isinstance(layers, dict):
-        raise CheckpointError(f"safetensors metadata {METADATA_KEY} has no `layers` object")
+        raise CheckpointError(f"the safetensors metadata field {METADATA_KEY} has no `layers` object")
     return layers
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -35,10 +35,31 @@ class Shot:
 @dataclass
 class ContinuedClip:
     """A clip the film goes on from: its frames (uint8 (F, H, W, 3) at 24 fps) and sound (float32 (2, samples)
-    at 32 kHz, or None)."""
+    at 32 kHz, or None). A clip read from a file need not be held whole: `frames` is then its tail (what the
+    film is conditioned on), `length` the whole clip's frame count and `head()` yields the frames before the tail,
+    a few at a time, when the output is written (`from_tail`)."""
 
     frames: torch.Tensor
     audio: torch.Tensor | None = None
+    length: int | None = None  # None: `frames` is the whole clip
+    head: Callable[[], Iterator[torch.Tensor]] | None = None
+
+    def __post_init__(self) -> None:
+        held = int(self.frames.shape[0])
+        if self.length is not None and (self.length < held or (self.length > held) != (self.head is not None)):
+            raise InputError(f"a continued clip of {self.length} frames holds its last {held}: the frames before "
+                             "them come from head(), given exactly when there are some")
+
+    @property
+    def total_frames(self) -> int:
+        return int(self.frames.shape[0]) if self.length is None else self.length
+
+    @classmethod
+    def from_tail(cls, tail) -> "ContinuedClip":
+        """A clip from `media.files.read_video_tail`'s VideoTail: its tail held, the rest read again as it is
+        written."""
+        held = int(tail.frames.shape[0])
+        return cls(tail.frames, tail.audio, tail.total_frames, tail.head if tail.total_frames > held else None)
 
 
 @dataclass
@@ -68,7 +89,10 @@ def plan_request(shots: list[Shot], guides: list[Guide], *, width: int | None, h
                              "own size")
         width, height = w, h
     plan = plan_film([s.frames for s in shots], history=history_frames,
-                     continues=0 if continued is None else int(continued.frames.shape[0]))
+                     continues=0 if continued is None else continued.total_frames)
+    if continued is not None and continued.frames.shape[0] < min(history_frames + 1, continued.total_frames):
+        raise InputError(f"{what}: the film goes on from its last {history_frames + 1} frames, and only its last "
+                         f"{continued.frames.shape[0]} were read")
     return Film(plan, shots, assign_guides(plan, guides), continued, width, height, history_frames)
 
 
@@ -168,12 +192,15 @@ def render_film(generate: Callable, base, film: Film, *, on_frames: Callable[[to
         raise InputError(f"the plan has {len({w.shot for w in plan.windows})} shots, the film {len(shots)}")
     tail = _Tail(history_frames + 1)
     sound: list[torch.Tensor] = []  # the film's, on its sample grid: frame g starts at frame_sample(g)
-    info = {"windows": [], "plan": plan.describe()}
+    info = {"windows": [], "plan": plan.describe(), "width": film.width, "height": film.height}
     if continued is not None:
-        if continued.frames.shape[0] != plan.first_frame:
-            raise InputError(f"the plan continues {plan.first_frame} frames, the clip has {continued.frames.shape[0]}")
+        if continued.total_frames != plan.first_frame:
+            raise InputError(f"the plan continues {plan.first_frame} frames, the clip has {continued.total_frames}")
+        if continued.head is not None:  # the clip's frames before its tail, read again as they are written
+            for chunk in continued.head():
+                on_frames(chunk)
         on_frames(continued.frames)
-        clip_samples = frame_sample(continued.frames.shape[0])
+        clip_samples = frame_sample(continued.total_frames)
         audio = continued.audio if continued.audio is not None else torch.zeros(2, clip_samples)
         sound.append(_fit(audio.float(), clip_samples))
         tail.add(continued.frames)
@@ -205,7 +232,7 @@ def render_film(generate: Callable, base, film: Film, *, on_frames: Callable[[to
         if on_window is not None:
             on_window(window, entry)
         del result, frames
-    total = (0 if continued is None else continued.frames.shape[0]) + plan.total_frames
+    total = (0 if continued is None else continued.total_frames) + plan.total_frames
     return FilmResult(torch.cat(sound, dim=1), total, info)
 
 

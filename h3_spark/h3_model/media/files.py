@@ -19,6 +19,7 @@ import math
 import os
 import queue
 import threading
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
@@ -36,6 +37,7 @@ SAMPLE_RATE = 32000
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".mov", ".webm")
 AUDIO_SUFFIXES = (".wav", ".flac", ".mp3", ".m4a")
+MAX_QUEUED_CHUNKS = 4  # chunks an Mp4Stream holds for its encoder
 LOGLEVELS = ("quiet", "panic", "fatal", "error", "warning", "info", "verbose", "debug", "trace")
 
 
@@ -197,6 +199,122 @@ def read_video(path: str | os.PathLike, *, fps: float = FPS, max_frames: int | N
 
 
 @dataclass
+class VideoTail:
+    """The end of a video: its last frames (uint8 (T, H, W, 3) at `fps`), how many frames the whole video has at
+    that rate, and the soundtrack under all of them (as `read_video` gives it). `head()` decodes the frames
+    before the tail again, a few at a time, for a writer that copies the video through."""
+
+    frames: torch.Tensor
+    total_frames: int
+    fps: float
+    audio: torch.Tensor | None
+    sample_rate: int | None
+    path: Path
+    max_pixels: int | None = None
+    chunk_frames: int = 12
+
+    def head(self) -> Iterator[torch.Tensor]:
+        """The frames before the tail, in order, in chunks of at most `chunk_frames` (uint8 (n, H, W, 3))."""
+        count = self.total_frames - int(self.frames.shape[0])
+        if count <= 0:
+            return
+        with _open(self.path, "video", None) as container:
+            stream = container.streams.video[0]
+            source_fps = float(stream.average_rate or stream.guessed_rate or 0)
+            index = resample_frame_indices(math.ceil((count + 1) * source_fps / self.fps) + 1, source_fps,
+                                           self.fps)[:count].tolist()
+            chunk, j = [], 0
+            for decoded, frame in enumerate(container.decode(stream)):
+                if j >= count:
+                    break
+                if index[j] != decoded:
+                    continue  # a source frame no output frame shows (dropped by the rate change)
+                _check_pixels(self.path, frame.width, frame.height, self.max_pixels, "video frame")
+                array = _upright(frame)
+                while j < count and index[j] == decoded:  # held over several output frames when slower
+                    chunk.append(array)
+                    j += 1
+                if len(chunk) >= self.chunk_frames:
+                    yield torch.from_numpy(np.stack(chunk))
+                    chunk = []
+            if chunk:
+                yield torch.from_numpy(np.stack(chunk))
+        if j != count:
+            raise InputError(f"{self.path}: the video changed while it was read ({j} of {count} frames before its "
+                             f"tail)")
+
+
+def read_video_tail(path: str | os.PathLike, tail_frames: int, *, fps: float = FPS, max_frames: int | None = None,
+                    max_pixels: int | None = None, sample_rate: int | None = SAMPLE_RATE,
+                    loglevel: str | None = None) -> VideoTail:
+    """The last `tail_frames` frames of a video at `fps` (of its first `max_frames`, when given) and its whole
+    soundtrack, holding no more than those frames in memory: every frame is decoded once and only the newest few
+    are kept. `read_video` gives the same frames (the tail of its own) and the same sound."""
+    if tail_frames < 1:
+        raise InputError(f"a video's tail is at least one frame, got {tail_frames}")
+    path = _check_input(path, VIDEO_SUFFIXES, "video")
+    with _open(path, "video", loglevel) as container:
+        if not container.streams.video:
+            raise InputError(f"{path}: no video stream")
+        stream = container.streams.video[0]
+        source_fps = float(stream.average_rate or stream.guessed_rate or 0)
+        if source_fps <= 0:
+            raise InputError(f"{path}: the video stream has no frame rate")
+        _check_pixels(path, stream.codec_context.width, stream.codec_context.height, max_pixels, "video frame")
+        needed = None if max_frames is None else math.ceil((max_frames + 1) * source_fps / fps) + 1
+        # The source frames the last `tail_frames` output frames can show, with a frame to spare either side.
+        recent: deque = deque(maxlen=math.ceil((tail_frames + 1) * source_fps / fps) + 3)
+        decoded = 0
+        for frame in container.decode(stream):
+            _check_pixels(path, frame.width, frame.height, max_pixels, "video frame")
+            recent.append((decoded, _upright(frame)))
+            decoded += 1
+            if needed is not None and decoded >= needed:
+                break
+        if not decoded:
+            raise InputError(f"{path}: the video stream has no frames")
+        index = resample_frame_indices(decoded, source_fps, fps)
+        if max_frames is not None:
+            index = index[:max_frames]
+        total = index.numel()
+        audio, rate = None, sample_rate
+        if container.streams.audio:
+            container.seek(0)
+            audio, rate = _decode_audio(container, container.streams.audio[0], total / fps)
+    kept = dict(recent)
+    shown = index[max(total - tail_frames, 0):].tolist()
+    if any(i not in kept for i in shown):  # cannot happen with the spare frames above; say so if it does
+        raise InputError(f"{path}: the tail's source frames were not kept (frame rate {source_fps:g})")
+    video = torch.from_numpy(np.stack([kept[i] for i in shown]))
+    if audio is not None and sample_rate is not None:
+        audio, rate = resample(audio, rate, sample_rate), sample_rate
+    return VideoTail(video, total, float(fps), audio, rate, path, max_pixels)
+
+
+def video_geometry(path: str | os.PathLike, *, fps: float = FPS, max_frames: int | None = None) -> tuple[int, int, int]:
+    """(frames at `fps`, width, height) of a video from its container's index and its first frame: what `read_video`
+    would give, for an answer that must come before the job reads it. A container that does not count its frames
+    is counted by its packets."""
+    path = _check_input(path, VIDEO_SUFFIXES, "video")
+    with _open(path, "video", None) as container:
+        if not container.streams.video:
+            raise InputError(f"{path}: no video stream")
+        stream = container.streams.video[0]
+        source_fps = float(stream.average_rate or stream.guessed_rate or 0)
+        if source_fps <= 0:
+            raise InputError(f"{path}: the video stream has no frame rate")
+        count = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+        container.seek(0)
+        # One frame decoded: the size players show (a rotated phone video's width and height swap).
+        first = next(iter(container.decode(stream)), None)
+        if first is None:
+            raise InputError(f"{path}: the video stream has no frames")
+        height, width = _upright(first).shape[:2]
+    frames = resample_frame_indices(count, source_fps, fps).numel() if count else 0
+    return (frames if max_frames is None else min(frames, max_frames)), width, height
+
+
+@dataclass
 class AudioClip:
     audio: torch.Tensor           # float32 (2, N); mono duplicated onto both channels
     sample_rate: int
@@ -353,7 +471,9 @@ class Mp4Stream:
         self.frames = 0
         self.finished = False
         self._shape: tuple[int, int] | None = None
-        self._queue: queue.Queue = queue.Queue()
+        # Bounded: a producer faster than x264 (a clip copied through, frames decoded from a file) waits here
+        # instead of piling decoded frames up in memory.
+        self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED_CHUNKS)
         self._error: BaseException | None = None
         self._out = self._vstream = self._astream = None
         # Our own descriptor on the file: PyAV leaves its own open when muxing or closing fails (ENOSPC, EIO),

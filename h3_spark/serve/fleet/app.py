@@ -45,7 +45,7 @@ def build_fleet(config: FleetConfig, api_key=None):
                 "allowed_hosts": allowed_hosts(config.host, None), "state_file": check_state_file(config),
                 # The soonest any replica drops an ended record (what a video's expires_at says), and the strictest
                 # upload and step limits: checked at the front, whichever replica then takes the job.
-                "keep_days": keep_days, "limits": limits}
+                "keep_days": keep_days, "limits": limits, "http": config.http}
     return router.bind(settings, *bound)
 
 

@@ -11,6 +11,7 @@ A config is a mapping, read from a YAML or JSON file or made from `h3-spark flee
     env: {H3_ATTENTION: auto}    # environment of the replica processes (kernel flags are read there)
     host: 127.0.0.1
     port: 8000
+    http: {head_timeout_s: 10, body_timeout_s: 30, max_connections: 64, sync_timeout_s: 300}   # the front's, as serve's
 
 The per-replica `serve` flags go through `h3-spark serve`'s own parser here, before Ray starts, so a typo is
 one line naming the replica and the flag rather than N replicas failing on their own. The flags that belong
@@ -21,6 +22,7 @@ refused there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import InputError
+from ..http_limits import HttpLimits
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -35,7 +38,7 @@ MAX_REPLICAS = 256
 ROUTER_STATE_FILE = ".h3-spark-fleet.sqlite"
 NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 KEYS = ("replicas", "serve", "gpus_per_replica", "cpus_per_replica", "env", "host", "port", "api_key_file",
-        "keys_file", "poll_seconds", "call_timeout_seconds", "lost_after_seconds", "state_dir")
+        "keys_file", "poll_seconds", "call_timeout_seconds", "lost_after_seconds", "state_dir", "http")
 # Flags of `h3-spark serve` a replica must not take, and why.
 FRONT_FLAGS = {"host": "the fleet's front listens (set `host` at the top of the config)",
                "port": "the fleet's front listens (set `port` at the top of the config)",
@@ -80,6 +83,8 @@ class FleetConfig:
     lost_after_seconds: float = 120.0  # a replica that has not answered this long has lost its jobs
     # The router's job -> replica ledger file's folder (default: the replicas' output folder).
     state_dir: Path | None = None
+    # What one HTTP client may cost the front (serve's HTTP limits; the config's `http` mapping, by field name).
+    http: HttpLimits = field(default_factory=HttpLimits)
 
     @property
     def state_file(self) -> Path | None:
@@ -180,7 +185,23 @@ def config_from_mapping(data: dict, source: str = "flags") -> FleetConfig:
         poll_seconds=_number(data, "poll_seconds", 0.5, source, low=0.05, high=60),
         call_timeout_seconds=_number(data, "call_timeout_seconds", 10.0, source, low=0.5, high=600),
         lost_after_seconds=_number(data, "lost_after_seconds", 120.0, source, low=1, high=86400),
-        state_dir=Path(state_dir) if state_dir is not None else None)
+        state_dir=Path(state_dir) if state_dir is not None else None, http=_http(data.get("http"), source))
+
+
+def _http(value, source: str) -> HttpLimits:
+    """The front's HTTP limits: `serve`'s (http_limits.HttpLimits), any of them set by field name."""
+    given = _mapping(value, "http", source)
+    known = [f.name for f in dataclasses.fields(HttpLimits)]
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise InputError(f"fleet config {source}: unknown http setting {unknown[0]!r} (known: {', '.join(known)})")
+    for key, item in given.items():
+        if isinstance(item, bool) or not isinstance(item, (int, float)) or not math.isfinite(item):
+            raise InputError(f"fleet config {source}: http {key} must be a number, got {item!r}")
+    try:
+        return HttpLimits(**given)
+    except InputError as exc:  # its message names serve's flag
+        raise InputError(f"fleet config {source}: http: {exc}") from None
 
 
 def _replicas(value, shared: dict, source: str) -> tuple[ReplicaSpec, ...]:
