@@ -156,12 +156,12 @@ def test_the_multiframe_template_guides_at_36_72_and_120_in_order(converted):
 
 def test_a_prompt_naming_guide_pictures_is_flagged(converted, tmp_path, capsys):
     """The multiframe template's prompt calls its three guides <Picture 2..4>; ComfyUI's AddGuide does not show
-    them to the text encoder, and h3-spark refuses a prompt naming a picture it is not given: said up front."""
+    them to the text encoder, which reads the labels as plain words (the H3 nodes too): said up front."""
     conversion, _, _ = converted["video_minimax_h3_multiframe_reference"]
     assert conversion.settings["warnings"] == [
         "[136] MiniMaxH3ReferenceToVideo: the prompt names <Picture 2>, <Picture 3>, <Picture 4>, but the text "
-        "encoder is given 1 picture(s) (guide pictures are not shown to it): h3-spark refuses this prompt when it "
-        "runs"]
+        "encoder is given 1 picture(s) (guide pictures are not shown to it): read as plain text, as ComfyUI reads "
+        "it"]
     assert not any("warnings" in converted[n][0].settings for n in EXPECTED if "multiframe" not in n)
     assert cli_main(["convert-workflow", str(TEMPLATES / "video_minimax_h3_multiframe_reference.json"), "--out",
                      str(tmp_path / "m.json"), "--api"]) == 0

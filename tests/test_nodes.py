@@ -8,6 +8,7 @@ graph is `Pipeline.generate` on the same components: latents, frames and audio m
 """
 
 import dataclasses
+import logging
 import sys
 import types
 
@@ -571,8 +572,8 @@ def test_bad_inputs_fail_with_clear_messages(models, monkeypatch):
         t2v.encode(te, "", W, H, FRAMES)
     with pytest.raises(InputError, match="needs a first and/or a last"):
         node("H3SparkFirstLastFrameToVideo").encode(te, vae, "a cat", W, H, FRAMES)
-    with pytest.raises(InputError, match=r"the prompt names <Picture 3>, but this request gives 1 image reference"):
-        node("H3SparkReferenceToVideo").encode(te, vae, "<Picture 3> sings", W, H, FRAMES, "match", 24.0,
+    with pytest.raises(InputError, match=r"the prompt writes <picture 1>; the model knows a reference only as "):
+        node("H3SparkReferenceToVideo").encode(te, vae, "<picture 1> sings", W, H, FRAMES, "match", 24.0,
                                                image_1=image(1))
     with pytest.raises(InputError, match="soundtrack of video_1"):
         node("H3SparkReferenceToVideo").encode(te, vae, "a cat", W, H, FRAMES, "match", 24.0,
@@ -1325,3 +1326,26 @@ def test_add_guide_crops_a_long_sound_at_comfyuis_count(models, monkeypatch, cap
     assert cond[0][1]["minimax_keyframes"][0]["audio_latent"].shape[-1] == 158
     assert ("guide 1 (audio): 6.000 s of sound from frame 29 runs past the clip's end; cropped to the 158 audio "
             "latents (3.950 s) that remain") in caplog.text
+
+
+def test_a_label_with_no_reference_is_read_as_text_with_a_warning(models, monkeypatch, caplog):
+    """ComfyUI's own H3 nodes read <Picture 3> with one picture as plain words (its multiframe template names its
+    guide stills so); the node does too and says it, while the pipeline's own check (CLI, service) refuses it."""
+    from h3_spark.h3_model.engine.engine import Engine
+    from h3_spark.h3_model.text.prompt import check_mentions
+
+    fake_comfy(monkeypatch, models)
+    _, te, vae = load_all(models)
+    with caplog.at_level(logging.WARNING, logger="h3_spark"):
+        cond, _ = node("H3SparkReferenceToVideo").encode(te, vae, "<Picture 1> meets <Picture 3>", W, H, FRAMES,
+                                                         "match", 24.0, image_1=image(1))
+    assert "the prompt names <Picture 3> with no reference behind it: read as plain text" in caplog.text
+    assert cond[0][0].isfinite().all() and cond[0][0].std() > 0
+    with pytest.raises(InputError, match=r"the prompt names <Picture 3>, but this request gives 1 image reference"):
+        check_mentions("ref2va", "<Picture 1> meets <Picture 3>", images=1)
+    with pytest.raises(InputError, match="unnamed labels are read as one of refuse, text, got 'drop'"):
+        check_mentions("t2va", "a cat", unnamed="drop")
+    assert check_mentions("fl2va", "<Picture 2> ends it", images=1, unnamed="text") == ["<Picture 2>"]
+    with pytest.raises(InputError, match=r"names <Picture 2>, but this request gives 1 keyframe"):
+        Engine.of(text_encoder=te.ready()).encode_text("fl2va", "<Picture 2> ends it", [torch.zeros(64, 64, 3,
+                                                                                                 dtype=torch.uint8)])

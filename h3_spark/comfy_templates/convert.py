@@ -516,14 +516,14 @@ class Converter:
         return prompt
 
     def check_mentions(self, node, prompt: str, pictures: int) -> None:
-        """Warn when the prompt names a <Picture i> the text encoder is not given: h3-spark's conditioning
-        nodes refuse such a prompt when they run (ComfyUI's own leave the label as plain text)."""
+        """Warn when the prompt names a <Picture i> the text encoder is not given: ComfyUI's own nodes and ours read
+        such a label as plain words (ours log it when they run); the h3-spark CLI and service refuse it."""
         named = sorted({int(n) for n in re.findall(r"<Picture (\d+)>", prompt)} - set(range(1, pictures + 1)))
         if named:
             labels = ", ".join(f"<Picture {n}>" for n in named)
             self.settings.setdefault("warnings", []).append(
                 f"{node.describe()}: the prompt names {labels}, but the text encoder is given {pictures} "
-                f"picture(s) (guide pictures are not shown to it): h3-spark refuses this prompt when it runs")
+                f"picture(s) (guide pictures are not shown to it): read as plain text, as ComfyUI reads it")
 
     def image(self, source, where: str) -> Link | None:
         followed = self.fold.follow(source)

@@ -328,8 +328,24 @@ def _canvas(width: int, height: int, length: int, mode: str = "t2va") -> int:
 def _text(te: TextEncoderHandle, mode: str, prompt: str, keyframes=(),
           references=()) -> tuple[torch.Tensor, torch.Tensor]:
     _use_embeddings(te, prompt)
-    encoded = Engine.of(text_encoder=te.ready()).encode_text(mode, prompt, keyframes, references)
+    # ComfyUI's own H3 nodes read a <Picture i> with no reference behind it as plain words (their multiframe
+    # template names its guide stills so); ours read it so too, and say it, so those graphs run as they are.
+    plain = _unnamed_labels(mode, prompt, keyframes, references)
+    if plain:
+        log.warning("h3-spark: the prompt names %s with no %s behind it: read as plain text, as ComfyUI's own nodes "
+                    "read it (guide pictures are not shown to the text encoder)", ", ".join(plain),
+                    "keyframe" if mode == "fl2va" else "reference")
+    encoded = Engine.of(text_encoder=te.ready()).encode_text(mode, prompt, keyframes, references, unnamed="text")
     return encoded.embeds.cpu(), encoded.tags.cpu()
+
+
+def _unnamed_labels(mode: str, prompt: str, keyframes, references) -> list[str]:
+    from ..h3_model.media.refs import prompt_references
+    from ..h3_model.text.prompt import check_mentions, labelled
+
+    if mode == "ref2va":
+        return check_mentions(mode, prompt, **labelled(prompt_references(list(references))), unnamed="text")
+    return check_mentions(mode, prompt, images=len(list(keyframes)) if mode == "fl2va" else 0, unnamed="text")
 
 
 def _use_embeddings(te: TextEncoderHandle, prompt: str) -> None:

@@ -387,8 +387,8 @@ class Engine:
     def generate(self, req: GenerationRequest, *, on_progress=None, cancel=None, on_frames=None) -> GenerationResult:
         return self.pipeline.generate(req, on_progress=on_progress, cancel=cancel, on_frames=on_frames)
 
-    def encode_text(self, mode: str, prompt: str, keyframes=(), references=()):
-        return self.pipeline.encode_text(mode, prompt, keyframes, references)
+    def encode_text(self, mode: str, prompt: str, keyframes=(), references=(), unnamed: str = "refuse"):
+        return self.pipeline.encode_text(mode, prompt, keyframes, references, unnamed)
 
     def encode_keyframe(self, frame: torch.Tensor, tile_size: int | None = DEFAULT_ENCODE_TILE) -> torch.Tensor:
         """A keyframe's normalised conditioning latents (1, C, 1, h, w), cached by content."""

@@ -433,16 +433,17 @@ class Pipeline:
         history = None if req.history is None else prepare_history(req.history, width=width, height=height)
         return Canvas(width, height, frames, keyframes, tuple(anchors), prepared, guides, history)
 
-    def encode_text(self, mode: str, prompt: str, keyframes=(), references=()) -> TextEncoding:
-        """The prompt as the DiT reads it: Qwen3-VL hidden states of the mode's presentation, and token tags."""
+    def encode_text(self, mode: str, prompt: str, keyframes=(), references=(), unnamed: str = "refuse") -> TextEncoding:
+        """The prompt as the DiT reads it: Qwen3-VL hidden states of the mode's presentation, and token tags.
+        `unnamed`: how a `<Picture i>` with no reference behind it is read (text/prompt.check_mentions)."""
         te = self._need(self.c.text_encoder, "the text encoder")
         builder = te.prompts
         if mode == "t2va":
-            presentation = builder.t2va(prompt)
+            presentation = builder.t2va(prompt, unnamed)
         elif mode == "fl2va":
-            presentation = builder.fl2va(prompt, list(keyframes))
+            presentation = builder.fl2va(prompt, list(keyframes), unnamed)
         else:
-            presentation = builder.ref2va(prompt, prompt_references(list(references)))
+            presentation = builder.ref2va(prompt, prompt_references(list(references)), unnamed)
         hits = te.cache_hits
         encoded = te.encode(presentation)  # the encoder caches by token hash
         if self.offload_text_encoder:

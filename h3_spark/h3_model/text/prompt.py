@@ -76,13 +76,33 @@ _NEAR_MENTION = re.compile(r"<\s*(picture|video|audio)\s*(\d+)\s*>", re.IGNORECA
 _KINDS = {"Picture": "image", "Video": "video", "Audio": "audio"}
 
 
-def check_mentions(mode: str, prompt: str, images: int = 0, videos: int = 0, audios: int = 0) -> None:
+UNNAMED = ("refuse", "text")
+
+
+def labelled(references) -> dict[str, int]:
+    """How many `<Picture i>`, `<Video k>` and `<Audio j>` labels Ref2VA `references` get (check_mentions' counts):
+    a video with a soundtrack gets an `<Audio j>` too."""
+    return {"images": sum(isinstance(r, ImageRef) for r in references),
+            "videos": sum(isinstance(r, VideoRef) for r in references),
+            "audios": sum(isinstance(r, AudioRef) or (isinstance(r, VideoRef) and r.has_soundtrack) for r in references)}
+
+
+def check_mentions(mode: str, prompt: str, images: int = 0, videos: int = 0, audios: int = 0,
+                   unnamed: str = "refuse") -> list[str]:
     """Refuse a prompt that names a reference the request does not give (`<Picture 3>` with one image): the
     model would read a label with nothing behind it and the clip would ignore what the user meant.
 
+    `unnamed` "text" reads such labels as plain text instead and returns them, as ComfyUI's own MiniMax H3 nodes
+    do: their graphs name guide stills `<Picture 2..4>` (Comfy-Org's multiframe template), which reach the text
+    encoder only as words. The ComfyUI nodes take that reading, so those graphs run as they are; the CLI and the
+    service refuse. A near miss (`<picture 1>`) is refused either way.
+
     `images` counts FL2VA's keyframes too (they are `<Picture i>`); `audios` counts the audio references and
     the videos with a soundtrack (each gets an `<Audio j>` label)."""
+    if unnamed not in UNNAMED:
+        raise InputError(f"unnamed labels are read as one of {', '.join(UNNAMED)}, got {unnamed!r}")
     given = {"image": images, "video": videos, "audio": audios}
+    plain = []
     for near in _NEAR_MENTION.finditer(prompt or ""):
         if not _MENTION.fullmatch(near.group(0)):
             exact = f"<{near.group(1).capitalize()} {int(near.group(2))}>"
@@ -93,6 +113,9 @@ def check_mentions(mode: str, prompt: str, images: int = 0, videos: int = 0, aud
         kind = _KINDS[label]
         if 1 <= number <= given[kind]:
             continue
+        if unnamed == "text":
+            plain.append(match.group(0))
+            continue
         what = "keyframe" if mode == "fl2va" and kind == "image" else f"{kind} reference"
         if given[kind] == 0:
             have = f"no {what}" + ("" if mode != "t2va" else " (t2va takes none)")
@@ -100,6 +123,7 @@ def check_mentions(mode: str, prompt: str, images: int = 0, videos: int = 0, aud
             have = f"{given[kind]} {what}{'s' if given[kind] != 1 else ''} (<{label} 1>" + (
                 f"..<{label} {given[kind]}>)" if given[kind] > 1 else ")")
         raise InputError(f"the prompt names {match.group(0)}, but this request gives {have}")
+    return plain
 
 
 @dataclass(frozen=True, eq=False)
@@ -240,13 +264,13 @@ class PresentationBuilder:
         self.placeholder = tokenizer.convert_tokens_to_ids(PLACEHOLDER)
 
     # ------------------------------------------------------------------ modes
-    def t2va(self, prompt: str) -> Presentation:
+    def t2va(self, prompt: str, unnamed: str = "refuse") -> Presentation:
         stream = self._stream("t2va", prompt)
-        check_mentions("t2va", prompt)
+        check_mentions("t2va", prompt, unnamed=unnamed)
         stream.prompt(prompt)
         return self._finish("t2va", stream, {})
 
-    def fl2va(self, prompt: str, keyframes: Sequence[torch.Tensor]) -> Presentation:
+    def fl2va(self, prompt: str, keyframes: Sequence[torch.Tensor], unnamed: str = "refuse") -> Presentation:
         """`keyframes` in packed order (first, then last), each uint8 (H, W, 3) at canvas size."""
         stream = self._stream("fl2va", prompt)
         keyframes = list(keyframes)
@@ -254,7 +278,7 @@ class PresentationBuilder:
             raise InputError(f"FL2VA takes at most {MAX_KEYFRAMES} keyframes (first, last), got {len(keyframes)}")
         for i, frame in enumerate(keyframes):
             _check_frames(frame, f"keyframe {i + 1}", 3)
-        check_mentions("fl2va", prompt, images=len(keyframes))
+        check_mentions("fl2va", prompt, images=len(keyframes), unnamed=unnamed)
         vision, counts = self._images(keyframes)
         for i, count in enumerate(counts):
             stream.text(f"<Picture {i + 1}>: ")
@@ -262,7 +286,7 @@ class PresentationBuilder:
         stream.prompt(prompt)
         return self._finish("fl2va", stream, vision)
 
-    def ref2va(self, prompt: str, references: Sequence[Reference]) -> Presentation:
+    def ref2va(self, prompt: str, references: Sequence[Reference], unnamed: str = "refuse") -> Presentation:
         """`references` in request order: `ImageRef`, `VideoRef` and `AudioRef`."""
         stream = self._stream("ref2va", prompt)
         references = list(references)
@@ -270,9 +294,7 @@ class PresentationBuilder:
             _check_reference(ref, i)
         images = [r.image for r in references if isinstance(r, ImageRef)]
         videos = [r.frames for r in references if isinstance(r, VideoRef)]
-        check_mentions("ref2va", prompt, images=len(images), videos=len(videos),
-                       audios=sum(isinstance(r, AudioRef) or (isinstance(r, VideoRef) and r.has_soundtrack)
-                                  for r in references))
+        check_mentions("ref2va", prompt, **labelled(references), unnamed=unnamed)
         vision, image_counts = self._images(images)
         video_vision, video_blocks = self._videos(videos)
         vision.update(video_vision)
