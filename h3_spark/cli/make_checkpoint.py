@@ -346,46 +346,37 @@ def _progress_printer():
 def _run_pdd(args) -> int:
     """A PDD LoRA: one .safetensors file, the published (or ComfyUI's converted) names and shapes for the preset's
     DiT."""
-    from ..errors import InputError
     from ..h3_model.checkpoint.pdd import LAYOUTS, PDD_RANK, make_pdd_lora
-    from ..h3_model.dit.config import preset
 
-    if args.format != "bf16" or args.layout not in LAYOUTS or args.quantize_refiner or args.fasth3 \
-            or args.curve_grid is not None or args.curve_rank is not None or args.device != "cpu":
-        raise InputError("--component pdd takes only --preset, --layout released|comfy, --seed and --force (the "
-                         "published PDD files are one .safetensors file)")
-    out = Path(args.out)
-    stale = check_output(out, "comfy", args.force)
-    start = time.perf_counter()
-    rank = PDD_RANK[args.preset]
-    with replacing(stale):
-        size = make_pdd_lora(out, preset(args.preset), rank=rank, seed=args.seed, layout=args.layout,
-                             progress=_progress_printer())
-    if sys.stderr.isatty():
-        print(file=sys.stderr)
-    print(json.dumps({"out": str(out), "component": args.component, "preset": args.preset, "layout": args.layout,
-                      "rank": rank, "seed": args.seed, "bytes": size,
-                      "seconds": round(time.perf_counter() - start, 3)}))
-    return 0
+    return _run_lora_file(args, LAYOUTS, PDD_RANK, make_pdd_lora, "released|comfy",
+                          "the published PDD files are one .safetensors file")
 
 
 def _run_turbo(args) -> int:
     """A Turbo LoRA: one .safetensors file, ComfyUI's converted names or LightX2V's, for the preset's DiT."""
-    from ..errors import InputError
     from ..h3_model.checkpoint.turbo import LAYOUTS, TURBO_RANK, make_turbo_lora
+
+    return _run_lora_file(args, LAYOUTS, TURBO_RANK, make_turbo_lora, "comfy|released",
+                          "the published Turbo LoRAs are one bf16 .safetensors file")
+
+
+def _run_lora_file(args, layouts, ranks: dict, make, layout_help: str, why: str) -> int:
+    """One LoRA file of the preset's rank written by `make` (PDD's or Turbo's writer); the flags a DiT takes are
+    refused."""
+    from ..errors import InputError
     from ..h3_model.dit.config import preset
 
-    if args.format != "bf16" or args.layout not in LAYOUTS or args.quantize_refiner or args.fasth3 \
+    if args.format != "bf16" or args.layout not in layouts or args.quantize_refiner or args.fasth3 \
             or args.curve_grid is not None or args.curve_rank is not None or args.device != "cpu":
-        raise InputError("--component turbo takes only --preset, --layout comfy|released, --seed and --force (the "
-                         "published Turbo LoRAs are one bf16 .safetensors file)")
+        raise InputError(f"--component {args.component} takes only --preset, --layout {layout_help}, --seed and "
+                         f"--force ({why})")
     out = Path(args.out)
     stale = check_output(out, "comfy", args.force)
     start = time.perf_counter()
-    rank = TURBO_RANK[args.preset]
+    rank = ranks[args.preset]
     with replacing(stale):
-        size = make_turbo_lora(out, preset(args.preset), rank=rank, seed=args.seed, layout=args.layout,
-                               progress=_progress_printer())
+        size = make(out, preset(args.preset), rank=rank, seed=args.seed, layout=args.layout,
+                    progress=_progress_printer())
     if sys.stderr.isatty():
         print(file=sys.stderr)
     print(json.dumps({"out": str(out), "component": args.component, "preset": args.preset, "layout": args.layout,

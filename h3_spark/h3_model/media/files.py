@@ -148,6 +148,19 @@ class VideoClip:
     sample_rate: int | None
 
 
+def _video_stream(path: Path, container, max_pixels: int | None):
+    """(the first video stream, its frame rate) of an open container, refused in one line when it has none, no
+    rate, or frames over `max_pixels`."""
+    if not container.streams.video:
+        raise InputError(f"{path}: no video stream")
+    stream = container.streams.video[0]
+    source_fps = float(stream.average_rate or stream.guessed_rate or 0)
+    if source_fps <= 0:
+        raise InputError(f"{path}: the video stream has no frame rate")
+    _check_pixels(path, stream.codec_context.width, stream.codec_context.height, max_pixels, "video frame")
+    return stream, source_fps
+
+
 def read_video(path: str | os.PathLike, *, fps: float = FPS, max_frames: int | None = None,
                max_pixels: int | None = None, sample_rate: int | None = SAMPLE_RATE, with_audio: bool = True,
                loglevel: str | None = None) -> VideoClip:
@@ -159,13 +172,7 @@ def read_video(path: str | os.PathLike, *, fps: float = FPS, max_frames: int | N
     `max_pixels` are refused before decoding."""
     path = _check_input(path, VIDEO_SUFFIXES, "video")
     with _open(path, "video", loglevel) as container:
-        if not container.streams.video:
-            raise InputError(f"{path}: no video stream")
-        stream = container.streams.video[0]
-        source_fps = float(stream.average_rate or stream.guessed_rate or 0)
-        if source_fps <= 0:
-            raise InputError(f"{path}: the video stream has no frame rate")
-        _check_pixels(path, stream.codec_context.width, stream.codec_context.height, max_pixels, "video frame")
+        stream, source_fps = _video_stream(path, container, max_pixels)
         needed = keep = None
         if max_frames is not None:
             needed = math.ceil((max_frames + 1) * source_fps / fps) + 1
@@ -254,13 +261,7 @@ def read_video_tail(path: str | os.PathLike, tail_frames: int, *, fps: float = F
         raise InputError(f"a video's tail is at least one frame, got {tail_frames}")
     path = _check_input(path, VIDEO_SUFFIXES, "video")
     with _open(path, "video", loglevel) as container:
-        if not container.streams.video:
-            raise InputError(f"{path}: no video stream")
-        stream = container.streams.video[0]
-        source_fps = float(stream.average_rate or stream.guessed_rate or 0)
-        if source_fps <= 0:
-            raise InputError(f"{path}: the video stream has no frame rate")
-        _check_pixels(path, stream.codec_context.width, stream.codec_context.height, max_pixels, "video frame")
+        stream, source_fps = _video_stream(path, container, max_pixels)
         needed = None if max_frames is None else math.ceil((max_frames + 1) * source_fps / fps) + 1
         # The source frames the last `tail_frames` output frames can show, with a frame to spare either side.
         recent: deque = deque(maxlen=math.ceil((tail_frames + 1) * source_fps / fps) + 3)
