@@ -299,7 +299,7 @@ def test_options_the_text_encoder_does_not_take_are_refused(tmp_path, capsys, ar
 
 @pytest.mark.parametrize("component,message", [
     ("dit", "--format nvfp4_awq is a text encoder format; the DiT is written as bf16, fp8_scaled, nvfp4, int8_convrot"),
-    ("vae", "the published VAE files are not quantized"),
+    ("vae", "--component vae is written as published (leave --format out) or as int8_convrot"),
 ])
 def test_nvfp4_awq_is_the_text_encoders_only(tmp_path, capsys, component, message):
     code = main(["make-checkpoint", "--component", component, "--format", "nvfp4_awq", str(tmp_path / "x.safetensors")])
