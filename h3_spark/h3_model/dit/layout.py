@@ -98,6 +98,9 @@ class Layout:
     # Noise masks: target rows held at a given clip's latents (True: kept), by target row; None keeps none.
     held_video: torch.Tensor | None = None
     held_audio: torch.Tensor | None = None
+    # A window that goes on from a history: (first row, rows, latent frames) of each condition video block on
+    # the target's patch grid, the history's then each guide's, in row order; empty without a history.
+    context_video: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def sequence_length(self) -> int:
@@ -142,21 +145,29 @@ class Layout:
         return dataclasses.replace(self, held_video=video, held_audio=audio)
 
 
-def segments_before_video(layout: Layout) -> tuple[int, ...]:
-    """Sizes of the contiguous single-modality runs that precede the target video, in row order: the text, then
-    each run of condition video rows (keyframes, reference images and videos) or of audio rows (reference sound,
-    the target audio). Block-sparse attention tiles each run on its own, so that no tile mixes two of them
-    (kernels/vsa_reference.tile_map); the target video, the tail of every layout, is tiled in 3-D."""
+def segments_before_video(layout: Layout) -> tuple:
+    """The contiguous single-modality runs that precede the target video, in row order: the text, then each run
+    of condition video rows (keyframes, reference images and videos) or of audio rows (reference sound, the
+    target audio), as row counts. Block-sparse attention tiles each run on its own, so that no tile mixes two of
+    them (kernels/vsa_reference.tile_map); the target video, the tail of every layout, is tiled in 3-D. In a
+    window that goes on from a history, the history's video block and each guide's (`Layout.context_video`)
+    are a `VideoRun` of their latent frames each: on the target's grid, they are tiled in 3-D as the target is."""
+    from ...kernels.vsa_reference import VideoRun
+
     total = layout.sequence_length
     target = layout.target_video_indices
     start = total - target.numel()
     if not torch.equal(target, torch.arange(start, total)):
         raise InputError("the target video rows are not the tail of the packed sequence")
-    kind = torch.zeros(total, dtype=torch.long)  # 0 text, 1 video, 2 audio
+    kind = torch.zeros(total, dtype=torch.long)  # 0 text, 1 video, 2 audio, 3 + i the i-th context block
     kind[layout.video_indices] = 1
     kind[layout.audio_indices] = 2
-    _, runs = torch.unique_consecutive(kind[:start], return_counts=True)
-    return tuple(int(n) for n in runs)
+    frames = {}
+    for i, (first, rows, latent_frames) in enumerate(layout.context_video):
+        kind[first:first + rows] = 3 + i
+        frames[3 + i] = latent_frames
+    labels, runs = torch.unique_consecutive(kind[:start], return_counts=True)
+    return tuple(VideoRun(frames[int(label)]) if int(label) in frames else int(n) for label, n in zip(labels, runs))
 
 
 def adaln_rows(timestep_indices: torch.Tensor, token_tags: torch.Tensor) -> torch.Tensor:
@@ -367,8 +378,12 @@ def build_t2va(text_tags: torch.Tensor, latent_frames: int, latent_height: int, 
             audio_parts.append(torch.arange(cursor, end))
             cursor = end
     cursor = _fill_guides(pos, cursor, guides, origin, latent_frames, grid, w_axis, video_parts, audio_parts)
-    return _with_target(pos, text_tags, video_parts, audio_parts, cursor, origin, audio_latents, latent_frames, grid,
-                        w_axis)
+    layout = _with_target(pos, text_tags, video_parts, audio_parts, cursor, origin, audio_latents, latent_frames,
+                          grid, w_axis)
+    if history is None:
+        return layout
+    context = tuple((int(p[0]), int(p.numel()), int(p.numel()) // rows_per_frame) for p in video_parts)
+    return dataclasses.replace(layout, context_video=context)
 
 
 def _fill_guides(pos, cursor: int, guides, origin: float, latent_frames: int, grid, w_axis, video_parts: list,
