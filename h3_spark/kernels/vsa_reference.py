@@ -43,9 +43,12 @@ QUERY_CHUNK = 1024
 class VideoRun:
     """A run of `frames` latent frames of video rows before the target, on the target's own (rows, columns)
     patch grid, frame-major then row-major: a window's history or one of its guides. Tiled in 3-D like the
-    target, its tiles are selected like the target's instead of attending densely."""
+    target, its tiles are selected like the target's instead of attending densely. `follows`: its frames come
+    right after the first run's in time (a film's first-frame guide after its history), so the two are tiled as
+    one video, whose 4-frame slabs may span both."""
 
     frames: int
+    follows: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,15 +100,15 @@ def _run_tiles(start: int, size: int, tile: int) -> torch.Tensor:
     return torch.where(places < size, places + start, -1).view(-1, tile)
 
 
-def _cube_tiles(start: int, shape: tuple[int, int, int], tile: int) -> torch.Tensor:
-    """A video of `shape` = (frames, rows, columns) patches from packed row `start`, frame-major then row-major,
-    cut into 3-D tiles (the tiles at its far edges smaller), in (t, h, w) tile order: (tiles, tile) packed rows,
-    each tile's real rows first in (t, h, w) order, -1 in the padding after them."""
+def _cube_tiles(video: torch.Tensor, tile: int) -> torch.Tensor:
+    """A video given as the packed row of each of its (frames, rows, columns) patches, cut into 3-D tiles (the
+    tiles at its far edges smaller), in (t, h, w) tile order: (tiles, tile) packed rows, each tile's real rows
+    first in (t, h, w) order, -1 in the padding after them."""
     tt, th, tw = tile_shape(tile)
-    t, h, w = shape
+    t, h, w = video.shape
     nt, nh, nw = -(-t // tt), -(-h // th), -(-w // tw)
     grid = torch.full((nt * tt, nh * th, nw * tw), -1, dtype=torch.long)
-    grid[:t, :h, :w] = torch.arange(t * h * w).reshape(t, h, w) + start
+    grid[:t, :h, :w] = video
     by_tile = grid.reshape(nt, tt, nh, th, nw, tw).permute(0, 2, 4, 1, 3, 5).reshape(nt * nh * nw, tile)
     real_first = torch.argsort((by_tile < 0).to(torch.uint8), dim=1, stable=True)
     return by_tile.gather(1, real_first)
@@ -121,18 +124,23 @@ def tile_map(prefix_segments: tuple, video_shape: tuple[int, int, int], tile: in
     if min(t, h, w) < 1 or any(not isinstance(s, VideoRun) and int(s) < 0 for s in prefix_segments) or any(
             isinstance(s, VideoRun) and int(s.frames) < 0 for s in prefix_segments):
         raise InputError(f"cannot tile a video of {video_shape} patches after segments {prefix_segments}")
-    dense, context, start = [], [], 0
+    dense, videos, start = [], [], 0  # videos: each context video's frames (a list of (f, h, w) row grids)
     for segment in prefix_segments:
         if isinstance(segment, VideoRun):
             size = int(segment.frames) * h * w
-            if size:
-                context.append(_cube_tiles(start, (int(segment.frames), h, w), tile))
+            frames = (torch.arange(size) + start).view(-1, h, w)
+            if segment.follows and videos:
+                videos[0].append(frames)
+            elif size:
+                videos.append([frames])
         else:
             size = int(segment)
             if size:
                 dense.append(_run_tiles(start, size, tile))
         start += size
-    parts = dense + context + [_cube_tiles(start, (t, h, w), tile)]
+    context = [_cube_tiles(torch.cat(parts), tile) for parts in videos if sum(len(p) for p in parts)]
+    target = (torch.arange(t * h * w) + start).view(t, h, w)
+    parts = dense + context + [_cube_tiles(target, tile)]
     rows = torch.cat(parts)
     flat = rows.flatten()
     real = flat >= 0

@@ -98,9 +98,10 @@ class Layout:
     # Noise masks: target rows held at a given clip's latents (True: kept), by target row; None keeps none.
     held_video: torch.Tensor | None = None
     held_audio: torch.Tensor | None = None
-    # A window that goes on from a history: (first row, rows, latent frames) of each condition video block on
-    # the target's patch grid, the history's then each guide's, in row order; empty without a history.
-    context_video: tuple[tuple[int, int, int], ...] = ()
+    # A window that goes on from a history: (first row, rows, latent frames, follows) of each condition video
+    # block on the target's patch grid, the history's then each guide's, in row order (`follows`: a guide at
+    # frame 0, whose frames come right after the history's in time); empty without a history.
+    context_video: tuple[tuple[int, int, int, bool], ...] = ()
 
     @property
     def sequence_length(self) -> int:
@@ -151,7 +152,8 @@ def segments_before_video(layout: Layout) -> tuple:
     target audio), as row counts. Block-sparse attention tiles each run on its own, so that no tile mixes two of
     them (kernels/vsa_reference.tile_map); the target video, the tail of every layout, is tiled in 3-D. In a
     window that goes on from a history, the history's video block and each guide's (`Layout.context_video`)
-    are a `VideoRun` of their latent frames each: on the target's grid, they are tiled in 3-D as the target is."""
+    are a `VideoRun` of their latent frames each: on the target's grid, they are tiled in 3-D as the target is,
+    the first guide at frame 0 (a film's first-frame guide: the frame the history leads into) with the history."""
     from ...kernels.vsa_reference import VideoRun
 
     total = layout.sequence_length
@@ -163,11 +165,11 @@ def segments_before_video(layout: Layout) -> tuple:
     kind[layout.video_indices] = 1
     kind[layout.audio_indices] = 2
     frames = {}
-    for i, (first, rows, latent_frames) in enumerate(layout.context_video):
+    for i, (first, rows, latent_frames, follows) in enumerate(layout.context_video):
         kind[first:first + rows] = 3 + i
-        frames[3 + i] = latent_frames
+        frames[3 + i] = VideoRun(latent_frames, follows)
     labels, runs = torch.unique_consecutive(kind[:start], return_counts=True)
-    return tuple(VideoRun(frames[int(label)]) if int(label) in frames else int(n) for label, n in zip(labels, runs))
+    return tuple(frames.get(int(label), int(n)) for label, n in zip(labels, runs))
 
 
 def adaln_rows(timestep_indices: torch.Tensor, token_tags: torch.Tensor) -> torch.Tensor:
@@ -382,7 +384,10 @@ def build_t2va(text_tags: torch.Tensor, latent_frames: int, latent_height: int, 
                           grid, w_axis)
     if history is None:
         return layout
-    context = tuple((int(p[0]), int(p.numel()), int(p.numel()) // rows_per_frame) for p in video_parts)
+    # The history's block, then each guide's with video; the first at frame 0 goes on from the history in time.
+    frame0 = next((i for i, g in enumerate(g for g in guides if g.latent_frames) if g.frame == 0), None)
+    context = tuple((int(p[0]), int(p.numel()), int(p.numel()) // rows_per_frame, i - 1 == frame0)
+                    for i, p in enumerate(video_parts))
     return dataclasses.replace(layout, context_video=context)
 
 
