@@ -2,7 +2,7 @@
 
 Usage (repository root, any machine):
     python benchmarks/vsa_pairs_cpu.py --out receipts/cpu/vsa-history-pairs.json [--width 1344 --height 768]
-        [--seconds 15,60] [--sparsity 0.9] [--history 5,22]
+        [--seconds 15,60] [--sparsity 0.9] [--history 5,22,39]
 
 For each film length, the plan's window that goes on (`compose/windows.plan_film`: its frames and history) is
 set against a first window of the same length, with its history and first-frame guide tiled two ways:
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--height", type=int, default=768)
     p.add_argument("--seconds", default="15,60", help="film lengths whose window that goes on is counted")
     p.add_argument("--sparsity", type=float, default=0.9)
-    p.add_argument("--history", default="5,22", help="history lengths to count (17k+5 frames; 22 by default)")
+    p.add_argument("--history", default="5,22,39", help="history lengths to count (17k+5 frames; films take 22)")
     args = p.parse_args(argv)
     films = [film_rows(args.width, args.height, float(s), args.sparsity, int(h))
              for s in args.seconds.split(",") if s for h in args.history.split(",") if h]
