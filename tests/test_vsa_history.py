@@ -188,3 +188,26 @@ def test_the_compiled_kernels_match_the_reference_with_a_history(dtype):
         gate = torch.randn_like(v)
         whole = vsa_attention(q, k, v, gate, tiles, 0.8)
         assert (whole - vsa_reference(q, k, v, gate, tiles, 0.8)).abs().max().item() <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------ the pair counts
+def test_the_pairs_receipt_is_what_the_benchmark_counts(tmp_path):
+    """receipts/cpu/vsa-history-pairs.json is the script's output, not edited: counted again, it is the same;
+    the dense-prefix tiling's count at 294 frames is the one measured before the context tiles (2.51x), and the
+    60 s film's window that goes on now costs <= 1.15x a first window."""
+    import json
+    import runpy
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    receipt = json.loads((root / "receipts/cpu/vsa-history-pairs.json").read_text())
+    main = runpy.run_path(str(root / "benchmarks/vsa_pairs_cpu.py"))["main"]
+    argv = receipt["command"].split()[2:]
+    argv[argv.index("--out") + 1] = str(tmp_path / "pairs.json")
+    main(argv)
+    again = json.loads((tmp_path / "pairs.json").read_text())
+    assert again["films"] == receipt["films"]
+    sixty = next(f for f in receipt["films"] if f["film_seconds"] == 60 and f["history_frames"] == 22)
+    assert sixty["window_frames"] == 294 and sixty["first_window"]["computed_pairs"] == pytest.approx(9.994e8, rel=1e-3)
+    assert sixty["going_on"]["dense_prefix"]["vs_first_window"]["computed_pairs"] == 2.515
+    assert max(sixty["going_on"]["context_tiles"]["vs_first_window"].values()) <= 1.15
