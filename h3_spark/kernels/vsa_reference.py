@@ -121,8 +121,8 @@ def tile_map(prefix_segments: tuple, video_shape: tuple[int, int, int], tile: in
     tile mixes two runs; a video run and the target into 3-D tiles (4x4x4 patches for 64-row tiles)."""
     tile_shape(tile)
     t, h, w = (int(x) for x in video_shape)
-    if min(t, h, w) < 1 or any(not isinstance(s, VideoRun) and int(s) < 0 for s in prefix_segments) or any(
-            isinstance(s, VideoRun) and int(s.frames) < 0 for s in prefix_segments):
+    lengths = [int(s.frames if isinstance(s, VideoRun) else s) for s in prefix_segments]
+    if min(t, h, w) < 1 or any(n < 0 for n in lengths):
         raise InputError(f"cannot tile a video of {video_shape} patches after segments {prefix_segments}")
     dense, videos, start = [], [], 0  # videos: each context video's frames (a list of (f, h, w) row grids)
     for segment in prefix_segments:
@@ -138,7 +138,7 @@ def tile_map(prefix_segments: tuple, video_shape: tuple[int, int, int], tile: in
             if size:
                 dense.append(_run_tiles(start, size, tile))
         start += size
-    context = [_cube_tiles(torch.cat(parts), tile) for parts in videos if sum(len(p) for p in parts)]
+    context = [_cube_tiles(torch.cat(parts), tile) for parts in videos]
     target = (torch.arange(t * h * w) + start).view(t, h, w)
     parts = dense + context + [_cube_tiles(target, tile)]
     rows = torch.cat(parts)
