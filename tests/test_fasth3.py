@@ -218,7 +218,8 @@ def test_fasth3_runs_a_generation_in_four_evaluations_of_vsa(engine, monkeypatch
 
 def test_fasth3_runs_inside_a_films_windows(engine, monkeypatch):
     """Each window of a film runs the recipe's 4 VSA evaluations; a window that goes on tiles its history and
-    first-frame guide as prefix runs of their own (more prefix tiles, the same video tiles)."""
+    first-frame guide as context tiles of their own, in 3-D on the target's grid and selected like the target's
+    within the target's budget (the same target tiles; its history's sound dense tiles of its own)."""
     from h3_spark.h3_model.compose.film import Film, Shot, render_film
     from h3_spark.h3_model.compose.windows import plan_film
 
@@ -234,8 +235,15 @@ def test_fasth3_runs_inside_a_films_windows(engine, monkeypatch):
     assert sum(c.shape[0] for c in chunks) == 400 and len(result.info["windows"]) == 2
     first, second = (b.attention for b in bound)
     assert first.calls == second.calls == 4 * dit.config.num_layers
-    assert second.tiles.num_video_tiles == first.tiles.num_video_tiles
-    assert second.tiles.num_prefix_tiles > first.tiles.num_prefix_tiles
+    assert second.tiles.num_target_tiles == first.tiles.num_target_tiles and first.tiles.num_context_tiles == 0
+    # 64x64: 2x2 patches a frame, one 4x4x4 tile per 4 latent frames; 22 history frames (7 latents) and the
+    # guide's still are 8 frames: 2 context tiles of 16 rows.
+    assert second.tiles.num_context_tiles == 2 and second.tiles.sizes[second.tiles.num_prefix_tiles:][:2].tolist() == [
+        16, 16]
+    # The text, then the history's sound (36 latents x 2 channels: 72 rows) as two more dense tiles.
+    assert second.tiles.sizes[:3].tolist() == [5, 64, 8]
+    assert second.tiles.num_prefix_tiles == first.tiles.num_prefix_tiles + 2
+    assert "context_tiles" not in first.describe() and second.describe()["context_tiles"] == 2
 
 
 # ------------------------------------------------------------------------------------------ set-up errors

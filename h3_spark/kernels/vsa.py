@@ -29,9 +29,9 @@ import torch
 from ._triton import INTERPRETED, rnd, round_code, tl, triton  # noqa: F401  (rnd: used in the kernel)
 from .attention import Backend
 from .capability import capability, require_triton
-from .vsa_reference import TileMap, check_inputs, tile_map, video_tiles_kept, vsa_reference
+from .vsa_reference import TileMap, VideoRun, check_inputs, tile_map, tiles_selected, vsa_reference
 
-__all__ = ["VsaAttention", "block_sparse_fine", "vsa_attention", "tile_map", "vsa_reference"]
+__all__ = ["VideoRun", "VsaAttention", "block_sparse_fine", "vsa_attention", "tile_map", "vsa_reference"]
 
 BLOCK = 64  # rows of a query or key block: a 64-row tile is one block, larger tiles several
 LOG2E = 1.4426950408889634
@@ -248,13 +248,14 @@ def tile_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, num
 
 
-def selected_lists(scores: torch.Tensor, num_prefix_tiles: int, sparsity: float
+def selected_lists(scores: torch.Tensor, num_prefix_tiles: int, sparsity: float, num_context_tiles: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """vsa_reference.select_tiles as the kernel's lists, without the (B, H, n, n) mask: every prefix key tile,
-    then a video query tile's top video tiles in tile order; a prefix query tile keeps all n."""
+    then a video query tile's top video tiles (context and target alike) in tile order; a prefix query tile
+    keeps all n."""
     b, h, n, _ = scores.shape
     num_video = n - num_prefix_tiles
-    keep = video_tiles_kept(sparsity, num_video) if num_video else 0
+    keep = tiles_selected(sparsity, num_video, num_context_tiles)
     every = torch.arange(n, dtype=torch.int32, device=scores.device).expand(b, h, n, n)
     if keep == num_video:
         return every.contiguous(), torch.full((b, h, n), n, dtype=torch.int32, device=scores.device)
@@ -337,7 +338,7 @@ def vsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch
     check_inputs(q, k, v, gate, tiles)
     v = v.to(q.dtype)
     scores = _pooled(q, tiles) @ _pooled(k, tiles).transpose(-1, -2) / math.sqrt(q.shape[-1])
-    idx, num = selected_lists(scores, tiles.num_prefix_tiles, sparsity)
+    idx, num = selected_lists(scores, tiles.num_prefix_tiles, sparsity, tiles.num_context_tiles)
     coarse = scores.softmax(-1) @ _pooled(v, tiles) if gate is not None else None
     return _fine(q, k, v, idx, num, tiles, gate, coarse)
 
@@ -371,8 +372,13 @@ class VsaAttention(Backend):
         self.kernel = "reference"
         return vsa_reference(q, k, v, gate, tiles, self.sparsity)
 
+    def _context(self) -> dict:
+        """The context tiles (a history's, guides') where the request has them: absent otherwise, so a first
+        window's description is what it was."""
+        return {"context_tiles": self.tiles.num_context_tiles} if self.tiles.num_context_tiles else {}
+
     def describe(self) -> dict:
         return {**super().describe(), "sparsity": self.sparsity, "tile": self.tiles.tile, "fine": self.fine,
                 "fine_kernel": self.kernel, "tiles": self.tiles.num_tiles,
-                "video_tiles": self.tiles.num_video_tiles, "calls": self.calls,
+                "video_tiles": self.tiles.num_video_tiles, **self._context(), "calls": self.calls,
                 "calls_with_gate": self.gated_calls}

@@ -98,6 +98,10 @@ class Layout:
     # Noise masks: target rows held at a given clip's latents (True: kept), by target row; None keeps none.
     held_video: torch.Tensor | None = None
     held_audio: torch.Tensor | None = None
+    # A window that goes on from a history: (first row, rows, latent frames, follows) of each condition video
+    # block on the target's patch grid, the history's then each guide's, in row order (`follows`: a guide at
+    # frame 0, whose frames come right after the history's in time); empty without a history.
+    context_video: tuple[tuple[int, int, int, bool], ...] = ()
 
     @property
     def sequence_length(self) -> int:
@@ -142,21 +146,30 @@ class Layout:
         return dataclasses.replace(self, held_video=video, held_audio=audio)
 
 
-def segments_before_video(layout: Layout) -> tuple[int, ...]:
-    """Sizes of the contiguous single-modality runs that precede the target video, in row order: the text, then
-    each run of condition video rows (keyframes, reference images and videos) or of audio rows (reference sound,
-    the target audio). Block-sparse attention tiles each run on its own, so that no tile mixes two of them
-    (kernels/vsa_reference.tile_map); the target video, the tail of every layout, is tiled in 3-D."""
+def segments_before_video(layout: Layout) -> tuple:
+    """The contiguous single-modality runs that precede the target video, in row order: the text, then each run
+    of condition video rows (keyframes, reference images and videos) or of audio rows (reference sound, the
+    target audio), as row counts. Block-sparse attention tiles each run on its own, so that no tile mixes two of
+    them (kernels/vsa_reference.tile_map); the target video, the tail of every layout, is tiled in 3-D. In a
+    window that goes on from a history, the history's video block and each guide's (`Layout.context_video`)
+    are a `VideoRun` of their latent frames each: on the target's grid, they are tiled in 3-D as the target is,
+    the first guide at frame 0 (a film's first-frame guide: the frame the history leads into) with the history."""
+    from ...kernels.vsa_reference import VideoRun
+
     total = layout.sequence_length
     target = layout.target_video_indices
     start = total - target.numel()
     if not torch.equal(target, torch.arange(start, total)):
         raise InputError("the target video rows are not the tail of the packed sequence")
-    kind = torch.zeros(total, dtype=torch.long)  # 0 text, 1 video, 2 audio
+    kind = torch.zeros(total, dtype=torch.long)  # 0 text, 1 video, 2 audio, 3 + i the i-th context block
     kind[layout.video_indices] = 1
     kind[layout.audio_indices] = 2
-    _, runs = torch.unique_consecutive(kind[:start], return_counts=True)
-    return tuple(int(n) for n in runs)
+    frames = {}
+    for i, (first, rows, latent_frames, follows) in enumerate(layout.context_video):
+        kind[first:first + rows] = 3 + i
+        frames[3 + i] = VideoRun(latent_frames, follows)
+    labels, runs = torch.unique_consecutive(kind[:start], return_counts=True)
+    return tuple(frames.get(int(label), int(n)) for label, n in zip(labels, runs))
 
 
 def adaln_rows(timestep_indices: torch.Tensor, token_tags: torch.Tensor) -> torch.Tensor:
@@ -367,8 +380,15 @@ def build_t2va(text_tags: torch.Tensor, latent_frames: int, latent_height: int, 
             audio_parts.append(torch.arange(cursor, end))
             cursor = end
     cursor = _fill_guides(pos, cursor, guides, origin, latent_frames, grid, w_axis, video_parts, audio_parts)
-    return _with_target(pos, text_tags, video_parts, audio_parts, cursor, origin, audio_latents, latent_frames, grid,
-                        w_axis)
+    layout = _with_target(pos, text_tags, video_parts, audio_parts, cursor, origin, audio_latents, latent_frames,
+                          grid, w_axis)
+    if history is None:
+        return layout
+    # The history's block, then each guide's with video; the first at frame 0 goes on from the history in time.
+    frame0 = next((i for i, g in enumerate(g for g in guides if g.latent_frames) if g.frame == 0), None)
+    context = tuple((int(p[0]), int(p.numel()), int(p.numel()) // rows_per_frame, i - 1 == frame0)
+                    for i, p in enumerate(video_parts))
+    return dataclasses.replace(layout, context_video=context)
 
 
 def _fill_guides(pos, cursor: int, guides, origin: float, latent_frames: int, grid, w_axis, video_parts: list,
