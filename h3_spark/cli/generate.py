@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..h3_model.engine.options import (add_budget_flags, add_kernel_flags, add_model_flags, add_parallel_flags,
                                        add_precision_flags)
+from ..h3_model.engine.recipes import check_recipe_mode
 from .control import add_control_flags, check_control_flags, parse_control
 from .compose import (add_compose_flags, check_flags, film_summary, is_film, parse_guides, parse_repaint,
                       plan_film_flags, render_film_out)
@@ -141,8 +142,6 @@ def run(args) -> int:
     options, settings = engine_options(args, device, world_size)
     recipes = recipe_flags(args, options)
     req = build_request(args, settings)
-    from ..h3_model.engine.recipes import check_recipe_mode
-
     check_recipe_mode(recipes, req.mode)  # a FastH3 checkpoint distilled for other modes, before any weight loads
     embeddings = prompt_embeddings(args, options)  # found and checked before any weight loads
     film_plan = plan_film_flags(args, req) if film else None  # its windows, before any weight loads
