@@ -280,6 +280,37 @@ class ControlNetFile:
                 scratch = max(scratch, math.prod(self._shape(layer)) * item)
         return total + scratch
 
+    def streamed_bytes(self, dtype: torch.dtype = torch.bfloat16, depth: int = 2) -> int:
+        """The least the tower holds on its device with every block streamed (engine/memory.plan_tower), from the
+        header alone: the weights outside the blocks, the dequantization scratch and `depth` slots of the largest
+        block or AdaLN projection, each tensor aligned as streaming packs it."""
+        from ..dit.streaming import ALIGN
+
+        item = torch.empty(0, dtype=dtype).element_size()
+        fixed = scratch = 0
+        units: dict[tuple[int, bool], int] = {}
+        for layer, keys in self.layers.items():
+            target = self.targets.get(layer) or ""
+            spec = self.specs.get(layer)
+            fp32 = layer == "control_proj_in" or (self.config.curve_form and layer.endswith("adaln_proj.linear"))
+            parts = target.split(".")
+            in_block = parts[0] == "control_blocks" and len(parts) > 1 and parts[1].isdigit()
+            nbytes = 0
+            for suffix, key in keys.items():
+                entry = self.source.entry(key) if suffix != "_legacy" else None
+                if entry is None or suffix == "comfy_quant":
+                    continue
+                size = entry.nbytes if spec is not None and suffix != "bias" else entry.numel * (4 if fp32 else item)
+                nbytes += -(-size // ALIGN) * ALIGN if in_block else size  # only streamed units are packed
+            if spec is not None:
+                scratch = max(scratch, math.prod(self._shape(layer)) * item)
+            if in_block:
+                unit = (int(parts[1]), ".adaln_proj" in target)
+                units[unit] = units.get(unit, 0) + nbytes
+            else:
+                fixed += nbytes
+        return fixed + scratch + depth * max(units.values(), default=0)
+
     def facts(self) -> dict:
         """What `inspect` says of the file: version, blocks, places, AdaLN form, formats."""
         c = self.config

@@ -197,6 +197,43 @@ def plan_dit(model: nn.Module, budget: int | None, rows: int, *, depth: int = DE
     return plan
 
 
+def measure_tower(tower: nn.Module, depth: int = DEFAULT_DEPTH, budget: int | None = None) -> MemoryPlan:
+    """A ControlNet tower's parts in bytes, everything resident: the hint projection (and the scratch its stored
+    layers dequantize into) outside the blocks, each control block and its AdaLN projection as packed. Its
+    activations are the DiT forward's (it runs between the DiT's blocks), so the plan holds none of its own."""
+    if depth < 1:
+        raise InputError(f"the prefetch depth must be at least 1, got {depth}")
+    blocks = list(tower.control_blocks)
+    fixed = tensor_bytes(tower) - sum(tensor_bytes(b) for b in blocks) + scratch_bytes(tower)
+    return MemoryPlan(budget, fixed, [packed_bytes(b, ADALN) for b in blocks],
+                      [packed_bytes(getattr(b, ADALN)) for b in blocks], 0, 0, depth, len(blocks))
+
+
+def plan_tower(tower: nn.Module, room: int | None, *, depth: int = DEFAULT_DEPTH) -> MemoryPlan:
+    """How many of a ControlNet tower's blocks stay resident in `room` device bytes (what the budget leaves beside
+    the DiTs' plans; None: all of them), the rest streaming like the DiT's; refused, naming the minimum, when not
+    even a fully streamed tower fits."""
+    plan = measure_tower(tower, depth, room)
+    if room is None:
+        return plan
+    if not fit(plan, room):
+        raise InputError(
+            f"the VRAM budget leaves the ControlNet {gb(max(room, 0))} beside the DiT, below the "
+            f"{gb(streamed_minimum(plan))} its tower needs with every block streamed: {gb(plan.fixed)} outside the "
+            f"blocks and {depth} block slots of {gb(plan.slot_bytes // depth)}; raise the budget, or lower "
+            "--prefetch-depth")
+    return plan
+
+
+def tower_room(budget: int, plans, kept: int) -> int:
+    """Device bytes a ControlNet tower may hold under `budget` beside these DiT plans: the budget less its slack,
+    the DiTs' weights and slots, and the larger of their activations and the other stages' `kept` bytes (the
+    tower's weights stay on the device through the text encode and the decode, as the DiT's do)."""
+    plans = list(plans)
+    weights = sum(p.device_bytes - p.activations for p in plans)
+    return budget - slack(budget) - weights - max([kept, *(p.activations for p in plans)])
+
+
 def check_rows(plan: MemoryPlan, config, rows: int, dtype: torch.dtype, mlp_chunks: int = 1) -> None:
     """A request longer than the plan's rows must still fit: refused before sampling if it does not."""
     if plan.budget is None or rows <= plan.rows:
