@@ -457,7 +457,7 @@ class Engine:
         in what the DiTs' plans leave, else its blocks stream like the DiT's; `check_controlnet` before `load`
         makes the DiT's plan leave it at least its streamed minimum. None drops it."""
         if path is None:
-            self.components.controlnet = None
+            self.components.controlnet, self.controlnet_plan = None, None
             return
         from ..checkpoint.controlnet import ControlNetFile, load_tower
 
