@@ -194,3 +194,4 @@ def test_a_budget_leaves_the_tower_its_streamed_minimum_and_streams_the_rest(tmp
     assert tower_plan.device_bytes <= room < tower_plan.device_bytes + tower_plan.blocks[report["resident_blocks"]]
     stream = controlled.components.controlnet.block_stream
     assert sorted(stream.units) == tower_plan.streamed
+    assert controlled.host_plan["controlnet_streamed_bytes"] == stream.host_bytes > 0  # checked by --host-budget

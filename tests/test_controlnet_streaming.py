@@ -80,3 +80,17 @@ def test_the_tower_room_is_what_the_dit_plans_leave():
     # weights 9 + 5 GB (all resident); the larger of the activations (4) and the other stages' 2 GB; 1 GB of slack
     assert tower_room(20 * GB, [a, b], 2 * GB) == 20 * GB - slack(20 * GB) - 14 * GB - 4 * GB
     assert tower_room(20 * GB, [a, b], 5 * GB) == 20 * GB - slack(20 * GB) - 14 * GB - 5 * GB
+
+
+def test_the_host_budget_counts_the_streamed_tower():
+    from h3_spark.h3_model.engine.memory import check_host
+
+    tower = _tower(DIT, PLACES)
+    plan = plan_tower(tower, _room(measure_tower(tower), 1))
+    held = sum(plan.blocks[1:]) + sum(plan.adaln)
+    report = check_host(None, [], None, [], tower=plan)
+    assert report["controlnet_streamed_bytes"] == held == report["held_bytes"]
+    with pytest.raises(InputError, match=rf"host memory budget .* below .* {gb(held)}: 0.0 MB of streamed DiT blocks "
+                                         rf"\(page-locked\), {gb(held)} of streamed ControlNet blocks"):
+        check_host(held - 1, [], None, [], tower=plan)
+    check_host(held, [], None, [], tower=plan)

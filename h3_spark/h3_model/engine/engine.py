@@ -474,12 +474,15 @@ class Engine:
                                                     device=self.device)
             self.controlnet_plan = None
         else:
-            from .memory import plan_tower, tower_room
+            from .memory import check_host, plan_tower, tower_room
             from .placement import place_tower
 
             tower = load_tower(path, dits[0].config, dtype=self.options.dtype, device="cpu")
             room = tower_room(budget, self.memory_plans.values(), max(self.stage_reserve.values(), default=0))
             plan = plan_tower(tower, room, depth=self.options.prefetch_depth)  # refused before anything moves
+            parked = getattr(self.pipeline.visit, "parked", [])  # the VAEs _place_all parked
+            self.host_plan = check_host(self.options.host_budget, self.memory_plans.values(),
+                                        self.components.text_encoder, parked, tower=plan)
             place_tower(tower, plan, self.device)
             self.components.controlnet, self.controlnet_plan = tower, plan
         self.load_seconds["controlnet"] = round(time.perf_counter() - start, 3)

@@ -289,19 +289,24 @@ def configure_in_host(model: nn.Module, settings, device: torch.device | str, ke
         model.block_scope = None
 
 
-def check_host(budget: int | None, plans, text_encoder, parked) -> dict:
+def check_host(budget: int | None, plans, text_encoder, parked, tower: MemoryPlan | None = None) -> dict:
     """What the models will hold in host memory under these plans, checked against `budget` (--host-budget) before
     anything is packed: the streamed DiT blocks and AdaLN projections (page-locked), the text encoder outside its
-    layers (which stream from the file's pages, in place), the parked VAEs. Raises naming the minimum."""
+    layers (which stream from the file's pages, in place), the parked VAEs, and a ControlNet tower's streamed
+    blocks and AdaLN projections (`tower`, its plan_tower plan). Raises naming the minimum."""
     parts = {"dit_streamed": sum(p.describe()["host_bytes"] for p in plans if p.streaming),
              "text_encoder_outside_layers": tensor_bytes(text_encoder.model) if hasattr(text_encoder, "model") else 0,
              "parked_vaes": sum(tensor_bytes(m) for m in parked)}
+    if tower is not None:
+        parts["controlnet_streamed"] = tower.describe()["host_bytes"] if tower.streaming else 0
     need = sum(parts.values())
     report = {"budget_bytes": budget, "held_bytes": need, **{f"{k}_bytes": v for k, v in parts.items()}}
     if budget is not None and need > budget:
+        tower_part = (f"{gb(parts['controlnet_streamed'])} of streamed ControlNet blocks (page-locked), "
+                      if parts.get("controlnet_streamed") else "")
         raise InputError(
             f"the host memory budget of {gb(budget)} is below what the models hold in host memory under this VRAM "
-            f"budget, {gb(need)}: {gb(parts['dit_streamed'])} of streamed DiT blocks (page-locked), "
+            f"budget, {gb(need)}: {gb(parts['dit_streamed'])} of streamed DiT blocks (page-locked), {tower_part}"
             f"{gb(parts['text_encoder_outside_layers'])} of the text encoder outside its layers and "
             f"{gb(parts['parked_vaes'])} of VAEs waiting for their stages (Python, torch and CUDA need ~3 GB more); "
             "raise --host-budget, or raise --vram-budget so that more of the DiT stays on the GPU")
