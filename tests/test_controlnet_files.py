@@ -150,6 +150,19 @@ def test_device_bytes_from_the_header_are_what_the_loaded_tower_holds(tmp_path, 
         assert f.device_bytes(torch.bfloat16) <= held + max(scratch_bytes(tower), 2 * 128 * 24 * 2)
 
 
+@pytest.mark.parametrize("layout", ["comfy", "released"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_streamed_minimum_from_the_header_is_the_loaded_towers(tmp_path, capsys, layout, depth):
+    """What the DiT's plan sets aside before the tower loads equals what the loaded tower's own plan needs with
+    every block streamed (stored int8_convrot layers as their codes, plus the dequantization scratch)."""
+    from h3_spark.h3_model.engine.memory import measure_tower, streamed_minimum
+
+    out, _ = _make(tmp_path, capsys, "cn.safetensors", "--layout", layout)
+    tower = load_tower(out, CURVE_TINY if layout == "comfy" else TINY, dtype=torch.bfloat16)
+    with ControlNetFile(out) as f:
+        assert f.streamed_bytes(torch.bfloat16, depth) == streamed_minimum(measure_tower(tower, depth))
+
+
 def test_a_budget_leaves_the_tower_its_streamed_minimum_and_streams_the_rest(tmp_path):
     """Under a VRAM budget (emulated on the CPU) the DiT's plan takes the ControlNet's streamed minimum (read from
     the header) out of its share, and the loaded tower keeps resident what the DiT's plan leaves: beside the 8-block
