@@ -5,6 +5,9 @@ everything fits, the DiT is resident, as without a budget. When it does not, the
 while the budget allows and the others stream (dit/streaming.py) through `depth` slots. A budget below the
 non-block weights, the slots and the activations is refused at set-up, naming the minimum.
 
+A ControlNet tower has a plan of its own (`plan_tower`): the DiT's plan sets aside the least the tower runs in, the
+tower keeps resident what the budget leaves beside the DiTs' plans (`tower_room`) and streams its other blocks.
+
 Activations are planned for a sequence length (the default canvas's unless told otherwise) and every
 request is checked against what its own length needs before it samples.
 """

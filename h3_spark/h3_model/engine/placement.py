@@ -12,6 +12,9 @@ weight room it is given now:
 Moving between those is incremental. Blocks that stream again keep their pinned host buffers (no repacking);
 blocks that become resident are copied up from them and give them back; blocks that stop being resident
 are packed from the GPU. Weights are never changed on the way, so every placement runs the same forward.
+
+A ControlNet tower under the CLI's and the service's fixed budget is placed once, by `place_tower`, through the
+same BlockStream.
 """
 
 from __future__ import annotations
