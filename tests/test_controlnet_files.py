@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from h3_spark.cli import main
-from h3_spark.errors import CheckpointError
+from h3_spark.errors import CheckpointError, InputError
 from h3_spark.h3_model.checkpoint import open_dit
 from h3_spark.h3_model.checkpoint.controlnet import (ControlNetFile, load_tower, random_getter, synthetic_config,
                                                      write_controlnet)
@@ -208,3 +208,18 @@ def test_a_budget_leaves_the_tower_its_streamed_minimum_and_streams_the_rest(tmp
     stream = controlled.components.controlnet.block_stream
     assert sorted(stream.units) == tower_plan.streamed
     assert controlled.host_plan["controlnet_streamed_bytes"] == stream.host_bytes > 0  # checked by --host-budget
+    # A budget that holds the streamed DiT but not the tower's minimum beside it: refused at load, naming both.
+    tight = memory.budget_for(memory.streamed_minimum(probe))
+    engine(tight).load(["t2va"], dit_only=True)  # the DiT alone fits
+    refused = engine(tight)
+    refused.check_controlnet(path, ["t2va"])
+    with pytest.raises(InputError, match=rf"VRAM budget of .* less the {memory.gb(refused.controlnet_reserve)} the "
+                                         r"ControlNet's tower needs with its blocks streamed is below what a streamed "
+                                         r"DiT forward needs"):
+        refused.load(["t2va"], dit_only=True)
+    # Without the check before the load, the tower's own plan refuses it, naming its minimum.
+    unchecked = engine(tight).load(["t2va"], dit_only=True)
+    with pytest.raises(InputError, match=rf"leaves the ControlNet .* below the {memory.gb(refused.controlnet_reserve)} "
+                                         r"its tower needs with every block streamed"):
+        unchecked.load_controlnet(path)
+    assert unchecked.components.controlnet is None

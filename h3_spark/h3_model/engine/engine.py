@@ -308,6 +308,8 @@ class Engine:
         kept = max(reserve.values(), default=0)
         share = (f" left to the DiT (of {gb(self.options.vram_budget)}, where the text encoder's and the VAEs' "
                  f"stages need {gb(kept)} beside its weights, in turn with its activations)") if reserve else ""
+        if self.controlnet_reserve:
+            share += f" less the {gb(self.controlnet_reserve)} the ControlNet's tower needs with its blocks streamed"
         plans: dict[str, object] = {}
         for key in self.dit_keys():
             plans[key] = self._plan(getattr(c, key), self.options.vram_budget, plans.values(), share, kept)
