@@ -10,8 +10,9 @@ The DiT: synthetic full-size random weights built on the device (measure/synthet
 and placement); the ControlNet: a synthetic file written by our make-checkpoint writer in Alibaba PAI's layout
 (v1: 5 blocks after layers 0, 10, 20, 30, 40; --union2: 10 blocks every 5 layers; bf16) and loaded through
 `Engine.load_controlnet` like `generate --controlnet` does. Per budget (resident, or a VRAM budget in GB under
-which the DiT's blocks stream; the tower stays resident and the DiT is planned for the budget less its bytes, so
-the plain forward there streams as the controlled one does), at one sampled evaluation
+which the DiT's blocks stream; the DiT is planned for the budget less the tower's streamed minimum, and the tower
+keeps resident what the DiT's plan leaves and streams its other blocks, so the plain forward there streams as the
+controlled one does and the ratio includes the tower's copies), at one sampled evaluation
 of the 1344x768x124 contract (the tower active, strength 1):
 - plain: the DiT forward with no control;
 - controlled: the same forward with the control tower injecting after its layers.
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
         options = LoadOptions(device=device, dtype=dtype, kernels=settings, vram_budget=budget,
                               plan_rows=lay.sequence_length)
         engine = Engine(options=options, overrides={"dit": builders["dit"]})
-        engine.check_controlnet(path, ["t2va"])  # under a budget the DiT's plan leaves the tower its bytes
+        engine.check_controlnet(path, ["t2va"])  # under a budget the DiT's plan leaves the tower its minimum
         engine.load(["t2va"], dit_only=True)
         engine.load_controlnet(path)
         dit, tower = engine.components.dit, engine.components.controlnet
@@ -140,18 +141,22 @@ def main(argv=None) -> int:
             controlled_peak = torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else None
             ran = injection.evaluations - before
         a, b = statistics.median(plain_t), statistics.median(controlled_t)
-        tower_bytes = sum(t.numel() * t.element_size() for t in [*tower.parameters(), *tower.buffers()])
+        # A streamed block's tensors are empty in their modules: its bytes are in the stream's host buffers.
+        stream = tower.block_stream
+        tower_bytes = (sum(t.numel() * t.element_size() for t in [*tower.parameters(), *tower.buffers()])
+                       + (stream.host_bytes if stream is not None else 0))
         runs.append({"budget": budget_name, "sequence_length": lay.sequence_length, "evaluation": step,
                      "plain_forward_s_median": a, "plain_forward_s_all": plain_t,
                      "controlled_forward_s_median": b, "controlled_forward_s_all": controlled_t,
                      "controlled_over_plain": b / a, "tower_evaluations_timed": ran,
                      "plain_peak_gpu_gb": plain_peak, "controlled_peak_gpu_gb": controlled_peak,
                      "tower_bytes": tower_bytes,
-                     "memory_plan": engine.memory_report("dit") if budget is not None else None})
-        print(json.dumps({k: v for k, v in runs[-1].items() if not k.endswith("_all") and k != "memory_plan"}),
-              flush=True)
+                     "memory_plan": engine.memory_report("dit") if budget is not None else None,
+                     "controlnet_plan": engine.memory_report("controlnet")})
+        print(json.dumps({k: v for k, v in runs[-1].items()
+                          if not k.endswith("_all") and k not in ("memory_plan", "controlnet_plan")}), flush=True)
         dit.control = None
-        del engine, dit, tower, injection, inputs, kwargs, text
+        del engine, dit, tower, stream, injection, inputs, kwargs, text
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     card = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"

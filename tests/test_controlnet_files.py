@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from h3_spark.cli import main
-from h3_spark.errors import CheckpointError
+from h3_spark.errors import CheckpointError, InputError
 from h3_spark.h3_model.checkpoint import open_dit
 from h3_spark.h3_model.checkpoint.controlnet import (ControlNetFile, load_tower, random_getter, synthetic_config,
                                                      write_controlnet)
@@ -150,9 +150,23 @@ def test_device_bytes_from_the_header_are_what_the_loaded_tower_holds(tmp_path, 
         assert f.device_bytes(torch.bfloat16) <= held + max(scratch_bytes(tower), 2 * 128 * 24 * 2)
 
 
-def test_a_budget_leaves_the_tower_its_bytes(tmp_path):
-    """Under a VRAM budget (emulated on the CPU) the DiT's plan takes the ControlNet's resident bytes out of its
-    share: beside a one-block tower the 8-block DiT is planned for the budget less the tower, and holds less."""
+@pytest.mark.parametrize("layout", ["comfy", "released"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_streamed_minimum_from_the_header_is_the_loaded_towers(tmp_path, capsys, layout, depth):
+    """What the DiT's plan sets aside before the tower loads equals what the loaded tower's own plan needs with
+    every block streamed (stored int8_convrot layers as their codes, plus the dequantization scratch)."""
+    from h3_spark.h3_model.engine.memory import measure_tower, streamed_minimum
+
+    out, _ = _make(tmp_path, capsys, "cn.safetensors", "--layout", layout)
+    tower = load_tower(out, CURVE_TINY if layout == "comfy" else TINY, dtype=torch.bfloat16)
+    with ControlNetFile(out) as f:
+        assert f.streamed_bytes(torch.bfloat16, depth) == streamed_minimum(measure_tower(tower, depth))
+
+
+def test_a_budget_leaves_the_tower_its_streamed_minimum_and_streams_the_rest(tmp_path):
+    """Under a VRAM budget (emulated on the CPU) the DiT's plan takes the ControlNet's streamed minimum (read from
+    the header) out of its share, and the loaded tower keeps resident what the DiT's plan leaves: beside the 8-block
+    DiT a 4-block tower streams its other blocks through the DiT's machinery."""
     from h3_spark.h3_model.engine import memory
     from h3_spark.h3_model.engine.engine import Engine
     from h3_spark.h3_model.engine.loading import LoadOptions
@@ -168,7 +182,7 @@ def test_a_budget_leaves_the_tower_its_bytes(tmp_path):
         return Engine(options=options, overrides=dit)
 
     probe = engine(100 * memory.GB).load(["t2va"], dit_only=True).memory_plans["dit"]
-    config = dataclasses.replace(synthetic_config(deep, union2=False, comfy=False), places=(0,))
+    config = dataclasses.replace(synthetic_config(deep, union2=False, comfy=False), places=(0, 2, 4, 6))
     path = tmp_path / "cn.safetensors"
     write_controlnet(path, config, random_getter(config, 0), "released")
     budget = memory.budget_for(probe.device_bytes)
@@ -176,8 +190,36 @@ def test_a_budget_leaves_the_tower_its_bytes(tmp_path):
     controlled = engine(budget)
     controlled.check_controlnet(path, ["t2va"])
     with ControlNetFile(path) as f:
-        assert controlled.controlnet_reserve == f.device_bytes(torch.float32) > 0
+        # The DiT's plan leaves the tower the least it runs in: its blocks streamed, as the loaded tower measures.
+        assert controlled.controlnet_reserve == f.streamed_bytes(torch.float32, 2) > 0
     controlled.load(["t2va"], dit_only=True)
     plan = controlled.memory_plans["dit"]
     assert plain.budget - plan.budget == controlled.controlnet_reserve
     assert plan.device_bytes < plain.device_bytes  # the DiT keeps less on the device (here: its AdaLN on the host)
+    controlled.load_controlnet(path)
+    tower_plan = controlled.controlnet_plan
+    assert memory.streamed_minimum(tower_plan) == controlled.controlnet_reserve
+    # The tower keeps resident what the DiT's plan left beside that minimum; here not all: its other blocks stream.
+    report = controlled.memory_report("controlnet")
+    assert report["resident_blocks"] + report["streamed_blocks"] == 4 and report["streamed_blocks"] >= 1
+    assert report["room_bytes"] == memory.tower_room(budget, [plan], 0) and "slack_bytes" not in report
+    room = memory.tower_room(budget, [plan], 0)
+    assert tower_plan.device_bytes <= room < tower_plan.device_bytes + tower_plan.blocks[report["resident_blocks"]]
+    stream = controlled.components.controlnet.block_stream
+    assert sorted(stream.units) == tower_plan.streamed
+    assert controlled.host_plan["controlnet_streamed_bytes"] == stream.host_bytes > 0  # checked by --host-budget
+    # A budget that holds the streamed DiT but not the tower's minimum beside it: refused at load, naming both.
+    tight = memory.budget_for(memory.streamed_minimum(probe))
+    engine(tight).load(["t2va"], dit_only=True)  # the DiT alone fits
+    refused = engine(tight)
+    refused.check_controlnet(path, ["t2va"])
+    with pytest.raises(InputError, match=rf"VRAM budget of .* less the {memory.gb(refused.controlnet_reserve)} the "
+                                         r"ControlNet's tower needs with its blocks streamed is below what a streamed "
+                                         r"DiT forward needs"):
+        refused.load(["t2va"], dit_only=True)
+    # Without the check before the load, the tower's own plan refuses it, naming its minimum.
+    unchecked = engine(tight).load(["t2va"], dit_only=True)
+    with pytest.raises(InputError, match=rf"leaves the ControlNet .* below the {memory.gb(refused.controlnet_reserve)} "
+                                         r"its tower needs with every block streamed"):
+        unchecked.load_controlnet(path)
+    assert unchecked.components.controlnet is None

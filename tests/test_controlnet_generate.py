@@ -130,6 +130,27 @@ def test_control_steers_the_sampling_and_strength_zero_is_the_plain_run(engine, 
     assert engine.components.dit.control is None  # detached after each request
 
 
+def test_a_generation_with_the_tower_streamed_equals_the_resident_one(engine, monkeypatch):
+    """The tower placed as a budget too small for it resident places it (every block streamed, the AdaLN
+    projections in host memory): the same latents, bit for bit, and the summary says how many blocks streamed."""
+    from h3_spark.h3_model.engine.memory import measure_tower, plan_tower, streamed_minimum
+    from h3_spark.h3_model.engine.placement import place_tower
+
+    monkeypatch.setattr(engine.pipeline, "decode", False)
+    control = ControlRequest(video=_pixels(30, 48, 80, 3, seed=3))
+    resident = engine.generate(_request(control))
+    assert resident.info["control"]["streamed_blocks"] == 0
+    tower = engine.components.controlnet
+    plan = plan_tower(tower, streamed_minimum(measure_tower(tower)))
+    assert plan.resident_blocks == 0 and len(plan.streamed) == tower.config.blocks
+    stream = place_tower(tower, plan, "cpu")
+    streamed = engine.generate(_request(control))
+    assert streamed.info["control"]["streamed_blocks"] == tower.config.blocks
+    assert stream.stats.copies >= 2 * tower.config.blocks  # two evaluations, each block copied in for its turn
+    assert torch.equal(streamed.video_latents, resident.video_latents)
+    assert torch.equal(streamed.audio_latents, resident.audio_latents)
+
+
 def test_the_hint_is_the_encoded_control_video(engine, monkeypatch):
     from h3_spark.h3_model.pipeline.generation import Pipeline
 

@@ -67,6 +67,44 @@ def test_streamed_forward_equals_resident_on_the_gpu(linear, resident):
     assert stream.units[resident].pinned and _registered(stream.units[resident].host)
 
 
+@pytest.mark.parametrize("resident", [0, 2])
+def test_a_streamed_controlnet_tower_equals_the_resident_one_on_the_gpu(resident):
+    """Beside a streamed DiT (two BlockStreams, each with its own copy stream), the control tower's blocks stream
+    through their own slots: the same velocities, bit for bit, forward after forward."""
+    import copy
+
+    from h3_spark.h3_model.controlnet.tower import ControlInjection, ControlTower, config_for
+    from h3_spark.h3_model.engine.placement import place_tower
+
+    inputs, rows = _inputs()
+    dit = synthetic_dit(CONFIG, torch.bfloat16, "cuda", seed=1)
+    apply_kernels(dit, KernelSettings(linear="bf16"))
+    plan = memory.plan_dit(dit, None, rows)
+    plan.resident_blocks, plan.adaln_on_host = 3, True
+    place_dit(dit, plan, "cuda")
+    tower = ControlTower(config_for(CONFIG, 4, places=(0, 2, 4, 6)), dtype=torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    streamed = copy.deepcopy(tower)
+    tower.to("cuda")
+    tower_plan = memory.plan_tower(streamed, None)
+    tower_plan.resident_blocks, tower_plan.adaln_on_host = resident, True
+    stream = place_tower(streamed, tower_plan, "cuda")
+    n = inputs["video_indices"].numel()
+    hint = torch.randn(n, tower.config.hint_dim, generator=gen).cuda()
+    with torch.no_grad():
+        dit.control = ControlInjection(tower, hint)
+        want = dit(**inputs)
+        dit.control = ControlInjection(streamed, hint)
+        for _ in range(3):
+            got = dit(**inputs)
+            torch.cuda.synchronize()
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert stream.stats.copies >= 3 * (4 - resident) and stream.units[resident].pinned
+
+
 def test_a_dit_read_into_host_memory_is_configured_block_by_block_and_placed(tmp_path):
     """The engine's path for a real small card: the DiT read into host memory, its linears converted block by
     block on the GPU (configure_in_host), then the blocks that fit placed; its forward equals a resident load."""

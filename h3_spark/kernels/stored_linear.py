@@ -84,15 +84,16 @@ def release_scratch() -> int:
 def scratch_bytes(module: nn.Module) -> int:
     """The scratch a model's StoredLinears need on their device: the largest dequantized weight, plus the fp32
     temporaries of one row chunk (codes as fp32 and the rotated copy)."""
-    need = 0
-    for m in module.modules():
-        if isinstance(m, StoredLinear):
-            n, k = m.shape
-            size = torch.empty(0, dtype=m.out_dtype).element_size()
-            # GGUF's lookup-table types (IQ4) hold ~9 bytes a value per chunk, the others at most 8.
-            temporaries = (3 if m.format == "gguf" else 2) * min(n, codec.CHUNK_ROWS) * k * 4
-            need = max(need, n * k * size + temporaries)
-    return need
+    return max((layer_scratch_bytes(*m.shape, m.out_dtype, m.format) for m in module.modules()
+                if isinstance(m, StoredLinear)), default=0)
+
+
+def layer_scratch_bytes(n: int, k: int, out_dtype: torch.dtype, fmt: str) -> int:
+    """The scratch one stored (n, k) layer of format `fmt` needs, dequantized into `out_dtype`."""
+    size = torch.empty(0, dtype=out_dtype).element_size()
+    # GGUF's lookup-table types (IQ4) hold ~9 bytes a value per chunk, the others at most 8.
+    temporaries = (3 if fmt == "gguf" else 2) * min(n, codec.CHUNK_ROWS) * k * 4
+    return n * k * size + temporaries
 
 
 class StoredLinear(nn.Module):

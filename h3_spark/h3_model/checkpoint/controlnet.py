@@ -280,6 +280,47 @@ class ControlNetFile:
                 scratch = max(scratch, math.prod(self._shape(layer)) * item)
         return total + scratch
 
+    def streamed_bytes(self, dtype: torch.dtype = torch.bfloat16, depth: int = 2) -> int:
+        """The least the tower holds on its device with every block streamed (engine/memory.plan_tower), from the
+        header alone: the weights outside the blocks, the dequantization scratch and `depth` slots of the largest
+        block or AdaLN projection, each tensor aligned as streaming packs it."""
+        from ...kernels.stored_linear import layer_scratch_bytes
+        from ..dit.streaming import ALIGN
+
+        item = torch.empty(0, dtype=dtype).element_size()
+        fixed = scratch = 0
+        units: dict[tuple[int, bool], int] = {}
+        for layer, keys in self.layers.items():
+            target = self.targets.get(layer) or ""
+            spec = self.specs.get(layer)
+            fp32 = layer == "control_proj_in" or (self.config.curve_form and layer.endswith("adaln_proj.linear"))
+            parts = target.split(".")
+            in_block = parts[0] == "control_blocks" and len(parts) > 1 and parts[1].isdigit()
+            # A fused QKV becomes three parameters: its per-row tensors split in three, a stored form's shared
+            # scales copied into each (as `tensors` does).
+            parts_of = len(self._outputs(layer, "weight"))
+            shared = (*FORMATS[spec.format].shared, "pre_quant_scale") if spec is not None else ()
+            nbytes = 0
+            for suffix, key in keys.items():
+                entry = self.source.entry(key) if suffix != "_legacy" else None
+                if entry is None or suffix == "comfy_quant":
+                    continue
+                size = entry.nbytes if spec is not None and suffix != "bias" else entry.numel * (4 if fp32 else item)
+                if not in_block:
+                    nbytes += size  # only streamed units are packed (each tensor aligned)
+                elif parts_of > 1 and (suffix in shared or entry.numel <= 1):
+                    nbytes += parts_of * (-(-size // ALIGN) * ALIGN)
+                else:
+                    nbytes += parts_of * (-(-size // parts_of // ALIGN) * ALIGN)
+            if spec is not None:
+                scratch = max(scratch, layer_scratch_bytes(*self._shape(layer), dtype, spec.format))
+            if in_block:
+                unit = (int(parts[1]), ".adaln_proj" in target)
+                units[unit] = units.get(unit, 0) + nbytes
+            else:
+                fixed += nbytes
+        return fixed + scratch + depth * max(units.values(), default=0)
+
     def facts(self) -> dict:
         """What `inspect` says of the file: version, blocks, places, AdaLN form, formats."""
         c = self.config

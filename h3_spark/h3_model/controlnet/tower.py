@@ -138,6 +138,16 @@ class ControlBlock(Block):
             self.before_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=True)
         self.after_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=True)
 
+    def forward(self, c: torch.Tensor, table: torch.Tensor, mod, rope, attention, mlp_chunks: int = 1,
+                qk_prep=None, base: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The advanced stream and its skip. Block 0 first re-bases the stream on the DiT's input `base`. All of
+        a block's weights are read inside this one call, so a streamed block (dit/streaming.py) is whole on the
+        device for its turn."""
+        if base is not None:
+            c = self.before_proj(c) + base
+        c = super().forward(c, table, mod, rope, attention, mlp_chunks, qk_prep)
+        return c, self.after_proj(c)
+
 
 class ControlTower(nn.Module):
     def __init__(self, config: ControlConfig, dtype: torch.dtype = torch.bfloat16, device=None):
@@ -150,6 +160,8 @@ class ControlTower(nn.Module):
         for name, param in self.named_parameters():
             param.data = param.data.to(self.param_dtype(name, dtype))
         self.dtype_ = dtype
+        # Under a VRAM budget the blocks that do not fit stream (engine/placement.place_tower); None: resident.
+        self.block_stream = None
 
     def param_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
         """fp32 for the hint projection (as the video patch projection) and a pruned file's AdaLN projections."""
@@ -197,8 +209,11 @@ class ControlTower(nn.Module):
     def tables(self, adaln_input: torch.Tensor) -> list[torch.Tensor]:
         """Each block's AdaLN table (n_t * 3, 6 * hidden) for the DiT's AdaLN input of n_t timesteps."""
         out = []
-        for blk in self.control_blocks:
-            table = blk.adaln_proj.table(adaln_input)
+        stream = self.block_stream
+        for k, blk in enumerate(self.control_blocks):
+            # A streamed tower keeps every block's AdaLN projection in host memory, on the device only for this.
+            with stream.adaln_scope(k) if stream is not None else contextlib.nullcontext():
+                table = blk.adaln_proj.table(adaln_input)
             out.append(table.to(self.dtype_) if self.config.curve_form else table)
         return out
 
@@ -207,15 +222,10 @@ class ControlTower(nn.Module):
         emb = self.control_proj_in(hint_rows.to(compute_dtype(self.control_proj_in)))
         return x.index_copy(1, video_indices, emb.to(x.dtype).expand(x.shape[0], -1, -1))
 
-    def rebase(self, c: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.control_blocks[0].before_proj(c) + x
-
     def step(self, k: int, c: torch.Tensor, table: torch.Tensor, mod, rope, attention, mlp_chunks: int = 1,
-             qk_prep=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Control block k: the advanced stream and its skip."""
-        blk = self.control_blocks[k]
-        c = blk(c, table, mod, rope, attention, mlp_chunks, qk_prep)
-        return c, blk.after_proj(c)
+             qk_prep=None, base: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Control block k: the advanced stream and its skip (block 0 re-bases the stream on `base` first)."""
+        return self.control_blocks[k](c, table, mod, rope, attention, mlp_chunks, qk_prep, base)
 
 
 # --------------------------------------------------------------------------------------------- the window
@@ -299,19 +309,21 @@ class ControlInjection:
             hint = self._hint_on[str(x.device)] = self.hint_rows.to(x.device)
         rows[target] = hint
         c = part.local(tower.embed_hint(x, rows[None], video_indices), 1)
-        c = tower.rebase(c, part.local(x, 1))
         keep = torch.ones(x.shape[1], 1, dtype=x.dtype, device=x.device)
         keep[audio_indices] = 0
         self.evaluations += 1
-        return ControlRun(self, c, self.tables(timestep, adaln_input), part.local(keep, 0), attention)
+        # The re-basing on x is block 0's (its `before_proj` streams with it), so x is kept until block 0 runs.
+        return ControlRun(self, c, self.tables(timestep, adaln_input), part.local(keep, 0), attention,
+                          part.local(x, 1))
 
 
 class ControlRun:
     """The control stream of one forward; `after_block(i, x, ...)` adds block k's skip after DiT layer places[k]."""
 
     def __init__(self, injection: ControlInjection, stream: torch.Tensor, tables: list[torch.Tensor],
-                 keep: torch.Tensor, attention):
+                 keep: torch.Tensor, attention, base: torch.Tensor):
         self.injection, self.stream, self.tables, self.keep, self.attention = injection, stream, tables, keep, attention
+        self.base = base  # the DiT's block-0 input: block 0 re-bases the stream on it
         self.at = {layer: k for k, layer in enumerate(injection.tower.config.places)}
 
     def after_block(self, layer: int, x: torch.Tensor, mod, rope, mlp_chunks: int = 1, qk_prep=None) -> torch.Tensor:
@@ -320,8 +332,9 @@ class ControlRun:
             return x
         if self.stream is None:
             raise H3Error("the control stream was already finished")
+        base, self.base = (self.base, None) if k == 0 else (None, self.base)
         self.stream, skip = self.injection.tower.step(k, self.stream, self.tables[k], mod, rope, self.attention,
-                                                      mlp_chunks, qk_prep)
+                                                      mlp_chunks, qk_prep, base)
         if k == len(self.at) - 1:
             self.stream = None  # the last block: nothing reads the stream again
         return x.add(skip * self.keep, alpha=self.injection.strength)

@@ -67,8 +67,10 @@ class Engine:
         # DiT key -> artifact. model_ids: what names a DiT built in memory (a synthetic recipe), for its hash.
         self.static_artifacts: dict[str, object] = {}
         self.model_ids: dict[str, str] = {}
-        # Device bytes a ControlNet checked before the load will hold (check_controlnet); the DiT's plan leaves them.
+        # Device bytes a ControlNet checked before the load needs at least, its blocks streamed (check_controlnet).
         self.controlnet_reserve = 0
+        # The loaded tower's plan under a VRAM budget (how many of its blocks are resident / streamed), or None.
+        self.controlnet_plan = None
         # Sequence parallel (--gpus N): every rank's device, rank 0 first, and the group the video decode is
         # shared over. One process: [device] and None.
         self.devices: list[str] = [self.options.device]
@@ -306,6 +308,8 @@ class Engine:
         kept = max(reserve.values(), default=0)
         share = (f" left to the DiT (of {gb(self.options.vram_budget)}, where the text encoder's and the VAEs' "
                  f"stages need {gb(kept)} beside its weights, in turn with its activations)") if reserve else ""
+        if self.controlnet_reserve:
+            share += f" less the {gb(self.controlnet_reserve)} the ControlNet's tower needs with its blocks streamed"
         plans: dict[str, object] = {}
         for key in self.dit_keys():
             plans[key] = self._plan(getattr(c, key), self.options.vram_budget, plans.values(), share, kept)
@@ -339,7 +343,10 @@ class Engine:
                 check_rows(plan, dit.config, rows, dit.dtype_, mlp_chunks)
 
     def memory_report(self, key: str) -> dict | None:
-        """The budget's plan for one DiT and what its stream copied so far (None when it is resident)."""
+        """The budget's plan for one DiT (or the ControlNet tower, "controlnet") and what its stream copied so far
+        (None without a budget)."""
+        if key == "controlnet":
+            return self._tower_report()
         plan = self.memory_plans.get(key)
         if plan is None:
             return None
@@ -349,6 +356,19 @@ class Engine:
             out.update(forwards=stream.stats.forwards, bytes_copied=stream.stats.bytes_copied,
                        bytes_copied_per_forward=stream.stats.bytes_copied // max(1, stream.stats.forwards),
                        adaln_bytes_copied=stream.stats.adaln_bytes_copied)
+        return out
+
+    def _tower_report(self) -> dict | None:
+        plan, tower = self.controlnet_plan, self.components.controlnet
+        if plan is None or tower is None:
+            return None
+        out = plan.describe()
+        # The tower's plan was fitted to the room the DiTs' plans left (the budget's slack is the DiTs').
+        out["room_bytes"] = out.pop("budget_bytes")
+        out.pop("slack_bytes")
+        stream = tower.block_stream
+        if stream is not None:
+            out.update(bytes_copied=stream.stats.bytes_copied, adaln_bytes_copied=stream.stats.adaln_bytes_copied)
         return out
 
     def distribute(self, devices: list[str] | None, group) -> None:
@@ -420,8 +440,9 @@ class Engine:
 
         with ControlNetFile(path) as f:
             f.check()
-            # Under a VRAM budget the tower stays resident: the DiT's plan leaves it its bytes.
-            self.controlnet_reserve = f.device_bytes(self.options.dtype)
+            # Under a VRAM budget the DiT's plan leaves the tower the least it runs in (its blocks streamed); the
+            # tower keeps resident what the DiT's plan leaves beyond that (load_controlnet).
+            self.controlnet_reserve = f.streamed_bytes(self.options.dtype, self.options.prefetch_depth)
             for key, source in self.plan(modes, dit_only=True).items():
                 if key in self.overrides:
                     continue  # built in memory: checked when the tower loads
@@ -434,10 +455,11 @@ class Engine:
     def load_controlnet(self, path) -> None:
         """Load an H3 Fun ControlNet's tower for the requests that bring a control (checked against every loaded DiT
         first): on the DiT's device in its dtype, a quantized file's layers kept as stored and dequantized at use.
-        It stays resident under a VRAM budget (its 5 or 10 blocks do not stream): `check_controlnet` before `load`
-        makes the DiT's plan leave it its bytes. None drops it."""
+        Under a VRAM budget it is read into host memory and placed by its own plan (memory.plan_tower): resident
+        in what the DiTs' plans leave, else its blocks stream like the DiT's; `check_controlnet` before `load`
+        makes the DiT's plan leave it at least its streamed minimum. None drops it."""
         if path is None:
-            self.components.controlnet = None
+            self.components.controlnet, self.controlnet_plan = None, None
             return
         from ..checkpoint.controlnet import ControlNetFile, load_tower
 
@@ -448,7 +470,23 @@ class Engine:
             for dit in dits:
                 f.check(dit.config)
         start = time.perf_counter()
-        self.components.controlnet = load_tower(path, dits[0].config, dtype=self.options.dtype, device=self.device)
+        budget = self.options.vram_budget if self.memory_plans else None
+        if budget is None:
+            self.components.controlnet = load_tower(path, dits[0].config, dtype=self.options.dtype,
+                                                    device=self.device)
+            self.controlnet_plan = None
+        else:
+            from .memory import check_host, plan_tower, tower_room
+            from .placement import place_tower
+
+            tower = load_tower(path, dits[0].config, dtype=self.options.dtype, device="cpu")
+            room = tower_room(budget, self.memory_plans.values(), max(self.stage_reserve.values(), default=0))
+            plan = plan_tower(tower, room, depth=self.options.prefetch_depth)  # refused before anything moves
+            parked = getattr(self.pipeline.visit, "parked", [])  # the VAEs _place_all parked
+            self.host_plan = check_host(self.options.host_budget, self.memory_plans.values(),
+                                        self.components.text_encoder, parked, tower=plan)
+            place_tower(tower, plan, self.device)
+            self.components.controlnet, self.controlnet_plan = tower, plan
         self.load_seconds["controlnet"] = round(time.perf_counter() - start, 3)
 
     @property

@@ -5,6 +5,9 @@ everything fits, the DiT is resident, as without a budget. When it does not, the
 while the budget allows and the others stream (dit/streaming.py) through `depth` slots. A budget below the
 non-block weights, the slots and the activations is refused at set-up, naming the minimum.
 
+A ControlNet tower has a plan of its own (`plan_tower`): the DiT's plan sets aside the least the tower runs in, the
+tower keeps resident what the budget leaves beside the DiTs' plans (`tower_room`) and streams its other blocks.
+
 Activations are planned for a sequence length (the default canvas's unless told otherwise) and every
 request is checked against what its own length needs before it samples.
 """
@@ -197,6 +200,43 @@ def plan_dit(model: nn.Module, budget: int | None, rows: int, *, depth: int = DE
     return plan
 
 
+def measure_tower(tower: nn.Module, depth: int = DEFAULT_DEPTH, budget: int | None = None) -> MemoryPlan:
+    """A ControlNet tower's parts in bytes, everything resident: the hint projection (and the scratch its stored
+    layers dequantize into) outside the blocks, each control block and its AdaLN projection as packed. Its
+    activations are the DiT forward's (it runs between the DiT's blocks), so the plan holds none of its own."""
+    if depth < 1:
+        raise InputError(f"the prefetch depth must be at least 1, got {depth}")
+    blocks = list(tower.control_blocks)
+    fixed = tensor_bytes(tower) - sum(tensor_bytes(b) for b in blocks) + scratch_bytes(tower)
+    return MemoryPlan(budget, fixed, [packed_bytes(b, ADALN) for b in blocks],
+                      [packed_bytes(getattr(b, ADALN)) for b in blocks], 0, 0, depth, len(blocks))
+
+
+def plan_tower(tower: nn.Module, room: int | None, *, depth: int = DEFAULT_DEPTH) -> MemoryPlan:
+    """How many of a ControlNet tower's blocks stay resident in `room` device bytes (what the budget leaves beside
+    the DiTs' plans; None: all of them), the rest streaming like the DiT's; refused, naming the minimum, when not
+    even a fully streamed tower fits."""
+    plan = measure_tower(tower, depth, room)
+    if room is None:
+        return plan
+    if not fit(plan, room):
+        raise InputError(
+            f"the VRAM budget leaves the ControlNet {gb(max(room, 0))} beside the DiT, below the "
+            f"{gb(streamed_minimum(plan))} its tower needs with every block streamed: {gb(plan.fixed)} outside the "
+            f"blocks and {depth} block slots of {gb(plan.slot_bytes // depth)}; raise the budget, or lower "
+            "--prefetch-depth")
+    return plan
+
+
+def tower_room(budget: int, plans, kept: int) -> int:
+    """Device bytes a ControlNet tower may hold under `budget` beside these DiT plans: the budget less its slack,
+    the DiTs' weights and slots, and the larger of their activations and the other stages' `kept` bytes (the
+    tower's weights stay on the device through the text encode and the decode, as the DiT's do)."""
+    plans = list(plans)
+    weights = sum(p.device_bytes - p.activations for p in plans)
+    return budget - slack(budget) - weights - max([kept, *(p.activations for p in plans)])
+
+
 def check_rows(plan: MemoryPlan, config, rows: int, dtype: torch.dtype, mlp_chunks: int = 1) -> None:
     """A request longer than the plan's rows must still fit: refused before sampling if it does not."""
     if plan.budget is None or rows <= plan.rows:
@@ -252,19 +292,24 @@ def configure_in_host(model: nn.Module, settings, device: torch.device | str, ke
         model.block_scope = None
 
 
-def check_host(budget: int | None, plans, text_encoder, parked) -> dict:
+def check_host(budget: int | None, plans, text_encoder, parked, tower: MemoryPlan | None = None) -> dict:
     """What the models will hold in host memory under these plans, checked against `budget` (--host-budget) before
     anything is packed: the streamed DiT blocks and AdaLN projections (page-locked), the text encoder outside its
-    layers (which stream from the file's pages, in place), the parked VAEs. Raises naming the minimum."""
+    layers (which stream from the file's pages, in place), the parked VAEs, and a ControlNet tower's streamed
+    blocks and AdaLN projections (`tower`, its plan_tower plan). Raises naming the minimum."""
     parts = {"dit_streamed": sum(p.describe()["host_bytes"] for p in plans if p.streaming),
              "text_encoder_outside_layers": tensor_bytes(text_encoder.model) if hasattr(text_encoder, "model") else 0,
              "parked_vaes": sum(tensor_bytes(m) for m in parked)}
+    if tower is not None:
+        parts["controlnet_streamed"] = tower.describe()["host_bytes"] if tower.streaming else 0
     need = sum(parts.values())
     report = {"budget_bytes": budget, "held_bytes": need, **{f"{k}_bytes": v for k, v in parts.items()}}
     if budget is not None and need > budget:
+        tower_part = (f"{gb(parts['controlnet_streamed'])} of streamed ControlNet blocks (page-locked), "
+                      if parts.get("controlnet_streamed") else "")
         raise InputError(
             f"the host memory budget of {gb(budget)} is below what the models hold in host memory under this VRAM "
-            f"budget, {gb(need)}: {gb(parts['dit_streamed'])} of streamed DiT blocks (page-locked), "
+            f"budget, {gb(need)}: {gb(parts['dit_streamed'])} of streamed DiT blocks (page-locked), {tower_part}"
             f"{gb(parts['text_encoder_outside_layers'])} of the text encoder outside its layers and "
             f"{gb(parts['parked_vaes'])} of VAEs waiting for their stages (Python, torch and CUDA need ~3 GB more); "
             "raise --host-budget, or raise --vram-budget so that more of the DiT stays on the GPU")

@@ -12,6 +12,9 @@ weight room it is given now:
 Moving between those is incremental. Blocks that stream again keep their pinned host buffers (no repacking);
 blocks that become resident are copied up from them and give them back; blocks that stop being resident
 are packed from the GPU. Weights are never changed on the way, so every placement runs the same forward.
+
+A ControlNet tower under the CLI's and the service's fixed budget is placed once, by `place_tower`, through the
+same BlockStream.
 """
 
 from __future__ import annotations
@@ -241,6 +244,24 @@ def place_dit(model: nn.Module, plan: MemoryPlan, device: torch.device | str) ->
     budget); returns the stream (None when all is resident)."""
     Placement.of(model, plan.depth).apply(plan, device)
     return model.block_stream
+
+
+def place_tower(tower: nn.Module, plan: MemoryPlan, device: torch.device | str) -> BlockStream | None:
+    """A ControlNet tower held in host memory, placed by its plan (memory.plan_tower): the hint projection and the
+    resident blocks on `device`, the other blocks (and, when any stream, every AdaLN projection) streamed by the
+    DiT's machinery through their own slots. Returns the stream (None when all is resident)."""
+    device = torch.device(device)
+    blocks = tower.control_blocks
+    for name, child in tower.named_children():
+        if name != "control_blocks":
+            child.to(device)
+    for i, block in enumerate(blocks):
+        if i < plan.resident_blocks:
+            _block_to(block, device, with_adaln=not plan.adaln_on_host)
+    tower.block_stream = (BlockStream(blocks, plan.streamed, device, plan.depth) if plan.streaming else None)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return tower.block_stream
 
 
 def _same(a: MemoryPlan, b: MemoryPlan) -> bool:

@@ -42,7 +42,7 @@ def describe_models(models) -> dict:
             out[name]["attention"] = rep["attention"]
             out[name]["linear"] = rep["linear"]
             out[name]["exact"] = rep["exact"]
-        streaming = models.memory_report(name) if name in ("dit", "dit_ref") else None
+        streaming = models.memory_report(name) if name in ("dit", "dit_ref", "controlnet") else None
         if streaming is not None:
             out[name]["vram_budget"] = streaming  # parameter_bytes above counts the resident part only
     return out

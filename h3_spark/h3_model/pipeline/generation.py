@@ -352,6 +352,8 @@ class Pipeline:
             info["control"] = {"version": c.version, "blocks": c.blocks, "places": list(c.places),
                                "strength": control.strength, "window": list(control.window),
                                "video": req.control.video is not None, "inpaint": req.control.mask is not None}
+            stream = self.c.controlnet.block_stream  # under a VRAM budget (engine/placement.place_tower)
+            info["control"]["streamed_blocks"] = 0 if stream is None else len(stream.order)
 
         t0 = time.perf_counter()
         report(Progress("sampling", 0, len(schedule)))
