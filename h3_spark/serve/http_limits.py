@@ -84,9 +84,8 @@ class ClientGone(Exception):
     """The client hung up before its body arrived: nothing to answer."""
 
 
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, refusing (413) past `limit` bytes without reading the rest and (408) when it has not all
-    arrived within `timeout_s`; ClientGone when the client disconnects first."""
+def check_declared_length(request: Request, limit: int) -> None:
+    """413 when the declared Content-Length is past `limit` (before a byte is read); 400 when it is not a number."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -95,26 +94,35 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
             raise RequestError(400, f"Content-Length {declared!r} is not a number") from None
         if size > limit:
             raise RequestError(413, f"the request body is {size} bytes; the limit is {limit}")
-    chunks, total = [], 0
-    deadline = time.monotonic() + timeout_s
+
+
+async def body_chunks(request: Request, timeout_s: float, limit: int | None = None):
+    """The body's chunks as they arrive: 408 when it has not all arrived within `timeout_s`, 413 once past `limit`
+    bytes (None: no limit here) without reading the rest, ClientGone when the client hangs up first. The one
+    deadline-bounded read every body reader here (JSON bodies, multipart uploads, the fleet's front) goes through."""
+    total, deadline = 0, time.monotonic() + timeout_s
     stream = request.stream().__aiter__()
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                chunk = await asyncio.wait_for(stream.__anext__(), max(left, 0.001))
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
-                raise RequestError(408, f"the request body did not arrive within {timeout_s:g} s",
-                                   {"Connection": "close"}) from None
-            total += len(chunk)
-            if total > limit:
-                raise RequestError(413, f"the request body exceeds the {limit} byte limit")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone() from None
-    return b"".join(chunks)
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), max(deadline - time.monotonic(), 0.001))
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise RequestError(408, f"the request body did not arrive within {timeout_s:g} s",
+                               {"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise ClientGone() from None
+        total += len(chunk)
+        if limit is not None and total > limit:
+            raise RequestError(413, f"the request body exceeds the {limit} byte limit")
+        yield chunk
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refusing (413) past `limit` bytes without reading the rest and (408) when it has not all
+    arrived within `timeout_s`; ClientGone when the client disconnects first."""
+    check_declared_length(request, limit)
+    return b"".join([chunk async for chunk in body_chunks(request, timeout_s, limit)])
 
 
 def client_gone_line(request: Request, received: str = "its body") -> str:

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
 from ..errors import H3Error
 from ..h3_model import geometry
 from ..h3_model.media import files as media
-from .http_limits import ClientGone
+from .http_limits import ClientGone, body_chunks
 from .validation import Limits, RequestError
 
 UPLOADS = ".h3-spark-uploads"  # hidden: no client can name it as an output or an input
@@ -221,23 +220,12 @@ async def read_form(request: Request, folder: UploadFolder, *, file_fields: tupl
         raise RequestError(400, "a multipart/form-data body needs its boundary in the Content-Type header")
     parser = _FormParser(folder, file_fields, max_field_bytes, max_fields, max_file_bytes)
     body = MultipartParser(boundary, parser.callbacks())
-    deadline = time.monotonic() + timeout_s
-    stream = request.stream().__aiter__()
     try:
         try:
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(stream.__anext__(), max(deadline - time.monotonic(), 0.001))
-                except StopAsyncIteration:
-                    break
-                except asyncio.TimeoutError:
-                    raise RequestError(408, f"the request body did not arrive within {timeout_s:g} s",
-                                       {"Connection": "close"}) from None
+            async for chunk in body_chunks(request, timeout_s):
                 body.write(chunk)
             body.finalize()
-        except ClientDisconnect:
-            raise ClientGone() from None
-        except RequestError:
+        except (RequestError, ClientGone):
             raise
         except Exception as exc:  # noqa: BLE001 - python-multipart's parse errors: a malformed body
             raise RequestError(400, f"the multipart body is malformed ({exc})") from None

@@ -20,18 +20,16 @@ unwelcome clients off Ray, the router stays what `serve run` exposes alone.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import tempfile
-import time
 from typing import Callable
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from ..http_app import build_app
-from ..http_limits import ClientGone, HttpLimits
+from ..http_limits import HttpLimits, body_chunks, check_declared_length
 from ..validation import Limits, RequestError
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the length, which is this hop's own.
@@ -54,33 +52,13 @@ async def receive_body(request: Request, limit: int, timeout_s: float):
     """The whole body in a spooled temporary file (rewound), with its size; 413 past `limit` (on the declared
     length before reading), 408 when it has not all arrived within `timeout_s`, ClientGone when the client hangs
     up first."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise RequestError(400, f"Content-Length {declared!r} is not a number") from None
-        if size > limit:
-            raise RequestError(413, f"the request body is {size} bytes; the limit is {limit}")
+    check_declared_length(request, limit)
     spool = tempfile.SpooledTemporaryFile(max_size=_IN_MEMORY)
-    total, deadline = 0, time.monotonic() + timeout_s
-    stream = request.stream().__aiter__()
+    total = 0
     try:
-        while True:
-            try:
-                chunk = await asyncio.wait_for(stream.__anext__(), max(deadline - time.monotonic(), 0.001))
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
-                raise RequestError(408, f"the request body did not arrive within {timeout_s:g} s",
-                                   {"Connection": "close"}) from None
+        async for chunk in body_chunks(request, timeout_s, limit):
             total += len(chunk)
-            if total > limit:
-                raise RequestError(413, f"the request body exceeds the {limit} byte limit")
             spool.write(chunk)
-    except ClientDisconnect:
-        spool.close()
-        raise ClientGone() from None
     except BaseException:
         spool.close()
         raise
