@@ -35,8 +35,8 @@ import torch
 from ...errors import CheckpointError, InputError
 from ..dit.config import ADALN_VECTORS, NUM_MODALITIES, DiTConfig
 from ..dit.head_bank import HeadBank
-from .keymap import diffusers_layer_to_original, swap_halves
 from .synthetic import random_param
+from .comfy_lora import comfy_pair_groups
 from .writer import Group, write_groups
 
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.")
@@ -234,26 +234,8 @@ def _comfy_groups(config: DiTConfig, rank: int, seed: int, heads: int) -> list[G
     on ComfyUI's names with a per-layer `.alpha` (q, k and v fused into one qkv_proj pair of rank 3 x rank, its
     up side block-diagonal; fc1's up side in ComfyUI's [gate; value] row order), the bank flattened into fp32
     `set_weight` / `set_bias` (block 0 head 0, block j head j - head 0, as ComfyUI's fp32 heads hold them)."""
-    layers = trunk_layers(config)
-    groups = []
-    for layer, (n, k) in layers.items():
-        if layer.endswith((".attn.to_k", ".attn.to_v")):
-            continue  # fused into the to_q entry's qkv_proj
-        fused = layer.endswith(".attn.to_q")
-        members = [layer[: -len("to_q")] + t for t in ("to_q", "to_k", "to_v")] if fused else [layer]
-        base = layer[: -len(".to_q")] + ".to_qkv" if fused else layer
-        name = "diffusion_model." + diffusers_layer_to_original(base)
-        pair_rank, rows = rank * len(members), sum(layers[m][0] for m in members)
-
-        def make(name=name, members=members, k=k, fc1=layer.endswith("ff.net.0.proj"), pair_rank=pair_rank):
-            downs, ups = zip(*(_trunk_pair(m, layers[m][0], k, rank, seed) for m in members))
-            up = torch.block_diag(*ups)
-            return {f"{name}.lora_A.weight": torch.cat(downs), f"{name}.lora_B.weight": swap_halves(up) if fc1 else up,
-                    f"{name}.alpha": torch.tensor(float(pair_rank))}  # the released scale, alpha / rank = 1
-
-        groups.append(Group([(f"{name}.lora_A.weight", "BF16", (pair_rank, k)),
-                             (f"{name}.lora_B.weight", "BF16", (rows, pair_rank)), (f"{name}.alpha", "F32", ())],
-                            make))
+    groups = comfy_pair_groups(trunk_layers(config), rank,
+                               lambda layer, n, k: _trunk_pair(layer, n, k, rank, seed), alpha=True)
     for released, shape in _bank_shapes(config, heads).items():
         name = "diffusion_model." + _FLAT[BANK_NAMES[released]]
         flat = (shape[0] * shape[1], *shape[2:])

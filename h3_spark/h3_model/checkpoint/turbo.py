@@ -35,7 +35,7 @@ import torch
 
 from ...errors import InputError
 from ..dit.config import DiTConfig
-from .keymap import diffusers_layer_to_original, swap_halves
+from .comfy_lora import comfy_pair_groups
 from .synthetic import random_param
 from .writer import Group, write_groups
 
@@ -74,24 +74,7 @@ def _released_groups(config: DiTConfig, rank: int, seed: int) -> list[Group]:
 
 
 def _comfy_groups(config: DiTConfig, rank: int, seed: int) -> list[Group]:
-    layers = turbo_layers(config)
-    groups = []
-    for layer, (n, k) in layers.items():
-        if layer.endswith((".attn.to_k", ".attn.to_v")):
-            continue  # fused into the to_q entry's qkv_proj
-        fused = layer.endswith(".attn.to_q")
-        members = [layer[: -len("to_q")] + t for t in ("to_q", "to_k", "to_v")] if fused else [layer]
-        name = "diffusion_model." + diffusers_layer_to_original(layer[: -len(".to_q")] + ".to_qkv" if fused else layer)
-        pair_rank, rows = rank * len(members), sum(layers[m][0] for m in members)
-
-        def make(name=name, members=members, k=k, fc1=layer.endswith("ff.net.0.proj")):
-            downs, ups = zip(*(turbo_pair(m, layers[m][0], k, rank, seed) for m in members))
-            up = torch.block_diag(*ups)
-            return {f"{name}.lora_A.weight": torch.cat(downs), f"{name}.lora_B.weight": swap_halves(up) if fc1 else up}
-
-        groups.append(Group([(f"{name}.lora_A.weight", "BF16", (pair_rank, k)),
-                             (f"{name}.lora_B.weight", "BF16", (rows, pair_rank))], make))
-    return groups
+    return comfy_pair_groups(turbo_layers(config), rank, lambda layer, n, k: turbo_pair(layer, n, k, rank, seed))
 
 
 def make_turbo_lora(out: str | Path, config: DiTConfig, *, rank: int, seed: int = 0, layout: str = "comfy",
