@@ -32,7 +32,8 @@ requests = pytest.importorskip("requests")
 
 from test_comfyui_integration import WORKFLOWS, installed, server  # noqa: E402,F401 - fixtures
 
-UI_WORKFLOWS = sorted(p for p in WORKFLOWS.glob("*.json"))
+# The shipped graphs and Comfy-Org's templates as convert-workflow rebuilt them on our nodes.
+UI_WORKFLOWS = sorted(WORKFLOWS.glob("*.json")) + sorted((WORKFLOWS / "templates").glob("*.json"))
 
 
 class Page:

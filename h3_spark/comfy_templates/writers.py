@@ -9,7 +9,7 @@ from __future__ import annotations
 from .convert import Conversion, Link, TargetNode
 
 WIRE_TYPES = {"H3_MODEL", "H3_TEXT_ENCODER", "H3_VAE", "MODEL", "CONDITIONING", "LATENT", "IMAGE", "AUDIO", "MASK"}
-COLUMN, ROW_GAP, WIDTH = 420, 40, 360
+COLUMN, ROW_GAP, WIDTH = 500, 40, 360  # a column leaves room for a node the frontend widens (a long title)
 # ComfyUI core nodes (0.3.64) the converted graphs carry unchanged: (wire inputs, widgets, output types).
 CORE_NODES = {"LoadImage": ([], ["image"], ("IMAGE", "MASK")),
               "SaveImage": ([("images", "IMAGE")], ["filename_prefix"], ())}
@@ -81,9 +81,15 @@ def _depths(nodes: list[TargetNode]) -> dict[int, int]:
     return depth
 
 
-def _height(node: TargetNode, wires: list, widgets: list) -> int:
+# A Load Image node grows to show its picture once the file is there: room for ComfyUI's own default size.
+IMAGE_NODE_HEIGHT = 320
+
+
+def _height(node: TargetNode, wires: list, widgets: list, outputs: tuple) -> int:
+    """The height the frontend draws `node` at: its slot rows (inputs beside outputs) and widgets, a prompt box."""
     prompt_rows = 120 if "prompt" in node.inputs else 0
-    return 60 + 24 * (len(wires) + len(widgets)) + prompt_rows
+    drawn = 60 + 24 * (max(len(wires), len(outputs)) + len(widgets)) + prompt_rows
+    return max(drawn, IMAGE_NODE_HEIGHT) if node.class_type == "LoadImage" else drawn
 
 
 def ui_workflow(conversion: Conversion, extra: dict | None = None) -> dict:
@@ -116,7 +122,7 @@ def ui_workflow(conversion: Conversion, extra: dict | None = None) -> dict:
         values.extend(v for k, v in node.inputs.items() if k not in declared and not isinstance(v, Link))
         column = depth[node.id]
         y = next_y.get(column, 60)
-        height = _height(node, wires, widgets)
+        height = _height(node, wires, widgets, outputs)
         next_y[column] = y + height + ROW_GAP
         properties = {"Node name for S&R": node.class_type,
                       **{k: v for k, v in node.properties.items() if k != "seed_control"}}
