@@ -146,3 +146,24 @@ def test_bench_refuses_auto_for_dit_forwards(tmp_path, capsys):
                  "--device", "cpu", "--vram-budget", "auto", "--out", str(tmp_path / "r.json")])
     assert code == 2
     assert "auto (generate's placement) only with --generation" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget", ["auto", "4"])
+def test_the_film_benchmark_runs_on_the_cpu_under_each_budget_form(tmp_path, budget, transformers_ready):
+    """benchmarks/film_gpu.py takes --vram-budget as generate does (auto by default, or a size): a tiny film through
+    its whole path on the CPU, the budget it ran under in the result."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "film_gpu.py"
+    spec = importlib.util.spec_from_file_location("film_gpu", script)
+    film_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(film_gpu)
+    out = tmp_path / "film.json"
+    assert film_gpu.main(["--out", str(out), "--seconds", "5", "--steps", "2", "--width", "64", "--height", "64",
+                          "--preset", "tiny", "--device", "cpu", "--vram-budget", budget,
+                          "--mp4-dir", str(tmp_path / "films")]) == 0
+    result = json.loads(out.read_text())
+    assert result["vram_budget"] == budget and result["films"][0]["frames"] == 5 * 24
+    assert (tmp_path / "films" / "film-5s.mp4").stat().st_size > 0
