@@ -76,21 +76,19 @@ def load_models(paths: ComponentPaths, options: LoadOptions, tracker: LoadTracke
         engine.check_controlnet(controlnet)
     engine.load(on_progress=tracker.record)
     if controlnet is not None:
-        tracker.record(LoadEvent("controlnet", "loading"))
-        started = time.perf_counter()
-        try:
-            engine.load_controlnet(controlnet)
-        except Exception as exc:
-            tracker.record(LoadEvent("controlnet", "failed", error=str(exc)))
-            raise
-        tracker.record(LoadEvent("controlnet", "resident", seconds=time.perf_counter() - started))
+        _load_extra(tracker, "controlnet", lambda: engine.load_controlnet(controlnet))
     if taeh3 is not None:
-        tracker.record(LoadEvent("taeh3", "loading"))
-        started = time.perf_counter()
-        try:
-            engine.load_taeh3(taeh3)
-        except Exception as exc:
-            tracker.record(LoadEvent("taeh3", "failed", error=str(exc)))
-            raise
-        tracker.record(LoadEvent("taeh3", "resident", seconds=time.perf_counter() - started))
+        _load_extra(tracker, "taeh3", lambda: engine.load_taeh3(taeh3))
     return engine
+
+
+def _load_extra(tracker, name: str, load) -> None:
+    """A model loaded beside the engine's components (the ControlNet, TAEH3), reported to `tracker` as they are."""
+    tracker.record(LoadEvent(name, "loading"))
+    started = time.perf_counter()
+    try:
+        load()
+    except Exception as exc:
+        tracker.record(LoadEvent(name, "failed", error=str(exc)))
+        raise
+    tracker.record(LoadEvent(name, "resident", seconds=time.perf_counter() - started))
