@@ -280,3 +280,86 @@ def test_the_dits_activations_and_the_other_stages_take_turns_in_the_budget():
     assert dit_budget(16 * gb, 9 * gb, 6 * gb) == 13 * gb  # the decode needs 3 GB more than sampling's activations
     assert dit_budget(16 * gb, 4 * gb, 6 * gb) == 16 * gb  # smaller than the activations: nothing more to leave
     assert dit_budget(16 * gb, 0, 6 * gb) == 16 * gb
+
+
+def test_the_spare_room_beside_resident_dits_keeps_the_vaes_then_the_text_encoder():
+    """keep_on_device, on hand-worked sizes (GB): whatever is kept stays through every stage, and the stages take
+    turns beside it (sampling's activations, the decode beyond what is kept, the text encode beyond its kept
+    layers)."""
+    from h3_spark.h3_model.engine.memory import TextSizes, keep_on_device
+
+    gb = 10 ** 9
+    # 4 layers of 2 GB; streamed, an encode needs 3 GB outside the layers and 2 slots of 2 GB while 2 or more layers
+    # stream (7, 7, 7, 5, 3 for k = 0..4 kept); whole: 11 GB of weights and 1 GB beyond them.
+    text = TextSizes([2 * gb] * 4, lambda k: 3 * gb + min(2, 4 - k) * 2 * gb, (11 * gb, gb))
+    vaes = dict(activations=6 * gb, vae_weights=6 * gb, vae_stage=(9 * gb, 3 * gb))
+    # 40 GB: VAEs (6) and the whole encoder (11) beside the largest stage (activations, 6) = 23.
+    k = keep_on_device(40 * gb, text=text, **vaes)
+    assert (k.vaes, k.text_whole, k.kept_bytes, k.peak_bytes) == (True, True, 17 * gb, 23 * gb)
+    # 20 GB: VAEs, then layers while 6 + 2k + max(6, 3, stage(k)) <= 20: k = 4 gives 14 + 6 = 20 (stage(4) = 3).
+    k = keep_on_device(20 * gb, text=text, **vaes)
+    assert (k.vaes, k.text_whole, k.text_layers, k.peak_bytes) == (True, False, 4, 20 * gb)
+    # 15 GB: k = 1 gives 6 + 2 + max(6, 3, 7) = 15; k = 2 gives 6 + 4 + 7 = 17.
+    k = keep_on_device(15 * gb, text=text, **vaes)
+    assert (k.vaes, k.text_layers, k.peak_bytes) == (True, 1, 15 * gb)
+    # 12 GB: the VAEs alone need 6 + max(6, 3, 7) = 13; without them one layer fits, 2 + max(6, 9, 7) = 11.
+    k = keep_on_device(12 * gb, text=text, **vaes)
+    assert (k.vaes, k.text_whole, k.text_layers, k.kept_bytes) == (False, False, 1, 2 * gb)
+    k = keep_on_device(10 * gb, text=text, **vaes)
+    assert (k.vaes, k.text_layers, k.kept_bytes) == (False, 0, 0)
+    # No text encoder (the DiT and VAEs of a decode-only engine) and no VAEs.
+    assert keep_on_device(13 * gb, text=None, **vaes).vaes
+    assert not keep_on_device(13 * gb, 6 * gb, 0, (0, 0), None).vaes
+
+
+def test_moving_a_model_but_its_kept_layers():
+    """TextEncoder.move's helper: everything moves but the kept submodules (the meta device stands for the GPU)."""
+    from h3_spark.h3_model.text.encoder import move_except
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)))
+    model.register_buffer("scale", torch.randn(4))
+    kept = [model[1][0]]
+    move_except(model, "meta", kept)
+    assert model[1][0].weight.device.type == "cpu" and model[1][0].bias.device.type == "cpu"
+    assert {t.device.type for t in [model[0].weight, model[1][1].weight, model.scale]} == {"meta"}
+    move_except(model, "meta", [])
+    assert model[1][0].weight.device.type == "meta"
+
+
+def test_a_budget_with_room_to_spare_keeps_the_vaes_and_text_layers_and_generates_the_same(builders):
+    """The engine on the CPU (budget emulated) with the DiT resident whole and room for the VAEs and some of the text
+    encoder's layers: the rest of the encoder streams, and the generation equals the resident engine's bit for bit."""
+    from h3_spark.h3_model.engine import memory
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest
+
+    req = GenerationRequest(mode="t2va", prompt="a boat", width=64, height=64, frames=124, steps=3)
+    resident = _engine(builders).load(["t2va"])
+    want = resident.generate(req)
+
+    def engine(budget):
+        return Engine(options=LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2,
+                                          kernels=REFERENCE_KERNELS, vram_budget=budget, plan_rows=4096),
+                      overrides=builders)
+
+    roomy = engine(100 * memory.GB).load(["t2va"])
+    assert roomy.kept_on_device.vaes and roomy.kept_on_device.text_whole
+    assert roomy.components.text_encoder.layer_stream is None and not roomy.pipeline.offload_text_encoder
+    # A budget with the VAEs and exactly one text layer of room beside the DiT's weights.
+    plan = roomy.memory_plans["dit"]
+    te, vaes = roomy.components.text_encoder, [roomy.components.vae, roomy.components.audio_vae]
+    layers = memory.text_layer_bytes(te)
+    kept = sum(memory.tensor_bytes(m) for m in vaes) + layers[0]
+    stages = max(plan.activations, memory.vae_stage_bytes(*vaes, kept=True), memory.text_stage_bytes(te, 2, kept_layers=1))
+    room = plan.device_bytes - plan.activations + kept + stages
+    budget = memory.budget_for(room)
+    got_engine = engine(budget).load(["t2va"])
+    k = got_engine.kept_on_device
+    assert k.vaes and not k.text_whole and k.text_layers == 1 and k.peak_bytes <= budget - memory.slack(budget)
+    got_te = got_engine.components.text_encoder
+    assert got_te.kept_layers == 1 and got_te.layer_stream.order == list(range(1, len(layers)))
+    assert got_engine.pipeline.offload_text_encoder and got_engine.pipeline.visit.parked == []
+    got = got_engine.generate(req)
+    assert torch.equal(got.video_latents, want.video_latents) and torch.equal(got.audio_latents, want.audio_latents)
+    report = got_engine.memory_report("dit")
+    assert report["kept_on_device"]["text_encoder"] == f"1 of {len(layers)} layers" and report["streamed_blocks"] == 0

@@ -397,8 +397,11 @@ def run(args) -> int:
     record = stamp.stamp_before()
     if args.budget is not None:
         args.plan_rows = _contract_rows(args, contract)  # the budget plans for this contract's length
+    runner.say(f"building/loading the models for {contract['name']}")
     model, engine, weights = load_model(args, contract, device, dtype)
     auto = engine.auto_budget if args.budget == "auto" else None
+    runner.say("loaded: " + ", ".join(f"{k} {v:.1f} s" for k, v in engine.load_seconds.items())
+               + (f"; auto placement chose {auto.get('chose')}" if auto else ""))
     if auto is not None or args.budget == "auto":  # what auto chose: a budget in bytes, or None (resident)
         args.budget = engine.options.vram_budget
     loaded = runner.loaded_facts(engine.load_seconds)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -21,10 +22,19 @@ from ..h3_model.pipeline.scheduler import CONDITION_AUDIO_T, CONDITION_VIDEO_T, 
 from .contract import BenchShape, Contract, check_limits, contract_shape
 
 
-def time_call(fn: Callable[[], object], device: str, warmup: int, repeats: int) -> list[float]:
-    """Seconds per call for `repeats` warm calls."""
-    for _ in range(warmup):
+def say(message: str) -> None:
+    """A progress line on stderr: a full-size bench runs for minutes, and its JSON comes only at the end."""
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def time_call(fn: Callable[[], object], device: str, warmup: int, repeats: int,
+              what: str | None = None) -> list[float]:
+    """Seconds per call for `repeats` warm calls; with `what`, a progress line per call."""
+    for i in range(warmup):
+        t0 = time.perf_counter()
         fn()
+        if what:
+            say(f"{what}: warm-up {i + 1}/{warmup} ({time.perf_counter() - t0:.2f} s)")
     times = []
     for _ in range(repeats):
         if device.startswith("cuda"):
@@ -38,6 +48,8 @@ def time_call(fn: Callable[[], object], device: str, warmup: int, repeats: int) 
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
+        if what:
+            say(f"{what}: {len(times)}/{repeats} {times[-1]:.3f} s")
     return times
 
 
@@ -91,9 +103,9 @@ def bench_ours(model, shape: BenchShape, inputs: dict, contract: Contract, devic
 
     warmup, repeats = contract["warmup"], contract["repeats"]
     _reset_peak(device)
-    sampled_times = time_call(sampled, device, warmup, repeats)
+    sampled_times = time_call(sampled, device, warmup, repeats, "DiT forward")
     peak = _peak(device)
-    full_times = time_call(full, device, 1, max(1, repeats // 2))
+    full_times = time_call(full, device, 1, max(1, repeats // 2), "full DiT forward")
     out = {
         "dit_forward_s_median": statistics.median(sampled_times),
         "dit_forward_s_all": sampled_times,
@@ -243,12 +255,17 @@ def bench_generation(engine, contract: Contract, device: str, cache_modes: tuple
         # The warm-up runs the recipes too (their steps, on the short request): a recipe's kernels (VSA's)
         # compile there, not inside the measured render's first evaluation.
         warm = apply_recipes(recipes, warm, dit, device, engine.settings)
+    say(f"generation warm-up ({warm.steps} steps, {warm.frames} frames)")
+    t0 = time.perf_counter()
     engine.generate(warm)
+    say(f"generation warm-up done ({time.perf_counter() - t0:.1f} s); measured render "
+        f"({req.frames} frames, {req.steps} steps)")
     # Warm kernels, cold caches: the measured request encodes its prompt and references like a new one.
     engine.clear_caches()
     memory = StageMemory(device)
     result, _, total = _timed_render(engine, req, on_progress=memory.on_progress)
     stage_peaks = memory.finish()
+    say(f"measured render {total:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in result.timings.items()))
     steps = result.info.get("step_seconds") or []
     out = {"stage_s": result.timings, "total_s": total, "sequence_length": result.info["sequence_length"],
            "text_tokens": result.info.get("text_tokens"), "evaluations": result.info["evaluations"],

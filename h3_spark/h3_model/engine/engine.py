@@ -61,6 +61,9 @@ class Engine:
         # GPU bytes kept free for the other stages (text encode, VAE).
         self.memory_plans: dict[str, object] = {}
         self.stage_reserve: dict[str, int] = {}
+        # Under a budget whose DiTs are resident whole: the VAEs and text encoder (layers) its spare room keeps on
+        # the GPU (memory.keep_on_device); None when a DiT streams.
+        self.kept_on_device = None
         self.auto_budget: dict | None = None  # what `--vram-budget auto` chose, when it was asked
         self.host_plan: dict | None = None  # under a budget: what the models hold in host memory (memory.check_host)
         # Static NVFP4 activation scales (H3_NVFP4_STATIC_SCALES), checked in preflight, installed in _configure:
@@ -287,23 +290,21 @@ class Engine:
             self.auto_budget["note"] = why
 
     def _place_all(self) -> None:
-        """Under the budget, after loading: the text encoder streams its layers and visits for its stage, the
-        VAEs wait in host memory between theirs, and each DiT gets what the largest other stage leaves."""
-        from .memory import Visits, check_host, gb, stream_text_encoder, text_stage_bytes, vae_stage_bytes
+        """Under the budget, after loading: each DiT gets what the largest other stage leaves, with the text encoder
+        streaming its layers (visiting for its stage) and the VAEs waiting in host memory between theirs; when every
+        DiT is then resident whole, the room left keeps the VAEs and the text encoder (or its layers) on the GPU."""
+        from .memory import (TextSizes, Visits, check_host, gb, keep_on_device, slack, stream_text_encoder,
+                             tensor_bytes, text_layer_bytes, text_stage_bytes, text_whole_bytes, vae_stage_bytes)
 
         c = self.components
+        depth = self.options.prefetch_depth
+        te = c.text_encoder if hasattr(c.text_encoder, "model") else None
+        vaes = [m for m in (c.vae, c.audio_vae) if m is not None]
         reserve = {}
-        if c.text_encoder is not None and hasattr(c.text_encoder, "model"):
-            stream = stream_text_encoder(c.text_encoder, self.device, self.options.prefetch_depth)
-            reserve["text_encode"] = text_stage_bytes(c.text_encoder, stream)
-            self.pipeline.offload_text_encoder = True
-        if c.vae is not None or c.audio_vae is not None:  # a DiT loaded alone keeps nothing for other stages
+        if te is not None:
+            reserve["text_encode"] = text_stage_bytes(te, depth)
+        if vaes:  # a DiT loaded alone keeps nothing for other stages
             reserve["vae"] = vae_stage_bytes(c.vae, c.audio_vae)
-        visits = Visits(self.device)
-        for module in (c.vae, c.audio_vae):
-            if module is not None:
-                visits.park(module)
-        self.pipeline.visit = visits
         self.stage_reserve = reserve
         kept = max(reserve.values(), default=0)
         share = (f" left to the DiT (of {gb(self.options.vram_budget)}, where the text encoder's and the VAEs' "
@@ -313,8 +314,39 @@ class Engine:
         plans: dict[str, object] = {}
         for key in self.dit_keys():
             plans[key] = self._plan(getattr(c, key), self.options.vram_budget, plans.values(), share, kept)
+
+        budget = self.options.vram_budget
+        if any(p.streaming for p in plans.values()):
+            # Streamed DiT blocks are copied at every evaluation, the others' weights once a stage: the DiT
+            # has the first claim on the budget, and here it takes all of it.
+            self.kept_on_device = None
+        else:
+            room = (budget - slack(budget) - self.controlnet_reserve
+                    - sum(p.device_bytes - p.activations for p in plans.values()))
+            text = None if te is None else TextSizes(text_layer_bytes(te), lambda k: text_stage_bytes(te, depth,
+                                                                                                      kept_layers=k),
+                                                     text_whole_bytes(te))
+            self.kept_on_device = keep_on_device(
+                room, max((p.activations for p in plans.values()), default=0), sum(tensor_bytes(m) for m in vaes),
+                (reserve.get("vae", 0), vae_stage_bytes(c.vae, c.audio_vae, kept=True) if vaes else 0), text)
+        keep = self.kept_on_device
+        visits = Visits(self.device)
+        for module in vaes:
+            if keep is not None and keep.vaes:
+                module.to(self.device)
+            else:
+                visits.park(module)
+        self.pipeline.visit = visits
+        if te is not None:
+            if keep is not None and keep.text_whole:
+                te.device = torch.device(self.device)
+                te.mark_offloaded()
+                te.ensure_resident()
+            else:
+                stream_text_encoder(te, self.device, depth, keep.text_layers if keep is not None else 0)
+                self.pipeline.offload_text_encoder = True
         # Checked before any block is packed into host memory: nothing starts half-placed.
-        self.host_plan = check_host(self.options.host_budget, plans.values(), c.text_encoder, visits.parked)
+        self.host_plan = check_host(self.options.host_budget, plans.values(), te, visits.parked)
         from .placement import place_dit
 
         for key, plan in plans.items():
@@ -351,6 +383,10 @@ class Engine:
         if plan is None:
             return None
         out = {**plan.describe(), "reserved_for_other_stages": dict(self.stage_reserve), "host": self.host_plan}
+        te = self.components.text_encoder
+        layers = len(te.model.language_model.layers) if hasattr(te, "model") else None
+        out["kept_on_device"] = (self.kept_on_device.describe(layers) if self.kept_on_device is not None
+                                 else {"why": "nothing: the DiT streams, and takes the whole budget"})
         stream = getattr(getattr(self.components, key), "block_stream", None)
         if stream is not None:
             out.update(forwards=stream.stats.forwards, bytes_copied=stream.stats.bytes_copied,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -298,7 +299,9 @@ def check_host(budget: int | None, plans, text_encoder, parked, tower: MemoryPla
     layers (which stream from the file's pages, in place), the parked VAEs, and a ControlNet tower's streamed
     blocks and AdaLN projections (`tower`, its plan_tower plan). Raises naming the minimum."""
     parts = {"dit_streamed": sum(p.describe()["host_bytes"] for p in plans if p.streaming),
-             "text_encoder_outside_layers": tensor_bytes(text_encoder.model) if hasattr(text_encoder, "model") else 0,
+             # What waits on the CPU: kept layers (or a whole encoder) stay on the GPU, streamed ones are emptied.
+             "text_encoder_outside_layers": (tensor_bytes(text_encoder.model, on="cpu")
+                                             if hasattr(text_encoder, "model") else 0),
              "parked_vaes": sum(tensor_bytes(m) for m in parked)}
     if tower is not None:
         parts["controlnet_streamed"] = tower.describe()["host_bytes"] if tower.streaming else 0
@@ -332,17 +335,21 @@ def default_rows(config) -> int:
 TEXT_STAGE_ROWS = 4096  # prompt + vision tokens the text encoder's stage is planned for
 
 
-def stream_text_encoder(te, device: torch.device | str, depth: int = DEFAULT_DEPTH) -> BlockStream:
+def stream_text_encoder(te, device: torch.device | str, depth: int = DEFAULT_DEPTH, kept_layers: int = 0) -> BlockStream:
     """The text encoder's decoder layers stream like DiT blocks; the rest (embeddings, vision tower) waits in host
-    memory and visits the GPU for the encoder's own stage (TextEncoder.ensure_resident / offload).
+    memory and visits the GPU for the encoder's own stage (TextEncoder.ensure_resident / offload). The first
+    `kept_layers` layers stay on the GPU throughout (room the budget has to spare: `keep_on_device`).
 
     The layers are copied from where they were loaded (the memory-mapped file's pages for a single file), not
     packed into pinned buffers: the encoder runs once per new prompt, so pageable copies (17 GB/s against 55 on the
     H200 machine: ~1 s for a 15.7 GB NVFP4 encoder) cost less than holding its size in page-locked host memory."""
     device = torch.device(device)
     layers = te.model.language_model.layers
-    stream = BlockStream(layers, list(range(len(layers))), device, depth, in_place=True)
-    te.model.to("cpu")
+    stream = BlockStream(layers, list(range(kept_layers, len(layers))), device, depth, in_place=True)
+    te.kept_layers = kept_layers
+    for layer in layers[:kept_layers]:
+        layer.to(device)
+    te.move("cpu")  # everything but the kept layers waits in host memory
     te.layer_stream = stream
     te.device = device
     te.mark_offloaded()
@@ -357,30 +364,101 @@ def text_activation_bytes(te, rows: int = TEXT_STAGE_ROWS) -> int:
     return int(rows * size * (3 * text.hidden_size + 3 * text.intermediate_size) * ACTIVATION_MARGIN)
 
 
-def text_stage_bytes(te, stream: BlockStream, rows: int = TEXT_STAGE_ROWS) -> int:
-    """GPU bytes of a text encode with streamed layers: the rest of the model, the slots, the activations."""
-    return (tensor_bytes(te.model) + stream.depth * stream.largest + scratch_bytes(te.model)
-            + text_activation_bytes(te, rows))
+def text_layer_bytes(te) -> list[int]:
+    """Each decoder layer's bytes as a stream unit (what a slot holds, and what keeping it on the GPU costs)."""
+    return [packed_bytes(layer) for layer in te.model.language_model.layers]
 
 
-def vae_stage_bytes(vae, audio_vae) -> int:
-    """GPU bytes of the largest VAE stage: the video decode of the released canvas, or the audio VAE's."""
-    from ..geometry import DEFAULT_FRAMES, latent_size, resolve_canvas, video_latent_frames
-    from ..vae.video import decode_memory_estimate
+def text_stage_bytes(te, depth: int, rows: int = TEXT_STAGE_ROWS, kept_layers: int = 0) -> int:
+    """GPU bytes of a text encode beyond its kept layers (before any streaming): the rest of the model, which
+    visits, the slots of the streamed layers, the activations."""
+    layers = text_layer_bytes(te)
+    outside = tensor_bytes(te.model) - sum(tensor_bytes(layer) for layer in te.model.language_model.layers)
+    slots = depth * max(layers[kept_layers:], default=0)
+    return outside + slots + scratch_bytes(te.model) + text_activation_bytes(te, rows)
 
+
+def text_whole_bytes(te, rows: int = TEXT_STAGE_ROWS) -> tuple[int, int]:
+    """(weights, a text encode's bytes beyond them) for a text encoder that stays on the GPU whole."""
+    return tensor_bytes(te.model), scratch_bytes(te.model) + text_activation_bytes(te, rows)
+
+
+def vae_stage_bytes(vae, audio_vae, kept: bool = False) -> int:
+    """GPU bytes of the largest VAE stage: the video decode of the released canvas, or the audio VAE's. `kept`:
+    beyond the VAEs' weights, for VAEs that stay on the GPU."""
     need = 0
     if vae is not None:
-        height, width = resolve_canvas(16, 9)
-        lh, lw = latent_size(height, width)
-        estimate = decode_memory_estimate(vae.config, video_latent_frames(DEFAULT_FRAMES), lh, lw,
-                                          tile_batch=getattr(vae, "tile_batch", 1))
-        # A quantized decoder's linears are dequantized at use into a scratch the size of the largest one.
-        need = tensor_bytes(vae) + scratch_bytes(vae) + estimate["transient"] + estimate["window"]
+        need = _video_decode_extra(vae) + (0 if kept else tensor_bytes(vae))
     if audio_vae is not None:
         # Its weights and as much again for its activations: 0.6 GB at the released size, far below the video
         # decode, so the guess never decides the reserve there.
-        need = max(need, tensor_bytes(audio_vae) * 2)
+        need = max(need, tensor_bytes(audio_vae) * (1 if kept else 2))
     return need
+
+
+def _video_decode_extra(vae) -> int:
+    """The video decode of the released canvas beyond its weights."""
+    from ..geometry import DEFAULT_FRAMES, latent_size, resolve_canvas, video_latent_frames
+    from ..vae.video import decode_memory_estimate
+
+    height, width = resolve_canvas(16, 9)
+    lh, lw = latent_size(height, width)
+    estimate = decode_memory_estimate(vae.config, video_latent_frames(DEFAULT_FRAMES), lh, lw,
+                                      tile_batch=getattr(vae, "tile_batch", 1))
+    # A quantized decoder's linears are dequantized at use into a scratch the size of the largest one.
+    return scratch_bytes(vae) + estimate["transient"] + estimate["window"]
+
+
+@dataclass
+class TextSizes:
+    """A text encoder's GPU bytes as `keep_on_device` weighs them (text_layer_bytes, text_stage_bytes,
+    text_whole_bytes)."""
+    layers: list[int]
+    stage: Callable[[int], int]  # a text encode's bytes beyond k kept layers, the rest visiting
+    whole: tuple[int, int]  # (weights, bytes beyond them) for an encoder kept whole
+
+
+@dataclass
+class KeptOnDevice:
+    """What a budget's spare room keeps on the GPU beside resident DiTs."""
+    vaes: bool = False
+    text_whole: bool = False
+    text_layers: int = 0
+    kept_bytes: int = 0
+    peak_bytes: int = 0  # the kept bytes and the largest stage's beside them
+    room_bytes: int = 0
+    why: str = ""
+
+    def describe(self, layers: int | None) -> dict:
+        text = None if layers is None else ("whole" if self.text_whole else f"{self.text_layers} of {layers} layers")
+        return {"vaes": self.vaes, "text_encoder": text, "kept_bytes": self.kept_bytes,
+                "peak_bytes": self.peak_bytes, "room_bytes": self.room_bytes, "why": self.why}
+
+
+def keep_on_device(room: int, activations: int, vae_weights: int, vae_stage: tuple[int, int],
+                   text: TextSizes | None) -> KeptOnDevice:
+    """What stays on the GPU beside DiTs that are resident whole, in the `room` their weights leave. The stages take
+    turns: sampling needs `activations`, the decode `vae_stage` (parked, kept: its bytes beyond what is kept), the
+    text encode what `text` says; whatever is kept is there through all of them. Kept in the order of what a render
+    saves by it: the VAEs (otherwise copied up and back for every decode and every encode), then the text encoder
+    whole (no visit at all), else as many of its decoder layers as fit (the rest visits its stage)."""
+    def peak(vaes: bool, whole: bool, k: int) -> tuple[int, int]:
+        kept = vae_weights if vaes else 0
+        stages = [activations, vae_stage[1] if vaes else vae_stage[0]]
+        if text is not None:
+            kept += text.whole[0] if whole else sum(text.layers[:k])
+            stages.append(text.whole[1] if whole else text.stage(k))
+        return kept, kept + max(stages)
+
+    vaes = vae_weights > 0 and peak(True, False, 0)[1] <= room
+    whole, k = False, 0
+    if text is not None:
+        whole = peak(vaes, True, 0)[1] <= room
+        if not whole:
+            while k < len(text.layers) and peak(vaes, False, k + 1)[1] <= room:
+                k += 1
+    kept, top = peak(vaes, whole, k)
+    return KeptOnDevice(vaes, whole, k, kept, top, room, "the spare room beside the resident DiTs")
 
 
 class Visits:

@@ -538,6 +538,23 @@ def _no_vision_file(path: object, vision: str | Path | None) -> None:
 
 
 # ---------------------------------------------------------------------------- the encoder
+def move_except(module: torch.nn.Module, device: torch.device | str, kept: list[torch.nn.Module]) -> None:
+    """`module.to(device)` for everything but the submodules in `kept`, which stay where they are."""
+    kept_ids = {id(k) for k in kept}
+    if id(module) in kept_ids:
+        return
+    if not any(id(m) in kept_ids for m in module.modules()):
+        module.to(device)
+        return
+    for child in module.children():
+        move_except(child, device, kept)
+    for param in module.parameters(recurse=False):
+        param.data = param.data.to(device)
+    for name, buf in module.named_buffers(recurse=False):
+        if buf is not None:
+            module._buffers[name] = buf.to(device)
+
+
 class TextEncoder:
     """Qwen3-VL cut after decoder layer `layer`, with its tokenizer, processor and a prompt cache.
 
@@ -562,8 +579,10 @@ class TextEncoder:
         self._cache: OrderedDict[str, EncodedPrompt] = OrderedDict()
         self._resident = True
         self.vision_note: str | None = None  # which mmproj gave a GGUF's vision tower
-        # Under a VRAM budget the decoder layers stream (engine/memory.py) and the rest visits per encode.
+        # Under a VRAM budget the decoder layers stream (engine/memory.py) and the rest visits per encode; the
+        # first `kept_layers` of them stay on the device when the budget has room to spare.
         self.layer_stream = None
+        self.kept_layers = 0
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype, device: str | torch.device,
@@ -612,7 +631,7 @@ class TextEncoder:
         """
         if self.device.type == "cpu":
             return
-        self.model.to("cpu")
+        self.move("cpu")
         if self.layer_stream is not None:
             self.layer_stream.park()
         for key, hit in self._cache.items():
@@ -628,8 +647,13 @@ class TextEncoder:
     def ensure_resident(self) -> None:
         """Move offloaded weights back to the compute device (encode does this on a cache miss)."""
         if not self._resident:
-            self.model.to(self.device)
+            self.move(self.device)
             self._resident = True
+
+    def move(self, device: torch.device | str) -> None:
+        """`model.to(device)` but for the kept decoder layers, which stay where they are."""
+        kept = list(self.model.language_model.layers[:self.kept_layers]) if self.kept_layers else []
+        move_except(self.model, device, kept)
 
     def clear_cache(self) -> None:
         self._cache.clear()
