@@ -352,7 +352,7 @@ def test_a_budget_with_room_to_spare_keeps_the_vaes_and_text_layers_and_generate
     kept = sum(memory.tensor_bytes(m) for m in vaes) + layers[0]
     stages = max(plan.activations, memory.vae_stage_bytes(*vaes, kept=True), memory.text_stage_bytes(te, 2, kept_layers=1))
     room = plan.device_bytes - plan.activations + kept + stages
-    budget = memory.budget_for(room)
+    budget = memory.budget_for(room) + memory.SLACK_MIN  # the kept room leaves a second slack (tiny: the minimum)
     got_engine = engine(budget).load(["t2va"])
     k = got_engine.kept_on_device
     assert k.vaes and not k.text_whole and k.text_layers == 1 and k.peak_bytes <= budget - memory.slack(budget)
@@ -363,3 +363,43 @@ def test_a_budget_with_room_to_spare_keeps_the_vaes_and_text_layers_and_generate
     assert torch.equal(got.video_latents, want.video_latents) and torch.equal(got.audio_latents, want.audio_latents)
     report = got_engine.memory_report("dit")
     assert report["kept_on_device"]["text_encoder"] == f"1 of {len(layers)} layers" and report["streamed_blocks"] == 0
+
+
+def test_a_request_whose_activations_need_the_spare_room_takes_it_back(builders, monkeypatch):
+    """A long request (a film's window) on an engine that kept the VAEs and the text encoder on the GPU: before it
+    samples, the engine parks the VAEs and streams every text layer again (the placement without spare room), says
+    so in its report, and still generates the resident engine's latents bit for bit."""
+    from h3_spark.h3_model.engine import memory
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest
+
+    req = GenerationRequest(mode="t2va", prompt="a boat", width=64, height=64, frames=124, steps=3)
+    want = _engine(builders).load(["t2va"]).generate(req)
+    engine = Engine(options=LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2,
+                                        kernels=REFERENCE_KERNELS, vram_budget=100 * memory.GB, plan_rows=4096),
+                    overrides=builders).load(["t2va"])
+    keep, plan, dit = engine.kept_on_device, engine.memory_plans["dit"], engine.components.dit
+    assert keep.vaes and keep.text_whole and keep.kept_bytes > 0
+    # Activations the plan's DiT budget still takes, but not beside what is kept (the tiny model's own are bytes).
+    limit = plan.budget - memory.slack(plan.budget) - (plan.device_bytes - plan.activations)
+    long_need = (keep.room_bytes - keep.kept_bytes + limit) // 2
+    assert keep.room_bytes - keep.kept_bytes < long_need <= limit
+    real = memory.activation_bytes
+    monkeypatch.setattr(memory, "activation_bytes",
+                        lambda config, rows, *a, **k: long_need if rows > plan.rows else real(config, rows, *a, **k))
+    engine._check_rows(dit, plan.rows)  # the planned length keeps the room
+    assert engine.kept_on_device.vaes
+    engine._check_rows(dit, plan.rows + 1)
+    monkeypatch.setattr(memory, "activation_bytes", real)
+    te = engine.components.text_encoder
+    assert not engine.kept_on_device.vaes and engine.kept_on_device.kept_bytes == 0
+    assert engine.pipeline.visit.parked == [engine.components.vae, engine.components.audio_vae]
+    assert te.kept_layers == 0 and te.layer_stream.order == list(range(len(te.model.language_model.layers)))
+    assert engine.pipeline.offload_text_encoder
+    report = engine.memory_report("dit")["kept_on_device"]
+    assert report["why"] == f"given back: a request of {plan.rows + 1} rows needs the room for its activations"
+    got = engine.generate(req)
+    assert torch.equal(got.video_latents, want.video_latents) and torch.equal(got.audio_latents, want.audio_latents)
+    # Too long for the DiT's own budget: refused as before, and nothing more is moved.
+    with pytest.raises(InputError, match="this request packs"):
+        monkeypatch.setattr(memory, "activation_bytes", lambda *a, **k: 2 * limit)
+        engine._check_rows(dit, plan.rows + 1)

@@ -321,7 +321,10 @@ class Engine:
             # has the first claim on the budget, and here it takes all of it.
             self.kept_on_device = None
         else:
-            room = (budget - slack(budget) - self.controlnet_reserve
+            # A second slack beside the plan's: kept weights live through every stage, so the stages' temporaries
+            # fragment around them (an H100 run that kept 20.8 GB ran out in a long window's VSA with 5 GB
+            # reserved but unallocated).
+            room = (budget - 2 * slack(budget) - self.controlnet_reserve
                     - sum(p.device_bytes - p.activations for p in plans.values()))
             text = None if te is None else TextSizes(text_layer_bytes(te), lambda k: text_stage_bytes(te, depth,
                                                                                                       kept_layers=k),
@@ -367,12 +370,39 @@ class Engine:
         return plan_dit(model, room, rows, depth=self.options.prefetch_depth, share=share)
 
     def _check_rows(self, dit, rows: int, mlp_chunks: int = 1) -> None:
-        """Before sampling: a request longer than the budget was planned for must still fit."""
-        from .memory import check_rows
+        """Before sampling: a request longer than the budget was planned for must still fit; the spare room is
+        given back first if its activations need it."""
+        from .memory import activation_bytes, check_rows
 
         for key, plan in self.memory_plans.items():
             if getattr(self.components, key) is dit:
                 check_rows(plan, dit.config, rows, dit.dtype_, mlp_chunks)
+        keep = self.kept_on_device
+        if keep is not None and keep.kept_bytes:
+            need = activation_bytes(dit.config, rows, dit.dtype_, mlp_chunks)
+            if keep.kept_bytes + need > keep.room_bytes:
+                self._give_back_kept(f"a request of {rows} rows needs the room for its activations")
+
+    def _give_back_kept(self, why: str) -> None:
+        """The placement a budget makes without spare room: the VAEs wait in host memory between their stages and
+        every text encoder layer streams. For the engine's life (a long request came once; it may come again)."""
+        from .memory import KeptOnDevice, stream_text_encoder
+
+        c, keep = self.components, self.kept_on_device
+        if keep.vaes:
+            for module in (c.vae, c.audio_vae):
+                if module is not None:
+                    self.pipeline.visit.park(module)
+        te = c.text_encoder
+        if keep.text_whole or keep.text_layers:
+            if te.layer_stream is not None:
+                te.layer_stream.restore()  # the streamed layers' tensors are their host copies again
+            te.kept_layers = 0
+            stream_text_encoder(te, self.device, self.options.prefetch_depth)
+            self.pipeline.offload_text_encoder = True
+        self.kept_on_device = KeptOnDevice(room_bytes=keep.room_bytes, why=f"given back: {why}")
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.empty_cache()
 
     def memory_report(self, key: str) -> dict | None:
         """The budget's plan for one DiT (or the ControlNet tower, "controlnet") and what its stream copied so far
