@@ -366,9 +366,10 @@ def test_a_budget_with_room_to_spare_keeps_the_vaes_and_text_layers_and_generate
 
 
 def test_a_request_whose_activations_need_the_spare_room_takes_it_back(builders, monkeypatch):
-    """A long request (a film's window) on an engine that kept the VAEs and the text encoder on the GPU: before it
-    samples, the engine parks the VAEs and streams every text layer again (the placement without spare room), says
-    so in its report, and still generates the resident engine's latents bit for bit."""
+    """Long requests (a film's windows) on an engine that kept the VAEs and the text encoder on the GPU: before one
+    samples, the engine streams every text layer again, and parks the VAEs too only when that is not room enough;
+    the report says which request did it, and the engine still generates the resident engine's latents bit for
+    bit."""
     from h3_spark.h3_model.engine import memory
     from h3_spark.h3_model.pipeline.generation import GenerationRequest
 
@@ -378,28 +379,39 @@ def test_a_request_whose_activations_need_the_spare_room_takes_it_back(builders,
                                         kernels=REFERENCE_KERNELS, vram_budget=100 * memory.GB, plan_rows=4096),
                     overrides=builders).load(["t2va"])
     keep, plan, dit = engine.kept_on_device, engine.memory_plans["dit"], engine.components.dit
-    assert keep.vaes and keep.text_whole and keep.kept_bytes > 0
-    # Activations the plan's DiT budget still takes, but not beside what is kept (the tiny model's own are bytes).
+    te, vaes = engine.components.text_encoder, [engine.components.vae, engine.components.audio_vae]
+    vae_bytes = sum(memory.tensor_bytes(m) for m in vaes)
+    assert keep.vaes and keep.text_whole and keep.text_bytes == memory.tensor_bytes(te.model) > 0
+    assert keep.kept_bytes == vae_bytes + keep.text_bytes
+    # Activations the plan's DiT budget still takes (the tiny model's own are bytes: stand-ins for a long window).
     limit = plan.budget - memory.slack(plan.budget) - (plan.device_bytes - plan.activations)
-    long_need = (keep.room_bytes - keep.kept_bytes + limit) // 2
-    assert keep.room_bytes - keep.kept_bytes < long_need <= limit
+    text_short = keep.room_bytes - keep.kept_bytes + 1  # room enough once the text encoder streams
+    vae_short = keep.room_bytes - vae_bytes + 1  # not even then
+    assert text_short <= keep.room_bytes - vae_bytes < vae_short <= limit
     real = memory.activation_bytes
-    monkeypatch.setattr(memory, "activation_bytes",
-                        lambda config, rows, *a, **k: long_need if rows > plan.rows else real(config, rows, *a, **k))
+
+    def activations(need):
+        monkeypatch.setattr(memory, "activation_bytes",
+                            lambda config, rows, *a, **k: need if rows > plan.rows else real(config, rows, *a, **k))
+
+    activations(text_short)
     engine._check_rows(dit, plan.rows)  # the planned length keeps the room
-    assert engine.kept_on_device.vaes
+    assert engine.kept_on_device is keep
     engine._check_rows(dit, plan.rows + 1)
-    monkeypatch.setattr(memory, "activation_bytes", real)
-    te = engine.components.text_encoder
-    assert not engine.kept_on_device.vaes and engine.kept_on_device.kept_bytes == 0
-    assert engine.pipeline.visit.parked == [engine.components.vae, engine.components.audio_vae]
+    now = engine.kept_on_device
+    assert (now.vaes, now.text_whole, now.text_layers, now.kept_bytes) == (True, False, 0, vae_bytes)
     assert te.kept_layers == 0 and te.layer_stream.order == list(range(len(te.model.language_model.layers)))
-    assert engine.pipeline.offload_text_encoder
-    report = engine.memory_report("dit")["kept_on_device"]
-    assert report["why"] == f"given back: a request of {plan.rows + 1} rows needs the room for its activations"
+    assert engine.pipeline.offload_text_encoder and engine.pipeline.visit.parked == []
+    assert engine.memory_report("dit")["kept_on_device"]["why"] == (
+        f"given back: a request of {plan.rows + 1} rows needs the room for its activations")
+    activations(vae_short)
+    engine._check_rows(dit, plan.rows + 2)
+    now = engine.kept_on_device
+    assert (now.vaes, now.kept_bytes) == (False, 0) and engine.pipeline.visit.parked == vaes
+    monkeypatch.setattr(memory, "activation_bytes", real)
     got = engine.generate(req)
     assert torch.equal(got.video_latents, want.video_latents) and torch.equal(got.audio_latents, want.audio_latents)
-    # Too long for the DiT's own budget: refused as before, and nothing more is moved.
+    # Too long for the DiT's own budget: refused as before.
+    monkeypatch.setattr(memory, "activation_bytes", lambda *a, **k: 2 * limit)
     with pytest.raises(InputError, match="this request packs"):
-        monkeypatch.setattr(memory, "activation_bytes", lambda *a, **k: 2 * limit)
         engine._check_rows(dit, plan.rows + 1)

@@ -381,26 +381,31 @@ class Engine:
         if keep is not None and keep.kept_bytes:
             need = activation_bytes(dit.config, rows, dit.dtype_, mlp_chunks)
             if keep.kept_bytes + need > keep.room_bytes:
-                self._give_back_kept(f"a request of {rows} rows needs the room for its activations")
+                self._give_back_kept(f"a request of {rows} rows needs the room for its activations", need)
 
-    def _give_back_kept(self, why: str) -> None:
-        """The placement a budget makes without spare room: the VAEs wait in host memory between their stages and
-        every text encoder layer streams. For the engine's life (a long request came once; it may come again)."""
+    def _give_back_kept(self, why: str, need: int) -> None:
+        """Room for `need` bytes of activations beside what stays kept: the text encoder's layers go back to
+        streaming first (used once a prompt), then, if still short, the VAEs wait in host memory between their
+        stages (used every render). For the engine's life: a long request came once and may come again."""
         from .memory import KeptOnDevice, stream_text_encoder
 
         c, keep = self.components, self.kept_on_device
-        if keep.vaes:
-            for module in (c.vae, c.audio_vae):
-                if module is not None:
-                    self.pipeline.visit.park(module)
-        te = c.text_encoder
+        kept_bytes, vaes = keep.kept_bytes, keep.vaes
         if keep.text_whole or keep.text_layers:
+            te = c.text_encoder
             if te.layer_stream is not None:
                 te.layer_stream.restore()  # the streamed layers' tensors are their host copies again
             te.kept_layers = 0
             stream_text_encoder(te, self.device, self.options.prefetch_depth)
             self.pipeline.offload_text_encoder = True
-        self.kept_on_device = KeptOnDevice(room_bytes=keep.room_bytes, why=f"given back: {why}")
+            kept_bytes -= keep.text_bytes
+        if vaes and kept_bytes + need > keep.room_bytes:
+            for module in (c.vae, c.audio_vae):
+                if module is not None:
+                    self.pipeline.visit.park(module)
+            kept_bytes, vaes = 0, False
+        self.kept_on_device = KeptOnDevice(vaes, False, 0, kept_bytes, 0, keep.peak_bytes, keep.room_bytes,
+                                           f"given back: {why}")
         if torch.device(self.device).type == "cuda":
             torch.cuda.empty_cache()
 

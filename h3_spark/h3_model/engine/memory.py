@@ -425,13 +425,14 @@ class KeptOnDevice:
     text_whole: bool = False
     text_layers: int = 0
     kept_bytes: int = 0
+    text_bytes: int = 0  # of kept_bytes, the text encoder's
     peak_bytes: int = 0  # the kept bytes and the largest stage's beside them
     room_bytes: int = 0
     why: str = ""
 
     def describe(self, layers: int | None) -> dict:
         text = None if layers is None else ("whole" if self.text_whole else f"{self.text_layers} of {layers} layers")
-        return {"vaes": self.vaes, "text_encoder": text, "kept_bytes": self.kept_bytes,
+        return {"vaes": self.vaes, "text_encoder": text, "kept_bytes": self.kept_bytes, "text_bytes": self.text_bytes,
                 "peak_bytes": self.peak_bytes, "room_bytes": self.room_bytes, "why": self.why}
 
 
@@ -458,7 +459,8 @@ def keep_on_device(room: int, activations: int, vae_weights: int, vae_stage: tup
             while k < len(text.layers) and peak(vaes, False, k + 1)[1] <= room:
                 k += 1
     kept, top = peak(vaes, whole, k)
-    return KeptOnDevice(vaes, whole, k, kept, top, room, "the spare room beside the resident DiTs")
+    return KeptOnDevice(vaes, whole, k, kept, kept - (vae_weights if vaes else 0), top, room,
+                        "the spare room beside the resident DiTs")
 
 
 class Visits:
