@@ -19,7 +19,8 @@ them). Columns (--columns):
 - int8_at_load: the same file dequantized at load (plain fp16 linears): a check that the stored path gives its
   frames bit for bit on this device (`frames_equal_int8`), and what holding the codes saves;
 - int8_gemm (opt-in, never a default of the product): the stored codes run as an integer GEMM, each decoder linear
-  swapped for `W4A8Linear.from_int8_convrot` (activations rotated and quantized per token to int8, `torch._int_mm`,
+  swapped for `W4A8Linear.from_int8_convrot` (activations rotated and quantized per token to int8 in one Triton
+  pass where Triton runs (`kernels/rotate_quantize.py`; the H100 receipt of 2026-12-07 predates it), `torch._int_mm`,
   as ComfyUI's own int8 linears compute); its error is the activations' int8 rounding, reported against the fp16
   column and against the int8 column (`frames_vs_int8`).
 Each column: median seconds of `decode_to_buffer` (host clock around a synchronised call), peak GPU memory of the
@@ -149,12 +150,14 @@ def measure(column: str, path: Path, z, args) -> tuple[dict, "object"]:
 
 def integer_gemm(vae) -> None:
     """The opt-in column's model: every stored decoder linear swapped for the integer GEMM on its codes."""
+    from h3_spark.kernels.capability import triton_ready
     from h3_spark.kernels.linear_w4a8 import W4A8Linear
     from h3_spark.kernels.stored_linear import StoredLinear
 
     for name, module in list(vae.decoder.named_modules()):
         if isinstance(module, StoredLinear):
-            vae.decoder.set_submodule(name, W4A8Linear.from_int8_convrot(module))
+            fast = W4A8Linear.from_int8_convrot(module, use_triton=triton_ready(module.weight.device))
+            vae.decoder.set_submodule(name, fast)
 
 
 def compare(frames, reference) -> dict:

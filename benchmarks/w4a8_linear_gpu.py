@@ -10,6 +10,9 @@ three 5376 -> 7168 GEMMs, out 7168 -> 5376, fc1 5376 -> 2 x 14336, fc2 14336 -> 
 packed sequence of t2va-1344x768-124f):
 - `w4a8`: `W4A8Linear` (the activation rotated and quantized per token in PyTorch, torch._int_mm, the scales);
   `w4a8_int_mm` is its integer GEMM alone on the same codes, the share the rest of its forward adds;
+- `w4a8_fused`: the same layer with the rotation and quantization in one Triton pass (`kernels/rotate_quantize.py`;
+  on a device without Triton it is the PyTorch one again, and the row says which); `rotate_quantize` is that pass
+  alone;
 - `stored_bf16`: `StoredLinear`, the codes dequantized into the scratch, then the bf16 GEMM (what a w4a8 file
   runs by default); the scratch is told it holds nothing before each call, as a forward meets each layer once;
 - `dense_bf16`: the bf16 GEMM on the dequantized weight alone (a bf16 file's linear).
@@ -80,12 +83,15 @@ def measure(name: str, n: int, k: int, args, seed: int) -> dict:
     import torch.nn.functional as F
 
     from h3_spark.kernels import stored_linear
+    from h3_spark.kernels.capability import triton_ready
     from h3_spark.kernels.linear_w4a8 import W4A8Linear, w4a8_reference
+    from h3_spark.kernels.rotate_quantize import reference_rotate_quantize, rotate_quantize
     from h3_spark.measure.runner import time_call
 
     device = args.device
     stored = _layer(n, k, device, seed)
     fast = W4A8Linear.from_stored(stored)
+    fused = W4A8Linear.from_stored(stored, use_triton=triton_ready(device))
     dense = stored.dequantized(torch.bfloat16)
     x = torch.randn(args.rows, k, generator=torch.Generator(device=device).manual_seed(seed + 1), device=device)
     x = x.to(torch.bfloat16)
@@ -96,19 +102,23 @@ def measure(name: str, n: int, k: int, args, seed: int) -> dict:
         stored_linear._SCRATCH.owner.clear()  # a forward meets each layer once: no dequantized copy waits for it
         return stored(x)
 
+    quantize = rotate_quantize if fused.use_triton else reference_rotate_quantize
     calls = {"w4a8": lambda: fast(x), "w4a8_int_mm": lambda: torch._int_mm(codes, weight_t),
+             "w4a8_fused": lambda: fused(x), "rotate_quantize": lambda: quantize(x, fused.convrot_group),
              "stored_bf16": run_stored, "dense_bf16": lambda: F.linear(x, dense)}
-    row: dict = {"n": n, "k": k, "rows": args.rows}
+    row: dict = {"n": n, "k": k, "rows": args.rows, "w4a8_fused_quantizer": fused.source}
     with torch.inference_mode():
         for label, fn in calls.items():
             times = time_call(fn, device, args.warmup, args.repeats)
             row[f"{label}_ms_median"] = round(1e3 * statistics.median(times), 4)
         reference = w4a8_reference(x.float(), stored)
         row["w4a8_rel_l2"] = round(_rel(fast(x), reference), 6)
+        row["w4a8_fused_rel_l2"] = round(_rel(fused(x), reference), 6)
         row["stored_bf16_rel_l2"] = round(_rel(run_stored(), reference), 6)
         del reference
     row["w4a8_over_stored_bf16"] = round(row["w4a8_ms_median"] / row["stored_bf16_ms_median"], 4)
     row["w4a8_over_dense_bf16"] = round(row["w4a8_ms_median"] / row["dense_bf16_ms_median"], 4)
+    row["w4a8_fused_over_dense_bf16"] = round(row["w4a8_fused_ms_median"] / row["dense_bf16_ms_median"], 4)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return row
@@ -129,7 +139,7 @@ def main(argv=None) -> int:
               "activations": "N(0, 1) in bf16"}
     linears = {name: measure(name, n, k, args, seed) for seed, (name, (n, k)) in enumerate(shapes(args.shapes).items())}
     totals = {label: round(sum(r[f"{label}_ms_median"] for r in linears.values()), 3)
-              for label in ("w4a8", "w4a8_int_mm", "stored_bf16", "dense_bf16")}
+              for label in ("w4a8", "w4a8_int_mm", "w4a8_fused", "rotate_quantize", "stored_bf16", "dense_bf16")}
     record.update(linears=linears, block_ms=totals)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(stamp.stamp_after(record), indent=2) + "\n")

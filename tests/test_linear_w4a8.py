@@ -94,3 +94,57 @@ def test_int8_convrot_layers_run_as_the_same_integer_gemm(swap):
     with pytest.raises(KernelUnavailable, match=r"^W4A8Linear.from_int8_convrot runs int8_convrot layers, not int8 "
                                                 r"ones$"):
         W4A8Linear.from_int8_convrot(plain)
+
+
+# ------------------------------------------------------------------ the fused activation quantizer (interpreter)
+from h3_spark.kernels.rotate_quantize import reference_rotate_quantize, rotate_quantize  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group,k,m", [(16, 48, 3), (64, 192, 70), (256, 512, 129)])
+def test_the_fused_rotation_and_quantization_matches_its_reference(dtype, group, k, m):
+    """One Triton pass (CPU interpreter) against reference_rotate_quantize on random rows of mixed magnitudes, row
+    counts that are not a multiple of the kernel's 64: the GPU sums in another order, so the budget is ≥ 99.9 % of
+    codes equal and the rest ±1, scales within 1e-6 (the interpreter measured all equal)."""
+    gen = torch.Generator().manual_seed(group + m)
+    x = (torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 8).to(dtype)
+    x[0] = 0  # an all-zero token: finite scale, zero codes
+    codes, scale = rotate_quantize(x, group)
+    want_codes, want_scale = reference_rotate_quantize(x, group)
+    diff = (codes.int() - want_codes.int()).abs()
+    assert codes.dtype == torch.int8 and scale.shape == (m, 1) and scale.dtype == torch.float32
+    assert diff.max().item() <= 1 and (diff == 0).float().mean().item() >= 0.999
+    assert ((scale - want_scale).abs() / want_scale).max().item() <= 1e-6
+    assert not codes[0].any() and scale[0].item() > 0
+    # The reference is what it says: codes x scale is the rotated row within half a step.
+    rotated = torch.matmul(x.float().reshape(m, k // group, group), hadamard(group)).reshape(m, k)
+    assert ((want_codes.float() * want_scale - rotated).abs() <= want_scale / 2 + 1e-6 * rotated.abs()).all()
+
+
+def test_the_fused_quantizer_reads_strided_rows_and_refuses_what_it_cannot_take():
+    x = torch.randn(80, 2 * 256)[:, ::2]  # every other column: not contiguous
+    codes, scale = rotate_quantize(x, 64)
+    want_codes, want_scale = reference_rotate_quantize(x.contiguous(), 64)
+    diff = (codes.int() - want_codes.int()).abs()
+    assert diff.max().item() <= 1 and (diff == 0).float().mean().item() >= 0.999
+    assert ((scale - want_scale).abs() / want_scale).max().item() <= 1e-6
+    with pytest.raises(ValueError, match="a ConvRot group that is a power of 4 of at least 16 and divides K; got "
+                                         "group 4 for K = 256"):
+        rotate_quantize(torch.randn(4, 256), 4)
+    with pytest.raises(ValueError, match="got group 64 for K = 96"):
+        rotate_quantize(torch.randn(4, 96), 64)
+    with pytest.raises(ValueError, match=r"expected \(rows, K\) fp32/bf16/fp16 activations, got torch.int8 \[4, 64\]"):
+        rotate_quantize(torch.ones(4, 64, dtype=torch.int8), 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_w4a8_layer_with_the_fused_quantizer_gives_the_reference_layers_output(dtype):
+    layer = _layer("codebook")
+    plain, fused = W4A8Linear.from_stored(layer), W4A8Linear.from_stored(layer, use_triton=True)
+    assert not plain.use_triton and fused.use_triton and "by triton" in fused.source and "by pytorch" in plain.source
+    plain.out_dtype = fused.out_dtype = dtype
+    x = torch.randn(2, 37, layer.in_features, generator=torch.Generator().manual_seed(3)).to(dtype)
+    got, want = fused(x), plain(x)
+    # The quantizers' fp32 sums run in another order: scales an ulp apart, a rare code one step apart.
+    assert got.dtype == dtype and _rel(got, want) <= 1e-3
+    assert _rel(got.float(), w4a8_reference(x.float(), layer)) <= 0.015

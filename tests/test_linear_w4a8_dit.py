@@ -29,7 +29,7 @@ from h3_spark.kernels.stored_linear import StoredLinear
 from oracle import EQUAL_WIDTH, forward_args, rel_l2, text_tags
 
 W4A8 = KernelSettings(linear="w4a8")
-SOURCE = "asym_w4a8_int8 codes on their int8 grid x per-token int8 activations"
+SOURCE = ("asym_w4a8_int8 codes on their int8 grid x per-token int8 activations (rotated and quantized by triton)")  # the interpreter
 
 
 @pytest.fixture(scope="module")

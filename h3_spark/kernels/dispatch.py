@@ -199,7 +199,7 @@ def make_linear(fmt: str, linear: nn.Module, stored: dict | None, use_triton: bo
         if is_w4a8(linear):
             from .linear_w4a8 import W4A8Linear
 
-            return W4A8Linear.from_stored(linear)
+            return W4A8Linear.from_stored(linear, use_triton)
         return linear
     if isinstance(linear, StoredLinear):
         # Its own codes where its format declares that `fmt` linears start from them; else its exact dequantized

@@ -4,7 +4,8 @@ int8_convrot layer (`from_int8_convrot`: its codes are such a grid already; the 
 The layer's codes decode once to their int8 grid G [N, K] (`formats.asym_w4a8_int8.grid_rows`), the values the
 file's weight is W = rotate(G x s_channel) of, per ConvRot group. Since the rotation is orthogonal and symmetric,
 x W^T = (x H) (G x s_channel)^T per group: the activation is rotated (fp32), quantized per token to int8
-(scale = row amax / 127, rounded half to even), multiplied by G^T in int32 (`torch._int_mm`: exact), and scaled
+(scale = row amax / 127, rounded half to even; `rotate_quantize.py`, one Triton pass on a GPU with Triton, its
+PyTorch reference elsewhere), multiplied by G^T in int32 (`torch._int_mm`: exact), and scaled
 by x_scale x s_channel. What it costs in accuracy is the activation's int8 rounding alone (the weight is the
 file's grid, unchanged): measured 0.77 % relative L2 against the dequantize-then-matmul reference
 (`w4a8_reference`) on N(0, 1) activations in fp32, budget 1.5 % (tests/test_linear_w4a8.py). Whether it beats
@@ -26,7 +27,7 @@ from torch import nn
 from .capability import KernelUnavailable
 from .formats.asym_w4a8_int8 import NAME, grid_rows
 from .formats.layer_format import swapped
-from .stored_codec import hadamard
+from .rotate_quantize import fused_group, reference_rotate_quantize, rotate_quantize
 from .stored_linear import StoredLinear
 
 _MIN_CUDA_ROWS = 17
@@ -39,7 +40,7 @@ def w4a8_reference(x: torch.Tensor, layer: StoredLinear) -> torch.Tensor:
 
 class W4A8Linear(nn.Module):
     def __init__(self, grid: torch.Tensor, s_channel: torch.Tensor, convrot_group: int, bias: torch.Tensor | None,
-                 out_dtype: torch.dtype):
+                 out_dtype: torch.dtype, use_triton: bool = False):
         super().__init__()
         n, k = grid.shape
         if grid.dtype != torch.int8 or s_channel.numel() != n or k % convrot_group:
@@ -55,10 +56,16 @@ class W4A8Linear(nn.Module):
         self.register_buffer("weight", grid.contiguous())
         self.register_buffer("s_channel", s_channel.float().reshape(1, n))
         self.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
-        self.source = "asym_w4a8_int8 codes on their int8 grid x per-token int8 activations"
+        # The fused quantizer takes ConvRot groups of 16 and more (the published files' are 256).
+        self.use_triton = use_triton and fused_group(convrot_group)
+        self.source = f"asym_w4a8_int8 codes on their int8 grid x per-token int8 activations ({self._quantizer})"
+
+    @property
+    def _quantizer(self) -> str:
+        return "rotated and quantized by triton" if self.use_triton else "rotated and quantized by pytorch"
 
     @classmethod
-    def from_stored(cls, layer: StoredLinear) -> "W4A8Linear":
+    def from_stored(cls, layer: StoredLinear, use_triton: bool = False) -> "W4A8Linear":
         """From a StoredLinear holding an asym_w4a8_int8 layer (codebook or symmetric variant)."""
         if layer.format != NAME:
             raise KernelUnavailable(f"W4A8Linear runs asym_w4a8_int8 layers, not {layer.label} ones")
@@ -68,10 +75,10 @@ class W4A8Linear(nn.Module):
                                     "channel scale, which the integer GEMM cannot carry; run it in bf16")
         grid = swapped(grid_rows(held, 0, layer.out_features, layer.group_size), layer.swap_halves)
         channel = swapped(held["weight_s_channel"].reshape(-1), layer.swap_halves)
-        return cls(grid, channel, layer.convrot_group, layer.bias, layer.out_dtype)
+        return cls(grid, channel, layer.convrot_group, layer.bias, layer.out_dtype, use_triton)
 
     @classmethod
-    def from_int8_convrot(cls, layer: StoredLinear) -> "W4A8Linear":
+    def from_int8_convrot(cls, layer: StoredLinear, use_triton: bool = False) -> "W4A8Linear":
         """From a StoredLinear holding an int8_convrot layer: its codes are the int8 grid already and its row scale
         the channel scale (W = rotate(codes x scale), the same algebra), so the same integer GEMM runs it (what
         ComfyUI's own int8 linears do). Plain int8 (no rotation) is refused: its codes are not rotated."""
@@ -80,8 +87,9 @@ class W4A8Linear(nn.Module):
         held = layer._held()
         scale = held["weight_scale"].float().reshape(-1).expand(layer.out_features)
         grid = swapped(held["weight"], layer.swap_halves)
-        layer_out = cls(grid, swapped(scale, layer.swap_halves), layer.convrot_group, layer.bias, layer.out_dtype)
-        layer_out.source = "int8_convrot codes x per-token int8 activations"
+        layer_out = cls(grid, swapped(scale, layer.swap_halves), layer.convrot_group, layer.bias, layer.out_dtype,
+                        use_triton)
+        layer_out.source = f"int8_convrot codes x per-token int8 activations ({layer_out._quantizer})"
         return layer_out
 
     def extra_repr(self) -> str:
@@ -89,12 +97,11 @@ class W4A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, k, g = x.shape[:-1], self.in_features, self.convrot_group
-        rows = x.reshape(-1, k).float()
+        rows = x.reshape(-1, k)
         m = rows.shape[0]
         # x W^T = (x H) (G s)^T group by group: H is symmetric, so rotating the activation is x @ H.
-        rotated = torch.matmul(rows.reshape(m, k // g, g), hadamard(g, x.device)).reshape(m, k)
-        x_scale = (rotated.abs().amax(dim=1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        codes = (rotated / x_scale).round().clamp(-127, 127).to(torch.int8)
+        quantize = rotate_quantize if self.use_triton else reference_rotate_quantize
+        codes, x_scale = quantize(rows, g)
         if codes.is_cuda and m < _MIN_CUDA_ROWS:
             codes = torch.cat([codes, codes.new_zeros(_MIN_CUDA_ROWS - m, k)])
         acc = torch._int_mm(codes, self.weight.t())[:m]

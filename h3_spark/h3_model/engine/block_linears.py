@@ -22,17 +22,17 @@ def convert_linears(model: nn.Module, fmt: str, weight_source: WeightSource | No
         with scope(i) if scope is not None else contextlib.nullcontext():
             _convert_block(i, blk, fmt, weight_source, use_triton, sources)
     if fmt == "w4a8":
-        _convert_other_w4a8(model, sources)
+        _convert_other_w4a8(model, sources, use_triton)
     return sources
 
 
-def _convert_other_w4a8(model: nn.Module, sources: dict[str, int]) -> None:
+def _convert_other_w4a8(model: nn.Module, sources: dict[str, int], use_triton: bool) -> None:
     """The asym_w4a8_int8 layers outside the blocks (a file may quantize more than the block linears)."""
     outside = [n for n, m in model.named_modules() if is_w4a8(m) and not n.startswith("transformer_blocks.")]
     for name in outside:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        new = make_linear("w4a8", parent.get_submodule(attr), None, False)
+        new = make_linear("w4a8", parent.get_submodule(attr), None, use_triton)
         if attr.isdigit():
             parent[int(attr)] = new
         else:

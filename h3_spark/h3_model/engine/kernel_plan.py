@@ -73,12 +73,14 @@ def _install_linears(model: nn.Module, plan: KernelPlan, weight_source: WeightSo
     """The block linears as `plan.linear` modules (from the file's stored codes where it has them), and the
     producers that hand them quantized inputs."""
     fmt, settings = plan.linear, plan.settings
+    use_triton = triton_ready(plan.device)
     if fmt == "w4a8":
         # A w4a8 layer carries its own codes; the file's other layers keep their path (no weight source).
-        linear_report["sources"] = convert_linears(model, fmt)
-        linear_report["activation_quantizer"] = "pytorch: per-token int8 after the ConvRot rotation (W4A8Linear)"
+        linear_report["sources"] = convert_linears(model, fmt, None, use_triton)
+        linear_report["activation_quantizer"] = (
+            "triton: the ConvRot rotation and per-token int8 in one pass (kernels/rotate_quantize.py)" if use_triton
+            else "pytorch: per-token int8 after the ConvRot rotation (kernels/rotate_quantize.py's reference)")
         return
-    use_triton = triton_ready(plan.device)
     origin = getattr(model, "checkpoint_origin", None)
     stored = None
     if weight_source is None and origin is not None:
