@@ -223,3 +223,17 @@ def test_fp8_linears_from_stored_fp8_scaled_codes(tmp_path):
     assert rel_l2(out, fp8_linear_reference(x, lin.weight, lin.weight_scale.flatten())) <= 1e-2
     # The stored codes are the loaded weight: only the activation's quantization separates it from bf16.
     assert 1e-3 <= rel_l2(out, ref(x)) <= 0.06
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_w4a8_activation_quantizer_compiled(dtype):
+    """kernels/rotate_quantize.py compiled, at a DiT linear's width (K = 5376, ConvRot 256): the same budget as on
+    the CPU (the tensor-core sums run in another order than the reference's matmul)."""
+    from h3_spark.kernels.rotate_quantize import reference_rotate_quantize, rotate_quantize
+
+    x = (rand(1000, 5376, seed=7) * rand(1000, 1, seed=8).abs() * 8).to(dtype)
+    codes, scale = rotate_quantize(x, 256)
+    want_codes, want_scale = reference_rotate_quantize(x, 256)
+    diff = (codes.int() - want_codes.int()).abs()
+    assert diff.max().item() <= 1 and (diff == 0).float().mean().item() >= 0.999
+    assert ((scale - want_scale).abs() / want_scale).max().item() <= 1e-6
