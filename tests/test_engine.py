@@ -415,3 +415,32 @@ def test_a_request_whose_activations_need_the_spare_room_takes_it_back(builders,
     monkeypatch.setattr(memory, "activation_bytes", lambda *a, **k: 2 * limit)
     with pytest.raises(InputError, match="this request packs"):
         engine._check_rows(dit, plan.rows + 1)
+
+
+def test_a_controlnet_tower_takes_the_spare_room(builders, tmp_path):
+    """The tower's blocks run in every evaluation of its window, the kept models' once a stage: checked before the
+    load, nothing is kept beside the DiTs; loaded onto an engine that kept the VAEs and the text encoder, it takes
+    that room back before its own plan is made."""
+    from h3_spark.h3_model.checkpoint.controlnet import random_getter, synthetic_config, write_controlnet
+    from h3_spark.h3_model.engine import memory
+
+    def engine():
+        return Engine(options=LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2,
+                                          kernels=REFERENCE_KERNELS, vram_budget=100 * memory.GB, plan_rows=4096),
+                      overrides=builders)
+
+    config = synthetic_config(builders["dit"]().config, union2=False, comfy=False)
+    path = tmp_path / "controlnet.safetensors"
+    write_controlnet(path, config, random_getter(config, 5), "released")
+    checked = engine()
+    checked.check_controlnet(path, ["t2va"])
+    checked.load(["t2va"])
+    assert checked.kept_on_device.kept_bytes == 0
+    assert checked.kept_on_device.why == "nothing: the ControlNet tower takes the room beside the DiTs"
+    assert checked.pipeline.visit.parked == [checked.components.vae, checked.components.audio_vae]
+    late = engine().load(["t2va"])
+    assert late.kept_on_device.vaes and late.kept_on_device.text_whole
+    late.load_controlnet(path)
+    assert (late.kept_on_device.vaes, late.kept_on_device.kept_bytes) == (False, 0)
+    assert late.kept_on_device.why == "given back: a ControlNet tower takes the room beside the DiTs"
+    assert late.components.controlnet is not None and late.components.text_encoder.layer_stream is not None

@@ -61,8 +61,8 @@ class Engine:
         # GPU bytes kept free for the other stages (text encode, VAE).
         self.memory_plans: dict[str, object] = {}
         self.stage_reserve: dict[str, int] = {}
-        # Under a budget whose DiTs are resident whole: the VAEs and text encoder (layers) its spare room keeps on
-        # the GPU (memory.keep_on_device); None when a DiT streams.
+        # Under a budget: the VAEs and text encoder (layers) its spare room keeps on the GPU beside DiTs resident
+        # whole (memory.keep_on_device); None without a budget.
         self.kept_on_device = None
         self.auto_budget: dict | None = None  # what `--vram-budget auto` chose, when it was asked
         self.host_plan: dict | None = None  # under a budget: what the models hold in host memory (memory.check_host)
@@ -293,8 +293,7 @@ class Engine:
         """Under the budget, after loading: each DiT gets what the largest other stage leaves, with the text encoder
         streaming its layers (visiting for its stage) and the VAEs waiting in host memory between theirs; when every
         DiT is then resident whole, the room left keeps the VAEs and the text encoder (or its layers) on the GPU."""
-        from .memory import (TextSizes, Visits, check_host, gb, keep_on_device, slack, stream_text_encoder,
-                             tensor_bytes, text_layer_bytes, text_stage_bytes, text_whole_bytes, vae_stage_bytes)
+        from .memory import check_host, gb, text_stage_bytes, vae_stage_bytes
 
         c = self.components
         depth = self.options.prefetch_depth
@@ -315,41 +314,10 @@ class Engine:
         for key in self.dit_keys():
             plans[key] = self._plan(getattr(c, key), self.options.vram_budget, plans.values(), share, kept)
 
-        budget = self.options.vram_budget
-        if any(p.streaming for p in plans.values()):
-            # Streamed DiT blocks are copied at every evaluation, the others' weights once a stage: the DiT
-            # has the first claim on the budget, and here it takes all of it.
-            self.kept_on_device = None
-        else:
-            # A second slack beside the plan's: kept weights live through every stage, so the stages' temporaries
-            # fragment around them (an H100 run that kept 20.8 GB ran out in a long window's VSA with 5 GB
-            # reserved but unallocated).
-            room = (budget - 2 * slack(budget) - self.controlnet_reserve
-                    - sum(p.device_bytes - p.activations for p in plans.values()))
-            text = None if te is None else TextSizes(text_layer_bytes(te), lambda k: text_stage_bytes(te, depth,
-                                                                                                      kept_layers=k),
-                                                     text_whole_bytes(te))
-            self.kept_on_device = keep_on_device(
-                room, max((p.activations for p in plans.values()), default=0), sum(tensor_bytes(m) for m in vaes),
-                (reserve.get("vae", 0), vae_stage_bytes(c.vae, c.audio_vae, kept=True) if vaes else 0), text)
-        keep = self.kept_on_device
-        visits = Visits(self.device)
-        for module in vaes:
-            if keep is not None and keep.vaes:
-                module.to(self.device)
-            else:
-                visits.park(module)
-        self.pipeline.visit = visits
-        if te is not None:
-            if keep is not None and keep.text_whole:
-                te.device = torch.device(self.device)
-                te.mark_offloaded()
-                te.ensure_resident()
-            else:
-                stream_text_encoder(te, self.device, depth, keep.text_layers if keep is not None else 0)
-                self.pipeline.offload_text_encoder = True
+        self.kept_on_device = self._spare_room(plans, te, vaes, reserve)
+        self._place_others(te, vaes)
         # Checked before any block is packed into host memory: nothing starts half-placed.
-        self.host_plan = check_host(self.options.host_budget, plans.values(), te, visits.parked)
+        self.host_plan = check_host(self.options.host_budget, plans.values(), te, self.pipeline.visit.parked)
         from .placement import place_dit
 
         for key, plan in plans.items():
@@ -357,6 +325,53 @@ class Engine:
             self.memory_plans[key] = plan
         if torch.device(self.device).type == "cuda":
             torch.cuda.empty_cache()
+
+    def _spare_room(self, plans: dict, te, vaes: list, reserve: dict):
+        """What stays on the GPU beside DiTs resident whole (memory.keep_on_device). Nothing when a DiT streams:
+        its blocks are copied at every evaluation, the others' weights once a stage, so it takes the whole budget;
+        nor beside a ControlNet tower to come (its blocks run in every evaluation of its window)."""
+        from .memory import (KeptOnDevice, TextSizes, keep_on_device, slack, tensor_bytes, text_layer_bytes,
+                             text_stage_bytes, text_whole_bytes, vae_stage_bytes)
+
+        if any(p.streaming for p in plans.values()):
+            return KeptOnDevice(why="nothing: a DiT streams and takes the whole budget")
+        if self.controlnet_reserve:
+            return KeptOnDevice(why="nothing: the ControlNet tower takes the room beside the DiTs")
+        budget, depth, c = self.options.vram_budget, self.options.prefetch_depth, self.components
+        # A second slack beside the plan's: kept weights live through every stage, so the stages' temporaries
+        # fragment around them (an H100 run that kept 20.8 GB ran out in a long window's VSA with 5 GB reserved
+        # but unallocated).
+        room = (budget - 2 * slack(budget) - sum(p.device_bytes - p.activations for p in plans.values()))
+        text = None
+        if te is not None:
+            text = TextSizes(text_layer_bytes(te), lambda k: text_stage_bytes(te, depth, kept_layers=k),
+                             text_whole_bytes(te))
+        vae_stage = (reserve.get("vae", 0), vae_stage_bytes(c.vae, c.audio_vae, kept=True) if vaes else 0)
+        activations = max((p.activations for p in plans.values()), default=0)
+        return keep_on_device(room, activations, sum(tensor_bytes(m) for m in vaes), vae_stage, text)
+
+    def _place_others(self, te, vaes: list) -> None:
+        """The VAEs and the text encoder as `kept_on_device` says: kept ones on the GPU, the VAEs otherwise parked
+        in host memory (visiting their stages), the text encoder's other layers streamed."""
+        from .memory import Visits, stream_text_encoder
+
+        keep = self.kept_on_device
+        visits = Visits(self.device)
+        for module in vaes:
+            if keep.vaes:
+                module.to(self.device)
+            else:
+                visits.park(module)
+        self.pipeline.visit = visits
+        if te is None:
+            return
+        if keep.text_whole:
+            te.device = torch.device(self.device)
+            te.mark_offloaded()
+            te.ensure_resident()
+        else:
+            stream_text_encoder(te, self.device, self.options.prefetch_depth, keep.text_layers)
+            self.pipeline.offload_text_encoder = True
 
     def _plan(self, model, budget: int, taken_by, share: str = "", kept: int = 0):
         """The blocks that fit stay on the device, the others stream. Two DiTs share the budget (only one runs
@@ -420,8 +435,7 @@ class Engine:
         out = {**plan.describe(), "reserved_for_other_stages": dict(self.stage_reserve), "host": self.host_plan}
         te = self.components.text_encoder
         layers = len(te.model.language_model.layers) if hasattr(te, "model") else None
-        out["kept_on_device"] = (self.kept_on_device.describe(layers) if self.kept_on_device is not None
-                                 else {"why": "nothing: the DiT streams, and takes the whole budget"})
+        out["kept_on_device"] = self.kept_on_device.describe(layers)
         stream = getattr(getattr(self.components, key), "block_stream", None)
         if stream is not None:
             out.update(forwards=stream.stats.forwards, bytes_copied=stream.stats.bytes_copied,
@@ -551,6 +565,10 @@ class Engine:
             from .placement import place_tower
 
             tower = load_tower(path, dits[0].config, dtype=self.options.dtype, device="cpu")
+            keep = self.kept_on_device
+            if keep is not None and keep.kept_bytes:
+                # The tower's blocks run in every evaluation of its window: it takes the spare room.
+                self._give_back_kept("a ControlNet tower takes the room beside the DiTs", keep.room_bytes + 1)
             room = tower_room(budget, self.memory_plans.values(), max(self.stage_reserve.values(), default=0))
             plan = plan_tower(tower, room, depth=self.options.prefetch_depth)  # refused before anything moves
             parked = getattr(self.pipeline.visit, "parked", [])  # the VAEs _place_all parked
