@@ -8,6 +8,10 @@ non-block weights, the slots and the activations is refused at set-up, naming th
 A ControlNet tower has a plan of its own (`plan_tower`): the DiT's plan sets aside the least the tower runs in, the
 tower keeps resident what the budget leaves beside the DiTs' plans (`tower_room`) and streams its other blocks.
 
+When every DiT is resident whole, the room left beside it keeps the VAEs and the text encoder (or its first
+layers) on the GPU too (`keep_on_device`); a longer request takes that room back before it samples (the engine's
+`_check_rows`).
+
 Activations are planned for a sequence length (the default canvas's unless told otherwise) and every
 request is checked against what its own length needs before it samples.
 """
@@ -335,7 +339,8 @@ def default_rows(config) -> int:
 TEXT_STAGE_ROWS = 4096  # prompt + vision tokens the text encoder's stage is planned for
 
 
-def stream_text_encoder(te, device: torch.device | str, depth: int = DEFAULT_DEPTH, kept_layers: int = 0) -> BlockStream:
+def stream_text_encoder(te, device: torch.device | str, depth: int = DEFAULT_DEPTH,
+                        kept_layers: int = 0) -> BlockStream:
     """The text encoder's decoder layers stream like DiT blocks; the rest (embeddings, vision tower) waits in host
     memory and visits the GPU for the encoder's own stage (TextEncoder.ensure_resident / offload). The first
     `kept_layers` layers stay on the GPU throughout (room the budget has to spare: `keep_on_device`).
