@@ -317,7 +317,8 @@ def test_moving_a_model_but_its_kept_layers():
     from h3_spark.h3_model.text.encoder import move_except
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)))
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), inner)
     model.register_buffer("scale", torch.randn(4))
     kept = [model[1][0]]
     move_except(model, "meta", kept)
@@ -350,7 +351,8 @@ def test_a_budget_with_room_to_spare_keeps_the_vaes_and_text_layers_and_generate
     te, vaes = roomy.components.text_encoder, [roomy.components.vae, roomy.components.audio_vae]
     layers = memory.text_layer_bytes(te)
     kept = sum(memory.tensor_bytes(m) for m in vaes) + layers[0]
-    stages = max(plan.activations, memory.vae_stage_bytes(*vaes, kept=True), memory.text_stage_bytes(te, 2, kept_layers=1))
+    stages = max(plan.activations, memory.vae_stage_bytes(*vaes, kept=True),
+                 memory.text_stage_bytes(te, 2, kept_layers=1))
     room = plan.device_bytes - plan.activations + kept + stages
     budget = memory.budget_for(room) + memory.SLACK_MIN  # the kept room leaves a second slack (tiny: the minimum)
     got_engine = engine(budget).load(["t2va"])
