@@ -10,7 +10,7 @@ by x_scale x s_channel. What it costs in accuracy is the activation's int8 round
 file's grid, unchanged): measured 0.77 % relative L2 against the dequantize-then-matmul reference
 (`w4a8_reference`) on N(0, 1) activations in fp32, budget 1.5 % (tests/test_linear_w4a8.py). On an H100 with
 the PyTorch quantizer a block's six linears took 2.6x dense bf16's time though their integer GEMMs alone beat it
-(issue #49); with the fused quantizer it is not measured yet, so it stays opt-in.
+(7a49051, `benchmarks/w4a8_linear_gpu.py`); with the fused quantizer it is not measured yet, so it stays opt-in.
 
 The asymmetric variant's correction is a per-group offset the integer GEMM cannot carry: such a layer is refused,
 as is any layer of another format (no silent fallback). `H3_LINEAR=w4a8` installs it for every asym_w4a8_int8 layer

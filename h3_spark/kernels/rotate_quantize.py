@@ -4,9 +4,9 @@ to int8 with one scale a token, in one Triton pass (`rotate_quantize`) beside it
 
 The reference makes an fp32 copy of the activations, a batched matmul with the normalised Hadamard matrix, an
 amax, a division, a rounding and a cast: six passes over the activations in plain PyTorch, which cost 73 ms a DiT
-block on an H100 against 31.7 ms for the integer GEMMs themselves (issue #49's measure). The kernel reads each
-tile of rows twice (the first read finds the row's absmax, the second quantizes), forms the rotation as tensor-core
-dots with a ±1 matrix made in registers, and writes only the int8 codes and the scales.
+block on an H100 against 31.7 ms for the integer GEMMs themselves (at 7a49051, `benchmarks/w4a8_linear_gpu.py`).
+The kernel reads each tile of rows twice (the first read finds the row's absmax, the second quantizes), forms the
+rotation as tensor-core dots with a ±1 matrix made in registers, and writes only the int8 codes and the scales.
 
 The ±1 matrix of size G = 4^n is the n-fold Kronecker power of ConvRot's base
 ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1)), so entry (i, j) is -1 for an odd number of
