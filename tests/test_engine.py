@@ -314,7 +314,7 @@ def test_the_spare_room_beside_resident_dits_keeps_the_vaes_then_the_text_encode
 
 def test_moving_a_model_but_its_kept_layers():
     """TextEncoder.move's helper: everything moves but the kept submodules (the meta device stands for the GPU)."""
-    from h3_spark.h3_model.text.encoder import move_except
+    from h3_spark.h3_model.dit.streaming import move_except
 
     torch.manual_seed(0)
     inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))

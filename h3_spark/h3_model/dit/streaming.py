@@ -71,6 +71,23 @@ def _tensors(module: nn.Module, skip: str | None):
                 yield owner, name, b, False
 
 
+def move_except(module: nn.Module, device: torch.device | str, kept: list[nn.Module]) -> None:
+    """`module.to(device)` for everything but the submodules in `kept`, which stay where they are."""
+    kept_ids = {id(k) for k in kept}
+    if id(module) in kept_ids:
+        return
+    if not any(id(m) in kept_ids for m in module.modules()):
+        module.to(device)
+        return
+    for child in module.children():
+        move_except(child, device, kept)
+    for param in module.parameters(recurse=False):
+        param.data = param.data.to(device)
+    for name, buf in module.named_buffers(recurse=False):
+        if buf is not None:
+            module._buffers[name] = buf.to(device)
+
+
 def packed_bytes(module: nn.Module, skip: str | None = None) -> int:
     """Bytes of the module's tensors packed as a unit (each aligned): what a slot must hold for it."""
     return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, _, t, _ in _tensors(module, skip))

@@ -330,8 +330,7 @@ class Engine:
         """What stays on the GPU beside DiTs resident whole (memory.keep_on_device). Nothing when a DiT streams:
         its blocks are copied at every evaluation, the others' weights once a stage, so it takes the whole budget;
         nor beside a ControlNet tower to come (its blocks run in every evaluation of its window)."""
-        from .memory import (KeptOnDevice, TextSizes, keep_on_device, slack, tensor_bytes, text_layer_bytes,
-                             text_stage_bytes, text_whole_bytes, vae_stage_bytes)
+        from .memory import KeptOnDevice, keep_on_device, slack, tensor_bytes, text_sizes, vae_stage_bytes
 
         if any(p.streaming for p in plans.values()):
             return KeptOnDevice(why="nothing: a DiT streams and takes the whole budget")
@@ -342,10 +341,7 @@ class Engine:
         # fragment around them (an H100 run that kept 20.8 GB ran out in a long window's VSA with 5 GB reserved
         # but unallocated).
         room = (budget - 2 * slack(budget) - sum(p.device_bytes - p.activations for p in plans.values()))
-        text = None
-        if te is not None:
-            text = TextSizes(text_layer_bytes(te), lambda k: text_stage_bytes(te, depth, kept_layers=k),
-                             text_whole_bytes(te))
+        text = None if te is None else text_sizes(te, depth)
         vae_stage = (reserve.get("vae", 0), vae_stage_bytes(c.vae, c.audio_vae, kept=True) if vaes else 0)
         activations = max((p.activations for p in plans.values()), default=0)
         return keep_on_device(room, activations, sum(tensor_bytes(m) for m in vaes), vae_stage, text)
@@ -419,8 +415,8 @@ class Engine:
                 if module is not None:
                     self.pipeline.visit.park(module)
             kept_bytes, vaes = 0, False
-        self.kept_on_device = KeptOnDevice(vaes, False, 0, kept_bytes, 0, keep.peak_bytes, keep.room_bytes,
-                                           f"given back: {why}")
+        self.kept_on_device = KeptOnDevice(vaes=vaes, kept_bytes=kept_bytes, peak_bytes=keep.peak_bytes,
+                                           room_bytes=keep.room_bytes, why=f"given back: {why}")
         if torch.device(self.device).type == "cuda":
             torch.cuda.empty_cache()
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from ...errors import InputError
 from ...kernels.stored_linear import scratch_bytes
-from ..dit.streaming import ADALN, BlockStream, packed_bytes
+from ..dit.streaming import ADALN, BlockStream, move_except, packed_bytes
 
 GB = 10 ** 9
 GIB = 2 ** 30
@@ -255,13 +255,7 @@ def check_rows(plan: MemoryPlan, config, rows: int, dtype: torch.dtype, mlp_chun
 
 def outside_blocks_to(model: nn.Module, device: torch.device) -> None:
     """Everything of the DiT but its blocks (embeddings, refiner, heads, tables) to `device`."""
-    for name, child in model.named_children():
-        if name != "transformer_blocks":
-            child.to(device)
-    for name, p in model.named_parameters(recurse=False):
-        p.data = p.data.to(device)
-    for name, b in list(model.named_buffers(recurse=False)):
-        model._buffers[name] = b.to(device)
+    move_except(model, device, [model.transformer_blocks])
 
 
 class _BlockOnDevice:
@@ -374,18 +368,20 @@ def text_layer_bytes(te) -> list[int]:
     return [packed_bytes(layer) for layer in te.model.language_model.layers]
 
 
-def text_stage_bytes(te, depth: int, rows: int = TEXT_STAGE_ROWS, kept_layers: int = 0) -> int:
-    """GPU bytes of a text encode beyond its kept layers (before any streaming): the rest of the model, which
-    visits, the slots of the streamed layers, the activations."""
+def text_sizes(te, depth: int, rows: int = TEXT_STAGE_ROWS) -> TextSizes:
+    """The text encoder's GPU bytes as `keep_on_device` weighs them, each layer measured once: a text encode with
+    k layers kept needs the rest of the model (which visits), the slots of the streamed layers and the
+    activations beside them; kept whole, its weights and the activations."""
     layers = text_layer_bytes(te)
     outside = tensor_bytes(te.model) - sum(tensor_bytes(layer) for layer in te.model.language_model.layers)
-    slots = depth * max(layers[kept_layers:], default=0)
-    return outside + slots + scratch_bytes(te.model) + text_activation_bytes(te, rows)
+    around = scratch_bytes(te.model) + text_activation_bytes(te, rows)
+    return TextSizes(layers, lambda kept: outside + depth * max(layers[kept:], default=0) + around,
+                     (tensor_bytes(te.model), around))
 
 
-def text_whole_bytes(te, rows: int = TEXT_STAGE_ROWS) -> tuple[int, int]:
-    """(weights, a text encode's bytes beyond them) for a text encoder that stays on the GPU whole."""
-    return tensor_bytes(te.model), scratch_bytes(te.model) + text_activation_bytes(te, rows)
+def text_stage_bytes(te, depth: int, rows: int = TEXT_STAGE_ROWS, kept_layers: int = 0) -> int:
+    """GPU bytes of a text encode beyond its kept layers (before any streaming)."""
+    return text_sizes(te, depth, rows).stage(kept_layers)
 
 
 def vae_stage_bytes(vae, audio_vae, kept: bool = False) -> int:
@@ -416,8 +412,7 @@ def _video_decode_extra(vae) -> int:
 
 @dataclass
 class TextSizes:
-    """A text encoder's GPU bytes as `keep_on_device` weighs them (text_layer_bytes, text_stage_bytes,
-    text_whole_bytes)."""
+    """A text encoder's GPU bytes as `keep_on_device` weighs them (`text_sizes`)."""
     layers: list[int]
     stage: Callable[[int], int]  # a text encode's bytes beyond k kept layers, the rest visiting
     whole: tuple[int, int]  # (weights, bytes beyond them) for an encoder kept whole
@@ -431,7 +426,7 @@ class KeptOnDevice:
     text_layers: int = 0
     kept_bytes: int = 0
     text_bytes: int = 0  # of kept_bytes, the text encoder's
-    peak_bytes: int = 0  # the kept bytes and the largest stage's beside them
+    peak_bytes: int = 0  # the kept bytes and the largest stage's beside them, as planned at load
     room_bytes: int = 0
     why: str = ""
 

@@ -40,6 +40,7 @@ import torch
 from ...errors import CheckpointError, H3Error, InputError
 from ...kernels.stored_linear import StoredForm, StoredLinear
 from ..checkpoint.gguf_source import GgufSource
+from ..dit.streaming import move_except
 from ..checkpoint.source import open_source
 from .mmproj import Mmproj, find_beside
 from .single_file import LM_LAYER, SingleFile, target_name
@@ -538,23 +539,6 @@ def _no_vision_file(path: object, vision: str | Path | None) -> None:
 
 
 # ---------------------------------------------------------------------------- the encoder
-def move_except(module: torch.nn.Module, device: torch.device | str, kept: list[torch.nn.Module]) -> None:
-    """`module.to(device)` for everything but the submodules in `kept`, which stay where they are."""
-    kept_ids = {id(k) for k in kept}
-    if id(module) in kept_ids:
-        return
-    if not any(id(m) in kept_ids for m in module.modules()):
-        module.to(device)
-        return
-    for child in module.children():
-        move_except(child, device, kept)
-    for param in module.parameters(recurse=False):
-        param.data = param.data.to(device)
-    for name, buf in module.named_buffers(recurse=False):
-        if buf is not None:
-            module._buffers[name] = buf.to(device)
-
-
 class TextEncoder:
     """Qwen3-VL cut after decoder layer `layer`, with its tokenizer, processor and a prompt cache.
 
