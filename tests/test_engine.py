@@ -328,6 +328,20 @@ def test_moving_a_model_but_its_kept_layers():
     assert model[1][0].weight.device.type == "meta"
 
 
+def _one_text_layer_budget(roomy: Engine) -> int:
+    """A budget with the VAEs and exactly one text layer of room beside the DiT's weights, from an engine that kept
+    everything."""
+    from h3_spark.h3_model.engine import memory
+
+    plan = roomy.memory_plans["dit"]
+    te, vaes = roomy.components.text_encoder, [roomy.components.vae, roomy.components.audio_vae]
+    kept = sum(memory.tensor_bytes(m) for m in vaes) + memory.text_layer_bytes(te)[0]
+    stages = max(plan.activations, memory.vae_stage_bytes(*vaes, kept=True),
+                 memory.text_stage_bytes(te, 2, kept_layers=1))
+    room = plan.device_bytes - plan.activations + kept + stages
+    return memory.budget_for(room) + memory.SLACK_MIN  # the kept room leaves a second slack (tiny: the minimum)
+
+
 def test_a_budget_with_room_to_spare_keeps_the_vaes_and_text_layers_and_generates_the_same(builders):
     """The engine on the CPU (budget emulated) with the DiT resident whole and room for the VAEs and some of the text
     encoder's layers: the rest of the encoder streams, and the generation equals the resident engine's bit for bit."""
@@ -346,15 +360,8 @@ def test_a_budget_with_room_to_spare_keeps_the_vaes_and_text_layers_and_generate
     roomy = engine(100 * memory.GB).load(["t2va"])
     assert roomy.kept_on_device.vaes and roomy.kept_on_device.text_whole
     assert roomy.components.text_encoder.layer_stream is None and not roomy.pipeline.offload_text_encoder
-    # A budget with the VAEs and exactly one text layer of room beside the DiT's weights.
-    plan = roomy.memory_plans["dit"]
-    te, vaes = roomy.components.text_encoder, [roomy.components.vae, roomy.components.audio_vae]
-    layers = memory.text_layer_bytes(te)
-    kept = sum(memory.tensor_bytes(m) for m in vaes) + layers[0]
-    stages = max(plan.activations, memory.vae_stage_bytes(*vaes, kept=True),
-                 memory.text_stage_bytes(te, 2, kept_layers=1))
-    room = plan.device_bytes - plan.activations + kept + stages
-    budget = memory.budget_for(room) + memory.SLACK_MIN  # the kept room leaves a second slack (tiny: the minimum)
+    layers = memory.text_layer_bytes(roomy.components.text_encoder)
+    budget = _one_text_layer_budget(roomy)
     got_engine = engine(budget).load(["t2va"])
     k = got_engine.kept_on_device
     assert k.vaes and not k.text_whole and k.text_layers == 1 and k.peak_bytes <= budget - memory.slack(budget)
@@ -417,6 +424,90 @@ def test_a_request_whose_activations_need_the_spare_room_takes_it_back(builders,
     monkeypatch.setattr(memory, "activation_bytes", lambda *a, **k: 2 * limit)
     with pytest.raises(InputError, match="this request packs"):
         engine._check_rows(dit, plan.rows + 1)
+
+
+def test_the_text_layers_are_pinned_when_the_host_has_room(monkeypatch):
+    """memory.text_pinning on hand-worked sizes (GB): 4 layers of 2 GB, 10 GB held on the host already."""
+    from h3_spark.h3_model.engine import memory
+
+    gb = 10 ** 9
+    monkeypatch.setattr(memory, "text_layer_bytes", lambda te: [2 * gb] * 4)
+    pin = memory.text_pinning(None, "auto", 10 * gb, None, 16 * gb)  # 16 - 8 leaves the 8 GB headroom
+    assert pin.pinned and pin.describe() == {
+        "pinned": True, "layer_bytes": 8 * gb, "available_bytes": 16 * gb,
+        "why": "16.00 GB available on the host holds 8.00 GB of text layers with 8.00 GB to spare"}
+    pin = memory.text_pinning(None, "auto", 10 * gb, None, 16 * gb - 1)
+    assert not pin.pinned and pin.why == ("16.00 GB available on the host, not 8.00 GB of text layers and 8.00 GB to "
+                                          "spare: copied from pageable memory")
+    assert memory.text_pinning(None, "auto", 10 * gb, 18 * gb, 16 * gb).pinned  # 10 + 8 within the host budget
+    pin = memory.text_pinning(None, "auto", 10 * gb, 18 * gb - 1, 16 * gb)
+    assert not pin.pinned and pin.why == ("the host budget of 18.00 GB holds 10.00 GB already, not 8.00 GB more of "
+                                          "text layers: copied from pageable memory")
+    pin = memory.text_pinning(None, "auto", 10 * gb, None, None)
+    assert not pin.pinned and pin.why == "the host's available memory is unknown: copied from pageable memory"
+    assert memory.text_pinning(None, "on", 10 * gb, None, gb).pinned  # on: whatever is available
+    with pytest.raises(InputError, match=r"^H3_TEXT_PIN=on: the host budget of 12.00 GB holds 10.00 GB already, not "
+                                         r"8.00 GB more of text layers; raise --host-budget or set H3_TEXT_PIN=auto$"):
+        memory.text_pinning(None, "on", 10 * gb, 12 * gb, 100 * gb)
+    pin = memory.text_pinning(None, "off", 0, None, 100 * gb)
+    assert not pin.pinned and pin.why == "off (H3_TEXT_PIN=off): copied from pageable memory"
+
+
+def test_the_text_pin_variable(monkeypatch):
+    from h3_spark.h3_model.engine.flags import text_pin
+
+    assert text_pin({}) == "auto" and text_pin({"H3_TEXT_PIN": " ON "}) == "on" and text_pin({"H3_TEXT_PIN": ""}) == "auto"
+    with pytest.raises(InputError, match=r"^H3_TEXT_PIN must be one of auto, on, off, got 'pinned'$"):
+        text_pin({"H3_TEXT_PIN": "pinned"})
+    monkeypatch.setenv("H3_TEXT_PIN", "off")
+    assert text_pin() == "off"
+
+
+def test_streamed_text_layers_go_into_packed_host_buffers_when_the_host_has_room(builders, monkeypatch):
+    """A budget that streams the text encoder's layers: with room on the host they are packed (page-locked on CUDA;
+    plain buffers stand in on the CPU) after the DiT is placed, the host plan counts them, and the engine still
+    generates the resident engine's latents bit for bit, also after the spare room is given back (every layer then
+    packed). Off, or without room, they stream in place and the plan says why."""
+    from h3_spark.h3_model.engine import host_memory, memory
+    from h3_spark.h3_model.pipeline.generation import GenerationRequest
+
+    req = GenerationRequest(mode="t2va", prompt="a boat", width=64, height=64, frames=124, steps=3)
+    want = _engine(builders).load(["t2va"]).generate(req)
+
+    def engine(budget, pin):
+        return Engine(options=LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2,
+                                          kernels=REFERENCE_KERNELS, vram_budget=budget, plan_rows=4096,
+                                          text_pin=pin), overrides=builders)
+
+    roomy = engine(100 * memory.GB, "auto").load(["t2va"])
+    budget, layers = _one_text_layer_budget(roomy), memory.text_layer_bytes(roomy.components.text_encoder)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 1000 * memory.GB)
+    pinned = engine(budget, "auto").load(["t2va"])
+    te = pinned.components.text_encoder
+    stream, host = te.layer_stream, pinned.host_plan
+    assert not stream.in_place and stream.host_bytes == sum(layers[1:]) and te.kept_layers == 1
+    assert host["text_layers"]["pinned"] and host["text_layers"]["layer_bytes"] == sum(layers)
+    assert host["text_layers_pinned_bytes"] == stream.host_bytes
+    parts = ("dit_streamed_bytes", "text_encoder_outside_layers_bytes", "parked_vaes_bytes", "text_layers_pinned_bytes")
+    assert host["held_bytes"] == sum(host[k] for k in parts)
+    got = pinned.generate(req)
+    assert torch.equal(got.video_latents, want.video_latents) and torch.equal(got.audio_latents, want.audio_latents)
+    pinned._give_back_kept("a long request", 0)
+    assert te.kept_layers == 0 and not te.layer_stream.in_place and te.layer_stream.host_bytes == sum(layers)
+    assert pinned.host_plan["text_layers_pinned_bytes"] == sum(layers)
+    assert pinned.host_plan["held_bytes"] == sum(pinned.host_plan[k] for k in parts)
+    got = pinned.generate(req)
+    assert torch.equal(got.video_latents, want.video_latents) and torch.equal(got.audio_latents, want.audio_latents)
+
+    off = engine(budget, "off").load(["t2va"])
+    assert off.components.text_encoder.layer_stream.in_place and off.host_plan["text_layers_pinned_bytes"] == 0
+    assert off.host_plan["text_layers"]["why"] == "off (H3_TEXT_PIN=off): copied from pageable memory"
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 0)
+    cramped = engine(budget, "auto").load(["t2va"])
+    assert cramped.components.text_encoder.layer_stream.in_place
+    assert cramped.host_plan["text_layers"]["why"].startswith("0.0 MB available on the host, not ")
+    got = cramped.generate(req)
+    assert torch.equal(got.video_latents, want.video_latents)
 
 
 def test_a_controlnet_tower_takes_the_spare_room(builders, tmp_path):

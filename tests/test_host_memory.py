@@ -17,6 +17,7 @@ def fake(tmp_path, monkeypatch):
     root = tmp_path / "cgroup"
     root.mkdir()
     monkeypatch.setattr(host_memory, "PROC_STATUS", tmp_path / "status")
+    monkeypatch.setattr(host_memory, "PROC_MEMINFO", tmp_path / "meminfo")
     monkeypatch.setattr(host_memory, "PROC_CGROUP", tmp_path / "proc_cgroup")
     monkeypatch.setattr(host_memory, "CGROUP_ROOT", root)
     return tmp_path
@@ -101,7 +102,34 @@ def test_the_report_keys(fake):
                         "cgroup": {"path": "/", "limit_gb": 8.0, "peak_gb": 5.0, "current_gb": 2.0}}}
 
 
+def test_available_memory_is_the_tightest_of_meminfo_and_each_cgroup_level(fake):
+    rng = random.Random(13)
+    available_kb = rng.randrange(10 ** 7, 10 ** 8)
+    (fake / "meminfo").write_text(f"MemTotal:  {2 * available_kb} kB\nMemFree:  5 kB\nMemAvailable: {available_kb} kB\n")
+    assert host_memory.available_bytes() == available_kb * 1024  # no cgroup: the machine's
+    # A parent's limit less its count is tighter than the child's, which has none.
+    _cgroup(fake, "/outer", memory_max=f"{9 * GB}\n", memory_current=f"{6 * GB}\n")
+    _cgroup(fake, "/outer/inner", memory_max="max\n", memory_current=f"{GB}\n")
+    assert host_memory.available_bytes() == 3 * GB
+    _cgroup(fake, "/outer/inner", memory_max=f"{3 * GB}\n", memory_current=f"{2 * GB}\n")
+    assert host_memory.available_bytes() == GB
+    # Over its limit (reclaim pending): nothing, never a negative count.
+    _cgroup(fake, "/outer/inner", memory_max=f"{GB}\n", memory_current=f"{2 * GB}\n")
+    assert host_memory.available_bytes() == 0
+
+
+@pytest.mark.parametrize("meminfo", [None, "MemTotal: 5 kB\n", "MemAvailable: lots kB\n", "MemAvailable: 5 MB\n"])
+def test_unknown_available_memory_reads_as_none(fake, meminfo):
+    if meminfo is not None:
+        (fake / "meminfo").write_text(meminfo)
+    assert host_memory.available_bytes() is None
+    _cgroup(fake, "/job", memory_max=f"{4 * GB}\n", memory_current=f"{GB}\n")
+    assert host_memory.available_bytes() == 3 * GB  # the cgroup still says
+
+
 def test_this_process_reads_without_error():
     report = host_memory.host_memory_report()
     assert set(report["host_memory"]) == {"rss_gb", "peak_rss_gb", "cgroup"}
     assert report["peak_host_memory_gb"] is None or report["peak_host_memory_gb"] > 0
+    available = host_memory.available_bytes()
+    assert available is None or available >= 0

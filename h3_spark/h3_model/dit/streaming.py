@@ -180,7 +180,7 @@ def _unit(module: nn.Module, key: str, label: str, skip: str | None, pin: bool, 
         module.__dict__.get(UNITS, {}).pop(key, None)
         return _in_place(label, items, adaln)
     kept = module.__dict__.get(UNITS, {}).pop(key, None)
-    if kept is not None and kept.pinned == pin and _still_packed(kept, items):
+    if kept is not None and kept.host is not None and kept.pinned == pin and _still_packed(kept, items):
         kept.label, kept.slot, kept.ready = label, None, None
         return kept
     return _pack(label, items, pin, adaln)

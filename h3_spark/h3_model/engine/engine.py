@@ -323,8 +323,32 @@ class Engine:
         for key, plan in plans.items():
             place_dit(getattr(c, key), plan, self.device)
             self.memory_plans[key] = plan
+        if te is not None and te.layer_stream is not None:
+            self._pin_text_layers(te)
         if torch.device(self.device).type == "cuda":
             torch.cuda.empty_cache()
+
+    def _pin_text_layers(self, te) -> None:
+        """The streamed text layers into page-locked host memory when the host has room (memory.text_pinning):
+        decided after the DiTs are placed, when their host copies are gone; the host plan reports it."""
+        from .host_memory import available_bytes
+        from .memory import stream_text_encoder, text_pinning
+
+        pinning = text_pinning(te, self.options.text_pin, self.host_plan["held_bytes"], self.options.host_budget,
+                               available_bytes())
+        if pinning.pinned:
+            te.layer_stream.restore()  # the layers' own tensors again, then packed
+            stream_text_encoder(te, self.device, self.options.prefetch_depth, te.kept_layers, pin=True)
+            self._count_pinned_text(te)
+        self.host_plan["text_layers"] = pinning.describe()
+
+    def _count_pinned_text(self, te) -> None:
+        """The host plan's count of the text layers' page-locked buffers, as they are now."""
+        from .memory import pinned_text_bytes
+
+        now = pinned_text_bytes(te)
+        self.host_plan["held_bytes"] += now - self.host_plan["text_layers_pinned_bytes"]
+        self.host_plan["text_layers_pinned_bytes"] = now
 
     def _spare_room(self, plans: dict, te, vaes: list, reserve: dict):
         """What stays on the GPU beside DiTs resident whole (memory.keep_on_device). Nothing when a DiT streams:
@@ -404,10 +428,17 @@ class Engine:
         kept_bytes, vaes = keep.kept_bytes, keep.vaes
         if keep.text_whole or keep.text_layers:
             te = c.text_encoder
+            pinned = te.layer_stream is not None and not te.layer_stream.in_place
             if te.layer_stream is not None:
                 te.layer_stream.restore()  # the streamed layers' tensors are their host copies again
             te.kept_layers = 0
-            stream_text_encoder(te, self.device, self.options.prefetch_depth)
+            # Pinned layers stay pinned (their buffers are reused; the ones kept until now are packed beside them:
+            # text_pinning counted every layer); an encoder kept whole until now is weighed for pinning now.
+            stream_text_encoder(te, self.device, self.options.prefetch_depth, pin=pinned)
+            if pinned:
+                self._count_pinned_text(te)
+            elif self.host_plan is not None and "text_layers" not in self.host_plan:
+                self._pin_text_layers(te)
             self.pipeline.offload_text_encoder = True
             kept_bytes -= keep.text_bytes
         if vaes and kept_bytes + need > keep.room_bytes:
@@ -568,8 +599,11 @@ class Engine:
             room = tower_room(budget, self.memory_plans.values(), max(self.stage_reserve.values(), default=0))
             plan = plan_tower(tower, room, depth=self.options.prefetch_depth)  # refused before anything moves
             parked = getattr(self.pipeline.visit, "parked", [])  # the VAEs _place_all parked
+            pinning = (self.host_plan or {}).get("text_layers")
             self.host_plan = check_host(self.options.host_budget, self.memory_plans.values(),
                                         self.components.text_encoder, parked, tower=plan)
+            if pinning is not None:
+                self.host_plan["text_layers"] = pinning
             place_tower(tower, plan, self.device)
             self.components.controlnet, self.controlnet_plan = tower, plan
         self.load_seconds["controlnet"] = round(time.perf_counter() - start, 3)

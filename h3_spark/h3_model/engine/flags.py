@@ -42,6 +42,22 @@ def host_budget(flag: str | None) -> int | None:
         raise InputError(f"{source} {text!r} is not a size; use 24, 24GB, 22.5GiB or 800MB") from None
 
 
+TEXT_PIN_CHOICES = ("auto", "on", "off")
+
+
+def text_pin(environ=None) -> str:
+    """H3_TEXT_PIN: whether streamed text-encoder layers sit in page-locked host memory (memory.text_pinning);
+    auto (the default) when the host has room for them."""
+    import os
+
+    from ...errors import InputError
+
+    value = (os.environ if environ is None else environ).get("H3_TEXT_PIN", "auto").strip().lower() or "auto"
+    if value not in TEXT_PIN_CHOICES:
+        raise InputError(f"H3_TEXT_PIN must be one of {', '.join(TEXT_PIN_CHOICES)}, got {value!r}")
+    return value
+
+
 def vram_budget(flag: str | None, default: str | None = "auto") -> int | str | None:
     """--vram-budget, else H3_VRAM_BUDGET, else `default`: bytes, "auto" or None; an error names the source."""
     import os

@@ -16,6 +16,7 @@ from pathlib import Path
 GB = 10 ** 9
 # Module-level so that tests can point them at a fake tree.
 PROC_STATUS = Path("/proc/self/status")
+PROC_MEMINFO = Path("/proc/meminfo")
 PROC_CGROUP = Path("/proc/self/cgroup")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -111,6 +112,40 @@ def cgroup_memory() -> dict | None:
         return None
     return {"path": path, "limit_gb": _gb(_tightest_limit(folder)),
             "peak_gb": _gb(_cgroup_bytes(folder, "memory.peak")), "current_gb": _gb(current)}
+
+
+def _meminfo_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (free memory plus the page cache the kernel can drop)."""
+    try:
+        text = PROC_MEMINFO.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name == "MemAvailable":
+            parts = value.split()
+            return int(parts[0]) * 1024 if len(parts) == 2 and parts[0].isdigit() and parts[1] == "kB" else None
+    return None
+
+
+def available_bytes() -> int | None:
+    """Host memory this process can still take: MemAvailable, or less where a cgroup v2 limit up the chain leaves
+    less (its limit less its count; the count holds page cache too, which the kernel reclaims before refusing, so
+    this errs low). None when the system does not say."""
+    candidates = [_meminfo_available()]
+    path = cgroup_path()
+    if path is not None:
+        folder = (CGROUP_ROOT / path.lstrip("/")).resolve()
+        root = CGROUP_ROOT.resolve()
+        while True:
+            limit, current = _cgroup_bytes(folder, "memory.max"), _cgroup_bytes(folder, "memory.current")
+            if limit is not None and current is not None:
+                candidates.append(max(0, limit - current))
+            if folder == root or root not in folder.parents:
+                break
+            folder = folder.parent
+    known = [c for c in candidates if c is not None]
+    return min(known) if known else None
 
 
 def host_memory() -> dict:

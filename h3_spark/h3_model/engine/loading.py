@@ -46,6 +46,9 @@ class LoadOptions:
     # Host memory the models may hold under a VRAM budget (streamed blocks, parked VAEs), in bytes; None: unchecked
     # (--host-budget, H3_HOST_BUDGET; memory.check_host).
     host_budget: int | None = None
+    # Streamed text-encoder layers in page-locked host memory: auto (when the host has room), on, off
+    # (H3_TEXT_PIN; memory.text_pinning).
+    text_pin: str = "auto"
 
     @property
     def loads_via_host(self) -> bool:

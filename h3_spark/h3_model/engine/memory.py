@@ -295,12 +295,14 @@ def check_host(budget: int | None, plans, text_encoder, parked, tower: MemoryPla
     """What the models will hold in host memory under these plans, checked against `budget` (--host-budget) before
     anything is packed: the streamed DiT blocks and AdaLN projections (page-locked), the text encoder outside its
     layers (which stream from the file's pages, in place), the parked VAEs, and a ControlNet tower's streamed
-    blocks and AdaLN projections (`tower`, its plan_tower plan). Raises naming the minimum."""
+    blocks and AdaLN projections (`tower`, its plan_tower plan), and the text layers once pinned (`text_pinning`).
+    Raises naming the minimum."""
     parts = {"dit_streamed": sum(p.describe()["host_bytes"] for p in plans if p.streaming),
              # What waits on the CPU: kept layers (or a whole encoder) stay on the GPU, streamed ones are emptied.
              "text_encoder_outside_layers": (tensor_bytes(text_encoder.model, on="cpu")
                                              if hasattr(text_encoder, "model") else 0),
-             "parked_vaes": sum(tensor_bytes(m) for m in parked)}
+             "parked_vaes": sum(tensor_bytes(m) for m in parked),
+             "text_layers_pinned": pinned_text_bytes(text_encoder)}
     if tower is not None:
         parts["controlnet_streamed"] = tower.describe()["host_bytes"] if tower.streaming else 0
     need = sum(parts.values())
@@ -315,6 +317,12 @@ def check_host(budget: int | None, plans, text_encoder, parked, tower: MemoryPla
             f"{gb(parts['parked_vaes'])} of VAEs waiting for their stages (Python, torch and CUDA need ~3 GB more); "
             "raise --host-budget, or raise --vram-budget so that more of the DiT stays on the GPU")
     return report
+
+
+def pinned_text_bytes(te) -> int:
+    """The page-locked buffers the text encoder's streamed layers sit in (0 when they stream in place)."""
+    stream = getattr(te, "layer_stream", None)
+    return 0 if stream is None or stream.in_place else stream.host_bytes
 
 
 def default_rows(config) -> int:
@@ -334,17 +342,18 @@ TEXT_STAGE_ROWS = 4096  # prompt + vision tokens the text encoder's stage is pla
 
 
 def stream_text_encoder(te, device: torch.device | str, depth: int = DEFAULT_DEPTH,
-                        kept_layers: int = 0) -> BlockStream:
+                        kept_layers: int = 0, pin: bool = False) -> BlockStream:
     """The text encoder's decoder layers stream like DiT blocks; the rest (embeddings, vision tower) waits in host
     memory and visits the GPU for the encoder's own stage (TextEncoder.ensure_resident / offload). The first
     `kept_layers` layers stay on the GPU throughout (room the budget has to spare: `keep_on_device`).
 
-    The layers are copied from where they were loaded (the memory-mapped file's pages for a single file), not
-    packed into pinned buffers: the encoder runs once per new prompt, so pageable copies (17 GB/s against 55 on the
-    H200 machine: ~1 s for a 15.7 GB NVFP4 encoder) cost less than holding its size in page-locked host memory."""
+    By default the layers are copied from where they were loaded (the memory-mapped file's pages for a single
+    file): pageable copies need no host memory of their own. `pin` packs them into page-locked buffers instead,
+    when the host has room for them (`text_pinning`): pageable copies ran at 17 GB/s against 55 pinned on the H200
+    machine, and at ~5.6 GB/s on the H100 machine, where 35 streamed layers took 6 s a prompt."""
     device = torch.device(device)
     layers = te.model.language_model.layers
-    stream = BlockStream(layers, list(range(kept_layers, len(layers))), device, depth, in_place=True)
+    stream = BlockStream(layers, list(range(kept_layers, len(layers))), device, depth, in_place=not pin)
     te.kept_layers = kept_layers
     for layer in layers[:kept_layers]:
         layer.to(device)
@@ -354,6 +363,49 @@ def stream_text_encoder(te, device: torch.device | str, depth: int = DEFAULT_DEP
     te.mark_offloaded()
     stream.park()
     return stream
+
+
+# Host memory left available after the text layers are pinned: Python, torch and CUDA (~3 GB), the page cache of
+# what a request reads, and the decode's frame buffer (1.4 GB for 5 s at 1344x768; 17 GB for a minute's film).
+PIN_HEADROOM = 8 * GB
+
+
+@dataclass
+class TextPinning:
+    """Whether the text encoder's streamed layers sit in page-locked host memory, and why."""
+    pinned: bool
+    layer_bytes: int  # every decoder layer: a give-back streams the kept ones too
+    available_bytes: int | None
+    why: str
+
+    def describe(self) -> dict:
+        return {"pinned": self.pinned, "layer_bytes": self.layer_bytes, "available_bytes": self.available_bytes,
+                "why": self.why}
+
+
+def text_pinning(te, choice: str, held_bytes: int, budget: int | None, available: int | None) -> TextPinning:
+    """`choice` auto: pin the text layers when the host holds them beside what it holds already (`held_bytes`,
+    memory.check_host) within `budget` (--host-budget), and `available` (host_memory.available_bytes, measured
+    after the DiTs are placed) keeps PIN_HEADROOM beyond them; "on" pins regardless of room (refused over the
+    budget), "off" never pins."""
+    size = all_text_layer_bytes(te)
+    if choice == "off":
+        return TextPinning(False, size, available, "off (H3_TEXT_PIN=off): copied from pageable memory")
+    if budget is not None and held_bytes + size > budget:
+        why = (f"the host budget of {gb(budget)} holds {gb(held_bytes)} already, not {gb(size)} more of text layers")
+        if choice == "on":
+            raise InputError(f"H3_TEXT_PIN=on: {why}; raise --host-budget or set H3_TEXT_PIN=auto")
+        return TextPinning(False, size, available, why + ": copied from pageable memory")
+    if choice == "on":
+        return TextPinning(True, size, available, "on (H3_TEXT_PIN=on)")
+    if available is None:
+        return TextPinning(False, size, None, "the host's available memory is unknown: copied from pageable memory")
+    if available - size < PIN_HEADROOM:
+        return TextPinning(False, size, available,
+                           f"{gb(available)} available on the host, not {gb(size)} of text layers and "
+                           f"{gb(PIN_HEADROOM)} to spare: copied from pageable memory")
+    return TextPinning(True, size, available, f"{gb(available)} available on the host holds {gb(size)} of text "
+                                              f"layers with {gb(PIN_HEADROOM)} to spare")
 
 
 def text_activation_bytes(te, rows: int = TEXT_STAGE_ROWS) -> int:
@@ -366,6 +418,12 @@ def text_activation_bytes(te, rows: int = TEXT_STAGE_ROWS) -> int:
 def text_layer_bytes(te) -> list[int]:
     """Each decoder layer's bytes as a stream unit (what a slot holds, and what keeping it on the GPU costs)."""
     return [packed_bytes(layer) for layer in te.model.language_model.layers]
+
+
+def all_text_layer_bytes(te) -> int:
+    """Every decoder layer's bytes, wherever it is now (on the device, or in its stream's units)."""
+    stream = getattr(te, "layer_stream", None)
+    return sum(text_layer_bytes(te)) + (0 if stream is None else stream.host_bytes + stream.in_place_bytes)
 
 
 def text_sizes(te, depth: int, rows: int = TEXT_STAGE_ROWS) -> TextSizes:
