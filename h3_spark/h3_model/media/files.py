@@ -392,8 +392,10 @@ def _as_audio(audio: torch.Tensor | np.ndarray) -> np.ndarray:
 
 def write_mp4(path: str | os.PathLike, frames: torch.Tensor | np.ndarray,
               audio: torch.Tensor | np.ndarray | None = None, *, fps: int = FPS, sample_rate: int = SAMPLE_RATE,
-              crf: int = 18, preset: str = "medium", loglevel: str | None = None) -> Path:
-    """Write H.264 (yuv420p, `crf`) at `fps` plus stereo AAC, moov atom first (faststart).
+              crf: int = 18, preset: str = "medium", loglevel: str | None = None,
+              segment_frames: int | None = None) -> Path:
+    """Write H.264 (yuv420p, `crf`) at `fps` plus stereo AAC, moov atom first (faststart); `segment_frames` as
+    `Mp4Stream`'s.
 
     The audio is trimmed to the video's duration, round(F / fps * sample_rate) samples. The file
     appears only when complete.
@@ -401,7 +403,7 @@ def write_mp4(path: str | os.PathLike, frames: torch.Tensor | np.ndarray,
     if audio is not None:
         _as_audio(audio)  # fail before encoding anything
     with mp4_writer(path, audio=audio is not None, fps=fps, sample_rate=sample_rate, crf=crf, preset=preset,
-                    loglevel=loglevel) as stream:
+                    loglevel=loglevel, segment_frames=segment_frames) as stream:
         stream.add(frames)
         stream.finish(audio)
     return Path(path)
