@@ -127,6 +127,36 @@ class _Registration:
         self.cudart.cudaHostUnregister(self.ptr)  # before `base` (freed after this) gives the pages back
 
 
+MADV_WILLNEED = 3  # <sys/mman.h>, Linux
+_LIBC: list = []
+
+
+def advise_willneed(ptr: int, nbytes: int) -> int | None:
+    """madvise(MADV_WILLNEED) over the pages holding [ptr, ptr + nbytes): the kernel starts reading them in (a
+    memory-mapped file's pages after a page-cache drop) and returns at once. The libc result (0: done); None
+    outside Linux."""
+    if not _LIBC:
+        import ctypes
+        import sys
+
+        libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+        if libc is not None:
+            libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _LIBC.append(libc)
+    libc = _LIBC[0]
+    if libc is None or nbytes <= 0:
+        return None
+    start = ptr - ptr % PAGE
+    return libc.madvise(start, -(-(ptr + nbytes - start) // PAGE) * PAGE, MADV_WILLNEED)
+
+
+def read_ahead(unit: Unit) -> None:
+    """Start reading an in-place unit's pages now, so that its copy a block later finds them in memory instead of
+    faulting them in a few pages at a time from a cold file (a packed unit is in memory already)."""
+    for t in unit.sources or ():
+        advise_willneed(t.data_ptr(), t.numel() * t.element_size())
+
+
 def _pack(label: str, items: list, pin: bool, adaln: bool = False) -> Unit:
     entries, offset = [], 0
     for owner, name, t, is_param in items:
@@ -337,8 +367,11 @@ class BlockStream:
 
     def _enter(self, i: int) -> None:
         if i == self.order[0]:
+            cold = self.units[i].slot is None
             for j in self.order[:self.depth]:  # a cold start (or the wrap-around's copies, already issued)
                 self._issue(self.units[j])
+            if cold:  # else the wrap-around read it ahead already
+                self._read_ahead(0)
         self._attach(self.units[i])
 
     def _leave(self, i: int) -> None:
@@ -348,6 +381,13 @@ class BlockStream:
         k = self.order.index(i)
         ahead = self.order[(k + self.depth) % len(self.order)]
         self._issue(self.units[ahead])
+        self._read_ahead(k + 1)
+
+    def _read_ahead(self, k: int) -> None:
+        """In place, the unit copied after the ones in the slots (the block k-th in order plus `depth`) is read in
+        meanwhile; packed units are in memory already."""
+        if self.in_place:
+            read_ahead(self.units[self.order[(k + self.depth) % len(self.order)]])
 
     # ------------------------------------------------------------------ AdaLN tables
     def adaln_scope(self, i: int):
