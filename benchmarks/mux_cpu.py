@@ -1,5 +1,5 @@
-"""The mp4 encode that follows the VAE decode: how long it runs past the last decoded frame, with one x264 encoder
-or with parallel segments (h3_model/media/segments.py), and what each costs in size and quality; JSON to --out.
+"""The mp4 encode that follows the VAE decode: how long it runs past the last decoded frame under each x264 preset,
+and what each costs in size and quality; JSON to --out.
 
 Usage (repository root; the host's cores are what is measured, so run it where the renders run):
     python3 benchmarks/mux_cpu.py --out $OUT/mux.json [--frames 124] [--repeats 2]
@@ -10,7 +10,7 @@ The frames are made here, 1344x768 by default: `smooth` moves sine gradients wit
 content), `grain` adds heavy grain (what a DiT with random weights decodes to: the receipts' renders). They are
 handed to `media.Mp4Stream` as a render hands them: chunks of --chunk frames every --interval seconds (the
 default 18 frames / 0.62 s is the video VAE's pace on an H100 or H200 at 1344x768: 124 frames in 4.3 s), then
-`finish` with 5 s of stereo sound. Per column (x264 preset, frames a segment; 0: one encoder):
+`finish` with 5 s of stereo sound. Per column (an x264 preset, crf 18):
 - tail_s: seconds from the last chunk handed over to the finished file (what a render waits for after its
   decode: the "mux" of the receipts), median of --repeats;
 - encode_s: seconds from the first chunk to the finished file;
@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-COLUMNS = ("medium:0", "medium:24", "medium:32", "medium:48", "fast:0", "veryfast:0")
+COLUMNS = ("medium", "faster", "veryfast")
 
 
 def make_frames(kind: str, frames: int, height: int, width: int, seed: int = 0) -> np.ndarray:
@@ -51,12 +51,12 @@ def make_frames(kind: str, frames: int, height: int, width: int, seed: int = 0) 
     return out
 
 
-def encode(path: Path, frames: np.ndarray, preset: str, segment: int, chunk: int, interval: float) -> dict:
+def encode(path: Path, frames: np.ndarray, preset: str, chunk: int, interval: float) -> dict:
     from h3_spark.h3_model.media import files as media
 
     sound = np.random.default_rng(1).uniform(-0.3, 0.3, (2, 32000 * 6)).astype(np.float32)
     start = time.perf_counter()
-    with media.mp4_writer(path, preset=preset, segment_frames=segment) as stream:
+    with media.mp4_writer(path, preset=preset) as stream:
         for i in range(0, len(frames), chunk):
             if i:
                 time.sleep(max(0.0, start + (i // chunk) * interval - time.perf_counter()))
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     parser.add_argument("--interval", type=float, default=0.62)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--content", default="smooth,grain")
-    parser.add_argument("--columns", default=",".join(COLUMNS), help="preset:frames_a_segment, comma-separated")
+    parser.add_argument("--columns", default=",".join(COLUMNS), help="x264 presets, comma-separated")
     args = parser.parse_args(argv)
 
     import av
@@ -105,9 +105,8 @@ def main(argv=None) -> int:
             frames = make_frames(kind, args.frames, args.height, args.width)
             rows, first = {}, None
             for column in args.columns.split(","):
-                preset, segment = column.split(":")
-                path = Path(tmp) / f"{kind}-{preset}-{segment}.mp4"
-                runs = [encode(path, frames, preset, int(segment), args.chunk, args.interval)
+                path = Path(tmp) / f"{kind}-{column}.mp4"
+                runs = [encode(path, frames, column, args.chunk, args.interval)
                         for _ in range(args.repeats)]
                 row = {"tail_s": round(statistics.median(r["tail_s"] for r in runs), 3),
                        "encode_s": round(statistics.median(r["encode_s"] for r in runs), 3),
@@ -119,7 +118,7 @@ def main(argv=None) -> int:
                       f"{row['bytes'] / 1e6:.2f} MB ({row['bytes_vs_first']}x), {row['psnr_db']} dB, "
                       f"{row['keyframes']} keyframes", file=sys.stderr, flush=True)
             results[kind] = rows
-    out = {"what": "x264 encode past the last decoded frame: one encoder against parallel segments",
+    out = {"what": "x264 encode past the last decoded frame, per preset",
            "frames": args.frames, "width": args.width, "height": args.height, "chunk": args.chunk,
            "interval_s": args.interval, "repeats": args.repeats, "crf": 18,
            "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "processor": _cpu_model()},

@@ -231,90 +231,31 @@ def test_streamed_chunks_make_the_same_file_as_one_write(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.mp4", "w.mp4"]
 
 
-def _textured(count: int, height: int = 48, width: int = 64) -> np.ndarray:
-    """Numbered frames (grey level 4 x index) under a moving texture, so that x264 has something to code."""
-    rng = np.random.default_rng(3)
-    texture = rng.normal(0, 6, (height + count, width, 3))
-    return np.stack([np.clip(4 * i + 10 + texture[i:i + height], 0, 255).astype(np.uint8) for i in range(count)])
-
-
-def _keyframes_and_dts(path) -> tuple[int, list[int]]:
+def _x264_options(path) -> str:
+    """The settings x264 writes into its first packet (an SEI: "x264 - core ... options: cabac=1 ref=3 ...")."""
     with av.open(str(path)) as container:
-        packets = [p for p in container.demux(video=0) if p.size]
-    return sum(p.is_keyframe for p in packets), [p.dts for p in packets]
+        first = bytes(next(p for p in container.demux(video=0) if p.size))
+    return first[first.index(b"options: "):].split(b"\x00")[0].decode("ascii", "replace")
 
 
-def _psnr(a: torch.Tensor, b: np.ndarray) -> float:
-    mse = float(((a.double() - torch.from_numpy(b).double()) ** 2).mean())
-    return 10 * float(np.log10(255.0 ** 2 / mse))
-
-
-def test_parallel_segments_make_a_file_of_every_frame_in_order(tmp_path):
-    """Segments of 8 frames, fed in chunks that cross their borders, more segments than encode at once: every frame
-    comes back in order at the one encoder's quality, one keyframe a segment, decoding timestamps increasing."""
-    from h3_spark.h3_model.media.segments import MAX_LIVE_SEGMENTS
-
-    frames = _textured(60)
-    assert -(-60 // 8) > MAX_LIVE_SEGMENTS
-    audio = torch.rand(2, 90000, generator=torch.Generator().manual_seed(2)) - 0.5
-    with media.mp4_writer(tmp_path / "seg.mp4", segment_frames=8) as stream:
-        for part in np.split(frames, [5, 18, 19, 41]):
-            stream.add(part)
-        stream.finish(audio)
-    one = media.write_mp4(tmp_path / "one.mp4", frames, audio, segment_frames=0)
-    got, want = media.read_video(tmp_path / "seg.mp4"), media.read_video(one)
-    assert got.frames.shape == want.frames.shape == (60, 48, 64, 3)
-    source = torch.from_numpy(frames).float().flatten(1)
-    nearest = torch.cdist(got.frames.float().flatten(1), source).argmin(dim=1)
-    assert nearest.tolist() == list(range(60))  # each frame is its own source frame: none lost, none out of order
-    assert _psnr(got.frames, frames) > 30 and abs(_psnr(got.frames, frames) - _psnr(want.frames, frames)) < 0.5
-    keyframes, dts = _keyframes_and_dts(tmp_path / "seg.mp4")
-    assert keyframes == 8 and _keyframes_and_dts(one)[0] == 1
-    assert all(b > a for a, b in zip(dts, dts[1:]))
-    info = media.probe(tmp_path / "seg.mp4")
-    assert info["frames"] == 60 and info["audio_duration"] == pytest.approx(60 / 24, abs=1e-3)
-
-
-def test_the_segment_length_and_its_variable_are_checked(tmp_path, monkeypatch):
-    from h3_spark.h3_model.media.segments import segment_frames
-
-    monkeypatch.delenv("H3_MUX_SEGMENT_FRAMES", raising=False)
-    assert segment_frames() == 0 and segment_frames(24) == 24 and segment_frames("8") == 8
-    monkeypatch.setenv("H3_MUX_SEGMENT_FRAMES", "48")
-    assert segment_frames() == 48 and media.Mp4Stream(tmp_path / "a.mp4").segment_frames == 48
-    monkeypatch.setenv("H3_MUX_SEGMENT_FRAMES", "two seconds")
-    with pytest.raises(InputError, match=r"^H3_MUX_SEGMENT_FRAMES must be a whole number of frames \(0: one "
-                                         r"encoder\), got 'two seconds'$"):
-        media.Mp4Stream(tmp_path / "a.mp4")
-    with pytest.raises(InputError, match=r"^segment_frames must be 0 \(one encoder\) or at least 8 frames, got 3$"):
-        segment_frames(3)
-    with pytest.raises(InputError, match=r"^segment_frames must be 0 \(one encoder\) or at least 8 frames, got -1$"):
-        segment_frames(-1)
-
-
-def test_a_segment_encoder_that_differs_or_fails_fails_the_file(tmp_path, monkeypatch):
-    """Parameter sets other than the stream's would decode wrongly: refused; an encoder that cannot open fails the
-    file at finish. Neither leaves a file."""
-    from h3_spark.h3_model.media import segments
-
-    real = segments.encoder
-    frames = _textured(20)
-
-    def run():
-        with media.mp4_writer(tmp_path / "a.mp4", audio=False, segment_frames=8) as stream:
-            stream.add(frames)
-            stream.finish()
-
-    monkeypatch.setattr(segments, "encoder", lambda av, w, h, rate, options, threads:
-                        real(av, w, h, rate, {**options, "profile": "baseline"}, threads))
-    with pytest.raises(InputError, match=r"the x264 encoder of the segment at frame 8 made other parameter sets than "
-                                         r"the stream's; set H3_MUX_SEGMENT_FRAMES=0 to encode with one encoder"):
-        run()
-    monkeypatch.setattr(segments, "encoder", lambda av, w, h, rate, options, threads:
-                        real(av, w, h, rate, {**options, "preset": "sideways"}, threads))
-    with pytest.raises(InputError, match=r"a.mp4.partial: cannot write mp4"):
-        run()
-    assert not any(tmp_path.iterdir())
+def test_the_x264_preset_comes_from_the_argument_or_its_variable(tmp_path, monkeypatch):
+    frames = np.random.default_rng(5).integers(0, 256, (6, 32, 48, 3), dtype=np.uint8)
+    monkeypatch.delenv("H3_X264_PRESET", raising=False)
+    assert media.x264_preset() == "medium" and media.x264_preset("fast") == "fast"
+    media.write_mp4(tmp_path / "m.mp4", frames)
+    assert " subme=7 " in _x264_options(tmp_path / "m.mp4") and " ref=3 " in _x264_options(tmp_path / "m.mp4")
+    monkeypatch.setenv("H3_X264_PRESET", "veryfast")
+    media.write_mp4(tmp_path / "v.mp4", frames)
+    assert " subme=2 " in _x264_options(tmp_path / "v.mp4") and " ref=1 " in _x264_options(tmp_path / "v.mp4")
+    media.write_mp4(tmp_path / "a.mp4", frames, preset="medium")  # the argument wins over the variable
+    assert " subme=7 " in _x264_options(tmp_path / "a.mp4")
+    monkeypatch.setenv("H3_X264_PRESET", "quick")
+    with pytest.raises(InputError, match=r"^H3_X264_PRESET must be one of x264's presets \(ultrafast, superfast, "
+                                         r"veryfast, faster, fast, medium, slow, slower, veryslow\), got 'quick'$"):
+        media.Mp4Stream(tmp_path / "b.mp4")
+    with pytest.raises(InputError, match=r"^preset must be one of x264's presets .*got 'placebo'$"):
+        media.write_mp4(tmp_path / "b.mp4", frames, preset="placebo")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.mp4", "m.mp4", "v.mp4"]
 
 
 def test_stream_errors_name_the_problem_and_leave_no_file(tmp_path):

@@ -392,10 +392,9 @@ def _as_audio(audio: torch.Tensor | np.ndarray) -> np.ndarray:
 
 def write_mp4(path: str | os.PathLike, frames: torch.Tensor | np.ndarray,
               audio: torch.Tensor | np.ndarray | None = None, *, fps: int = FPS, sample_rate: int = SAMPLE_RATE,
-              crf: int = 18, preset: str = "medium", loglevel: str | None = None,
-              segment_frames: int | None = None) -> Path:
-    """Write H.264 (yuv420p, `crf`) at `fps` plus stereo AAC, moov atom first (faststart); `segment_frames` as
-    `Mp4Stream`'s.
+              crf: int = 18, preset: str | None = None, loglevel: str | None = None) -> Path:
+    """Write H.264 (yuv420p, `crf`, x264 `preset`: `x264_preset`) at `fps` plus stereo AAC, moov atom first
+    (faststart).
 
     The audio is trimmed to the video's duration, round(F / fps * sample_rate) samples. The file
     appears only when complete.
@@ -403,7 +402,7 @@ def write_mp4(path: str | os.PathLike, frames: torch.Tensor | np.ndarray,
     if audio is not None:
         _as_audio(audio)  # fail before encoding anything
     with mp4_writer(path, audio=audio is not None, fps=fps, sample_rate=sample_rate, crf=crf, preset=preset,
-                    loglevel=loglevel, segment_frames=segment_frames) as stream:
+                    loglevel=loglevel) as stream:
         stream.add(frames)
         stream.finish(audio)
     return Path(path)
@@ -427,6 +426,24 @@ def write_png(path: str | os.PathLike, frame: torch.Tensor | np.ndarray) -> Path
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+# x264's presets, fastest first. At crf 18 on 1344x768x124 (benchmarks/mux_cpu.py, the H100 machine's 16 cores,
+# receipts/h100/mux-1344x768x124.json): medium ends 0.57 s after the last decoded frame on camera-like frames and
+# 1.56 s on the noise a random-weight DiT decodes to; veryfast 0.19 and 0.32 s, for a file 6.3 % larger and
+# 0.17 dB lower in PSNR on the camera-like frames.
+X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
+PRESET_ENV = "H3_X264_PRESET"
+
+
+def x264_preset(preset: str | None = None) -> str:
+    """`preset`, else $H3_X264_PRESET, else medium; checked against x264's presets."""
+    source = "preset"
+    if preset is None:
+        preset, source = os.environ.get(PRESET_ENV, "").strip() or "medium", PRESET_ENV
+    if preset not in X264_PRESETS:
+        raise InputError(f"{source} must be one of x264's presets ({', '.join(X264_PRESETS)}), got {preset!r}")
+    return preset
 
 
 @contextmanager
@@ -464,17 +481,14 @@ class Mp4Stream:
     """
 
     def __init__(self, path: str | os.PathLike, *, audio: bool = True, fps: int = FPS,
-                 sample_rate: int = SAMPLE_RATE, crf: int = 18, preset: str = "medium", loglevel: str | None = None,
-                 segment_frames: int | None = None):
-        from .segments import segment_frames as check_segment_frames
-
+                 sample_rate: int = SAMPLE_RATE, crf: int = 18, preset: str | None = None,
+                 loglevel: str | None = None):
         _av()
         if loglevel is not None and loglevel not in LOGLEVELS:
             raise InputError(f"unknown ffmpeg loglevel {loglevel!r}; choose one of {', '.join(LOGLEVELS)}")
-        # Frames per independently encoded segment (media/segments.py); 0: one encoder for the clip.
-        self.segment_frames = check_segment_frames(segment_frames)
         self.path = Path(path)
-        self.fps, self.sample_rate, self.crf, self.preset, self.loglevel = fps, sample_rate, crf, preset, loglevel
+        self.fps, self.sample_rate, self.crf, self.loglevel = fps, sample_rate, crf, loglevel
+        self.preset = x264_preset(preset)
         self.audio = audio
         self.frames = 0
         self.finished = False
@@ -571,8 +585,7 @@ class Mp4Stream:
         self._out = av.open(self._file, "w", format="mp4", options={"movflags": "+faststart"})
         v = self._out.add_stream("libx264", rate=Fraction(self.fps).limit_denominator())
         v.width, v.height, v.pix_fmt = width, height, "yuv420p"
-        self._x264_options = {"crf": str(self.crf), "preset": self.preset}
-        v.options = dict(self._x264_options)
+        v.options = {"crf": str(self.crf), "preset": self.preset}
         # Frame threads on every core: PyAV's default (slice threads) left x264 at ~24 fps on one core.
         v.codec_context.thread_type = "AUTO"
         v.codec_context.thread_count = 0
@@ -583,60 +596,20 @@ class Mp4Stream:
     def _encode(self) -> None:
         av = _av()
         done = False
-        segments: deque = deque()
         try:
             with ffmpeg_log(self.loglevel):
                 while (array := self._queue.get()) is not None:
                     if self._out is None:
                         self._open(array.shape[1], array.shape[2])
                     for rgb in array:
-                        if self.segment_frames:
-                            self._to_segment(segments, rgb)
-                        else:
-                            self._out.mux(self._vstream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
+                        self._out.mux(self._vstream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
                 done = True
-                if segments:
-                    segments[-1].close()
-                    while segments:
-                        self._mux_segment(segments.popleft())
-                elif self._out is not None:
+                if self._out is not None:
                     self._out.mux(self._vstream.encode())
         except BaseException as exc:  # noqa: BLE001 - handed to the producer's thread
             self._error = exc
-            for segment in segments:
-                segment.stop()
             while not done:  # the producer learns of it at its next call; take its chunks until it stops
                 done = self._queue.get() is None
-
-    def _to_segment(self, segments: deque, rgb: np.ndarray) -> None:
-        """The next frame into its segment: a new one every `segment_frames` frames (the stream's own encoder for
-        the first), after muxing the oldest ones while MAX_LIVE_SEGMENTS are encoding."""
-        from .segments import MAX_LIVE_SEGMENTS, Segment, encoder
-
-        sent = segments[-1].first + segments[-1].count if segments else 0
-        if sent % self.segment_frames == 0:
-            av = _av()
-            if segments:
-                segments[-1].close()
-            while len(segments) >= MAX_LIVE_SEGMENTS:
-                self._mux_segment(segments.popleft())
-            if sent == 0:
-                codec = self._vstream.codec_context
-            else:
-                threads = max(1, (os.cpu_count() or 1) // MAX_LIVE_SEGMENTS)
-                codec = encoder(av, self._shape[1], self._shape[0], self._vstream.codec_context.framerate,
-                                self._x264_options, threads)
-            segments.append(Segment(av, codec, sent))
-        segments[-1].put(rgb)
-
-    def _mux_segment(self, segment) -> None:
-        from .segments import check_parameter_sets
-
-        packets = segment.packets()
-        check_parameter_sets(self._vstream.codec_context, segment)
-        for packet in packets:
-            packet.stream = self._vstream
-            self._out.mux(packet)
 
 
 def probe(path: str | os.PathLike) -> dict[str, Any]:
