@@ -10,6 +10,10 @@ it, after that event. So a block is never read before its copy lands and a slot 
 block still reads it; the views are dropped between uses, so a stale read fails loudly instead of reading
 another block's weights.
 
+Units can also be left in place (`in_place`: the text encoder's layers, from the memory-mapped file's pages when
+the host has no room to pin them): copied from where they are, with the unit after the slots' read ahead
+(madvise WILLNEED) so that a cold file is read while the block before it runs.
+
 The same tensors, the same kernels: a streamed forward is bit-identical to a resident one. On the CPU (tests)
 the copies are synchronous and the mechanism is otherwise the same.
 
@@ -20,6 +24,9 @@ while `compute_modulation` needs it: the budget goes to the weights every forwar
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -128,22 +135,23 @@ class _Registration:
 
 
 MADV_WILLNEED = 3  # <sys/mman.h>, Linux
-_LIBC: list = []
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    """The C library's madvise, typed; None outside Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
 
 
 def advise_willneed(ptr: int, nbytes: int) -> int | None:
     """madvise(MADV_WILLNEED) over the pages holding [ptr, ptr + nbytes): the kernel starts reading them in (a
     memory-mapped file's pages after a page-cache drop) and returns at once. The libc result (0: done); None
     outside Linux."""
-    if not _LIBC:
-        import ctypes
-        import sys
-
-        libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-        if libc is not None:
-            libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        _LIBC.append(libc)
-    libc = _LIBC[0]
+    libc = _libc()
     if libc is None or nbytes <= 0:
         return None
     start = ptr - ptr % PAGE

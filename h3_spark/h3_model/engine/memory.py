@@ -294,9 +294,9 @@ def configure_in_host(model: nn.Module, settings, device: torch.device | str, ke
 def check_host(budget: int | None, plans, text_encoder, parked, tower: MemoryPlan | None = None) -> dict:
     """What the models will hold in host memory under these plans, checked against `budget` (--host-budget) before
     anything is packed: the streamed DiT blocks and AdaLN projections (page-locked), the text encoder outside its
-    layers (which stream from the file's pages, in place), the parked VAEs, and a ControlNet tower's streamed
-    blocks and AdaLN projections (`tower`, its plan_tower plan), and the text layers once pinned (`text_pinning`).
-    Raises naming the minimum."""
+    layers (which stream in place from the file's pages, or from page-locked buffers once `text_pinning` chose
+    that, counted then), the parked VAEs, and a ControlNet tower's streamed blocks and AdaLN projections (`tower`,
+    its plan_tower plan). Raises naming the minimum."""
     parts = {"dit_streamed": sum(p.describe()["host_bytes"] for p in plans if p.streaming),
              # What waits on the CPU: kept layers (or a whole encoder) stay on the GPU, streamed ones are emptied.
              "text_encoder_outside_layers": (tensor_bytes(text_encoder.model, on="cpu")
