@@ -25,11 +25,11 @@ def _gb(nbytes: int | None) -> float | None:
     return None if nbytes is None else round(nbytes / GB, 3)
 
 
-def _status_bytes(field: str) -> int | None:
-    """A `VmRSS:   1234 kB` line of /proc/self/status in bytes; None without the file or the line, or when the
-    line is not a count of kB."""
+def _kb_field(path: Path, field: str) -> int | None:
+    """A `VmRSS:   1234 kB` line of a /proc file (status, meminfo) in bytes; None without the file or the line,
+    or when the line is not a count of kB."""
     try:
-        text = PROC_STATUS.read_text()
+        text = path.read_text()
     except OSError:
         return None
     for line in text.splitlines():
@@ -40,6 +40,10 @@ def _status_bytes(field: str) -> int | None:
                 return int(parts[0]) * 1024
             return None
     return None
+
+
+def _status_bytes(field: str) -> int | None:
+    return _kb_field(PROC_STATUS, field)
 
 
 def rss_bytes() -> int | None:
@@ -114,25 +118,11 @@ def cgroup_memory() -> dict | None:
             "peak_gb": _gb(_cgroup_bytes(folder, "memory.peak")), "current_gb": _gb(current)}
 
 
-def _meminfo_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (free memory plus the page cache the kernel can drop)."""
-    try:
-        text = PROC_MEMINFO.read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name == "MemAvailable":
-            parts = value.split()
-            return int(parts[0]) * 1024 if len(parts) == 2 and parts[0].isdigit() and parts[1] == "kB" else None
-    return None
-
-
 def available_bytes() -> int | None:
     """Host memory this process can still take: MemAvailable, or less where a cgroup v2 limit up the chain leaves
     less (its limit less its count; the count holds page cache too, which the kernel reclaims before refusing, so
     this errs low). None when the system does not say."""
-    candidates = [_meminfo_available()]
+    candidates = [_kb_field(PROC_MEMINFO, "MemAvailable")]  # free memory plus the page cache it can drop
     path = cgroup_path()
     if path is not None:
         folder = (CGROUP_ROOT / path.lstrip("/")).resolve()
