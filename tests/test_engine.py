@@ -312,6 +312,28 @@ def test_the_spare_room_beside_resident_dits_keeps_the_vaes_then_the_text_encode
     assert not keep_on_device(13 * gb, 6 * gb, 0, (0, 0), None).vaes
 
 
+def test_weights_held_on_the_host_come_back_without_a_copy():
+    """streaming.hold_on_host / place_held: after a visit elsewhere (stood in for by fresh tensors: the meta device
+    cannot take `.data`), placing on the host points the held child's tensors at the very host copies again; the
+    skipped child is not touched. tests/test_gpu_streaming.py visits a real GPU."""
+    from h3_spark.h3_model.dit.streaming import hold_on_host, place_held
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    model.register_buffer("scale", torch.randn(4))
+    outside = lambda: (model[0].weight, model[0].bias, model.scale)  # noqa: E731
+    want = [t.clone() for t in outside()]
+    held = hold_on_host(model, "1", pin=False)
+    assert [(type(o).__name__, n, p) for o, n, p, _ in held] == [("Sequential", "scale", False),
+                                                                  ("Linear", "weight", True), ("Linear", "bias", True)]
+    inner = model[1][0].weight
+    model[0].weight.data, model[0].bias.data = torch.zeros(4, 4), torch.zeros(4)  # what a visit leaves in place
+    model._buffers["scale"] = torch.zeros(4)
+    place_held(held, "cpu")
+    assert {t.data_ptr() for t in outside()} == {h.data_ptr() for *_, h in held}
+    assert all(torch.equal(a, b) for a, b in zip(outside(), want)) and model[1][0].weight is inner
+
+
 def test_moving_a_model_but_its_kept_layers():
     """TextEncoder.move's helper: everything moves but the kept submodules (the meta device stands for the GPU)."""
     from h3_spark.h3_model.dit.streaming import move_except
@@ -490,8 +512,16 @@ def test_streamed_text_layers_go_into_packed_host_buffers_when_the_host_has_room
     assert host["text_layers_pinned_bytes"] == stream.host_bytes
     parts = ("dit_streamed_bytes", "text_encoder_outside_layers_bytes", "parked_vaes_bytes", "text_layers_pinned_bytes")
     assert host["held_bytes"] == sum(host[k] for k in parts)
+    # The encoder outside its layers stays on the host for good: after an encode, its tensors are the held copies.
+    held = {id(host): host for *_, host in te._held}
+    outside = [t for name, t in [*te.model.named_parameters(), *te.model.named_buffers()]
+               if not name.startswith("language_model.layers.")]
+    assert host["text_layers"]["outside_layers_held_bytes"] == sum(t.numel() * t.element_size() for t in outside) > 0
     got = pinned.generate(req)
     assert torch.equal(got.video_latents, want.video_latents) and torch.equal(got.audio_latents, want.audio_latents)
+    outside = [t for name, t in [*te.model.named_parameters(), *te.model.named_buffers()]
+               if not name.startswith("language_model.layers.")]
+    assert {t.data_ptr() for t in outside} == {h.data_ptr() for h in held.values()}
     pinned._give_back_kept("a long request", 0)
     assert te.kept_layers == 0 and not te.layer_stream.in_place and te.layer_stream.host_bytes == sum(layers)
     assert pinned.host_plan["text_layers_pinned_bytes"] == sum(layers)
@@ -501,6 +531,7 @@ def test_streamed_text_layers_go_into_packed_host_buffers_when_the_host_has_room
 
     off = engine(budget, "off").load(["t2va"])
     assert off.components.text_encoder.layer_stream.in_place and off.host_plan["text_layers_pinned_bytes"] == 0
+    assert off.components.text_encoder._held is None
     assert off.host_plan["text_layers"]["why"] == "off (H3_TEXT_PIN=off): copied from pageable memory"
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 0)
     cramped = engine(budget, "auto").load(["t2va"])

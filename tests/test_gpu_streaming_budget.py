@@ -215,3 +215,22 @@ def test_pinned_buffers_are_page_locked_and_hold_exactly_their_bytes():
     assert not _registered(torch.empty(nbytes, dtype=torch.uint8))  # the check tells pageable memory apart
     del host  # unregistered, then freed: fresh memory registers again
     assert _registered(pinned_buffer(nbytes))
+
+
+def test_weights_held_on_the_host_visit_the_gpu_from_page_locked_copies_and_come_back_without_a_copy():
+    from h3_spark.h3_model.dit.streaming import hold_on_host, place_held
+
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Sequential(torch.nn.Linear(64, 64)))
+    model.register_buffer("scale", torch.randn(64))
+    want = [t.clone() for t in (model[0].weight, model[0].bias, model.scale)]
+    held = hold_on_host(model, "1", pin=True)
+    assert all(_registered(h) for *_, h in held)
+    for _ in range(2):
+        place_held(held, "cuda")
+        got = (model[0].weight, model[0].bias, model.scale)
+        assert {t.device.type for t in got} == {"cuda"} and model[1][0].weight.device.type == "cpu"
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+        place_held(held, "cpu")
+        assert {t.data_ptr() for t in (model[0].weight, model[0].bias, model.scale)} == {
+            h.data_ptr() for *_, h in held}

@@ -95,6 +95,33 @@ def move_except(module: nn.Module, device: torch.device | str, kept: list[nn.Mod
             module._buffers[name] = buf.to(device)
 
 
+def hold_on_host(module: nn.Module, skip: str | None, pin: bool) -> list:
+    """Host copies of the module's tensors but the `skip` child's, kept for good (page-locked when `pin`, as
+    `pinned_buffer`): `place_held` then puts them on a device by copying them up, and back on the host by pointing
+    at the copies, without copying down (the weights never change). [(owner, name, is_param, host tensor)]."""
+    held = []
+    for owner, name, t, is_param in list(_tensors(module, skip)):
+        host = t.detach().to("cpu")
+        if pin:
+            buffer = pinned_buffer(host.numel() * host.element_size())
+            buffer.copy_(host.contiguous().reshape(-1).view(torch.uint8))
+            host = buffer.view(host.dtype).view(host.shape)
+        held.append((owner, name, is_param, host))
+    return held
+
+
+def place_held(held: list, device: torch.device | str) -> None:
+    """The `hold_on_host` tensors in their modules: on the host, the copies themselves; elsewhere, copies of them
+    (asynchronous from page-locked memory)."""
+    device = torch.device(device)
+    for owner, name, is_param, host in held:
+        tensor = host if device.type == "cpu" else host.to(device, non_blocking=True)
+        if is_param:
+            getattr(owner, name).data = tensor
+        else:
+            owner._buffers[name] = tensor
+
+
 def packed_bytes(module: nn.Module, skip: str | None = None) -> int:
     """Bytes of the module's tensors packed as a unit (each aligned): what a slot must hold for it."""
     return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, _, t, _ in _tensors(module, skip))

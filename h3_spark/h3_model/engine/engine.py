@@ -336,11 +336,14 @@ class Engine:
 
         pinning = text_pinning(te, self.options.text_pin, self.host_plan["held_bytes"], self.options.host_budget,
                                available_bytes())
+        self.host_plan["text_layers"] = pinning.describe()
         if pinning.pinned:
             te.layer_stream.restore()  # the layers' own tensors again, then packed
             stream_text_encoder(te, self.device, self.options.prefetch_depth, te.kept_layers, pin=True)
             self._count_pinned_text(te)
-        self.host_plan["text_layers"] = pinning.describe()
+            # The rest of the encoder (counted as held already) stays on the host for good, page-locked too.
+            held = te.hold_outside_on_host(pin=torch.device(self.device).type == "cuda")
+            self.host_plan["text_layers"]["outside_layers_held_bytes"] = held
 
     def _count_pinned_text(self, te) -> None:
         """The host plan's count of the text layers' page-locked buffers, as they are now."""

@@ -40,7 +40,7 @@ import torch
 from ...errors import CheckpointError, H3Error, InputError
 from ...kernels.stored_linear import StoredForm, StoredLinear
 from ..checkpoint.gguf_source import GgufSource
-from ..dit.streaming import move_except
+from ..dit.streaming import hold_on_host, move_except, place_held
 from ..checkpoint.source import open_source
 from .mmproj import Mmproj, find_beside
 from .single_file import LM_LAYER, SingleFile, target_name
@@ -539,6 +539,9 @@ def _no_vision_file(path: object, vision: str | Path | None) -> None:
 
 
 # ---------------------------------------------------------------------------- the encoder
+LAYERS = "language_model.layers"  # the decoder layers' place in the model (they stream under a budget)
+
+
 class TextEncoder:
     """Qwen3-VL cut after decoder layer `layer`, with its tokenizer, processor and a prompt cache.
 
@@ -567,6 +570,8 @@ class TextEncoder:
         # first `kept_layers` of them stay on the device when the budget has room to spare.
         self.layer_stream = None
         self.kept_layers = 0
+        # The weights outside the decoder layers, held in host memory for good once `hold_outside_on_host` ran.
+        self._held: list | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype, device: str | torch.device,
@@ -635,9 +640,23 @@ class TextEncoder:
             self._resident = True
 
     def move(self, device: torch.device | str) -> None:
-        """`model.to(device)` but for the kept decoder layers, which stay where they are."""
+        """`model.to(device)` but for the kept decoder layers, which stay where they are (and, once held on the
+        host, the weights outside the layers come from their host copies)."""
         kept = list(self.model.language_model.layers[:self.kept_layers]) if self.kept_layers else []
-        move_except(self.model, device, kept)
+        if self._held is None:
+            move_except(self.model, device, kept)
+            return
+        move_except(self.model.language_model.layers, device, kept)
+        place_held(self._held, device)
+
+    def hold_outside_on_host(self, pin: bool) -> int:
+        """Keep the weights outside the decoder layers (embeddings, vision tower, final parts) in host memory for
+        good, page-locked when `pin`: each visit then copies them up at the pinned rate and each offload drops the
+        device copies instead of copying 2.7 GB (the released encoder's) back down. For an encoder whose layers
+        stream (engine/memory.py); returns the bytes held."""
+        self._held = hold_on_host(self.model, LAYERS, pin)
+        place_held(self._held, "cpu" if not self._resident else self.device)
+        return sum(host.numel() * host.element_size() for *_, host in self._held)
 
     def clear_cache(self) -> None:
         self._cache.clear()
