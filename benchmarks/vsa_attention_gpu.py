@@ -16,6 +16,11 @@ random gate (the `to_gate_compress` branch). Reported per sparsity:
 - the fine kernel's error against the fp32 PyTorch reference with the same selection (on `--error-heads` heads:
   the reference materialises S x S scores per head), and the whole VSA against the reference's pipeline.
 At sparsity 0 every tile is selected: the fine kernel is then dense attention, checked against FA3.
+A candidate beside it, where it loads: FastVideo's sm_90 block-sparse kernel (`fastvideo_kernel`'s
+ThunderKittens `block_sparse_fwd`), handed the same tiles and the same selection (q, k, v in tile order as
+(B, H, n x tile, D) with zeros in the padding, our per-tile lists of key tiles and their counts, each tile's row
+count), timed alone and with the tile-order copies, its output brought back to packed order and compared with our
+fine kernel's (`fastvideo_sm90_*`); where it does not load, the receipt says why.
 Random activations are not H3's: which tiles a trained model selects differs, the cost per selected tile does not.
 """
 
@@ -73,6 +78,30 @@ def sweep(run, lists_by_sparsity, repeats: int) -> list[dict]:
     return rows
 
 
+def fastvideo_block_sparse():
+    """(FastVideo's sm_90 block-sparse forward, None), or (None, why it is not here)."""
+    try:
+        from fastvideo_kernel._C import fastvideo_kernel_ops
+    except Exception as exc:  # noqa: BLE001 - recorded in the receipt
+        return None, f"{type(exc).__name__}: {exc}"
+    fwd = getattr(fastvideo_kernel_ops, "block_sparse_fwd", None)
+    return (fwd, None) if fwd is not None else (None, "fastvideo_kernel_ops has no block_sparse_fwd (not built "
+                                                      "for sm_90)")
+
+
+def heads_in_tile_order(x, tiles):
+    """(B, S, H, D) in packed order -> (B, H, n x tile, D) tile by tile, zeros in the padding: the candidate's
+    layout."""
+    b, _, h, d = x.shape
+    out = x.new_zeros(b, tiles.num_tiles * tiles.tile, h, d).index_copy_(1, tiles.slot, x)
+    return out.permute(0, 2, 1, 3).contiguous()
+
+
+def packed_from_tile_order(o, tiles):
+    """(B, H, n x tile, D) -> (B, S, H, D) in packed order (the padding dropped)."""
+    return o.permute(0, 2, 1, 3)[:, tiles.slot]
+
+
 def rel_l2(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -98,6 +127,25 @@ def layout_tiles(contract_name: str, tile: int):
     return shape.layout.sequence_length, tile_map(segments_before_video(shape.layout), patches, tile), patches
 
 
+def fastvideo_columns(fwd, q, k, v, lists, tiles, fine, repeats: int) -> dict:
+    """The candidate on our tiles and selection: its kernel alone, with the copies into its layout, and its output
+    against our fine kernel's (a failure is recorded, not raised)."""
+    import torch
+
+    idx, num = lists
+    sizes = tiles.sizes.to(torch.int32)
+    try:
+        qt, kt, vt = (heads_in_tile_order(x, tiles) for x in (q, k, v))
+        alone_ms, (o, _) = timed(lambda: fwd(qt, kt, vt, idx, num, sizes), repeats)
+        copied_ms, _ = timed(lambda: fwd(*(heads_in_tile_order(x, tiles) for x in (q, k, v)), idx, num, sizes),
+                             repeats)
+        return {"fastvideo_sm90_ms_median": statistics.median(alone_ms), "fastvideo_sm90_ms_all": alone_ms,
+                "fastvideo_sm90_with_copies_ms_median": statistics.median(copied_ms),
+                "fastvideo_sm90_rel_l2_vs_fine": rel_l2(packed_from_tile_order(o, tiles).float(), fine.float())}
+    except Exception as exc:  # noqa: BLE001 - recorded in the receipt
+        return {"fastvideo_sm90_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -121,6 +169,7 @@ def main(argv=None) -> int:
 
     record = stamp.stamp_before()
     device = torch.device("cuda")
+    candidate, candidate_missing = fastvideo_block_sparse()
     fa3, fa3_name = resolve_attention("fa3", device, KernelSettings())
     try:
         fp8, _ = resolve_attention("fa3_fp8", device, KernelSettings())
@@ -187,6 +236,8 @@ def main(argv=None) -> int:
                 entry["vsa_rel_l2_vs_fa3_dense"] = rel_l2(
                     vsa_attention(q, k, v, None, tiles, sparsity).float(), dense.float())
                 del whole, ref
+            if candidate is not None:
+                entry.update(fastvideo_columns(candidate, q, k, v, lists, tiles, fine, args.repeats))
             if "fa3_fp8_ms_median" in row:
                 entry["vsa_speedup_vs_fa3_fp8"] = row["fa3_fp8_ms_median"] / entry["vsa_ms_median"]
             row["by_sparsity"].append(entry)
@@ -197,6 +248,7 @@ def main(argv=None) -> int:
         del q, k, v, gate, dense, scores
         torch.cuda.empty_cache()
     result = {"benchmark": "vsa_attention", "dense_backend": fa3_name, "fine_launch": fine_launch(device),
+              "fastvideo_sm90": "measured" if candidate is not None else candidate_missing,
               "heads": HEADS, "head_dim": HEAD_DIM,
               "inputs": "random bf16, q and k RMS-normalised per head, random gate (synthetic: not H3's attention "
                         "maps)", "runs": runs, "stamp": stamp.stamp_after(record)}
