@@ -334,6 +334,29 @@ def test_weights_held_on_the_host_come_back_without_a_copy():
     assert all(torch.equal(a, b) for a, b in zip(outside(), want)) and model[1][0].weight is inner
 
 
+def test_weights_held_page_locked_share_one_buffer(monkeypatch):
+    """pin: every held tensor is a view of one buffer (one registration; plain memory stands in for pinned_buffer
+    on the CPU), each aligned, with the values it had."""
+    from h3_spark.h3_model.dit import streaming
+
+    made = []
+    monkeypatch.setattr(streaming, "pinned_buffer",
+                        lambda n: made.append(torch.empty(n, dtype=torch.uint8)) or made[-1])
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 7))
+    model.register_buffer("steps", torch.arange(3))
+    want = {name: t.clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    held = streaming.hold_on_host(model, None, pin=True)
+    assert len(made) == 1 and len(held) == len(want)
+    base = made[0].data_ptr()
+    for _, _, _, host in held:
+        assert host.untyped_storage().data_ptr() == base and (host.data_ptr() - base) % streaming.ALIGN == 0
+    streaming.place_held(held, "cpu")
+    got = dict([*model.named_parameters(), *model.named_buffers()])
+    assert all(torch.equal(got[name], value) and got[name].dtype == value.dtype for name, value in want.items())
+    assert {t.data_ptr() for t in got.values()} == {h.data_ptr() for *_, h in held}
+
+
 def test_moving_a_model_but_its_kept_layers():
     """TextEncoder.move's helper: everything moves but the kept submodules (the meta device stands for the GPU)."""
     from h3_spark.h3_model.dit.streaming import move_except

@@ -99,14 +99,21 @@ def hold_on_host(module: nn.Module, skip: str | None, pin: bool) -> list:
     """Host copies of the module's tensors but the `skip` child's, kept for good (page-locked when `pin`, as
     `pinned_buffer`): `place_held` then puts them on a device by copying them up, and back on the host by pointing
     at the copies, without copying down (the weights never change). [(owner, name, is_param, host tensor)]."""
+    items = list(_tensors(module, skip))
+    if not pin:
+        return [(owner, name, is_param, t.detach().to("cpu")) for owner, name, t, is_param in items]
+    # One registration for all of them (a vision tower has hundreds of small tensors), each aligned as in a unit.
+    offsets, total = [], 0
+    for _, _, t, _ in items:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    buffer = pinned_buffer(total)
     held = []
-    for owner, name, t, is_param in list(_tensors(module, skip)):
-        host = t.detach().to("cpu")
-        if pin:
-            buffer = pinned_buffer(host.numel() * host.element_size())
-            buffer.copy_(host.contiguous().reshape(-1).view(torch.uint8))
-            host = buffer.view(host.dtype).view(host.shape)
-        held.append((owner, name, is_param, host))
+    for (owner, name, t, is_param), offset in zip(items, offsets):
+        nbytes = t.numel() * t.element_size()
+        view = buffer[offset:offset + nbytes]
+        view.copy_(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+        held.append((owner, name, is_param, view.view(t.dtype).view(t.shape)))
     return held
 
 
