@@ -1,6 +1,7 @@
 """The bench runner end to end on the CPU (tiny synthetic model, tiny contract), and contract checks."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ from h3_spark.measure.contract import check_limits, contract_shape, load_contrac
 from h3_spark.cli import main
 from h3_spark.h3_model.dit.config import FULL
 from h3_spark.errors import InputError
+from h3_spark.h3_model.media.files import x264_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,6 +141,8 @@ def test_synthetic_generation_with_step_caches(tmp_path, capsys, monkeypatch):
     assert gen["frames"] == 124 and gen["evaluations"] == 11 and gen["latents_finite"]
     assert gen["prompt_cache_hit"] is False and gen["reference_cache_hits"] == 0  # measured as a new request
     assert set(gen["stage_s"]) == {"text_encode", "reference_encode", "sampling", "video_decode", "audio_decode", "mux"}
+    # What the mux ran with, for the receipt: the preset as H3_X264_PRESET leaves it (medium unset).
+    assert gen["mp4"] == {"codec": "libx264", "preset": x264_preset(), "crf": 18, "host_cpus": os.cpu_count()}
     for mode in ("easycache", "h3_cache"):
         c = gen["step_caches"][mode]
         assert c["computed_steps"] + c["reused_steps"] == 11

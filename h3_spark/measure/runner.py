@@ -8,6 +8,7 @@ other, on the same weights and inputs.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -245,6 +246,8 @@ def bench_generation(engine, contract: Contract, device: str, cache_modes: tuple
     With `recipes` the measured render runs with them (engine/recipes.py). Each of `cache_modes` then samples
     the same request again with that step cache (its default settings): steps computed and reused, the whole
     render's seconds per stage, and the final latents' rel L2 against the uncached run."""
+    from ..h3_model.media import files as media
+
     req = contract_request(contract)
     warm = dataclasses.replace(req, steps=2, frames=min(req.frames, WARMUP_FRAMES))
     if recipes:
@@ -278,6 +281,8 @@ def bench_generation(engine, contract: Contract, device: str, cache_modes: tuple
            "latents_finite": bool(result.video_latents.isfinite().all()),
            "prompt_cache_hit": result.info.get("prompt_cache_hit"),
            "reference_cache_hits": result.info.get("reference_cache_hits"),
+           "mp4": {"codec": "libx264", "preset": media.x264_preset(), "crf": media.DEFAULT_CRF,
+                   "host_cpus": os.cpu_count()},
            "note": f"warm: every stage ran once before (2 steps, or the recipes' own, at most {WARMUP_FRAMES} frames, "
                    "the contract's canvas, the recipes applied); "
                    "prompt and reference caches cleared before this run"}

@@ -38,6 +38,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIXES = (".mp4", ".mov", ".webm")
 AUDIO_SUFFIXES = (".wav", ".flac", ".mp3", ".m4a")
 MAX_QUEUED_CHUNKS = 4  # chunks an Mp4Stream holds for its encoder
+DEFAULT_CRF = 18  # x264's constant rate factor: visually lossless for most content
 LOGLEVELS = ("quiet", "panic", "fatal", "error", "warning", "info", "verbose", "debug", "trace")
 
 
@@ -392,7 +393,7 @@ def _as_audio(audio: torch.Tensor | np.ndarray) -> np.ndarray:
 
 def write_mp4(path: str | os.PathLike, frames: torch.Tensor | np.ndarray,
               audio: torch.Tensor | np.ndarray | None = None, *, fps: int = FPS, sample_rate: int = SAMPLE_RATE,
-              crf: int = 18, preset: str | None = None, loglevel: str | None = None) -> Path:
+              crf: int = DEFAULT_CRF, preset: str | None = None, loglevel: str | None = None) -> Path:
     """Write H.264 (yuv420p, `crf`, x264 `preset`: `x264_preset`) at `fps` plus stereo AAC, moov atom first
     (faststart).
 
@@ -481,7 +482,7 @@ class Mp4Stream:
     """
 
     def __init__(self, path: str | os.PathLike, *, audio: bool = True, fps: int = FPS,
-                 sample_rate: int = SAMPLE_RATE, crf: int = 18, preset: str | None = None,
+                 sample_rate: int = SAMPLE_RATE, crf: int = DEFAULT_CRF, preset: str | None = None,
                  loglevel: str | None = None):
         _av()
         if loglevel is not None and loglevel not in LOGLEVELS:
