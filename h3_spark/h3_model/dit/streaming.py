@@ -95,29 +95,28 @@ def move_except(module: nn.Module, device: torch.device | str, kept: list[nn.Mod
             module._buffers[name] = buf.to(device)
 
 
-def hold_on_host(module: nn.Module, skip: str | None, pin: bool) -> list:
-    """Host copies of the module's tensors but the `skip` child's, kept for good (page-locked when `pin`, as
-    `pinned_buffer`): `place_held` then puts them on a device by copying them up, and back on the host by pointing
-    at the copies, without copying down (the weights never change). [(owner, name, is_param, host tensor)]."""
+class Held(list):
+    """`hold_on_host`'s [(owner, name, is_param, host tensor)]. Page-locked, the tensors are views of one buffer,
+    kept here: its registration with CUDA lives exactly as long as that buffer's tensor does."""
+
+    buffer: torch.Tensor | None = None
+
+
+def hold_on_host(module: nn.Module, skip: str | None, pin: bool) -> Held:
+    """Host copies of the module's tensors but the `skip` child's, kept for good (page-locked when `pin`: packed
+    as a unit, one registration for all of them, where a vision tower has hundreds of small tensors):
+    `place_held` then puts them on a device by copying them up, and back on the host by pointing at the copies,
+    without copying down (the weights never change)."""
     items = list(_tensors(module, skip))
     if not pin:
-        return [(owner, name, is_param, t.detach().to("cpu")) for owner, name, t, is_param in items]
-    # One registration for all of them (a vision tower has hundreds of small tensors), each aligned as in a unit.
-    offsets, total = [], 0
-    for _, _, t, _ in items:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    buffer = pinned_buffer(total)
-    held = []
-    for (owner, name, t, is_param), offset in zip(items, offsets):
-        nbytes = t.numel() * t.element_size()
-        view = buffer[offset:offset + nbytes]
-        view.copy_(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
-        held.append((owner, name, is_param, view.view(t.dtype).view(t.shape)))
+        return Held((owner, name, is_param, t.detach().to("cpu")) for owner, name, t, is_param in items)
+    unit = _pack("held on the host", items, pin=True)
+    held = Held((e.module, e.name, e.is_param, _host_view(unit, e)) for e in unit.entries)
+    held.buffer = unit.host
     return held
 
 
-def place_held(held: list, device: torch.device | str) -> None:
+def place_held(held: Held, device: torch.device | str) -> None:
     """The `hold_on_host` tensors in their modules: on the host, the copies themselves; elsewhere, copies of them
     (asynchronous from page-locked memory)."""
     device = torch.device(device)

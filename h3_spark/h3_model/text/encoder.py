@@ -571,7 +571,7 @@ class TextEncoder:
         self.layer_stream = None
         self.kept_layers = 0
         # The weights outside the decoder layers, held in host memory for good once `hold_outside_on_host` ran.
-        self._held: list | None = None
+        self._held = None  # streaming.Held
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype, device: str | torch.device,
