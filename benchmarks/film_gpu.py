@@ -43,6 +43,7 @@ def main(argv=None) -> int:
 
     from h3_spark.h3_model.compose.film import Film, Shot, render_film
     from h3_spark.h3_model.compose.windows import frames_for_seconds, plan_film
+    from h3_spark.h3_model.engine import cuda_allocator
     from h3_spark.h3_model.engine.recipes import apply_recipes, check_recipes, parse_recipes
     from h3_spark.h3_model.media import files as media
     from h3_spark.h3_model.pipeline.generation import GenerationRequest
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
                           "peaks_gb": peaks}), flush=True)
     result = {"canvas": f"{args.width}x{args.height}", "steps": args.steps,
               "recipes": [r.describe() for r in recipes], "vram_budget": args.vram_budget,
-              "auto_budget": engine.auto_budget,
+              "auto_budget": engine.auto_budget, "cuda_allocator": cuda_allocator.chosen(),
               "attention": settings.attention, "linear": settings.linear,
               "weights": synthetic.describe(args.preset, fasth3=fasth3), "load_s": load_s, "films": results,
               "stamp": stamp.stamp_after(record)}

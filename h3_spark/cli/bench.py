@@ -390,6 +390,7 @@ def checkpoint_weights(path, partition: str | None = None) -> str:
 def run(args) -> int:
     import torch
 
+    from ..h3_model.engine import cuda_allocator
     from ..measure import runner, stamp
 
     device, contract, settings, cache_modes, out = preflight(args)
@@ -450,6 +451,8 @@ def run(args) -> int:
     if auto is not None:
         result["auto_budget"] = auto  # what --vram-budget auto saw and chose (resident or streaming)
     result["dtype"] = args.dtype
+    if cuda_allocator.chosen() is not None:
+        result["cuda_allocator"] = cuda_allocator.chosen()
     runner.add_host_memory(result, loaded)
     result["stamp"] = stamp.stamp_after(record)
     out.parent.mkdir(parents=True, exist_ok=True)

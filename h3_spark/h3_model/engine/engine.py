@@ -21,6 +21,7 @@ import torch
 
 from ...errors import H3Error, InputError
 from ..pipeline.generation import DEFAULT_ENCODE_TILE, Components, GenerationRequest, GenerationResult, Pipeline
+from .cuda_allocator import choose_allocator
 from .job_attention import AttentionChoice, choose_attention, running
 from .loading import LOADED, MODE_PARTITIONS, LoadOptions, check_device, check_fit, component_loader
 from .paths import ComponentPaths
@@ -198,6 +199,7 @@ class Engine:
         report = on_progress or (lambda event: None)
         plan = self.plan(modes, dit_only=dit_only, audio=audio)
         self.preflight(plan)
+        choose_allocator(self.options.device)  # before the first weight lands on the GPU
         self._resolve_auto_budget(plan)
         tokenizer = self.tokenizer_path()
         for name, source in plan.items():

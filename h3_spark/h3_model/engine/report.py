@@ -12,6 +12,7 @@ import torch
 from ...errors import H3Error
 from ...kernels.settings import KernelSettings
 from .loading import LOADED
+from .cuda_allocator import chosen as chosen_allocator
 
 
 # ------------------------------------------------------------------------------------------ reporting
@@ -54,7 +55,8 @@ def memory_report(device: str) -> dict:
     if dev.type == "cuda" and torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info(dev)
         return {"device": str(dev), "allocated_bytes": torch.cuda.memory_allocated(dev),
-                "reserved_bytes": torch.cuda.memory_reserved(dev), "free_bytes": free, "total_bytes": total}
+                "reserved_bytes": torch.cuda.memory_reserved(dev), "free_bytes": free, "total_bytes": total,
+                "allocator": chosen_allocator()}
     try:
         with open("/proc/self/statm") as f:
             rss_pages = int(f.read().split()[1])
