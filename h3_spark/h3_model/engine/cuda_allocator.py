@@ -28,7 +28,8 @@ _chosen: dict | None = None
 def _torch_setter() -> Callable[[str], None] | None:
     import torch
 
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    # torch's own setter (torch.cuda.memory._set_allocator_settings forwards to it and warns that it is deprecated).
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     return setter if setter is not None and torch.cuda.is_available() else None
 
 
