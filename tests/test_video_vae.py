@@ -122,7 +122,9 @@ def test_geometry_of_the_released_config():
 # ---- encode ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("frames", [22, 10])  # 17n+5, and one that needs the repeat-last padding
+# 17n+5; ones that need the repeat-last padding (10, 3, 35: a last clip of 1); 17 (no padding); 26 (a last clip
+# of 9, whose frames past its 5th reach no kept latent).
+@pytest.mark.parametrize("frames", [22, 10, 3, 17, 26, 35])
 def test_encode_mean_logvar_and_sample_match_oracle(tiny, frames):
     ref, ours = tiny
     x = randn(1, 3, frames, 32, 48, seed=frames)
@@ -135,6 +137,27 @@ def test_encode_mean_logvar_and_sample_match_oracle(tiny, frames):
     sample = got.sample(torch.Generator().manual_seed(7))
     assert rel_l2(sample, expected.sample(torch.Generator().manual_seed(7))) <= FP32_BUDGET
     assert rel_l2(sample, got.mean) > 1e-3  # the noise really is there
+
+
+@pytest.mark.parametrize("frames, encoded", [(22, [17, 5]), (17, [5]), (26, [17, 5]), (35, [17, 17, 5]),
+                                             (3, [5])])
+def test_the_last_clip_is_encoded_from_the_frames_its_kept_latents_see(tiny, monkeypatch, frames, encoded):
+    _, ours = tiny
+    assert ours.config.tail_clip_frames == 5  # (5 latents a clip - 3 dropped - 1) x 4 + 1
+    seen = []
+    real = ours._encode_tiled
+    monkeypatch.setattr(ours, "_encode_tiled", lambda x, *a: seen.append(x.shape[2]) or real(x, *a))
+    x = randn(1, 3, frames, 16, 16, seed=frames)
+    latents = ours.encode(x).mean.shape[2]
+    assert seen == encoded
+    assert latents == 5 * (len(encoded) - 1) + 2
+    # What the last clip's frames past its 5th hold does not matter (26 frames: 4 of them; the oracle test above
+    # shows the released encoder keeps the same latents with them).
+    past = (frames - 1) // 17 * 17 + 5
+    if past < frames:
+        changed = x.clone()
+        changed[:, :, past:] = randn(1, 3, frames - past, 16, 16, seed=99)
+        assert torch.equal(ours.encode(changed).mean, ours.encode(x).mean)
 
 
 def test_encode_with_default_tiling_matches_oracle(tiny16):

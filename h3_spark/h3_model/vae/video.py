@@ -193,7 +193,8 @@ class VideoVAE(nn.Module):
 
         F == 1 takes the exact 2-D shortcut unless `single_frame_2d` is False (kept for the test
         that proves the shortcut). Other F are encoded in clip_length chunks, the last one padded
-        by repeating the last frame, and token_drop trailing latent frames are dropped.
+        by repeating the last frame, and token_drop trailing latent frames are dropped: the last clip is
+        encoded from its first `tail_clip_frames` only, which give exactly the latents kept.
         """
         cfg = self.config
         self._check_pixels(x)
@@ -203,15 +204,18 @@ class VideoVAE(nn.Module):
             frame = x[:, :, 0] if single_frame_2d else x
             moments = self._encode_tiled(frame, tile_size, tile_min_overlap)
             return VideoPosterior.from_moments(moments if moments.ndim == 5 else moments[:, :, None])
-        clip = cfg.clip_length
-        pad = (-x.shape[2]) % clip
-        if pad:
-            x = torch.cat([x, x[:, :, -1:].expand(-1, -1, pad, -1, -1)], dim=2)
-        moments = torch.cat(
-            [self._encode_tiled(x[:, :, s:s + clip], tile_size, tile_min_overlap) for s in range(0, x.shape[2], clip)],
-            dim=2,
-        )
-        if cfg.token_drop:
+        clip, tail = cfg.clip_length, cfg.tail_clip_frames
+        last = (x.shape[2] - 1) // clip * clip  # the last clip's first frame
+        clips = [x[:, :, s:s + clip] for s in range(0, last, clip)]
+        # The last clip is encoded from the frames its kept latents see (its first `tail`, the last frame repeated
+        # where it has fewer): the latents token_drop would drop are never made, and with them the padding's work
+        # (a 22-frame history encodes 17 + 5 frames, not 2 x 17).
+        end = x[:, :, last:last + tail]
+        if end.shape[2] < tail:
+            end = torch.cat([end, end[:, :, -1:].expand(-1, -1, tail - end.shape[2], -1, -1)], dim=2)
+        clips.append(end)
+        moments = torch.cat([self._encode_tiled(c, tile_size, tile_min_overlap) for c in clips], dim=2)
+        if tail == clip and cfg.token_drop:
             moments = moments[:, :, : moments.shape[2] - cfg.token_drop]
         return VideoPosterior.from_moments(moments)
 

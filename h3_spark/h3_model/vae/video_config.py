@@ -113,6 +113,15 @@ class VideoVAEConfig:
         return math.ceil(self.clip_length / self.temporal_ratio)
 
     @property
+    def tail_clip_frames(self) -> int:
+        """Frames of a video's last clip that its kept latents see. The encoder is causal in time (its
+        convolutions pad only the past, its norms never mix frames), so latent j of a clip sees the clip's pixel
+        frames up to j x temporal_ratio; token_drop then drops all but the clip's first latents. The frames after
+        these (the repeated last frame that pads the clip, or real frames past them) never reach a kept latent."""
+        kept = self.tokens_chunk_size - self.token_drop
+        return min(self.clip_length, (kept - 1) * self.temporal_ratio + 1)
+
+    @property
     def token_overlap(self) -> int:
         return (-self.token_drop) % self.tokens_chunk_size
 
