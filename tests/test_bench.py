@@ -141,7 +141,7 @@ def test_synthetic_generation_with_step_caches(tmp_path, capsys, monkeypatch):
     assert gen["frames"] == 124 and gen["evaluations"] == 11 and gen["latents_finite"]
     assert gen["prompt_cache_hit"] is False and gen["reference_cache_hits"] == 0  # measured as a new request
     assert set(gen["stage_s"]) == {"text_encode", "reference_encode", "sampling", "video_decode", "audio_decode", "mux"}
-    # What the mux ran with, for the receipt: the preset as H3_X264_PRESET leaves it (medium unset).
+    # What the mux ran with, for the receipt: the preset as H3_X264_PRESET leaves it (veryfast unset).
     assert gen["mp4"] == {"codec": "libx264", "preset": x264_preset(), "crf": 18, "host_cpus": os.cpu_count()}
     for mode in ("easycache", "h3_cache"):
         c = gen["step_caches"][mode]

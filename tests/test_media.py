@@ -241,14 +241,14 @@ def _x264_options(path) -> str:
 def test_the_x264_preset_comes_from_the_argument_or_its_variable(tmp_path, monkeypatch):
     frames = np.random.default_rng(5).integers(0, 256, (6, 32, 48, 3), dtype=np.uint8)
     monkeypatch.delenv("H3_X264_PRESET", raising=False)
-    assert media.x264_preset() == "medium" and media.x264_preset("fast") == "fast"
-    media.write_mp4(tmp_path / "m.mp4", frames)
-    assert " subme=7 " in _x264_options(tmp_path / "m.mp4") and " ref=3 " in _x264_options(tmp_path / "m.mp4")
-    monkeypatch.setenv("H3_X264_PRESET", "veryfast")
+    assert media.x264_preset() == "veryfast" and media.x264_preset("fast") == "fast"
     media.write_mp4(tmp_path / "v.mp4", frames)
     assert " subme=2 " in _x264_options(tmp_path / "v.mp4") and " ref=1 " in _x264_options(tmp_path / "v.mp4")
-    media.write_mp4(tmp_path / "a.mp4", frames, preset="medium")  # the argument wins over the variable
-    assert " subme=7 " in _x264_options(tmp_path / "a.mp4")
+    monkeypatch.setenv("H3_X264_PRESET", "medium")
+    media.write_mp4(tmp_path / "m.mp4", frames)
+    assert " subme=7 " in _x264_options(tmp_path / "m.mp4") and " ref=3 " in _x264_options(tmp_path / "m.mp4")
+    media.write_mp4(tmp_path / "a.mp4", frames, preset="veryfast")  # the argument wins over the variable
+    assert " subme=2 " in _x264_options(tmp_path / "a.mp4")
     monkeypatch.setenv("H3_X264_PRESET", "quick")
     with pytest.raises(InputError, match=r"^H3_X264_PRESET must be one of x264's presets \(ultrafast, superfast, "
                                          r"veryfast, faster, fast, medium, slow, slower, veryslow\), got 'quick'$"):

@@ -430,18 +430,20 @@ def write_png(path: str | os.PathLike, frame: torch.Tensor | np.ndarray) -> Path
 
 
 # x264's presets, fastest first. At crf 18 on 1344x768x124 (benchmarks/mux_cpu.py, the H100 machine's 16 cores,
-# receipts/h100/mux-1344x768x124.json): medium ends 0.57 s after the last decoded frame on camera-like frames and
-# 1.56 s on the noise a random-weight DiT decodes to; veryfast 0.19 and 0.32 s, for a file 6.3 % larger and
-# 0.17 dB lower in PSNR on the camera-like frames.
+# receipts/h100/mux-1344x768x124-presets-66ad520.json and -segments-66ad520.json): medium ends 0.57 s after the last
+# decoded frame on camera-like frames and 1.56 s on the noise a random-weight DiT decodes to; veryfast 0.19 and
+# 0.32 s, for a file 6.3 % larger and 0.17 dB lower in PSNR on the camera-like frames. veryfast is the default: the
+# mux is the render's tail, and a fewer-core machine's x264 falls further behind the decode at medium.
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
 PRESET_ENV = "H3_X264_PRESET"
+DEFAULT_PRESET = "veryfast"
 
 
 def x264_preset(preset: str | None = None) -> str:
-    """`preset`, else $H3_X264_PRESET, else medium; checked against x264's presets."""
+    """`preset`, else $H3_X264_PRESET, else veryfast; checked against x264's presets."""
     source = "preset"
     if preset is None:
-        preset, source = os.environ.get(PRESET_ENV, "").strip() or "medium", PRESET_ENV
+        preset, source = os.environ.get(PRESET_ENV, "").strip() or DEFAULT_PRESET, PRESET_ENV
     if preset not in X264_PRESETS:
         raise InputError(f"{source} must be one of x264's presets ({', '.join(X264_PRESETS)}), got {preset!r}")
     return preset
