@@ -8,9 +8,11 @@ x W^T = (x H) (G x s_channel)^T per group: the activation is rotated (fp32), qua
 PyTorch reference elsewhere), multiplied by G^T in int32 (`torch._int_mm`: exact), and scaled
 by x_scale x s_channel. What it costs in accuracy is the activation's int8 rounding alone (the weight is the
 file's grid, unchanged): measured 0.77 % relative L2 against the dequantize-then-matmul reference
-(`w4a8_reference`) on N(0, 1) activations in fp32, budget 1.5 % (tests/test_linear_w4a8.py). On an H100 with
-the PyTorch quantizer a block's six linears took 2.6x dense bf16's time though their integer GEMMs alone beat it
-(7a49051, `benchmarks/w4a8_linear_gpu.py`); with the fused quantizer it is not measured yet, so it stays opt-in.
+(`w4a8_reference`) on N(0, 1) activations in fp32, budget 1.5 % (tests/test_linear_w4a8.py). On an H100 a block's six
+linears at 37,966 rows take 71.8 ms with the fused quantizer (105.3 with the PyTorch one) against dense bf16's
+42.5 ms: the integer GEMMs alone (31.8 ms) beat bf16, but with the quantizer (13.9 ms) they already do not, and
+the int32 epilogue below adds ~26 ms (`receipts/h100/w4a8-linear-5276138.json`). So it stays opt-in: a memory
+format on Hopper, not a faster one.
 
 The asymmetric variant's correction is a per-group offset the integer GEMM cannot carry: such a layer is refused,
 as is any layer of another format (no silent fallback). `H3_LINEAR=w4a8` installs it for every asym_w4a8_int8 layer
