@@ -184,3 +184,71 @@ def test_the_fused_quantizer_compiles_for_hopper_within_a_small_shared_memory():
     assert done.returncode == 0, done.stderr[-2000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(shared) == {"16", "64", "256"} and all(0 < v <= 64 * 1024 for v in shared.values()), shared
+
+
+# ------------------------------------------------------------------ the fused int32 epilogue (interpreter)
+
+from h3_spark.kernels.int_epilogue import reference_scale_int32, scale_int32  # noqa: E402
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_fused_epilogue_gives_its_references_bits(out_dtype, with_bias):
+    """Blocks that do not divide the shape (70 x 200 against 64 x 128), products as large as a K = 5376 GEMM of
+    int8 codes makes, token scales over four decades; the interpreter multiplies in the reference's order."""
+    gen = torch.Generator().manual_seed(11)
+    acc = torch.randint(-2 ** 26, 2 ** 26, (70, 200), generator=gen, dtype=torch.int32)
+    x_scale = torch.rand(70, 1, generator=gen) * 10 ** torch.randint(-4, 0, (70, 1), generator=gen).float()
+    s_channel = torch.rand(1, 200, generator=gen) * 1e-2
+    bias = torch.randn(200, generator=gen).to(torch.bfloat16) if with_bias else None
+    got = scale_int32(acc, x_scale, s_channel, bias, out_dtype)
+    want = reference_scale_int32(acc, x_scale, s_channel, bias, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (70, 200)
+    assert torch.equal(got, want)
+
+
+def test_the_fused_epilogue_refuses_what_it_cannot_take():
+    acc = torch.zeros(4, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^expected contiguous int32 \(rows, N\) products, got torch.int64 \[4, 8\]$"):
+        scale_int32(acc.long(), torch.ones(4, 1), torch.ones(8), None, torch.float32)
+    with pytest.raises(ValueError, match=r"^expected contiguous int32 \(rows, N\) products, got torch.int32 \[8, 4\]$"):
+        scale_int32(acc.t(), torch.ones(8, 1), torch.ones(4), None, torch.float32)
+    with pytest.raises(ValueError, match=r"^scales and bias must match the 4 x 8 products: 3 token scales, 8 channel "
+                                         r"scales, 7 bias values$"):
+        scale_int32(acc, torch.ones(3, 1), torch.ones(8), torch.ones(7), torch.float32)
+
+
+def test_a_w4a8_layer_with_triton_scales_in_one_pass():
+    layer = _layer("symmetric", n=64, k=256)
+    fused = W4A8Linear.from_stored(layer, use_triton=True)
+    assert fused.source.endswith("(rotated, quantized and scaled by triton)")
+    x = torch.randn(19, 256, generator=torch.Generator().manual_seed(4))
+    codes, x_scale = rotate_quantize(x, 256)
+    acc = torch._int_mm(codes, fused.weight.t())
+    assert torch.equal(fused(x), reference_scale_int32(acc, x_scale, fused.s_channel, fused.bias, torch.float32))
+
+
+_EPILOGUE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from h3_spark.kernels import int_epilogue as E
+
+signature = {"acc_ptr": "*i32", "xs_ptr": "*fp32", "s_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+             "M": "i32", "N": "i32"}
+consts = {"HAS_BIAS": True, "RND": 1, "BM": E.BLOCK_M, "BN": E.BLOCK_N}
+src = ASTSource(fn=E._scale_int32_kernel, signature={**signature, **{k: "constexpr" for k in consts}},
+                constexprs=consts)
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).metadata.shared)
+"""
+
+
+def test_the_fused_epilogue_compiles_for_hopper():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _EPILOGUE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.strip().splitlines()[-1]) <= 64 * 1024

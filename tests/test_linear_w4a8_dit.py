@@ -30,7 +30,7 @@ from oracle import EQUAL_WIDTH, forward_args, rel_l2, text_tags
 
 W4A8 = KernelSettings(linear="w4a8")
 # The CPU tests run Triton's interpreter, so the layers take the fused activation quantizer.
-SOURCE = "asym_w4a8_int8 codes on their int8 grid x per-token int8 activations (rotated and quantized by triton)"
+SOURCE = "asym_w4a8_int8 codes on their int8 grid x per-token int8 activations (rotated, quantized and scaled by triton)"
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ file's grid, unchanged): measured 0.77 % relative L2 against the dequantize-then
 (`w4a8_reference`) on N(0, 1) activations in fp32, budget 1.5 % (tests/test_linear_w4a8.py). On an H100 a block's six
 linears at 37,966 rows take 71.8 ms with the fused quantizer (105.3 with the PyTorch one) against dense bf16's
 42.5 ms: the integer GEMMs alone (31.8 ms) beat bf16, but with the quantizer (13.9 ms) they already do not, and
-the int32 epilogue below adds ~26 ms (`receipts/h100/w4a8-linear-5276138.json`). So it stays opt-in: a memory
-format on Hopper, not a faster one.
+the int32 epilogue added ~26 ms in PyTorch (`receipts/h100/w4a8-linear-5276138.json`; since then one Triton pass
+with the quantizer's flag, `int_epilogue.py`, not measured). So it stays opt-in: a memory format on Hopper, not a
+faster one.
 
 The asymmetric variant's correction is a per-group offset the integer GEMM cannot carry: such a layer is refused,
 as is any layer of another format (no silent fallback). `H3_LINEAR=w4a8` installs it for every asym_w4a8_int8 layer
@@ -30,6 +31,7 @@ from torch import nn
 from .capability import KernelUnavailable
 from .formats.asym_w4a8_int8 import NAME, grid_rows
 from .formats.layer_format import swapped
+from .int_epilogue import reference_scale_int32, scale_int32
 from .rotate_quantize import fused_group, reference_rotate_quantize, rotate_quantize
 from .stored_linear import StoredLinear
 
@@ -65,7 +67,8 @@ class W4A8Linear(nn.Module):
 
     @property
     def _quantizer(self) -> str:
-        return "rotated and quantized by triton" if self.use_triton else "rotated and quantized by pytorch"
+        return ("rotated, quantized and scaled by triton" if self.use_triton
+                else "rotated, quantized and scaled by pytorch")
 
     @classmethod
     def from_stored(cls, layer: StoredLinear, use_triton: bool = False) -> "W4A8Linear":
@@ -108,7 +111,5 @@ class W4A8Linear(nn.Module):
         if codes.is_cuda and m < _MIN_CUDA_ROWS:
             codes = torch.cat([codes, codes.new_zeros(_MIN_CUDA_ROWS - m, k)])
         acc = torch._int_mm(codes, self.weight.t())[:m]
-        out = acc.float() * x_scale * self.s_channel
-        if self.bias is not None:
-            out = out + self.bias.float()
-        return out.to(self.out_dtype).reshape(*lead, self.out_features)
+        scale = scale_int32 if self.use_triton else reference_scale_int32
+        return scale(acc, x_scale, self.s_channel, self.bias, self.out_dtype).reshape(*lead, self.out_features)
