@@ -11,8 +11,8 @@ import torch
 
 from ...errors import H3Error
 from ...kernels.settings import KernelSettings
-from .loading import LOADED
 from .cuda_allocator import chosen as chosen_allocator
+from .loading import LOADED
 
 
 # ------------------------------------------------------------------------------------------ reporting
