@@ -148,10 +148,11 @@ def test_bench_refuses_auto_for_dit_forwards(tmp_path, capsys):
     assert "auto (generate's placement) only with --generation" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("budget", ["auto", "4"])
-def test_the_film_benchmark_runs_on_the_cpu_under_each_budget_form(tmp_path, budget, transformers_ready):
+@pytest.mark.parametrize("budget, warmup", [("auto", "1"), ("4", "0")])
+def test_the_film_benchmark_runs_on_the_cpu_under_each_budget_form(tmp_path, budget, warmup, transformers_ready):
     """benchmarks/film_gpu.py takes --vram-budget as generate does (auto by default, or a size): a tiny film through
-    its whole path on the CPU, the budget it ran under in the result."""
+    its whole path on the CPU, the budget it ran under in the result; a warm-up film is rendered first and kept out
+    of the films."""
     import importlib.util
     import json
     from pathlib import Path
@@ -163,7 +164,24 @@ def test_the_film_benchmark_runs_on_the_cpu_under_each_budget_form(tmp_path, bud
     out = tmp_path / "film.json"
     assert film_gpu.main(["--out", str(out), "--seconds", "5", "--steps", "2", "--width", "64", "--height", "64",
                           "--preset", "tiny", "--device", "cpu", "--vram-budget", budget,
-                          "--mp4-dir", str(tmp_path / "films")]) == 0
+                          "--mp4-dir", str(tmp_path / "films"), "--warmup-seconds", warmup]) == 0
     result = json.loads(out.read_text())
-    assert result["vram_budget"] == budget and result["films"][0]["frames"] == 5 * 24
+    assert result["vram_budget"] == budget and result["films"][0]["frames"] == 5 * 24 and len(result["films"]) == 1
+    if warmup == "0":
+        assert result["warmup"] == "none: the first film is also the warm-up"
+    else:
+        assert result["warmup"]["seconds"] == 1.0 and result["warmup"]["total_s"] > 0
     assert (tmp_path / "films" / "film-5s.mp4").stat().st_size > 0
+
+
+def test_the_film_benchmark_refuses_a_negative_warm_up(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "film_gpu.py"
+    spec = importlib.util.spec_from_file_location("film_gpu", script)
+    film_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(film_gpu)
+    with pytest.raises(SystemExit):
+        film_gpu.main(["--out", "x.json", "--warmup-seconds", "-1"])
+    assert "--warmup-seconds must be 0 or more, got -1" in capsys.readouterr().err
