@@ -105,16 +105,17 @@ def test_chunks_carrying_each_blocks_last_input_are_the_whole_pass_bit_for_bit(c
 
 
 @pytest.mark.parametrize("chunk", [1, 11])
-def test_one_frame_chunks_round_within_1e5(chunk):
+def test_one_frame_chunks_round_within_5e5(chunk):
     # A one-frame convolution takes another CPU kernel for the small early layers (chunk 11 leaves one frame
-    # last): its sums round differently, measured 6e-6 of a [0, 1] pixel.
+    # last): its sums round differently, measured 6e-6 of a [0, 1] pixel on one CPU and 1.05e-5 on an AMD EPYC
+    # (the kernel the CPU library picks differs); a wrong carried frame changes pixels by far more.
     model = _random(TinyVideoDecoder(latent_channels=6), seed=4).eval()
     latents = torch.randn(12, 6, 2, 3, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         whole = model.decode_chunk(latents, {})
         got = _in_chunks(model, latents, chunk)
     assert got.shape == whole.shape
-    assert (got - whole).abs().max() <= 1e-5
+    assert (got - whole).abs().max() <= 5e-5
 
 
 def test_the_carried_memory_is_one_frame_per_block_not_a_view_of_the_chunk():
