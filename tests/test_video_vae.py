@@ -160,6 +160,21 @@ def test_the_last_clip_is_encoded_from_the_frames_its_kept_latents_see(tiny, mon
         assert torch.equal(ours.encode(changed).mean, ours.encode(x).mean)
 
 
+@pytest.mark.parametrize("frames", [3, 22, 26, 35])
+def test_the_trimmed_last_clip_gives_the_padded_encodes_bits(tiny, frames):
+    """The old way, every clip padded to 17 frames and token_drop's latents cut after: the kept latents are the
+    same fp32 bits on the CPU (the same sums; a GPU may pick another convolution algorithm for a shorter clip)."""
+    _, ours = tiny
+    x = randn(1, 3, frames, 16, 16, seed=frames + 1)
+    pad = (-frames) % 17
+    padded = torch.cat([x, x[:, :, -1:].expand(-1, -1, pad, -1, -1)], dim=2)
+    moments = torch.cat([ours._encode_tiled(padded[:, :, s:s + 17], 256, 64) for s in range(0, padded.shape[2], 17)],
+                        dim=2)[:, :, :-3]
+    got = ours.encode(x)
+    assert torch.equal(got.mean, video_vae.VideoPosterior.from_moments(moments).mean)
+    assert torch.equal(got.logvar, video_vae.VideoPosterior.from_moments(moments).logvar)
+
+
 def test_encode_with_default_tiling_matches_oracle(tiny16):
     ref, ours = tiny16
     # One frame keeps this cheap; 288 x 320 px gives 2 x 2 tiles with overlaps widened to 224 / 192.
