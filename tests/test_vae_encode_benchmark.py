@@ -24,13 +24,13 @@ def test_bad_columns_are_named(column):
 
 def test_a_cpu_smoke_run_writes_every_column(tmp_path):
     out = tmp_path / "encode.json"
-    assert bench.main(["--device", "cpu", "--tiny", "--frames", "22", "--width", "160", "--height", "112",
+    assert bench.main(["--device", "cpu", "--tiny", "--frames", "22", "--width", "128", "--height", "80",
                        "--columns", "fp32:96,fp32:96,fp32:0", "--repeats", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     first, same, untiled = result["runs"]
     assert [r["column"] for r in result["runs"]] == ["fp32:96", "fp32:96", "fp32:0"]
     # 22 frames -> 7 latent frames; the tiny VAE is 4x spatial.
-    assert first["latent_shape"] == [1, 4, 7, 28, 40] and all(r["encode_s_median"] > 0 for r in result["runs"])
+    assert first["latent_shape"] == [1, 4, 7, 20, 32] and all(r["encode_s_median"] > 0 for r in result["runs"])
     assert same["rel_l2_vs_first"] == 0.0
     assert 0 < untiled["rel_l2_vs_first"] < 0.5
     assert result["config"] == "tiny" and "synthetic" in result["weights"]
