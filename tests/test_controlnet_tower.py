@@ -273,3 +273,17 @@ def test_the_window_reads_the_free_target_rows_not_the_held_ones(case):
     with torch.no_grad():
         dit(**_args(held, data, 0.2))  # sigma 0.8 on the free rows: inside, though the held rows say 0.001
     assert injection.evaluations == 1
+
+
+def test_a_tower_built_under_a_meta_device_holds_no_weights():
+    """The file checks and writers read a full tower's shapes under torch.device("meta"); a tower that forced the CPU
+    there initialised 2 GB of weights for each look (45 s)."""
+    from h3_spark.h3_model.checkpoint.controlnet import synthetic_config
+    from h3_spark.h3_model.dit.config import FULL
+
+    with torch.device("meta"):
+        tower = ControlTower(synthetic_config(FULL, union2=True, comfy=False), torch.float32)
+    params = list(tower.parameters())
+    assert params and all(p.is_meta for p in params)
+    assert ControlTower(synthetic_config(FULL, union2=True, comfy=False), torch.float32, device="meta") \
+        .control_proj_in.weight.is_meta

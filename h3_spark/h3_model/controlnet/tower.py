@@ -154,7 +154,9 @@ class ControlTower(nn.Module):
         super().__init__()
         self.config = config
         block_config = config.block_config()
-        with torch.device(device) if device is not None else torch.device("cpu"):
+        # Without a device the caller's device context holds (a meta one builds no weights: the file checks and
+        # the writers read shapes that way; forcing the CPU here once made them initialise a full tower, 45 s).
+        with torch.device(device) if device is not None else contextlib.nullcontext():
             self.control_proj_in = nn.Linear(config.hint_dim, config.hidden_size, bias=True)
             self.control_blocks = nn.ModuleList([ControlBlock(block_config, i == 0) for i in range(config.blocks)])
         for name, param in self.named_parameters():
