@@ -451,8 +451,8 @@ def run(args) -> int:
     if auto is not None:
         result["auto_budget"] = auto  # what --vram-budget auto saw and chose (resident or streaming)
     result["dtype"] = args.dtype
-    if cuda_allocator.chosen() is not None:
-        result["cuda_allocator"] = cuda_allocator.chosen()
+    if (allocator := cuda_allocator.chosen()) is not None:
+        result["cuda_allocator"] = allocator
     runner.add_host_memory(result, loaded)
     result["stamp"] = stamp.stamp_after(record)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -281,7 +281,7 @@ def bench_generation(engine, contract: Contract, device: str, cache_modes: tuple
            "latents_finite": bool(result.video_latents.isfinite().all()),
            "prompt_cache_hit": result.info.get("prompt_cache_hit"),
            "reference_cache_hits": result.info.get("reference_cache_hits"),
-           "mp4": {"codec": "libx264", "preset": media.x264_preset(), "crf": media.DEFAULT_CRF,
+           "mp4": {"codec": media.VIDEO_CODEC, "preset": media.x264_preset(), "crf": media.DEFAULT_CRF,
                    "host_cpus": os.cpu_count()},
            "note": f"warm: every stage ran once before (2 steps, or the recipes' own, at most {WARMUP_FRAMES} frames, "
                    "the contract's canvas, the recipes applied); "

@@ -437,6 +437,7 @@ def write_png(path: str | os.PathLike, frame: torch.Tensor | np.ndarray) -> Path
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
 PRESET_ENV = "H3_X264_PRESET"
 DEFAULT_PRESET = "veryfast"
+VIDEO_CODEC = "libx264"
 
 
 def x264_preset(preset: str | None = None) -> str:
@@ -586,7 +587,7 @@ class Mp4Stream:
         # w+b: faststart reads the file back to move the index to the front.
         self._file = open_output(self.path)
         self._out = av.open(self._file, "w", format="mp4", options={"movflags": "+faststart"})
-        v = self._out.add_stream("libx264", rate=Fraction(self.fps).limit_denominator())
+        v = self._out.add_stream(VIDEO_CODEC, rate=Fraction(self.fps).limit_denominator())
         v.width, v.height, v.pix_fmt = width, height, "yuv420p"
         v.options = {"crf": str(self.crf), "preset": self.preset}
         # Frame threads on every core: PyAV's default (slice threads) left x264 at ~24 fps on one core.
