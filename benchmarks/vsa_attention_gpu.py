@@ -55,10 +55,17 @@ def timed(fn, repeats: int) -> tuple[list[float], object]:
     return times, out
 
 
-# Launch shapes the sweep tries for the fine kernel (64-row query blocks; key rows per step; one warpgroup's
-# wgmma or two; software-pipeline depth).
-LAUNCHES = ([{"keys": 64, "num_warps": 4, "num_stages": 1}]
-            + [{"keys": 64, "tma": True, "num_warps": 4, "num_stages": st} for st in (1, 2, 3, 4, 5)])
+# Launch shapes the sweep tries for the TMA fine kernel (64-row query blocks; one warpgroup's wgmma or two;
+# software-pipeline depth; key boxes a step; padding masked by a branch or a bias row; P.V added after its
+# product or accumulated in it).
+_TMA = {"keys": 64, "tma": True}
+LAUNCHES = ([{**_TMA, "num_warps": 4, "num_stages": 5},
+             {**_TMA, "num_warps": 4, "num_stages": 5, "acc_dot": True},
+             {**_TMA, "num_warps": 4, "num_stages": 5, "bias_mask": True}]
+            + [{**_TMA, "num_warps": w, "num_stages": st, "bias_mask": True, "acc_dot": True}
+               for w, st in ((4, 2), (4, 3), (4, 4), (4, 5), (8, 3), (8, 5))]
+            + [{**_TMA, "num_warps": w, "num_stages": st, "boxes": 2, "bias_mask": True, "acc_dot": True}
+               for w, st in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))])
 
 
 def sweep(run, lists_by_sparsity, repeats: int) -> list[dict]:
@@ -155,6 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true",
                    help="also time the fine kernel under each launch shape of LAUNCHES (the one to put in FINE_LAUNCH)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one whole VSA call (with a gate) at each sparsity above 0: CUDA time per kernel")
     p.add_argument("--error-heads", type=int, default=2, help="heads the fp32 reference checks (S x S each)")
     args = p.parse_args(argv)
     import_package()
@@ -236,12 +245,17 @@ def main(argv=None) -> int:
                 entry["vsa_rel_l2_vs_fa3_dense"] = rel_l2(
                     vsa_attention(q, k, v, None, tiles, sparsity).float(), dense.float())
                 del whole, ref
+            if args.profile and sparsity > 0:
+                from h3_spark.measure.profile import profile_call
+
+                entry["profile"] = profile_call(lambda: vsa_attention(q, k, v, gate, tiles, sparsity), "cuda", top=12)
             if candidate is not None:
                 entry.update(fastvideo_columns(candidate, q, k, v, lists, tiles, fine, args.repeats))
             if "fa3_fp8_ms_median" in row:
                 entry["vsa_speedup_vs_fa3_fp8"] = row["fa3_fp8_ms_median"] / entry["vsa_ms_median"]
             row["by_sparsity"].append(entry)
-            print(json.dumps({k_: v_ for k_, v_ in entry.items() if not k_.endswith("_all")}), flush=True)
+            print(json.dumps({k_: v_ for k_, v_ in entry.items() if not k_.endswith("_all") and k_ != "profile"}),
+                  flush=True)
             del fine, want, mask
             torch.cuda.empty_cache()
         runs.append(row)
