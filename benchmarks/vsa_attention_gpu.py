@@ -69,15 +69,17 @@ LAUNCHES = ([{**_TMA, "num_warps": 4, "num_stages": 5},
 
 
 def sweep(run, lists_by_sparsity, repeats: int) -> list[dict]:
-    """Median milliseconds of the fine kernel per launch shape and sparsity; a shape that fails to compile (shared
+    """Median milliseconds of the fine kernel per launch shape and sparsity, and its output against the first
+    shape's (relative L2: the variants differ in fp32 summation order only); a shape that fails to compile (shared
     memory) is recorded with its error."""
-    rows = []
+    rows, first = [], {}
     for launch in LAUNCHES:
         entry = dict(launch)
         for sparsity, (idx, num) in lists_by_sparsity:
             try:
-                ms, _ = timed(lambda: run(idx, num, launch), repeats)
+                ms, out = timed(lambda: run(idx, num, launch), repeats)
                 entry[f"ms_at_{sparsity}"] = statistics.median(ms)
+                entry[f"rel_l2_vs_first_at_{sparsity}"] = rel_l2(out.float(), first.setdefault(sparsity, out).float())
             except Exception as exc:  # noqa: BLE001 - recorded in the receipt
                 entry[f"error_at_{sparsity}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         print(json.dumps({"sweep": entry}), flush=True)

@@ -339,3 +339,23 @@ def test_the_candidate_kernels_layout_round_trips_our_tiles():
     fwd, why = bench.fastvideo_block_sparse()
     if fwd is None:
         assert why.startswith(("ModuleNotFoundError", "ImportError")) or "block_sparse_fwd" in why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [64, 256])
+@pytest.mark.parametrize("launch", [{"bias_mask": True, "acc_dot": True, "num_warps": 4, "num_stages": 3},
+                                    {"boxes": 2, "bias_mask": True, "acc_dot": True, "num_warps": 8, "num_stages": 2}])
+def test_the_tma_kernels_launch_options_compiled_for_cuda_match_the_reference(launch, tile):
+    """The TMA kernel's launch options (a padding bias, P.V in the product's accumulator, two key boxes a step)
+    compiled for the GPU: bf16 heads at the DiT's width against the fp32 reference with the same selection, 2
+    ulps relative as the default launch."""
+    from h3_spark.kernels.vsa import _fine, fine_launch, tile_lists
+
+    if not fine_launch("cuda").get("tma"):
+        pytest.skip("the TMA kernel needs sm_90 or later")
+    tiles = tile_map((37, 20, 130), (9, 12, 14), tile).to("cuda")
+    q, k, v = (t.cuda() for t in _qkv(tiles, heads=4, dim=128, dtype=torch.bfloat16, seed=8))
+    mask = select_tiles(coarse_scores(q, k, tiles), tiles.num_prefix_tiles, 0.8)
+    got = _fine(q, k, v, *tile_lists(mask), tiles, launch={"keys": 64, "tma": True, **launch}).float()
+    want = fine_reference(q, k, v, mask, tiles).float()
+    assert ((got - want).abs() <= want.abs() * 2 ** -6 + 2 ** -8).all()
