@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_gpu import import_package  # noqa: E402
 
-COLUMNS = "fp32:256,autocast:256,bf16:256,fp32:512,bf16:512,fp32:0,bf16:0"
+COLUMNS = "fp32:256,autocast:256,bf16:256,fp32:512,bf16:512,fp32:0,bf16:0"  # untiled fp32 fails at 1344x768
 
 
 def parse_column(text: str) -> tuple[str, int]:
@@ -83,7 +83,16 @@ def main(argv=None) -> int:
 
     runs, reference = [], None
     for kind, tile in columns:
-        encode(kind, tile)  # warm-up (cuDNN picks its algorithms)
+        try:
+            encode(kind, tile)  # warm-up (cuDNN picks its algorithms)
+        except RuntimeError as exc:  # a column this canvas cannot take (untiled fp32 at 1344x768 on the H100:
+            # "input tensor must fit into 32-bit index math" in a convolution's padding): recorded, the rest run
+            run = {"column": f"{kind}:{tile}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            runs.append(run)
+            print(json.dumps(run), flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
+            continue
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -234,3 +234,24 @@ def test_weights_held_on_the_host_visit_the_gpu_from_page_locked_copies_and_come
         place_held(held, "cpu")
         assert {t.data_ptr() for t in (model[0].weight, model[0].bias, model.scale)} == {
             h.data_ptr() for *_, h in held}
+
+
+def test_a_parked_vae_visits_from_page_locked_memory_and_decodes_the_same():
+    """A parked module on a GPU: its host copy is page-locked (registered), a visit copies it up and its end
+    drops the device copy (no copy back: the host tensors are the same), and what it computes on the device
+    equals what it computes there when moved plainly."""
+    from h3_spark.h3_model.engine.memory import Visits
+
+    torch.manual_seed(4)
+    module = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 64))
+    x = torch.randn(32, 256, device="cuda")
+    want = module.to("cuda")(x)
+    visits = Visits("cuda")
+    visits.park(module)
+    host = [p.data_ptr() for p in module.parameters()]
+    assert {p.device.type for p in module.parameters()} == {"cpu"}
+    assert all(_registered(p) for p in module.parameters())
+    with visits(module):
+        got = module(x)
+    assert torch.equal(got, want)
+    assert [p.data_ptr() for p in module.parameters()] == host

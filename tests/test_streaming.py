@@ -242,3 +242,37 @@ def test_in_place_units_are_read_ahead_of_their_copies(tmp_path, monkeypatch):
     packed = layers()
     streaming.BlockStream(packed, [0, 1, 2, 3, 4], "cpu", depth=2)
     assert torch.equal(run(packed, x), want) and advised == []
+
+
+def test_a_parked_module_visits_from_its_one_host_copy_and_leaves_without_a_copy(monkeypatch):
+    """Visits: a parked module's tensors are its host copies between visits; a visit places them on the device
+    once (a nested visit of the same module places nothing, and the module stays there until the outer visit
+    ends), its end points the module at the same host copies again, values untouched (nothing copied back); a
+    module never parked does not move. The placements are counted here (this machine has one device; the GPU
+    test moves them)."""
+    from h3_spark.h3_model.engine.memory import Visits
+
+    placed = []
+    real = memory.place_held
+    monkeypatch.setattr(memory, "place_held", lambda held, device: placed.append(str(device)) or real(held, device))
+    torch.manual_seed(3)
+    parked = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.LayerNorm(8))
+    parked.register_buffer("table", torch.randn(5))
+    other = torch.nn.Linear(4, 4)
+    want = {k: v.clone() for k, v in parked.state_dict().items()}
+    visits = Visits("cpu")
+    visits.park(parked)
+    host = {k: v.data_ptr() for k, v in parked.state_dict().items()}
+    assert visits.parked == [parked] and placed == ["cpu"]
+    for _ in range(2):
+        placed.clear()
+        with visits(parked) as module, visits(other):
+            assert module is parked and placed == ["cpu"]
+            with visits(parked):
+                pass
+            assert placed == ["cpu"]  # the outer visit still holds it
+        assert placed == ["cpu", "cpu"]
+        assert {k: v.data_ptr() for k, v in parked.state_dict().items()} == host
+        assert all(torch.equal(parked.state_dict()[k], v) for k, v in want.items())
+    visits.park(parked)  # parked again (a kept module given back): still one entry
+    assert visits.parked == [parked]

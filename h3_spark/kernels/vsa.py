@@ -169,54 +169,14 @@ if triton is not None:
                     bh, bq, hq, q_tile, num_tiles, so_b, so_s, so_h, sg_b, sg_s, sg_h, HEAD_DIM, GATED, RND)
 
     @triton.jit
-    def _accumulate(acc, p, v, IEEE: tl.constexpr, UPCAST: tl.constexpr, RND: tl.constexpr,
-                    ACC_DOT: tl.constexpr):
-        """acc + P.V: in the tensor-core product's own accumulator (ACC_DOT) or as a product added after it."""
-        if ACC_DOT:
-            if UPCAST:
-                acc = tl.dot(rnd(p, RND), v.to(tl.float32), acc, input_precision="ieee")
-            elif IEEE:
-                acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc)
-        else:
-            acc = acc + _weighted_values(p, v, IEEE, UPCAST, RND)
-        return acc
-
-    @triton.jit
-    def _box_scores(q, k_desc, idx_row, size_ptr, bias_ptr, j, live, row0, col, qk_scale, TILE: tl.constexpr,
-                    BLOCK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BIAS_MASK: tl.constexpr):
-        """The scores of key box j (BLOCK rows of a selected tile) in log2 units, its padding (and the whole box
-        where not `live`) at -inf; and the box's first row in the tile-ordered copies (for its V)."""
-        k_tile = tl.load(idx_row + j // (TILE // BLOCK))
-        sub = j % (TILE // BLOCK)
-        r = row0 + k_tile * TILE + sub * BLOCK
-        k = k_desc.load([r, col])
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = _scores(q, k, IEEE) * qk_scale
-        if BIAS_MASK:
-            # Branch-free: every box adds its rows' bias (0, or -inf on padding): no data-dependent branch in
-            # the loop body for the software pipeliner to work around.
-            s = s + tl.load(bias_ptr + k_tile * TILE + sub * BLOCK + tl.arange(0, BLOCK))[None, :]
-        else:
-            size = tl.load(size_ptr + k_tile)
-            if (sub + 1) * BLOCK > size:  # only a short tile's last box has padding to mask
-                s = tl.where(((sub * BLOCK + tl.arange(0, BLOCK)) < size)[None, :], s, float("-inf"))
-        s = tl.where(live, s, float("-inf"))
-        return s, r
-
-    @triton.jit
-    def _fine_tma_kernel(q_desc, k_desc, v_desc, o_ptr, g_ptr, c_ptr, rows_ptr, size_ptr, bias_ptr, idx_ptr,
-                         num_ptr, so_b, so_s, so_h, sg_b, sg_s, sg_h,
+    def _fine_tma_kernel(q_desc, k_desc, v_desc, o_ptr, g_ptr, c_ptr, rows_ptr, size_ptr, idx_ptr, num_ptr,
+                         so_b, so_s, so_h, sg_b, sg_s, sg_h,
                          idx_stride_b, idx_stride_h, idx_stride_q, num_stride_b, num_stride_h,
                          heads, num_tiles, qk_scale,
                          HEAD_DIM: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr,
-                         IEEE: tl.constexpr, UPCAST: tl.constexpr, RND: tl.constexpr, BOXES: tl.constexpr,
-                         BIAS_MASK: tl.constexpr, ACC_DOT: tl.constexpr):
+                         IEEE: tl.constexpr, UPCAST: tl.constexpr, RND: tl.constexpr):
         """The fine step over tile-ordered copies of q, k, v read by TMA: (B x n x TILE, H x D) 2-D views,
-        BLOCK x D boxes at (row of the tile, head's column); BOXES key boxes (1 or 2) a step, one softmax
-        rescale for both."""
+        BLOCK x D boxes at (row of the tile, head's column)."""
         block = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // heads
@@ -234,28 +194,27 @@ if triton is not None:
         hq = h.to(tl.int64)
         selected = tl.load(num_ptr + b * num_stride_b + h * num_stride_h + q_tile)
         idx_row = idx_ptr + bq * idx_stride_b + hq * idx_stride_h + q_tile * idx_stride_q
-        boxes = selected * (TILE // BLOCK)
-        # One BLOCK-row box of K and V per box, a larger tile's boxes in turn (unrolling them multiplied the
-        # pipeline's shared memory by TILE // BLOCK: 256-row tiles did not fit on the H200). The first box is
-        # the first selected tile's first rows, which are real (a tile's real rows come first), so the running
-        # maximum is finite from the first step on.
-        for j in range(0, boxes, BOXES):
-            s, r = _box_scores(q, k_desc, idx_row, size_ptr, bias_ptr, j, True, row0, col, qk_scale, TILE, BLOCK,
-                               IEEE, UPCAST, BIAS_MASK)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            if BOXES == 2:
-                # An odd count's last step reads its last box again, wholly masked: it adds exactly nothing.
-                s2, r2 = _box_scores(q, k_desc, idx_row, size_ptr, bias_ptr, tl.minimum(j + 1, boxes - 1),
-                                     j + 1 < boxes, row0, col, qk_scale, TILE, BLOCK, IEEE, UPCAST, BIAS_MASK)
-                m_new = tl.maximum(m_new, tl.max(s2, 1))
-            p = tl.exp2(s - m_new[:, None])
+        # One BLOCK-row box of K and V per step, a larger tile's boxes as consecutive steps (unrolling them
+        # multiplied the pipeline's shared memory by TILE // BLOCK: 256-row tiles did not fit on the H200).
+        for j in range(0, selected * (TILE // BLOCK)):
+            k_tile = tl.load(idx_row + j // (TILE // BLOCK))
+            sub = j % (TILE // BLOCK)
+            size = tl.load(size_ptr + k_tile)
+            within = sub * BLOCK + tl.arange(0, BLOCK)
+            r = row0 + k_tile * TILE + sub * BLOCK
+            k = k_desc.load([r, col])
+            if UPCAST:
+                k = k.to(tl.float32)
+            s = _scores(q, k, IEEE)
+            if (sub + 1) * BLOCK > size:  # only a short tile's last box has padding to mask
+                s = tl.where((within < size)[None, :], s, float("-inf"))
+            # The running maximum in scaled units: the scale rides in one fused multiply-add per score.
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = _accumulate(acc * alpha[:, None], p, v_desc.load([r, col]), IEEE, UPCAST, RND, ACC_DOT)
-            if BOXES == 2:
-                p2 = tl.exp2(s2 - m_new[:, None])
-                l_i += tl.sum(p2, 1)
-                acc = _accumulate(acc, p2, v_desc.load([r2, col]), IEEE, UPCAST, RND, ACC_DOT)
+            v = v_desc.load([r, col])
+            acc = acc * alpha[:, None] + _weighted_values(p, v, IEEE, UPCAST, RND)
             m_i = m_new
         q_rows = tl.load(rows_ptr + block * BLOCK + tl.arange(0, BLOCK))
         cols = tl.arange(0, HEAD_DIM)
@@ -349,31 +308,19 @@ def _tile_ordered(x: torch.Tensor, tiles: TileMap) -> torch.Tensor:
     return out.index_copy_(1, tiles.slot, x).view(b * tiles.num_tiles * tiles.tile, h * d)
 
 
-def _key_bias(tiles: TileMap) -> torch.Tensor:
-    """Each tile-ordered key row's additive mask in fp32: 0 on a tile's real rows, -inf on its padding."""
-    within = torch.arange(tiles.tile, device=tiles.sizes.device)
-    bias = torch.zeros(tiles.num_tiles, tiles.tile, dtype=torch.float32, device=tiles.sizes.device)
-    return bias.masked_fill_(within[None, :] >= tiles.sizes[:, None], float("-inf")).flatten()
-
-
 def _fine_tma(q, k, v, out, g, c, idx, num, tiles, gated, upcast, launch) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     b, _, h, d = q.shape
-    boxes, bias_mask, acc_dot = launch.pop("boxes", 1), launch.pop("bias_mask", False), launch.pop("acc_dot", False)
-    if boxes not in (1, 2) or (boxes == 2 and not bias_mask):
-        raise ValueError(f"the TMA kernel takes 1 key box a step, or 2 with bias_mask, not {boxes} "
-                         f"(bias_mask={bias_mask})")
     descs = [TensorDescriptor.from_tensor(_tile_ordered(x, tiles), [BLOCK, d]) for x in (q, k, v)]
-    bias = _key_bias(tiles) if bias_mask else c  # never read without bias_mask
     grid = (tiles.num_tiles * tiles.tile // BLOCK, b * h)
     _fine_tma_kernel[grid](
-        *descs, out, g, c, tiles.rows, tiles.sizes.to(torch.int32), bias, idx, num,
+        *descs, out, g, c, tiles.rows, tiles.sizes.to(torch.int32), idx, num,
         out.stride(0), out.stride(1), out.stride(2), g.stride(0), g.stride(1), g.stride(2),
         idx.stride(0), idx.stride(1), idx.stride(2), num.stride(0), num.stride(1),
         h, tiles.num_tiles, LOG2E / math.sqrt(d),
         HEAD_DIM=d, TILE=tiles.tile, BLOCK=BLOCK, GATED=gated, IEEE=q.dtype == torch.float32 or upcast,
-        UPCAST=upcast, RND=round_code(v.dtype), BOXES=boxes, BIAS_MASK=bias_mask, ACC_DOT=acc_dot, **launch)
+        UPCAST=upcast, RND=round_code(v.dtype), **launch)
 
 
 def block_sparse_fine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -66,7 +66,7 @@ class Unit:
     ready: object = None  # the copy's CUDA event
 
 
-def _tensors(module: nn.Module, skip: str | None):
+def module_tensors(module: nn.Module, skip: str | None = None):
     """(owner, name, tensor, is_param) of every parameter and buffer under `module`, but the `skip` child's."""
     for prefix, owner in module.named_modules():
         if skip is not None and (prefix == skip or prefix.startswith(skip + ".")):
@@ -107,7 +107,7 @@ def hold_on_host(module: nn.Module, skip: str | None, pin: bool) -> Held:
     as a unit, one registration for all of them, where a vision tower has hundreds of small tensors):
     `place_held` then puts them on a device by copying them up, and back on the host by pointing at the copies,
     without copying down (the weights never change)."""
-    items = list(_tensors(module, skip))
+    items = list(module_tensors(module, skip))
     if not pin:
         return Held((owner, name, is_param, t.detach().to("cpu")) for owner, name, t, is_param in items)
     unit = _pack("held on the host", items, pin=True)
@@ -130,7 +130,7 @@ def place_held(held: Held, device: torch.device | str) -> None:
 
 def packed_bytes(module: nn.Module, skip: str | None = None) -> int:
     """Bytes of the module's tensors packed as a unit (each aligned): what a slot must hold for it."""
-    return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, _, t, _ in _tensors(module, skip))
+    return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, _, t, _ in module_tensors(module, skip))
 
 
 PAGE = 4096
@@ -246,7 +246,7 @@ def _still_packed(unit: Unit, items: list) -> bool:
 def _unit(module: nn.Module, key: str, label: str, skip: str | None, pin: bool, adaln: bool = False,
           in_place: bool = False) -> Unit:
     """The module's packed unit: the one `restore` left when its tensors are still those views, else a new one."""
-    items = list(_tensors(module, skip))
+    items = list(module_tensors(module, skip))
     if in_place:
         module.__dict__.get(UNITS, {}).pop(key, None)
         return _in_place(label, items, adaln)
