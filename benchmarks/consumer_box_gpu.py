@@ -78,6 +78,7 @@ def main(argv=None) -> int:
     from h3_spark.cli import generate as g
     from h3_spark.cli.compose import check_flags, is_film
     from h3_spark.errors import InputError
+    from h3_spark.h3_model.engine.options import given_model_flags
     from h3_spark.h3_model.engine.recipes import check_recipe_mode
     from h3_spark.measure import stamp
 
@@ -87,8 +88,9 @@ def main(argv=None) -> int:
         torch.cuda.reset_peak_memory_stats()
     gen = build_parser().parse_args(["generate", *generate_argv])
     gen._argv = ["generate", *generate_argv]
-    if gen.demo or is_film(gen) or gen.gpus not in (None, 1):
-        raise InputError("this benchmark renders one clip on one GPU from the files given: no --demo, films or --gpus")
+    if gen.demo or not given_model_flags(gen) or is_film(gen) or gen.gpus not in (None, 1):
+        raise InputError("this benchmark renders one clip on one GPU from the model files given: no --demo (or no "
+                         "model flags), films or --gpus")
     log = g.stderr_log(gen, 0)
     g.resolve_frames(gen)
     g.use_demo_models(gen, log)

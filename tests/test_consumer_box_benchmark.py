@@ -71,7 +71,11 @@ def test_a_gpu_cap_needs_a_gpu(demo_models, tmp_path, monkeypatch):
                     *_generate(demo_models, tmp_path / "x.mp4")])
 
 
-def test_films_and_the_demo_are_refused(demo_models, tmp_path):
-    with pytest.raises(InputError, match="one clip on one GPU from the files given"):
-        bench.main(["--out", str(tmp_path / "x.json"), "--", *_generate(demo_models, tmp_path / "x.mp4"),
-                    "--seconds", "20"])
+@pytest.mark.parametrize("case", ["film", "demo", "no models"])
+def test_films_the_demo_and_no_model_files_are_refused(demo_models, tmp_path, case):
+    argv = {"film": [*_generate(demo_models, tmp_path / "x.mp4"), "--seconds", "20"],
+            "demo": ["--demo", "--out", str(tmp_path / "x.mp4")],
+            "no models": ["--prompt", "a fox", "--out", str(tmp_path / "x.mp4")]}[case]
+    with pytest.raises(InputError, match="one clip on one GPU from the model files given"):
+        bench.main(["--out", str(tmp_path / "x.json"), "--", *argv])
+    assert not (tmp_path / "x.json").exists()

@@ -39,7 +39,9 @@ LOG2E = 1.4426950408889634
 # receipts/h200/fasth3/). On sm_90 and later the TMA kernel over tile-ordered copies (the copies included, it
 # took 17.2 ms where the gather walk took 20.9 at S = 37,966, sparsity 0.9; 5 stages of K and V boxes). Elsewhere,
 # and in Triton's interpreter, the gather walk (`keys`: key rows a step; 128 or 256 measured slower on the H200;
-# its launch shape there is not measured on older GPUs).
+# its launch shape there is not measured on older GPUs). Measured slower on the H100 and not kept
+# (receipts/h100/vsa-attention-sweep-a5b26cb.json): two key boxes a step under one softmax rescale, a branch-free
+# padding bias, P.V accumulated in its product, 8 warps, and 2-4 stages (two blocks an SM).
 TMA_LAUNCH = {"keys": 64, "tma": True, "num_warps": 4, "num_stages": 5}
 GATHER_LAUNCH = {"keys": 64, "num_warps": 4, "num_stages": 1}
 
