@@ -5,10 +5,10 @@ The method and its PyTorch reference are in vsa_reference.py. q, k and v arrive 
 video tile is a 4x4x4 brick of patches scattered over that order, and `TileMap.rows` names each tile's rows.
 - `_pool_kernel`: the fp32 mean of each tile's rows, gathered through `TileMap.rows`, (B, H, n, D), for the
   coarse scores and values.
-- `_fine_tma_kernel` (sm_90 and later): q, k and v are first copied in tile order (zeros in the padding), then
-  each program (query block of 64 rows, batch x head) reads 64-row boxes of them by TMA, one K and one V box
-  a step over the key tiles its query tile selected (a compacted list per query tile), with an online softmax
-  in fp32; a short tile's padding is masked in its last box only.
+- `_fine_tma_kernel` (sm_90 and later): k and v are first copied in tile order (zeros in the padding), then
+  each program (query block of 64 rows, batch x head) gathers its q rows once and reads 64-row boxes of k and v
+  by TMA, one K and one V box a step over the key tiles its query tile selected (a compacted list per query
+  tile), with an online softmax in fp32; a short tile's padding is masked in its last box only.
 - `_fine_kernel` (other GPUs, Triton's interpreter): the same walk gathering the rows in packed order (no
   copies), KEYS rows a step.
 Both: Q.K and P.V are tensor-core products in the heads' dtype (fp32 accumulation; fp32 heads in IEEE fp32);
@@ -37,7 +37,8 @@ BLOCK = 64  # rows of a query or key block: a 64-row tile is one block, larger t
 LOG2E = 1.4426950408889634
 # Launch shapes of the fine kernel, from the sweeps on the H200 (benchmarks/vsa_attention_gpu.py --sweep,
 # receipts/h200/fasth3/). On sm_90 and later the TMA kernel over tile-ordered copies (the copies included, it
-# took 17.2 ms where the gather walk took 20.9 at S = 37,966, sparsity 0.9; 5 stages of K and V boxes). Elsewhere,
+# took 17.2 ms where the gather walk took 20.9 at S = 37,966, sparsity 0.9; 5 stages of K and V boxes; q is
+# gathered in place since, not measured yet). Elsewhere,
 # and in Triton's interpreter, the gather walk (`keys`: key rows a step; 128 or 256 measured slower on the H200;
 # its launch shape there is not measured on older GPUs). Measured slower on the H100 and not kept
 # (receipts/h100/vsa-attention-sweep-a5b26cb.json): two key boxes a step under one softmax rescale, a branch-free
@@ -171,14 +172,16 @@ if triton is not None:
                     bh, bq, hq, q_tile, num_tiles, so_b, so_s, so_h, sg_b, sg_s, sg_h, HEAD_DIM, GATED, RND)
 
     @triton.jit
-    def _fine_tma_kernel(q_desc, k_desc, v_desc, o_ptr, g_ptr, c_ptr, rows_ptr, size_ptr, idx_ptr, num_ptr,
-                         so_b, so_s, so_h, sg_b, sg_s, sg_h,
+    def _fine_tma_kernel(q_ptr, k_desc, v_desc, o_ptr, g_ptr, c_ptr, rows_ptr, size_ptr, idx_ptr, num_ptr,
+                         sq_b, sq_s, sq_h, so_b, so_s, so_h, sg_b, sg_s, sg_h,
                          idx_stride_b, idx_stride_h, idx_stride_q, num_stride_b, num_stride_h,
                          heads, num_tiles, qk_scale,
                          HEAD_DIM: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr,
                          IEEE: tl.constexpr, UPCAST: tl.constexpr, RND: tl.constexpr):
-        """The fine step over tile-ordered copies of q, k, v read by TMA: (B x n x TILE, H x D) 2-D views,
-        BLOCK x D boxes at (row of the tile, head's column)."""
+        """The fine step over tile-ordered copies of k and v read by TMA: (B x n x TILE, H x D) 2-D views,
+        BLOCK x D boxes at (row of the tile, head's column). q is read once a program, gathered from its packed
+        rows (zeros in the padding, as a copy would hold): a tile-ordered copy of it cost 1.0 of a VSA call's
+        20.8 ms on the H100 (receipts/h100/vsa-attention-sweep-a5b26cb.json) for one read."""
         block = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // heads
@@ -186,14 +189,18 @@ if triton is not None:
         q_tile = (block * BLOCK) // TILE
         row0 = b * num_tiles * TILE
         col = h * HEAD_DIM
-        q = q_desc.load([row0 + block * BLOCK, col])
+        bq = b.to(tl.int64)
+        hq = h.to(tl.int64)
+        q_rows = tl.load(rows_ptr + block * BLOCK + tl.arange(0, BLOCK))
+        q_ok = (q_rows >= 0)[:, None]
+        q_rows = q_rows.to(tl.int64)
+        cols = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + bq * sq_b + hq * sq_h + q_rows[:, None] * sq_s + cols[None, :], mask=q_ok, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK], dtype=tl.float32)
         acc = tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32)
-        bq = b.to(tl.int64)
-        hq = h.to(tl.int64)
         selected = tl.load(num_ptr + b * num_stride_b + h * num_stride_h + q_tile)
         idx_row = idx_ptr + bq * idx_stride_b + hq * idx_stride_h + q_tile * idx_stride_q
         # One BLOCK-row box of K and V per step, a larger tile's boxes as consecutive steps (unrolling them
@@ -218,11 +225,8 @@ if triton is not None:
             v = v_desc.load([r, col])
             acc = acc * alpha[:, None] + _weighted_values(p, v, IEEE, UPCAST, RND)
             m_i = m_new
-        q_rows = tl.load(rows_ptr + block * BLOCK + tl.arange(0, BLOCK))
-        cols = tl.arange(0, HEAD_DIM)
-        _store_rows(acc / l_i[:, None], o_ptr, g_ptr, c_ptr, q_rows.to(tl.int64), (q_rows >= 0)[:, None], cols,
-                    cols < HEAD_DIM, bh, bq, hq, q_tile, num_tiles, so_b, so_s, so_h, sg_b, sg_s, sg_h, HEAD_DIM,
-                    GATED, RND)
+        _store_rows(acc / l_i[:, None], o_ptr, g_ptr, c_ptr, q_rows, q_ok, cols, cols < HEAD_DIM, bh, bq, hq, q_tile,
+                    num_tiles, so_b, so_s, so_h, sg_b, sg_s, sg_h, HEAD_DIM, GATED, RND)
 
 
 def _heads(x: torch.Tensor) -> torch.Tensor:
@@ -314,11 +318,11 @@ def _fine_tma(q, k, v, out, g, c, idx, num, tiles, gated, upcast, launch) -> Non
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     b, _, h, d = q.shape
-    descs = [TensorDescriptor.from_tensor(_tile_ordered(x, tiles), [BLOCK, d]) for x in (q, k, v)]
+    descs = [TensorDescriptor.from_tensor(_tile_ordered(x, tiles), [BLOCK, d]) for x in (k, v)]
     grid = (tiles.num_tiles * tiles.tile // BLOCK, b * h)
     _fine_tma_kernel[grid](
-        *descs, out, g, c, tiles.rows, tiles.sizes.to(torch.int32), idx, num,
-        out.stride(0), out.stride(1), out.stride(2), g.stride(0), g.stride(1), g.stride(2),
+        q, *descs, out, g, c, tiles.rows, tiles.sizes.to(torch.int32), idx, num,
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2), g.stride(0), g.stride(1), g.stride(2),
         idx.stride(0), idx.stride(1), idx.stride(2), num.stride(0), num.stride(1),
         h, tiles.num_tiles, LOG2E / math.sqrt(d),
         HEAD_DIM=d, TILE=tiles.tile, BLOCK=BLOCK, GATED=gated, IEEE=q.dtype == torch.float32 or upcast,
