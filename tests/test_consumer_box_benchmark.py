@@ -79,3 +79,17 @@ def test_films_the_demo_and_no_model_files_are_refused(demo_models, tmp_path, ca
     with pytest.raises(InputError, match="one clip on one GPU from the model files given"):
         bench.main(["--out", str(tmp_path / "x.json"), "--", *argv])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_recipe_script_parses_and_calls_this_benchmark_with_its_flags():
+    """benchmarks/consumer_box_gpu.sh (the GPU machine's recipe: files, resident, cold boxes) is valid bash, and the
+    flags it hands this benchmark are ones its parser takes."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "consumer_box_gpu.sh"
+    done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    text = script.read_text()
+    assert "--warmup-steps 2 --" in text and '--gpu-cap "$cap" --' in text
+    args, rest = bench.parse(["--out", "x.json", "--warmup-steps", "2", "--gpu-cap", "24", "--", "--prompt", "p"])
+    assert (args.warmup_steps, args.gpu_cap, rest) == (2, 24.0, ["--prompt", "p"])
