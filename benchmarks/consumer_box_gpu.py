@@ -76,10 +76,9 @@ def main(argv=None) -> int:
 
     from h3_spark.cli import build_parser
     from h3_spark.cli import generate as g
-    from h3_spark.cli.compose import check_flags, is_film
+    from h3_spark.cli.compose import is_film
     from h3_spark.errors import InputError
     from h3_spark.h3_model.engine.options import given_model_flags
-    from h3_spark.h3_model.engine.recipes import check_recipe_mode
     from h3_spark.measure import stamp
 
     record = stamp.stamp_before()
@@ -91,18 +90,9 @@ def main(argv=None) -> int:
     if gen.demo or not given_model_flags(gen) or is_film(gen) or gen.gpus not in (None, 1):
         raise InputError("this benchmark renders one clip on one GPU from the model files given: no --demo (or no "
                          "model flags), films or --gpus")
-    log = g.stderr_log(gen, 0)
-    g.resolve_frames(gen)
-    g.use_demo_models(gen, log)
-    g.check_output_flags(gen)
     _, _, device = g.join_ranks(gen, 1)
-    options, settings = g.engine_options(gen, device, 1)
-    recipes = g.recipe_flags(gen, options)
-    req = g.build_request(gen, settings)
-    check_recipe_mode(recipes, req.mode)
-    check_flags(gen, req, None, 0)
-    engine = g.load_engine(gen, options, req.mode, log, audio=not req.still)
-    req = g.prepare_for(engine, req, recipes, options, 1, log)
+    log = g.stderr_log(gen, 0)
+    engine, req, options, _ = g.prepare(gen, device, 1, 0, 1, log)
     loaded = time.perf_counter()
     progress = g.progress_hook(gen, options.device, log)
     warmup = None

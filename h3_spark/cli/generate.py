@@ -135,6 +135,21 @@ def run(args) -> int:
         return relaunch_with_torchrun(args.gpus, command_argv(args), args.nnodes, args.node_rank, args.rdzv_endpoint)
     rank, world, device = join_ranks(args, world_size)
     log = stderr_log(args, rank)
+    engine, req, options, film_plan = prepare(args, device, world_size, rank, world, log)
+    if film_plan is not None:
+        return run_film(args, engine, req, film_plan, progress_hook(args, device, log), rank, options)
+    if rank:
+        engine.generate(req, on_progress=progress_hook(args, device, log))
+        return 0
+    result = render(args, engine, req, progress_hook(args, device, log))
+    if not args.quiet:
+        print(json.dumps(summarize(args, engine, req, result, options, world)))
+    return 0
+
+
+def prepare(args, device: str, world_size: int, rank: int, world: int, log):
+    """(engine, request, LoadOptions, film plan or None): the flags checked, every refusal made before any weight
+    is read, then the models loaded and the request's recipes applied; what `run` renders (and benchmarks time)."""
     still = resolve_frames(args)
     use_demo_models(args, log)
     film = is_film(args)  # before the request: a length within one generation becomes --frames
@@ -149,16 +164,7 @@ def run(args) -> int:
     engine = load_engine(args, options, req.mode, log, audio=not still)
     if embeddings is not None:
         engine.components.text_encoder.prompts.embeddings = embeddings
-    req = prepare_for(engine, req, recipes, options, world, log)
-    if film_plan is not None:
-        return run_film(args, engine, req, film_plan, progress_hook(args, device, log), rank, options)
-    if rank:
-        engine.generate(req, on_progress=progress_hook(args, device, log))
-        return 0
-    result = render(args, engine, req, progress_hook(args, device, log))
-    if not args.quiet:
-        print(json.dumps(summarize(args, engine, req, result, options, world)))
-    return 0
+    return engine, prepare_for(engine, req, recipes, options, world, log), options, film_plan
 
 
 def run_film(args, engine, req, film_plan, progress, rank: int, options) -> int:

@@ -531,15 +531,17 @@ class Visits:
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
-        self.parked: list[nn.Module] = []
-        self._held: dict[int, Held] = {}
-        self._depth: dict[int, int] = {}
+        self._held: dict[int, tuple[nn.Module, Held]] = {}  # id(module) -> (module, its host copies)
+        self._depth: dict[int, int] = {}  # id(module) -> visits open on it
+
+    @property
+    def parked(self) -> list[nn.Module]:
+        return [module for module, _ in self._held.values()]
 
     def park(self, module: nn.Module) -> None:
-        self._held[id(module)] = held = hold_on_host(module, None, pin=self.device.type == "cuda")
+        held = hold_on_host(module, None, pin=self.device.type == "cuda")
         place_held(held, "cpu")
-        if all(m is not module for m in self.parked):
-            self.parked.append(module)
+        self._held[id(module)] = (module, held)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -548,14 +550,14 @@ class Visits:
         if key in self._held:
             self._depth[key] = self._depth.get(key, 0) + 1
             if self._depth[key] == 1:
-                place_held(self._held[key], self.device)
+                place_held(self._held[key][1], self.device)
 
     def leave(self, module: nn.Module) -> None:
         key = id(module)
         if key in self._held:
             self._depth[key] -= 1
             if not self._depth[key]:
-                place_held(self._held[key], "cpu")
+                place_held(self._held[key][1], "cpu")
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
 
