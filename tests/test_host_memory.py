@@ -118,6 +118,30 @@ def test_available_memory_is_the_tightest_of_meminfo_and_each_cgroup_level(fake)
     assert host_memory.available_bytes() == 0
 
 
+def test_a_cgroup_full_of_clean_page_cache_still_has_that_much_available(fake):
+    # After reading a checkpoint a 32 GB box sits at its limit: most of its count is the files' pages, which the
+    # kernel drops before refusing memory; what is dirty or under writeback must be written first and is not counted.
+    rng = random.Random(17)
+    limit = 32 * GB
+    anon, active, inactive, dirty, writeback = (rng.randrange(GB // 10, 8 * GB) for _ in range(5))
+    dirty, writeback = dirty // 8, writeback // 8
+    current = min(limit, anon + active + inactive)
+    stat = (f"anon {anon}\nfile {active + inactive}\nshmem 4096\nactive_file {active}\ninactive_file {inactive}\n"
+            f"file_dirty {dirty}\nfile_writeback {writeback}\nunevictable 0\n")
+    _cgroup(fake, "/box", memory_max=f"{limit}\n", memory_current=f"{current}\n", memory_stat=stat)
+    clean = active + inactive - dirty - writeback
+    assert clean > 0  # the draw has clean cache to give back, so the count alone would be wrong
+    assert host_memory.available_bytes() == limit - (current - clean)
+    # A memory.stat that says nothing usable gives nothing back: the count alone, as without the file.
+    (fake / "cgroup" / "box" / "memory.stat").write_text("active_file lots\ninactive_file\n")
+    assert host_memory.available_bytes() == limit - current
+    (fake / "cgroup" / "box" / "memory.stat").unlink()
+    assert host_memory.available_bytes() == limit - current
+    # More dirty than cached (the counters are read at different instants): never more than the count.
+    (fake / "cgroup" / "box" / "memory.stat").write_text(f"active_file 10\ninactive_file 10\nfile_dirty {GB}\n")
+    assert host_memory.available_bytes() == limit - current
+
+
 @pytest.mark.parametrize("meminfo", [None, "MemTotal: 5 kB\n", "MemAvailable: lots kB\n", "MemAvailable: 5 MB\n"])
 def test_unknown_available_memory_reads_as_none(fake, meminfo):
     if meminfo is not None:

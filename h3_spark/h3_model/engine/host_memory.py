@@ -118,10 +118,27 @@ def cgroup_memory() -> dict | None:
             "peak_gb": _gb(_cgroup_bytes(folder, "memory.peak")), "current_gb": _gb(current)}
 
 
+def _reclaimable_file_bytes(folder: Path) -> int:
+    """The clean page cache a cgroup's count holds (memory.stat: the file LRU lists less what is dirty or under
+    writeback): the kernel drops it before refusing memory, as MemAvailable counts it on the machine. Shared memory
+    sits on the anonymous lists and is not in it. 0 when memory.stat is missing or says none of it."""
+    try:
+        lines = (folder / "memory.stat").read_text().splitlines()
+    except OSError:
+        return 0
+    stat = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            stat[parts[0]] = int(parts[1])
+    cached = stat.get("active_file", 0) + stat.get("inactive_file", 0)
+    return max(0, cached - stat.get("file_dirty", 0) - stat.get("file_writeback", 0))
+
+
 def available_bytes() -> int | None:
     """Host memory this process can still take: MemAvailable, or less where a cgroup v2 limit up the chain leaves
-    less (its limit less its count; the count holds page cache too, which the kernel reclaims before refusing, so
-    this errs low). None when the system does not say."""
+    less (its limit less its count, the count's clean page cache given back: a cgroup that has read a checkpoint
+    sits at its limit with the file's pages, which the kernel reclaims first). None when the system does not say."""
     candidates = [_kb_field(PROC_MEMINFO, "MemAvailable")]  # free memory plus the page cache it can drop
     path = cgroup_path()
     if path is not None:
@@ -130,7 +147,7 @@ def available_bytes() -> int | None:
         while True:
             limit, current = _cgroup_bytes(folder, "memory.max"), _cgroup_bytes(folder, "memory.current")
             if limit is not None and current is not None:
-                candidates.append(max(0, limit - current))
+                candidates.append(max(0, limit - max(0, current - _reclaimable_file_bytes(folder))))
             if folder == root or root not in folder.parents:
                 break
             folder = folder.parent
