@@ -1,0 +1,60 @@
+"""benchmarks/disk_read_cpu.py on a small file: every column reads the file's bytes (checked per unit against the
+file), the pages are dropped before each read, and bad columns are refused by name."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("disk_read_cpu",
+                                               Path(__file__).resolve().parents[1] / "benchmarks" / "disk_read_cpu.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_every_column_reads_the_whole_file_cold(tmp_path):
+    out = tmp_path / "disk.json"
+    assert bench.main(["--gb", "0.006", "--unit-mb", "1.5", "--repeats", "2", "--dir", str(tmp_path),
+                       "--columns", "sequential,willneed-2,pread-3", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["file_bytes"] == 6_000_000 and result["unit_bytes"] == int(1.5 * 2 ** 20) and result["units"] == 4
+    assert list(result["results"]) == ["sequential", "willneed-2", "pread-3"]
+    assert result["results"]["sequential"]["vs_first"] == 1.0
+    for row in result["results"].values():
+        assert len(row["seconds"]) == 2 and row["gb_per_s"] > 0
+        # The drop left (next to) nothing of the file in the page cache before each read.
+        assert all(f is None or f < 0.05 for f in row["resident_after_drop"])
+    assert not (tmp_path / "h3-disk-read.bin").exists()  # removed unless --keep
+
+
+def test_the_units_cover_the_file_once():
+    units = bench.units_of(10_000_001, 3_000_000)
+    assert units[0] == (0, 3_000_000) and units[-1] == (9_000_000, 1_000_001)
+    assert sum(n for _, n in units) == 10_000_001
+
+
+def test_a_column_that_reads_other_bytes_fails_the_run(tmp_path, monkeypatch):
+    real = bench.read_threads
+    monkeypatch.setattr(bench, "read_threads", lambda *a: real(*a)[:-1] + ["0" * 32])
+    with pytest.raises(SystemExit, match=r"^pread-2 read other bytes than the file holds$"):
+        bench.main(["--gb", "0.003", "--unit-mb", "1", "--repeats", "1", "--dir", str(tmp_path),
+                    "--columns", "sequential,pread-2", "--out", str(tmp_path / "d.json")])
+
+
+@pytest.mark.parametrize("columns, message", [
+    ("sequential,readahead-2", "--columns: 'readahead-2' is not sequential, willneed-D or pread-T (D, T >= 1)"),
+    ("pread-0", "--columns: 'pread-0' is not sequential, willneed-D or pread-T (D, T >= 1)"),
+    ("willneed", "--columns: 'willneed' is not sequential, willneed-D or pread-T (D, T >= 1)"),
+    (" , ", "--columns: none given"),
+])
+def test_bad_columns_are_refused_by_name(columns, message):
+    with pytest.raises(SystemExit, match="^" + message.replace("(", r"\(").replace(")", r"\)") + "$"):
+        bench.parse_columns(columns)
+
+
+def test_bad_sizes_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match=r"^--gb and --unit-mb must be positive, --repeats at least 1$"):
+        bench.main(["--gb", "0", "--out", str(tmp_path / "d.json")])
