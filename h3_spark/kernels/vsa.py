@@ -37,8 +37,9 @@ BLOCK = 64  # rows of a query or key block: a 64-row tile is one block, larger t
 LOG2E = 1.4426950408889634
 # Launch shapes of the fine kernel, from the sweeps on the H200 (benchmarks/vsa_attention_gpu.py --sweep,
 # receipts/h200/fasth3/). On sm_90 and later the TMA kernel over tile-ordered copies (the copies included, it
-# took 17.2 ms where the gather walk took 20.9 at S = 37,966, sparsity 0.9; 5 stages of K and V boxes; q is
-# gathered in place since, not measured yet). Elsewhere,
+# took 17.2 ms where the gather walk took 20.9 at S = 37,966, sparsity 0.9; 5 stages of K and V boxes; q gathered
+# in place since: 19.55 ms a whole VSA call against 20.96 on the H100, receipts/h100/vsa-attention-q-in-place-
+# a602637.json). Elsewhere,
 # and in Triton's interpreter, the gather walk (`keys`: key rows a step; 128 or 256 measured slower on the H200;
 # its launch shape there is not measured on older GPUs). Measured slower on the H100 and not kept
 # (receipts/h100/vsa-attention-sweep-a5b26cb.json): two key boxes a step under one softmax rescale, a branch-free
