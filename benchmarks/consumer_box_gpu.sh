@@ -25,16 +25,19 @@ render=(--dit "$box/dit.safetensors" --text-encoder "$box/te.safetensors" --toke
         --steps 20 --prompt "A red fox trots across a snowy meadow at dawn." --progress)
 export H3_ATTENTION=${H3_ATTENTION:-fa3}
 
-python3 benchmarks/consumer_box_gpu.py --out "$out/resident.json" --warmup-steps 2 -- "${render[@]}" \
-    --out "$box/resident.mp4" 2> "$out/resident.log"
+# SKIP_RESIDENT=1: the cold renders alone (a second call on a machine that measured the resident one already).
+[ "${SKIP_RESIDENT:-0}" = 1 ] || python3 benchmarks/consumer_box_gpu.py --out "$out/resident.json" --warmup-steps 2 \
+    -- "${render[@]}" --out "$box/resident.mp4" 2> "$out/resident.log"
 
 mkdir -p "$cgroup"
 echo +memory > "$(dirname "$cgroup")/cgroup.subtree_control" 2>/dev/null
 echo "${HOST_CAP:-32G}" > "$cgroup/memory.max" && echo 0 > "$cgroup/memory.swap.max" || exit 1
+# TAG names the cold receipts apart (cold-24$TAG.json): an A/B of an H3_* setting over two calls.
+TAG=${TAG:-}
 for cap in $caps; do
     sync && echo 3 > /proc/sys/vm/drop_caches
     # The subshell joins the cgroup, then becomes the benchmark: everything it maps and pins is counted there.
-    (echo $BASHPID > "$cgroup/cgroup.procs" && exec python3 benchmarks/consumer_box_gpu.py --out "$out/cold-$cap.json" \
-        --gpu-cap "$cap" -- "${render[@]}" --vram-budget "$cap" --out "$box/cold-$cap.mp4") 2> "$out/cold-$cap.log"
+    (echo $BASHPID > "$cgroup/cgroup.procs" && exec python3 benchmarks/consumer_box_gpu.py --out "$out/cold-$cap$TAG.json" \
+        --gpu-cap "$cap" -- "${render[@]}" --vram-budget "$cap" --out "$box/cold-$cap.mp4") 2> "$out/cold-$cap$TAG.log"
     echo "cold $cap GB: rc $?; the cgroup's peak so far $(cat "$cgroup/memory.peak" 2>/dev/null) of $(cat "$cgroup/memory.max")"
 done

@@ -278,13 +278,14 @@ def synthetic_components(preset: str, modes: list[str], device: str, dtype: torc
     (bytes, or "auto": the engine sizes the components from their configs and chooses) places them as the
     engine does for a smaller card, checked against `host_budget` as the front doors check it."""
     from ..h3_model.engine.engine import Engine
-    from ..h3_model.engine.flags import text_pin
+    from ..h3_model.engine.flags import read_threads, text_pin
     from ..h3_model.engine.loading import LoadOptions
 
     builders = component_builders(preset, modes, device, dtype, vae_dtype, seed, text_layer, dit_init, fasth3)
     options = LoadOptions(device=device, dtype=dtype, vae_dtype=vae_dtype, text_layer=text_layer, kernels=kernels,
                           vram_budget=vram_budget, prefetch_depth=prefetch_depth, plan_rows=plan_rows,
-                          host_budget=host_budget, text_pin=text_pin())
+                          host_budget=host_budget, text_pin=text_pin(),
+                          read_threads=read_threads())
     engine = Engine(options=options, overrides=builders)
 
     def progress(event) -> None:

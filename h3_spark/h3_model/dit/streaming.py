@@ -12,7 +12,9 @@ another block's weights.
 
 Units can also be left in place (`in_place`: the text encoder's layers, from the memory-mapped file's pages when
 the host has no room to pin them): copied from where they are, with the unit after the slots' read ahead
-(madvise WILLNEED) so that a cold file is read while the block before it runs.
+(madvise WILLNEED) so that a cold file is read while the block before it runs; or, given a page reader
+(`attach_reader`), `window` units ahead of the slots read by its threads, and read ahead of the first forward by
+`prime` (page_reader.py).
 
 The same tensors, the same kernels: a streamed forward is bit-identical to a resident one. On the CPU (tests)
 the copies are synchronous and the mechanism is otherwise the same.
@@ -64,6 +66,8 @@ class Unit:
     sources: list | None = None
     slot: int | None = None
     ready: object = None  # the copy's CUDA event
+    spans: list | None = None  # in place with a page reader: where the sources lie in their files
+    reading: object = None  # page_reader.Reading of the spans, in flight or done, not yet copied
 
 
 def module_tensors(module: nn.Module, skip: str | None = None):
@@ -313,6 +317,8 @@ class BlockStream:
         self._next_slot = 0
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.stats = StreamStats()
+        self.reader = None
+        self.window = 0
         self._hooks = []
         for i in self.order:
             self._hooks.append(blocks[i].register_forward_pre_hook(lambda m, a, i=i: self._enter(i)))
@@ -345,6 +351,37 @@ class BlockStream:
         """Bytes copied from tensors left where they were (file pages, pageable)."""
         return sum(u.nbytes for u in [*self.units.values(), *self.adaln.values()] if u.host is None)
 
+    def attach_reader(self, reader, window: int) -> str | None:
+        """Read in-place units with `reader` (page_reader.PageReader), `window` units beyond the slots; None when
+        attached, else why not (the madvise read-ahead stays). The stream owns the reader from here on."""
+        from .page_reader import file_spans
+
+        if not self.in_place:
+            reader.close(wait=False)
+            return "the units are packed in host memory: nothing to read"
+        spans = {i: file_spans(unit.sources) for i, unit in self.units.items()}
+        if any(s is None for s in spans.values()):
+            reader.close(wait=False)
+            return "a layer is not a view of its file's mapping: each copy reads its own pages (madvise read-ahead)"
+        for i, unit in self.units.items():
+            unit.spans = spans[i]
+        self.reader, self.window = reader, max(1, int(window))
+        return None
+
+    def prime(self) -> None:
+        """Start reading the first units ahead of the first forward (with a page reader; else nothing)."""
+        if self.reader is not None and self.order:
+            self._want(0)
+
+    def _want(self, k: int) -> None:
+        """The units from the k-th in order through `depth + window` of them (the wrap-around included, each unit
+        once) are in a slot or being read."""
+        n = len(self.order)
+        for p in range(k, k + min(n, self.depth + self.window)):
+            unit = self.units[self.order[p % n]]
+            if unit.slot is None and unit.reading is None:
+                unit.reading = self.reader.read(unit.spans)
+
     # ------------------------------------------------------------------ copies
     def _drop(self, unit: Unit) -> None:
         """Views out: an empty tensor in each place, so a use outside the block's turn cannot read stale data."""
@@ -362,6 +399,9 @@ class BlockStream:
         if previous is not None and previous is not unit:
             self._release(previous)
         target = self.slots[s][:unit.nbytes]
+        if unit.reading is not None:  # its pages are in the page cache once the reader's requests are done
+            unit.reading.wait()
+            unit.reading = None
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 if self.slot_free[s] is not None:
@@ -409,6 +449,8 @@ class BlockStream:
     def _enter(self, i: int) -> None:
         if i == self.order[0]:
             cold = self.units[i].slot is None
+            if cold and self.reader is not None:
+                self._want(0)
             for j in self.order[:self.depth]:  # a cold start (or the wrap-around's copies, already issued)
                 self._issue(self.units[j])
             if cold:  # else the wrap-around read it ahead already
@@ -425,9 +467,12 @@ class BlockStream:
         self._read_ahead(k + 1)
 
     def _read_ahead(self, k: int) -> None:
-        """In place, the unit copied after the ones in the slots (the block k-th in order plus `depth`) is read in
-        meanwhile; packed units are in memory already."""
-        if self.in_place:
+        """In place, the unit copied after the ones in the slots (the block k-th in order plus `depth`) is advised in
+        meanwhile, or with a page reader the `window` units after the slots are read; packed units are in memory
+        already."""
+        if self.reader is not None:
+            self._want(k)
+        elif self.in_place:
             read_ahead(self.units[self.order[(k + self.depth) % len(self.order)]])
 
     # ------------------------------------------------------------------ AdaLN tables
@@ -447,6 +492,11 @@ class BlockStream:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self.reader is not None:  # reads still queued are dropped; the ones running finish on their own
+            self.reader.close(wait=False)
+            self.reader = None
+            for unit in self.units.values():
+                unit.reading, unit.spans = None, None
 
     def restore(self) -> None:
         """Stop streaming: every streamed tensor becomes a view of its host buffer again (pinned, on the CPU),

@@ -346,6 +346,26 @@ class Engine:
             # The rest of the encoder (counted as held already) stays on the host for good, page-locked too.
             held = te.hold_outside_on_host(pin=torch.device(self.device).type == "cuda")
             self.host_plan["text_layers"]["outside_layers_held_bytes"] = held
+        else:
+            self._read_text_ahead(te, pinning.available_bytes)
+
+    def _read_text_ahead(self, te, available: int | None) -> None:
+        """Layers streamed from the file's pages are read by a page reader's threads, as many layers ahead of their
+        copies as the host's available memory holds in page cache (memory.read_ahead_window), starting now: a cold
+        file is read while the engine waits for its first request. The host plan reports it."""
+        from ..dit.page_reader import PageReader
+        from .memory import read_ahead_window
+
+        threads, plan = self.options.read_threads, self.host_plan["text_layers"]
+        if threads == 0:
+            plan["read_ahead"] = {"threads": 0, "why": "H3_READ_THREADS=0: the kernel reads the next layer ahead "
+                                                       "(madvise)"}
+            return
+        window, why = read_ahead_window(te.layer_stream, available)
+        refused = te.layer_stream.attach_reader(PageReader(threads), window)
+        plan["read_ahead"] = {"threads": 0 if refused else threads, "window_layers": 0 if refused else window,
+                              "why": refused or why}
+        te.layer_stream.prime()
 
     def _count_pinned_text(self, te) -> None:
         """The host plan's count of the text layers' page-locked buffers, as they are now."""

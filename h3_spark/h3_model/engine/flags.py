@@ -58,6 +58,27 @@ def text_pin(environ=None) -> str:
     return value
 
 
+READ_THREADS_DEFAULT = 8
+READ_THREADS_MAX = 64
+
+
+def read_threads(environ=None) -> int:
+    """H3_READ_THREADS: threads reading the text encoder's streamed layers from their file ahead of the copies
+    (dit/page_reader.py) when they stream from the file's pages; 0: the kernel's read-ahead of the next layer alone
+    (madvise), as before the reader."""
+    import os
+
+    from ...errors import InputError
+
+    text = (os.environ if environ is None else environ).get("H3_READ_THREADS", "").strip()
+    if not text:
+        return READ_THREADS_DEFAULT
+    if not text.isdigit() or int(text) > READ_THREADS_MAX:
+        raise InputError(f"H3_READ_THREADS must be a whole number from 0 to {READ_THREADS_MAX} (0: no reader "
+                         f"threads), got {text!r}")
+    return int(text)
+
+
 def vram_budget(flag: str | None, default: str | None = "auto") -> int | str | None:
     """--vram-budget, else H3_VRAM_BUDGET, else `default`: bytes, "auto" or None; an error names the source."""
     import os

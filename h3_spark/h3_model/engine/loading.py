@@ -49,6 +49,8 @@ class LoadOptions:
     # Streamed text-encoder layers in page-locked host memory: auto (when the host has room), on, off
     # (H3_TEXT_PIN; memory.text_pinning).
     text_pin: str = "auto"
+    # Threads reading streamed text layers from their file ahead of the copies; 0: madvise alone (H3_READ_THREADS).
+    read_threads: int = 8
 
     @property
     def loads_via_host(self) -> bool:

@@ -365,6 +365,25 @@ def stream_text_encoder(te, device: torch.device | str, depth: int = DEFAULT_DEP
     return stream
 
 
+# Available host memory a page reader leaves beside the text layers it reads ahead (memory.read_ahead_window).
+READ_AHEAD_HEADROOM = 4 * GB
+
+
+def read_ahead_window(stream: BlockStream, available: int | None) -> tuple[int, str]:
+    """(layers read ahead beyond the slots, why): as many of the stream's layers as `available` host memory
+    (host_memory.available_bytes) holds in page cache beside READ_AHEAD_HEADROOM, at least one; four when the host
+    does not say. Page cache is what the kernel reclaims first, so a window too large costs reads, not memory."""
+    n = len(stream.order)
+    largest = max((stream.units[i].nbytes for i in stream.order), default=0)
+    if n == 0 or largest == 0:
+        return 1, "no layers stream"
+    if available is None:
+        return min(n, 4), "the host's available memory is unknown: 4 layers ahead"
+    window = max(1, min(n, (available - READ_AHEAD_HEADROOM) // largest))
+    return window, (f"{gb(available)} available on the host holds {window} of {n} layers ({gb(window * largest)}) "
+                    f"in page cache beside {gb(READ_AHEAD_HEADROOM)}")
+
+
 # Host memory left available after the text layers are pinned: Python, torch and CUDA (~3 GB), the page cache of
 # what a request reads, and the decode's frame buffer (1.4 GB for 5 s at 1344x768; 17 GB for a minute's film).
 PIN_HEADROOM = 8 * GB

@@ -155,7 +155,7 @@ def load_options(args, device: str, world: int = 1, loras: list | None = None):
     import torch
 
     from ...kernels.settings import kernel_settings, vae_tile_batch
-    from .flags import check_depth, host_budget, text_pin
+    from .flags import check_depth, host_budget, read_threads, text_pin
     from .loading import LoadOptions
     from .vae_flags import vae_options
 
@@ -169,7 +169,7 @@ def load_options(args, device: str, world: int = 1, loras: list | None = None):
                           text_vision=getattr(args, "text_encoder_vision", None),
                           vae_tile_batch=vae_tile_batch(), vram_budget=placement_budget(args, world),
                           prefetch_depth=check_depth(args.prefetch_depth), host_budget=host_budget(args.host_budget),
-                          text_pin=text_pin())
+                          text_pin=text_pin(), read_threads=read_threads())
     return options, RequestSettings(vae_tile_size=tile or None, mlp_chunks=args.mlp_chunks)
 
 
