@@ -519,10 +519,10 @@ def test_streamed_text_layers_go_into_packed_host_buffers_when_the_host_has_room
     req = GenerationRequest(mode="t2va", prompt="a boat", width=64, height=64, frames=124, steps=3)
     want = _engine(builders).load(["t2va"]).generate(req)
 
-    def engine(budget, pin):
+    def engine(budget, pin, threads=8):
         return Engine(options=LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2,
                                           kernels=REFERENCE_KERNELS, vram_budget=budget, plan_rows=4096,
-                                          text_pin=pin), overrides=builders)
+                                          text_pin=pin, read_threads=threads), overrides=builders)
 
     roomy = engine(100 * memory.GB, "auto").load(["t2va"])
     budget, layers = _one_text_layer_budget(roomy), memory.text_layer_bytes(roomy.components.text_encoder)
@@ -556,10 +556,17 @@ def test_streamed_text_layers_go_into_packed_host_buffers_when_the_host_has_room
     assert off.components.text_encoder.layer_stream.in_place and off.host_plan["text_layers_pinned_bytes"] == 0
     assert off.components.text_encoder._held is None
     assert off.host_plan["text_layers"]["why"] == "off (H3_TEXT_PIN=off): copied from pageable memory"
+    unread = engine(budget, "off", threads=0).load(["t2va"])
+    assert unread.host_plan["text_layers"]["read_ahead"] == {
+        "threads": 0, "why": "H3_READ_THREADS=0: the kernel reads the next layer ahead (madvise)"}
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 0)
     cramped = engine(budget, "auto").load(["t2va"])
     assert cramped.components.text_encoder.layer_stream.in_place
     assert cramped.host_plan["text_layers"]["why"].startswith("0.0 MB available on the host, not ")
+    # Built in memory here (no file under the layers): the page reader has nothing to read, and says so.
+    assert cramped.host_plan["text_layers"]["read_ahead"] == {
+        "threads": 0, "window_layers": 0, "file_bytes": 0,
+        "why": "no layer is a view of its file's mapping: each copy reads its own pages (madvise read-ahead)"}
     got = cramped.generate(req)
     assert torch.equal(got.video_latents, want.video_latents)
 

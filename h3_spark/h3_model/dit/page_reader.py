@@ -51,19 +51,18 @@ def _file_mappings(maps: str = MAPS) -> list[tuple[int, int, int, str]]:
     return out
 
 
-def file_spans(tensors, maps: str = MAPS) -> list[FileSpan] | None:
-    """Where the tensors' bytes lie in the files they are mapped from, adjacent spans merged; None when one of them
-    is not a view of a file mapping (a copy in anonymous memory, say) or the system has no /proc/self/maps."""
-    mappings = _file_mappings(maps)
+def file_spans(tensors, mappings: list | None = None, maps: str = MAPS) -> list[FileSpan]:
+    """Where the tensors' bytes lie in the files they are mapped from, adjacent spans merged. A tensor that is no
+    view of a file mapping (a copy in anonymous memory, say) is in memory already: nothing to read, no span.
+    `mappings`: _file_mappings() read once for many calls."""
+    mappings = _file_mappings(maps) if mappings is None else mappings
     starts = [m[0] for m in mappings]
     spans: list[FileSpan] = []
     for t in tensors:
         ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-        if nbytes == 0:
-            continue
         k = bisect.bisect_right(starts, ptr) - 1
-        if k < 0 or ptr + nbytes > mappings[k][1]:
-            return None
+        if nbytes == 0 or k < 0 or ptr + nbytes > mappings[k][1]:
+            continue
         start, _, offset, path = mappings[k]
         span = FileSpan(path, offset + ptr - start, nbytes)
         last = spans[-1] if spans else None

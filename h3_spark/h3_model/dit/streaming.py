@@ -354,19 +354,25 @@ class BlockStream:
     def attach_reader(self, reader, window: int) -> str | None:
         """Read in-place units with `reader` (page_reader.PageReader), `window` units beyond the slots; None when
         attached, else why not (the madvise read-ahead stays). The stream owns the reader from here on."""
-        from .page_reader import file_spans
+        from .page_reader import _file_mappings, file_spans
 
         if not self.in_place:
             reader.close(wait=False)
             return "the units are packed in host memory: nothing to read"
-        spans = {i: file_spans(unit.sources) for i, unit in self.units.items()}
-        if any(s is None for s in spans.values()):
+        mappings = _file_mappings()
+        spans = {i: file_spans(unit.sources, mappings) for i, unit in self.units.items()}
+        if not any(spans.values()):
             reader.close(wait=False)
-            return "a layer is not a view of its file's mapping: each copy reads its own pages (madvise read-ahead)"
+            return "no layer is a view of its file's mapping: each copy reads its own pages (madvise read-ahead)"
         for i, unit in self.units.items():
-            unit.spans = spans[i]
+            unit.spans = spans[i]  # the tensors outside a mapping are in memory already
         self.reader, self.window = reader, max(1, int(window))
         return None
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes a page reader reads for one pass over the units (their tensors that are views of a file)."""
+        return sum(s.nbytes for u in self.units.values() for s in (u.spans or ()))
 
     def prime(self) -> None:
         """Start reading the first units ahead of the first forward (with a page reader; else nothing)."""
@@ -379,7 +385,7 @@ class BlockStream:
         n = len(self.order)
         for p in range(k, k + min(n, self.depth + self.window)):
             unit = self.units[self.order[p % n]]
-            if unit.slot is None and unit.reading is None:
+            if unit.slot is None and unit.reading is None and unit.spans:
                 unit.reading = self.reader.read(unit.spans)
 
     # ------------------------------------------------------------------ copies
