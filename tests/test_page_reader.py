@@ -166,6 +166,21 @@ def test_the_stream_reads_its_in_place_units_ahead_in_order_and_computes_the_sam
     stream.restore()
     assert stream.reader is None
 
+    # A window as large as the stream reads everything at once, and nothing again until the wrap-around's copies.
+    mods = _layers(path)
+    stream = streaming.BlockStream(mods, [0, 1, 2, 3, 4], "cpu", depth=2, in_place=True)
+    reader = PageReader(2, chunk=4096)
+    stream.attach_reader(reader, 5)
+    reads.clear()
+    real_read = reader.read
+    reader.read = lambda spans: (reads.append(next(i for i, u in stream.units.items() if u.spans is spans)),
+                                 real_read(spans))[1]
+    stream.prime()
+    assert reads == [0, 1, 2, 3, 4]
+    assert torch.equal(_run(mods, x), want)
+    assert reads == [0, 1, 2, 3, 4, 0, 1, 2]  # leaving units 2, 3 and 4: the next forward's first ones
+    stream.restore()
+
 
 def test_a_stream_of_anonymous_memory_keeps_the_madvise_read_ahead():
     mods = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))

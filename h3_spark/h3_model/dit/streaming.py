@@ -380,10 +380,12 @@ class BlockStream:
             self._want(0)
 
     def _want(self, k: int) -> None:
-        """The units from the k-th in order through `depth + window` of them (the wrap-around included, each unit
-        once) are in a slot or being read."""
+        """The units from the k-th in order through `depth + window` of them, up to this forward's last, are in a slot
+        or being read; into the next forward only as far as the wrap-around's copies go (`depth` ahead), so a unit
+        just copied is not read again at once however large the window."""
         n = len(self.order)
-        for p in range(k, k + min(n, self.depth + self.window)):
+        end = max(min(k + self.depth + self.window, n), min(k + self.depth + 1, k + n))
+        for p in range(k, end):
             unit = self.units[self.order[p % n]]
             if unit.slot is None and unit.reading is None and unit.spans:
                 unit.reading = self.reader.read(unit.spans)
