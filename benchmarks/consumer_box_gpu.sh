@@ -26,8 +26,8 @@ render=(--dit "$box/dit.safetensors" --text-encoder "$box/te.safetensors" --toke
 export H3_ATTENTION=${H3_ATTENTION:-fa3}
 
 # SKIP_RESIDENT=1: the cold renders alone (a second call on a machine that measured the resident one already).
-[ "${SKIP_RESIDENT:-0}" = 1 ] || python3 benchmarks/consumer_box_gpu.py --out "$out/resident.json" --warmup-steps 2 \
-    -- "${render[@]}" --out "$box/resident.mp4" 2> "$out/resident.log"
+[ "${SKIP_RESIDENT:-0}" = 1 ] || python3 benchmarks/consumer_box_gpu.py --out "$out/resident.json" \
+    --warmup-steps 2 -- "${render[@]}" --out "$box/resident.mp4" 2> "$out/resident.log"
 
 mkdir -p "$cgroup"
 echo +memory > "$(dirname "$cgroup")/cgroup.subtree_control" 2>/dev/null
