@@ -569,6 +569,12 @@ def test_streamed_text_layers_go_into_packed_host_buffers_when_the_host_has_room
         "why": "no layer is a view of its file's mapping: each copy reads its own pages (madvise read-ahead)"}
     got = cramped.generate(req)
     assert torch.equal(got.video_latents, want.video_latents)
+    # A give-back streams the kept layer too, in place as before: the new stream is weighed for a reader again.
+    assert cramped.components.text_encoder.kept_layers == 1
+    del cramped.host_plan["text_layers"]["read_ahead"]
+    cramped._give_back_kept("a long request", 0)
+    assert cramped.components.text_encoder.kept_layers == 0
+    assert cramped.host_plan["text_layers"]["read_ahead"]["why"].startswith("no layer is a view of its file's mapping")
 
 
 def test_a_controlnet_tower_takes_the_spare_room(builders, tmp_path):

@@ -464,6 +464,10 @@ class Engine:
                 self._count_pinned_text(te)
             elif self.host_plan is not None and "text_layers" not in self.host_plan:
                 self._pin_text_layers(te)
+            elif self.host_plan is not None:  # in place as before: the new stream reads ahead as the old one did
+                from .host_memory import available_bytes
+
+                self._read_text_ahead(te, available_bytes())
             self.pipeline.offload_text_encoder = True
             kept_bytes -= keep.text_bytes
         if vaes and kept_bytes + need > keep.room_bytes:
