@@ -192,6 +192,23 @@ def test_a_stream_of_anonymous_memory_keeps_the_madvise_read_ahead():
     assert packed.attach_reader(PageReader(2), 4) == "the units are packed in host memory: nothing to read"
 
 
+def test_a_mapped_file_this_process_cannot_open_keeps_the_madvise_read_ahead(tmp_path, monkeypatch):
+    path = tmp_path / "layers.safetensors"
+    _layers_file(path)
+    stream = streaming.BlockStream(_layers(path), [0, 1, 2, 3, 4], "cpu", depth=2, in_place=True)
+    real_open = os.open
+
+    def refuse(name, *args, **kwargs):
+        if str(name) == str(path):
+            raise PermissionError(13, "Permission denied", str(name))
+        return real_open(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse)
+    assert stream.attach_reader(PageReader(2), 4) == (f"{path} cannot be opened to read ahead (Permission denied): "
+                                                      "madvise read-ahead")
+    assert stream.reader is None
+
+
 def test_the_read_ahead_window_is_what_the_host_holds_in_page_cache(tmp_path):
     path = tmp_path / "layers.safetensors"
     _layers_file(path, count=6)

@@ -111,6 +111,14 @@ class PageReader:
                 jobs.append(self._pool.submit(self._read, span.path, offset, min(self.chunk, end - offset)))
         return Reading(jobs)
 
+    def open(self, paths) -> None:
+        """Open the files to be read now, so that a file this process cannot open is refused before any read is
+        queued (OSError), not in the thread that waits for its pages."""
+        with self._lock:
+            for path in paths:
+                if path not in self._fds:
+                    self._fds[path] = os.open(path, os.O_RDONLY)
+
     def _fd(self, path: str) -> int:
         with self._lock:
             fd = self._fds.get(path)

@@ -364,6 +364,11 @@ class BlockStream:
         if not any(spans.values()):
             reader.close(wait=False)
             return "no layer is a view of its file's mapping: each copy reads its own pages (madvise read-ahead)"
+        try:
+            reader.open({s.path for unit_spans in spans.values() for s in unit_spans})
+        except OSError as exc:
+            reader.close(wait=False)
+            return f"{exc.filename} cannot be opened to read ahead ({exc.strerror}): madvise read-ahead"
         for i, unit in self.units.items():
             unit.spans = spans[i]  # the tensors outside a mapping are in memory already
         self.reader, self.window = reader, max(1, int(window))
