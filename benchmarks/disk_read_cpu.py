@@ -19,7 +19,12 @@ over --repeats, each a median GB/s:
   with `advise_willneed` (madvise WILLNEED) while the current unit is copied out of the mapping; D = 1 is what the
   stream does today;
 - `pread-T`: T threads, each reading its share of a unit with pread, unit after unit (the page reader queues its
-  8 MB requests across units, so it keeps at least as many in flight).
+  8 MB requests across units, so it keeps at least as many in flight);
+- `stream-T`: the product's own path: the file mapped copy-on-write as safetensors maps a checkpoint, each unit a
+  module whose buffer is a view of the mapping, streamed in place by `BlockStream` on the CPU (a copy is a memcpy
+  into a slot) with a page reader of T threads (`dit/page_reader.py`, every unit in its window and primed first,
+  as in the 24 GB / 32 GB box), or T = 0: the madvise read-ahead (H3_READ_THREADS=0). The stream's wrap-around
+  copies the first two units again at the end (from the page cache), as it does between prompts.
 Every column checks what it read against the file, unit by unit (64 sampled pages, the last one included), so a
 faster column cannot be a shorter read.
 """
@@ -42,7 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CHUNK = 8 * 2 ** 20
-DEFAULT_COLUMNS = "sequential,willneed-1,willneed-4,pread-4,pread-8,pread-16"
+DEFAULT_COLUMNS = "sequential,willneed-1,willneed-4,pread-4,pread-8,pread-16,stream-0,stream-8"
 
 
 def write_file(path: Path, nbytes: int, seed: int = 0) -> None:
@@ -173,6 +178,44 @@ def read_threads(path: Path, units, buf: np.ndarray, threads: int, pool: ThreadP
     return out
 
 
+def read_stream(path: Path, units, threads: int) -> list[str]:
+    """`stream-T`: BlockStream in place over the mapped file, each unit's forward fingerprinting its slot's bytes."""
+    import gc
+
+    import torch
+
+    from h3_spark.h3_model.dit.page_reader import PageReader
+    from h3_spark.h3_model.dit.streaming import BlockStream
+
+    class Unit(torch.nn.Module):
+        def forward(self, out: list) -> None:
+            out.append(digest(memoryview(self.data.numpy())))
+
+    out: list[str] = []
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        whole = torch.frombuffer(mm, dtype=torch.uint8)
+        mods = torch.nn.ModuleList()
+        for off, n in units:
+            mods.append(Unit())
+            mods[-1].register_buffer("data", whole[off:off + n])
+        stream = BlockStream(mods, list(range(len(mods))), "cpu", depth=2, in_place=True)
+        if threads:
+            why = stream.attach_reader(PageReader(threads), len(mods))
+            if why is not None:
+                raise SystemExit(f"stream-{threads}: no page reader ({why})")
+            stream.prime()
+        for m in mods:
+            m(out)
+        stream.restore()
+        del stream, mods, whole, m
+    finally:
+        gc.collect()
+        mm.close()
+    return out
+
+
 def parse_columns(text: str) -> list[tuple[str, int]]:
     columns = []
     for name in (c.strip() for c in text.split(",") if c.strip()):
@@ -181,8 +224,11 @@ def parse_columns(text: str) -> list[tuple[str, int]]:
             columns.append((name, 0))
         elif kind in ("willneed", "pread") and n.isdigit() and int(n) >= 1:
             columns.append((name, int(n)))
+        elif kind == "stream" and n.isdigit():
+            columns.append((name, int(n)))
         else:
-            raise SystemExit(f"--columns: {name!r} is not sequential, willneed-D or pread-T (D, T >= 1)")
+            raise SystemExit(f"--columns: {name!r} is not sequential, willneed-D, pread-T or stream-T (D, T >= 1; "
+                             "stream-0: no page reader)")
     if not columns:
         raise SystemExit("--columns: none given")
     return columns
@@ -225,6 +271,8 @@ def main(argv=None) -> int:
                     got = read_sequential(path, units, buf)
                 elif name.startswith("willneed"):
                     got = read_willneed(path, units, buf, n)
+                elif name.startswith("stream"):
+                    got = read_stream(path, units, n)
                 else:
                     got = read_threads(path, units, buf, n, pool)
                 seconds[name].append(time.perf_counter() - t0)

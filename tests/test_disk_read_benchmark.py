@@ -18,10 +18,10 @@ _spec.loader.exec_module(bench)
 def test_every_column_reads_the_whole_file_cold(tmp_path):
     out = tmp_path / "disk.json"
     assert bench.main(["--gb", "0.006", "--unit-mb", "1.5", "--repeats", "2", "--dir", str(tmp_path),
-                       "--columns", "sequential,willneed-2,pread-3", "--out", str(out)]) == 0
+                       "--columns", "sequential,willneed-2,pread-3,stream-0,stream-2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["file_bytes"] == 6_000_000 and result["unit_bytes"] == int(1.5 * 2 ** 20) and result["units"] == 4
-    assert list(result["results"]) == ["sequential", "willneed-2", "pread-3"]
+    assert list(result["results"]) == ["sequential", "willneed-2", "pread-3", "stream-0", "stream-2"]
     assert result["results"]["sequential"]["vs_first"] == 1.0
     for row in result["results"].values():
         assert len(row["seconds"]) == 2 and row["gb_per_s"] > 0
@@ -59,13 +59,15 @@ def test_a_column_that_reads_other_bytes_fails_the_run(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("columns, message", [
-    ("sequential,readahead-2", "--columns: 'readahead-2' is not sequential, willneed-D or pread-T (D, T >= 1)"),
-    ("pread-0", "--columns: 'pread-0' is not sequential, willneed-D or pread-T (D, T >= 1)"),
-    ("willneed", "--columns: 'willneed' is not sequential, willneed-D or pread-T (D, T >= 1)"),
+    ("sequential,readahead-2", "--columns: 'readahead-2' is not sequential, willneed-D, pread-T or stream-T (D, T >= 1; stream-0: no page reader)"),
+    ("pread-0", "--columns: 'pread-0' is not sequential, willneed-D, pread-T or stream-T (D, T >= 1; stream-0: no page reader)"),
+    ("stream-x", "--columns: 'stream-x' is not sequential, willneed-D, pread-T or stream-T (D, T >= 1; stream-0: no "
+                 "page reader)"),
+    ("willneed", "--columns: 'willneed' is not sequential, willneed-D, pread-T or stream-T (D, T >= 1; stream-0: no page reader)"),
     (" , ", "--columns: none given"),
 ])
 def test_bad_columns_are_refused_by_name(columns, message):
-    with pytest.raises(SystemExit, match="^" + message.replace("(", r"\(").replace(")", r"\)") + "$"):
+    with pytest.raises(SystemExit, match="^" + message.replace("(", r"\(").replace(")", r"\)").replace(";", ";") + "$"):
         bench.parse_columns(columns)
 
 
