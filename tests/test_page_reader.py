@@ -1,5 +1,5 @@
-"""dit/page_reader.py: where memory-mapped tensors lie in their file, a reader that puts those pages in the page cache
-with several threads, and the text encoder's in-place stream reading its layers ahead with it."""
+"""dit/page_reader.py: a reader that brings the pages under memory-mapped tensors into memory with several threads, and
+the text encoder's in-place stream reading its layers ahead with it."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from h3_spark.errors import CheckpointError, InputError
+from h3_spark.errors import InputError
 from h3_spark.h3_model.dit import streaming
-from h3_spark.h3_model.dit.page_reader import FileSpan, PageReader, file_spans
+from h3_spark.h3_model.dit.page_reader import PageReader, touch_pages
 from h3_spark.h3_model.engine.flags import read_threads
 from h3_spark.h3_model.engine.memory import GB, READ_AHEAD_HEADROOM, read_ahead_window
 
@@ -37,90 +37,81 @@ def _run(mods, x):
     return x
 
 
-def _resident(path, span):
-    """mincore over one span of the file: the fraction of its pages in the page cache (None off Linux)."""
+def _resident(addr: int, nbytes: int):
+    """mincore over [addr, addr + nbytes) of this process: the fraction of its pages in memory (None off Linux)."""
     import ctypes
     import mmap
-
-    import numpy as np
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
     page = mmap.PAGESIZE
-    first, last = span.offset // page, (span.offset + span.nbytes - 1) // page
+    first, last = addr // page, (addr + nbytes - 1) // page
     vec = ctypes.create_string_buffer(last - first + 1)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
-        arr = np.frombuffer(mm, dtype=np.uint8)
-        rc = libc.mincore(arr.ctypes.data + first * page, (last - first + 1) * page, vec)
-        del arr
-    return None if rc != 0 else sum(b & 1 for b in vec.raw) / (last - first + 1)
+    if libc.mincore(first * page, (last - first + 1) * page, vec) != 0:
+        return None
+    return sum(b & 1 for b in vec.raw) / (last - first + 1)
 
 
-def test_file_spans_are_where_the_mapped_tensors_lie_in_the_file(tmp_path):
-    path = tmp_path / "layers.safetensors"
-    _layers_file(path)
-    with safe_open(str(path), framework="pt") as f:
-        tensors = [f.get_tensor("3.weight"), f.get_tensor("3.bias")]
-    spans = file_spans(tensors)
-    assert spans is not None and len(spans) in (1, 2) and all(s.path == str(path) for s in spans)
-    assert sum(s.nbytes for s in spans) == 48 * 48 * 4 + 48 * 4
-    data = path.read_bytes()
-    if len(spans) == 2:  # each tensor's own bytes, at its own place in the file
-        for span, t in zip(spans, tensors):
-            assert data[span.offset:span.offset + span.nbytes] == t.numpy().tobytes()
-    else:
-        assert data[spans[0].offset:spans[0].offset + spans[0].nbytes] == b"".join(t.numpy().tobytes() for t in tensors)
-    assert file_spans([torch.randn(8)]) == []  # anonymous memory: in memory already, nothing to read
-    assert file_spans([tensors[0]], maps=str(tmp_path / "no-maps")) == []
-    assert file_spans([torch.randn(8), tensors[1]]) == file_spans([tensors[1]])
+def _cold_mapping(path, nbytes, seed=1):
+    """A file of random bytes, written, synced and dropped from the page cache, mapped copy-on-write as safetensors
+    maps a checkpoint: (mapping, uint8 tensor over it), or a skip where the pages do not drop."""
+    import mmap
 
-
-def test_adjacent_tensors_merge_into_one_span(tmp_path):
-    path = tmp_path / "one.safetensors"
-    save_file({"a": torch.randn(1000), "b": torch.randn(1000)}, path)
-    with safe_open(str(path), framework="pt") as f:
-        a, b = f.get_tensor("a"), f.get_tensor("b")
-    first, second = sorted([a, b], key=lambda t: t.data_ptr())
-    assert first.data_ptr() + 4000 == second.data_ptr()
-    [span] = file_spans([first, second])
-    assert span.nbytes == 8000 and path.read_bytes()[span.offset:span.offset + 8000] == (
-        first.numpy().tobytes() + second.numpy().tobytes())
-
-
-def test_the_reader_puts_the_spans_pages_in_the_page_cache(tmp_path):
-    path = tmp_path / "big.bin"
-    rng = torch.Generator().manual_seed(1)
-    path.write_bytes(torch.randint(0, 256, (6 * 2 ** 20,), dtype=torch.uint8, generator=rng).numpy().tobytes())
+    rng = torch.Generator().manual_seed(seed)
+    path.write_bytes(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=rng).numpy().tobytes())
     fd = os.open(path, os.O_RDONLY)
     os.fsync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
-    span = FileSpan(str(path), 4096 * 100, 3 * 2 ** 20)
-    before = _resident(path, span)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    flat = torch.frombuffer(mm, dtype=torch.uint8)
+    before = _resident(flat.data_ptr(), nbytes)
     if before is None or before > 0.05:
         pytest.skip("this filesystem keeps a file's pages whatever the advice (nothing to drop)")
+    return mm, flat
+
+
+def test_the_reader_brings_every_page_of_its_tensors_into_memory_and_copies_nothing(tmp_path):
+    nbytes = 6 * 2 ** 20 + 1234  # not a whole number of pages: the last one is read too
+    mm, flat = _cold_mapping(tmp_path / "big.bin", nbytes)
+    part = flat[4096 * 100 + 7:]  # starts inside a page
     reader = PageReader(3, chunk=2 ** 18)
-    reading = reader.read([span])
+    reading = reader.read([part])
     reading.wait()
-    assert reading.done() and reader.bytes_read == span.nbytes and _resident(path, span) == 1.0
+    assert reading.done() and reader.bytes_read == part.numel()
+    assert _resident(part.data_ptr(), part.numel()) == 1.0
+    assert _resident(flat.data_ptr(), 4096 * 99) < 0.5  # before the tensor: not read
+    assert torch.equal(part[:1000], torch.frombuffer(bytearray((tmp_path / "big.bin").read_bytes()[409607:410607]),
+                                                     dtype=torch.uint8))
     reader.close()
+    del flat, part
+    mm.close()
 
 
-def test_a_file_shorter_than_its_spans_fails_where_the_pages_are_needed(tmp_path):
-    path = tmp_path / "short.bin"
-    path.write_bytes(os.urandom(10_000))
-    reader = PageReader(2, chunk=4096)
-    reading = reader.read([FileSpan(str(path), 8192, 4096)])
-    with pytest.raises(CheckpointError, match=r"short\.bin: the file ends before byte 12288 \(read ahead of a "
-                                              r"streamed layer's copy; the file changed since it was loaded\)$"):
-        reading.wait()
+def test_touch_pages_covers_the_last_page_of_a_range(tmp_path):
+    mm, flat = _cold_mapping(tmp_path / "edge.bin", 5 * 4096)
+    # From byte 100 to 2 pages and 50 bytes on: the stride lands in pages 0 and 1; the last byte is in page 2.
+    assert touch_pages(flat, 100, 2 * 4096 + 150) == 2 * 4096 + 50
+    assert _resident(flat.data_ptr(), 3 * 4096) == 1.0
+    assert touch_pages(flat, 10, 10) == 0
+    del flat
+    mm.close()
+
+
+def test_a_reader_refuses_tensors_it_cannot_read():
+    reader = PageReader(1)
+    with pytest.raises(InputError, match=r"^a page reader reads contiguous host tensors, got one on cpu "
+                                         r"\(contiguous: False\)$"):
+        reader.read([torch.randn(8, 8).t()])
     reader.close()
 
 
 @pytest.mark.parametrize("threads, chunk, message", [
     (0, 2 ** 20, r"^a page reader needs at least one thread, got 0$"),
     (True, 2 ** 20, r"^a page reader needs at least one thread, got True$"),
-    (2, 100, r"^a page reader's request must be at least one page \(4096 bytes\), got 100$"),
+    (2, 100, r"^a page reader's piece must be a whole number of pages \(4096 bytes\), got 100$"),
+    (2, 6000, r"^a page reader's piece must be a whole number of pages \(4096 bytes\), got 6000$"),
 ])
 def test_a_reader_refuses_bad_settings(threads, chunk, message):
     with pytest.raises(InputError, match=message):
@@ -130,25 +121,24 @@ def test_a_reader_refuses_bad_settings(threads, chunk, message):
 def test_the_stream_reads_its_in_place_units_ahead_in_order_and_computes_the_same(tmp_path, monkeypatch):
     """With a page reader, an in-place stream reads `depth + window` units ahead, from `prime` on and through the
     wrap-around, each unit once until it is copied, and every copy waits for its unit's reads; the forward is the
-    resident one's, bit for bit. The kernel's madvise read-ahead is not used."""
+    resident one's, bit for bit. The stream's own one-unit madvise read-ahead is not used."""
     path = tmp_path / "layers.safetensors"
     _layers_file(path)
     x = torch.randn(3, 48)
     want = _run(_layers(path), x)
     mods = _layers(path)
     stream = streaming.BlockStream(mods, [0, 1, 2, 3, 4], "cpu", depth=2, in_place=True)
-    monkeypatch.setattr(streaming, "advise_willneed", lambda ptr, n: pytest.fail("madvise with a page reader"))
+    monkeypatch.setattr(streaming, "read_ahead", lambda unit: pytest.fail("the stream's own madvise with a reader"))
     reader = PageReader(3, chunk=4096)
     assert stream.attach_reader(reader, 2) is None and stream.reader is reader and stream.window == 2
-    assert stream.file_bytes == 5 * (48 * 48 + 48) * 4
     unit_of = {id(stream.units[i]): i for i in range(5)}
     reads, waits = [], []
     real_read = reader.read
 
-    def read(spans):
-        unit = next(u for u in stream.units.values() if u.spans is spans)
+    def read(tensors):
+        unit = next(u for u in stream.units.values() if u.sources is tensors)
         reads.append(unit_of[id(unit)])
-        reading = real_read(spans)
+        reading = real_read(tensors)
         real_wait = reading.wait
         reading.wait = lambda: (waits.append(unit_of[id(unit)]), real_wait())[1]
         return reading
@@ -162,7 +152,10 @@ def test_the_stream_reads_its_in_place_units_ahead_in_order_and_computes_the_sam
     assert reads[:8] == [0, 1, 2, 3, 4, 0, 1, 2] and len(reads) == len(waits) + sum(
         u.reading is not None for u in stream.units.values())
     assert waits[:5] == [0, 1, 2, 3, 4]
-    assert reader.bytes_read > 0
+    for unit in stream.units.values():  # the next forward's, still in flight
+        if unit.reading is not None:
+            unit.reading.wait()
+    assert reader.bytes_read == len(reads) * (48 * 48 + 48) * 4
     stream.restore()
     assert stream.reader is None
 
@@ -173,8 +166,8 @@ def test_the_stream_reads_its_in_place_units_ahead_in_order_and_computes_the_sam
     stream.attach_reader(reader, 5)
     reads.clear()
     real_read = reader.read
-    reader.read = lambda spans: (reads.append(next(i for i, u in stream.units.items() if u.spans is spans)),
-                                 real_read(spans))[1]
+    reader.read = lambda tensors: (reads.append(next(i for i, u in stream.units.items() if u.sources is tensors)),
+                                   real_read(tensors))[1]
     stream.prime()
     assert reads == [0, 1, 2, 3, 4]
     assert torch.equal(_run(mods, x), want)
@@ -182,31 +175,10 @@ def test_the_stream_reads_its_in_place_units_ahead_in_order_and_computes_the_sam
     stream.restore()
 
 
-def test_a_stream_of_anonymous_memory_keeps_the_madvise_read_ahead():
-    mods = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
-    stream = streaming.BlockStream(mods, [0, 1, 2], "cpu", depth=2, in_place=True)
-    why = stream.attach_reader(PageReader(2), 4)
-    assert why == ("no layer is a view of its file's mapping: each copy reads its own pages (madvise read-ahead)")
-    assert stream.reader is None
+def test_a_packed_stream_has_nothing_for_a_reader():
     packed = streaming.BlockStream(torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3)), [0, 1, 2], "cpu")
     assert packed.attach_reader(PageReader(2), 4) == "the units are packed in host memory: nothing to read"
-
-
-def test_a_mapped_file_this_process_cannot_open_keeps_the_madvise_read_ahead(tmp_path, monkeypatch):
-    path = tmp_path / "layers.safetensors"
-    _layers_file(path)
-    stream = streaming.BlockStream(_layers(path), [0, 1, 2, 3, 4], "cpu", depth=2, in_place=True)
-    real_open = os.open
-
-    def refuse(name, *args, **kwargs):
-        if str(name) == str(path):
-            raise PermissionError(13, "Permission denied", str(name))
-        return real_open(name, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", refuse)
-    assert stream.attach_reader(PageReader(2), 4) == (f"{path} cannot be opened to read ahead (Permission denied): "
-                                                      "madvise read-ahead")
-    assert stream.reader is None
+    assert packed.reader is None
 
 
 def test_the_read_ahead_window_is_what_the_host_holds_in_page_cache(tmp_path):

@@ -1,80 +1,44 @@
-"""Reading the file pages under memory-mapped host tensors with several threads, ahead of the copies that need them.
+"""Bringing the file pages under memory-mapped host tensors into memory with several threads, ahead of the copies
+that need them.
 
 The text encoder's streamed layers are copied from the memory-mapped checkpoint (streaming.BlockStream, in place)
 when the host has no room to pin them. From a cold page cache such a copy waits on its pages one readahead window
-at a time, with at most the next unit advised (madvise WILLNEED). A disk that serves several requests at once
-delivers more: here T threads pread(2) a unit's bytes, 8 MB a request, into scratch buffers of their own, so the
-pages land in the page cache where the copy then finds them, several units ahead of it. The bytes read are not
-kept: the page cache is the buffer (the kernel reclaims it first), so reading ahead costs no host memory of the
-process's own. benchmarks/disk_read_cpu.py measures both ways on a machine's disk.
+at a time, with at most the next unit advised (madvise WILLNEED). Here T threads take a unit 8 MB at a time: each
+advises its piece (the kernel queues the whole piece's reads at once) and then reads one byte of every page of it
+through the mapping, which returns once the pages are in memory and mapped. Nothing is copied: the page cache is
+the buffer (the kernel reclaims it first), so reading ahead costs no host memory of the process's own and no
+memory bandwidth, and the copy that follows finds its pages mapped. A job keeps its tensor alive, so the mapping
+cannot go away under a running read. benchmarks/disk_read_cpu.py measures the ways on a machine's disk.
 """
 
 from __future__ import annotations
 
-import bisect
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
-from ...errors import CheckpointError, InputError
+import torch
 
-CHUNK = 8 * 2 ** 20  # one pread: large enough to keep a request queue full, small enough to spread over threads
-MAPS = "/proc/self/maps"
+from ...errors import InputError
 
-
-@dataclass(frozen=True)
-class FileSpan:
-    path: str
-    offset: int
-    nbytes: int
+CHUNK = 8 * 2 ** 20  # one piece: enough queued reads to keep a disk busy, small enough to spread over threads
+PAGE = 4096
 
 
-def _file_mappings(maps: str = MAPS) -> list[tuple[int, int, int, str]]:
-    """(start, end, file offset, path) of every mapping of a regular file, by start address."""
-    out = []
-    try:
-        with open(maps) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6 or not fields[5].startswith("/"):
-            continue  # anonymous memory, the heap, the stack, [vdso]
-        path = fields[5]
-        if path.endswith(" (deleted)"):
-            continue
-        start, end = (int(x, 16) for x in fields[0].split("-"))
-        out.append((start, end, int(fields[2], 16), path))
-    out.sort()
-    return out
+def touch_pages(flat: torch.Tensor, start: int, end: int) -> int:
+    """Bring the pages under flat[start:end] (a uint8 view of a mapping) into memory: advise the range, then read a
+    byte of every page (torch releases the GIL meanwhile). Returns the bytes covered."""
+    from .streaming import advise_willneed
 
-
-def file_spans(tensors, mappings: list | None = None, maps: str = MAPS) -> list[FileSpan]:
-    """Where the tensors' bytes lie in the files they are mapped from, adjacent spans merged. A tensor that is no
-    view of a file mapping (a copy in anonymous memory, say) is in memory already: nothing to read, no span.
-    `mappings`: _file_mappings() read once for many calls."""
-    mappings = _file_mappings(maps) if mappings is None else mappings
-    starts = [m[0] for m in mappings]
-    spans: list[FileSpan] = []
-    for t in tensors:
-        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-        k = bisect.bisect_right(starts, ptr) - 1
-        if nbytes == 0 or k < 0 or ptr + nbytes > mappings[k][1]:
-            continue
-        start, _, offset, path = mappings[k]
-        span = FileSpan(path, offset + ptr - start, nbytes)
-        last = spans[-1] if spans else None
-        if last is not None and last.path == span.path and last.offset + last.nbytes == span.offset:
-            spans[-1] = FileSpan(path, last.offset, last.nbytes + nbytes)
-        else:
-            spans.append(span)
-    return spans
+    if end <= start:
+        return 0
+    advise_willneed(flat.data_ptr() + start, end - start)
+    flat[start:end:PAGE].max()
+    flat[end - 1].item()  # the last page, which the stride can step over
+    return end - start
 
 
 class Reading:
-    """The reads of one set of spans, in flight on a PageReader's threads."""
+    """The reads of one set of tensors, in flight on a PageReader's threads."""
 
     def __init__(self, jobs: list[Future]):
         self.jobs = jobs
@@ -89,69 +53,35 @@ class Reading:
 
 
 class PageReader:
-    """`threads` threads reading file spans into the page cache, requests served in the order they were given."""
+    """`threads` threads bringing host tensors' pages into memory, pieces served in the order they were given."""
 
     def __init__(self, threads: int, chunk: int = CHUNK):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise InputError(f"a page reader needs at least one thread, got {threads!r}")
-        if chunk < 4096:
-            raise InputError(f"a page reader's request must be at least one page (4096 bytes), got {chunk}")
+        if chunk < PAGE or chunk % PAGE:
+            raise InputError(f"a page reader's piece must be a whole number of pages ({PAGE} bytes), got {chunk}")
         self.threads, self.chunk = threads, chunk
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="h3-page-reader")
-        self._local = threading.local()
         self._lock = threading.Lock()
-        self._fds: dict[str, int] = {}
         self.bytes_read = 0
 
-    def read(self, spans: list[FileSpan]) -> Reading:
+    def read(self, tensors) -> Reading:
+        """Queue every page of the (contiguous, CPU) tensors; the pieces of one tensor go in order."""
         jobs = []
-        for span in spans:
-            end = span.offset + span.nbytes
-            for offset in range(span.offset, end, self.chunk):
-                jobs.append(self._pool.submit(self._read, span.path, offset, min(self.chunk, end - offset)))
+        for t in tensors:
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise InputError(f"a page reader reads contiguous host tensors, got one on {t.device} "
+                                 f"(contiguous: {t.is_contiguous()})")
+            flat = t.detach().reshape(-1).view(torch.uint8)
+            for start in range(0, flat.numel(), self.chunk):
+                jobs.append(self._pool.submit(self._read, flat, start, min(flat.numel(), start + self.chunk)))
         return Reading(jobs)
 
-    def open(self, paths) -> None:
-        """Open the files to be read now, so that a file this process cannot open is refused before any read is
-        queued (OSError), not in the thread that waits for its pages."""
+    def _read(self, flat: torch.Tensor, start: int, end: int) -> None:
+        covered = touch_pages(flat, start, end)
         with self._lock:
-            for path in paths:
-                if path not in self._fds:
-                    self._fds[path] = os.open(path, os.O_RDONLY)
-
-    def _fd(self, path: str) -> int:
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            return fd
-
-    def _read(self, path: str, offset: int, nbytes: int) -> None:
-        scratch = getattr(self._local, "scratch", None)
-        if scratch is None:
-            scratch = self._local.scratch = bytearray(self.chunk)
-        view, done, fd = memoryview(scratch)[:nbytes], 0, self._fd(path)
-        while done < nbytes:
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                raise CheckpointError(f"{path}: the file ends before byte {offset + nbytes} "
-                                      f"(read ahead of a streamed layer's copy; the file changed since it was loaded)")
-            done += got
-        with self._lock:
-            self.bytes_read += nbytes
+            self.bytes_read += covered
 
     def close(self, wait: bool = True) -> None:
-        """Stop: requests not started are dropped. `wait`: until the running ones end; else they end on their own
-        and the files close after them (never under a running read)."""
-        if wait:
-            self._finish(cancel=True)
-        else:
-            threading.Thread(target=self._finish, kwargs={"cancel": True}, daemon=True,
-                             name="h3-page-reader-close").start()
-
-    def _finish(self, cancel: bool) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=cancel)
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        """Stop: pieces not started are dropped; `wait`: until the running ones end (else they end on their own)."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)

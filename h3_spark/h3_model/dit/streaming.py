@@ -66,8 +66,7 @@ class Unit:
     sources: list | None = None
     slot: int | None = None
     ready: object = None  # the copy's CUDA event
-    spans: list | None = None  # in place with a page reader: where the sources lie in their files
-    reading: object = None  # page_reader.Reading of the spans, in flight or done, not yet copied
+    reading: object = None  # in place with a page reader: page_reader.Reading of the sources, not yet copied
 
 
 def module_tensors(module: nn.Module, skip: str | None = None):
@@ -352,32 +351,13 @@ class BlockStream:
         return sum(u.nbytes for u in [*self.units.values(), *self.adaln.values()] if u.host is None)
 
     def attach_reader(self, reader, window: int) -> str | None:
-        """Read in-place units with `reader` (page_reader.PageReader), `window` units beyond the slots; None when
-        attached, else why not (the madvise read-ahead stays). The stream owns the reader from here on."""
-        from .page_reader import _file_mappings, file_spans
-
+        """Read in-place units' pages with `reader` (page_reader.PageReader), `window` units beyond the slots; None
+        when attached, else why not. The stream owns the reader from here on."""
         if not self.in_place:
             reader.close(wait=False)
             return "the units are packed in host memory: nothing to read"
-        mappings = _file_mappings()
-        spans = {i: file_spans(unit.sources, mappings) for i, unit in self.units.items()}
-        if not any(spans.values()):
-            reader.close(wait=False)
-            return "no layer is a view of its file's mapping: each copy reads its own pages (madvise read-ahead)"
-        try:
-            reader.open({s.path for unit_spans in spans.values() for s in unit_spans})
-        except OSError as exc:
-            reader.close(wait=False)
-            return f"{exc.filename} cannot be opened to read ahead ({exc.strerror}): madvise read-ahead"
-        for i, unit in self.units.items():
-            unit.spans = spans[i]  # the tensors outside a mapping are in memory already
         self.reader, self.window = reader, max(1, int(window))
         return None
-
-    @property
-    def file_bytes(self) -> int:
-        """Bytes a page reader reads for one pass over the units (their tensors that are views of a file)."""
-        return sum(s.nbytes for u in self.units.values() for s in (u.spans or ()))
 
     def prime(self) -> None:
         """Start reading the first units ahead of the first forward (with a page reader; else nothing)."""
@@ -392,8 +372,8 @@ class BlockStream:
         end = max(min(k + self.depth + self.window, n), min(k + self.depth + 1, k + n))
         for p in range(k, end):
             unit = self.units[self.order[p % n]]
-            if unit.slot is None and unit.reading is None and unit.spans:
-                unit.reading = self.reader.read(unit.spans)
+            if unit.slot is None and unit.reading is None:
+                unit.reading = self.reader.read(unit.sources)
 
     # ------------------------------------------------------------------ copies
     def _drop(self, unit: Unit) -> None:
@@ -509,7 +489,7 @@ class BlockStream:
             self.reader.close(wait=False)
             self.reader = None
             for unit in self.units.values():
-                unit.reading, unit.spans = None, None
+                unit.reading = None
 
     def restore(self) -> None:
         """Stop streaming: every streamed tensor becomes a view of its host buffer again (pinned, on the CPU),

@@ -364,7 +364,7 @@ class Engine:
         window, why = read_ahead_window(te.layer_stream, available)
         refused = te.layer_stream.attach_reader(PageReader(threads), window)
         plan["read_ahead"] = {"threads": 0 if refused else threads, "window_layers": 0 if refused else window,
-                              "file_bytes": te.layer_stream.file_bytes, "why": refused or why}
+                              "why": refused or why}
         te.layer_stream.prime()
 
     def _count_pinned_text(self, te) -> None:
