@@ -201,3 +201,29 @@ def test_the_read_threads_variable():
         with pytest.raises(InputError, match=rf"^H3_READ_THREADS must be a whole number from 0 to 64 \(0: no reader "
                                              rf"threads\), got '{bad}'$"):
             read_threads({"H3_READ_THREADS": bad})
+
+
+def test_a_closed_reader_cancels_what_it_had_not_started_and_refuses_more(tmp_path):
+    import gc
+    import threading
+
+    mm, flat = _cold_mapping(tmp_path / "q.bin", 4 * 2 ** 20)
+    reader = PageReader(1, chunk=4096)
+    reading = reader.read([flat])  # 1,024 pieces on one thread
+    reader.close()
+    assert reading.done() and any(job.cancelled() for job in reading.jobs)
+    with pytest.raises(InputError, match=r"^this page reader is closed$"):
+        reader.read([flat])
+    # A reader nobody closes stops its threads once it is collected.
+    before = threading.active_count()
+    dropped = PageReader(3)
+    assert threading.active_count() == before + 3
+    del dropped
+    gc.collect()
+    for _ in range(100):
+        if threading.active_count() == before:
+            break
+        threading.Event().wait(0.01)
+    assert threading.active_count() == before
+    del flat
+    mm.close()

@@ -13,8 +13,10 @@ cannot go away under a running read. benchmarks/disk_read_cpu.py measures the wa
 
 from __future__ import annotations
 
+import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future
 
 import torch
 
@@ -52,8 +54,57 @@ class Reading:
             job.result()
 
 
+class _Queue:
+    """What a reader's threads share: the pieces to read, the count read, whether the reader is closed. The threads
+    hold this, not the reader, so a reader nobody closes is still collected, and its finalizer stops them."""
+
+    def __init__(self, threads: int):
+        self.pieces: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.closed = False
+        self.bytes_read = 0
+        self.threads = threads
+
+    def work(self) -> None:
+        while True:
+            item = self.pieces.get()
+            if item is None:
+                return
+            job, flat, start, end = item
+            if self.closed:
+                job.cancel()
+                continue
+            if not job.set_running_or_notify_cancel():
+                continue
+            try:
+                covered = touch_pages(flat, start, end)
+            except BaseException as exc:  # handed to the thread that waits for these pages
+                job.set_exception(exc)
+                continue
+            with self.lock:
+                self.bytes_read += covered
+            job.set_result(covered)
+
+    def stop(self) -> None:
+        """Pieces not started are cancelled; each thread ends after the piece it is reading."""
+        self.closed = True
+        while True:
+            try:
+                item = self.pieces.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in range(self.threads):
+            self.pieces.put(None)
+
+
 class PageReader:
-    """`threads` threads bringing host tensors' pages into memory, pieces served in the order they were given."""
+    """`threads` threads bringing host tensors' pages into memory, pieces served in the order they were given.
+
+    The threads are daemons of our own rather than a ThreadPoolExecutor's: at interpreter exit an executor's
+    workers finish every queued piece first, and a reader primed with a whole text encoder would hold a process
+    that is done (a server stopped right after its load) for the seconds the disk needs."""
 
     def __init__(self, threads: int, chunk: int = CHUNK):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -61,12 +112,21 @@ class PageReader:
         if chunk < PAGE or chunk % PAGE:
             raise InputError(f"a page reader's piece must be a whole number of pages ({PAGE} bytes), got {chunk}")
         self.threads, self.chunk = threads, chunk
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="h3-page-reader")
-        self._lock = threading.Lock()
-        self.bytes_read = 0
+        self._shared = _Queue(threads)
+        self._workers = [threading.Thread(target=self._shared.work, name=f"h3-page-reader-{i}", daemon=True)
+                         for i in range(threads)]
+        for worker in self._workers:
+            worker.start()
+        self._finalizer = weakref.finalize(self, self._shared.stop)
+
+    @property
+    def bytes_read(self) -> int:
+        return self._shared.bytes_read
 
     def read(self, tensors) -> Reading:
         """Queue every page of the (contiguous, CPU) tensors; the pieces of one tensor go in order."""
+        if self._shared.closed:
+            raise InputError("this page reader is closed")
         jobs = []
         for t in tensors:
             if t.device.type != "cpu" or not t.is_contiguous():
@@ -74,14 +134,15 @@ class PageReader:
                                  f"(contiguous: {t.is_contiguous()})")
             flat = t.detach().reshape(-1).view(torch.uint8)
             for start in range(0, flat.numel(), self.chunk):
-                jobs.append(self._pool.submit(self._read, flat, start, min(flat.numel(), start + self.chunk)))
+                job = Future()
+                jobs.append(job)
+                self._shared.pieces.put((job, flat, start, min(flat.numel(), start + self.chunk)))
         return Reading(jobs)
 
-    def _read(self, flat: torch.Tensor, start: int, end: int) -> None:
-        covered = touch_pages(flat, start, end)
-        with self._lock:
-            self.bytes_read += covered
-
     def close(self, wait: bool = True) -> None:
-        """Stop: pieces not started are dropped; `wait`: until the running ones end (else they end on their own)."""
-        self._pool.shutdown(wait=wait, cancel_futures=True)
+        """Stop: pieces not started are dropped (their jobs cancelled); `wait`: until the running ones end (else
+        they end on their own)."""
+        self._finalizer()
+        if wait:
+            for worker in self._workers:
+                worker.join()
