@@ -519,7 +519,7 @@ def test_streamed_text_layers_go_into_packed_host_buffers_when_the_host_has_room
     req = GenerationRequest(mode="t2va", prompt="a boat", width=64, height=64, frames=124, steps=3)
     want = _engine(builders).load(["t2va"]).generate(req)
 
-    def engine(budget, pin, threads=8):
+    def engine(budget, pin, threads=0):
         return Engine(options=LoadOptions(device="cpu", dtype=torch.float32, vae_dtype=torch.float32, text_layer=2,
                                           kernels=REFERENCE_KERNELS, vram_budget=budget, plan_rows=4096,
                                           text_pin=pin, read_threads=threads), overrides=builders)
@@ -556,11 +556,11 @@ def test_streamed_text_layers_go_into_packed_host_buffers_when_the_host_has_room
     assert off.components.text_encoder.layer_stream.in_place and off.host_plan["text_layers_pinned_bytes"] == 0
     assert off.components.text_encoder._held is None
     assert off.host_plan["text_layers"]["why"] == "off (H3_TEXT_PIN=off): copied from pageable memory"
-    unread = engine(budget, "off", threads=0).load(["t2va"])
+    unread = engine(budget, "off").load(["t2va"])  # the default: no reader
     assert unread.host_plan["text_layers"]["read_ahead"] == {
         "threads": 0, "why": "H3_READ_THREADS=0: the kernel reads the next layer ahead (madvise)"}
     monkeypatch.setattr(host_memory, "available_bytes", lambda: 0)
-    cramped = engine(budget, "auto").load(["t2va"])
+    cramped = engine(budget, "auto", threads=8).load(["t2va"])
     assert cramped.components.text_encoder.layer_stream.in_place
     assert cramped.host_plan["text_layers"]["why"].startswith("0.0 MB available on the host, not ")
     # Streamed in place, its layers are read ahead by a page reader, one layer beyond the slots on a full host.

@@ -195,7 +195,7 @@ def test_the_read_ahead_window_is_what_the_host_holds_in_page_cache(tmp_path):
 
 
 def test_the_read_threads_variable():
-    assert read_threads({}) == 8 and read_threads({"H3_READ_THREADS": " 0 "}) == 0
+    assert read_threads({}) == 0 and read_threads({"H3_READ_THREADS": " 0 "}) == 0
     assert read_threads({"H3_READ_THREADS": "16"}) == 16
     for bad in ("-1", "four", "65"):
         with pytest.raises(InputError, match=rf"^H3_READ_THREADS must be a whole number from 0 to 64 \(0: no reader "

@@ -58,14 +58,16 @@ def text_pin(environ=None) -> str:
     return value
 
 
-READ_THREADS_DEFAULT = 8
+# Off by default: on the H100 machine's disk (capped at ~1.1 GB/s whatever reads it) the reader read no faster
+# than the kernel's read-ahead (receipts/h100/disk-read-8gb-*.json); it pays where an engine waits after its load.
+READ_THREADS_DEFAULT = 0
 READ_THREADS_MAX = 64
 
 
 def read_threads(environ=None) -> int:
     """H3_READ_THREADS: threads reading the text encoder's streamed layers from their file ahead of the copies
-    (dit/page_reader.py) when they stream from the file's pages; 0: the kernel's read-ahead of the next layer alone
-    (madvise), as before the reader."""
+    (dit/page_reader.py) when they stream from the file's pages, from the moment the plan is made; 0 (the default):
+    the kernel's read-ahead of the next layer alone (madvise)."""
     import os
 
     from ...errors import InputError

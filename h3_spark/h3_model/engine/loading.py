@@ -50,7 +50,7 @@ class LoadOptions:
     # (H3_TEXT_PIN; memory.text_pinning).
     text_pin: str = "auto"
     # Threads reading streamed text layers from their file ahead of the copies; 0: madvise alone (H3_READ_THREADS).
-    read_threads: int = 8
+    read_threads: int = 0
 
     @property
     def loads_via_host(self) -> bool:
