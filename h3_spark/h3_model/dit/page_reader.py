@@ -21,6 +21,7 @@ from concurrent.futures import Future
 import torch
 
 from ...errors import InputError
+from .streaming import advise_willneed
 
 CHUNK = 8 * 2 ** 20  # one piece: enough queued reads to keep a disk busy, small enough to spread over threads
 PAGE = 4096
@@ -29,8 +30,6 @@ PAGE = 4096
 def touch_pages(flat: torch.Tensor, start: int, end: int) -> int:
     """Bring the pages under flat[start:end] (a uint8 view of a mapping) into memory: advise the range, then read a
     byte of every page (torch releases the GIL meanwhile). Returns the bytes covered."""
-    from .streaming import advise_willneed
-
     if end <= start:
         return 0
     advise_willneed(flat.data_ptr() + start, end - start)
