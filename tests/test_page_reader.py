@@ -1,5 +1,5 @@
-"""dit/page_reader.py: a reader that brings the pages under memory-mapped tensors into memory with several threads, and
-the text encoder's in-place stream reading its layers ahead with it."""
+"""Reading a streamed text encoder's layers ahead of their copies: the in-place stream's madvise of the next unit, and
+dit/page_reader.py, a reader that brings the pages under memory-mapped tensors into memory with several threads."""
 
 from __future__ import annotations
 
@@ -116,6 +116,33 @@ def test_a_reader_refuses_tensors_it_cannot_read():
 def test_a_reader_refuses_bad_settings(threads, chunk, message):
     with pytest.raises(InputError, match=message):
         PageReader(threads, chunk)
+
+
+def test_in_place_units_are_advised_ahead_of_their_copies_without_a_reader(tmp_path, monkeypatch):
+    """Streamed in place without a page reader (the default), the unit copied after the ones in the slots is advised
+    to the kernel (MADV_WILLNEED, page-aligned: the real call succeeds) a block ahead of its copy, through the
+    wrap-around; the forward is unchanged. Packed units are not advised."""
+    path = tmp_path / "layers.safetensors"
+    _layers_file(path)
+    x = torch.randn(3, 48)
+    want = _run(_layers(path), x)
+    advised, real = [], streaming.advise_willneed
+    monkeypatch.setattr(streaming, "advise_willneed", lambda ptr, n: advised.append((ptr, n, real(ptr, n))))
+    mods = _layers(path)
+    stream = streaming.BlockStream(mods, [0, 1, 2, 3, 4], "cpu", depth=2, in_place=True)
+    first_ptr = {stream.units[i].sources[0].data_ptr(): i for i in range(5)}
+    for _ in range(2):
+        assert torch.equal(_run(mods, x), want)
+    order = [first_ptr[ptr] for ptr, _, _ in advised if ptr in first_ptr]
+    # Cold start: blocks 0 and 1 copied, 2 advised; leaving block k copies k + 2 and advises k + 3 (mod 5).
+    assert order == [2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2]
+    assert all(rc in (0, None) for _, _, rc in advised) and advised
+    assert {n for _, n, _ in advised} == {48 * 48 * 4, 48 * 4}
+
+    advised.clear()
+    packed = _layers(path)
+    streaming.BlockStream(packed, [0, 1, 2, 3, 4], "cpu", depth=2)
+    assert torch.equal(_run(packed, x), want) and advised == []
 
 
 def test_the_stream_reads_its_in_place_units_ahead_in_order_and_computes_the_same(tmp_path, monkeypatch):

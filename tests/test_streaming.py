@@ -198,52 +198,6 @@ def test_text_encoder_bytes_count_the_layers_it_keeps(tmp_path):
     assert memory._text_encoder_bytes(tmp_path / "model.safetensors", 50) == size  # a lone file: all of it
 
 
-def test_in_place_units_are_read_ahead_of_their_copies(tmp_path, monkeypatch):
-    """Streamed in place (the text encoder's layers, from a memory-mapped file), the unit copied after the ones in
-    the slots is advised to the kernel (MADV_WILLNEED, page-aligned: the real call succeeds) a block ahead of its
-    copy, through the wrap-around; the forward is unchanged. Packed units are not advised."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from h3_spark.h3_model.dit import streaming
-
-    torch.manual_seed(4)
-    save_file({f"{i}.{n}": torch.randn(*shape) for i in range(5)
-               for n, shape in (("weight", (48, 48)), ("bias", (48,)))}, tmp_path / "layers.safetensors")
-
-    def layers():
-        mods = torch.nn.ModuleList(torch.nn.Linear(48, 48) for _ in range(5))
-        with safe_open(str(tmp_path / "layers.safetensors"), framework="pt") as f:
-            for i, m in enumerate(mods):
-                m.weight.data, m.bias.data = f.get_tensor(f"{i}.weight"), f.get_tensor(f"{i}.bias")
-        return mods
-
-    def run(mods, x):
-        for m in mods:
-            x = torch.tanh(m(x))
-        return x
-
-    x = torch.randn(3, 48)
-    want = run(layers(), x)
-    advised, real = [], streaming.advise_willneed
-    monkeypatch.setattr(streaming, "advise_willneed", lambda ptr, n: advised.append((ptr, n, real(ptr, n))))
-    mods = layers()
-    stream = streaming.BlockStream(mods, [0, 1, 2, 3, 4], "cpu", depth=2, in_place=True)
-    first_ptr = {stream.units[i].sources[0].data_ptr(): i for i in range(5)}
-    for _ in range(2):
-        assert torch.equal(run(mods, x), want)
-    order = [first_ptr[ptr] for ptr, _, _ in advised if ptr in first_ptr]
-    # Cold start: blocks 0 and 1 copied, 2 advised; leaving block k copies k + 2 and advises k + 3 (mod 5).
-    assert order == [2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2]
-    assert all(rc in (0, None) for _, _, rc in advised) and advised
-    assert {n for _, n, _ in advised} == {48 * 48 * 4, 48 * 4}
-
-    advised.clear()
-    packed = layers()
-    streaming.BlockStream(packed, [0, 1, 2, 3, 4], "cpu", depth=2)
-    assert torch.equal(run(packed, x), want) and advised == []
-
-
 def test_a_parked_module_visits_from_its_one_host_copy_and_leaves_without_a_copy(monkeypatch):
     """Visits: a parked module's tensors are its host copies between visits; a visit places them on the device
     once (a nested visit of the same module places nothing, and the module stays there until the outer visit
