@@ -7,8 +7,9 @@ CPU smoke:
     python3 benchmarks/disk_read_cpu.py --gb 0.05 --unit-mb 4 --repeats 1 --out /tmp/disk.json
 
 Why: from cold, the consumer box's text encode is its text layers' read (13.7 GB at ~1.05 GB/s on one H100 machine,
-~1.4 GB/s on another: receipts/h100/README.md). `willneed-1` is the stream's read-ahead without a page reader
-(H3_READ_THREADS=0), `pread-T` what the page reader does with T threads (dit/page_reader.py; 8 by default).
+~1.4 GB/s on another: receipts/h100/README.md). `willneed-1` emulates the stream's read-ahead without a page
+reader, `stream-T` is the stream itself with a page reader of T threads (dit/page_reader.py; H3_READ_THREADS, off
+by default since this benchmark found the H100 machine's disk capped at ~1.1 GB/s whatever reads it).
 
 A file of --gb random bytes is written once into --dir (fsynced) and read as units of --unit-mb (a text layer is
 274 MB). Before every read the file's pages are dropped with posix_fadvise(DONTNEED) while nothing maps it, so each
@@ -18,8 +19,8 @@ over --repeats, each a median GB/s:
 - `willneed-D`: the text encoder's in-place stream (dit/streaming.py): the file mapped, the unit D ahead advised
   with `advise_willneed` (madvise WILLNEED) while the current unit is copied out of the mapping; D = 1 is what the
   stream does today;
-- `pread-T`: T threads, each reading its share of a unit with pread, unit after unit (the page reader queues its
-  8 MB requests across units, so it keeps at least as many in flight);
+- `pread-T`: T threads, each reading its share of a unit with pread, unit after unit: what several reads in flight
+  give, whoever issues them;
 - `stream-T`: the product's own path: the file mapped copy-on-write as safetensors maps a checkpoint, each unit a
   module whose buffer is a view of the mapping, streamed in place by `BlockStream` on the CPU (a copy is a memcpy
   into a slot) with a page reader of T threads (`dit/page_reader.py`, every unit in its window and primed first,
