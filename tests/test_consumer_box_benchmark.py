@@ -4,7 +4,6 @@ its refusals name what is wrong."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,10 +11,9 @@ import pytest
 
 from h3_spark.errors import InputError
 
-_spec = importlib.util.spec_from_file_location(
-    "consumer_box_gpu", Path(__file__).resolve().parents[1] / "benchmarks" / "consumer_box_gpu.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from benchmark_scripts import load_benchmark
+
+bench = load_benchmark("consumer_box_gpu")
 
 
 @pytest.fixture(autouse=True)

@@ -3,16 +3,13 @@ forwards, the tower active in every timed controlled forward)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("controlnet_gpu",
-                                               Path(__file__).resolve().parents[1] / "benchmarks" / "controlnet_gpu.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from benchmark_scripts import load_benchmark
+
+bench = load_benchmark("controlnet_gpu")
 
 
 @pytest.mark.slow

@@ -3,16 +3,13 @@ file), the pages are dropped before each read, and bad columns are refused by na
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("disk_read_cpu",
-                                               Path(__file__).resolve().parents[1] / "benchmarks" / "disk_read_cpu.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from benchmark_scripts import load_benchmark
+
+bench = load_benchmark("disk_read_cpu")
 
 
 def test_every_column_reads_the_whole_file_cold(tmp_path):

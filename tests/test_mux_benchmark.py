@@ -3,14 +3,11 @@ each preset cost (the tail after the last chunk, size against the first column, 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("mux_cpu",
-                                               Path(__file__).resolve().parents[1] / "benchmarks" / "mux_cpu.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from benchmark_scripts import load_benchmark
+
+bench = load_benchmark("mux_cpu")
 
 
 def test_the_benchmark_runs_on_small_frames(tmp_path):

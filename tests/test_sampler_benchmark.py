@@ -3,16 +3,13 @@ writes its JSON (card, per-step seconds, the samplers' own step, the two runs' d
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("sampler_gpu",
-                                               Path(__file__).resolve().parents[1] / "benchmarks" / "sampler_gpu.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from benchmark_scripts import load_benchmark
+
+bench = load_benchmark("sampler_gpu")
 
 
 def test_the_benchmark_runs_at_tiny_size_on_the_cpu(tmp_path, monkeypatch):

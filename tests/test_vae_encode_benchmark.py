@@ -4,16 +4,13 @@ a little, within the tiled-vs-untiled difference the VAE tests allow)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("vae_encode_gpu",
-                                               Path(__file__).resolve().parents[1] / "benchmarks" / "vae_encode_gpu.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from benchmark_scripts import load_benchmark
+
+bench = load_benchmark("vae_encode_gpu")
 
 
 @pytest.mark.parametrize("column", ["fp64:256", "bf16", "bf16:wide"])

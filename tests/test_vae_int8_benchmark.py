@@ -4,17 +4,14 @@ stored path's frames equal to the dequantized-at-load ones, and the int8 frames 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("vae_int8_gpu",
-                                               Path(__file__).resolve().parents[1] / "benchmarks" / "vae_int8_gpu.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from benchmark_scripts import load_benchmark
+
+bench = load_benchmark("vae_int8_gpu")
 
 
 def test_defaults_are_the_released_canvas(monkeypatch):

@@ -4,16 +4,13 @@ rel L2 against the fp32 dequantize-then-matmul reference, as tests/test_linear_w
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("w4a8_linear_gpu",
-                                               Path(__file__).resolve().parents[1] / "benchmarks" / "w4a8_linear_gpu.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from benchmark_scripts import load_benchmark
+
+bench = load_benchmark("w4a8_linear_gpu")
 
 
 def test_the_full_shapes_are_the_released_dits_linears():
