@@ -33,11 +33,14 @@ mkdir -p "$cgroup"
 echo +memory > "$(dirname "$cgroup")/cgroup.subtree_control" 2>/dev/null
 echo "${HOST_CAP:-32G}" > "$cgroup/memory.max" && echo 0 > "$cgroup/memory.swap.max" || exit 1
 # TAG names the cold receipts apart (cold-24$TAG.json): an A/B of an H3_* setting over two calls.
+# IDLE=1: each cold render waits after its load for the text layers' page reader (H3_READ_THREADS > 0), as a
+# service's first request does.
 TAG=${TAG:-}
+idle=(); [ "${IDLE:-0}" = 1 ] && idle=(--idle-until-read)
 for cap in $caps; do
     sync && echo 3 > /proc/sys/vm/drop_caches
     # The subshell joins the cgroup, then becomes the benchmark: everything it maps and pins is counted there.
     (echo $BASHPID > "$cgroup/cgroup.procs" && exec python3 benchmarks/consumer_box_gpu.py --out "$out/cold-$cap$TAG.json" \
-        --gpu-cap "$cap" -- "${render[@]}" --vram-budget "$cap" --out "$box/cold-$cap.mp4") 2> "$out/cold-$cap$TAG.log"
+        --gpu-cap "$cap" "${idle[@]}" -- "${render[@]}" --vram-budget "$cap" --out "$box/cold-$cap.mp4") 2> "$out/cold-$cap$TAG.log"
     echo "cold $cap GB: rc $?; the cgroup's peak so far $(cat "$cgroup/memory.peak" 2>/dev/null) of $(cat "$cgroup/memory.max")"
 done

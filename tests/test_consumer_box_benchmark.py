@@ -47,6 +47,19 @@ def test_a_cold_render_is_the_processs_first(demo_models, tmp_path):
     assert bench.main(["--out", str(receipt), "--", *_generate(demo_models, tmp_path / "c.mp4", steps=3)]) == 0
     result = json.loads(receipt.read_text())
     assert result["cold"] is True and result["warmup"] is None and result["summary"]["evaluations"] == 2
+    assert result["idle"] is None and result["seconds"]["idle"] is None
+
+
+def test_idling_for_a_reader_that_is_not_there_says_why(demo_models, tmp_path):
+    """The demo's models are resident (no budget): nothing streams, so nothing is read ahead, and the receipt says
+    so instead of reporting a wait (the wait itself: tests/test_engine.py, the cramped host)."""
+    receipt = tmp_path / "idle.json"
+    assert bench.main(["--out", str(receipt), "--idle-until-read", "--",
+                       *_generate(demo_models, tmp_path / "i.mp4", steps=3)]) == 0
+    result = json.loads(receipt.read_text())
+    assert result["idle"] == {"threads": 0, "waited_s": 0.0,
+                              "why": "no page reader: the text layers do not stream"}
+    assert result["seconds"]["idle"] == 0.0
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -88,6 +101,7 @@ def test_the_recipe_script_parses_and_calls_this_benchmark_with_its_flags():
     done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     text = script.read_text()
-    assert "--warmup-steps 2 --" in text and '--gpu-cap "$cap" --' in text
+    assert "--warmup-steps 2 --" in text and '--gpu-cap "$cap" "${idle[@]}" --' in text
+    assert "idle=(--idle-until-read)" in text and bench.parse(["--out", "x", "--idle-until-read", "--", "p"])[0].idle_until_read
     args, rest = bench.parse(["--out", "x.json", "--warmup-steps", "2", "--gpu-cap", "24", "--", "--prompt", "p"])
     assert (args.warmup_steps, args.gpu_cap, rest) == (2, 24.0, ["--prompt", "p"])

@@ -12,6 +12,8 @@ from h3_spark.h3_model.engine.paths import ComponentPaths
 from h3_spark.kernels.settings import KernelSettings
 from h3_spark.measure import synthetic
 
+from benchmark_scripts import load_benchmark
+
 # The PyTorch references (Triton's CPU interpreter would spend seconds per fused pass).
 REFERENCE_KERNELS = KernelSettings(modulation_fusion="off", q_rms_rope_int8_fusion="off")
 
@@ -567,6 +569,20 @@ def test_streamed_text_layers_go_into_packed_host_buffers_when_the_host_has_room
     ahead = cramped.host_plan["text_layers"]["read_ahead"]
     assert (ahead["threads"], ahead["window_layers"]) == (8, 1) and cramped.components.text_encoder.layer_stream.reader
     assert ahead["why"].startswith("0.0 MB available on the host holds 1 of ")
+    # Waiting as a service idles after its load: the primed units (depth 2 + window 1) are read, and /ready's
+    # report says so live while the plan stays as it was made.
+    stream = cramped.components.text_encoder.layer_stream
+    primed = stream.order[:min(len(stream.order), 3)]
+    waited = cramped.wait_text_read_ahead()
+    assert (waited["layers_read"], waited["layers_reading"], waited["threads"]) == (len(primed), 0, 8)
+    assert waited["bytes_read"] == sum(t.numel() * t.element_size() for i in primed for t in stream.units[i].sources)
+    assert waited["waited_s"] >= 0
+    live = cramped.memory_report("dit")["host"]["text_layers"]["read_ahead"]
+    assert live == {k: v for k, v in waited.items() if k != "waited_s"}
+    assert cramped.host_plan["text_layers"]["read_ahead"] == ahead
+    assert load_benchmark("consumer_box_gpu").idle_until_read(cramped)["layers_read"] == len(primed)
+    assert unread.text_read_ahead() is None and unread.wait_text_read_ahead() is None
+    assert "layers_read" not in unread.memory_report("dit")["host"]["text_layers"]["read_ahead"]
     got = cramped.generate(req)
     assert torch.equal(got.video_latents, want.video_latents)
     # A give-back streams the kept layer too, in place as before: the new stream is weighed for a reader again.

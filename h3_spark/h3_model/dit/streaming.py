@@ -364,6 +364,20 @@ class BlockStream:
         if self.reader is not None and self.order:
             self._want(0)
 
+    def read_progress(self) -> dict:
+        """The page reader's work so far: units whose pages are in (read and not yet copied), still being read, and
+        the bytes its threads have touched (all of it over the stream's life)."""
+        reading = [u for u in self.units.values() if u.reading is not None]
+        done = sum(u.reading.done() for u in reading)
+        return {"layers_read": done, "layers_reading": len(reading) - done,
+                "bytes_read": 0 if self.reader is None else self.reader.bytes_read}
+
+    def wait_reads(self) -> None:
+        """Until the reads asked for so far are done (a read that failed raises here)."""
+        for unit in self.units.values():
+            if unit.reading is not None:
+                unit.reading.wait()
+
     def _want(self, k: int) -> None:
         """The units from the k-th in order through `depth + window` of them, up to this forward's last, are in a slot
         or being read; into the next forward only as far as the wrap-around's copies go (`depth` ahead), so a unit

@@ -367,6 +367,25 @@ class Engine:
                               "why": refused or why}
         te.layer_stream.prime()
 
+    def text_read_ahead(self) -> dict | None:
+        """The text layers' page reader as it stands: its plan (threads, window) and its progress (layers read and
+        being read, bytes); None without a reader."""
+        te = self.components.text_encoder
+        stream = getattr(te, "layer_stream", None)
+        if stream is None or stream.reader is None:
+            return None
+        return {**self.host_plan["text_layers"]["read_ahead"], **stream.read_progress()}
+
+    def wait_text_read_ahead(self) -> dict | None:
+        """Until the page reader has read what it was given (after a load: its primed window), for a caller whose
+        first request is not due yet, as a service idles after its load; the report with the seconds waited. None
+        without a reader."""
+        if self.text_read_ahead() is None:
+            return None
+        start = time.perf_counter()
+        self.components.text_encoder.layer_stream.wait_reads()
+        return {**self.text_read_ahead(), "waited_s": round(time.perf_counter() - start, 3)}
+
     def _count_pinned_text(self, te) -> None:
         """The host plan's count of the text layers' page-locked buffers, as they are now."""
         from .memory import pinned_text_bytes
@@ -489,6 +508,9 @@ class Engine:
         if plan is None:
             return None
         out = {**plan.describe(), "reserved_for_other_stages": dict(self.stage_reserve), "host": self.host_plan}
+        ahead = self.text_read_ahead()
+        if ahead is not None:  # live: /ready shows how far a cold file's text layers are read
+            out["host"] = {**self.host_plan, "text_layers": {**self.host_plan["text_layers"], "read_ahead": ahead}}
         te = self.components.text_encoder
         layers = len(te.model.language_model.layers) if hasattr(te, "model") else None
         out["kept_on_device"] = self.kept_on_device.describe(layers)
