@@ -63,8 +63,25 @@ def test_fp8_linear_forward_vs_reference_and_bf16():
     assert rel_l2(ref.reshape(-1, 48), plain) <= 1e-2
     assert rel_l2(out, ref) <= 1e-2
     assert rel_l2(out, lin(x)) <= 0.06
-    with pytest.raises(ValueError, match="bias-free"):
-        Fp8Linear.from_linear(torch.nn.Linear(64, 48))
+
+
+def test_fp8_linear_with_a_bias_adds_it_in_the_output_dtype():
+    """The video VAE decoder's linears carry biases (fp16): kept in the output dtype, added by the GEMM."""
+    lin = torch.nn.Linear(64, 48).to(torch.float16)
+    with torch.no_grad():
+        lin.weight.copy_(rand(48, 64, scale=0.05, seed=4))
+        lin.bias.copy_(rand(48, scale=0.5, seed=5))
+    f8 = Fp8Linear.from_linear(lin)
+    assert f8.bias.dtype == torch.float16 and f8.source == "fp16 weight quantized per output channel"
+    x = rand(3, 7, 64, scale=2, seed=6).to(torch.float16)
+    out = f8(x)
+    ref = fp8_linear_reference(x.float(), f8.weight, f8.weight_scale.flatten(), torch.float32, lin.bias)
+    assert out.dtype == torch.float16 and rel_l2(out.float(), ref) <= 1e-2
+    without = fp8_linear_reference(x.float(), f8.weight, f8.weight_scale.flatten(), torch.float32)
+    assert rel_l2(out.float(), without) > 0.1  # the bias is really there
+    assert rel_l2(out.float(), lin.float()(x.float())) <= 0.06
+    with pytest.raises(ValueError, match=r"^Fp8Linear's bias must have 48 entries, got \[47\]$"):
+        Fp8Linear(f8.weight, f8.weight_scale.flatten(), torch.float16, "test", bias=torch.zeros(47))
 
 
 def test_fp8_from_checkpoints():

@@ -111,20 +111,23 @@ def quantize_weight(w: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, 
 
 
 def fp8_linear_reference(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
-                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """What Fp8Linear computes, in fp32 PyTorch: per-token e4m3 activations times the e4m3 weight."""
+                         out_dtype: torch.dtype | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What Fp8Linear computes, in fp32 PyTorch: per-token e4m3 activations times the e4m3 weight, plus the bias."""
     shape = x.shape
     xq, sx = reference_quantize_rows(x.reshape(-1, shape[-1]))
     w = weight_fp8.float() * weight_scale.float()[:, None]
     out = (xq.float() * sx) @ w.t()
+    if bias is not None:
+        out = out + bias.float()
     return out.to(out_dtype or x.dtype).reshape(*shape[:-1], weight_fp8.shape[0])
 
 
 class Fp8Linear(nn.Module):
-    """Drop-in for a bias-free nn.Linear: e4m3 weight with per-output-channel scales, rowwise _scaled_mm."""
+    """Drop-in for an nn.Linear: e4m3 weight with per-output-channel scales, rowwise _scaled_mm; a bias (the video
+    VAE decoder's linears have one) is kept in the output dtype and added in the GEMM's epilogue."""
 
     def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype,
-                 source: str, use_triton: bool = True):
+                 source: str, use_triton: bool = True, bias: torch.Tensor | None = None):
         super().__init__()
         n, k = weight_fp8.shape
         if weight_fp8.dtype != torch.float8_e4m3fn:
@@ -134,14 +137,17 @@ class Fp8Linear(nn.Module):
         self.in_features, self.out_features = k, n
         self.register_buffer("weight", weight_fp8.contiguous())
         self.register_buffer("weight_scale", weight_scale.float().reshape(1, n).contiguous())
+        if bias is not None and tuple(bias.shape) != (n,):
+            raise ValueError(f"Fp8Linear's bias must have {n} entries, got {list(bias.shape)}")
+        self.register_buffer("bias", None if bias is None else bias.detach().to(out_dtype).contiguous())
         self.out_dtype, self.source, self.use_triton = out_dtype, source, use_triton
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, use_triton: bool = True) -> "Fp8Linear":
-        if linear.bias is not None:
-            raise ValueError("Fp8Linear replaces the DiT's bias-free block linears only")
-        q, s = quantize_weight(linear.weight.detach())
-        return cls(q, s, linear.weight.dtype, "bf16 weight quantized per output channel", use_triton)
+        weight = linear.weight.detach()
+        q, s = quantize_weight(weight)
+        what = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weight.dtype, str(weight.dtype).removeprefix("torch."))
+        return cls(q, s, weight.dtype, f"{what} weight quantized per output channel", use_triton, linear.bias)
 
     @classmethod
     def from_fp8_scaled(cls, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype,
@@ -172,12 +178,12 @@ class Fp8Linear(nn.Module):
         a = x if isinstance(x, Fp8Rows) else quantize_activation(x, self.use_triton)
         if a.shape[-1] != self.in_features:
             raise ValueError(f"Fp8Linear takes {self.in_features} features, got {list(a.shape)}")
-        out = torch._scaled_mm(a.data, self.weight.t(), scale_a=a.scale, scale_b=self.weight_scale,
+        out = torch._scaled_mm(a.data, self.weight.t(), scale_a=a.scale, scale_b=self.weight_scale, bias=self.bias,
                                out_dtype=self.out_dtype)
         return out.reshape(*a.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, source={self.source}"
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, source={self.source}"
 
 
 # ------------------------------------------------------------------------------------------ fused producers
