@@ -22,7 +22,11 @@ them). Columns (--columns):
   swapped for `W4A8Linear.from_int8_convrot` (activations rotated and quantized per token to int8 in one Triton
   pass where Triton runs (`kernels/rotate_quantize.py`; the H100 receipt of 2026-12-07 predates it), `torch._int_mm`,
   as ComfyUI's own int8 linears compute); its error is the activations' int8 rounding, reported against the fp16
-  column and against the int8 column (`frames_vs_int8`).
+  column and against the int8 column (`frames_vs_int8`);
+- fp8 (opt-in, H3_VAE_LINEAR=fp8; CUDA only): the fp16 file with the decoder blocks' linears as FP8 e4m3 GEMMs
+  (`kernels/vae.py`: per-channel weights, per-token activations, q/k/v sharing one quantized input);
+- int8_fp8 (the same, CUDA only): the int8_convrot file's stored linears dequantized exactly, then FP8.
+The default columns are all of them on a GPU and the four without FP8 on the CPU.
 Each column: median seconds of `decode_to_buffer` (host clock around a synchronised call), peak GPU memory of the
 decode and the weights' bytes on the device, and the frames against the fp16 column's (PSNR over 255, max abs
 difference in uint8 levels, rel L2). The card's name and the software are stamped. Only one model is on the
@@ -44,7 +48,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_gpu import import_package  # noqa: E402
 
-COLUMNS = ("fp16", "int8", "int8_at_load", "int8_gemm")
+COLUMNS = ("fp16", "int8", "int8_at_load", "int8_gemm", "fp8", "int8_fp8")
+FP8_COLUMNS = ("fp8", "int8_fp8")  # H3_VAE_LINEAR=fp8: Hopper or newer
 FULL_LATENT = "37,48,84"  # 124 frames at 1344x768
 TINY_LATENT = "3,4,4"
 
@@ -58,7 +63,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="the tiny preset and a tiny latent (CPU smoke)")
     p.add_argument("--latent", default=None, help=f"latent frames,height,width (default {FULL_LATENT}, tiny "
                                                   f"{TINY_LATENT})")
-    p.add_argument("--columns", default=",".join(COLUMNS), help=f"comma-separated, of {', '.join(COLUMNS)}")
+    p.add_argument("--columns", default=None, help=f"comma-separated, of {', '.join(COLUMNS)} (default: all on a GPU, "
+                                                  f"the ones without FP8 on the CPU)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0, help="the checkpoints' seed (the latent's is fixed)")
@@ -66,10 +72,16 @@ def parse(argv=None) -> argparse.Namespace:
                    help="where the two checkpoints are written (default a temporary folder, removed after); files "
                         "already there from the same seed and preset are reused")
     args = p.parse_args(argv)
+    if args.columns is None:
+        args.columns = ",".join(c for c in COLUMNS if args.device != "cpu" or c not in FP8_COLUMNS)
     columns = args.columns.split(",")
     unknown = [c for c in columns if c not in COLUMNS]
     if unknown or not columns:
         p.error(f"--columns takes {', '.join(COLUMNS)}; got {args.columns!r}")
+    fp8 = [c for c in columns if c in FP8_COLUMNS]
+    if fp8 and args.device == "cpu":
+        p.error(f"--columns {','.join(fp8)} run FP8 GEMMs (H3_VAE_LINEAR=fp8), which need a Hopper or newer GPU; "
+                f"not --device cpu")
     if args.repeats < 1 or args.warmup < 0:
         p.error(f"--repeats must be at least 1 and --warmup at least 0; got {args.repeats}, {args.warmup}")
     if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
@@ -120,7 +132,10 @@ def measure(column: str, path: Path, z, args) -> tuple[dict, "object"]:
     if cuda:
         torch.cuda.synchronize()
     load_s = time.perf_counter() - start
-    kernels = apply_vae_kernels(vae, KernelSettings.from_env())
+    settings = KernelSettings.from_env()
+    if column in FP8_COLUMNS:
+        settings = settings.replace(vae_linear="fp8")
+    kernels = apply_vae_kernels(vae, settings)
     stored = sum(isinstance(m, StoredLinear) for m in vae.modules())
     if column == "int8_gemm":
         integer_gemm(vae)
@@ -195,7 +210,7 @@ def main(argv=None) -> int:
         z = torch.randn(1, identity.config.latent_channels, t, h, w, generator=gen).to(args.device)
         runs, outputs = [], {}
         for column in args.columns:
-            run, frames = measure(column, files["fp16" if column == "fp16" else "int8"], z, args)
+            run, frames = measure(column, files["fp16" if column in ("fp16", "fp8") else "int8"], z, args)
             outputs[column] = frames
             runs.append(run)
             print(json.dumps({k: v for k, v in run.items() if k != "kernels"}), flush=True)
@@ -213,8 +228,9 @@ def main(argv=None) -> int:
         speed["int8_over_fp16_time"] = by["int8"]["decode_s_median"] / by["fp16"]["decode_s_median"]
         if cuda:
             speed["int8_minus_fp16_peak_gb"] = by["int8"]["peak_gpu_memory_gb"] - by["fp16"]["peak_gpu_memory_gb"]
-    if "fp16" in by and "int8_gemm" in by:
-        speed["int8_gemm_over_fp16_time"] = by["int8_gemm"]["decode_s_median"] / by["fp16"]["decode_s_median"]
+    for column in ("int8_gemm", *FP8_COLUMNS):
+        if "fp16" in by and column in by:
+            speed[f"{column}_over_fp16_time"] = by[column]["decode_s_median"] / by["fp16"]["decode_s_median"]
     frames = next(iter(outputs.values()))
     result = {
         "benchmark": f"video VAE decode, int8_convrot (dequantized at use) vs fp16, {preset} preset, latent "

@@ -1,10 +1,12 @@
 """The video VAE decoder's kernels (kernels/vae.py), run by Triton's CPU interpreter: the fused Q/K norm +
 RoPE equals the decoder's own formula, a decode with the fused passes equals the reference decode, and the
-attention report says what the VAE runs when the DiT's backend is approximate.
+attention report says what the VAE runs when the DiT's backend is approximate; H3_VAE_LINEAR=fp8's block linears
+decode as their plain-PyTorch definition and are refused where they cannot run.
 
 Budgets: the fused Q/K pass is bit-identical to the reference in fp16 except where the fp32 sum of
 squares rounds differently (>= 99.9 % identical, max 1 fp16 ulp); a whole fp32 decode with the fused passes
-is within 1e-5 rel L2 of the reference decode (summation order only).
+is within 1e-5 rel L2 of the reference decode (summation order only); an fp16 decode with FP8 linears within 1e-3
+of the same codes in fp32 PyTorch.
 """
 
 from __future__ import annotations
@@ -73,3 +75,94 @@ def test_approximate_or_unavailable_decoder_attention_fails_closed():
     with pytest.raises(KernelUnavailable, match="fa3"):
         apply_vae_kernels(vae, attention="fa3")
     assert vae.attention is before
+
+
+# --------------------------------------------------------------------------------------------- FP8 block linears
+class _ReferenceFp8(torch.nn.Module):
+    """An Fp8Linear's codes, scales and bias computed by `fp8_linear_reference` (fp32 PyTorch)."""
+
+    def __init__(self, f8):
+        super().__init__()
+        self.f8, self.out_dtype = f8, f8.out_dtype  # the block computes in the linear's output dtype
+
+    def forward(self, x):
+        from h3_spark.kernels.linear_fp8 import fp8_linear_reference
+
+        return fp8_linear_reference(x, self.f8.weight, self.f8.weight_scale.flatten(), x.dtype, self.f8.bias)
+
+
+def _fp16_vae():
+    return synthetic_video_vae(video_config.TINY, "cpu", torch.float16, seed=4)
+
+
+def _latent():
+    return torch.randn(1, video_config.TINY.latent_channels, 7, 6, 8, generator=torch.Generator().manual_seed(5))
+
+
+def test_fp8_decoder_linears_decode_as_their_plain_pytorch_definition():
+    """H3_VAE_LINEAR=fp8's swap: every block's six linears become Fp8Linear (biases kept); the decode equals the same
+    codes computed in plain PyTorch within 1e-3 rel L2 (torch._scaled_mm's accumulation against fp32), stays within
+    1 % of the dense fp16 decode on these random weights, and is not the dense decode (the swap is real). The fused
+    SwiGLU handing the down projection its FP8 rows (Triton's interpreter) decodes the same within 1e-3."""
+    from h3_spark.kernels.linear_fp8 import Fp8Linear
+    from h3_spark.kernels.vae import DECODER_LINEARS, fp8_converted, fp8_decoder_linears
+
+    vae, z = _fp16_vae(), _latent()
+    apply_vae_kernels(vae, KernelSettings(modulation_fusion="off", q_rms_rope_int8_fusion="off"))
+    dense = vae.decode(z)
+    layers = len(vae.decoder.transformer_blocks)
+    assert not fp8_converted(vae.decoder)
+    sources = fp8_decoder_linears(vae.decoder, fused_swiglu=False, use_triton=False)
+    assert sources == {"fp16 weight quantized per output channel": 6 * layers} and fp8_converted(vae.decoder)
+    block = vae.decoder.transformer_blocks[0]
+    assert all(isinstance(block.get_submodule(n), Fp8Linear) and block.get_submodule(n).bias is not None
+               for n in DECODER_LINEARS)
+    got = vae.decode(z)
+    assert got.dtype == dense.dtype and got.shape == dense.shape
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert 1e-4 < rel(got, dense) <= 0.01
+    # Idempotent: a second swap converts nothing again.
+    assert fp8_decoder_linears(vae.decoder, fused_swiglu=False, use_triton=False) == sources
+
+    reference = _fp16_vae()
+    apply_vae_kernels(reference, KernelSettings(modulation_fusion="off", q_rms_rope_int8_fusion="off"))
+    for ours, theirs in zip(vae.decoder.transformer_blocks, reference.decoder.transformer_blocks):
+        for name in DECODER_LINEARS:
+            theirs.set_submodule(name, _ReferenceFp8(ours.get_submodule(name)))
+    assert rel(got, reference.decode(z)) <= 1e-3
+
+    fused = _fp16_vae()
+    apply_vae_kernels(fused, KernelSettings(modulation_fusion="off", q_rms_rope_int8_fusion="off"))
+    fp8_decoder_linears(fused.decoder, fused_swiglu=True, use_triton=True)
+    assert rel(fused.decode(z), got) <= 1e-3
+
+
+def test_fp8_decoder_linears_are_asked_for_and_refused_where_they_cannot_run(monkeypatch):
+    from h3_spark.kernels import vae as vae_kernels
+    from h3_spark.kernels.capability import SettingsError
+
+    with pytest.raises(SettingsError, match=r"^H3_VAE_LINEAR='int8' is not accepted; use one of: dense, fp8$"):
+        KernelSettings.from_env({"H3_VAE_LINEAR": "int8"})
+    assert KernelSettings.from_env({"H3_VAE_LINEAR": " FP8 "}).vae_linear == "fp8"
+    assert KernelSettings.from_env({}).vae_linear == "dense"
+    vae = _fp16_vae()
+    with pytest.raises(KernelUnavailable, match=r"^H3_VAE_LINEAR=fp8 needs sm_90 or newer \(rowwise-scaled FP8 GEMMs "
+                                                r"\(torch._scaled_mm\) need Hopper or newer\); this run is on "):
+        apply_vae_kernels(vae, KernelSettings(vae_linear="fp8"))
+    monkeypatch.setattr(vae_kernels, "require_cuda", lambda *a, **k: (9, 0))  # a pretend Hopper from here on
+    exact = synthetic_video_vae(video_config.TINY, "cpu", torch.float32, seed=4)
+    with pytest.raises(KernelUnavailable, match=r"^H3_VAE_LINEAR=fp8 is for the fp16 decode; this VAE decodes in "
+                                                r"float32 \(the exact path"):
+        apply_vae_kernels(exact, KernelSettings(vae_linear="fp8"))
+    report = apply_vae_kernels(vae, KernelSettings(vae_linear="fp8", modulation_fusion="off",
+                                                   q_rms_rope_int8_fusion="off"))
+    layers = len(vae.decoder.transformer_blocks)
+    assert report["linear"]["format"] == "fp8" and report["exact"] is False
+    assert report["linear"]["sources"] == {"fp16 weight quantized per output channel": 6 * layers}
+    assert report["linear"]["why"].startswith("requested (approximate): the decoder blocks' linears as FP8 e4m3")
+    # The weights were rounded: going back to dense needs the VAE loaded again.
+    with pytest.raises(KernelUnavailable, match=r"^the video VAE decoder's linears were already converted to FP8 "
+                                                r"\(H3_VAE_LINEAR=fp8\); reload the VAE to decode with dense ones$"):
+        apply_vae_kernels(vae, KernelSettings())
+    dense = apply_vae_kernels(_fp16_vae(), KernelSettings())
+    assert dense["linear"]["format"] == "dense" and dense["exact"] is True

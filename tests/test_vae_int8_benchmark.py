@@ -18,12 +18,18 @@ def test_defaults_are_the_released_canvas(monkeypatch):
     monkeypatch.setenv("OUT", "/results")
     args = bench.parse([])
     assert args.out == "/results/vae_int8.json" and args.device == "cuda" and args.latent_size == (37, 48, 84)
-    assert args.columns == ["fp16", "int8", "int8_at_load", "int8_gemm"] and (args.repeats, args.warmup) == (3, 1)
+    assert args.columns == ["fp16", "int8", "int8_at_load", "int8_gemm", "fp8", "int8_fp8"]
+    assert (args.repeats, args.warmup) == (3, 1)
     assert bench.parse(["--tiny", "--out", "x"]).latent_size == (3, 4, 4)
+    # FP8 GEMMs need a Hopper GPU: the CPU smoke leaves those columns out unless asked for (then refused).
+    assert bench.parse(["--out", "x", "--device", "cpu"]).columns == ["fp16", "int8", "int8_at_load", "int8_gemm"]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--out", "x", "--columns", "fp16,int4"], "--columns takes fp16, int8, int8_at_load, int8_gemm; got 'fp16,int4'"),
+    (["--out", "x", "--columns", "fp16,int4"],
+     "--columns takes fp16, int8, int8_at_load, int8_gemm, fp8, int8_fp8; got 'fp16,int4'"),
+    (["--out", "x", "--device", "cpu", "--columns", "fp16,fp8,int8_fp8"],
+     "--columns fp8,int8_fp8 run FP8 GEMMs (H3_VAE_LINEAR=fp8), which need a Hopper or newer GPU; not --device cpu"),
     (["--out", "x", "--repeats", "0"], "--repeats must be at least 1 and --warmup at least 0; got 0, 1"),
     (["--out", "x", "--device", "mps"], "--device must be cuda, cuda:N or cpu; got 'mps'"),
     (["--out", "x", "--latent", "3,4"], "--latent takes three positive integers (frames,height,width); got '3,4'"),

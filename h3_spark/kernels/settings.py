@@ -17,6 +17,8 @@ from .attention import (ATTENTION_BACKENDS, HEAD_SLICE_BACKEND, HEAD_SLICE_INNER
 from .capability import SettingsError
 
 LINEAR_FORMATS = ("auto", "bf16", "fp8", "nvfp4", "w4a8")
+# The video VAE decoder's block linears: dense in the decode dtype (exact), or FP8 e4m3 (approximate, Hopper+).
+VAE_LINEAR_FORMATS = ("dense", "fp8")
 AUTO_OFF = ("auto", "off")
 MODULATION_FUSION = ("auto", "exact", "off")
 SOL_THRESH_TYPES = ("diag", "topk")
@@ -48,6 +50,7 @@ class KernelSettings:
     # H3_NVFP4_STATIC_SCALES: a promoted static-scales artifact (h3-spark calibrate) for the NVFP4 linears; "" = the
     # per-call (dynamic) scales. The engine checks and installs it (h3_model/engine/static_scales.py).
     nvfp4_static_scales: str = ""
+    vae_linear: str = "dense"
 
     def __post_init__(self) -> None:
         _check_choice("H3_ATTENTION", self.attention, ATTENTION_BACKENDS)
@@ -55,6 +58,7 @@ class KernelSettings:
         if self.head_slice_size < 1:
             raise SettingsError(f"H3_HEAD_SLICE_SIZE must be a positive number of heads, got {self.head_slice_size}")
         _check_choice("H3_LINEAR", self.linear, LINEAR_FORMATS)
+        _check_choice("H3_VAE_LINEAR", self.vae_linear, VAE_LINEAR_FORMATS)
         _check_choice("H3_SWIGLU_NVFP4_FUSION", self.swiglu_nvfp4_fusion, AUTO_OFF)
         _check_choice("H3_RMS_ADALN_NVFP4_FUSION", self.rms_adaln_nvfp4_fusion, AUTO_OFF)
         _check_choice("H3_MODULATION_FUSION", self.modulation_fusion, MODULATION_FUSION)
@@ -105,6 +109,7 @@ class KernelSettings:
             qk_hadamard=_int(env, "H3_QK_HADAMARD", d.qk_hadamard),
             qk_granularity=_str(env, "H3_QK_GRANULARITY", d.qk_granularity),
             nvfp4_static_scales=(env.get("H3_NVFP4_STATIC_SCALES") or "").strip(),  # a path: case kept
+            vae_linear=_str(env, "H3_VAE_LINEAR", d.vae_linear),
         )
 
     def replace(self, **changes) -> "KernelSettings":

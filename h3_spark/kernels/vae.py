@@ -1,10 +1,13 @@
-"""The video VAE decoder's kernels: its attention backend and the fused Q/K norm + RoPE and SwiGLU passes
-(`plan_vae_kernels` chooses them; the engine installs them: h3_model/engine/kernel_plan.py).
+"""The video VAE decoder's kernels: its attention backend, the fused Q/K norm + RoPE and SwiGLU passes, and its
+block linears' format (`plan_vae_kernels` chooses them; the engine installs them: h3_model/engine/kernel_plan.py).
 
-The decoder only takes exact paths, so H3_ATTENTION (a DiT choice, often approximate) does not apply to it:
-it decodes with `auto`'s choice for its dtype (the fastest exact backend with kernels for fp16 or fp32 heads
+The decoder's attention takes exact paths only, so H3_ATTENTION (a DiT choice, often approximate) does not apply
+to it: it decodes with `auto`'s choice for its dtype (the fastest exact backend with kernels for fp16 or fp32 heads
 of its size), and the report says which. The
 fused passes follow the DiT's switches (H3_Q_RMS_ROPE_INT8_FUSION for Q/K, H3_MODULATION_FUSION for SwiGLU).
+Its GEMMs are half a decode's time (perf-notes): H3_VAE_LINEAR=fp8 runs the 216 block linears as FP8 e4m3 GEMMs
+(per-channel weights, per-token activations, `linear_fp8.Fp8Linear`; q, k and v share one quantized input and the
+fused SwiGLU writes the down projection's), an approximate path opted into on its own (H3_LINEAR is the DiT's).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import EXACT_BACKENDS, resolve_attention
-from .capability import KernelUnavailable, as_device, describe_device, require_triton, triton_ready
+from .capability import KernelUnavailable, as_device, describe_device, require_cuda, require_triton, triton_ready
 from .settings import KernelSettings
 
 
@@ -42,11 +45,14 @@ class VaePlan:
     why: str
     fused_qk_prep: bool
     fused_swiglu: bool
+    linear: str = "dense"
+    linear_why: str = "dense: the decode dtype's GEMMs (H3_VAE_LINEAR=fp8 opts into FP8)"
 
     def report(self) -> dict:
         impl = {True: "triton", False: "pytorch-reference"}
         return {"device": self.device_name, "attention": {"chosen": self.chosen, "why": self.why},
-                "qk_prep": impl[self.fused_qk_prep], "swiglu": impl[self.fused_swiglu], "exact": True}
+                "qk_prep": impl[self.fused_qk_prep], "swiglu": impl[self.fused_swiglu],
+                "linear": {"format": self.linear, "why": self.linear_why}, "exact": self.linear == "dense"}
 
 
 def plan_vae_kernels(vae, settings: KernelSettings | None = None, attention: str | None = None) -> VaePlan:
@@ -70,4 +76,49 @@ def plan_vae_kernels(vae, settings: KernelSettings | None = None, attention: str
         why = backend.auto_reason
     qk = _fusion_on(settings.q_rms_rope_int8_fusion, "the decoder's fused Q/K norm + RoPE", device)
     act = _fusion_on(settings.modulation_fusion, "the decoder's fused SwiGLU", device)
-    return VaePlan(describe_device(device), backend, chosen, why, qk, act)
+    plan = VaePlan(describe_device(device), backend, chosen, why, qk, act)
+    if settings.vae_linear == "fp8":
+        require_cuda("H3_VAE_LINEAR=fp8", device, minimum=(9, 0),
+                     why="rowwise-scaled FP8 GEMMs (torch._scaled_mm) need Hopper or newer")
+        if dtype != torch.float16:
+            raise KernelUnavailable(f"H3_VAE_LINEAR=fp8 is for the fp16 decode; this VAE decodes in "
+                                    f"{str(dtype).removeprefix('torch.')} (the exact path: set H3_VAE_LINEAR=dense, or "
+                                    f"decode in float16)")
+        plan.linear = "fp8"
+        plan.linear_why = ("requested (approximate): the decoder blocks' linears as FP8 e4m3 weights with per-channel "
+                           "scales x per-token FP8 activations, biases added in the GEMM")
+    return plan
+
+
+# The block linears a decoder block runs, by their module names (the int8_convrot file quantizes the same ones).
+DECODER_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
+
+
+def fp8_converted(decoder) -> bool:
+    """Whether the decoder's block linears are FP8 already (the conversion cannot be undone: the weights were
+    rounded)."""
+    from .linear_fp8 import Fp8Linear
+
+    return any(isinstance(m, Fp8Linear) for m in decoder.transformer_blocks.modules())
+
+
+def fp8_decoder_linears(decoder, fused_swiglu: bool, use_triton: bool = True) -> dict[str, int]:
+    """Swap every decoder block's linears for Fp8Linear (from its dense weight; a stored int8 layer dequantized
+    exactly first) in place: q, k and v take one quantized input, and with `fused_swiglu` the SwiGLU hands the down
+    projection its FP8 rows. Idempotent (a block already converted is left as it is). Returns the layers by source."""
+    from .linear_fp8 import Fp8Linear, quantize_activation, swiglu_quantize_fp8
+    from .stored_linear import StoredLinear
+
+    sources: dict[str, int] = {}
+    for block in decoder.transformer_blocks:
+        for name in DECODER_LINEARS:
+            linear = block.get_submodule(name)
+            if not isinstance(linear, Fp8Linear):
+                dense = linear.to_linear() if isinstance(linear, StoredLinear) else linear
+                linear = Fp8Linear.from_linear(dense, use_triton)
+                block.set_submodule(name, linear)
+            sources[linear.source] = sources.get(linear.source, 0) + 1
+        block.attn.quantize_input = lambda x, t=use_triton: quantize_activation(x, t)
+        if fused_swiglu:
+            block.ff.net[0].activation = swiglu_quantize_fp8
+    return sources

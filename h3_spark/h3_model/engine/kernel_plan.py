@@ -119,11 +119,20 @@ def apply_vae_kernels(vae, settings: KernelSettings | None = None, attention: st
     and why. `attention`: an exact backend for the decoder (benchmarks compare them); by default `auto`'s exact
     choice for its dtype, whatever H3_ATTENTION asks of the DiT."""
     from ...kernels.swiglu import fused_swiglu
-    from ...kernels.vae import fused_decoder_qk_prep, plan_vae_kernels
+    from ...kernels.capability import KernelUnavailable
+    from ...kernels.vae import fp8_converted, fused_decoder_qk_prep, plan_vae_kernels
 
     plan = plan_vae_kernels(vae, settings, attention)
+    if plan.linear == "dense" and fp8_converted(vae.decoder):
+        raise KernelUnavailable("the video VAE decoder's linears were already converted to FP8 (H3_VAE_LINEAR=fp8); "
+                                "reload the VAE to decode with dense ones")
     vae.attention = plan.attention
     for block in vae.decoder.transformer_blocks:
         block.attn.qk_prep = fused_decoder_qk_prep if plan.fused_qk_prep else None
         block.ff.net[0].activation = fused_swiglu if plan.fused_swiglu else None
-    return plan.report()
+    report = plan.report()
+    if plan.linear == "fp8":
+        from ...kernels.vae import fp8_decoder_linears
+
+        report["linear"]["sources"] = fp8_decoder_linears(vae.decoder, plan.fused_swiglu)
+    return report

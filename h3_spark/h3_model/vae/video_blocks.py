@@ -176,12 +176,15 @@ class DecoderAttention(nn.Module):
         # (x, eps, cos, sin) -> RMSNorm (no weight) + partial RoPE of one (B, S, H, D) tensor; kernels/
         # swaps in a fused pass. None: the eager formula below.
         self.qk_prep: Callable[..., torch.Tensor] | None = None
+        # x -> the input q, k and v take; kernels/ installs one FP8 quantization the three share. None: x itself.
+        self.quantize_input: Callable[[torch.Tensor], object] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.to_q(x).view(b, s, self.heads, self.head_dim)
-        k = self.to_k(x).view(b, s, self.heads, self.head_dim)
-        v = self.to_v(x).view(b, s, self.heads, self.head_dim)
+        rows = x if self.quantize_input is None else self.quantize_input(x)
+        q = self.to_q(rows).view(b, s, self.heads, self.head_dim)
+        k = self.to_k(rows).view(b, s, self.heads, self.head_dim)
+        v = self.to_v(rows).view(b, s, self.heads, self.head_dim)
         prep = self.qk_prep or reference_qk_prep
         q, k = prep(q, self.eps, cos, sin), prep(k, self.eps, cos, sin)
         out = attention(q, k, v).reshape(b, s, -1)
