@@ -15,7 +15,7 @@ from h3_spark.kernels.settings import KernelSettings
 ROOT = Path(__file__).resolve().parents[1]
 ENV = ROOT / "config" / "h3_spark_serving.env"
 REQUIRED = {"H3_ATTENTION", "H3_LINEAR", "H3_MODULATION_FUSION", "H3_Q_RMS_ROPE_INT8_FUSION", "H3_SWIGLU_NVFP4_FUSION",
-            "H3_RMS_ADALN_NVFP4_FUSION", "H3_VAE_DTYPE", "H3_VAE_TILE_SIZE", "H3_VAE_TILE_BATCH",
+            "H3_RMS_ADALN_NVFP4_FUSION", "H3_VAE_DTYPE", "H3_VAE_TILE_SIZE", "H3_VAE_TILE_BATCH", "H3_VAE_LINEAR",
             "H3_HEAD_SLICE_BACKEND", "H3_HEAD_SLICE_SIZE", "H3_SOL_TAU", "H3_SOL_MIN_TOKENS", "H3_SOL_THRESH_TYPE", "H3_SOL_INT8_QK",
             "H3_SOL_INT8_PV", "H3_SOL_FALLBACK", "H3_SOL_STRICT"}
 
@@ -45,6 +45,7 @@ def test_sourcing_sets_every_flag_and_changes_the_parsed_settings():
 
     assert vae_tile_batch(env) == DEFAULT_TILE_BATCH
     check_tiling(int(env["H3_VAE_TILE_SIZE"]), 64, 16)
+    assert parsed.vae_linear == default.vae_linear == "dense"  # the exact decode; fp8 is opt-in
 
 
 def test_every_flag_is_documented_before_it_is_set():
@@ -92,7 +93,7 @@ def test_the_cited_receipt_ran_these_settings():
         # the exact path: inside the noise floor wherever diffusers ran beside it (a generation has no twin)
         assert parity is True or (parity is None and "generation" in receipt), path
     # A fast path that is not receipted must say so.
-    for name in ("H3_SWIGLU_NVFP4_FUSION", "H3_RMS_ADALN_NVFP4_FUSION"):
+    for name in ("H3_SWIGLU_NVFP4_FUSION", "H3_RMS_ADALN_NVFP4_FUSION", "H3_VAE_LINEAR"):
         block = text.split(f"# {name}:", 1)[1].split("export", 1)[0]
         assert "no receipt yet" in block, name
     # The VAE dtype set here is one its cited decode receipt ran, beside the float32 decode it is compared with.
