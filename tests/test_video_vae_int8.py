@@ -159,6 +159,24 @@ def test_stored_decode_equals_dequantized_at_load_bit_for_bit(files, dtype):
     assert torch.equal(stored, at_load)
 
 
+def test_fp8_decoder_linears_start_from_the_exact_dequantized_codes(files):
+    """H3_VAE_LINEAR=fp8 on the int8_convrot file: each stored layer is dequantized exactly and then quantized to
+    e4m3, so its decode equals the fp8 decode of the same file dequantized at load, bit for bit, and names where
+    its weights came from."""
+    from h3_spark.kernels.vae import fp8_decoder_linears
+
+    z = _latent(2)
+    stored = load_video_vae(files["int8"], decode_dtype=torch.float16)
+    at_load = load_video_vae(files["int8"], decode_dtype=torch.float16, stored=False)
+    layers = 6 * CONFIG.decoder_num_layers
+    assert fp8_decoder_linears(stored.decoder, False, use_triton=False) == {
+        "int8_convrot codes dequantized exactly, quantized per output channel": layers}
+    assert fp8_decoder_linears(at_load.decoder, False, use_triton=False) == {
+        "fp16 weight quantized per output channel": layers}
+    got = stored.decode(z)
+    assert torch.equal(got, at_load.decode(z)) and got.std() > 0.05
+
+
 def test_decode_stays_close_to_the_fp16_file_of_the_same_seed(files):
     z = _latent(1)
     int8 = load_video_vae(files["int8"], decode_dtype=torch.float32).decode(z)

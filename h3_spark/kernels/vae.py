@@ -114,8 +114,10 @@ def fp8_decoder_linears(decoder, fused_swiglu: bool, use_triton: bool = True) ->
         for name in DECODER_LINEARS:
             linear = block.get_submodule(name)
             if not isinstance(linear, Fp8Linear):
-                dense = linear.to_linear() if isinstance(linear, StoredLinear) else linear
-                linear = Fp8Linear.from_linear(dense, use_triton)
+                stored = linear.label if isinstance(linear, StoredLinear) else None
+                linear = Fp8Linear.from_linear(linear.to_linear() if stored else linear, use_triton)
+                if stored:
+                    linear.source = f"{stored} codes dequantized exactly, quantized per output channel"
                 block.set_submodule(name, linear)
             sources[linear.source] = sources.get(linear.source, 0) + 1
         block.attn.quantize_input = lambda x, t=use_triton: quantize_activation(x, t)
