@@ -20,7 +20,7 @@ from h3_spark.h3_model.vae import video_config
 from h3_spark.kernels.capability import KernelUnavailable
 from h3_spark.kernels.settings import KernelSettings
 from h3_spark.h3_model.engine.kernel_plan import apply_vae_kernels
-from h3_spark.kernels.vae import fused_decoder_qk_prep
+from h3_spark.kernels.vae import fused_decoder_qk_prep, fused_residual_norm
 
 pytest.importorskip("triton")
 
@@ -44,15 +44,48 @@ def test_fused_qk_prep_equals_the_decoder_formula(dtype):
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fused_residual_norm_equals_the_blocks_step(dtype):
+    """The residual bit for bit (the product rounds to fp32 before the sum, as eager's); the normed input as eager's
+    but for the fp32 sum of squares' order: in fp16 >= 99.9 % identical and at most 1 ulp apart, in fp32 (where no
+    final rounding hides it) >= 70 % identical and within 4 ulp; the step without an update (a block's first norm)
+    and without a norm (its last residual) too."""
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(2, 37, 96, generator=g) * 4 + 0.3
+    y = (torch.randn(2, 37, 96, generator=g) * 2).to(dtype)
+    gate = torch.randn(96, generator=g) * 0.1
+    norm = torch.nn.RMSNorm(96, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=g) + 0.5)
+    want_h, want_x = video_blocks.residual_norm(h, y, gate, norm, dtype)
+    got_h, got_x = fused_residual_norm(h, y, gate, norm, dtype)
+    assert torch.equal(got_h, want_h) and got_x.dtype == dtype
+    share, ulps = (0.999, 2 ** -10) if dtype == torch.float16 else (0.7, 4 * 2 ** -23)
+    assert (got_x == want_x).float().mean().item() >= share
+    assert ((got_x.float() - want_x.float()).abs() <= want_x.float().abs() * ulps + 1e-6).all()
+    same, x = fused_residual_norm(h, None, None, norm, dtype)
+    assert same is h or torch.equal(same, h)
+    assert torch.equal(x, fused_residual_norm(h, torch.zeros_like(y), gate, norm, dtype)[1])
+    only_h, none = fused_residual_norm(h, y, gate, None, dtype)
+    assert none is None and torch.equal(only_h, want_h)
+    with pytest.raises(ValueError, match=r"^the decoder's residual is fp32 \(batch, tokens, width\), got "
+                                         r"torch.float16 \[2, 37, 96\]$"):
+        fused_residual_norm(h.half(), y, gate, norm, dtype)
+    with pytest.raises(ValueError, match=r"^a sub-layer output \[2, 36, 96\] does not match the residual "
+                                         r"\[2, 37, 96\]$"):
+        fused_residual_norm(h, y[:, :36], gate, norm, dtype)
+
+
 def test_decode_with_fused_passes_matches_the_reference():
     vae = synthetic_video_vae(video_config.TINY, "cpu", torch.float32, seed=4)
     z = torch.randn(1, video_config.TINY.latent_channels, 7, 6, 8, generator=torch.Generator().manual_seed(5))
     report = apply_vae_kernels(vae, KernelSettings(modulation_fusion="off", q_rms_rope_int8_fusion="off"))
-    assert report["qk_prep"] == report["swiglu"] == "pytorch-reference"
+    assert report["qk_prep"] == report["swiglu"] == report["residual_norm"] == "pytorch-reference"
     want = vae.decode(z)
     report = apply_vae_kernels(vae, KernelSettings(modulation_fusion="exact"))
-    assert report["qk_prep"] == report["swiglu"] == "triton"
+    assert report["qk_prep"] == report["swiglu"] == report["residual_norm"] == "triton"
     assert all(b.attn.qk_prep is fused_decoder_qk_prep for b in vae.decoder.transformer_blocks)
+    assert all(b.residual_norm is fused_residual_norm for b in vae.decoder.transformer_blocks)
     got = vae.decode(z)
     assert ((got - want).norm() / want.norm()).item() <= 1e-5
 

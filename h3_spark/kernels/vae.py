@@ -4,7 +4,9 @@ block linears' format (`plan_vae_kernels` chooses them; the engine installs them
 The decoder's attention takes exact paths only, so H3_ATTENTION (a DiT choice, often approximate) does not apply
 to it: it decodes with `auto`'s choice for its dtype (the fastest exact backend with kernels for fp16 or fp32 heads
 of its size), and the report says which. The
-fused passes follow the DiT's switches (H3_Q_RMS_ROPE_INT8_FUSION for Q/K, H3_MODULATION_FUSION for SwiGLU).
+fused passes follow the DiT's switches (H3_Q_RMS_ROPE_INT8_FUSION for Q/K, H3_MODULATION_FUSION for SwiGLU and for
+the residual step between sub-layers: the fp32 residual update and the next RMSNorm in one pass, where eager runs a
+product, a sum, the norm and a cast, ~0.7 s of a 1344x768x124 decode on the H100 by its profile).
 Its GEMMs are half a decode's time (perf-notes): H3_VAE_LINEAR=fp8 runs the 216 block linears as FP8 e4m3 GEMMs
 (per-channel weights, per-token activations, `linear_fp8.Fp8Linear`; q, k and v share one quantized input and the
 fused SwiGLU writes the down projection's), an approximate path opted into on its own (H3_LINEAR is the DiT's).
@@ -16,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ._triton import require_kernels, rnd_store, round_code, tl, triton  # noqa: F401  (used in the kernel)
 from .attention import EXACT_BACKENDS, resolve_attention
 from .capability import KernelUnavailable, as_device, describe_device, require_cuda, require_triton, triton_ready
+from .qk_prep import norm_eps
 from .settings import KernelSettings
 
 
@@ -26,6 +30,52 @@ def fused_decoder_qk_prep(x: torch.Tensor, eps: float, cos: torch.Tensor, sin: t
     from .qk_prep import prepare_heads
 
     return prepare_heads(x, None, eps, (cos[0, :, 0], sin[0, :, 0]))
+
+
+# ------------------------------------------------------------------------ the residual step between sub-layers
+if triton is not None:
+
+    @triton.jit
+    def _residual_norm_kernel(h_ptr, y_ptr, g_ptr, w_ptr, res_ptr, out_ptr, eps, D: tl.constexpr,
+                              HAS_Y: tl.constexpr, HAS_NORM: tl.constexpr, RND: tl.constexpr, BLOCK: tl.constexpr):
+        # One whole row per program: h + y * gate in fp32 (launched without FMA contraction, so the product
+        # rounds before the sum as eager's two ops do), written once; RMSNorm of it from the same registers,
+        # rounded to the compute dtype.
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK)
+        m = c < D
+        h = tl.load(h_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
+        if HAS_Y:
+            y = tl.load(y_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + c, mask=m, other=0.0).to(tl.float32)
+            h = h + y * g
+            tl.store(res_ptr + row * D + c, h, mask=m)
+        if HAS_NORM:
+            rstd = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / D + eps)
+            x = h * rstd * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * D + c, rnd_store(x, RND).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def fused_residual_norm(h: torch.Tensor, y: torch.Tensor | None, gate: torch.Tensor | None, norm, dtype: torch.dtype):
+    """`video_blocks.residual_norm` in one Triton pass over whole rows: the residual read once and written once, the
+    normed input written once in the compute dtype (eager: up to five passes)."""
+    require_kernels("the decoder's fused residual + RMSNorm")
+    if h.dtype != torch.float32 or h.ndim != 3:
+        raise ValueError(f"the decoder's residual is fp32 (batch, tokens, width), got {h.dtype} {list(h.shape)}")
+    if y is not None and y.shape != h.shape:
+        raise ValueError(f"a sub-layer output {list(y.shape)} does not match the residual {list(h.shape)}")
+    h = h.contiguous()
+    d = h.shape[-1]
+    res = torch.empty_like(h) if y is not None else h
+    out = torch.empty(h.shape, device=h.device, dtype=dtype) if norm is not None else None
+    if h.numel():
+        _residual_norm_kernel[(h.numel() // d,)](
+            h, h if y is None else y.contiguous(), h if gate is None else gate.contiguous(),
+            h if norm is None else norm.weight, res, h if out is None else out,
+            0.0 if norm is None else norm_eps(norm, torch.float32), D=d, HAS_Y=y is not None,
+            HAS_NORM=norm is not None, RND=round_code(dtype), BLOCK=triton.next_power_of_2(d), num_warps=8,
+            enable_fp_fusion=False)
+    return res, out
 
 
 def _fusion_on(mode: str, what: str, device) -> bool:
@@ -45,6 +95,7 @@ class VaePlan:
     why: str
     fused_qk_prep: bool
     fused_swiglu: bool
+    fused_residual_norm: bool = False
     linear: str = "dense"
     linear_why: str = "dense: the decode dtype's GEMMs (H3_VAE_LINEAR=fp8 opts into FP8)"
 
@@ -52,6 +103,7 @@ class VaePlan:
         impl = {True: "triton", False: "pytorch-reference"}
         return {"device": self.device_name, "attention": {"chosen": self.chosen, "why": self.why},
                 "qk_prep": impl[self.fused_qk_prep], "swiglu": impl[self.fused_swiglu],
+                "residual_norm": impl[self.fused_residual_norm],
                 "linear": {"format": self.linear, "why": self.linear_why}, "exact": self.linear == "dense"}
 
 
@@ -76,7 +128,7 @@ def plan_vae_kernels(vae, settings: KernelSettings | None = None, attention: str
         why = backend.auto_reason
     qk = _fusion_on(settings.q_rms_rope_int8_fusion, "the decoder's fused Q/K norm + RoPE", device)
     act = _fusion_on(settings.modulation_fusion, "the decoder's fused SwiGLU", device)
-    plan = VaePlan(describe_device(device), backend, chosen, why, qk, act)
+    plan = VaePlan(describe_device(device), backend, chosen, why, qk, act, fused_residual_norm=act)
     if settings.vae_linear == "fp8":
         require_cuda("H3_VAE_LINEAR=fp8", device, minimum=(9, 0),
                      why="rowwise-scaled FP8 GEMMs (torch._scaled_mm) need Hopper or newer")

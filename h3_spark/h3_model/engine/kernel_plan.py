@@ -120,7 +120,7 @@ def apply_vae_kernels(vae, settings: KernelSettings | None = None, attention: st
     choice for its dtype, whatever H3_ATTENTION asks of the DiT."""
     from ...kernels.swiglu import fused_swiglu
     from ...kernels.capability import KernelUnavailable
-    from ...kernels.vae import fp8_converted, fused_decoder_qk_prep, plan_vae_kernels
+    from ...kernels.vae import fp8_converted, fused_decoder_qk_prep, fused_residual_norm, plan_vae_kernels
 
     plan = plan_vae_kernels(vae, settings, attention)
     if plan.linear == "dense" and fp8_converted(vae.decoder):
@@ -130,6 +130,7 @@ def apply_vae_kernels(vae, settings: KernelSettings | None = None, attention: st
     for block in vae.decoder.transformer_blocks:
         block.attn.qk_prep = fused_decoder_qk_prep if plan.fused_qk_prep else None
         block.ff.net[0].activation = fused_swiglu if plan.fused_swiglu else None
+        block.residual_norm = fused_residual_norm if plan.fused_residual_norm else None
     report = plan.report()
     if plan.linear == "fp8":
         from ...kernels.vae import fp8_decoder_linears

@@ -231,6 +231,17 @@ def compute_dtype(linear: nn.Module) -> torch.dtype:
     return getattr(linear, "out_dtype", None) or linear.weight.dtype
 
 
+def residual_norm(h: torch.Tensor, y: torch.Tensor | None, gate: torch.Tensor | None, norm: nn.RMSNorm | None,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A block's step between its sub-layers: the fp32 residual plus a sub-layer's output times its scale (y None:
+    h as it is), then RMSNorm of the sum (fp32 math) rounded to the compute dtype (norm None: no normed output)."""
+    if y is not None:
+        h = h + y * gate
+    if norm is None:
+        return h, None
+    return h, F.rms_norm(h, (h.shape[-1],), norm.weight, norm.eps).to(dtype)
+
+
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: VideoVAEConfig) -> None:
         super().__init__()
@@ -242,14 +253,17 @@ class DecoderBlock(nn.Module):
         self.norm2 = nn.RMSNorm(dim, eps=eps)
         self.ff = FeedForward(dim, cfg.decoder_ffn_mult)
         self.scale2 = nn.Parameter(torch.zeros(dim))
+        # `residual_norm`'s contract; kernels/ swaps in one fused pass. None: the eager formula.
+        self.residual_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         # h stays fp32; only the normed input to each sub-layer takes the compute dtype.
         compute = compute_dtype(self.attn.to_q)
-        x = F.rms_norm(h, (h.shape[-1],), self.norm1.weight, self.norm1.eps).to(compute)
-        h = h + self.attn(x, cos, sin, attention) * self.scale1
-        x = F.rms_norm(h, (h.shape[-1],), self.norm2.weight, self.norm2.eps).to(compute)
-        return h + self.ff(x) * self.scale2
+        step = self.residual_norm or residual_norm
+        _, x = step(h, None, None, self.norm1, compute)
+        h, x = step(h, self.attn(x, cos, sin, attention), self.scale1, self.norm2, compute)
+        h, _ = step(h, self.ff(x), self.scale2, None, compute)
+        return h
 
 
 class Decoder(nn.Module):
