@@ -34,9 +34,13 @@ def measure(vae, z, kernel_set: str, batch: int, args) -> tuple:
     from h3_spark.h3_model.engine.kernel_plan import apply_vae_kernels
 
     attention, _, fusion = kernel_set.partition(":")
-    fused = {"on": "exact", "off": "off"}[fusion or "off"]
+    fused = {"on": "exact", "off": "off", "on-eager-residual": "exact"}[fusion or "off"]
     settings = KernelSettings(modulation_fusion=fused, q_rms_rope_int8_fusion="auto" if fused == "exact" else "off")
     report = apply_vae_kernels(vae, settings, attention=None if attention == "auto" else attention)
+    if fusion == "on-eager-residual":  # the fused passes but the residual step: that fusion measured on its own
+        for block in vae.decoder.transformer_blocks:
+            block.residual_norm = None
+        report["residual_norm"] = "pytorch-reference"
     vae.decode_to_buffer(z, tile_batch=batch)  # warm-up (cuDNN / kernel selection for this batch)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -64,8 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--latent", default="37,34,60", help="latent frames, height, width (124 f at 960x544)")
     p.add_argument("--kernels", default="sdpa:off",
                    help="comma-separated decoder kernel sets ATTENTION:FUSION (ATTENTION auto or an exact backend; "
-                        "FUSION on|off: fused Q/K norm + RoPE and SwiGLU), each run at every tile batch, e.g. "
-                        "sdpa:off,cudnn_sdpa:off,auto:on")
+                        "FUSION on|off: fused Q/K norm + RoPE, SwiGLU and the residual step; on-eager-residual: "
+                        "all but the residual step), each run at every tile batch, e.g. "
+                        "sdpa:off,cudnn_sdpa:off,auto:on,auto:on-eager-residual")
     p.add_argument("--profile", action="store_true", help="also record CUDA time per kernel group of one decode")
     p.add_argument("--dtypes", default="float16", help="comma-separated decoder dtypes: float16, float32")
     args = p.parse_args(argv)
