@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from h3_spark.errors import InputError
 from h3_spark.measure.synthetic import synthetic_video_vae
 from h3_spark.h3_model.vae import video_blocks
 from h3_spark.h3_model.vae import video_config
@@ -154,6 +155,10 @@ def test_fp8_decoder_linears_decode_as_their_plain_pytorch_definition():
     assert got.dtype == dense.dtype and got.shape == dense.shape
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     assert 1e-4 < rel(got, dense) <= 0.01
+    with pytest.raises(InputError, match=r"^this VAE's decoder linears are FP8 \(H3_VAE_LINEAR=fp8\) computing in "
+                                         r"float16; load it again to decode in float32$"):
+        vae.set_decode_dtype(torch.float32)
+    assert vae.set_decode_dtype(torch.float16) is vae
     # Idempotent: a second swap converts nothing again.
     assert fp8_decoder_linears(vae.decoder, fused_swiglu=False, use_triton=False) == sources
 

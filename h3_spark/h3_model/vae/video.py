@@ -56,6 +56,7 @@ from torch import nn
 
 from ...errors import InputError
 from ...kernels.attention import sdpa
+from ...kernels.linear_fp8 import Fp8Linear
 from ...kernels.settings import DEFAULT_TILE_BATCH, check_tile_batch
 from ...kernels.stored_linear import StoredLinear
 from .video_blocks import AttentionFn, Decoder, Encoder
@@ -168,6 +169,11 @@ class VideoVAE(nn.Module):
     def set_decode_dtype(self, dtype: torch.dtype) -> "VideoVAE":
         if dtype not in DECODE_DTYPES.values():
             raise InputError(f"video VAE decode dtype must be float16 or float32, got {dtype}")
+        fp8 = next((m for m in self.decoder.transformer_blocks.modules() if isinstance(m, Fp8Linear)), None)
+        if fp8 is not None and dtype != fp8.out_dtype:
+            raise InputError(f"this VAE's decoder linears are FP8 (H3_VAE_LINEAR=fp8) computing in "
+                             f"{str(fp8.out_dtype).removeprefix('torch.')}; load it again to decode in "
+                             f"{str(dtype).removeprefix('torch.')}")
         for name, param in self.named_parameters():
             param.data = param.data.to(param_dtype(name, dtype))
         # Quantized decoder linears keep their codes; only the dtype they are dequantized into follows.
