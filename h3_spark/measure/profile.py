@@ -15,7 +15,8 @@ import torch
 OUR_KERNELS = frozenset(("_norm_modulate_kernel", "_modulate_kernel", "_gated_add_kernel", "_add_norm_kernel",
                          "_swiglu_kernel", "_swiglu_fp8_kernel", "_qk_prep_kernel", "_key_sum_kernel",
                          "_quantize_rows_kernel", "_nvfp4_kernel", "_fine_kernel", "_fine_tma_kernel",
-                         "_pool_kernel", "_gguf_dequantize_kernel", "_rotate_quantize_kernel", "_scale_int32_kernel"))
+                         "_pool_kernel", "_gguf_dequantize_kernel", "_rotate_quantize_kernel", "_scale_int32_kernel",
+                         "_residual_norm_kernel"))
 # The others, checked in order: the first group whose pattern occurs in the lower-cased kernel name wins.
 GROUPS = (
     ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
