@@ -532,6 +532,7 @@ def test_streamed_text_layers_go_into_packed_host_buffers_when_the_host_has_room
     pinned = engine(budget, "auto").load(["t2va"])
     te = pinned.components.text_encoder
     stream, host = te.layer_stream, pinned.host_plan
+    assert pinned.load_seconds["placement"] >= 0 and "placement" not in _engine(builders).load().load_seconds
     assert not stream.in_place and stream.host_bytes == sum(layers[1:]) and te.kept_layers == 1
     assert host["text_layers"]["pinned"] and host["text_layers"]["layer_bytes"] == sum(layers)
     assert host["text_layers_pinned_bytes"] == stream.host_bytes
