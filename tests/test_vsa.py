@@ -7,6 +7,7 @@ is the fine branch exactly; the Triton fine step matches the reference's within 
 order 1) and 2 bf16 ulps relative (bf16: the kernel rounds P to bf16 before P.V as flash kernels do).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -61,9 +62,27 @@ def test_tiles_are_segment_pure_and_the_video_is_cut_in_3d(tile):
         got = [prefix + r for r in rows]
         assert tiles.row_tile[got].eq(tile_index).all()
         assert tiles.slot[got].tolist() == [tile_index * tile + j for j in range(len(rows))]
-    # Every row has its own slot, inside its tile's valid part.
+    # Every row has its own slot, inside its tile's valid part; the padding is every other place.
     assert tiles.slot.unique().numel() == tiles.sequence_length == prefix + math.prod(video)
     assert (tiles.slot % tile < tiles.sizes[tiles.row_tile]).all()
+    places = set(range(tiles.num_tiles * tile))
+    assert sorted(tiles.padding.tolist()) == sorted(places - set(tiles.slot.tolist())) and tiles.padding.numel() > 0
+
+
+def test_the_tile_ordered_copy_zeroes_only_the_padding_and_places_every_row():
+    """k and v in tile order for the TMA kernel: written into a buffer that held anything (NaN here), the rows
+    land in their places and the padding is zero (the fine step multiplies V's padding by probabilities of 0, so
+    it must be finite), equal to a zero-filled copy."""
+    from h3_spark.kernels.vsa import tile_ordered_into
+
+    tiles = tile_map((37, 20), (5, 6, 9), 64)
+    x = torch.randn(2, tiles.sequence_length, 3, 8, generator=torch.Generator().manual_seed(1))
+    want = x.new_zeros(2, tiles.num_tiles * 64, 3, 8).index_copy_(1, tiles.slot, x)
+    got = tile_ordered_into(torch.full_like(want, float("nan")), x, tiles)
+    assert torch.equal(got, want.view(2 * tiles.num_tiles * 64, 24))
+    unlisted = dataclasses.replace(tiles, padding=None)  # a map built without its padding listed: all zeroed
+    assert torch.equal(tile_ordered_into(torch.full_like(want, float("nan")), x, unlisted), got)
+    assert torch.equal(tiles.to("cpu").padding, tiles.padding)
 
 
 def test_unknown_tile_sizes_are_refused():

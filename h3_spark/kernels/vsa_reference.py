@@ -64,6 +64,7 @@ class TileMap:
     num_prefix_tiles: int
     rows: torch.Tensor  # (n, tile) int32: the packed row in each place of each tile, -1 in the padding
     num_context_tiles: int = 0  # the video runs' tiles before the target's (selected like the target's)
+    padding: torch.Tensor | None = None  # (p,) int64: the padded buffer's places no row goes to (None: not listed)
 
     @property
     def num_tiles(self) -> int:
@@ -84,7 +85,8 @@ class TileMap:
 
     def to(self, device) -> "TileMap":
         return TileMap(self.tile, self.sizes.to(device), self.row_tile.to(device), self.slot.to(device),
-                       self.num_prefix_tiles, self.rows.to(device), self.num_context_tiles)
+                       self.num_prefix_tiles, self.rows.to(device), self.num_context_tiles,
+                       None if self.padding is None else self.padding.to(device))
 
 
 def tile_shape(tile: int) -> tuple[int, int, int]:
@@ -147,7 +149,7 @@ def tile_map(prefix_segments: tuple, video_shape: tuple[int, int, int], tile: in
     slots = torch.empty(start + t * h * w, dtype=torch.long)
     slots[flat[real]] = torch.arange(flat.numel())[real]
     return TileMap(tile, real.view_as(rows).sum(1), slots // tile, slots, sum(len(p) for p in dense),
-                   rows.to(torch.int32), sum(len(p) for p in context))
+                   rows.to(torch.int32), sum(len(p) for p in context), (~real).nonzero().flatten())
 
 
 def video_tiles_kept(sparsity: float, num_video_tiles: int) -> int:
