@@ -20,10 +20,10 @@ request and rendering code (one GPU; no films). `--gpu-cap GB` emulates a smalle
 measured render (stages, loads, plan, GPU peak, host memory with the cgroup's limit and peak) and this script's
 wall-clock seconds: process start to imported (Python and torch) and to loaded (the summary's `load_s` splits the
 load: each component, and under a budget `placement`, where a cold DiT's blocks are read), the measured render end
-to end (text encode to the finished mp4), and in all. Each render's prompt is encoded anew (the prompt cache is cleared after the warm-up), as a first
-request's would be. `--idle-until-read` waits after the load until the page reader has read its window (the
-receipt's `idle`: seconds, layers and bytes read), as a service's first request finds it when it comes after the
-load: a CLI render starts at once and reads its text layers on its own time.
+to end (text encode to the finished mp4), and in all. Each render's prompt is encoded anew (the prompt cache is
+cleared after the warm-up), as a first request's would be. `--idle-until-read` waits after the load until the page
+reader has read its window (the receipt's `idle`: seconds, layers and bytes read), as a service's first request
+finds it when it comes after the load: a CLI render starts at once and reads its text layers on its own time.
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ def main(argv=None) -> int:
     summary = g.summarize(gen, engine, req, result, options, 1)
     receipt = {"benchmark": "consumer_box", "generate_argv": generate_argv, "gpu_cap": cap,
                "cold": not args.warmup_steps, "warmup": warmup, "idle": idle,
-               "seconds": {"start_to_imported": imported - START, "start_to_loaded": loaded - START, "idle": idle and idle["waited_s"], "render": render_s,
+               "seconds": {"start_to_imported": imported - START, "start_to_loaded": loaded - START,
+                           "idle": idle and idle["waited_s"], "render": render_s,
                            "stages_sum": sum(result.timings.values()),
                            "start_to_rendered": time.perf_counter() - START},
                "summary": summary,

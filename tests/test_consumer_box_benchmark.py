@@ -102,6 +102,7 @@ def test_the_recipe_script_parses_and_calls_this_benchmark_with_its_flags():
     assert done.returncode == 0, done.stderr
     text = script.read_text()
     assert "--warmup-steps 2 --" in text and '--gpu-cap "$cap" "${idle[@]}" --' in text
-    assert "idle=(--idle-until-read)" in text and bench.parse(["--out", "x", "--idle-until-read", "--", "p"])[0].idle_until_read
+    assert "idle=(--idle-until-read)" in text
+    assert bench.parse(["--out", "x", "--idle-until-read", "--", "p"])[0].idle_until_read
     args, rest = bench.parse(["--out", "x.json", "--warmup-steps", "2", "--gpu-cap", "24", "--", "--prompt", "p"])
     assert (args.warmup_steps, args.gpu_cap, rest) == (2, 24.0, ["--prompt", "p"])

@@ -146,7 +146,8 @@ class Fp8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, use_triton: bool = True) -> "Fp8Linear":
         weight = linear.weight.detach()
         q, s = quantize_weight(weight)
-        what = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weight.dtype, str(weight.dtype).removeprefix("torch."))
+        what = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weight.dtype,
+                                                                   str(weight.dtype).removeprefix("torch."))
         return cls(q, s, weight.dtype, f"{what} weight quantized per output channel", use_triton, linear.bias)
 
     @classmethod
