@@ -80,7 +80,7 @@ def test_the_tile_ordered_copy_zeroes_only_the_padding_and_places_every_row():
     want = x.new_zeros(2, tiles.num_tiles * 64, 3, 8).index_copy_(1, tiles.slot, x)
     got = tile_ordered_into(torch.full_like(want, float("nan")), x, tiles)
     assert torch.equal(got, want.view(2 * tiles.num_tiles * 64, 24))
-    unlisted = dataclasses.replace(tiles, padding=None)  # a map built without its padding listed: all zeroed
+    unlisted = dataclasses.replace(tiles, padding=None)  # a map given no padding derives it from its rows
     assert torch.equal(tile_ordered_into(torch.full_like(want, float("nan")), x, unlisted), got)
     assert torch.equal(tiles.to("cpu").padding, tiles.padding)
 

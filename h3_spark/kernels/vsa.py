@@ -319,10 +319,7 @@ def tile_ordered_into(out: torch.Tensor, x: torch.Tensor, tiles: TileMap) -> tor
     every row is copied once (zero-filling the whole buffer first wrote it twice: a third of the copies' traffic).
     The padding must be finite: V's padded rows meet probabilities of zero in the fine step."""
     b, _, h, d = x.shape
-    if tiles.padding is None:
-        out.zero_()
-    else:
-        out.index_fill_(1, tiles.padding, 0)
+    out.index_fill_(1, tiles.padding, 0)
     return out.index_copy_(1, tiles.slot, x).view(b * tiles.num_tiles * tiles.tile, h * d)
 
 

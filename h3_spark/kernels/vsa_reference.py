@@ -64,7 +64,11 @@ class TileMap:
     num_prefix_tiles: int
     rows: torch.Tensor  # (n, tile) int32: the packed row in each place of each tile, -1 in the padding
     num_context_tiles: int = 0  # the video runs' tiles before the target's (selected like the target's)
-    padding: torch.Tensor | None = None  # (p,) int64: the padded buffer's places no row goes to (None: not listed)
+    padding: torch.Tensor | None = None  # (p,) int64: the padded buffer's places no row goes to (from `rows`)
+
+    def __post_init__(self) -> None:
+        if self.padding is None:  # derived once, where the map is built (on the host: no device sync later)
+            object.__setattr__(self, "padding", (self.rows.flatten() < 0).nonzero().flatten())
 
     @property
     def num_tiles(self) -> int:
@@ -149,7 +153,7 @@ def tile_map(prefix_segments: tuple, video_shape: tuple[int, int, int], tile: in
     slots = torch.empty(start + t * h * w, dtype=torch.long)
     slots[flat[real]] = torch.arange(flat.numel())[real]
     return TileMap(tile, real.view_as(rows).sum(1), slots // tile, slots, sum(len(p) for p in dense),
-                   rows.to(torch.int32), sum(len(p) for p in context), (~real).nonzero().flatten())
+                   rows.to(torch.int32), sum(len(p) for p in context))
 
 
 def video_tiles_kept(sparsity: float, num_video_tiles: int) -> int:

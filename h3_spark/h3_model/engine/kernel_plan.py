@@ -120,7 +120,8 @@ def apply_vae_kernels(vae, settings: KernelSettings | None = None, attention: st
     choice for its dtype, whatever H3_ATTENTION asks of the DiT."""
     from ...kernels.swiglu import fused_swiglu
     from ...kernels.capability import KernelUnavailable
-    from ...kernels.vae import fp8_converted, fused_decoder_qk_prep, fused_residual_norm, plan_vae_kernels
+    from ...kernels.vae import (fp8_converted, fp8_decoder_linears, fused_decoder_qk_prep, fused_residual_norm,
+                                plan_vae_kernels)
 
     plan = plan_vae_kernels(vae, settings, attention)
     if plan.linear == "dense" and fp8_converted(vae.decoder):
@@ -133,7 +134,5 @@ def apply_vae_kernels(vae, settings: KernelSettings | None = None, attention: st
         block.residual_norm = fused_residual_norm if plan.fused_residual_norm else None
     report = plan.report()
     if plan.linear == "fp8":
-        from ...kernels.vae import fp8_decoder_linears
-
         report["linear"]["sources"] = fp8_decoder_linears(vae.decoder, plan.fused_swiglu)
     return report
